@@ -1,0 +1,29 @@
+"""The engine both worker kinds share: model, paged KV cache, scheduler, sampling.
+
+No Ray and no gRPC in here. ``from engine import LLM, SamplingParams`` is the offline API.
+Imports are lazy so the pure modules (scheduler, block manager) load without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["LLM", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from engine.llm_engine import EngineArgs, LLMEngine
+    from engine.request import RequestOutput, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name in ("EngineArgs", "LLMEngine"):
+        from engine import llm_engine
+        return getattr(llm_engine, name)
+    if name in ("RequestOutput", "SamplingParams"):
+        from engine import request
+        return getattr(request, name)
+    raise AttributeError(name)

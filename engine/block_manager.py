@@ -1,0 +1,285 @@
+"""Paged KV block allocator with reference counts and a prefix cache. Pure Python, no torch.
+
+Owns which physical KV block belongs to which request. A request's blocks form its block table
+(block ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``). Full blocks are hashed
+with a chain (parent hash + token ids, seeded so every worker of a cluster agrees) and kept in
+the prefix cache; a freed block keeps its cached content until it is reused (LRU), so a later
+request with the same prefix gets it back without recomputation.
+
+Invariants the tests check: a block is either free (ref_cnt 0, in the free queue) or owned
+(ref_cnt = number of requests whose table holds it); nothing is freed twice; when every request
+has been freed, every block is free.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import xxhash
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised by strict callers when the pool cannot satisfy an allocation."""
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # content of a cached full block, compared on a hit
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """A prefix-cache hit: the blocks already holding the first ``num_tokens`` tokens."""
+
+    block_ids: tuple[int, ...] = ()
+    block_hashes: tuple[int, ...] = ()
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.block_ids) * block_size
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    """Blocks the child shares with its parent, and a copy the runner must perform.
+
+    The parent's last block, when partially filled, cannot be shared (both would append into
+    it), so the child gets a fresh block and the runner copies ``copy_src`` -> ``copy_dst``.
+    """
+
+    child_block_ids: tuple[int, ...]
+    copy_src: int | None = None
+    copy_dst: int | None = None
+
+
+@dataclass
+class _RequestBlocks:
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the leading full blocks
+
+
+def hash_block(parent_hash: int, token_ids: tuple[int, ...] | list[int], seed: int) -> int:
+    """Chained block hash: depends on the whole prefix, not only this block's tokens."""
+    buf = array("Q", (seed & 0xFFFFFFFFFFFFFFFF, parent_hash, *token_ids)).tobytes()
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+class BlockManager:
+    """Allocates KV blocks to requests. All methods are O(blocks touched)."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 hash_seed: int = 0) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (front is evicted first); cached content survives here.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._reqs: dict[str, _RequestBlocks] = {}
+        self.num_prefix_hit_tokens = 0  # cumulative, for metrics
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (empty if it holds none). Do not mutate."""
+        rb = self._reqs.get(request_id)
+        return rb.block_ids if rb else []
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def get_computed_blocks(self, token_ids: list[int]) -> ComputedBlocks:
+        """Longest cached prefix of ``token_ids`` in whole blocks; takes no references.
+
+        The last token is never served from cache: a forward pass must compute at least one
+        token to produce the next-token logits.
+        """
+        if not self.enable_prefix_caching:
+            return ComputedBlocks()
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        ids: list[int] = []
+        hashes: list[int] = []
+        parent = 0
+        for i in range(max_blocks):
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(parent, toks, self.hash_seed)
+            bid = self._cached.get(h)
+            if bid is None or self._blocks[bid].token_ids != toks:
+                break
+            ids.append(bid)
+            hashes.append(h)
+            parent = h
+        return ComputedBlocks(tuple(ids), tuple(hashes))
+
+    # ---- allocation ----------------------------------------------------------------------
+    def can_allocate(self, request_id: str, num_tokens: int,
+                     computed: ComputedBlocks | None = None) -> bool:
+        return self._num_new_blocks(request_id, num_tokens, computed) <= self._num_available(computed)
+
+    def allocate_slots(self, request_id: str, num_tokens: int,
+                       computed: ComputedBlocks | None = None) -> bool:
+        """Make the request's table cover ``num_tokens`` tokens in total.
+
+        ``computed`` (only on the request's first allocation) are prefix-cache hits to adopt.
+        Returns False and changes nothing when the pool is too small.
+        """
+        rb = self._reqs.get(request_id)
+        if computed and rb and rb.block_ids:
+            raise ValueError(f"request {request_id!r} already holds blocks; cannot adopt a prefix")
+        needed = self._num_new_blocks(request_id, num_tokens, computed)
+        if needed > self._num_available(computed):
+            return False
+        if rb is None:
+            rb = self._reqs[request_id] = _RequestBlocks()
+        if computed:
+            for bid in computed.block_ids:
+                self._touch(bid)
+            rb.block_ids.extend(computed.block_ids)
+            rb.block_hashes.extend(computed.block_hashes)
+            self.num_prefix_hit_tokens += len(computed.block_ids) * self.block_size
+        for _ in range(needed):
+            rb.block_ids.append(self._pop_free())
+        return True
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register the request's now-full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        rb = self._reqs.get(request_id)
+        if rb is None:
+            return
+        bs = self.block_size
+        num_full = min(num_computed_tokens // bs, len(rb.block_ids))
+        parent = rb.block_hashes[-1] if rb.block_hashes else 0
+        for i in range(len(rb.block_hashes), num_full):
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(parent, toks, self.hash_seed)
+            rb.block_hashes.append(h)
+            parent = h
+            block = self._blocks[rb.block_ids[i]]
+            if block.block_hash is None and h not in self._cached:
+                block.block_hash = h
+                block.token_ids = toks
+                self._cached[h] = block.block_id
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> ForkResult:
+        """Give ``child_id`` the parent's first ``num_tokens`` tokens of KV (shared full blocks).
+
+        Raises NoFreeBlocksError when a copy block for a partial last block is unavailable.
+        """
+        if child_id in self._reqs:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        parent = self._reqs.get(parent_id)
+        if parent is None:
+            raise KeyError(parent_id)
+        num_blocks = self.num_blocks_needed(num_tokens)
+        if num_blocks > len(parent.block_ids):
+            raise ValueError(f"parent {parent_id!r} holds fewer than {num_tokens} tokens")
+        num_full = num_tokens // self.block_size
+        partial = num_blocks > num_full
+        if partial and not self._free:
+            raise NoFreeBlocksError("no free block for the forked partial block")
+        child = self._reqs[child_id] = _RequestBlocks()
+        for bid in parent.block_ids[:num_full]:
+            self._touch(bid)
+            child.block_ids.append(bid)
+        child.block_hashes = parent.block_hashes[:num_full]
+        if not partial:
+            return ForkResult(tuple(child.block_ids))
+        dst = self._pop_free()
+        child.block_ids.append(dst)
+        return ForkResult(tuple(child.block_ids), parent.block_ids[num_full], dst)
+
+    def free(self, request_id: str) -> int:
+        """Drop the request's references; returns how many blocks became free. Idempotent."""
+        rb = self._reqs.pop(request_id, None)
+        if rb is None:
+            return 0
+        freed = 0
+        # Reverse order: the tail of a sequence is the least likely to be shared, so it is
+        # evicted first and the common prefix stays cached longest.
+        for bid in reversed(rb.block_ids):
+            block = self._blocks[bid]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {bid} freed twice"
+            if block.ref_cnt == 0:
+                self._free[bid] = None
+                freed += 1
+        return freed
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached content (e.g. after weights change)."""
+        for h, bid in list(self._cached.items()):
+            block = self._blocks[bid]
+            block.block_hash = None
+            block.token_ids = ()
+            del self._cached[h]
+
+    # ---- internals -----------------------------------------------------------------------
+    def _num_new_blocks(self, request_id: str, num_tokens: int,
+                        computed: ComputedBlocks | None) -> int:
+        rb = self._reqs.get(request_id)
+        have = len(rb.block_ids) if rb else 0
+        if computed:
+            have += len(computed.block_ids)
+        return max(0, self.num_blocks_needed(num_tokens) - have)
+
+    def _num_available(self, computed: ComputedBlocks | None) -> int:
+        # Adopting a cached-but-free block takes it off the free queue too.
+        n = len(self._free)
+        if computed:
+            n -= sum(1 for bid in computed.block_ids if self._blocks[bid].ref_cnt == 0)
+        return n
+
+    def _touch(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_cnt == 0:
+            del self._free[block_id]
+        block.ref_cnt += 1
+
+    def _pop_free(self) -> int:
+        bid, _ = self._free.popitem(last=False)
+        block = self._blocks[bid]
+        if block.block_hash is not None:  # evict its cached content
+            if self._cached.get(block.block_hash) == bid:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_cnt = 1
+        return bid
+
+    def check_invariants(self) -> None:
+        """Assert the allocator's bookkeeping is consistent (used by property tests)."""
+        refs = [0] * self.num_blocks
+        for rb in self._reqs.values():
+            for bid in rb.block_ids:
+                refs[bid] += 1
+        for block in self._blocks:
+            assert block.ref_cnt == refs[block.block_id], f"block {block.block_id} refcount"
+            assert (block.ref_cnt == 0) == (block.block_id in self._free), f"block {block.block_id} free state"
+        for h, bid in self._cached.items():
+            assert self._blocks[bid].block_hash == h

@@ -1,0 +1,208 @@
+"""Frozen, validated configuration for the engine: model shape, KV cache, scheduler.
+
+Config is read once (CLI / YAML / LLM(...) kwargs) into these dataclasses and passed down;
+nothing below reads the environment. Every ``__post_init__`` raises ``ValueError`` naming
+the bad field, so a misconfiguration fails at start-up, not in the middle of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+BATCHING_POLICIES = ("continuous", "static", "dynamic")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# HF `architectures[0]` / `model_type` -> our family name.
+_HF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "mistral": "mistral",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (``rope_type == "llama3"``); ``None`` means plain RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. ``model_id`` names the weights (used by the KV handshake)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    dtype: str = "float32"
+    model_id: str = "unnamed"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for one token over all layers: 2 * layers * kv_heads * head_dim * dtype_bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) we serve exactly.
+
+        With a sliding window we cap at the window, so full attention equals windowed attention.
+        """
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], *, dtype: str = "float32",
+                       model_id: str = "unnamed") -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dict; unknown architectures raise ValueError."""
+        archs = cfg.get("architectures") or []
+        key = archs[0] if archs else cfg.get("model_type", "")
+        arch = _HF_ARCH.get(key) or _HF_ARCH.get(cfg.get("model_type", ""))
+        if arch is None:
+            raise ValueError(
+                f"unsupported model architecture {key!r} (model_type={cfg.get('model_type')!r}); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        rope_scaling = None
+        rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
+        rope_theta = cfg.get("rope_theta")
+        if isinstance(rs, dict):
+            rope_theta = rope_theta or rs.get("rope_theta")
+            rtype = rs.get("rope_type", rs.get("type"))
+            if rtype == "llama3":
+                rope_scaling = RopeScaling(
+                    factor=float(rs["factor"]),
+                    low_freq_factor=float(rs["low_freq_factor"]),
+                    high_freq_factor=float(rs["high_freq_factor"]),
+                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                )
+            elif rtype not in (None, "default"):
+                raise ValueError(f"unsupported rope_scaling type {rtype!r}")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            dtype=dtype,
+            model_id=model_id,
+        )
+
+
+def num_blocks_for_budget(model: ModelConfig, block_size: int, kv_cache_memory_bytes: int) -> int:
+    """How many KV blocks fit in ``kv_cache_memory_bytes`` (the only way we size the pool)."""
+    return kv_cache_memory_bytes // (block_size * model.kv_bytes_per_token)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size, memory budget, prefix caching."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    # Seeds the chained block hashes; every worker of a cluster must agree on it.
+    prefix_hash_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling limits and the batching policy.
+
+    - ``continuous``: every step refills free slots from the waiting queue.
+    - ``static``: a batch is formed only when no request is running; nobody joins until the
+      whole batch has finished (the head-of-line blocking baseline).
+    - ``dynamic``: like static, but a batch is launched once it is full or the oldest waiting
+      request has waited ``dynamic_window_s``.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    policy: str = "continuous"
+    dynamic_window_s: float = 0.05
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 2048
+    max_waiting: int = 4096  # queue limit; beyond it add_request raises QueueFullError
+
+    def __post_init__(self) -> None:
+        if self.policy not in BATCHING_POLICIES:
+            raise ValueError(
+                f"unknown batching policy {self.policy!r}; choose one of {', '.join(BATCHING_POLICIES)}"
+            )
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+        if self.dynamic_window_s < 0:
+            raise ValueError(f"dynamic_window_s must be >= 0, got {self.dynamic_window_s}")

@@ -1,0 +1,93 @@
+"""The offline Python API, shaped like vLLM's: ``LLM(...).generate(prompts, SamplingParams(...))``.
+
+A prompt is a ``str``, a list of token ids, or a list of chat messages. ``generate`` returns one
+final ``RequestOutput`` per prompt, in order; ``stream`` yields every update as tokens appear.
+All prompts of a call run together under the engine's batching policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from engine.llm_engine import EngineArgs, LLMEngine, Prompt
+from engine.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    """One model in this process. Keyword arguments are ``EngineArgs`` fields plus ``batching``."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run all prompts to completion; one final output per prompt, in input order.
+
+        Raises ValueError for bad input before anything runs (no request is left queued).
+        """
+        final: dict[str, RequestOutput] = {}
+        ids = self._add(prompts, sampling_params)
+        for out in self._run(ids):
+            if out.finished:
+                final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield each update (new tokens, ``delta_text``) as the engine produces it."""
+        yield from self._run(self._add(prompts, sampling_params))
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """``generate`` for chat conversations (the model's chat template is applied)."""
+        return self.generate(messages, sampling_params)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _add(self, prompts, sampling_params) -> list[str]:
+        items = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams() for _ in items]
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"got {len(params)} sampling params for {len(items)} prompts")
+        # Validate everything first so a bad prompt leaves nothing half-queued.
+        reqs = [self.engine.make_request(p, sp) for p, sp in zip(items, params, strict=True)]
+        for r in reqs:
+            self.engine.enqueue(r)
+        return [r.request_id for r in reqs]
+
+    def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            for rid in pending:  # consumer stopped early: free their KV
+                self.engine.abort_request(rid)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list | tuple) and prompts:
+        first = prompts[0]
+        if isinstance(first, int) or isinstance(first, dict):
+            return [list(prompts)]  # one token-id prompt, or one chat conversation
+    if isinstance(prompts, list | tuple):
+        if not prompts:
+            raise ValueError("no prompts given")
+        return list(prompts)
+    raise ValueError(f"unsupported prompt type {type(prompts).__name__}")

@@ -1,0 +1,246 @@
+"""The single-process engine: validation, scheduling, model execution, detokenization.
+
+``LLMEngine.step()`` runs one iteration (schedule -> execute -> update -> detokenize) and returns
+a ``RequestOutput`` for every request that produced a token or finished. It is the loop body
+for the offline ``LLM``, the prefill worker and the decode worker alike; none of them reimplement
+it. Not thread-safe: one thread drives an engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
+from engine.model_runner import ModelRunner
+from engine.models.llama import LayerHook, LlamaForCausalLM
+from engine.request import (
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from engine.scheduler import Scheduler, StepUpdate
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.weights import load_model_config, load_state_dict, resolve_model
+
+log = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}, ...]).
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything needed to build an engine; the offline API and the workers share it."""
+
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
+    dtype: str = "float32"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    batching: str = "continuous"
+    dynamic_window_s: float = 0.05
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # default: the model's context
+    prefix_hash_seed: int = 0
+    max_waiting: int = 4096
+    cache_dir: str | None = None  # where converted GGUF models are cached
+    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+
+
+class LLMEngine:
+    """Owns one model, its KV cache, a scheduler and the per-request detokenizers."""
+
+    def __init__(self, args: EngineArgs, clock: Callable[[], float] = time.monotonic) -> None:
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        resolved = resolve_model(args.model, cache_dir=args.cache_dir)
+        self.model_config: ModelConfig = load_model_config(
+            resolved.model_dir, dtype=args.dtype, model_id=resolved.model_id)
+        self.tokenizer = _load_tokenizer(resolved.model_dir)
+        cfg = self.model_config
+        eos = tuple(sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids
+                                                          if self.tokenizer else ())))
+        self.eos_token_ids = eos
+        max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        self.max_model_len = max_len
+        self.cache_config = CacheConfig(
+            block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            enable_prefix_caching=args.enable_prefix_caching, prefix_hash_seed=args.prefix_hash_seed)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            policy=args.batching, dynamic_window_s=args.dynamic_window_s,
+            enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
+            max_waiting=args.max_waiting)
+        num_blocks = num_blocks_for_budget(cfg, args.block_size, args.kv_cache_memory_bytes)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} holds no block of "
+                f"{args.block_size} tokens ({cfg.kv_bytes_per_token} bytes per token)")
+        model = LlamaForCausalLM(cfg, max_len)
+        model.load_hf_state_dict(load_state_dict(resolved.model_dir, getattr(torch, cfg.dtype)))
+        self.model = model
+        self.runner = ModelRunner(model, self.cache_config, num_blocks)
+        self.block_manager = BlockManager(num_blocks, args.block_size,
+                                          enable_prefix_caching=args.enable_prefix_caching,
+                                          hash_seed=args.prefix_hash_seed)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock)
+        self.clock = clock
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._ids = itertools.count()
+        self.args = args
+        self.num_generated_tokens = 0
+
+    # ---- input processing ----------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """Prompt -> (token ids, text or None). Raises ValueError for empty or malformed prompts."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self._require_tokenizer().encode(prompt), prompt
+        if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self._require_tokenizer().apply_chat_template(list(prompt)), None
+        if isinstance(prompt, list | tuple):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt must be a string, a list of token ids, or chat messages")
+            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.model_config.vocab_size})")
+            return list(prompt), None
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as token ids")
+        return self.tokenizer
+
+    def validate_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError when the request cannot fit the model's context."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens, but the model's context is "
+                             f"{self.max_model_len} tokens")
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context ({self.max_model_len} tokens)")
+        blocks_needed = self.block_manager.num_blocks_needed(num_prompt_tokens + params.max_tokens)
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {blocks_needed} KV blocks but the cache holds only "
+                f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes")
+
+    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Validate and build a Request (does not queue it)."""
+        params.validate()
+        token_ids, text = self.encode_prompt(prompt)
+        self.validate_lengths(len(token_ids), params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, token_ids, params, arrival_time if arrival_time is not None else self.clock(),
+                      eos_token_ids=self.eos_token_ids)
+        self._prompts[rid] = text
+        return req
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None, export_kv: bool = False) -> Request:
+        """Validate and queue. Raises ValueError (bad input) or QueueFullError (queue limit)."""
+        req = self.make_request(prompt, params, request_id, arrival_time)
+        req.export_kv = export_kv
+        self.enqueue(req)
+        return req
+
+    def enqueue(self, req: Request) -> None:
+        try:
+            self.scheduler.add_request(req)
+        except Exception:
+            self._prompts.pop(req.request_id, None)
+            raise
+        self._start_detok(req)
+
+    def _start_detok(self, req: Request) -> None:
+        if self.tokenizer is not None:
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, stop=req.sampling_params.stop,
+                include_stop_str_in_output=req.sampling_params.include_stop_str_in_output)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort; returns the final output (finish_reason "abort") or None if unknown/done."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or not self.scheduler.abort_request(request_id):
+            return None
+        return self._output(req, [], "")
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self, layer_hook: LayerHook | None = None) -> list[RequestOutput]:
+        """One iteration. Returns an output per request that got a token or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched, layer_hook)
+        updates = self.scheduler.update_from_output(sched, result)
+        return [self.process_update(u) for u in updates]
+
+    def process_update(self, u: StepUpdate) -> RequestOutput:
+        """Detokenize a step's new tokens, apply stop strings, build the output."""
+        req = u.request
+        self.num_generated_tokens += len(u.new_token_ids)
+        delta = ""
+        detok = self._detok.get(u.request_id)
+        if detok is not None:
+            upd = detok.update(u.new_token_ids)
+            delta = upd.delta_text
+            if upd.stopped and not req.is_finished:
+                req.stop_reason = upd.stop_str
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                delta += detok.flush()
+        return self._output(req, u.new_token_ids, delta)
+
+    def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        finished = req.is_finished
+        out = RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=detok.text if detok else "",
+            finished=finished,
+            finish_reason=req.status.finish_reason,
+            metrics=RequestMetrics(req.arrival_time, req.first_token_time,
+                                   self.clock() if finished else None, list(req.token_times),
+                                   req.num_cached_tokens),
+            new_token_ids=list(new_ids),
+            delta_text=delta,
+            prompt=self._prompts.get(req.request_id),
+        )
+        if finished:
+            self._detok.pop(req.request_id, None)
+            self._prompts.pop(req.request_id, None)
+        return out
+
+
+def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    """Tiny test models ship without a tokenizer: they are driven by token ids only."""
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model",
+                                                   "tokenizer_config.json")):
+        return None
+    return Tokenizer.from_dir(model_dir)

@@ -1,0 +1,168 @@
+"""Llama-family decoder (Llama, Qwen2 with qkv bias, Mistral, SmolLM) over a paged KV cache.
+
+Tokens of all sequences in a step are flattened into one ``[num_tokens]`` batch, so every
+linear layer runs once per step for the whole batch (the batching gain on memory-bound decode).
+Q/K/V and gate/up are fused into single GEMMs: on CPU small-M GEMMs are far below the roof, and
+fewer, wider ones are measurably faster (DESIGN §9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.torch_paged import AttentionMetadata, paged_attention
+from engine.config import ModelConfig
+
+LayerHook = Callable[[int, torch.Tensor], None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as transformers' LlamaRMSNorm: normalize in fp32, cast, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]``, with Llama-3 scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * torch.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables ``[max_len, head_dim]`` (rotate-half convention, as in HF)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype) -> None:
+        inv = rope_inv_freq(cfg)
+        pos = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(pos, inv)  # [max_len, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: ``[T, heads, D]``; cos/sin: ``[T, 1, D]``."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        t = h.shape[0]
+        x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
+        qkv = self.qkv(x)  # [T, (H + 2 KVH) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope.apply(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = rope.apply(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * D]
+        h = h + self.o_proj(attn)
+        x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder. ``forward`` returns hidden states; ``compute_logits`` the vocabulary scores."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int | None = None) -> None:
+        super().__init__()
+        dtype = getattr(torch, cfg.dtype)
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+        self.rope = RotaryEmbedding(cfg, max_len or cfg.max_model_len, dtype)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """input_ids, positions: ``[T]``. ``layer_hook(i, kv_cache_i)`` runs after layer i's KV
+        is written (the prefill worker streams that layer out while the next one computes)."""
+        h = self.embed(input_ids)  # [T, hidden]
+        cos = self.rope.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rope.sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, self.rope, kv_caches[i], meta)
+            if layer_hook is not None:
+                layer_hook(i, kv_caches[i])
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` in fp32 (sampling math is fp32 whatever the model dtype)."""
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up. Raises ValueError on a
+        missing or mis-shaped tensor (the checkpoint does not match the config)."""
+        dtype = self.embed.weight.dtype
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return sd[name].to(dtype)
+
+        def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if dst.shape != src.shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, "
+                                 f"expected {tuple(dst.shape)} from config.json")
+            dst.copy_(src)
+
+        put(self.embed.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        if self.lm_head is not None:
+            name = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
+            put(self.lm_head.weight, take(name), name)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_norm, take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight")
+            qkv = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
+                             take(a + "v_proj.weight")])
+            put(layer.qkv.weight, qkv, a + "{q,k,v}_proj.weight")
+            if layer.qkv.bias is not None:
+                bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"),
+                                  take(a + "v_proj.bias")])
+                put(layer.qkv.bias, bias, a + "{q,k,v}_proj.bias")
+            put(layer.o_proj.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+            m = p + "mlp."
+            gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+            put(layer.gate_up.weight, gate_up, m + "{gate,up}_proj.weight")
+            put(layer.down.weight, take(m + "down_proj.weight"), m + "down_proj.weight")

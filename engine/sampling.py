@@ -1,0 +1,92 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
+
+Seeded requests draw each token from a generator seeded by ``(seed, output index)``, so a
+request's samples do not depend on what it was batched with, on preemption, or on which worker
+(prefill or decode) produced the token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import SamplingParams
+
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs of one request's row of logits."""
+
+    params: SamplingParams
+    num_output_tokens: int
+    eos_token_ids: tuple[int, ...]
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    """``logits [N, vocab]`` (fp32) -> one token id per row."""
+    _suppress_stop_tokens(logits, rows)
+    if all(r.params.greedy for r in rows):
+        return logits.argmax(dim=-1).tolist()
+    out = [0] * len(rows)
+    greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy_idx:
+        for i, tok in zip(greedy_idx, logits[greedy_idx].argmax(dim=-1).tolist(), strict=True):
+            out[i] = tok
+    rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    probs = _probs([rows[i].params for i in rand_idx], logits[rand_idx])
+    # Exponential race (argmax p / E, E ~ Exp(1)) == categorical sampling, and lets each
+    # seeded row draw its noise from its own generator.
+    noise = torch.empty_like(probs)
+    unseeded = [j for j, i in enumerate(rand_idx) if rows[i].params.seed is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_()
+    for j, i in enumerate(rand_idx):
+        sp = rows[i].params
+        if sp.seed is not None:
+            g = torch.Generator().manual_seed(sp.seed * _SEED_STRIDE + rows[i].num_output_tokens)
+            noise[j] = torch.empty(probs.shape[1]).exponential_(generator=g)
+    picked = (probs / noise).argmax(dim=-1).tolist()
+    for j, i in enumerate(rand_idx):
+        out[i] = picked[j]
+    return out
+
+
+def _suppress_stop_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    # min_tokens: EOS and stop token ids are not allowed before that many tokens exist.
+    for i, r in enumerate(rows):
+        sp = r.params
+        if r.num_output_tokens < sp.min_tokens:
+            banned = list(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                banned += list(r.eos_token_ids)
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    top_ks = [p.top_k for p in params]
+    if any(k > 0 for k in top_ks):
+        vocab = logits.shape[1]
+        k_max = max(min(k, vocab) if k > 0 else vocab for k in top_ks)
+        kth = torch.topk(logits, k_max, dim=-1).values  # [N, k_max], descending
+        idx = torch.tensor([(min(k, vocab) if k > 0 else k_max) - 1 for k in top_ks]).unsqueeze(1)
+        thresh = kth.gather(1, idx)
+        keep_all = torch.tensor([k <= 0 for k in top_ks]).unsqueeze(1)
+        logits = logits.masked_fill(~keep_all & (logits < thresh), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    top_ps = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_ps):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(dim=-1)
+        tp = torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
+        # Drop a token when the mass before it already reaches top_p (always keeps the first).
+        drop_sorted = (cum - sorted_p) >= tp
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -1,0 +1,312 @@
+"""Iteration-level scheduler: decides, every step, which tokens of which requests to compute.
+
+One rule (DESIGN §3): each request has ``num_computed_tokens`` and ``num_tokens``; each step
+hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs``. That
+single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute after
+preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, and the only
+clock is the injected one.
+
+Batching policies differ only in *when waiting requests may join*:
+continuous (any step), static (only when nothing runs), dynamic (only when nothing runs and
+the batch is full or the oldest request has waited ``dynamic_window_s``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import QueueFullError, Request, RequestStatus, SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request to compute this step.
+
+    ``token_ids`` are positions ``[start_pos, start_pos + len)``; ``sample`` is True when the
+    chunk reaches the end of the request's known tokens, so the step produces its next token.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int  # tokens generated before this step (seeds per-token sampling)
+    output_token_ids: list[int]  # generated so far (for min_tokens / penalties); do not mutate
+    export_kv: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled token per request id (only for chunks with ``sample=True``)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What one step did to one request: its new token (if any) and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and (through BlockManager) their KV blocks."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Decode side of disaggregation: blocks reserved, KV in flight from a prefill worker.
+        self.remote: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ---- request intake ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request. Raises QueueFullError past ``max_waiting``."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def add_remote_request(self, request: Request) -> bool:
+        """Reserve blocks for a prompt whose KV will arrive from a prefill worker.
+
+        Returns False (nothing reserved) when the pool is too small right now.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        # +1: room for the first generated token, which the prefill worker sends with the KV.
+        if not self.blocks.allocate_slots(request.request_id, request.num_prompt_tokens + 1):
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.remote[request.request_id] = request
+        return True
+
+    def finish_remote_kv(self, request_id: str, first_token_id: int) -> StepUpdate:
+        """The prompt's KV is in our pages: the request joins the batch with its first token
+        (ahead of new arrivals), or finishes at once if that token already stops it."""
+        req = self.remote.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        now = self.clock()
+        req.output_token_ids.append(first_token_id)
+        req.first_token_time = req.first_token_time or now
+        req.token_times.append(now)
+        req.status = RequestStatus.WAITING
+        self._check_stop(req, first_token_id)
+        if req.is_finished:
+            self._free(req)
+        else:
+            self.waiting.appendleft(req)
+        return StepUpdate(req, [first_token_id])
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request as aborted, freeing its blocks. False if unknown or already done."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop string found by the detokenizer, abort, ...)."""
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req.request_id in self.remote:
+            del self.remote[req.request_id]
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        self.blocks.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.remote)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.remote)
+
+    # ---- the step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Running requests first (oldest first), then admissions."""
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (should not happen for a running request)
+                i += 1
+                continue
+            while not self.blocks.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: nothing behind it remains either
+            scheduled.append(req)
+            out.chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+            i += 1
+
+        if not out.preempted_ids and self._may_admit():
+            self._admit(out, budget)
+        self.num_steps += 1
+        return out
+
+    def _may_admit(self) -> bool:
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        policy = self.config.policy
+        if policy == "continuous":
+            return True
+        if self.running:  # static/dynamic: a batch runs to completion before the next forms
+            return False
+        if policy == "static":
+            return True
+        # dynamic: launch when full, or when the oldest has waited long enough
+        if len(self.waiting) >= self.config.max_num_seqs:
+            return True
+        return self.clock() - self.waiting[0].arrival_time >= self.config.dynamic_window_s
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            computed = None
+            if req.num_computed_tokens == 0:
+                computed = self.blocks.get_computed_blocks(req.all_token_ids)
+                num_computed = computed.num_tokens(self.blocks.block_size)
+            else:  # remote KV already in our pages
+                num_computed = req.num_computed_tokens
+            remaining = req.num_tokens - num_computed
+            num_new = min(remaining, budget)
+            if num_new < remaining and not cfg.enable_chunked_prefill:
+                break
+            if not self.blocks.allocate_slots(req.request_id, num_computed + num_new, computed):
+                break
+            self.waiting.popleft()
+            if computed is not None:
+                req.num_computed_tokens = num_computed
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        toks = req.all_token_ids[start:start + num_new]
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=toks,
+            start_pos=start,
+            block_ids=self.blocks.block_ids(req.request_id),
+            sample=start + num_new == req.num_tokens,
+            sampling_params=req.sampling_params,
+            num_output_tokens=len(req.output_token_ids),
+            output_token_ids=req.output_token_ids,
+            export_kv=req.export_kv,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free the blocks, keep generated tokens, requeue at the front."""
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[StepUpdate]:
+        """Advance computed counts, append sampled tokens, finish requests that stopped."""
+        now = self.clock()
+        updates: list[StepUpdate] = []
+        for chunk in sched.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            token = result.sampled_token_ids[chunk.request_id]
+            req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.token_times.append(now)
+            self._check_stop(req, token)
+            if req.is_finished:
+                self.running.remove(req)
+                self._free(req)
+            updates.append(StepUpdate(req, [token]))
+        return updates
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        sp = req.sampling_params
+        n = len(req.output_token_ids)
+        if n >= sp.min_tokens:
+            if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return
+        if n >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH

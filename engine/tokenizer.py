@@ -1,0 +1,241 @@
+"""Tokenizer, chat template and incremental (streaming) detokenization.
+
+``Tokenizer`` wraps a model directory's Hugging Face fast tokenizer (local files only) and adds
+what serving needs: chat-template rendering to token ids with input validation, and the full
+set of end-of-sequence ids. ``IncrementalDetokenizer`` turns one request's output tokens into
+text deltas as they are generated, handling UTF-8 characters split across tokens and stop
+strings, without ever streaming a partial stop string.
+
+Decoding never applies ``clean_up_tokenization_spaces`` (a WordPiece-era rewrite of spaces that
+corrupts BPE output and is not prefix-consistent, so it cannot be streamed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    """A model's tokenizer. Build with :meth:`from_dir`; thread-safe for reads."""
+
+    def __init__(self, hf_tokenizer: Any, extra_eos_token_ids: Sequence[int] = ()) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        # The Rust tokenizer: decoding through it directly skips per-call Python overhead.
+        self._backend = hf_tokenizer.backend_tokenizer
+        eos = [] if hf_tokenizer.eos_token_id is None else [hf_tokenizer.eos_token_id]
+        eos += [i for i in extra_eos_token_ids if i not in eos]
+        self._eos_token_ids = tuple(int(i) for i in eos)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load the fast tokenizer saved in ``model_dir`` (never downloads).
+
+        EOS ids are the tokenizer's ``eos_token_id`` plus every ``eos_token_id`` in
+        ``generation_config.json`` / ``config.json``. Raises ValueError if there is no tokenizer.
+        """
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        try:
+            hf_tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"cannot load a tokenizer from {str(model_dir)!r}: {e}") from e
+        if not getattr(hf_tok, "is_fast", False):
+            raise ValueError(f"tokenizer in {str(model_dir)!r} is not a fast tokenizer")
+        extra: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            path = model_dir / name
+            if path.is_file():
+                with path.open() as f:
+                    eos = json.load(f).get("eos_token_id")
+                extra += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        return cls(hf_tok, extra)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation (tokenizer EOS first, then generation_config ones)."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce, added tokens included.
+
+        May be smaller than the model's (padded) embedding ``vocab_size``.
+        """
+        return len(self.hf_tokenizer)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf_tokenizer.bos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf_tokenizer, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. only if the model does."""
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Render ``messages`` ([{"role": str, "content": str}, ...]) with the model's template.
+
+        The rendered text already holds any BOS the template wants, so it is encoded without
+        adding special tokens. Raises ValueError if the model has no chat template, the messages
+        are malformed, or the template rejects them (e.g. roles that do not alternate).
+        """
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        _validate_messages(messages)
+        try:
+            text = self.hf_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2 TemplateError from raise_exception() in the template
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+        return self.encode(text, add_special_tokens=False)
+
+
+def _validate_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}] needs a non-empty string 'role'")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}] needs a string 'content', got {type(content).__name__}")
+
+
+@dataclass(frozen=True)
+class DetokenizerUpdate:
+    """What one ``update`` produced: text safe to stream now, and whether a stop string hit."""
+
+    delta_text: str
+    stopped: bool
+    stop_str: str | None
+
+
+class IncrementalDetokenizer:
+    """Streams one request's output tokens as text. One instance per request; not thread-safe.
+
+    Invariant: after all tokens are fed and :meth:`flush` is called, ``text`` equals
+    ``tokenizer.decode(output_ids, skip_special_tokens)`` (truncated at the first stop string,
+    if any), and the concatenated ``delta_text``s plus ``flush()`` equal ``text``, however the
+    ids were chunked.
+
+    Per token it decodes only a short window (prefix_offset..end), so the cost does not grow
+    with the output length. A window whose text ends in U+FFFD (an incomplete UTF-8 character)
+    is not emitted until a later token completes it.
+
+    ``prompt_token_ids`` is kept for callers (e.g. logging); output text is decoded from output
+    tokens alone so it matches ``decode(output_ids)`` exactly.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        self.tokenizer = tokenizer
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.stop = tuple(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
+        self._decode = tokenizer._backend.decode
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0  # window start: a boundary where decoding may restart exactly
+        self._read_offset = 0  # tokens before this are already in self._text
+        self._text = ""
+        self._emitted = 0  # chars of self._text already returned as delta_text
+        self._checked = 0  # stop strings cannot start before self._checked - max_stop_len + 1
+        self._stopped = False
+        self._stop_str: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All output text decoded so far, including text still held back from the stream."""
+        return self._text
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def stop_str(self) -> str | None:
+        return self._stop_str
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._token_ids
+
+    def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
+        """Feed newly generated ids; returns the text that is now safe to stream.
+
+        After a stop string was hit, further calls return an empty, stopped update.
+        """
+        if self._stopped:
+            return DetokenizerUpdate("", True, self._stop_str)
+        self._token_ids.extend(new_token_ids)
+        ids, skip = self._token_ids, self.skip_special_tokens
+        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+        new_text = self._decode(ids[self._prefix_offset:], skip_special_tokens=skip)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._text += new_text[len(prefix_text):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """End of generation: returns the text still held back (partial stop-string prefixes,
+        a trailing incomplete character); afterwards ``text`` is final."""
+        if not self._stopped and self._read_offset < len(self._token_ids):
+            ids, skip = self._token_ids, self.skip_special_tokens
+            prefix_text = self._decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+            new_text = self._decode(ids[self._prefix_offset:], skip_special_tokens=skip)
+            self._text += new_text[len(prefix_text):]
+            self._prefix_offset = self._read_offset = len(ids)
+        return self._advance(final=True).delta_text
+
+    def _advance(self, final: bool) -> DetokenizerUpdate:
+        text = self._text
+        if self.stop and not self._stopped:
+            start = max(0, self._checked - self._max_stop_len + 1)
+            hit_at, hit = -1, None
+            for s in self.stop:
+                i = text.find(s, start)
+                if i != -1 and (hit_at == -1 or i < hit_at):
+                    hit_at, hit = i, s
+            self._checked = len(text)
+            if hit is not None:
+                self._stopped, self._stop_str = True, hit
+                end = hit_at + len(hit) if self.include_stop_str_in_output else hit_at
+                self._text = text = text[:end]
+                final = True
+        end = len(text) if final else len(text) - self._held_back(text)
+        delta = text[self._emitted:end] if end > self._emitted else ""
+        self._emitted = max(self._emitted, end)
+        return DetokenizerUpdate(delta, self._stopped, self._stop_str)
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that could begin a stop string."""
+        held = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), held, -1):
+                if text.endswith(s[:k]):
+                    held = k
+                    break
+        return held

