@@ -84,7 +84,7 @@ def _as_prompt_list(prompts) -> list[Prompt]:
         return [prompts]
     if isinstance(prompts, list | tuple) and prompts:
         first = prompts[0]
-        if isinstance(first, int) or isinstance(first, dict):
+        if isinstance(first, int | dict):
             return [list(prompts)]  # one token-id prompt, or one chat conversation
     if isinstance(prompts, list | tuple):
         if not prompts:

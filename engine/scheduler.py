@@ -303,10 +303,10 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> None:
         sp = req.sampling_params
         n = len(req.output_token_ids)
-        if n >= sp.min_tokens:
-            if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-                return
+        is_stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
+        if is_stop and n >= sp.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token
+            return
         if n >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH

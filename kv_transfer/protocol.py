@@ -1,0 +1,136 @@
+"""KV-transfer protocol: layouts, transfer specs, the handshake check, wire shape and tags.
+
+Pure dataclasses and functions (no I/O). Both transports (``torch_dist``, ``local``) and the
+workers share these definitions, so a prefill and a decode worker agree on what one transfer is:
+one message per layer, a tensor ``[2, num_tokens, num_kv_heads, head_dim]`` (K then V,
+token-contiguous) in the layout's dtype, tagged by ``(transfer_id, layer)``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+# Tag = (transfer_id mod 2**20) * 1024 + layer: unique among in-flight transfers of one pair as
+# long as fewer than 2**20 transfers are in flight at once and a model has at most 1024 layers.
+TAG_TRANSFER_MODULUS = 2**20
+MAX_LAYERS = 1024
+# Reserved tag, above every data tag, used only to tear a pair's connection down on purpose.
+KILL_TAG = 2**31 - 1
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVHandshakeError(ValueError):
+    """The two sides' KV layouts differ; the message names the first mismatched field."""
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed (peer died, group torn down, callback raised, ...)."""
+
+
+class KVTransferTimeout(KVTransferError):
+    """A transfer (or the group set-up it needed) did not complete within its timeout."""
+
+
+class KVTransferAborted(KVTransferError):
+    """The transfer was aborted by a local ``abort()`` call."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What both sides must agree on before any KV byte moves."""
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} unsupported; supported: {', '.join(_DTYPES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"KVLayout.num_layers {self.num_layers} exceeds the tag limit {MAX_LAYERS}")
+
+    @classmethod
+    def from_model_config(cls, cfg: Any) -> KVLayout:
+        """Build from anything with model_id, dtype, num_layers, num_kv_heads, head_dim."""
+        return cls(cfg.model_id, cfg.dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def check_compatible(self, other: KVLayout, self_role: str = "decode",
+                         other_role: str = "prefill") -> None:
+        """Raise KVHandshakeError naming the first field that differs (with both values)."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                raise KVHandshakeError(
+                    f"KV handshake refused: {f.name} differs "
+                    f"({other_role}={theirs!r}, {self_role}={mine!r})"
+                )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KVLayout:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    """One request's prompt-KV transfer. The router assigns both ids (never a worker)."""
+
+    request_id: str
+    transfer_id: int
+    num_tokens: int
+    layout: KVLayout
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("KVTransferSpec.request_id must be non-empty")
+        if self.transfer_id < 0:
+            raise ValueError(f"KVTransferSpec.transfer_id must be >= 0, got {self.transfer_id}")
+        if self.num_tokens <= 0:
+            raise ValueError(f"KVTransferSpec.num_tokens must be > 0, got {self.num_tokens}")
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        """Wire shape of one layer message: [2, num_tokens, num_kv_heads, head_dim]."""
+        return (2, self.num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
+
+    @property
+    def layer_nbytes(self) -> int:
+        n = 1
+        for d in self.layer_shape:
+            n *= d
+        return n * self.layout.torch_dtype.itemsize
+
+
+def make_tag(transfer_id: int, layer: int) -> int:
+    """Message tag for (transfer_id, layer); unique while < 2**20 transfers are in flight."""
+    if not 0 <= layer < MAX_LAYERS:
+        raise ValueError(f"layer {layer} out of range [0, {MAX_LAYERS})")
+    return (transfer_id % TAG_TRANSFER_MODULUS) * MAX_LAYERS + layer
+
+
+def check_layer_tensor(spec: KVTransferSpec, layer: int, kv: torch.Tensor) -> None:
+    """ValueError unless kv is a contiguous [2, T, H, D] tensor of the spec's dtype and layer is valid."""
+    if not 0 <= layer < spec.layout.num_layers:
+        raise ValueError(f"layer {layer} out of range for {spec.layout.num_layers} layers")
+    if tuple(kv.shape) != spec.layer_shape:
+        raise ValueError(f"kv shape {tuple(kv.shape)} != expected {spec.layer_shape} (2, T, H, D)")
+    if kv.dtype != spec.layout.torch_dtype:
+        raise ValueError(f"kv dtype {kv.dtype} != layout dtype {spec.layout.dtype}")
+    if not kv.is_contiguous():
+        raise ValueError("kv must be contiguous (one message per layer, no strided views)")
