@@ -102,6 +102,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.args = args
         self.num_generated_tokens = 0
+        self.last_step_idle = False  # the last step had nothing to schedule
 
     # ---- input processing ----------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -193,6 +194,7 @@ class LLMEngine:
     def step(self, layer_hook: LayerHook | None = None) -> list[RequestOutput]:
         """One iteration. Returns an output per request that got a token or finished."""
         sched = self.scheduler.schedule()
+        self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return []
         result = self.runner.execute(sched, layer_hook)

@@ -1,0 +1,139 @@
+"""A background thread that drives an LLMEngine: commands in, one batch of outputs out per step.
+
+Owns the engine from the moment it starts: every engine call (add, abort, step, KV import)
+happens on this thread, between steps, so the engine itself never needs a lock. Callers post
+commands; the loop hands each step's outputs to ``sink`` as one list (one message per step,
+never one per token). Used by the decode worker, the colocated worker and ``AsyncEngine``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.002
+
+Sink = Callable[[list[RequestOutput]], None]
+
+
+@dataclass
+class _Command:
+    fn: Callable[[LLMEngine], Any]
+    future: Future
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` whenever there is work; sleeps on the command queue otherwise."""
+
+    def __init__(self, engine: LLMEngine, sink: Sink, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._sink = sink
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None
+        self._thread.start()
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
+        """Run ``fn(engine)`` on the loop thread between steps; the future holds its result.
+
+        Outputs that ``fn`` returns as a list of RequestOutput are NOT sent to the sink; use
+        ``call_and_emit`` for that.
+        """
+        fut: Future = Future()
+        if self._stopped.is_set():
+            fut.set_exception(RuntimeError("engine loop is stopped"))
+            return fut
+        self._commands.put(_Command(fn, fut))
+        return fut
+
+    def call_and_emit(self, fn: Callable[[LLMEngine], list[RequestOutput] | RequestOutput | None]
+                      ) -> Future:
+        """Like ``call``, and any outputs ``fn`` returns go to the sink (e.g. abort results)."""
+
+        def run(engine: LLMEngine):
+            outs = fn(engine)
+            if isinstance(outs, RequestOutput):
+                outs = [outs]
+            if outs:
+                self._sink(outs)
+            return outs
+
+        return self.call(run)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop after the current step; pending commands fail. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                # Nothing schedulable (all requests await remote KV, or a dynamic batch is still
+                # filling): wait briefly for commands instead of spinning on empty steps.
+                if not self.engine.has_unfinished_requests:
+                    self._drain(timeout_s=None)
+                elif self.engine.last_step_idle:
+                    self._drain(timeout_s=_IDLE_POLL_S)
+                else:
+                    self._drain(timeout_s=0)
+                if self._stopped.is_set():
+                    break
+                if self.engine.has_unfinished_requests:
+                    outs = self.engine.step()
+                    if outs:
+                        self._sink(outs)
+        except BaseException as e:  # surface to callers instead of dying silently
+            log.exception("engine loop crashed")
+            self.error = e
+        finally:
+            self._stopped.set()
+            self._fail_pending()
+
+    def _drain(self, timeout_s: float | None) -> None:
+        try:
+            cmd = (self._commands.get_nowait() if timeout_s == 0
+                   else self._commands.get(timeout=timeout_s))
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._execute(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+        self._stopped.set()
+
+    def _execute(self, cmd: _Command) -> None:
+        if not cmd.future.set_running_or_notify_cancel():
+            return
+        try:
+            cmd.future.set_result(cmd.fn(self.engine))
+        except Exception as e:  # the caller's error (bad input...), not the loop's
+            cmd.future.set_exception(e)
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is not None and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(RuntimeError("engine loop is stopped"))

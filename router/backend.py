@@ -1,0 +1,196 @@
+"""The contract between the front door (gRPC / HTTP servers) and whatever generates tokens.
+
+``router.Cluster`` (Ray prefill + decode workers) implements ``GenerationBackend``; so does
+``EngineBackend`` (one in-process engine, for embedded use and the front door's own tests).
+The servers only ever see these types, and map the typed errors below to status codes once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from engine.request import QueueFullError, SamplingParams
+
+__all__ = [
+    "BackendStats", "EngineBackend", "GenerateInput", "GenerationBackend", "GenerationChunk",
+    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "Usage",
+    "WorkerStats",
+]
+
+
+class InvalidRequestError(ValueError):
+    """Bad input (empty prompt, bad sampling params, too long): gRPC INVALID_ARGUMENT / HTTP 400."""
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this cluster does not serve: gRPC NOT_FOUND / HTTP 404."""
+
+
+# QueueFullError (engine.request) -> gRPC RESOURCE_EXHAUSTED / HTTP 429.
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str  # the name clients pass as "model"
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    mode: str = "disaggregated"  # or "colocated" / "embedded"
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One generation request as the front door hands it over (already parsed, not validated).
+
+    Exactly one of ``text``, ``token_ids``, ``messages`` is set. ``model`` (optional) must match
+    ``ModelInfo.model_id`` or the backend raises ModelNotFoundError.
+    """
+
+    sampling: SamplingParams
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    request_id: str | None = None
+    model: str | None = None
+
+    @property
+    def prompt(self) -> str | list[int] | list[dict]:
+        if self.messages is not None:
+            return self.messages
+        if self.token_ids is not None:
+            return self.token_ids
+        return self.text if self.text is not None else ""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One streamed update: new token ids and the text they added.
+
+    The last chunk has ``finished=True``, a ``finish_reason`` ("stop" | "length" | "abort")
+    and ``usage``; ``ttft_s`` is set from the first chunk on (seconds since the backend
+    accepted the request).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated" | "embedded"
+    kv_blocks_used: int
+    kv_blocks_total: int
+    requests_running: int
+    requests_waiting: int
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    workers: list[WorkerStats] = field(default_factory=list)
+    kv_transfer_bytes_total: int = 0
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What the servers call. Implementations are safe to call from one asyncio loop."""
+
+    def model_info(self) -> ModelInfo: ...
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        """Stream chunks. Raises InvalidRequestError / ModelNotFoundError / QueueFullError
+        before the first chunk. Closing the iterator early aborts the request (frees its KV)."""
+        ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def stats(self) -> BackendStats: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+
+    async def shutdown(self) -> None: ...
+
+
+def new_request_id() -> str:
+    """The one global id a request carries through router, workers and KV transfer."""
+    return f"req-{uuid.uuid4().hex}"
+
+
+class EngineBackend:
+    """One in-process engine behind the backend contract (embedded mode, front-door tests)."""
+
+    def __init__(self, engine_args=None) -> None:
+        from engine.async_engine import AsyncEngine
+        from engine.llm_engine import EngineArgs
+
+        self._async = AsyncEngine(engine_args or EngineArgs())
+        eng = self._async.engine
+        self._info = ModelInfo(eng.model_config.model_id, eng.max_model_len,
+                               eng.model_config.vocab_size, eng.eos_token_ids, mode="embedded")
+
+    @property
+    def engine(self):
+        return self._async.engine
+
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        try:
+            return self._async.engine.encode_prompt(messages)[0]
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        if inp.model is not None and inp.model != self._info.model_id:
+            raise ModelNotFoundError(f"model {inp.model!r} is not served here "
+                                     f"(serving {self._info.model_id!r})")
+        rid = inp.request_id or new_request_id()
+        t0 = asyncio.get_running_loop().time()
+        ttft = None
+        gen = self._async.generate(inp.prompt, inp.sampling, rid)
+        try:
+            async for out in gen:
+                if ttft is None and out.token_ids:
+                    ttft = asyncio.get_running_loop().time() - t0
+                usage = (Usage(len(out.prompt_token_ids), len(out.token_ids))
+                         if out.finished else None)
+                yield GenerationChunk(rid, out.new_token_ids, out.delta_text, out.finished,
+                                      out.finish_reason, usage, ttft, len(out.prompt_token_ids))
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        finally:
+            await gen.aclose()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._async.abort(request_id)
+
+    async def stats(self) -> BackendStats:
+        eng = self._async.engine
+        bm = eng.block_manager
+        sched = eng.scheduler
+        return BackendStats([WorkerStats("embedded-0", "embedded", bm.num_used_blocks, bm.num_blocks,
+                                         sched.num_running, sched.num_waiting)])
+
+    async def shutdown(self) -> None:
+        self._async.shutdown()
