@@ -1,0 +1,21 @@
+"""Moving one request's prompt KV from a prefill worker to a decode worker, layer by layer."""
+
+from kv_transfer.local import LocalKVChannel, LocalKVReceiver, LocalKVSender
+from kv_transfer.protocol import (
+    KVHandshakeError,
+    KVLayout,
+    KVTransferAborted,
+    KVTransferError,
+    KVTransferSpec,
+    KVTransferTimeout,
+    make_tag,
+)
+from kv_transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from kv_transfer.transport import KVReceiver, KVSender, OnLayer, PeerAddress
+
+__all__ = [
+    "KVHandshakeError", "KVLayout", "KVReceiver", "KVSender", "KVTransferAborted",
+    "KVTransferError", "KVTransferSpec", "KVTransferTimeout", "LocalKVChannel",
+    "LocalKVReceiver", "LocalKVSender", "OnLayer", "PeerAddress", "TorchDistReceiver",
+    "TorchDistSender", "make_tag",
+]

@@ -32,10 +32,15 @@ def save_tiny_model(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
     model = model_cls(config_cls(**kwargs)).eval()
     # Random init gives near-uniform logits: scale up so greedy argmax has clear winners and
     # token-for-token comparisons are meaningful rather than tie-breaking noise.
+    # Biases and norm weights start at 0 / 1: randomize them so a loader that drops them fails.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
     return Path(out)
 

@@ -1,0 +1,26 @@
+"""`pdcluster serve`: flags (or a YAML file of the same keys) -> ServeConfig -> running cluster."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_subcommand(sub) -> None:
+    p = sub.add_parser("serve", help="start the router, workers and the gRPC + HTTP front door")
+    p.add_argument("--config", default=None, help="YAML file; keys are these flags' long names")
+    p.add_argument("--model", default=None, help="local HF dir or GGUF (default: SmolLM2-135M)")
+    p.add_argument("--prefill-workers", type=int, default=None)
+    p.add_argument("--decode-workers", type=int, default=None)
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=None)
+    p.add_argument("--http-port", type=int, default=None)
+    p.add_argument("--ray-address", default=None, help="join a running Ray cluster ('auto')")
+    p.add_argument("--redis-url", default=None, help="redis://host:port (default: in-process store)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from router.serve import run_serve, serve_config_from_args
+
+    return run_serve(serve_config_from_args(args))

@@ -1,0 +1,153 @@
+"""TorchDistSender/Receiver across two real processes over gloo on 127.0.0.1 (NCCL variant: gpu)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+
+import pytest
+import torch
+
+from kv_transfer import (
+    KVHandshakeError,
+    KVLayout,
+    KVTransferError,
+    KVTransferSpec,
+    PeerAddress,
+    TorchDistReceiver,
+    TorchDistSender,
+)
+
+LAYOUT = KVLayout("tiny", "float32", num_layers=4, num_kv_heads=2, head_dim=8)
+
+
+def layer_kv(spec: KVTransferSpec, layer: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(spec.transfer_id * 1000 + layer)
+    return torch.randn(spec.layer_shape, generator=g).to(device)  # [2, T, H, D]
+
+
+def _sender_main(addr: PeerAddress, layout: KVLayout, specs: list, device: str,
+                 die_after_layers: int | None, results) -> None:
+    sender = TorchDistSender("prefill-0", layout, device=device, timeout_s=20)
+    try:
+        for layer in range(LAYOUT.num_layers):  # interleaved like a batched prefill
+            for spec in specs:
+                if die_after_layers is not None and layer == die_after_layers:
+                    os._exit(3)  # a crash: no close, no goodbye
+                sender.send_layer(addr, spec, layer, layer_kv(spec, layer, device))
+        for spec in specs:
+            sender.finish(spec, timeout_s=20)
+        results.put("ok")
+    except Exception as e:
+        results.put(f"{type(e).__name__}: {e}")
+    finally:
+        sender.close()
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.layers: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self.lock = threading.Lock()
+
+    def on_layer(self, rid: str):
+        def cb(layer: int, kv: torch.Tensor) -> None:
+            with self.lock:
+                self.layers.setdefault(rid, []).append((layer, kv.cpu().clone()))
+        return cb
+
+
+def _spawn(addr, layout, specs, device="cpu", die_after_layers=None):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    p = ctx.Process(target=_sender_main, args=(addr, layout, specs, device, die_after_layers, results))
+    p.start()
+    return p, results
+
+
+def _expect_all(rx, specs, col):
+    for spec in specs:
+        rx.expect(spec, "prefill-0", col.on_layer(spec.request_id))
+
+
+def _check_bit_identical(col, specs):
+    for spec in specs:
+        got = col.layers[spec.request_id]
+        assert [layer for layer, _ in got] == list(range(LAYOUT.num_layers))
+        for layer, kv in got:
+            assert torch.equal(kv, layer_kv(spec, layer))
+
+
+def _run_lifecycle(device: str, sender_device: str = "cpu") -> None:
+    rx = TorchDistReceiver("decode-0", LAYOUT, device=device, timeout_s=20, orphan_ttl_s=60)
+    try:
+        col = Collector()
+        specs = [KVTransferSpec(f"req-{i}", i, n, LAYOUT) for i, n in enumerate((1, 7, 300))]
+        _expect_all(rx, specs, col)
+        p, res = _spawn(rx.address, LAYOUT, specs, sender_device)
+        for spec in specs:
+            rx.wait(spec.request_id, timeout_s=30)
+        assert res.get(timeout=30) == "ok"
+        p.join(30)
+        _check_bit_identical(col, specs)
+
+        # abort one transfer on the receiver; the next transfer from the same sender id works
+        rx.expect(KVTransferSpec("req-aborted", 10, 5, LAYOUT), "prefill-0", lambda *_: None)
+        rx.abort("req-aborted")
+        nxt = [KVTransferSpec("req-after-abort", 11, 9, LAYOUT)]
+        _expect_all(rx, nxt, col)
+        p, res = _spawn(rx.address, LAYOUT, nxt, sender_device)
+        rx.wait("req-after-abort", timeout_s=30)
+        assert res.get(timeout=30) == "ok"
+        p.join(30)
+        _check_bit_identical(col, nxt)
+    finally:
+        rx.close()
+
+
+def test_concurrent_transfers_bit_identical_and_abort():
+    _run_lifecycle("cpu")
+
+
+def test_layout_mismatch_refused_on_both_sides():
+    rx = TorchDistReceiver("decode-0", LAYOUT, timeout_s=20)
+    try:
+        bad = KVLayout("tiny", "float32", num_layers=4, num_kv_heads=3, head_dim=8)
+        spec = KVTransferSpec("req-bad", 1, 4, LAYOUT)
+        rx.expect(spec, "prefill-0", lambda *_: None)
+        p, res = _spawn(rx.address, bad, [KVTransferSpec("req-bad", 1, 4, bad)])
+        with pytest.raises(KVHandshakeError, match="num_kv_heads differs"):
+            rx.wait("req-bad", timeout_s=30)
+        msg = res.get(timeout=30)
+        p.join(30)
+        assert msg.startswith("KVHandshakeError") and "num_kv_heads" in msg
+    finally:
+        rx.close()
+
+
+def test_sender_death_fails_wait_then_fresh_sender_works():
+    rx = TorchDistReceiver("decode-0", LAYOUT, timeout_s=20)
+    try:
+        spec = KVTransferSpec("req-dies", 1, 16, LAYOUT)
+        col = Collector()
+        _expect_all(rx, [spec], col)
+        p, _ = _spawn(rx.address, LAYOUT, [spec], die_after_layers=2)
+        with pytest.raises(KVTransferError):
+            rx.wait("req-dies", timeout_s=15)
+        p.join(30)
+        assert p.exitcode == 3
+        fresh = [KVTransferSpec("req-fresh", 2, 16, LAYOUT)]
+        _expect_all(rx, fresh, col)
+        p, res = _spawn(rx.address, LAYOUT, fresh)
+        rx.wait("req-fresh", timeout_s=30)
+        assert res.get(timeout=30) == "ok"
+        p.join(30)
+        _check_bit_identical(col, fresh)
+    finally:
+        rx.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pair needs 2 GPUs")
+def test_nccl_lifecycle():
+    _run_lifecycle("cuda:0", "cuda:1")

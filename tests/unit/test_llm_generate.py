@@ -1,0 +1,165 @@
+"""Whole-engine behaviour: greedy tokens equal transformers' generate under every batching
+setup, KV blocks are all returned, bad input is refused without disturbing other requests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.tiny_models import VOCAB, load_hf
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def prompts_and_refs(tiny_llama_dir):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 70))] for _ in range(18)]
+    hf = load_hf(tiny_llama_dir, "llama")
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        refs.append(out[0, len(p):].tolist())
+    return prompts, refs
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+# ~22 blocks of 4 tokens for 18 requests of up to 82 tokens: forces preemption.
+TINY_POOL = 2 * 2 * 2 * 16 * 4 * 4 * 22
+
+
+@pytest.mark.parametrize("setup", [
+    dict(),
+    dict(max_num_seqs=5, max_num_batched_tokens=32, block_size=8),  # fewer slots, chunked prefill
+    dict(max_num_seqs=8, max_num_batched_tokens=24, block_size=4, kv_cache_memory_bytes=TINY_POOL),
+    dict(batching="static", max_num_seqs=5, max_num_batched_tokens=48),
+    dict(batching="dynamic", max_num_seqs=5, max_num_batched_tokens=48, dynamic_window_s=0.0),
+    dict(batching="static", max_num_seqs=6, block_size=4, kv_cache_memory_bytes=TINY_POOL),
+], ids=["default", "chunked", "preempt", "static", "dynamic", "static-preempt"])
+def test_greedy_matches_transformers(tiny_llama_dir, prompts_and_refs, setup):
+    prompts, refs = prompts_and_refs
+    llm = LLM(str(tiny_llama_dir), **setup)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    assert all(o.finish_reason == "length" for o in outs)
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if "kv_cache_memory_bytes" in setup:
+        assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    if setup.get("max_num_batched_tokens"):
+        assert engine.scheduler.num_steps > len(prompts)  # prompts really were chunked/queued
+
+
+def test_prefix_cache_hits_give_same_tokens(tiny_llama_dir, prompts_and_refs):
+    prompts, refs = prompts_and_refs
+    llm = LLM(str(tiny_llama_dir), block_size=4)
+    shared = prompts[0][:40]
+    first = llm.generate([shared + [7, 8]], GREEDY)[0]
+    second = llm.generate([shared + [7, 8]], GREEDY)[0]
+    assert second.metrics.num_cached_tokens >= 36
+    assert first.token_ids == second.token_ids
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_streaming_yields_every_token_once(tiny_llama_dir, prompts_and_refs):
+    prompts, refs = prompts_and_refs
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=4)
+    got: dict[str, list[int]] = {}
+    order = []
+    for out in llm.stream(prompts[:6], GREEDY):
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        order.append(out.request_id)
+    assert len(order) == 6 * MAX_TOKENS
+    assert [got[k] for k in sorted(got, key=lambda r: int(r.split("-")[1]))] == refs[:6]
+
+
+def test_abandoned_stream_frees_blocks(tiny_llama_dir, prompts_and_refs):
+    prompts, _ = prompts_and_refs
+    llm = LLM(str(tiny_llama_dir))
+    stream = llm.stream(prompts[:4], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert not llm.engine.has_unfinished_requests
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_llama_dir, prompts_and_refs):
+    prompts, _ = prompts_and_refs
+    llm = LLM(str(tiny_llama_dir))
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=20, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompts[3]], sp)[0].token_ids
+    batched = llm.generate(prompts[:8], [sp if i == 3 else SamplingParams(max_tokens=10, seed=i)
+                                         for i in range(8)])[3].token_ids
+    assert alone == batched
+    other = llm.generate([prompts[3]], SamplingParams(max_tokens=10, temperature=0.9, seed=99,
+                                                      ignore_eos=True))[0].token_ids
+    assert other != alone
+
+
+def test_stop_conditions(tiny_llama_dir, prompts_and_refs):
+    prompts, refs = prompts_and_refs
+    llm = LLM(str(tiny_llama_dir))
+    ref = refs[0]
+    # stop_token_ids: ends at the first occurrence of the reference's 4th token
+    stop_tok = ref[3]
+    out = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                     stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == ref[: ref.index(stop_tok) + 1]
+    # min_tokens suppresses the stop token until reached
+    out = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, min_tokens=8,
+                                                     stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert len(out.token_ids) >= 8 and stop_tok not in out.token_ids[:7]
+    # eos (id 2 in the tiny config) stops unless ignore_eos
+    out = llm.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.finish_reason in ("length", "stop")
+
+
+BAD_INPUT = [
+    ([], SamplingParams(max_tokens=4), "empty"),
+    ([5] * 600, SamplingParams(max_tokens=4), "context"),
+    ([5] * 10, SamplingParams(max_tokens=600, temperature=0), "exceeds"),
+    ([VOCAB + 5], SamplingParams(max_tokens=4), "vocabulary"),
+    ("text prompt", SamplingParams(max_tokens=4), "tokenizer"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,message", BAD_INPUT, ids=[b[2] for b in BAD_INPUT])
+def test_bad_input_is_refused_and_engine_keeps_serving(tiny_llama_dir, prompts_and_refs, prompt,
+                                                       params, message):
+    prompts, refs = prompts_and_refs
+    llm = LLM(str(tiny_llama_dir))
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompts[0], prompt], [GREEDY, params])
+    assert not llm.engine.has_unfinished_requests  # nothing half-queued
+    assert llm.generate([prompts[1]], GREEDY)[0].token_ids == refs[1]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match="not found"):
+        LLM("/nonexistent/model/dir")
+
+
+def test_unsupported_architecture(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 10,
+        "n_embd": 8, "n_layer": 1, "n_head": 2}))
+    with pytest.raises(ValueError, match="GPT2"):
+        LLM(str(tmp_path))
