@@ -19,6 +19,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
+from engine.input_processor import InputProcessor, Prompt
 from engine.model_runner import ModelRunner
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.request import (
@@ -34,8 +35,6 @@ from engine.weights import load_model_config, load_state_dict, resolve_model
 
 log = logging.getLogger(__name__)
 
-# A prompt: text, token ids, or chat messages ([{"role": ..., "content": ...}, ...]).
-Prompt = str | list[int] | list[dict]
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,8 @@ class EngineArgs:
     max_waiting: int = 4096
     cache_dir: str | None = None  # where converted GGUF models are cached
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # Workers leave detokenization (and stop strings) to the router, which owns the stream.
+    detokenize: bool = True
 
 
 class LLMEngine:
@@ -92,6 +93,8 @@ class LLMEngine:
         model.load_hf_state_dict(load_state_dict(resolved.model_dir, getattr(torch, cfg.dtype)))
         self.model = model
         self.runner = ModelRunner(model, self.cache_config, num_blocks)
+        self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
+                                     max_kv_tokens=num_blocks * args.block_size)
         self.block_manager = BlockManager(num_blocks, args.block_size,
                                           enable_prefix_caching=args.enable_prefix_caching,
                                           hash_seed=args.prefix_hash_seed)
@@ -103,54 +106,26 @@ class LLMEngine:
         self.args = args
         self.num_generated_tokens = 0
         self.last_step_idle = False  # the last step had nothing to schedule
+        # Called after each layer's KV is written (prefill workers stream it out from here);
+        # ``current_step`` is the SchedulerOutput being executed while the hook runs.
+        self.layer_hook: LayerHook | None = None
+        self.current_step = None
 
     # ---- input processing ----------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
         """Prompt -> (token ids, text or None). Raises ValueError for empty or malformed prompts."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return self._require_tokenizer().encode(prompt), prompt
-        if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._require_tokenizer().apply_chat_template(list(prompt)), None
-        if isinstance(prompt, list | tuple):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt must be a string, a list of token ids, or chat messages")
-            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {self.model_config.vocab_size})")
-            return list(prompt), None
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
-
-    def _require_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompts as token ids")
-        return self.tokenizer
+        enc = self.inputs.encode(prompt)
+        return enc.token_ids, enc.text
 
     def validate_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise ValueError when the request cannot fit the model's context."""
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens, but the model's context is "
-                             f"{self.max_model_len} tokens")
-        if num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context ({self.max_model_len} tokens)")
-        blocks_needed = self.block_manager.num_blocks_needed(num_prompt_tokens + params.max_tokens)
-        if blocks_needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request needs {blocks_needed} KV blocks but the cache holds only "
-                f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes")
+        """Raise ValueError when the request cannot fit the model's context or KV pool."""
+        self.inputs.validate(num_prompt_tokens, params)
 
     def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                      arrival_time: float | None = None) -> Request:
         """Validate and build a Request (does not queue it)."""
-        params.validate()
-        token_ids, text = self.encode_prompt(prompt)
-        self.validate_lengths(len(token_ids), params)
+        enc = self.inputs.process(prompt, params)
+        token_ids, text = enc.token_ids, enc.text
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, token_ids, params, arrival_time if arrival_time is not None else self.clock(),
                       eos_token_ids=self.eos_token_ids)
@@ -175,7 +150,7 @@ class LLMEngine:
         self._start_detok(req)
 
     def _start_detok(self, req: Request) -> None:
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.args.detokenize:
             self._detok[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, stop=req.sampling_params.stop,
                 include_stop_str_in_output=req.sampling_params.include_stop_str_in_output)
@@ -197,7 +172,8 @@ class LLMEngine:
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return []
-        result = self.runner.execute(sched, layer_hook)
+        self.current_step = sched
+        result = self.runner.execute(sched, layer_hook or self.layer_hook)
         updates = self.scheduler.update_from_output(sched, result)
         return [self.process_update(u) for u in updates]
 
