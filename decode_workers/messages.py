@@ -129,6 +129,8 @@ class WorkerConfig:
     lease_s: float = 30.0
     # Prefill: send each layer as soon as it is computed (False: all layers after the step).
     stream_layers: bool = True
-    # Fault injection for failure tests: the prefill worker's process exits after sending this
-    # many layers in total (simulates a peer dying mid-transfer).
+    # Fault injection for failure tests (never set in production): the prefill worker's
+    # process exits after sending this many layers in total (a peer dying mid-transfer), or
+    # sleeps after each layer it sends (a slow link, to hold a transfer open).
     fault_exit_after_layers: int | None = None
+    fault_delay_per_layer_s: float = 0.0

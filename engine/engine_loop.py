@@ -40,6 +40,9 @@ class EngineLoop:
         self._sink = sink
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._stopped = threading.Event()
+        # Orders "check stopped + enqueue" in call() against setting stopped, so a command is
+        # either rejected at once or enqueued before the final _fail_pending drain (never lost).
+        self._stop_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
         self._thread.start()
@@ -51,10 +54,11 @@ class EngineLoop:
         ``call_and_emit`` for that.
         """
         fut: Future = Future()
-        if self._stopped.is_set():
-            fut.set_exception(RuntimeError("engine loop is stopped"))
-            return fut
-        self._commands.put(_Command(fn, fut))
+        with self._stop_lock:
+            if self._stopped.is_set():
+                fut.set_exception(RuntimeError("engine loop is stopped"))
+                return fut
+            self._commands.put(_Command(fn, fut))
         return fut
 
     def call_and_emit(self, fn: Callable[[LLMEngine], list[RequestOutput] | RequestOutput | None]
@@ -73,9 +77,10 @@ class EngineLoop:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop after the current step; pending commands fail. Idempotent."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
         self._commands.put(None)
         self._thread.join(timeout_s)
 
@@ -104,7 +109,8 @@ class EngineLoop:
             log.exception("engine loop crashed")
             self.error = e
         finally:
-            self._stopped.set()
+            with self._stop_lock:
+                self._stopped.set()
             self._fail_pending()
 
     def _drain(self, timeout_s: float | None) -> None:
@@ -113,12 +119,15 @@ class EngineLoop:
                    else self._commands.get(timeout=timeout_s))
         except queue.Empty:
             return
-        while cmd is not None:
+        # stop() may come while a command runs: the ones queued behind it fail, not run.
+        while cmd is not None and not self._stopped.is_set():
             self._execute(cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
+        if cmd is not None:
+            self._fail(cmd)
         self._stopped.set()
 
     def _execute(self, cmd: _Command) -> None:
@@ -135,5 +144,10 @@ class EngineLoop:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd is not None and cmd.future.set_running_or_notify_cancel():
-                cmd.future.set_exception(RuntimeError("engine loop is stopped"))
+            if cmd is not None:
+                self._fail(cmd)
+
+    @staticmethod
+    def _fail(cmd: _Command) -> None:
+        if cmd.future.set_running_or_notify_cancel():
+            cmd.future.set_exception(RuntimeError("engine loop is stopped"))

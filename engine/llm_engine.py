@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -30,7 +29,7 @@ from engine.request import (
     SamplingParams,
 )
 from engine.scheduler import Scheduler, StepUpdate
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from engine.weights import load_model_config, load_state_dict, resolve_model
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ class LLMEngine:
         resolved = resolve_model(args.model, cache_dir=args.cache_dir)
         self.model_config: ModelConfig = load_model_config(
             resolved.model_dir, dtype=args.dtype, model_id=resolved.model_id)
-        self.tokenizer = _load_tokenizer(resolved.model_dir)
+        self.tokenizer = load_tokenizer(resolved.model_dir)
         cfg = self.model_config
         eos = tuple(sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids
                                                           if self.tokenizer else ())))
@@ -215,10 +214,3 @@ class LLMEngine:
             self._prompts.pop(req.request_id, None)
         return out
 
-
-def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
-    """Tiny test models ship without a tokenizer: they are driven by token ids only."""
-    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model",
-                                                   "tokenizer_config.json")):
-        return None
-    return Tokenizer.from_dir(model_dir)

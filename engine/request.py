@@ -8,6 +8,7 @@ A ``Request`` is the engine's per-sequence state; its id is the router's global 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -39,7 +40,7 @@ class QueueFullError(RuntimeError):
 class SamplingParams:
     """How to pick tokens and when to stop. Defaults follow vLLM's.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables top-p.
+    ``temperature == 0`` is greedy. ``top_k`` 0 or -1 disables top-k; ``top_p == 1`` disables top-p.
     ``seed`` makes one request's samples reproducible regardless of what it is batched with.
     ``stop`` strings end generation when they appear in the detokenized text (the stop string is
     removed from ``text`` unless ``include_stop_str_in_output``). ``min_tokens`` suppresses EOS and
@@ -66,12 +67,12 @@ class SamplingParams:
         """Raise ValueError naming the first bad field."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.top_k < -1:  # -1 is vLLM's (and its clients') spelling of "disabled"
+            raise ValueError(f"top_k must be >= -1 (0 or -1 disables it), got {self.top_k}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:

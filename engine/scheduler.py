@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
@@ -98,6 +99,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        # static/dynamic: ids of the batch launched when nothing ran. Members the token budget
+        # (chunked prefill) or a preemption kept out may still join it; nobody else may.
+        self._batch: set[str] = set()
 
     # ---- request intake ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -218,18 +222,20 @@ class Scheduler:
         if policy == "continuous":
             return True
         if self.running:  # static/dynamic: a batch runs to completion before the next forms
-            return False
-        if policy == "static":
-            return True
+            return self.waiting[0].request_id in self._batch
         # dynamic: launch when full, or when the oldest has waited long enough
-        if len(self.waiting) >= self.config.max_num_seqs:
-            return True
-        return self.clock() - self.waiting[0].arrival_time >= self.config.dynamic_window_s
+        if (policy == "dynamic" and len(self.waiting) < self.config.max_num_seqs
+                and self.clock() - self.waiting[0].arrival_time < self.config.dynamic_window_s):
+            return False
+        self._batch = {r.request_id for r in islice(self.waiting, self.config.max_num_seqs)}
+        return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            if cfg.policy != "continuous" and req.request_id not in self._batch:
+                break
             computed = None
             if req.num_computed_tokens == 0:
                 computed = self.blocks.get_computed_blocks(req.all_token_ids)

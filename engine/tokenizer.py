@@ -239,3 +239,12 @@ class IncrementalDetokenizer:
                     held = k
                     break
         return held
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The model's tokenizer, or None for a directory without one (tiny test models are
+    driven by token ids only)."""
+    d = Path(model_dir)
+    if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    return Tokenizer.from_dir(d)

@@ -20,7 +20,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from decode_workers.messages import PrefillRequest, PrefillResult, WorkerConfig, WorkerInfo, WorkerLoad
+from decode_workers.messages import (
+    PrefillRequest,
+    PrefillResult,
+    WorkerConfig,
+    WorkerInfo,
+    WorkerLoad,
+)
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestOutput
@@ -71,6 +77,11 @@ class PrefillWorker:
         sched = self.engine.scheduler
         return WorkerLoad(self.worker_id, "prefill", bm.num_used_blocks, bm.num_blocks, 0,
                           sched.num_running, len(sched.waiting), self.kv_bytes_sent)
+
+    def layers_sent(self, request_id: str) -> int:
+        """How many layers of an in-flight request's KV have been posted (tests, debugging)."""
+        pending = self._pending.get(request_id)
+        return pending.layers_sent if pending else -1
 
     def ping(self) -> str:
         return self.worker_id
@@ -142,10 +153,13 @@ class PrefillWorker:
     def _send(self, pending: _Pending, layer: int, kv: torch.Tensor) -> None:
         self.sender.send_layer(pending.req.destination, pending.req.transfer, layer, kv)
         self._layers_sent_total += 1
+        pending.layers_sent += 1
         limit = self.config.fault_exit_after_layers
         if limit is not None and self._layers_sent_total >= limit:
             log.error("%s: fault injection: exiting after %d layers", self.worker_id, limit)
             os._exit(1)
+        if self.config.fault_delay_per_layer_s:
+            time.sleep(self.config.fault_delay_per_layer_s)
 
     def _on_step(self, outs: list[RequestOutput]) -> None:
         step_end = time.monotonic()

@@ -1,0 +1,120 @@
+"""`pdcluster bench ceilings`: this machine's roofs, measured with plain torch.
+
+- copy bandwidth: ``dst.copy_(src)`` on a tensor far larger than the caches; bytes counted
+  are read + written (2 x size), the convention of STREAM's "copy".
+- GEMV bandwidth: fp32 ``F.linear`` with one input row; bytes counted are the weight matrix
+  (what a batch-1 decode step streams). This is the decode floor's denominator.
+- matmul rate: a large square fp32 matmul, 2 n^3 FLOPs.
+
+Each figure is the median of ``repeats`` timed runs after one warm-up, so a noisy neighbour
+moves it less than a mean would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.common import machine_info, write_json
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured roofs (medians) and the sizes they were measured at."""
+
+    copy_bytes_per_s: float  # read + written
+    gemv_bytes_per_s: float  # weight bytes streamed
+    matmul_flops_per_s: float  # fp32
+    copy_size_bytes: int
+    gemv_shape: tuple[int, int]
+    matmul_n: int
+    repeats: int
+    num_threads: int
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: page faults, oneDNN primitive creation
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _time_copy(n: int, repeats: int) -> float:
+    import torch
+
+    src = torch.rand(n)  # [n]
+    dst = torch.empty_like(src)
+    return _median_time(lambda: dst.copy_(src), repeats)
+
+
+def _time_gemv(rows: int, cols: int, repeats: int) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    w = torch.rand(rows, cols)  # [out, in]
+    x = torch.rand(1, cols)  # [1, in]: one decode row
+    return _median_time(lambda: F.linear(x, w), repeats)
+
+
+def _time_matmul(n: int, repeats: int) -> float:
+    import torch
+
+    a = torch.rand(n, n)
+    b = torch.rand(n, n)
+    return _median_time(lambda: a @ b, repeats)
+
+
+def measure_ceilings(copy_mib: int = 256, gemv_rows: int = 8192, gemv_cols: int = 8192,
+                     matmul_n: int = 2048, repeats: int = 7) -> Ceilings:
+    """Measure copy / GEMV bandwidth and matmul rate (fp32). Sizes should exceed the LLC."""
+    import torch
+
+    if min(copy_mib, gemv_rows, gemv_cols, matmul_n, repeats) <= 0:
+        raise ValueError("sizes and repeats must be > 0")
+    n = copy_mib * (1 << 20) // 4
+    with torch.inference_mode():
+        copy_s = _time_copy(n, repeats)
+        gemv_s = _time_gemv(gemv_rows, gemv_cols, repeats)
+        mm_s = _time_matmul(matmul_n, repeats)
+    gemv_bytes = gemv_rows * gemv_cols * 4
+    return Ceilings(
+        copy_bytes_per_s=2 * n * 4 / copy_s,
+        gemv_bytes_per_s=gemv_bytes / gemv_s,
+        matmul_flops_per_s=2.0 * matmul_n ** 3 / mm_s,
+        copy_size_bytes=n * 4, gemv_shape=(gemv_rows, gemv_cols), matmul_n=matmul_n,
+        repeats=repeats, num_threads=torch.get_num_threads())
+
+
+def quick_ceilings() -> Ceilings:
+    """Smaller sizes for ``--quick`` runs and for the sweep's roofline (a few seconds)."""
+    return measure_ceilings(copy_mib=128, gemv_rows=4096, gemv_cols=8192, matmul_n=2048,
+                            repeats=3)
+
+
+def format_ceilings(c: Ceilings) -> str:
+    return (f"copy {c.copy_bytes_per_s / 1e9:.1f} GB/s (read+write), "
+            f"GEMV {c.gemv_bytes_per_s / 1e9:.1f} GB/s, "
+            f"matmul {c.matmul_flops_per_s / 1e9:.1f} GFLOP/s (fp32, {c.num_threads} threads)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Entry point of the ``ceilings`` subcommand; returns the JSON payload it wrote."""
+    print("measuring ceilings (copy, GEMV, matmul)...", flush=True)
+    c = quick_ceilings() if args.quick else measure_ceilings(repeats=args.repeats)
+    print("  " + format_ceilings(c), flush=True)
+    payload = {"benchmark": "ceilings", "machine": machine_info(), "ceilings": c,
+               "copy_gb_s": c.copy_bytes_per_s / 1e9, "gemv_gb_s": c.gemv_bytes_per_s / 1e9,
+               "matmul_gflop_s": c.matmul_flops_per_s / 1e9}
+    path = write_json(args.out, "ceilings", payload)
+    print(f"wrote {path}")
+    return payload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per figure (median kept)")

@@ -1,0 +1,313 @@
+"""`pdcluster bench sweep`: throughput and latency of our engine over batch size.
+
+For each batch size ``b`` the same kind of workload (``b x k`` distinct token-id prompts of
+``--prompt-len`` tokens, ``--output-len`` greedy tokens each, ``ignore_eos``) runs through a
+fresh engine with ``max_num_seqs = b``. Per batch size we record throughput, TTFT, ITL, E2E and
+the median decode step (timed around the model runner, full batches only), beside the roofline
+prediction from the ceilings measured at the start of the same run:
+
+    step_s = max(weight_bytes / GEMV bandwidth, 2 x params x b / matmul rate)
+
+GEMV bandwidth (not copy bandwidth) is the memory roof: a batch-1 decode step is a chain of
+GEMVs, and that is what the floor must be achievable by. ``--baseline transformers`` runs the
+identical prompts through transformers' static ``generate`` and its ``generate_batch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench import baseline_hf
+from bench.ceilings import format_ceilings, measure_ceilings, quick_ceilings
+from bench.common import (
+    Knee,
+    ModelSize,
+    RooflinePoint,
+    StepRecorder,
+    find_knee,
+    load_llm,
+    machine_info,
+    make_prompts,
+    model_size,
+    print_targets,
+    ratio,
+    roofline_step_time,
+    summarize,
+    target,
+    write_json,
+)
+
+PROFILE_ROWS = 12
+
+
+@dataclass
+class SweepPoint:
+    """Our engine at one batch size (seconds; throughput in output tokens per second)."""
+
+    batch_size: int
+    num_requests: int
+    output_tokens: int
+    elapsed_s: float
+    throughput_tok_s: float
+    ttft_mean_s: float
+    ttft_p99_s: float
+    itl_mean_s: float
+    itl_p99_s: float
+    e2e_p99_s: float
+    decode_step_s: float  # median of full-batch pure-decode steps
+    num_steps: int
+    roofline: RooflinePoint | None = None
+    hf_static: baseline_hf.HFRunResult | None = None
+    hf_generate_batch: baseline_hf.HFRunResult | None = None
+    ratio_vs_hf_static: float | None = None
+    ratio_vs_hf_generate_batch: float | None = None
+    profile_top_ops: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _kv_budget_bytes(llm_kv_bytes_per_token: int, batch: int, tokens_per_seq: int) -> int:
+    # Room for the whole batch plus slack for a partially filled block per sequence.
+    return max(32 << 20, 2 * batch * (tokens_per_seq + 32) * llm_kv_bytes_per_token)
+
+
+def profile_decode_step(llm: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """torch.profiler's top ops (by self CPU time) for one full-batch decode step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while any(not r.output_token_ids for r in reqs):  # prefill (possibly chunked)
+        eng.step()
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.step()
+    while eng.has_unfinished_requests:
+        eng.step()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in rows) or 1.0
+    return [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+             "share": e.self_cpu_time_total / total} for e in rows[:PROFILE_ROWS]]
+
+
+def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, output_len: int,
+                     kv_bytes_per_token: int, num_threads: int | None,
+                     profile: bool) -> SweepPoint:
+    """Fresh engine at ``max_num_seqs=batch``; one warm-up call, then the timed workload."""
+    from engine import SamplingParams
+
+    tokens_per_seq = len(prompts[0]) + output_len
+    llm = load_llm(model, max_num_seqs=batch, num_threads=num_threads,
+                   max_num_batched_tokens=max(2048, batch * len(prompts[0])),
+                   kv_cache_memory_bytes=_kv_budget_bytes(kv_bytes_per_token, batch, tokens_per_seq))
+    llm.generate(prompts[:batch], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    rec = StepRecorder(llm.engine)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    rec.close()
+    n_tok = sum(len(o.token_ids) for o in outs)
+    ttft = summarize([o.metrics.ttft_s for o in outs])
+    itl = summarize([x for o in outs for x in o.metrics.itl_s])
+    e2e = summarize([o.metrics.e2e_s for o in outs])
+    steps = rec.decode_step_times(batch) or rec.decode_step_times()
+    point = SweepPoint(
+        batch_size=batch, num_requests=len(prompts), output_tokens=n_tok, elapsed_s=elapsed,
+        throughput_tok_s=n_tok / elapsed, ttft_mean_s=ttft.mean, ttft_p99_s=ttft.p99,
+        itl_mean_s=itl.mean, itl_p99_s=itl.p99, e2e_p99_s=e2e.p99,
+        decode_step_s=summarize(steps).p50, num_steps=len(rec.records))
+    if profile:
+        point.profile_top_ops = profile_decode_step(llm, prompts[:batch])
+    del llm
+    gc.collect()
+    return point
+
+
+def sweep_targets(points: list[SweepPoint], floor_s: float) -> list[dict[str, Any]]:
+    """The sweep's targets, as ratios measured within this one run."""
+    first, last = points[0], points[-1]
+    out = []
+    if first.batch_size == 1:
+        out.append(target("batch-1 decode step / floor (weights / GEMV bandwidth)",
+                          ratio(first.decode_step_s, floor_s), 1.5, higher_is_better=False))
+    hf = [p.ratio_vs_hf_static for p in points]
+    if all(r is not None for r in hf):
+        out.append(target("min over batch sizes of ours / transformers static throughput",
+                          min(hf), 1.0))
+        out.append(target(f"ours / transformers static throughput at batch {last.batch_size}",
+                          hf[-1], 1.5))
+    if len(points) > 1:
+        out.append(target(f"throughput batch {last.batch_size} / batch {first.batch_size}",
+                          ratio(last.throughput_tok_s, first.throughput_tok_s), 6.0))
+        out.append(target(f"latency per token (ITL) batch {last.batch_size} / batch "
+                          f"{first.batch_size}", ratio(last.itl_mean_s, first.itl_mean_s), 4.0,
+                          higher_is_better=False))
+    return out
+
+
+def plot_sweep(points: list[SweepPoint], knee: Knee, path: Any) -> None:
+    """Dual-axis plot: throughput (left) and latency per token (right) over batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bs = [p.batch_size for p in points]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(bs, [p.throughput_tok_s for p in points], "o-", color="tab:blue",
+            label="pdcluster throughput")
+    if all(p.roofline for p in points):
+        ax.plot(bs, [p.roofline.throughput_tok_s for p in points], "--", color="tab:blue",
+                alpha=0.5, label="roofline prediction")
+    if all(p.hf_static and not p.hf_static.error for p in points):
+        ax.plot(bs, [p.hf_static.throughput_tok_s for p in points], "s-", color="tab:green",
+                label="transformers generate (static)")
+    if all(p.hf_generate_batch and not p.hf_generate_batch.error for p in points):
+        ax.plot(bs, [p.hf_generate_batch.throughput_tok_s for p in points], "^-",
+                color="tab:olive", label="transformers generate_batch")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set_xlabel("batch size (max_num_seqs)")
+    ax.set_ylabel("throughput (output tok/s)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(bs, [p.itl_mean_s * 1e3 for p in points], "o-", color="tab:red",
+             label="pdcluster latency per token (mean ITL)")
+    ax2.set_ylabel("latency per token (ms)", color="tab:red")
+    ax.axvline(knee.batch_size, color="gray", linestyle=":", label=f"knee (batch {knee.batch_size})")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
+    ax.set_title("Batching sweep: throughput vs latency per token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Entry point of the ``sweep`` subcommand; returns the JSON payload it wrote."""
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    if args.quick:
+        batch_sizes = [b for b in batch_sizes if b <= 8] or batch_sizes[:1]
+    output_len = min(args.output_len, 16) if args.quick else args.output_len
+    k = 1 if args.quick else args.requests_per_batch
+    print("measuring ceilings...", flush=True)
+    ceil = quick_ceilings() if args.quick else measure_ceilings()
+    print("  " + format_ceilings(ceil), flush=True)
+    cfg = model_config(args.model)
+    size = meta_model_size(cfg)
+    hf_model = baseline_hf.load_hf_model(args.model) if args.baseline == "transformers" else None
+
+    points: list[SweepPoint] = []
+    for b in batch_sizes:
+        n = args.num_requests or b * k
+        prompts = make_prompts(n, args.prompt_len, cfg.vocab_size, seed=args.seed + b)
+        print(f"batch {b}: {n} requests x {output_len} tokens (engine)...", flush=True)
+        do_profile = not args.no_profile and b in (batch_sizes[0], batch_sizes[-1])
+        p = run_engine_point(args.model, prompts, b, output_len, cfg.kv_bytes_per_token, args.num_threads,
+                             do_profile)
+        p.roofline = roofline_step_time(size.weight_bytes, size.num_params, b,
+                                        ceil.gemv_bytes_per_s, ceil.matmul_flops_per_s)
+        print(f"  {p.throughput_tok_s:.1f} tok/s, ITL {p.itl_mean_s * 1e3:.1f} ms, decode step "
+              f"{p.decode_step_s * 1e3:.1f} ms (roofline {p.roofline.step_s * 1e3:.1f} ms)",
+              flush=True)
+        if hf_model is not None:
+            print(f"batch {b}: transformers static generate...", flush=True)
+            p.hf_static = baseline_hf.run_static(hf_model, prompts, [output_len] * n, b)
+            p.ratio_vs_hf_static = ratio(p.throughput_tok_s, p.hf_static.throughput_tok_s)
+            print(f"  {p.hf_static.throughput_tok_s:.1f} tok/s (ours/theirs "
+                  f"{p.ratio_vs_hf_static:.2f}x)", flush=True)
+            print(f"batch {b}: transformers generate_batch...", flush=True)
+            p.hf_generate_batch = baseline_hf.run_generate_batch(hf_model, prompts, output_len, b)
+            if p.hf_generate_batch.error:
+                print(f"  failed: {p.hf_generate_batch.error}", flush=True)
+            else:
+                p.ratio_vs_hf_generate_batch = ratio(p.throughput_tok_s,
+                                                     p.hf_generate_batch.throughput_tok_s)
+                print(f"  {p.hf_generate_batch.throughput_tok_s:.1f} tok/s (ours/theirs "
+                      f"{p.ratio_vs_hf_generate_batch:.2f}x)", flush=True)
+        points.append(p)
+
+    floor_gemv = size.weight_bytes / ceil.gemv_bytes_per_s
+    floor_copy = size.weight_bytes / ceil.copy_bytes_per_s
+    knee = find_knee([p.batch_size for p in points], [p.throughput_tok_s for p in points],
+                     [p.itl_mean_s for p in points])
+    targets = sweep_targets(points, floor_gemv)
+    payload = {
+        "benchmark": "sweep", "machine": machine_info(), "model": args.model or "default",
+        "quick": args.quick, "prompt_len": args.prompt_len, "output_len": output_len,
+        "seed": args.seed, "ceilings": ceil, "num_params": size.num_params,
+        "weight_bytes": size.weight_bytes,
+        "floor": {"decode_step_floor_s": floor_gemv, "basis": "weight_bytes / GEMV bandwidth",
+                  "decode_step_floor_copy_bw_s": floor_copy},
+        "batch_1_step_over_floor": ratio(points[0].decode_step_s, floor_gemv)
+        if points[0].batch_size == 1 else None,
+        "knee": knee, "points": points, "targets": targets,
+    }
+    out_json = write_json(args.out, "sweep", payload)
+    plot_sweep(points, knee, out_json.with_name("sweep.png"))
+    _print_table(points)
+    print(f"knee at batch {knee.batch_size} (gain per doubling: "
+          + ", ".join(f"{g:.2f}" for g in knee.gains_per_doubling) + ")")
+    print_targets(targets)
+    print(f"wrote {out_json} and {out_json.with_name('sweep.png')}")
+    return payload
+
+
+def _print_table(points: list[SweepPoint]) -> None:
+    print(f"{'batch':>5} {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} {'ITL p99':>7} "
+          f"{'E2E p99 s':>9} {'step ms':>8} {'roof ms':>8} {'HF tok/s':>8} {'ratio':>6}")
+    for p in points:
+        hf = p.hf_static.throughput_tok_s if p.hf_static else float("nan")
+        r = p.ratio_vs_hf_static if p.ratio_vs_hf_static is not None else float("nan")
+        roof = p.roofline.step_s * 1e3 if p.roofline else float("nan")
+        print(f"{p.batch_size:>5} {p.throughput_tok_s:>8.1f} {p.ttft_mean_s * 1e3:>8.0f} "
+              f"{p.itl_mean_s * 1e3:>7.1f} {p.itl_p99_s * 1e3:>7.1f} {p.e2e_p99_s:>9.2f} "
+              f"{p.decode_step_s * 1e3:>8.1f} {roof:>8.1f} {hf:>8.1f} {r:>6.2f}")
+
+
+def model_config(model: str | None) -> Any:
+    """Our engine's ModelConfig for ``model`` (converting the default GGUF on first use)."""
+    from engine.weights import load_model_config, resolve_model
+
+    return load_model_config(resolve_model(None if model in (None, "default") else model).model_dir)
+
+
+def meta_model_size(cfg: Any) -> ModelSize:
+    """Parameter count and bytes of our model, built on the meta device (no weights loaded)."""
+    import torch
+
+    from engine.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        m = LlamaForCausalLM(cfg, 16)
+    return model_size(m)
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """"1,4,8" -> [1, 4, 8]; must be positive and strictly increasing."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {text!r}") from e
+    if not sizes or any(b <= 0 for b in sizes) or sizes != sorted(set(sizes)):
+        raise ValueError(f"--batch-sizes must be positive and strictly increasing, got {text!r}")
+    return sizes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default="1,4,8,16,32",
+                   help="comma-separated max_num_seqs values (default 1,4,8,16,32)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--requests-per-batch", type=int, default=2,
+                   help="requests per batch size = batch size x this (default 2)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="a fixed request count for every batch size (overrides the above)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the torch.profiler decode-step profile at the first/last batch size")

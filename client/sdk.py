@@ -1,0 +1,370 @@
+"""The gRPC client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("Hello", max_tokens=8, temperature=0).text)
+        with c.stream(messages=[{"role": "user", "content": "Hi"}]) as s:
+            for chunk in s:
+                print(chunk.text, end="")
+
+Every call takes ``timeout=`` (seconds, a deadline for the whole call, retries included).
+Errors are ``PdclusterError`` subclasses (``InvalidArgument``, ``NotFound``,
+``ResourceExhausted``, ``Unavailable``, ...). UNAVAILABLE is retried with exponential backoff,
+but only before any token arrived. Closing a stream early (``close()``, leaving the ``with``
+block, ``break`` then garbage collection, or cancelling the task) cancels the call, and the
+server aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from client.types import (
+    REQUEST_ID_METADATA_KEY,
+    DeadlineExceeded,
+    GenerateResult,
+    ModelInfo,
+    RetryPolicy,
+    StreamChunk,
+    build_request,
+    chunk_from_response,
+    error_from_rpc,
+    model_info_from_proto,
+)
+from proto.pdcluster.v1 import generation_pb2 as pb
+from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncClient", "AsyncGenerateStream", "Client", "GenerateStream"]
+
+
+class _Deadline:
+    """One deadline across retries: each attempt gets what is left."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        """Seconds left (None: no deadline). Raises DeadlineExceeded when none is left."""
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("deadline expired before the call could be (re)tried",
+                                   grpc.StatusCode.DEADLINE_EXCEEDED)
+        return left
+
+    def clip(self, sleep_s: float) -> float:
+        return sleep_s if self.at is None else max(0.0, min(sleep_s, self.at - time.monotonic()))
+
+
+def _request_id_from(metadata) -> str | None:
+    return dict(metadata or ()).get(REQUEST_ID_METADATA_KEY)
+
+
+# ---- blocking --------------------------------------------------------------------------------
+class GenerateStream:
+    """Iterator of ``StreamChunk`` for one request; the call starts on the first ``next``.
+
+    ``request_id`` is known after the first chunk (or call ``wait_request_id()``). ``result``
+    holds everything joined once the stream is exhausted. ``close()`` cancels the call.
+    """
+
+    def __init__(self, stub: pb_grpc.GenerationStub, request: pb.GenerateRequest,
+                 timeout: float | None, retry: RetryPolicy) -> None:
+        self._stub = stub
+        self._request = request
+        self._deadline = _Deadline(timeout)
+        self._retry = retry
+        self._call = None
+        self._attempt = 0
+        self._got_tokens = False
+        self._done = False
+        self.request_id: str | None = request.request_id or None
+        self.result = GenerateResult(self.request_id or "")
+
+    def _ensure_call(self):
+        if self._call is None:
+            self._call = self._stub.Generate(self._request, timeout=self._deadline.remaining())
+        return self._call
+
+    def _handle(self, e: grpc.RpcError) -> None:
+        """Retry (return) or raise the mapped error."""
+        self._call = None
+        if self._retry.should_retry(e.code(), self._attempt, self._got_tokens):
+            time.sleep(self._deadline.clip(self._retry.backoff_s(self._attempt)))
+            self._attempt += 1
+            return
+        self._done = True
+        raise error_from_rpc(e) from None
+
+    def wait_request_id(self) -> str:
+        """Start the call if needed and block until the server accepted it; returns its id."""
+        while self.request_id is None:
+            try:
+                rid = _request_id_from(self._ensure_call().initial_metadata())
+            except grpc.RpcError as e:
+                self._handle(e)
+                continue
+            if rid is None:  # only a server without the metadata; the first chunk has it
+                break
+            self.request_id = rid
+        return self.request_id or ""
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        while not self._done:
+            try:
+                resp = next(self._ensure_call())
+            except StopIteration:
+                self._done = True
+                break
+            except grpc.RpcError as e:
+                self._handle(e)
+                continue
+            chunk = chunk_from_response(resp)
+            self.request_id = chunk.request_id or self.request_id
+            self._got_tokens = self._got_tokens or bool(chunk.token_ids)
+            self.result.add(chunk)
+            return chunk
+        raise StopIteration
+
+    def close(self) -> None:
+        """Cancel the call (the server aborts the request). Idempotent."""
+        self._done = True
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    def __enter__(self) -> GenerateStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        call = getattr(self, "_call", None)
+        if call is not None:
+            call.cancel()
+
+
+class Client:
+    """Blocking client for one server address (``"host:port"``).
+
+    ``timeout`` is the default per-call deadline in seconds (None: none); ``retry`` governs
+    UNAVAILABLE retries. Safe to share between threads.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
+                 retry: RetryPolicy | None = None, channel_options: list | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._channel = grpc.insecure_channel(address, options=channel_options or [])
+        self._stub = pb_grpc.GenerationStub(self._channel)
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+               messages: list[dict] | None = None, model: str | None = None,
+               request_id: str | None = None, timeout: float | None = None,
+               **sampling) -> GenerateStream:
+        """Stream one request. Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``;
+        ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+        ignore_eos, min_tokens, include_stop_str_in_output (unset: server defaults).
+        Raises ValueError / TypeError for a malformed call; server errors surface while
+        iterating."""
+        req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling)
+        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
+        """Run one request to completion; same arguments as ``stream``."""
+        with self.stream(prompt, **kwargs) as s:
+            for _ in s:
+                pass
+            return s.result
+
+    def chat(self, messages: list[dict], **kwargs) -> GenerateResult:
+        """Generate the assistant's reply to ``messages`` (the model's chat template)."""
+        return self.generate(messages=messages, **kwargs)
+
+    def _unary(self, method, request, timeout: float | None):
+        deadline = _Deadline(self._timeout(timeout))
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=deadline.remaining())
+            except grpc.RpcError as e:
+                if not self.retry.should_retry(e.code(), attempt, False):
+                    raise error_from_rpc(e) from None
+                time.sleep(deadline.clip(self.retry.backoff_s(attempt)))
+                attempt += 1
+
+    def model_info(self, timeout: float | None = None) -> ModelInfo:
+        return model_info_from_proto(
+            self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+
+    def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        """Abort a running request; False if it is unknown or already finished."""
+        resp = self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
+        return resp.found
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- asyncio ---------------------------------------------------------------------------------
+class AsyncGenerateStream:
+    """Async iterator of ``StreamChunk``; ``aclose()`` (or ``async with``, or cancelling the
+    task that iterates) cancels the call and the server aborts the request."""
+
+    def __init__(self, stub: pb_grpc.GenerationStub, request: pb.GenerateRequest,
+                 timeout: float | None, retry: RetryPolicy) -> None:
+        self._stub = stub
+        self._request = request
+        self._deadline = _Deadline(timeout)
+        self._retry = retry
+        self._call = None
+        self._attempt = 0
+        self._got_tokens = False
+        self._done = False
+        self.request_id: str | None = request.request_id or None
+        self.result = GenerateResult(self.request_id or "")
+
+    def _ensure_call(self):
+        if self._call is None:
+            self._call = self._stub.Generate(self._request, timeout=self._deadline.remaining())
+        return self._call
+
+    async def _handle(self, e: grpc.aio.AioRpcError) -> None:
+        self._call = None
+        if self._retry.should_retry(e.code(), self._attempt, self._got_tokens):
+            await asyncio.sleep(self._deadline.clip(self._retry.backoff_s(self._attempt)))
+            self._attempt += 1
+            return
+        self._done = True
+        raise error_from_rpc(e) from None
+
+    async def wait_request_id(self) -> str:
+        """Start the call if needed and wait until the server accepted it; returns its id."""
+        while self.request_id is None:
+            try:
+                rid = _request_id_from(await self._ensure_call().initial_metadata())
+            except grpc.aio.AioRpcError as e:
+                await self._handle(e)
+                continue
+            if rid is None:
+                break
+            self.request_id = rid
+        return self.request_id or ""
+
+    def __aiter__(self) -> AsyncGenerateStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        while not self._done:
+            call = self._ensure_call()
+            try:
+                resp = await call.read()
+            except grpc.aio.AioRpcError as e:
+                await self._handle(e)
+                continue
+            except asyncio.CancelledError:
+                await self.aclose()
+                raise
+            if resp is grpc.aio.EOF:
+                self._done = True
+                break
+            chunk = chunk_from_response(resp)
+            self.request_id = chunk.request_id or self.request_id
+            self._got_tokens = self._got_tokens or bool(chunk.token_ids)
+            self.result.add(chunk)
+            return chunk
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Cancel the call (the server aborts the request). Idempotent."""
+        self._done = True
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    async def __aenter__(self) -> AsyncGenerateStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class AsyncClient:
+    """asyncio client; same API as ``Client`` with ``await`` (``stream`` returns an async
+    iterator). Create and use it inside one event loop."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
+                 retry: RetryPolicy | None = None, channel_options: list | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options or [])
+        self._stub = pb_grpc.GenerationStub(self._channel)
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+               messages: list[dict] | None = None, model: str | None = None,
+               request_id: str | None = None, timeout: float | None = None,
+               **sampling) -> AsyncGenerateStream:
+        """See ``Client.stream``."""
+        req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling)
+        return AsyncGenerateStream(self._stub, req, self._timeout(timeout), self.retry)
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
+        async with self.stream(prompt, **kwargs) as s:
+            async for _ in s:
+                pass
+            return s.result
+
+    async def chat(self, messages: list[dict], **kwargs) -> GenerateResult:
+        return await self.generate(messages=messages, **kwargs)
+
+    async def _unary(self, method, request, timeout: float | None):
+        deadline = _Deadline(self._timeout(timeout))
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=deadline.remaining())
+            except grpc.aio.AioRpcError as e:
+                if not self.retry.should_retry(e.code(), attempt, False):
+                    raise error_from_rpc(e) from None
+                await asyncio.sleep(deadline.clip(self.retry.backoff_s(attempt)))
+                attempt += 1
+
+    async def model_info(self, timeout: float | None = None) -> ModelInfo:
+        return model_info_from_proto(
+            await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+
+    async def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        resp = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
+                                 timeout)
+        return resp.found
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

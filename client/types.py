@@ -1,0 +1,221 @@
+"""What the SDK hands back (plain dataclasses, no protobuf), its error types, and the
+conversions between them and the wire messages. Shared by ``Client`` and ``AsyncClient``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.pdcluster.v1 import generation_pb2 as pb
+
+__all__ = [
+    "Cancelled", "DeadlineExceeded", "GenerateResult", "Internal", "InvalidArgument", "ModelInfo",
+    "NotFound", "PdclusterError", "ResourceExhausted", "RetryPolicy", "StreamChunk", "Unavailable",
+    "Usage",
+]
+
+REQUEST_ID_METADATA_KEY = "x-request-id"
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output")
+
+
+# ---- errors ------------------------------------------------------------------------------
+class PdclusterError(Exception):
+    """A call failed. ``code`` is the gRPC status code, ``details`` the server's message."""
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(f"{code.name}: {details}" if code is not None else details)
+        self.code = code
+        self.details = details
+
+
+class InvalidArgument(PdclusterError, ValueError):
+    """Bad input: empty prompt, bad sampling params, prompt + max_tokens beyond the context."""
+
+
+class NotFound(PdclusterError, LookupError):
+    """The request named a model the server does not serve."""
+
+
+class ResourceExhausted(PdclusterError):
+    """The server's queue is full; retry later (not retried automatically)."""
+
+
+class Unavailable(PdclusterError):
+    """The server could not be reached (after the retries) or went away mid-stream."""
+
+
+class DeadlineExceeded(PdclusterError, TimeoutError):
+    """The call's ``timeout`` expired."""
+
+
+class Cancelled(PdclusterError):
+    """The call was cancelled (by this client or the server shutting down)."""
+
+
+class Internal(PdclusterError):
+    """The server failed; the message says how."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[PdclusterError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.INTERNAL: Internal,
+}
+
+
+def error_from_code(code: grpc.StatusCode, details: str) -> PdclusterError:
+    return _BY_CODE.get(code, PdclusterError)(details, code)
+
+
+def error_from_rpc(e: grpc.RpcError) -> PdclusterError:
+    """Wrap a grpc.RpcError (sync or aio) in the matching PdclusterError subclass."""
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else None) or str(e)
+    return error_from_code(code, details)
+
+
+# ---- results -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One streamed update. The last one has ``finished=True``, ``finish_reason``
+    ("stop" | "length" | "abort"), ``usage`` and ``ttft_s``, and usually no tokens."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    ttft_s: float | None = None
+
+
+@dataclass
+class GenerateResult:
+    """A whole generation: everything the stream carried, joined."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    ttft_s: float | None = None
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.request_id = chunk.request_id or self.request_id
+        self.token_ids.extend(chunk.token_ids)
+        self.text += chunk.text
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+            self.usage = chunk.usage
+            self.ttft_s = chunk.ttft_s
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    mode: str
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retry UNAVAILABLE (server not reachable) with exponential backoff and jitter, and only
+    before any token arrived: a generation that already streamed tokens is never replayed."""
+
+    max_retries: int = 3
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.initial_backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("backoff times must be >= 0")
+
+    def backoff_s(self, attempt: int) -> float:
+        """Sleep before retry number ``attempt`` (0-based)."""
+        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** attempt) * random.uniform(0.5, 1)
+
+    def should_retry(self, code: grpc.StatusCode, attempt: int, got_tokens: bool) -> bool:
+        return code == grpc.StatusCode.UNAVAILABLE and not got_tokens and attempt < self.max_retries
+
+
+# ---- wire conversions ----------------------------------------------------------------------
+def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
+                  messages: list[dict] | None, model: str | None, request_id: str | None,
+                  sampling: dict) -> pb.GenerateRequest:
+    """Raises ValueError unless exactly one prompt form is given, TypeError for an unknown
+    sampling argument. Values themselves are validated by the server (INVALID_ARGUMENT)."""
+    given = [name for name, v in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
+                                  ("messages", messages)) if v is not None]
+    if len(given) != 1:
+        raise ValueError("pass exactly one of prompt, prompt_token_ids, messages "
+                         f"(got {', '.join(given) or 'none'})")
+    unknown = set(sampling) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}; "
+                        f"expected some of {', '.join(SAMPLING_FIELDS)}")
+    req = pb.GenerateRequest()
+    if request_id is not None:
+        req.request_id = request_id
+    if model is not None:
+        req.model = model
+    if prompt is not None:
+        req.text = prompt
+    elif prompt_token_ids is not None:
+        req.token_ids.ids.extend(prompt_token_ids)
+    else:
+        req.messages.SetInParent()
+        for m in messages:
+            req.messages.messages.add(role=m["role"], content=m["content"])
+    s = req.sampling
+    s.SetInParent()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name == "stop":
+            s.stop.extend([value] if isinstance(value, str) else value)
+        elif name == "stop_token_ids":
+            s.stop_token_ids.extend(value)
+        else:
+            setattr(s, name, value)
+    return req
+
+
+def chunk_from_response(resp: pb.GenerateResponse) -> StreamChunk:
+    """A chunk or complete message -> StreamChunk. Raises the mapped PdclusterError for an
+    in-band error message."""
+    kind = resp.WhichOneof("response")
+    if kind == "chunk":
+        return StreamChunk(resp.request_id, list(resp.chunk.token_ids), resp.chunk.text)
+    if kind == "complete":
+        c = resp.complete
+        usage = (Usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
+                 if c.HasField("usage") else None)
+        return StreamChunk(resp.request_id, [], "", True, c.finish_reason, usage,
+                           c.ttft_s if c.HasField("ttft_s") else None)
+    if kind == "error":
+        code = getattr(grpc.StatusCode, resp.error.code, grpc.StatusCode.UNKNOWN)
+        raise error_from_code(code, resp.error.message)
+    raise Internal(f"malformed response from the server (no payload): {resp!r}")
+
+
+def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(m.model_id, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids), m.mode)

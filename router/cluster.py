@@ -1,0 +1,252 @@
+"""Start or join Ray, spawn prefill and decode workers, and serve the backend contract over them.
+
+``Cluster`` is the Python entry point (``router.Cluster``) that ``pdcluster serve`` wraps:
+``cluster = await Cluster.start(ClusterConfig(...))`` then ``cluster.generate(...)``. It owns
+every actor it spawns (killed in ``shutdown``) and, if it started Ray itself, Ray too.
+Placement: CPU workers ask for ``num_cpus``; on GPU nodes ``num_gpus=1``; and each role asks
+for its custom resource (``prefill_slot`` / ``decode_slot``) when the cluster defines it, so
+separate prefill and decode node types each get the right workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from decode_workers.messages import WorkerConfig, WorkerInfo
+from engine.input_processor import InputProcessor
+from engine.llm_engine import EngineArgs
+from engine.tokenizer import load_tokenizer
+from engine.weights import load_model_config, resolve_model
+from kv_transfer import KVLayout
+from router.backend import (
+    BackendStats,
+    GenerateInput,
+    GenerationChunk,
+    InvalidRequestError,
+    ModelInfo,
+    WorkerStats,
+)
+from router.orchestrator import Orchestrator, OrchestratorConfig
+from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+
+log = logging.getLogger(__name__)
+
+_RAY_NAMESPACE = "pdcluster"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything ``pdcluster serve`` decides. Engine args are per role (block sizes may differ)."""
+
+    model: str | None = None
+    mode: str = "disaggregated"  # or "colocated"
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    prefill_engine: EngineArgs = field(default_factory=lambda: EngineArgs(max_num_seqs=8))
+    decode_engine: EngineArgs = field(default_factory=EngineArgs)
+    ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join
+    redis_url: str | None = None
+    worker_num_cpus: float = 1.0
+    use_gpus: bool | None = None  # None: use GPUs when the cluster has them
+    transfer_timeout_s: float = 30.0
+    lease_s: float = 30.0
+    max_inflight_requests: int = 1024
+    capacity_wait_s: float = 30.0
+    stream_layers: bool = True
+    # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
+    worker_overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {self.mode!r}")
+        if self.num_decode_workers < 1:
+            raise ValueError("at least one decode worker is needed")
+        if self.mode == "disaggregated" and self.num_prefill_workers < 1:
+            raise ValueError("disaggregated mode needs at least one prefill worker")
+
+
+class Cluster:
+    """A running cluster; implements ``router.backend.GenerationBackend``."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self._actors: list = []
+        self._started_ray = False
+        self.orchestrator: Orchestrator | None = None
+        self.store = None
+        self._info: ModelInfo | None = None
+        self._refresh_task: asyncio.Task | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, config: ClusterConfig) -> Cluster:
+        cluster = cls(config)
+        try:
+            await cluster._start()
+        except BaseException:
+            await cluster.shutdown()
+            raise
+        return cluster
+
+    async def _start(self) -> None:
+        import ray
+
+        from router.store import make_store
+
+        cfg = self.config
+        if not ray.is_initialized():
+            if cfg.ray_address:
+                ray.init(address=cfg.ray_address, namespace=_RAY_NAMESPACE, log_to_driver=False)
+            else:
+                n = cfg.num_prefill_workers + cfg.num_decode_workers
+                # Logical CPUs: workers are mostly waiting on memory, and one per core would
+                # make a 2-core laptop unable to host a 1+1 cluster plus the router.
+                ray.init(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1), namespace=_RAY_NAMESPACE,
+                         include_dashboard=False, log_to_driver=False,
+                         resources={PREFILL_RESOURCE: cfg.num_prefill_workers,
+                                    DECODE_RESOURCE: cfg.num_decode_workers})
+                self._started_ray = True
+        self.store = make_store(cfg.redis_url)
+        resolved = resolve_model(cfg.model, cache_dir=cfg.decode_engine.cache_dir)
+        model_cfg = load_model_config(resolved.model_dir, dtype=cfg.decode_engine.dtype,
+                                      model_id=resolved.model_id)
+        model_path = str(resolved.model_dir)  # workers load the converted dir: no re-conversion
+        tokenizer = load_tokenizer(resolved.model_dir)
+        layout = KVLayout.from_model_config(model_cfg)
+
+        specs: list[tuple[str, str, EngineArgs]] = []
+        if cfg.mode == "disaggregated":
+            specs += [(f"prefill-{i}", "prefill", cfg.prefill_engine)
+                      for i in range(cfg.num_prefill_workers)]
+        role = "decode" if cfg.mode == "disaggregated" else "colocated"
+        specs += [(f"decode-{i}", role, cfg.decode_engine) for i in range(cfg.num_decode_workers)]
+        handles = [self._spawn(wid, r, dataclasses.replace(args, model=model_path))
+                   for wid, r, args in specs]
+        infos: list[WorkerInfo] = await asyncio.gather(*[h.info.remote() for h in handles])
+
+        decode_infos = [i for i in infos if i.role != "prefill"]
+        max_len = min(i.max_model_len for i in infos)
+        max_kv_tokens = min(i.num_kv_blocks * i.block_size for i in decode_infos)
+        self._info = ModelInfo(model_cfg.model_id, max_len, model_cfg.vocab_size,
+                               model_cfg.eos_token_ids, cfg.mode)
+        orch = Orchestrator(
+            OrchestratorConfig(model_cfg.model_id, cfg.mode, transfer_timeout_s=cfg.transfer_timeout_s,
+                               capacity_wait_s=cfg.capacity_wait_s,
+                               max_inflight_requests=cfg.max_inflight_requests,
+                               prefix_hash_seed=cfg.decode_engine.prefix_hash_seed),
+            tokenizer, InputProcessor(tokenizer, model_cfg.vocab_size, max_len, max_kv_tokens),
+            layout, self.store)
+        for info, handle in zip(infos, handles, strict=True):
+            orch.add_worker(info, handle)
+            self.store.register_worker(_worker_record(info, model_cfg.model_id), ttl_s=15.0)
+        self.orchestrator = orch
+        self._refresh_task = asyncio.ensure_future(self._refresh_loads())
+        log.info("cluster up: %s", ", ".join(f"{i.worker_id}@{i.node_id[:8]}" for i in infos))
+
+    def _spawn(self, worker_id: str, role: str, engine_args: EngineArgs):
+        import ray
+
+        from decode_workers.worker import DecodeWorker
+        from prefill_workers.worker import PrefillWorker
+
+        cfg = self.config
+        wcfg = WorkerConfig(worker_id, role, engine_args, transfer_timeout_s=cfg.transfer_timeout_s,
+                            lease_s=cfg.lease_s, stream_layers=cfg.stream_layers)
+        if worker_id in cfg.worker_overrides:
+            wcfg = dataclasses.replace(wcfg, **cfg.worker_overrides[worker_id])
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        total = ray.cluster_resources()
+        use_gpus = cfg.use_gpus if cfg.use_gpus is not None else total.get("GPU", 0) > 0
+        resource = PREFILL_RESOURCE if role == "prefill" else DECODE_RESOURCE
+        resources = {resource: 1} if total.get(resource, 0) > 0 else {}
+        if not resources:
+            log.warning("cluster defines no %r resource: %s may land on any node", resource, worker_id)
+        actor = ray.remote(cls).options(
+            name=f"{worker_id}-{id(self):x}", namespace=_RAY_NAMESPACE,
+            num_cpus=cfg.worker_num_cpus, num_gpus=1 if use_gpus else 0, resources=resources,
+            max_concurrency=64, max_restarts=0,
+        ).remote(wcfg)
+        self._actors.append(actor)
+        return actor
+
+    async def _refresh_loads(self) -> None:
+        """Keep the router's view of each worker's KV use fresh; heartbeat the registry."""
+        while True:
+            orch = self.orchestrator
+            slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
+            results = await asyncio.gather(*[s.handle.load.remote() for s in slots],
+                                           return_exceptions=True)
+            for slot, load in zip(slots, results, strict=True):
+                if isinstance(load, BaseException):
+                    orch._on_worker_error(slot, load)
+                    continue
+                slot.view.kv_blocks_used = load.kv_blocks_used
+                slot.view.requests_running = load.requests_running
+                self.store.heartbeat(slot.info.worker_id, ttl_s=15.0, load=None)
+            await asyncio.sleep(0.25)
+
+    async def shutdown(self) -> None:
+        import ray
+
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+        if self.orchestrator is not None:
+            await self.orchestrator.close()
+        for a in self._actors:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(a.shutdown.remote(), timeout=5)
+            ray.kill(a, no_restart=True)
+        self._actors.clear()
+        if self.store is not None:
+            self.store.close()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    # ---- GenerationBackend ----------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        try:
+            return self.orchestrator.inputs.encode(messages).token_ids
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        async for chunk in self.orchestrator.generate(inp):
+            yield chunk
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.orchestrator.abort(request_id)
+
+    async def stats(self) -> BackendStats:
+        orch = self.orchestrator
+        slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
+        loads = await asyncio.gather(*[s.handle.load.remote() for s in slots], return_exceptions=True)
+        workers = [WorkerStats(lo.worker_id, lo.role, lo.kv_blocks_used, lo.kv_blocks_total,
+                               lo.requests_running, lo.requests_waiting)
+                   for lo in loads if not isinstance(lo, BaseException)]
+        return BackendStats(workers, orch.kv_transfer_bytes_total)
+
+    async def worker_loads(self) -> list:
+        """Every live worker's full load report (reserved blocks included); tests use this."""
+        orch = self.orchestrator
+        slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
+        return list(await asyncio.gather(*[s.handle.load.remote() for s in slots]))
+
+
+def _worker_record(info: WorkerInfo, model_id: str):
+    import time
+
+    from router.store import WorkerRecord
+
+    addr = info.kv_address
+    return WorkerRecord(info.worker_id, info.role, info.node_id, addr.host if addr else "",
+                        addr.port if addr else 0, info.num_kv_blocks, info.block_size, model_id,
+                        time.time())

@@ -1,0 +1,50 @@
+"""The one place where typed backend errors become gRPC status codes and HTTP errors.
+
+Both servers call ``map_error``; nothing else decides what a ValueError means on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from router.backend import InvalidRequestError, ModelNotFoundError, QueueFullError
+
+__all__ = ["MappedError", "map_error", "openai_error_body"]
+
+
+@dataclass(frozen=True)
+class MappedError:
+    grpc_code: grpc.StatusCode
+    http_status: int
+    openai_type: str  # OpenAI's error "type" field
+    openai_code: str | None
+    message: str
+
+
+def map_error(exc: BaseException) -> MappedError:
+    """Classify ``exc``: bad input -> INVALID_ARGUMENT/400, unknown model -> NOT_FOUND/404,
+    queue full -> RESOURCE_EXHAUSTED/429, anything else -> INTERNAL/500.
+
+    InvalidRequestError is a ValueError, so any ValueError (e.g. from SamplingParams) counts
+    as bad input; unexpected errors keep their type name so logs and clients can tell them apart.
+    """
+    msg = str(exc) or type(exc).__name__
+    if isinstance(exc, ModelNotFoundError):
+        return MappedError(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error",
+                           "model_not_found", msg)
+    if isinstance(exc, InvalidRequestError | ValueError):
+        return MappedError(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error",
+                           None, msg)
+    if isinstance(exc, QueueFullError):
+        return MappedError(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
+                           "queue_full", msg)
+    return MappedError(grpc.StatusCode.INTERNAL, 500, "internal_error", None,
+                       f"internal error: {type(exc).__name__}: {msg}")
+
+
+def openai_error_body(err: MappedError, param: str | None = None) -> dict:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": err.message, "type": err.openai_type, "param": param,
+                      "code": err.openai_code}}

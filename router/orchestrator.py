@@ -1,0 +1,381 @@
+"""The request lifecycle (DESIGN §2): reserve -> prefill -> transfer -> commit -> decode -> stream.
+
+Runs on the router's asyncio loop. Owns, per request, the global request id, the stream of
+token updates from its decode worker, the incremental detokenizer (stop strings are decided
+here), and the duty to free the request's KV on every path: finish, client cancel, error,
+worker death. Failed reserve / prefill / transfer steps are retried on other workers; a
+request either completes or ends with an error the client sees, never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from decode_workers.messages import (
+    PrefillRequest,
+    ReserveRequest,
+    SubmitRequest,
+    TokenBatch,
+    TokenUpdate,
+    WorkerInfo,
+)
+from engine.block_manager import hash_block
+from engine.input_processor import InputProcessor
+from engine.request import QueueFullError
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kv_transfer import KVHandshakeError, KVLayout, KVTransferError, KVTransferSpec
+from router.backend import (
+    GenerateInput,
+    GenerationChunk,
+    InvalidRequestError,
+    ModelNotFoundError,
+    Usage,
+    new_request_id,
+)
+from router.policy import WorkerView, blocks_for, pick_decode, pick_prefill
+
+log = logging.getLogger(__name__)
+
+
+class WorkerUnavailableError(RuntimeError):
+    """No live worker can take the request (gRPC UNAVAILABLE / HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    model_id: str
+    mode: str = "disaggregated"  # or "colocated"
+    max_attempts: int = 3  # reserve/prefill/transfer tries before giving up on a request
+    transfer_timeout_s: float = 30.0
+    capacity_wait_s: float = 30.0  # how long a request may wait for KV capacity
+    max_inflight_requests: int = 1024  # beyond it: QueueFullError (RESOURCE_EXHAUSTED)
+    prefix_hash_seed: int = 0
+
+
+@dataclass
+class WorkerSlot:
+    info: WorkerInfo
+    handle: object  # Ray actor handle
+    view: WorkerView
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    decode_id: str | None = None
+    prefill_id: str | None = None
+
+
+@dataclass
+class RequestTiming:
+    """Router-side timings of one request, for metrics and the TTFT breakdown benchmark."""
+
+    queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    transfer_tail_s: float = 0.0
+    attempts: int = 0
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig, tokenizer: Tokenizer | None,
+                 inputs: InputProcessor, layout: KVLayout, store=None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.inputs = inputs
+        self.layout = layout
+        self.store = store
+        self.prefill: dict[str, WorkerSlot] = {}
+        self.decode: dict[str, WorkerSlot] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._transfer_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self.kv_transfer_bytes_total = 0
+        self.timings: dict[str, RequestTiming] = {}  # kept for the last requests (bounded)
+
+    # ---- membership -----------------------------------------------------------------------
+    def add_worker(self, info: WorkerInfo, handle) -> None:
+        view = WorkerView(info.worker_id, info.role, info.num_kv_blocks, info.block_size)
+        slot = WorkerSlot(info, handle, view)
+        if info.role == "prefill":
+            self.prefill[info.worker_id] = slot
+        else:
+            self.decode[info.worker_id] = slot
+            self._tasks.append(asyncio.ensure_future(self._consume(slot)))
+
+    def mark_dead(self, worker_id: str, why: str) -> None:
+        slot = self.prefill.get(worker_id) or self.decode.get(worker_id)
+        if slot is None or not slot.view.alive:
+            return
+        log.error("worker %s is gone: %s", worker_id, why)
+        slot.view.alive = False
+        if self.store is not None:
+            self.store.deregister_worker(worker_id)
+        if worker_id in self.decode:  # its sequences cannot continue: fail them loudly
+            for s in self._streams.values():
+                if s.decode_id == worker_id:
+                    s.queue.put_nowait(RuntimeError(f"decode worker {worker_id} died: {why}"))
+
+    async def _consume(self, slot: WorkerSlot) -> None:
+        """Fan one decode worker's per-step token batches out to the request streams."""
+        try:
+            async for ref in slot.handle.subscribe.remote():
+                batch: TokenBatch = await ref
+                for upd in batch.updates:
+                    s = self._streams.get(upd.request_id)
+                    if s is not None:
+                        s.queue.put_nowait(upd)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # actor died
+            self.mark_dead(slot.info.worker_id, repr(e))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- the lifecycle --------------------------------------------------------------------
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        if inp.model is not None and inp.model != self.config.model_id:
+            raise ModelNotFoundError(f"model {inp.model!r} is not served here "
+                                     f"(serving {self.config.model_id!r})")
+        try:
+            enc = self.inputs.process(inp.prompt, inp.sampling)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        if len(self._streams) >= self.config.max_inflight_requests:
+            raise QueueFullError(f"too many requests in flight ({self.config.max_inflight_requests})")
+        rid = inp.request_id or new_request_id()
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight")
+        prompt_ids = enc.token_ids
+        params = inp.sampling
+        stream = _Stream(rid)
+        self._streams[rid] = stream
+        detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
+                                        include_stop_str_in_output=params.include_stop_str_in_output)
+                 if self.tokenizer is not None else None)
+        t0 = time.monotonic()
+        ttft = None
+        num_out = 0
+        finished = False
+        self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
+        try:
+            if self.config.mode == "colocated":
+                await self._submit_colocated(stream, prompt_ids, params)
+                first = None
+            else:
+                first, commit_finished, commit_reason = await self._prefill(stream, prompt_ids, params)
+            pending: list[TokenUpdate] = []
+            if first is not None:
+                pending.append(TokenUpdate(rid, [first], commit_reason if commit_finished else None))
+            while True:
+                upd = pending.pop(0) if pending else await stream.queue.get()
+                if isinstance(upd, BaseException):
+                    raise upd
+                num_out += len(upd.new_token_ids)
+                if ttft is None and upd.new_token_ids:
+                    ttft = time.monotonic() - t0
+                reason = upd.finish_reason
+                text = ""
+                if detok is not None:
+                    d = detok.update(upd.new_token_ids)
+                    text = d.delta_text
+                    if d.stopped and reason is None:
+                        reason = "stop"
+                        await self._abort_on_workers(stream)
+                    if reason is not None:
+                        text += detok.flush()
+                finished = reason is not None
+                yield GenerationChunk(rid, list(upd.new_token_ids), text, finished, reason,
+                                      Usage(len(prompt_ids), num_out) if finished else None, ttft,
+                                      len(prompt_ids))
+                if finished:
+                    self._journal(rid, "finished", stream.decode_id, reason)
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._journal(rid, "aborted", stream.decode_id, "")
+                await asyncio.shield(self._abort_on_workers(stream))
+
+    async def abort(self, request_id: str) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        await self._abort_on_workers(stream)
+        stream.queue.put_nowait(TokenUpdate(request_id, [], "abort"))
+        return True
+
+    async def _abort_on_workers(self, stream: _Stream) -> None:
+        calls = []
+        if stream.prefill_id and stream.prefill_id in self.prefill:
+            calls.append(self.prefill[stream.prefill_id].handle.abort.remote(stream.request_id))
+        if stream.decode_id and stream.decode_id in self.decode:
+            calls.append(self.decode[stream.decode_id].handle.abort.remote(stream.request_id))
+        for c in calls:
+            try:
+                await c
+            except Exception as e:  # a dead worker holds nothing any more
+                log.info("abort of %s: %r", stream.request_id, e)
+
+    async def _submit_colocated(self, stream: _Stream, prompt_ids: list[int], params) -> None:
+        num_tokens = len(prompt_ids) + params.max_tokens
+        slot = await self._wait_for_decode(num_tokens, set(), prompt_ids)
+        stream.decode_id = slot.info.worker_id
+        slot.view.inflight_requests += 1
+        try:
+            await slot.handle.submit.remote(SubmitRequest(stream.request_id, prompt_ids, params,
+                                                          time.time()))
+        finally:
+            slot.view.inflight_requests -= 1
+        self._record_prefix(slot, prompt_ids)
+
+    async def _prefill(self, stream: _Stream, prompt_ids: list[int], params
+                       ) -> tuple[int, bool, str | None]:
+        """Reserve, prefill, transfer, commit; retried on other workers. Returns the first
+        token and whether the request already finished with it."""
+        rid = stream.request_id
+        excluded_decode: set[str] = set()
+        excluded_prefill: set[str] = set()
+        last_error: BaseException | None = None
+        for attempt in range(self.config.max_attempts):
+            # Reserve room for the prompt plus the whole output: a decode worker never has to
+            # preempt a request just because its output grew.
+            decode = await self._wait_for_decode(len(prompt_ids) + params.max_tokens,
+                                                 excluded_decode, None)
+            hits = self._prefix_hits(prompt_ids, self.prefill)
+            prefill = pick_prefill([s.view for s in self.prefill.values()], excluded_prefill, hits)
+            if prefill is None:
+                raise WorkerUnavailableError("no live prefill worker")
+            pslot = self.prefill[prefill.worker_id]
+            spec = KVTransferSpec(rid, next(self._transfer_ids), len(prompt_ids), self.layout)
+            need = blocks_for(len(prompt_ids) + 1, decode.view.block_size)
+            decode.view.inflight_blocks += need
+            stream.decode_id = decode.info.worker_id
+            try:
+                try:
+                    res = await decode.handle.reserve.remote(ReserveRequest(
+                        rid, prompt_ids, params, spec, pslot.info.worker_id, time.time()))
+                except KVHandshakeError:
+                    raise
+                except Exception as e:
+                    self._on_worker_error(decode, e)
+                    excluded_decode.add(decode.info.worker_id)
+                    last_error = e
+                    continue
+                if not res.ok:
+                    excluded_decode.add(decode.info.worker_id)
+                    last_error = QueueFullError(res.reason)
+                    continue
+                self._journal(rid, "reserved", decode.info.worker_id, f"{res.num_blocks} blocks")
+                stream.prefill_id = pslot.info.worker_id
+                prefill.inflight_prefill_tokens += len(prompt_ids)
+                try:
+                    result = await pslot.handle.prefill.remote(PrefillRequest(
+                        rid, prompt_ids, params, spec, decode.info.kv_address, time.time()))
+                except Exception as e:
+                    await self._safe_abort(decode, rid)
+                    self._on_worker_error(pslot, e)
+                    excluded_prefill.add(pslot.info.worker_id)
+                    excluded_decode.add(decode.info.worker_id)
+                    last_error = e
+                    self._journal(rid, "retried", pslot.info.worker_id, repr(e)[:200])
+                    continue
+                finally:
+                    prefill.inflight_prefill_tokens -= len(prompt_ids)
+                    stream.prefill_id = None
+                self._journal(rid, "prefilled", pslot.info.worker_id, "")
+                self._record_prefix(pslot, prompt_ids)
+                try:
+                    commit = await decode.handle.commit.remote(rid, result.first_token_id,
+                                                               self.config.transfer_timeout_s)
+                except Exception as e:
+                    await self._safe_abort(decode, rid)
+                    self._on_worker_error(decode, e)
+                    excluded_decode.add(decode.info.worker_id)
+                    last_error = e
+                    self._journal(rid, "retried", decode.info.worker_id, repr(e)[:200])
+                    continue
+                self.kv_transfer_bytes_total += result.kv_bytes
+                self.timings[rid] = RequestTiming(result.queue_s, result.compute_s,
+                                                  result.transfer_tail_s, attempt + 1)
+                if len(self.timings) > 10_000:
+                    self.timings.pop(next(iter(self.timings)))
+                self._journal(rid, "committed", decode.info.worker_id, "")
+                return result.first_token_id, commit.finished, commit.finish_reason
+            finally:
+                decode.view.inflight_blocks -= need
+        raise WorkerUnavailableError(f"request {rid} failed after {self.config.max_attempts} "
+                                     f"attempts; last error: {last_error!r}")
+
+    async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
+                               prompt_ids: list[int] | None) -> WorkerSlot:
+        """A decode worker with room, waiting (bounded) for capacity to free up."""
+        deadline = time.monotonic() + self.config.capacity_wait_s
+        delay = 0.01
+        while True:
+            live = [s for s in self.decode.values() if s.view.alive]
+            if not live:
+                raise WorkerUnavailableError("no live decode worker")
+            hits = self._prefix_hits(prompt_ids, self.decode) if prompt_ids else None
+            view = pick_decode([s.view for s in live], num_tokens, exclude, hits)
+            if view is not None:
+                return self.decode[view.worker_id]
+            if all(s.info.worker_id in exclude for s in live):
+                exclude.clear()  # every worker refused once: let them try again after a wait
+            if time.monotonic() > deadline:
+                raise QueueFullError(f"no decode worker had KV room for {num_tokens} tokens "
+                                     f"within {self.config.capacity_wait_s:.0f} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    async def _safe_abort(self, slot: WorkerSlot, rid: str) -> None:
+        try:
+            await slot.handle.abort.remote(rid)
+        except Exception as e:
+            self._on_worker_error(slot, e)
+
+    def _on_worker_error(self, slot: WorkerSlot, e: BaseException) -> None:
+        import ray.exceptions
+
+        if isinstance(e, ray.exceptions.RayActorError | ray.exceptions.ActorDiedError):
+            self.mark_dead(slot.info.worker_id, repr(e))
+        elif not isinstance(e, KVTransferError | QueueFullError):
+            log.warning("worker %s failed a call: %r", slot.info.worker_id, e)
+
+    # ---- prefix-affinity bookkeeping ------------------------------------------------------
+    def _prefix_hashes(self, prompt_ids: list[int], block_size: int) -> list[int]:
+        hashes, parent = [], 0
+        for i in range(len(prompt_ids) // block_size):
+            parent = hash_block(parent, prompt_ids[i * block_size:(i + 1) * block_size],
+                                self.config.prefix_hash_seed)
+            hashes.append(parent)
+        return hashes
+
+    def _prefix_hits(self, prompt_ids: list[int] | None, slots: dict[str, WorkerSlot]) -> dict[str, int]:
+        if self.store is None or not prompt_ids or not slots:
+            return {}
+        bs = next(iter(slots.values())).info.block_size
+        hashes = self._prefix_hashes(prompt_ids, bs)
+        return self.store.match_prefix(hashes) if hashes else {}
+
+    def _record_prefix(self, slot: WorkerSlot, prompt_ids: list[int]) -> None:
+        if self.store is None:
+            return
+        hashes = self._prefix_hashes(prompt_ids, slot.info.block_size)
+        if hashes:
+            self.store.record_prefix(slot.info.worker_id, hashes, ttl_s=600.0)
+
+    def _journal(self, rid: str, kind: str, worker_id: str | None, detail: str | None) -> None:
+        if self.store is None:
+            return
+        from router.store import JournalEvent
+
+        self.store.journal_append(rid, JournalEvent(time.time(), kind, worker_id, detail or ""))

@@ -1,0 +1,63 @@
+"""Choosing workers: a decode worker by KV capacity and load, a prefill worker by queued work.
+
+Pure functions over snapshots, so the choices are unit-testable. The router keeps its own
+in-flight counters on top of the workers' periodic load reports, because a report is up to
+one refresh interval stale and a burst of requests would otherwise all pick the same worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerView:
+    """The router's picture of one worker."""
+
+    worker_id: str
+    role: str
+    kv_blocks_total: int
+    block_size: int
+    kv_blocks_used: int = 0  # from the last load report
+    requests_running: int = 0
+    alive: bool = True
+    # Router-side, exact: blocks reserved / prompt tokens sent since the last report.
+    inflight_blocks: int = 0
+    inflight_prefill_tokens: int = 0
+    inflight_requests: int = 0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_used - self.inflight_blocks
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def pick_decode(workers: list[WorkerView], num_tokens: int, exclude: set[str] = frozenset(),
+                prefix_hits: dict[str, int] | None = None) -> WorkerView | None:
+    """The live decode worker with room for ``num_tokens`` and the most headroom.
+
+    Prefix affinity (colocated mode, where decode workers prefill) breaks near-ties toward
+    the worker already caching the most leading blocks of this prompt.
+    """
+    hits = prefix_hits or {}
+    fits = [w for w in workers if w.alive and w.worker_id not in exclude
+            and w.free_blocks >= blocks_for(num_tokens, w.block_size)]
+    if not fits:
+        return None
+    return max(fits, key=lambda w: (hits.get(w.worker_id, 0),
+                                    w.free_blocks / max(w.kv_blocks_total, 1),
+                                    -(w.requests_running + w.inflight_requests)))
+
+
+def pick_prefill(workers: list[WorkerView], exclude: set[str] = frozenset(),
+                 prefix_hits: dict[str, int] | None = None) -> WorkerView | None:
+    """The live prefill worker with the least queued prompt work, net of cached prefixes."""
+    hits = prefix_hits or {}
+    live = [w for w in workers if w.alive and w.worker_id not in exclude]
+    if not live:
+        return None
+    # A cached block saves block_size tokens of compute on that worker.
+    return min(live, key=lambda w: w.inflight_prefill_tokens - hits.get(w.worker_id, 0) * w.block_size)

@@ -1,0 +1,114 @@
+"""Front-door fixtures: one backend per session, real servers on 127.0.0.1 per test module.
+
+The servers run on a background asyncio loop (``server_loop``) so tests can use blocking
+clients (the SDK's ``Client``, the ``openai`` package) as well as ``asyncio.run`` with the
+``AsyncClient``. To run the same tests against another backend (e.g. the Ray cluster),
+override ``backend``: it must serve the default chat model (the tests ask it questions) and
+have a small queue (``max_num_seqs=4``, ``max_waiting=4``) so that flooding it is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from router.backend import BackendStats, EngineBackend, GenerationBackend
+from router.frontdoor import FrontDoor, serve_frontdoor
+
+# Queue limits the flood tests rely on: more than MAX_NUM_SEQS + MAX_WAITING concurrent
+# requests must get RESOURCE_EXHAUSTED / 429.
+MAX_NUM_SEQS = 4
+MAX_WAITING = 4
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; ``run`` executes a coroutine there and waits."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="server-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine, timeout_s: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def submit(self, coro: Coroutine):
+        """Start ``coro`` on the loop without waiting; returns a concurrent Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="session")
+def server_loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="session")
+def backend(server_loop) -> GenerationBackend:
+    from engine.llm_engine import EngineArgs
+
+    b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING))
+    yield b
+    server_loop.run(b.shutdown())
+
+
+@pytest.fixture(scope="module")
+def frontdoor(backend, server_loop) -> FrontDoor:
+    fd = server_loop.run(serve_frontdoor(backend, grpc_port=0, http_port=0, drain_grace_s=5))
+    yield fd
+    server_loop.run(fd.stop(1))
+
+
+class KVProbe:
+    """Reads ``backend.stats()`` from test threads: are KV blocks held, is anything queued."""
+
+    def __init__(self, backend: GenerationBackend, server_loop: LoopThread) -> None:
+        self.backend = backend
+        self.server_loop = server_loop
+
+    def stats(self) -> BackendStats:
+        return self.server_loop.run(self.backend.stats())
+
+    def blocks_used(self) -> int:
+        return sum(w.kv_blocks_used for w in self.stats().workers)
+
+    def wait_until_free(self, timeout_s: float = 20.0) -> None:
+        """Poll until no worker holds a KV block or a request; fail after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if all(w.kv_blocks_used == 0 and w.requests_running == 0 and w.requests_waiting == 0
+                   for w in stats.workers):
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"KV blocks / requests still held {timeout_s} s after the request "
+                            f"ended: {stats}")
+            time.sleep(0.02)
+
+    def wait_until_used(self, timeout_s: float = 20.0) -> int:
+        """Poll until some worker holds KV blocks (a request is running); returns how many."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            used = self.blocks_used()
+            if used:
+                return used
+            if time.monotonic() > deadline:
+                pytest.fail("no KV blocks in use although a request should be running")
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="session")
+def kv_probe(backend, server_loop) -> KVProbe:
+    return KVProbe(backend, server_loop)

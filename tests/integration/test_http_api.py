@@ -1,0 +1,266 @@
+"""The OpenAI-compatible HTTP front door end to end: the real ``openai`` client against our
+server, raw httpx for SSE framing, error shapes and disconnects, and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from client import Client
+
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+
+METRIC_NAMES = [
+    "pdcluster_time_to_first_token_seconds", "pdcluster_inter_token_latency_seconds",
+    "pdcluster_e2e_request_latency_seconds", "pdcluster_requests_running",
+    "pdcluster_requests_waiting", "pdcluster_kv_blocks_used", "pdcluster_kv_blocks_total",
+    "pdcluster_kv_transfer_bytes_total", "pdcluster_generation_tokens_total",
+    "pdcluster_prompt_tokens_total",
+]
+
+
+@pytest.fixture(scope="module")
+def base_url(frontdoor) -> str:
+    return f"http://127.0.0.1:{frontdoor.http_port}"
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_id(backend) -> str:
+    return backend.model_info().model_id
+
+
+def _sse_payloads(lines) -> list:
+    """Parse an SSE body: every event must be ``data: ...``; the last one ``[DONE]``."""
+    events = [line for line in lines if line]
+    assert events, "empty SSE stream"
+    assert all(e.startswith("data: ") for e in events), events
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+def _assert_openai_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    return err
+
+
+def test_models_lists_the_served_model(oai, model_id):
+    assert [m.id for m in oai.models.list().data] == [model_id]
+
+
+def test_chat_answers_and_streaming_matches(oai, model_id):
+    resp = oai.chat.completions.create(model=model_id, messages=PARIS, max_tokens=12,
+                                       temperature=0)
+    text = resp.choices[0].message.content
+    assert "Paris" in text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens > 0
+    stream = oai.chat.completions.create(model=model_id, messages=PARIS, max_tokens=12,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == resp.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+
+
+def test_chat_without_max_tokens_stops_at_eos(oai, model_id):
+    resp = oai.chat.completions.create(model=model_id, messages=PARIS, temperature=0)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_completions_streaming_matches_non_streaming(oai, model_id):
+    kw = {"model": model_id, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+          "extra_body": {"ignore_eos": True, "top_k": 5, "min_tokens": 8}}
+    resp = oai.completions.create(**kw)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 8
+    chunks = list(oai.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == resp.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completions_accepts_token_ids(oai, model_id):
+    resp = oai.completions.create(model=model_id, prompt=[1, 504, 3458, 282], max_tokens=3,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert resp.usage.prompt_tokens == 4
+    assert resp.usage.completion_tokens == 3
+
+
+def test_sse_framing_and_usage_chunk(http):
+    with http.stream("POST", "/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 4, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        payloads = _sse_payloads(list(r.iter_lines()))
+    assert payloads[-1]["choices"] == []
+    assert payloads[-1]["usage"]["completion_tokens"] == 4
+    assert all(p["object"] == "text_completion" for p in payloads)
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": ""},
+    {"prompt": PROMPT, "top_p": 2},
+    {"prompt": PROMPT, "temperature": -1},
+    {"prompt": PROMPT, "max_tokens": 0},
+    {"prompt": PROMPT, "max_tokens": 10_000_000},
+    {"prompt": PROMPT, "n": 2},
+    {"prompt": PROMPT, "max_tokens": "many"},
+    {"max_tokens": 4},  # no prompt at all
+], ids=["empty-prompt", "top_p-2", "temperature-neg", "max_tokens-0", "max_tokens-huge", "n-2",
+        "max_tokens-str", "no-prompt"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_bad_input_is_400_and_server_keeps_serving(http, body, stream):
+    err = _assert_openai_error(http.post("/v1/completions", json={**body, "stream": stream}), 400)
+    assert err["type"] == "invalid_request_error"
+    ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_bad_chat_input_is_400(http):
+    _assert_openai_error(http.post("/v1/chat/completions", json={"messages": []}), 400)
+    _assert_openai_error(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "wizard", "content": "hi"}]}), 400)
+    _assert_openai_error(http.post("/v1/chat/completions", json={
+        "messages": PARIS, "temperature": -1, "stream": True}), 400)
+
+
+def test_malformed_json_is_400_not_422(http):
+    r = http.post("/v1/chat/completions", content=b'{"messages": [', headers={
+        "content-type": "application/json"})
+    err = _assert_openai_error(r, 400)
+    assert "JSON" in err["message"]
+
+
+def test_unknown_model_is_404(http, oai):
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": PARIS})):
+        for stream in (False, True):
+            err = _assert_openai_error(http.post(path, json={
+                **body, "model": "no-such-model", "max_tokens": 2, "stream": stream}), 404)
+            assert err["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="no-such-model", messages=PARIS, max_tokens=2)
+
+
+def test_flooding_the_queue_is_429(base_url, kv_probe):
+    async def main():
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True}) for _ in range(16)))
+
+    responses = asyncio.run(main())
+    codes = [r.status_code for r in responses]
+    assert 429 in codes, codes
+    assert set(codes) <= {200, 429}, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert _assert_openai_error(r, 429)["code"] == "queue_full"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 24
+    kv_probe.wait_until_free()
+
+
+def test_client_disconnect_during_stream_frees_kv(base_url, kv_probe):
+    with httpx.Client(base_url=base_url, timeout=120) as c, c.stream(
+            "POST", "/v1/chat/completions", json={
+                "messages": PARIS, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        assert kv_probe.blocks_used() > 0
+    kv_probe.wait_until_free()
+
+
+def test_client_disconnect_without_streaming_frees_kv(base_url, kv_probe):
+    async def main():
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
+            task = asyncio.create_task(c.post("/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}))
+            await asyncio.to_thread(kv_probe.wait_until_used)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    kv_probe.wait_until_free()
+
+
+def test_health(http):
+    assert http.get("/health").status_code == 200
+
+
+def _scrape(http) -> dict[str, float]:
+    """Sum every sample of each metric name (across labels) from /metrics."""
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    totals: dict[str, float] = {}
+    for line in r.text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", line)
+        if m:
+            totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(3))
+    return totals
+
+
+def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor):
+    before = _scrape(http)
+    for name in METRIC_NAMES:
+        kind_suffix = "_count" if name.endswith("_seconds") else ""
+        assert name + kind_suffix in before, name
+    assert before["pdcluster_kv_blocks_total"] > 0
+
+    http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}", timeout=60) as c:
+        c.generate(PROMPT, max_tokens=4, ignore_eos=True)
+    after = _scrape(http)
+    assert after["pdcluster_generation_tokens_total"] - before[
+        "pdcluster_generation_tokens_total"] == 9
+    assert after["pdcluster_prompt_tokens_total"] > before["pdcluster_prompt_tokens_total"]
+    assert after["pdcluster_e2e_request_latency_seconds_count"] - before[
+        "pdcluster_e2e_request_latency_seconds_count"] == 2
+    assert after["pdcluster_time_to_first_token_seconds_count"] - before[
+        "pdcluster_time_to_first_token_seconds_count"] == 2
+    # 5 + 4 tokens: 4 + 3 gaps between consecutive tokens.
+    assert after["pdcluster_inter_token_latency_seconds_count"] - before[
+        "pdcluster_inter_token_latency_seconds_count"] == 7
+
+
+def test_gauges_show_a_running_request(base_url, http, kv_probe):
+    with httpx.Client(base_url=base_url, timeout=120) as c, c.stream(
+            "POST", "/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        next(line for line in r.iter_lines() if line)
+        during = _scrape(http)
+    assert during["pdcluster_requests_running"] >= 1
+    assert during["pdcluster_kv_blocks_used"] >= 1
+    kv_probe.wait_until_free()
+    assert _scrape(http)["pdcluster_kv_blocks_used"] == 0

@@ -1,0 +1,93 @@
+"""deploy/ray/local_multinode.sh brings up a real three-node Ray cluster on this machine
+(head + prefill node + decode node), an actor asking for the prefill resource lands on the
+prefill node, and `down` leaves none of the cluster's processes running."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "deploy" / "ray" / "local_multinode.sh"
+# A port of its own so a developer's cluster on the default 6390 is left alone.
+PORT = 6470
+
+# Runs in a child process: a driver joining the cluster, as `pdcluster serve` would.
+PROBE = textwrap.dedent(
+    """
+    import json, sys, time, ray
+    ray.init(address=sys.argv[1], logging_level="ERROR")
+    deadline = time.monotonic() + 60
+    while len([n for n in ray.nodes() if n["Alive"]]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    nodes = [{"id": n["NodeID"], "alive": n["Alive"], "resources": n["Resources"]}
+             for n in ray.nodes()]
+
+    @ray.remote(num_cpus=0, resources={sys.argv[2]: 1})
+    class Where:
+        def node_id(self):
+            return ray.get_runtime_context().get_node_id()
+
+    landed = ray.get(Where.remote().node_id.remote(), timeout=60)
+    print(json.dumps({"nodes": nodes, "landed": landed}))
+    """
+)
+
+
+def _script(cmd: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT), cmd], env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has exited; only its parent can reap it
+
+
+@pytest.mark.slow
+def test_up_places_prefill_actor_on_prefill_node_and_down_stops_everything(tmp_path):
+    state_dir = Path("/tmp") / f"pdc-ray-test-{os.getpid()}"  # short: unix socket path limit
+    env = dict(os.environ, PDC_RAY_PORT=str(PORT), PDC_RAY_STATE_DIR=str(state_dir),
+               PDC_RAY_GRACE_S="5", PDC_RAY_BIN=str(Path(sys.executable).parent / "ray"))
+    up = _script("up", env)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        address = f"127.0.0.2:{PORT}"
+        assert f"RAY_ADDRESS={address}" in up.stdout
+        pids = [int(line.split()[0]) for line in (state_dir / "pids").read_text().splitlines()]
+        assert pids and all(_alive(p) for p in pids)
+
+        probe = subprocess.run(
+            [sys.executable, "-c", PROBE, address, PREFILL_RESOURCE],
+            capture_output=True, text=True, timeout=180, check=False, cwd=tmp_path,
+            env=dict(env, RAY_AUTH_MODE="disabled"),
+        )
+        assert probe.returncode == 0, probe.stderr[-3000:]
+        result = json.loads(probe.stdout.strip().splitlines()[-1])
+        alive = [n for n in result["nodes"] if n["alive"]]
+        assert len(alive) == 3
+        prefill_nodes = [n["id"] for n in alive if n["resources"].get(PREFILL_RESOURCE) == 2.0]
+        decode_nodes = [n["id"] for n in alive if n["resources"].get(DECODE_RESOURCE) == 2.0]
+        router_nodes = [n["id"] for n in alive if n["resources"].get("router") == 1.0]
+        assert len(prefill_nodes) == len(decode_nodes) == len(router_nodes) == 1
+        assert len({prefill_nodes[0], decode_nodes[0], router_nodes[0]}) == 3
+        assert result["landed"] == prefill_nodes[0]
+    finally:
+        down = _script("down", env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert [p for p in pids if _alive(p)] == []
+    assert not state_dir.exists()
+    status = _script("status", env)
+    assert status.returncode == 1

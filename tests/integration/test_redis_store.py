@@ -1,0 +1,129 @@
+"""RedisStore against a real Redis at 127.0.0.1:6379 (CI starts one; locally: `redis-server`).
+
+Runs the shared ``StoreContract`` from tests/unit/test_store.py plus Redis-only checks
+(namespacing, real key TTLs, two stores sharing state, unreachable servers). Each test uses
+a fresh random namespace and deletes its keys afterwards. If Redis is not reachable these
+tests FAIL (never skip): CI is expected to provide it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from router.store import (
+    JournalEvent,
+    RedisStore,
+    StoreUnavailableError,
+    make_store,
+)
+from tests.unit.test_store import Harness, StoreContract, load, worker
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+pytestmark = pytest.mark.redis
+
+
+def _open(namespace: str, **kwargs) -> RedisStore:
+    try:
+        return RedisStore(REDIS_URL, namespace=namespace, **kwargs)
+    except StoreUnavailableError as e:
+        pytest.fail(f"Redis is required for these tests and is not reachable at {REDIS_URL} "
+                    f"(start redis-server; CI provides one): {e}")
+
+
+def _poll(pred: Callable[[], bool], ttl_s: float) -> None:
+    deadline = time.monotonic() + ttl_s + 5.0  # generous: Redis expiry is lazy + sampled
+    while not pred():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition still false {ttl_s + 5.0:.1f}s after a {ttl_s}s TTL")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    ns = f"pdtest-{uuid.uuid4().hex[:12]}"
+    yield ns
+    raw = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        keys = list(raw.scan_iter(match=f"{ns}:*"))
+        if keys:
+            raw.delete(*keys)
+    except redis.ConnectionError:
+        pass  # the test itself already failed with the clear "not reachable" message
+    finally:
+        raw.close()
+
+
+@pytest.fixture
+def raw_redis() -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True, socket_connect_timeout=2)
+    yield r
+    r.close()
+
+
+class TestRedisStore(StoreContract):
+    @pytest.fixture
+    def h(self, namespace: str) -> Iterator[Harness]:
+        made: list[RedisStore] = []
+
+        def make(**kw) -> RedisStore:
+            made.append(_open(namespace, **kw))
+            return made[-1]
+
+        yield Harness(store=make(), ttl_s=1.0, elapse=time.sleep, wait_until=_poll, make=make)
+        for s in made:
+            s.close()
+
+
+def test_all_keys_live_under_the_namespace(namespace, raw_redis):
+    store = _open(namespace)
+    store.register_worker(worker("d1"), ttl_s=60)
+    store.record_prefix("d1", [1, 2], ttl_s=60)
+    store.journal_append("req-1", JournalEvent(1.0, "received", None))
+    keys = set(raw_redis.scan_iter(match=f"{namespace}:*"))
+    assert {f"{namespace}:worker:d1", f"{namespace}:prefix:d1",
+            f"{namespace}:journal:req-1"} <= keys
+    store.deregister_worker("d1")
+    assert not set(raw_redis.scan_iter(match=f"{namespace}:*")) & {
+        f"{namespace}:worker:d1", f"{namespace}:prefix:d1"}
+    store.close()
+
+
+def test_keys_carry_real_redis_ttls(namespace, raw_redis):
+    store = _open(namespace, journal_ttl_s=120)
+    store.register_worker(worker("d1"), ttl_s=30)
+    store.heartbeat("d1", ttl_s=30, load=load())
+    store.record_prefix("d1", [1], ttl_s=30)
+    store.journal_append("req-1", JournalEvent(1.0, "received", None))
+    for key in ("worker:d1", "load:d1", "prefix:d1", "journal:req-1"):
+        assert raw_redis.ttl(f"{namespace}:{key}") > 0, f"{key} has no expiry"
+    assert raw_redis.ttl(f"{namespace}:journal:req-1") > 30  # the journal TTL, not a worker's
+    store.close()
+
+
+def test_two_routers_share_one_cluster_view(namespace):
+    a, b = _open(namespace), _open(namespace)
+    a.register_worker(worker("d1"), ttl_s=60)
+    b.record_prefix("d1", [5, 6], ttl_s=60)
+    assert [w.worker_id for w in b.list_workers()] == ["d1"]
+    assert a.match_prefix([5, 6, 7]) == {"d1": 2}
+    other = _open(namespace + "-other")  # another namespace sees none of it
+    assert other.list_workers() == [] and other.match_prefix([5, 6]) == {}
+    for s in (a, b, other):
+        s.close()
+
+
+@pytest.mark.timeout(20)  # a hang guard, not a speed check: connect timeouts bound the failure
+def test_unreachable_redis_fails_fast_with_a_clear_error():
+    with pytest.raises(StoreUnavailableError, match="127.0.0.1:1"):
+        make_store("redis://127.0.0.1:1/0")
+
+
+def test_make_store_with_url_is_redis(namespace):
+    store = make_store(REDIS_URL, namespace=namespace)
+    assert isinstance(store, RedisStore)
+    store.close()

@@ -1,0 +1,251 @@
+"""ClusterStore behaviour contract, run here against InMemoryStore (fake clock, no sleeping).
+
+``StoreContract`` is the one shared suite: tests/integration/test_redis_store.py subclasses
+it with a Redis-backed harness, so both backends pass exactly the same tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from router.store import (
+    ClusterStore,
+    InMemoryStore,
+    JournalEvent,
+    UnknownWorkerError,
+    WorkerLoad,
+    WorkerRecord,
+    make_store,
+)
+
+
+def worker(worker_id: str, role: str = "decode", port: int = 29500) -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, role=role, node_id="node-0", kv_host="10.0.0.7",
+                        kv_port=port, num_kv_blocks=1024, block_size=16,
+                        model_id="tiny-llama", started_at=1_700_000_000.5)
+
+
+def load(used: int = 10, running: int = 2) -> WorkerLoad:
+    return WorkerLoad(kv_blocks_used=used, kv_blocks_total=1024, requests_running=running,
+                      requests_waiting=1, updated_at=1_700_000_001.25)
+
+
+@dataclass
+class Harness:
+    """What a backend gives the contract: a store, a way to let time pass, and a factory
+    for extra stores on the same backend (with custom options)."""
+
+    store: ClusterStore
+    ttl_s: float  # a short TTL this backend can wait out quickly
+    elapse: Callable[[float], None]  # let (at least) this many seconds pass
+    wait_until: Callable[[Callable[[], bool], float], None]  # fails the test on timeout
+    make: Callable[..., ClusterStore]
+    extra: list[ClusterStore] = field(default_factory=list)
+
+
+class StoreContract:
+    """Behaviour every ClusterStore backend must have. Subclasses provide fixture ``h``."""
+
+    # -- registry -------------------------------------------------------------------------
+
+    def test_register_list_round_trip(self, h: Harness):
+        a, b = worker("d1", port=1), worker("p1", role="prefill", port=2)
+        h.store.register_worker(b, ttl_s=60)
+        h.store.register_worker(a, ttl_s=60)
+        assert h.store.list_workers() == [a, b]  # every field survives, sorted by id
+
+    def test_role_filter(self, h: Harness):
+        for wid, role in [("d1", "decode"), ("d2", "decode"), ("p1", "prefill"),
+                          ("c1", "colocated")]:
+            h.store.register_worker(worker(wid, role), ttl_s=60)
+        assert [w.worker_id for w in h.store.list_workers("decode")] == ["d1", "d2"]
+        assert [w.worker_id for w in h.store.list_workers("prefill")] == ["p1"]
+        assert [w.worker_id for w in h.store.list_workers("colocated")] == ["c1"]
+        with pytest.raises(ValueError, match="role"):
+            h.store.list_workers("decoder")
+
+    def test_worker_expires_without_heartbeat(self, h: Harness):
+        h.store.register_worker(worker("d1"), ttl_s=h.ttl_s)
+        h.store.register_worker(worker("d2"), ttl_s=3600)
+        h.store.heartbeat("d1", ttl_s=h.ttl_s, load=load())
+        assert len(h.store.list_workers()) == 2
+        h.wait_until(lambda: [w.worker_id for w in h.store.list_workers()] == ["d2"], h.ttl_s)
+        assert h.store.get_load("d1") is None
+        with pytest.raises(UnknownWorkerError, match="d1"):
+            h.store.heartbeat("d1", ttl_s=60)
+
+    def test_heartbeat_extends_liveness(self, h: Harness):
+        h.store.register_worker(worker("d1"), ttl_s=h.ttl_s)
+        h.store.heartbeat("d1", ttl_s=3600)
+        h.elapse(h.ttl_s * 1.5)
+        assert [w.worker_id for w in h.store.list_workers()] == ["d1"]
+
+    def test_heartbeat_unknown_worker_raises(self, h: Harness):
+        with pytest.raises(UnknownWorkerError, match="ghost"):
+            h.store.heartbeat("ghost", ttl_s=60, load=load())
+        assert h.store.get_load("ghost") is None  # the refused load was not stored
+
+    def test_deregister_removes_worker_load_and_prefixes(self, h: Harness):
+        h.store.register_worker(worker("d1"), ttl_s=60)
+        h.store.register_worker(worker("d2"), ttl_s=60)
+        h.store.heartbeat("d1", ttl_s=60, load=load())
+        h.store.record_prefix("d1", [1, 2], ttl_s=60)
+        h.store.deregister_worker("d1")
+        h.store.deregister_worker("never-registered")  # ignored
+        assert [w.worker_id for w in h.store.list_workers()] == ["d2"]
+        assert h.store.get_load("d1") is None
+        assert h.store.match_prefix([1, 2]) == {}
+        with pytest.raises(UnknownWorkerError):
+            h.store.heartbeat("d1", ttl_s=60)
+
+    def test_load_round_trip(self, h: Harness):
+        h.store.register_worker(worker("d1"), ttl_s=60)
+        assert h.store.get_load("d1") is None  # registered, no report yet
+        h.store.heartbeat("d1", ttl_s=60, load=load(used=10))
+        assert h.store.get_load("d1") == load(used=10)
+        h.store.heartbeat("d1", ttl_s=60)  # no load: keeps the last report
+        assert h.store.get_load("d1") == load(used=10)
+        h.store.heartbeat("d1", ttl_s=60, load=load(used=99, running=7))
+        assert h.store.get_load("d1") == load(used=99, running=7)
+        h.store.register_worker(worker("d1"), ttl_s=60)  # a restarted worker starts clean
+        assert h.store.get_load("d1") is None
+
+    def test_bad_input_is_refused(self, h: Harness):
+        with pytest.raises(ValueError, match="ttl_s"):
+            h.store.register_worker(worker("d1"), ttl_s=0)
+        with pytest.raises(ValueError, match="role"):
+            worker("x", role="router")
+        with pytest.raises(ValueError, match="kind"):
+            JournalEvent(ts=1.0, kind="started", worker_id=None)
+        with pytest.raises(ValueError, match="ints"):
+            h.store.match_prefix([1, "2"])  # type: ignore[list-item]
+
+    # -- prefix index ---------------------------------------------------------------------
+
+    def test_prefix_match_is_longest_leading_run_per_worker(self, h: Harness):
+        for wid in ("a", "b", "c", "d"):
+            h.store.register_worker(worker(wid), ttl_s=60)
+        h.store.record_prefix("a", [1, 2, 3, 4], ttl_s=60)
+        h.store.record_prefix("b", [1, 2], ttl_s=60)
+        h.store.record_prefix("c", [2, 3, 4], ttl_s=60)  # holds later blocks, not the first
+        h.store.record_prefix("d", [1, 9, 3], ttl_s=60)  # diverges after one block
+        assert h.store.match_prefix([1, 2, 3]) == {"a": 3, "b": 2, "d": 1}
+        assert h.store.match_prefix([1, 2, 3, 4, 5]) == {"a": 4, "b": 2, "d": 1}
+        assert h.store.match_prefix([7, 8]) == {}
+        assert h.store.match_prefix([]) == {}
+
+    def test_prefix_of_dead_or_dropped_worker_is_not_matched(self, h: Harness):
+        h.store.register_worker(worker("short"), ttl_s=h.ttl_s)
+        h.store.register_worker(worker("long"), ttl_s=3600)
+        h.store.record_prefix("short", [1, 2], ttl_s=3600)
+        h.store.record_prefix("long", [1], ttl_s=3600)
+        h.store.record_prefix("unregistered", [1, 2], ttl_s=3600)
+        assert h.store.match_prefix([1, 2]) == {"short": 2, "long": 1}
+        h.wait_until(lambda: h.store.match_prefix([1, 2]) == {"long": 1}, h.ttl_s)
+        h.store.drop_worker_prefixes("long")
+        assert h.store.match_prefix([1, 2]) == {}
+        assert [w.worker_id for w in h.store.list_workers()] == ["long"]  # still registered
+
+    def test_prefix_entries_expire(self, h: Harness):
+        h.store.register_worker(worker("a"), ttl_s=3600)
+        h.store.record_prefix("a", [1, 2], ttl_s=h.ttl_s)
+        h.store.record_prefix("a", [1], ttl_s=3600)  # re-recording the head refreshes it
+        assert h.store.match_prefix([1, 2]) == {"a": 2}
+        h.wait_until(lambda: h.store.match_prefix([1, 2]) == {"a": 1}, h.ttl_s)
+
+    def test_prefix_index_is_lru_capped_per_worker(self, h: Harness):
+        store = h.make(max_prefix_blocks_per_worker=4)
+        store.register_worker(worker("a"), ttl_s=60)
+        store.register_worker(worker("b"), ttl_s=60)
+        store.record_prefix("a", [1, 2, 3], ttl_s=60)
+        store.record_prefix("a", [10, 11], ttl_s=60)  # 5 > 4: a's oldest entry goes
+        store.record_prefix("b", [1, 2, 3], ttl_s=60)  # another worker's cap is separate
+        # The chain's tail is evicted before its head, so block 1 (every match needs it) stays.
+        assert store.match_prefix([1, 2, 3]) == {"a": 2, "b": 3}
+        assert store.match_prefix([10, 11]) == {"a": 2}
+
+    # -- journal --------------------------------------------------------------------------
+
+    def test_journal_keeps_order_and_fields(self, h: Harness):
+        events = [JournalEvent(1.0, "received", None),
+                  JournalEvent(2.0, "reserved", "d1", "12 blocks"),
+                  JournalEvent(3.0, "prefilled", "p1"),
+                  JournalEvent(2.5, "finished", "d1", "stop")]  # ts out of order: append order wins
+        for e in events:
+            h.store.journal_append("req-1", e)
+        h.store.journal_append("req-2", JournalEvent(4.0, "aborted", None, "client cancel"))
+        assert h.store.journal_get("req-1") == events
+        assert h.store.journal_get("req-2") == [JournalEvent(4.0, "aborted", None, "client cancel")]
+        assert h.store.journal_get("unknown") == []
+        assert h.store.journal_recent(10) == ["req-2", "req-1"]
+        h.store.journal_append("req-1", JournalEvent(5.0, "retried", "d2"))
+        assert h.store.journal_recent(1) == ["req-1"]
+
+    def test_journal_expires(self, h: Harness):
+        store = h.make(journal_ttl_s=h.ttl_s)
+        store.journal_append("req-1", JournalEvent(1.0, "received", None))
+        assert store.journal_get("req-1") == [JournalEvent(1.0, "received", None)]
+        h.wait_until(lambda: store.journal_get("req-1") == [] and store.journal_recent() == [],
+                     h.ttl_s)
+
+    def test_concurrent_appends_lose_nothing(self, h: Harness):
+        def append(t: int) -> None:
+            for i in range(25):
+                h.store.journal_append("req-x", JournalEvent(float(i), "retried", f"w{t}", str(i)))
+
+        threads = [threading.Thread(target=append, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        events = h.store.journal_get("req-x")
+        assert len(events) == 100
+        for t in range(4):  # each writer's events appear in its own order
+            assert [e.detail for e in events if e.worker_id == f"w{t}"] == [str(i) for i in range(25)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class TestInMemoryStore(StoreContract):
+    @pytest.fixture
+    def h(self) -> Harness:
+        clock = FakeClock()
+
+        def wait_until(pred: Callable[[], bool], ttl_s: float) -> None:
+            assert not pred(), "condition already true before the TTL passed"
+            clock.advance(ttl_s + 0.001)
+            assert pred(), f"condition still false {ttl_s}s later"
+
+        return Harness(store=InMemoryStore(clock=clock), ttl_s=10.0, elapse=clock.advance,
+                       wait_until=wait_until, make=lambda **kw: InMemoryStore(clock=clock, **kw))
+
+
+def test_make_store_without_url_is_in_memory():
+    store = make_store(None)
+    assert isinstance(store, InMemoryStore)
+    store.register_worker(worker("d1"), ttl_s=60)
+    assert [w.worker_id for w in store.list_workers()] == ["d1"]
+    store.close()
+
+
+def test_in_memory_expiry_is_exact_at_the_ttl_boundary():
+    clock = FakeClock()
+    store = InMemoryStore(clock=clock)
+    store.register_worker(worker("d1"), ttl_s=5)
+    clock.advance(4.5)
+    assert store.list_workers() == [worker("d1")]
+    clock.advance(0.5)  # exactly at the expiry instant: gone
+    assert store.list_workers() == []
