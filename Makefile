@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto --pyi_out=proto proto/pdcluster/v1/generation.proto
+	$(BIN)/python -m proto.generate
 
 bench: $(STAMP)
 	$(BIN)/pdcluster bench sweep

@@ -358,6 +358,13 @@ def model_size(model: Any) -> ModelSize:
     return ModelSize(n, b)
 
 
+def model_config(model: str | None) -> Any:
+    """Our engine's ModelConfig for ``model`` (converting the default GGUF on first use)."""
+    from engine.weights import load_model_config, resolve_model
+
+    return load_model_config(resolve_model(None if model in (None, "default") else model).model_dir)
+
+
 def load_llm(model: str | None, **kwargs: Any) -> Any:
     """Build ``engine.LLM`` (``model`` "default" or None -> the default model)."""
     from engine import LLM

@@ -27,6 +27,7 @@ from bench.common import (
     load_llm,
     machine_info,
     make_prompts,
+    model_config,
     poisson_arrivals,
     print_targets,
     ratio,
@@ -139,17 +140,17 @@ def baseline_static(hf_model: Any, workload: Workload, max_num_seqs: int) -> Pol
 def head_of_line_example(model: str | None, quick: bool,
                          num_threads: int | None) -> dict[str, Any]:
     """The 10/50/1000-token example in 3 slots: arithmetic, then measured under static."""
+    cfg = model_config(model)
+    prompt_len = 8
     scale = HOL_QUICK_SCALE if quick else 1
+    while max(HOL_OUTPUT_LENS) // scale + prompt_len > cfg.max_model_len:
+        scale *= 2  # a small-context model: keep the 10:50:1000 shape, shrink the lengths
     lens = [max(1, n // scale) for n in HOL_OUTPUT_LENS]
     static = simulate_batching(lens, 3, "static")
     print(f"head-of-line example, outputs {lens} in 3 slots:")
     print(f"  computed static utilization = {static.useful_token_steps}/"
           f"{static.num_slots * static.num_steps} = {static.utilization:.1%}", flush=True)
-    from engine.weights import load_model_config, resolve_model
-
-    vocab = load_model_config(resolve_model(None if model in (None, "default") else model)
-                              .model_dir).vocab_size
-    wl = Workload(make_prompts(3, 8, vocab, seed=7), lens, [0.0, 0.0, 0.0])
+    wl = Workload(make_prompts(3, prompt_len, cfg.vocab_size, seed=7), lens, [0.0, 0.0, 0.0])
     measured = run_policy(model, wl, "static", 3, 0.0, num_threads)
     print(f"  measured static utilization = {measured.num_tokens}/"
           f"{measured.num_slots * measured.num_steps} = {measured.slot_utilization:.1%} "
@@ -170,13 +171,10 @@ def policy_targets(results: dict[str, PolicyResult]) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Entry point of the ``policies`` subcommand; returns the JSON payload it wrote."""
-    from engine.weights import load_model_config, resolve_model
-
     n = min(args.num_requests, 16) if args.quick else args.num_requests
     max_out = min(args.max_output, 64) if args.quick else args.max_output
     slots = min(args.max_num_seqs, 4) if args.quick else args.max_num_seqs
-    vocab = load_model_config(resolve_model(None if args.model in (None, "default") else args.model)
-                              .model_dir).vocab_size
+    vocab = model_config(args.model).vocab_size
     wl = make_workload(n, args.prompt_len, vocab, args.seed, args.min_output, max_out,
                        args.arrival_rate)
     lens = sorted(wl.output_lens)

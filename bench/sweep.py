@@ -32,6 +32,7 @@ from bench.common import (
     load_llm,
     machine_info,
     make_prompts,
+    model_config,
     model_size,
     print_targets,
     ratio,
@@ -269,13 +270,6 @@ def _print_table(points: list[SweepPoint]) -> None:
         print(f"{p.batch_size:>5} {p.throughput_tok_s:>8.1f} {p.ttft_mean_s * 1e3:>8.0f} "
               f"{p.itl_mean_s * 1e3:>7.1f} {p.itl_p99_s * 1e3:>7.1f} {p.e2e_p99_s:>9.2f} "
               f"{p.decode_step_s * 1e3:>8.1f} {roof:>8.1f} {hf:>8.1f} {r:>6.2f}")
-
-
-def model_config(model: str | None) -> Any:
-    """Our engine's ModelConfig for ``model`` (converting the default GGUF on first use)."""
-    from engine.weights import load_model_config, resolve_model
-
-    return load_model_config(resolve_model(None if model in (None, "default") else model).model_dir)
 
 
 def meta_model_size(cfg: Any) -> ModelSize:

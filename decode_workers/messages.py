@@ -116,6 +116,18 @@ class PrefillResult:
     kv_bytes: int
 
 
+def apply_cpu_affinity(cores: tuple[int, ...] | None) -> None:
+    """Pin this process to ``cores`` (Linux); torch then uses one thread per pinned core."""
+    if not cores:
+        return
+    import os
+
+    import torch
+
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """How to build one worker. ``engine_args`` is the engine's; the rest is the worker's own."""
@@ -129,6 +141,8 @@ class WorkerConfig:
     lease_s: float = 30.0
     # Prefill: send each layer as soon as it is computed (False: all layers after the step).
     stream_layers: bool = True
+    # Pin the worker process to these CPU cores (benchmarks compare setups with equal cores).
+    cpu_affinity: tuple[int, ...] | None = None
     # Fault injection for failure tests (never set in production): the prefill worker's
     # process exits after sending this many layers in total (a peer dying mid-transfer), or
     # sleeps after each layer it sends (a slow link, to hold a transfer open).

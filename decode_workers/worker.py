@@ -29,6 +29,7 @@ from decode_workers.messages import (
     WorkerConfig,
     WorkerInfo,
     WorkerLoad,
+    apply_cpu_affinity,
 )
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
@@ -53,6 +54,7 @@ class DecodeWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.worker_id = config.worker_id
+        apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
         self.layout = KVLayout.from_model_config(self.engine.model_config)
@@ -146,8 +148,11 @@ class DecodeWorker:
         if res is None:  # lease expired or aborted while we waited
             raise KVTransferError(f"reservation for {request_id} was released before commit")
         self.kv_bytes_received += res.num_bytes
-        update = self.loop.call(
-            lambda e: e.scheduler.finish_remote_kv(request_id, first_token_id)).result(_CALL_TIMEOUT_S)
+        try:
+            update = self.loop.call(lambda e: e.scheduler.finish_remote_kv(
+                request_id, first_token_id)).result(_CALL_TIMEOUT_S)
+        except KeyError:  # aborted between the wait and the admission
+            raise KVTransferError(f"{request_id} was aborted before commit") from None
         req = update.request
         return CommitResult(req.is_finished, req.status.finish_reason)
 

@@ -87,7 +87,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: `req in running` must not compare token lists
 class Request:
     """One sequence inside an engine. Mutable; owned by the scheduler."""
 

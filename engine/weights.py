@@ -74,7 +74,7 @@ def resolve_model(model: str | Path | None, cache_dir: str | Path | None = None)
         if path.is_file() and path.suffix == ".gguf":
             gguf_path = path
         elif path.is_dir() and (path / "config.json").is_file():
-            return ResolvedModel(model_dir=path.resolve(), model_id=path.resolve().name,
+            return ResolvedModel(model_dir=path.resolve(), model_id=_model_id_of_dir(path.resolve()),
                                  source="hf_dir")
         elif path.is_dir():
             ggufs = sorted(path.glob("*.gguf"))
@@ -93,6 +93,16 @@ def resolve_model(model: str | Path | None, cache_dir: str | Path | None = None)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else DEFAULT_CACHE_DIR.expanduser()
     out_dir = _convert_gguf_cached(gguf_path, cache)
     return ResolvedModel(model_dir=out_dir, model_id=gguf_path.stem, source="gguf")
+
+
+def _model_id_of_dir(model_dir: Path) -> str:
+    """A directory's model id: its name, or for one we converted, the source GGUF's stem, so
+    workers loading the converted copy agree with a router that resolved the GGUF."""
+    try:
+        source = json.loads((model_dir / "config.json").read_text()).get("gguf_source")
+    except (OSError, ValueError):
+        source = None
+    return Path(source).stem if source else model_dir.name
 
 
 def load_model_config(model_dir: str | Path, dtype: str = "float32",

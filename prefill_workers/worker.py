@@ -26,6 +26,7 @@ from decode_workers.messages import (
     WorkerConfig,
     WorkerInfo,
     WorkerLoad,
+    apply_cpu_affinity,
 )
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
@@ -52,6 +53,7 @@ class PrefillWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.worker_id = config.worker_id
+        apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
         self.layout = KVLayout.from_model_config(self.engine.model_config)

@@ -18,7 +18,7 @@ from engine.request import QueueFullError, SamplingParams
 __all__ = [
     "BackendStats", "EngineBackend", "GenerateInput", "GenerationBackend", "GenerationChunk",
     "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "Usage",
-    "WorkerStats",
+    "WorkerStats", "WorkerUnavailableError",
 ]
 
 
@@ -28,6 +28,10 @@ class InvalidRequestError(ValueError):
 
 class ModelNotFoundError(LookupError):
     """The request names a model this cluster does not serve: gRPC NOT_FOUND / HTTP 404."""
+
+
+class WorkerUnavailableError(RuntimeError):
+    """No live worker can take the request: gRPC UNAVAILABLE / HTTP 503 (clients may retry)."""
 
 
 # QueueFullError (engine.request) -> gRPC RESOURCE_EXHAUSTED / HTTP 429.

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from decode_workers.messages import WorkerConfig, WorkerInfo
@@ -81,11 +81,16 @@ class Cluster:
         self.store = None
         self._info: ModelInfo | None = None
         self._refresh_task: asyncio.Task | None = None
+        self._progress: Callable[[str], None] = lambda step: None
 
     # ---- lifecycle ------------------------------------------------------------------------
     @classmethod
-    async def start(cls, config: ClusterConfig) -> Cluster:
+    async def start(cls, config: ClusterConfig,
+                    on_progress: Callable[[str], None] | None = None) -> Cluster:
+        """Start (or join) Ray and every worker. ``on_progress(step)`` is called as each
+        start-up step completes ("model", "ray", then one call per worker id)."""
         cluster = cls(config)
+        cluster._progress = on_progress or (lambda step: None)
         try:
             await cluster._start()
         except BaseException:
@@ -111,8 +116,10 @@ class Cluster:
                          resources={PREFILL_RESOURCE: cfg.num_prefill_workers,
                                     DECODE_RESOURCE: cfg.num_decode_workers})
                 self._started_ray = True
+        self._progress("ray")
         self.store = make_store(cfg.redis_url)
         resolved = resolve_model(cfg.model, cache_dir=cfg.decode_engine.cache_dir)
+        self._progress("model")
         model_cfg = load_model_config(resolved.model_dir, dtype=cfg.decode_engine.dtype,
                                       model_id=resolved.model_id)
         model_path = str(resolved.model_dir)  # workers load the converted dir: no re-conversion
@@ -127,7 +134,7 @@ class Cluster:
         specs += [(f"decode-{i}", role, cfg.decode_engine) for i in range(cfg.num_decode_workers)]
         handles = [self._spawn(wid, r, dataclasses.replace(args, model=model_path))
                    for wid, r, args in specs]
-        infos: list[WorkerInfo] = await asyncio.gather(*[h.info.remote() for h in handles])
+        infos: list[WorkerInfo] = await asyncio.gather(*[self._ready(h) for h in handles])
 
         decode_infos = [i for i in infos if i.role != "prefill"]
         max_len = min(i.max_model_len for i in infos)
@@ -147,6 +154,11 @@ class Cluster:
         self.orchestrator = orch
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
         log.info("cluster up: %s", ", ".join(f"{i.worker_id}@{i.node_id[:8]}" for i in infos))
+
+    async def _ready(self, handle) -> WorkerInfo:
+        info = await handle.info.remote()
+        self._progress(info.worker_id)
+        return info
 
     def _spawn(self, worker_id: str, role: str, engine_args: EngineArgs):
         import ray

@@ -9,7 +9,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from router.backend import InvalidRequestError, ModelNotFoundError, QueueFullError
+from router.backend import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    QueueFullError,
+    WorkerUnavailableError,
+)
 
 __all__ = ["MappedError", "map_error", "openai_error_body"]
 
@@ -25,7 +30,8 @@ class MappedError:
 
 def map_error(exc: BaseException) -> MappedError:
     """Classify ``exc``: bad input -> INVALID_ARGUMENT/400, unknown model -> NOT_FOUND/404,
-    queue full -> RESOURCE_EXHAUSTED/429, anything else -> INTERNAL/500.
+    queue full -> RESOURCE_EXHAUSTED/429, no live worker -> UNAVAILABLE/503, anything else ->
+    INTERNAL/500.
 
     InvalidRequestError is a ValueError, so any ValueError (e.g. from SamplingParams) counts
     as bad input; unexpected errors keep their type name so logs and clients can tell them apart.
@@ -40,6 +46,9 @@ def map_error(exc: BaseException) -> MappedError:
     if isinstance(exc, QueueFullError):
         return MappedError(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
                            "queue_full", msg)
+    if isinstance(exc, WorkerUnavailableError):
+        return MappedError(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable",
+                           "no_worker", msg)
     return MappedError(grpc.StatusCode.INTERNAL, 500, "internal_error", None,
                        f"internal error: {type(exc).__name__}: {msg}")
 

@@ -35,6 +35,7 @@ from router.backend import (
     InvalidRequestError,
     ModelNotFoundError,
     Usage,
+    WorkerUnavailableError,
     new_request_id,
 )
 from router.policy import WorkerView, blocks_for, pick_decode, pick_prefill
@@ -42,8 +43,13 @@ from router.policy import WorkerView, blocks_for, pick_decode, pick_prefill
 log = logging.getLogger(__name__)
 
 
-class WorkerUnavailableError(RuntimeError):
-    """No live worker can take the request (gRPC UNAVAILABLE / HTTP 503)."""
+class ClusterMisconfiguredError(RuntimeError):
+    """Workers that cannot work together (KV handshake refused): an operator error (INTERNAL)."""
+
+
+def _cause(e: BaseException) -> BaseException:
+    """A Ray task error's original exception (its str() is a remote traceback)."""
+    return getattr(e, "cause", None) or e
 
 
 @dataclass(frozen=True)
@@ -263,8 +269,8 @@ class Orchestrator:
                 try:
                     res = await decode.handle.reserve.remote(ReserveRequest(
                         rid, prompt_ids, params, spec, pslot.info.worker_id, time.time()))
-                except KVHandshakeError:
-                    raise
+                except KVHandshakeError as e:
+                    raise ClusterMisconfiguredError(str(_cause(e))) from None
                 except Exception as e:
                     self._on_worker_error(decode, e)
                     excluded_decode.add(decode.info.worker_id)
@@ -313,7 +319,7 @@ class Orchestrator:
             finally:
                 decode.view.inflight_blocks -= need
         raise WorkerUnavailableError(f"request {rid} failed after {self.config.max_attempts} "
-                                     f"attempts; last error: {last_error!r}")
+                                     f"attempts; last error: {_cause(last_error)!r}")
 
     async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
                                prompt_ids: list[int] | None) -> WorkerSlot:

@@ -1,0 +1,138 @@
+"""`pdcluster serve`: build a ServeConfig (flags over YAML over defaults), start the cluster and
+the front door, and drain on SIGTERM before shutting every worker down."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.llm_engine import EngineArgs
+
+log = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'1GiB', '512MB', '1073741824' -> bytes. ValueError on anything else."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    mode: str = "disaggregated"
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    ray_address: str | None = None
+    redis_url: str | None = None
+    kv_cache_memory: str = "1GiB"  # per worker
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    prefill_block_size: int = 16
+    decode_block_size: int = 16
+    max_model_len: int | None = None
+    max_waiting: int = 1024
+    drain_grace_s: float = 30.0
+    threads_per_worker: int | None = None  # None: the machine's cores split among workers
+
+    def __post_init__(self) -> None:
+        parse_bytes(self.kv_cache_memory)
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"--mode must be disaggregated or colocated, got {self.mode!r}")
+        for name in ("prefill_workers", "decode_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+
+    def cluster_config(self):
+        from router.cluster import ClusterConfig
+
+        num_prefill = self.prefill_workers if self.mode == "disaggregated" else 0
+        threads = self.threads_per_worker or max(1, (os.cpu_count() or 2) // max(
+            1, num_prefill + self.decode_workers))
+        common = dict(dtype="float32", kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory),
+                      max_model_len=self.max_model_len, num_threads=threads,
+                      max_waiting=self.max_waiting)
+        return ClusterConfig(
+            model=self.model, mode=self.mode, num_prefill_workers=num_prefill,
+            num_decode_workers=self.decode_workers,
+            prefill_engine=EngineArgs(block_size=self.prefill_block_size, max_num_seqs=8,
+                                      max_num_batched_tokens=self.max_num_batched_tokens, **common),
+            decode_engine=EngineArgs(block_size=self.decode_block_size, max_num_seqs=self.max_num_seqs,
+                                     max_num_batched_tokens=self.max_num_batched_tokens, **common),
+            ray_address=self.ray_address, redis_url=self.redis_url,
+            max_inflight_requests=self.max_waiting)
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Defaults < YAML file (--config; keys are flag names) < flags given on the command line."""
+    values: dict = {}
+    if args.config:
+        import yaml
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: expected a mapping of flag names to values")
+        values.update({k.replace("-", "_"): v for k, v in data.items()})
+    known = {f.name for f in dataclasses.fields(ServeConfig)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"{args.config}: unknown keys {sorted(unknown)}")
+    for name in known:
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    return ServeConfig(**values)
+
+
+def run_serve(config: ServeConfig) -> int:
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: ServeConfig) -> int:
+    from tqdm import tqdm
+
+    from router.cluster import Cluster
+    from router.frontdoor import install_signal_handlers, serve_frontdoor
+
+    cc = config.cluster_config()
+    total = 2 + cc.num_prefill_workers + cc.num_decode_workers
+    bar = tqdm(total=total, desc="starting pdcluster", unit="step")
+
+    def progress(step: str) -> None:
+        bar.set_postfix_str(step)
+        bar.update(1)
+
+    cluster = await Cluster.start(cc, on_progress=progress)
+    bar.close()
+    try:
+        fd = await serve_frontdoor(cluster, host=config.host, grpc_port=config.grpc_port,
+                                   http_port=config.http_port, drain_grace_s=config.drain_grace_s)
+        install_signal_handlers(fd)
+        info = cluster.model_info()
+        print(f"pdcluster serving {info.model_id} ({config.mode}, {cc.num_prefill_workers} prefill + "
+              f"{cc.num_decode_workers} decode workers)\n"
+              f"  gRPC  {config.host}:{fd.grpc_port}\n"
+              f"  HTTP  http://{config.host}:{fd.http_port}/v1  (metrics: /metrics)", flush=True)
+        await fd.wait_closed()
+    finally:
+        await cluster.shutdown()
+    print("pdcluster stopped", flush=True)
+    return 0

@@ -1,0 +1,154 @@
+"""The benchmark harness's arithmetic: slot utilization, percentiles, knee, roofline, workloads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.common import (
+    find_knee,
+    heavy_tailed_lengths,
+    make_prompts,
+    percentile,
+    poisson_arrivals,
+    roofline_step_time,
+    simulate_batching,
+    slot_utilization,
+    summarize,
+    target,
+    to_jsonable,
+)
+
+
+# ---- slot utilization ------------------------------------------------------------------------
+def test_head_of_line_example_static_is_1060_of_3000():
+    sim = simulate_batching([10, 50, 1000], 3, "static")
+    assert sim.num_steps == 1000
+    assert sim.useful_token_steps == 1060
+    assert sim.utilization == pytest.approx(1060 / 3000)
+    assert round(sim.utilization * 100, 1) == 35.3
+
+
+def test_continuous_refills_freed_slots_from_the_queue():
+    # Slots 3, queue [10, 50, 1000, 10, 10]: the two short ones take the slot freed at step 10,
+    # so the whole queue finishes with the 1000-token request.
+    lens = [10, 50, 1000, 10, 10]
+    cont = simulate_batching(lens, 3, "continuous")
+    assert cont.num_steps == 1000
+    assert cont.useful_token_steps == 1080
+    assert cont.utilization == pytest.approx(1080 / 3000)
+    # Static must run the two short ones as a second batch after the 1000-token one.
+    static = simulate_batching(lens, 3, "static")
+    assert static.num_steps == 1010
+    assert static.utilization < cont.utilization
+
+
+def test_continuous_is_fully_utilized_when_the_queue_never_drains_early():
+    # 6 equal requests in 3 slots: two full waves, every slot busy every step.
+    sim = simulate_batching([7] * 6, 3, "continuous")
+    assert (sim.num_steps, sim.utilization) == (14, 1.0)
+
+
+def test_dynamic_with_everyone_queued_equals_static():
+    lens = [5, 9, 2, 30, 4]
+    assert simulate_batching(lens, 2, "dynamic").num_steps == simulate_batching(
+        lens, 2, "static").num_steps == 9 + 30 + 4
+
+
+def test_slot_utilization_rejects_impossible_counts():
+    assert slot_utilization(1060, 3, 1000) == pytest.approx(0.35333, abs=1e-5)
+    assert slot_utilization(0, 3, 0) == 0.0
+    with pytest.raises(ValueError, match="cannot fit"):
+        slot_utilization(3001, 3, 1000)
+    with pytest.raises(ValueError, match="slots > 0"):
+        slot_utilization(1, 0, 1)
+    with pytest.raises(ValueError, match="unknown policy"):
+        simulate_batching([1], 1, "fifo")
+
+
+# ---- percentiles -----------------------------------------------------------------------------
+def test_percentile_interpolates_linearly_like_numpy():
+    xs = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert percentile(xs, 50) == 3.0
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
+    assert percentile(xs, 90) == pytest.approx(4.6)
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
+
+
+def test_percentile_rejects_empty_and_out_of_range():
+    with pytest.raises(ValueError, match="empty"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"\[0, 100\]"):
+        percentile([1.0], 101)
+
+
+def test_summarize_mean_and_tail():
+    s = summarize([0.1] * 99 + [1.0])
+    assert s.mean == pytest.approx(0.109)
+    assert s.p50 == pytest.approx(0.1)
+    assert s.p99 == pytest.approx(0.109)
+    assert s.count == 100
+    assert math.isnan(summarize([]).mean)
+
+
+# ---- knee ------------------------------------------------------------------------------------
+def test_knee_is_last_size_before_gains_fall_under_threshold():
+    bs = [1, 4, 8, 16, 32]
+    tput = [10.0, 36.0, 64.0, 76.8, 84.0]  # gains per doubling: 1.9, 1.78, 1.2, 1.09
+    itl = [0.040, 0.045, 0.050, 0.080, 0.150]
+    knee = find_knee(bs, tput, itl)
+    assert knee.batch_size == 8
+    assert knee.gains_per_doubling[0] == pytest.approx(3.6 ** 0.5)
+    assert knee.gains_per_doubling[2] == pytest.approx(1.2)
+
+
+def test_knee_needs_latency_growth_and_defaults_to_largest():
+    # Gains collapse, but latency per token did not grow: not a knee.
+    assert find_knee([1, 2, 4], [10.0, 11.0, 11.5], [0.05, 0.05, 0.05]).batch_size == 4
+    # Every doubling pays: the knee is the largest measured size.
+    assert find_knee([1, 2, 4], [10.0, 19.0, 36.0], [0.05, 0.052, 0.055]).batch_size == 4
+    with pytest.raises(ValueError, match="increasing"):
+        find_knee([4, 2], [1.0, 2.0], [1.0, 1.0])
+
+
+# ---- roofline --------------------------------------------------------------------------------
+def test_roofline_memory_bound_at_batch_1_compute_bound_at_large_batch():
+    params, wbytes = 134_515_008, 538_060_032  # SmolLM2-135M fp32
+    one = roofline_step_time(wbytes, params, 1, 13.5e9, 100e9)
+    assert one.bound == "memory"
+    assert one.step_s == pytest.approx(wbytes / 13.5e9)  # ~39.9 ms
+    assert one.throughput_tok_s == pytest.approx(1 / one.step_s)
+    big = roofline_step_time(wbytes, params, 64, 13.5e9, 100e9)
+    assert big.bound == "compute"
+    assert big.step_s == pytest.approx(2 * params * 64 / 100e9)  # ~172 ms
+    # The crossover batch: 2 * params * b / F == W / B  ->  b = W * F / (2 * params * B)
+    crossover = wbytes * 100e9 / (2 * params * 13.5e9)
+    assert roofline_step_time(wbytes, params, math.floor(crossover), 13.5e9, 100e9).bound == "memory"
+    assert roofline_step_time(wbytes, params, math.ceil(crossover), 13.5e9, 100e9).bound == "compute"
+
+
+# ---- workloads and output ----------------------------------------------------------------------
+def test_workloads_are_seeded_and_exact():
+    a = make_prompts(4, 64, 1000, seed=3)
+    assert a == make_prompts(4, 64, 1000, seed=3)
+    assert a != make_prompts(4, 64, 1000, seed=4)
+    assert all(len(p) == 64 and all(10 <= t < 1000 for t in p) for p in a)
+    lens = heavy_tailed_lengths(500, seed=1, low=8, high=512)
+    assert lens == heavy_tailed_lengths(500, seed=1, low=8, high=512)
+    assert min(lens) >= 8 and max(lens) <= 512
+    assert sorted(lens)[len(lens) // 2] < sum(lens) / len(lens)  # heavy tail: median < mean
+    arr = poisson_arrivals(10, 5.0, seed=0)
+    assert arr[0] == 0.0 and arr == sorted(arr)
+    assert poisson_arrivals(3, None) == [0.0, 0.0, 0.0]
+
+
+def test_targets_and_json_conversion():
+    assert target("x", 1.6, 1.5)["met"] is True
+    assert target("x", 1.6, 1.5, higher_is_better=False)["met"] is False
+    assert target("x", None, 1.5)["met"] is None
+    sim = simulate_batching([1, 2], 2, "static")
+    assert to_jsonable({"s": sim, "n": float("nan")}) == {
+        "s": {"policy": "static", "num_slots": 2, "num_steps": 2, "useful_token_steps": 3,
+              "utilization": 0.75}, "n": None}
