@@ -55,13 +55,23 @@ def server_loop():
     lt.close()
 
 
-@pytest.fixture(scope="session")
-def backend(server_loop) -> GenerationBackend:
+@pytest.fixture(scope="module", params=["embedded", "cluster"])
+def backend(request, server_loop) -> GenerationBackend:
+    """The same front-door tests run over one in-process engine and over the real Ray
+    cluster (1 prefill + 1 decode worker, disaggregated) that `pdcluster serve` builds."""
     from engine.llm_engine import EngineArgs
 
-    b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING))
+    if request.param == "embedded":
+        b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING))
+    else:
+        from router.cluster import Cluster, ClusterConfig
+
+        engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1)
+        b = server_loop.run(Cluster.start(ClusterConfig(
+            prefill_engine=engine, decode_engine=engine,
+            max_inflight_requests=MAX_NUM_SEQS + MAX_WAITING, capacity_wait_s=5.0)), 180)
     yield b
-    server_loop.run(b.shutdown())
+    server_loop.run(b.shutdown(), 60)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +119,6 @@ class KVProbe:
             time.sleep(0.01)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kv_probe(backend, server_loop) -> KVProbe:
     return KVProbe(backend, server_loop)
