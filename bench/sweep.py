@@ -57,6 +57,7 @@ class SweepPoint:
     ttft_mean_s: float
     ttft_p99_s: float
     itl_mean_s: float
+    itl_p50_s: float  # robust to a noisy neighbour's stalls, unlike the mean
     itl_p99_s: float
     e2e_p99_s: float
     decode_step_s: float  # median of full-batch pure-decode steps
@@ -121,7 +122,7 @@ def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, ou
     point = SweepPoint(
         batch_size=batch, num_requests=len(prompts), output_tokens=n_tok, elapsed_s=elapsed,
         throughput_tok_s=n_tok / elapsed, ttft_mean_s=ttft.mean, ttft_p99_s=ttft.p99,
-        itl_mean_s=itl.mean, itl_p99_s=itl.p99, e2e_p99_s=e2e.p99,
+        itl_mean_s=itl.mean, itl_p50_s=itl.p50, itl_p99_s=itl.p99, e2e_p99_s=e2e.p99,
         decode_step_s=summarize(steps).p50, num_steps=len(rec.records))
     if profile:
         point.profile_top_ops = profile_decode_step(llm, prompts[:batch])
@@ -179,6 +180,9 @@ def plot_sweep(points: list[SweepPoint], knee: Knee, path: Any) -> None:
     ax2 = ax.twinx()
     ax2.plot(bs, [p.itl_mean_s * 1e3 for p in points], "o-", color="tab:red",
              label="pdcluster latency per token (mean ITL)")
+    if all(p.hf_static and p.hf_static.itl_mean_s for p in points):
+        ax2.plot(bs, [p.hf_static.itl_mean_s * 1e3 for p in points], "s--", color="tab:red",
+                 alpha=0.5, label="transformers static latency per token")
     ax2.set_ylabel("latency per token (ms)", color="tab:red")
     ax.axvline(knee.batch_size, color="gray", linestyle=":", label=f"knee (batch {knee.batch_size})")
     h1, l1 = ax.get_legend_handles_labels()

@@ -17,6 +17,17 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--http-port", type=int, default=None)
     p.add_argument("--ray-address", default=None, help="join a running Ray cluster ('auto')")
     p.add_argument("--redis-url", default=None, help="redis://host:port (default: in-process store)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache per worker, e.g. 1GiB")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="decode batch size cap")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="per-step token budget (prefill chunk size)")
+    p.add_argument("--prefill-block-size", type=int, default=None)
+    p.add_argument("--decode-block-size", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="requests in flight before RESOURCE_EXHAUSTED / 429")
+    p.add_argument("--drain-grace-s", type=float, default=None)
+    p.add_argument("--threads-per-worker", type=int, default=None)
     p.set_defaults(func=cmd_serve)
 
 

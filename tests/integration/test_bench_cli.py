@@ -74,12 +74,14 @@ def test_policies_counts_steps_like_the_arithmetic(tmp_path, tiny_llama_dir):
         assert r["num_steps"] == sim.num_steps, policy
         assert r["slot_utilization"] == pytest.approx(sim.utilization)
     assert data["continuous"]["slot_utilization"] >= data["static"]["slot_utilization"]
+    # With a queue, continuous batching fills every slot: 2 slots, 2 tokens per step.
+    assert data["continuous"]["slot_utilization_while_queued"] == pytest.approx(1.0)
     assert data["transformers_static"]["num_tokens"] == sum(lens)
     hol = data["head_of_line"]
-    assert hol["output_lens"] == [2, 10, 200]  # 10/50/1000 scaled down by --quick
-    assert hol["computed_static"]["utilization"] == pytest.approx(212 / 600)
-    assert hol["measured_static"]["num_steps"] == 200
-    assert hol["measured_static"]["slot_utilization"] == pytest.approx(212 / 600)
+    assert hol["output_lens"] == [1, 5, 100]  # 10/50/1000 scaled down by --quick
+    assert hol["computed_static"]["utilization"] == pytest.approx(106 / 300)
+    assert hol["measured_static"]["num_steps"] == 100
+    assert hol["measured_static"]["slot_utilization"] == pytest.approx(106 / 300)
 
 
 def test_registration_is_extensible():

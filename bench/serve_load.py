@@ -1,0 +1,394 @@
+"""`pdcluster bench serve`: load a RUNNING server the way `vllm bench serve` does.
+
+For each request rate of ``--request-rates`` (Poisson arrivals; ``inf`` sends everything at
+once), ``--num-prompts`` seeded token-id prompts of ``--input-len`` tokens each ask for exactly
+``--output-len`` tokens (``ignore_eos``, greedy), over gRPC (the SDK's ``AsyncClient``) or over
+HTTP (``/v1/completions`` with SSE streaming, via ``httpx``; OpenAI's completions API accepts
+token-id prompts, so both APIs carry identical work). Every rate gets fresh prompts, so the
+server's prefix cache cannot turn a later rate into cache hits.
+
+Per rate: TTFT, TPOT ((e2e - ttft) / (output tokens - 1)), ITL (gaps between streamed chunks)
+and E2E as mean/p50/p90/p99, request and output-token throughput, and goodput under ``--slo``
+(DistServe's definition: requests per second that meet EVERY SLO; also as a fraction).
+Over HTTP, chunks whose text is empty are not sent by the server, so a model without a
+tokenizer shows TTFT = E2E there; gRPC always carries token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    machine_info,
+    make_prompts,
+    poisson_arrivals,
+    summarize,
+    write_json,
+)
+from bench.ttft_breakdown import add_cluster_parser
+
+NAME = "serve"
+HELP = "load a running server (gRPC or HTTP): Poisson rate sweep, TTFT/TPOT/ITL/E2E, goodput"
+SLO_METRICS = ("ttft", "tpot", "e2e")
+# Without a way to ask the server (HTTP has no vocab size), stay below every real vocab.
+SAFE_VOCAB = 256
+
+
+@dataclass
+class RequestResult:
+    """One request, client-side (seconds)."""
+
+    ok: bool
+    prompt_len: int
+    start: float = 0.0  # perf_counter when sent
+    output_tokens: int = 0
+    ttft_s: float = math.nan
+    e2e_s: float = math.nan
+    itls_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float:
+        if not self.ok or self.output_tokens < 2:
+            return math.nan
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def parse_rates(text: str) -> list[float]:
+    """"1,2,inf" -> [1.0, 2.0, inf]; raises ValueError on a non-positive or bad value."""
+    rates = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            r = float(part)
+        except ValueError:
+            raise ValueError(f"--request-rates: {part!r} is not a number or 'inf'") from None
+        if not r > 0:
+            raise ValueError(f"--request-rates: rates must be > 0, got {part}")
+        rates.append(r)
+    if not rates:
+        raise ValueError("--request-rates: give at least one rate")
+    return rates
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """"ttft=0.5,tpot=0.1" -> {"ttft": 0.5, "tpot": 0.1} (seconds); empty -> no SLO."""
+    slo = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key not in SLO_METRICS:
+            raise ValueError(f"--slo: expected METRIC=SECONDS with METRIC in "
+                             f"{', '.join(SLO_METRICS)}, got {part!r}")
+        try:
+            slo[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--slo: {value!r} is not a number of seconds") from None
+        if slo[key] <= 0:
+            raise ValueError(f"--slo: {key} must be > 0 seconds, got {value}")
+    return slo
+
+
+def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
+    """DistServe's goodput test: the request finished and met every SLO (a 1-token output
+    has no TPOT and passes that one)."""
+    if not r.ok:
+        return False
+    got = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2e": r.e2e_s}
+    return all(math.isnan(got[k]) or got[k] <= v for k, v in slo.items())
+
+
+# ---- the two clients -------------------------------------------------------------------------
+async def _grpc_request(client: Any, prompt: list[int], output_len: int) -> RequestResult:
+    r = RequestResult(False, len(prompt), time.perf_counter())
+    last = r.start
+    try:
+        async with client.stream(prompt_token_ids=prompt, max_tokens=output_len,
+                                 ignore_eos=True, temperature=0) as s:
+            async for chunk in s:
+                if not chunk.token_ids:
+                    continue
+                now = time.perf_counter()
+                if r.output_tokens == 0:
+                    r.ttft_s = now - r.start
+                else:
+                    r.itls_s.append(now - last)
+                last = now
+                r.output_tokens += len(chunk.token_ids)
+    except Exception as e:  # a failed request is a data point, not the end of the run
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.e2e_s = last - r.start
+    r.ok = r.output_tokens > 0
+    return r
+
+
+async def _http_request(client: Any, prompt: list[int], output_len: int) -> RequestResult:
+    r = RequestResult(False, len(prompt), time.perf_counter())
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    last = r.start
+    events = 0
+    usage_tokens = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    r.error = str(msg["error"])[:200]
+                    return r
+                if msg.get("usage"):
+                    usage_tokens = msg["usage"]["completion_tokens"]
+                if not msg.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if events == 0:
+                    r.ttft_s = now - r.start
+                else:
+                    r.itls_s.append(now - last)
+                last = now
+                events += 1
+    except Exception as e:
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.e2e_s = last - r.start
+    r.output_tokens = usage_tokens if usage_tokens is not None else events
+    r.ok = events > 0
+    return r
+
+
+# ---- the sweep -------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None,
+                   help="server address: host:port of gRPC (default 127.0.0.1:50051) or of "
+                        "HTTP (default 127.0.0.1:8000; an http:// URL also works)")
+    p.add_argument("--api", choices=("grpc", "http"), default="grpc")
+    p.add_argument("--request-rates", default=None,
+                   help="comma-separated requests/s, 'inf' = all at once (default 1,2,4)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per rate (default 48; --quick 8)")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 128; --quick 32)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens (default 64; --quick 16)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="cap on requests in flight (default: none, like vllm bench serve)")
+    p.add_argument("--slo", default="ttft=0.5,tpot=0.1",
+                   help="goodput SLOs, seconds: e.g. ttft=0.5,tpot=0.1[,e2e=10]")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt ids are drawn below this (default: the server's vocab over "
+                        f"gRPC; {SAFE_VOCAB} over HTTP)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+@dataclass(frozen=True)
+class _Target:
+    api: str
+    address: str  # gRPC host:port, or the HTTP base URL
+
+
+def _target(args: argparse.Namespace) -> _Target:
+    if args.api == "grpc":
+        addr = args.address or "127.0.0.1:50051"
+        if "://" in addr:
+            raise ValueError(f"--address for gRPC is host:port, got {addr!r}")
+        return _Target("grpc", addr)
+    addr = args.address or "127.0.0.1:8000"
+    return _Target("http", addr if "://" in addr else f"http://{addr}")
+
+
+async def _server_facts(t: _Target) -> dict[str, Any]:
+    """Model id, context length and (gRPC) vocab size, asked of the server itself."""
+    if t.api == "grpc":
+        from client.sdk import AsyncClient
+
+        async with AsyncClient(t.address, timeout=30) as c:
+            info = await c.model_info()
+        return {"model_id": info.model_id, "max_model_len": info.max_model_len,
+                "vocab_size": info.vocab_size}
+    import httpx
+
+    async with httpx.AsyncClient(base_url=t.address, timeout=30) as c:
+        resp = await c.get("/v1/models")
+        resp.raise_for_status()
+        m = resp.json()["data"][0]
+    return {"model_id": m["id"], "max_model_len": m.get("max_model_len"), "vocab_size": None}
+
+
+async def _sweep(t: _Target, rates: list[float], prompts_per_rate: list[list[list[int]]],
+                 output_len: int, seed: int, max_concurrency: int | None, progress: bool
+                 ) -> list[tuple[float, float, list[RequestResult]]]:
+    """[(rate, duration_s, results)] per rate, sharing one connection."""
+    from tqdm import tqdm
+
+    if t.api == "grpc":
+        from client.sdk import AsyncClient
+
+        # One channel for every request: as a real multiplexing client would.
+        client = AsyncClient(t.address, timeout=600)
+        one = _grpc_request
+    else:
+        import httpx
+
+        client = httpx.AsyncClient(base_url=t.address, timeout=httpx.Timeout(600.0),
+                                   limits=httpx.Limits(max_connections=None,
+                                                       max_keepalive_connections=None))
+        one = _http_request
+    out = []
+    try:
+        # Warm-up (not counted): connection set-up and the server's first forward.
+        await one(client, prompts_per_rate[0][0][: max(1, len(prompts_per_rate[0][0]) // 4)], 2)
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        for rate, prompts in zip(rates, prompts_per_rate, strict=True):
+            arrivals = poisson_arrivals(len(prompts), None if math.isinf(rate) else rate, seed)
+            bar = tqdm(total=len(prompts), desc=f"rate {rate:g}/s", disable=not progress,
+                       leave=False)
+
+            async def fire(prompt, offset, t0, bar=bar):
+                await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+                if sem is None:
+                    res = await one(client, prompt, output_len)
+                else:
+                    async with sem:
+                        res = await one(client, prompt, output_len)
+                bar.update(1)
+                return res
+
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*[fire(p, a, t0) for p, a in zip(prompts, arrivals, strict=True)])
+            duration = time.perf_counter() - t0
+            bar.close()
+            out.append((rate, duration, list(results)))
+    finally:
+        if t.api == "grpc":
+            await client.close()
+        else:
+            await client.aclose()
+    return out
+
+
+def summarize_rate(rate: float, duration_s: float, results: list[RequestResult],
+                   slo: dict[str, float]) -> dict[str, Any]:
+    """The per-rate record (vLLM's names, in seconds): stats, throughputs and goodput."""
+    ok = [r for r in results if r.ok]
+    row: dict[str, Any] = {"request_rate": "inf" if math.isinf(rate) else rate,
+                           "num_prompts": len(results), "completed": len(ok),
+                           "failed": len(results) - len(ok), "duration_s": duration_s}
+    samples = {"ttft": [r.ttft_s for r in ok], "tpot": [r.tpot_s for r in ok if r.output_tokens > 1],
+               "itl": [x for r in ok for x in r.itls_s], "e2e": [r.e2e_s for r in ok]}
+    for name, values in samples.items():
+        s = summarize(values)
+        row.update({f"{name}_mean_s": s.mean, f"{name}_p50_s": s.p50, f"{name}_p90_s": s.p90,
+                    f"{name}_p99_s": s.p99})
+    out_tokens = sum(r.output_tokens for r in ok)
+    good = sum(meets_slo(r, slo) for r in results)
+    row.update({
+        "total_input_tokens": sum(r.prompt_len for r in ok), "total_output_tokens": out_tokens,
+        "request_throughput_req_s": len(ok) / duration_s,
+        "output_throughput_tok_s": out_tokens / duration_s,
+        "goodput_req_s": good / duration_s, "goodput_fraction": good / len(results),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    })
+    return row
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Sweep the request rates against ``--address``; write ``serve.json`` + ``serve.png``."""
+    q = args.quick
+    rates = parse_rates(args.request_rates or ("1,2,4"))
+    slo = parse_slo(args.slo)
+    num = args.num_prompts or (8 if q else 48)
+    input_len = args.input_len or (32 if q else 128)
+    output_len = args.output_len or (16 if q else 64)
+    if num <= 0 or input_len <= 0 or output_len <= 0:
+        raise ValueError("--num-prompts, --input-len and --output-len must be > 0")
+    if args.max_concurrency is not None and args.max_concurrency <= 0:
+        raise ValueError(f"--max-concurrency must be > 0, got {args.max_concurrency}")
+    t = _target(args)
+    facts = asyncio.run(_server_facts(t))
+    max_len = facts["max_model_len"]
+    if max_len and input_len + output_len > max_len:
+        raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds the "
+                         f"server's max_model_len {max_len}")
+    vocab = args.vocab_size or facts["vocab_size"] or SAFE_VOCAB
+    prompts = [make_prompts(num, input_len, vocab, seed=args.seed + 1000 * i)
+               for i in range(len(rates))]
+    t_start = time.perf_counter()
+    raw = asyncio.run(_sweep(t, rates, prompts, output_len, args.seed, args.max_concurrency,
+                             progress=not args.no_progress))
+    rows = [summarize_rate(rate, dur, res, slo) for rate, dur, res in raw]
+    result = {
+        "benchmark": NAME,
+        "config": {"api": t.api, "address": t.address, "num_prompts": num, "input_len": input_len,
+                   "output_len": output_len, "request_rates": [r["request_rate"] for r in rows],
+                   "max_concurrency": args.max_concurrency, "vocab_size": vocab, "seed": args.seed},
+        "server": facts,
+        "slo_s": slo,
+        "rates": rows,
+        "wall_s": time.perf_counter() - t_start,
+        "machine": machine_info(),
+    }
+    out = Path(args.out)
+    path = write_json(out, NAME, result)
+    _plot(rows, slo, out / f"{NAME}.png")
+    for r in rows:
+        print(f"  rate {r['request_rate']}/s: {r['completed']}/{r['num_prompts']} ok, "
+              f"{r['request_throughput_req_s']:.2f} req/s, {r['output_throughput_tok_s']:.1f} tok/s, "
+              f"TTFT p50 {_ms(r['ttft_p50_s'])} p99 {_ms(r['ttft_p99_s'])}, "
+              f"TPOT p50 {_ms(r['tpot_p50_s'])}, goodput {r['goodput_req_s']:.2f} req/s "
+              f"({r['goodput_fraction']:.0%})")
+        for e in r["errors"]:
+            print(f"    error: {e}")
+    print(f"wrote {path}")
+    return result
+
+
+def _ms(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x * 1e3:.0f} ms"
+
+
+def _plot(rows: list[dict[str, Any]], slo: dict[str, float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(len(rows)))
+    labels = [str(r["request_rate"]) for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("ttft", "tpot", "e2e"):
+        a1.plot(xs, [r[f"{name}_p99_s"] or math.nan for r in rows], marker="o", label=f"{name} p99")
+        a1.plot(xs, [r[f"{name}_p50_s"] or math.nan for r in rows], marker=".", ls="--",
+                label=f"{name} p50")
+    a1.set_yscale("log")
+    a1.set_ylabel("seconds")
+    a2.plot(xs, [r["request_throughput_req_s"] for r in rows], marker="o", label="throughput")
+    a2.plot(xs, [r["goodput_req_s"] for r in rows], marker="s",
+            label="goodput (" + ", ".join(f"{k}<={v:g}s" for k, v in slo.items()) + ")")
+    a2.set_ylabel("requests/s")
+    for ax in (a1, a2):
+        ax.set_xticks(xs, labels)
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to ``pdcluster bench``'s subparsers (sets ``func=run``)."""
+    return add_cluster_parser(subparsers, NAME, HELP, add_arguments, run)

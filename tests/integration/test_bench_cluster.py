@@ -1,0 +1,159 @@
+"""The cluster benchmarks (`ttft_breakdown`, `disagg`, `serve`) end to end on the tiny model.
+
+They measure speed; these tests check what does not depend on it: the JSON keys the docs and
+the lead's tooling read, byte and token counts fixed by the workload, goodput's arithmetic at
+SLOs every request meets or none can, the PNG, and that Ray is shut down afterwards (other
+test modules start their own Ray).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench import disagg, serve_load, ttft_breakdown
+from engine.weights import load_model_config
+
+
+def _run(module, argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    module.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _read(out_dir, name: str) -> dict:
+    path = out_dir / f"{name}.json"
+    assert path.is_file(), f"{name}.json was not written"
+    assert (out_dir / f"{name}.png").stat().st_size > 0, f"{name}.png is missing or empty"
+    return json.loads(path.read_text())
+
+
+def _assert_ray_down():
+    import ray
+
+    assert not ray.is_initialized(), "the benchmark left Ray running"
+
+
+@pytest.mark.slow
+def test_ttft_breakdown_splits_ttft_and_counts_kv_bytes(tmp_path, tiny_llama_dir):
+    prompt_len = 48
+    _run(ttft_breakdown, ["ttft_breakdown", "--model", str(tiny_llama_dir), "--quick",
+                          "--prompt-len", str(prompt_len), "--num-requests", "2",
+                          "--concurrency", "2", "--out", str(tmp_path)])
+    _assert_ray_down()
+    data = _read(tmp_path, "ttft_breakdown")
+    cfg = load_model_config(tiny_llama_dir)
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * prompt_len  # fp32
+    cells = {(p["mode"], p["phase"]) for p in data["phases"]}
+    assert cells == {(m, ph) for m in ("stream_layers", "send_at_end")
+                     for ph in ("sequential", "concurrent")}
+    for p in data["phases"]:
+        assert p["kv_bytes_per_request"] == kv_bytes, p["mode"]
+        assert len(p["requests"]) == 2
+        for r in p["requests"]:
+            parts = r["queue_s"] + r["prefill_compute_s"] + r["transfer_tail_s"]
+            assert r["prefill_compute_s"] > 0 and r["transfer_tail_s"] >= 0
+            assert r["ttft_s"] >= parts - 1e-3, "the parts exceed the TTFT the client saw"
+            assert r["ttft_s"] == pytest.approx(parts + r["other_s"], abs=1e-3)
+    assert data["kv_bytes_per_request"] == kv_bytes
+    assert data["tail_over_compute_streaming"] >= 0
+    assert data["targets"][0]["goal"] == ttft_breakdown.TAIL_TARGET
+
+
+@pytest.mark.slow
+def test_disagg_measures_every_setup(tmp_path, tiny_llama_dir):
+    streams, out_len = 2, 8
+    _run(disagg, ["disagg", "--model", str(tiny_llama_dir), "--quick", "--num-streams",
+                  str(streams), "--stream-prompt-len", "8", "--output-len", str(out_len),
+                  "--num-long", "2", "--long-prompt-len", "64", "--long-interval-s", "0.05",
+                  "--chunk-size", "16", "--out", str(tmp_path)])
+    _assert_ray_down()
+    data = _read(tmp_path, "disagg")
+    assert set(data["setups"]) == set(disagg.SETUPS)
+    for name, s in data["setups"].items():
+        for key in ("itl_p50_s", "itl_p99_s", "ttft_mean_s", "ttft_p99_s"):
+            assert s[key] > 0, (name, key)
+        assert s["itl_p99_s"] >= s["itl_p50_s"]
+        assert s["stream_tokens"] == streams * out_len, name
+        # One chunk per decode step and request: every token after the first has one ITL.
+        assert s["num_itl_samples"] == streams * (out_len - 1), name
+        assert len(s["long_arrivals_s"]) == 2
+    r = data["ratios"]["itl_p99_colocated_unchunked_over_disaggregated"]
+    assert r == pytest.approx(data["setups"]["colocated_unchunked"]["itl_p99_s"]
+                              / data["setups"]["disaggregated"]["itl_p99_s"])
+    assert data["targets"][0]["measured"] == r
+
+
+def test_disagg_rejects_an_unknown_setup(tmp_path):
+    with pytest.raises(ValueError, match="unknown"):
+        _run(disagg, ["disagg", "--setups", "colocated,bogus", "--out", str(tmp_path)])
+
+
+def test_serve_parses_rates_and_slos():
+    assert serve_load.parse_rates("1, 2,inf") == [1.0, 2.0, float("inf")]
+    assert serve_load.parse_slo("ttft=0.5,tpot=0.1") == {"ttft": 0.5, "tpot": 0.1}
+    for bad in ("0", "x", ""):
+        with pytest.raises(ValueError, match="request-rates"):
+            serve_load.parse_rates(bad)
+    for bad in ("ttft", "itl=1", "ttft=-1", "ttft=abc"):
+        with pytest.raises(ValueError, match="slo"):
+            serve_load.parse_slo(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_frontdoor(tiny_llama_dir):
+    from engine import EngineArgs
+    from router.backend import EngineBackend
+    from router.frontdoor import serve_frontdoor
+    from tests.async_util import LoopThread
+
+    loop = LoopThread()
+    backend = EngineBackend(EngineArgs(model=str(tiny_llama_dir), max_num_seqs=8))
+    fd = loop.run(serve_frontdoor(backend, host="127.0.0.1", grpc_port=0, http_port=0,
+                                  drain_grace_s=1))
+    yield fd
+    loop.run(fd.stop(1))
+    loop.run(backend.shutdown())
+    loop.close()
+
+
+@pytest.mark.parametrize("api", ["grpc", "http"])
+def test_serve_sweeps_rates_against_a_running_server(tmp_path, tiny_frontdoor, api):
+    port = tiny_frontdoor.grpc_port if api == "grpc" else tiny_frontdoor.http_port
+    num, out_len = 4, 6
+    common = ["serve", "--address", f"127.0.0.1:{port}", "--api", api, "--num-prompts",
+              str(num), "--input-len", "12", "--output-len", str(out_len), "--no-progress"]
+    _run(serve_load, [*common, "--request-rates", "50,inf", "--slo", "ttft=1000,tpot=1000",
+                      "--out", str(tmp_path / "easy")])
+    easy = _read(tmp_path / "easy", "serve")
+    assert [r["request_rate"] for r in easy["rates"]] == [50.0, "inf"]
+    for r in easy["rates"]:
+        assert r["completed"] == num and r["failed"] == 0, r["errors"]
+        assert r["total_output_tokens"] == num * out_len
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            for stat in ("mean", "p50", "p90", "p99"):
+                assert f"{metric}_{stat}_s" in r, (metric, stat)
+        assert r["e2e_p99_s"] >= r["ttft_p50_s"] > 0
+        assert r["output_throughput_tok_s"] == pytest.approx(
+            r["total_output_tokens"] / r["duration_s"])
+        # Every request meets SLOs of 1000 s: goodput is the whole throughput.
+        assert r["goodput_fraction"] == 1.0
+        assert r["goodput_req_s"] == pytest.approx(r["request_throughput_req_s"])
+        if api == "grpc":  # token ids stream per step; HTTP skips the tiny model's empty text
+            assert r["tpot_p50_s"] > 0 and r["itl_p50_s"] > 0
+    _run(serve_load, [*common, "--request-rates", "inf", "--slo", "ttft=0.000001",
+                      "--out", str(tmp_path / "hard")])
+    hard = _read(tmp_path / "hard", "serve")["rates"][0]
+    assert hard["completed"] == num
+    assert hard["goodput_fraction"] == 0.0 and hard["goodput_req_s"] == 0.0
+
+
+def test_serve_refuses_lengths_beyond_the_servers_context(tmp_path, tiny_frontdoor):
+    with pytest.raises(ValueError, match="max_model_len"):
+        _run(serve_load, ["serve", "--address", f"127.0.0.1:{tiny_frontdoor.grpc_port}",
+                          "--input-len", "500", "--output-len", "100", "--no-progress",
+                          "--out", str(tmp_path)])

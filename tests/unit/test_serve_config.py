@@ -1,0 +1,48 @@
+"""`pdcluster serve` configuration: defaults < YAML < flags, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.cli import build_parser
+from router.serve import parse_bytes, serve_config_from_args
+
+
+def _args(*argv):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults_are_the_documented_ones():
+    cfg = serve_config_from_args(_args())
+    assert (cfg.mode, cfg.prefill_workers, cfg.decode_workers) == ("disaggregated", 1, 1)
+    assert (cfg.host, cfg.grpc_port, cfg.http_port) == ("127.0.0.1", 50051, 8000)
+    assert cfg.ray_address is None and cfg.redis_url is None and cfg.model is None
+
+
+def test_yaml_then_flags(tmp_path):
+    f = tmp_path / "serve.yaml"
+    f.write_text("decode-workers: 3\nmode: colocated\nkv_cache_memory: 256MiB\ngrpc-port: 6000\n")
+    cfg = serve_config_from_args(_args("--config", str(f), "--grpc-port", "7000"))
+    assert cfg.decode_workers == 3 and cfg.mode == "colocated"
+    assert cfg.grpc_port == 7000  # the flag wins over the file
+    cc = cfg.cluster_config()
+    assert cc.num_prefill_workers == 0  # colocated: decode workers prefill
+    assert cc.decode_engine.kv_cache_memory_bytes == 256 << 20
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    f = tmp_path / "serve.yaml"
+    f.write_text("decode_wrokers: 2\n")
+    with pytest.raises(ValueError, match="decode_wrokers"):
+        serve_config_from_args(_args("--config", str(f)))
+
+
+@pytest.mark.parametrize("text,value", [("1GiB", 1 << 30), ("512MB", 512_000_000), ("4096", 4096),
+                                        ("1.5KiB", 1536)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_bad_size_is_refused():
+    with pytest.raises(ValueError, match="not a size"):
+        serve_config_from_args(_args("--kv-cache-memory", "lots"))
