@@ -248,7 +248,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reason="the last layer's send plus the finish handshake outlast the target share")]
     result = {
         "benchmark": NAME,
-        "command": getattr(args, "command_line", None),
         "config": {"model": args.model or "default", "prompt_len": args.prompt_len,
                    "num_sequential": num_seq, "concurrency": conc, "max_tokens": args.max_tokens,
                    "workers": "1 prefill (core 0) + 1 decode (core 1), 1 torch thread each"},

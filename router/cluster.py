@@ -76,7 +76,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self._actors: list = []
-        self._started_ray = False
+        self._started_ray = False  # we called ray.init (local start or join): we call ray.shutdown
         self.orchestrator: Orchestrator | None = None
         self.store = None
         self._info: ModelInfo | None = None
@@ -107,6 +107,8 @@ class Cluster:
         if not ray.is_initialized():
             if cfg.ray_address:
                 ray.init(address=cfg.ray_address, namespace=_RAY_NAMESPACE, log_to_driver=False)
+                # We connected, so we disconnect on shutdown (the cluster itself keeps running).
+                self._started_ray = True
             else:
                 n = cfg.num_prefill_workers + cfg.num_decode_workers
                 # Logical CPUs: workers are mostly waiting on memory, and one per core would
@@ -153,7 +155,8 @@ class Cluster:
             self.store.register_worker(_worker_record(info, model_cfg.model_id), ttl_s=15.0)
         self.orchestrator = orch
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
-        log.info("cluster up: %s", ", ".join(f"{i.worker_id}@{i.node_id[:8]}" for i in infos))
+        for i in infos:  # one line per worker: operators (and the placement test) read these
+            log.info("worker %s role=%s node=%s pid=%d", i.worker_id, i.role, i.node_id, i.pid)
 
     async def _ready(self, handle) -> WorkerInfo:
         info = await handle.info.remote()
