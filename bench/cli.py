@@ -1,9 +1,9 @@
 """Argument parsing for `pdcluster bench <name>`; the router's CLI mounts it.
 
-``add_bench_subcommands(subparsers)`` adds ``bench`` with one subcommand per entry of
-``BENCHMARKS``; each subcommand stores its runner as ``args.func``. More benchmarks (``disagg``,
-``serve``) join through ``register_benchmark`` (or by passing ``extra``) without touching this
-file. ``python -m bench.cli <name> ...`` runs a benchmark without the router's CLI.
+``add_bench_subcommands(subparsers)`` adds ``bench`` with one subcommand per benchmark listed
+in ``_builtin``; each subcommand stores its runner as ``args.func``. A new benchmark module
+provides ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args)`` and is listed there.
+``python -m bench.cli <name> ...`` runs a benchmark without the router's CLI.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ class Benchmark:
 
 
 def _builtin() -> list[Benchmark]:
-    from bench import ceilings, policies, sweep
+    from bench import ceilings, disagg, policies, serve_load, sweep, ttft_breakdown
 
+    cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
+               for m in (ttft_breakdown, disagg, serve_load)]
     return [
         Benchmark("ceilings", "this machine's copy/GEMV bandwidth and fp32 matmul rate",
                   ceilings.add_arguments, ceilings.run),
@@ -38,17 +40,8 @@ def _builtin() -> list[Benchmark]:
                   sweep.add_arguments, sweep.run, baseline=True),
         Benchmark("policies", "static vs dynamic vs continuous batching, slot utilization",
                   policies.add_arguments, policies.run, baseline=True),
+        *cluster,
     ]
-
-
-_EXTRA: list[Benchmark] = []
-
-
-def register_benchmark(bench: Benchmark) -> None:
-    """Add a benchmark to every parser built afterwards (name must be new)."""
-    if any(b.name == bench.name for b in _builtin() + _EXTRA):
-        raise ValueError(f"benchmark {bench.name!r} is already registered")
-    _EXTRA.append(bench)
 
 
 def _add_common(p: argparse.ArgumentParser, baseline: bool) -> None:
@@ -66,8 +59,7 @@ def _add_common(p: argparse.ArgumentParser, baseline: bool) -> None:
                        help="also run transformers on the same weights and workload")
 
 
-def add_bench_subcommands(subparsers: Any,
-                          extra: Sequence[Benchmark] = ()) -> argparse.ArgumentParser:
+def add_bench_subcommands(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` (and its subcommands) to a CLI's subparsers; returns the ``bench`` parser.
 
     Each subcommand sets ``args.func(args)``; the caller dispatches with ``args.func(args)``.
@@ -75,7 +67,7 @@ def add_bench_subcommands(subparsers: Any,
     bench = subparsers.add_parser("bench", help="engine and cluster benchmarks",
                                   description="Benchmarks; results go to --out as JSON + PNG.")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    for b in [*_builtin(), *_EXTRA, *extra]:
+    for b in _builtin():
         p = sub.add_parser(b.name, help=b.help, description=b.help)
         _add_common(p, b.baseline)
         b.add_arguments(p)

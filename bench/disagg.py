@@ -17,7 +17,9 @@ the per-step GEMM speed, which is a different question.)
 Workload: ``--num-streams`` steady requests (short prompt, ``--output-len`` tokens) start
 together; once all are decoding, ``--num-long`` long prompts (``--long-prompt-len`` tokens,
 ``--long-max-tokens`` outputs) arrive every ``--long-interval-s``. ITL = gap between token
-chunks of the steady streams at the client; TTFT is that of the long-prompt requests.
+chunks of the steady streams at the client, counted while long prompts are in the system
+(first long arrival -> last long request done; ``itl_all_*`` count the whole streams); TTFT
+is that of the long-prompt requests.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from bench.common import (
 from bench.common import target as make_target
 from bench.ttft_breakdown import (
     ClientTrace,
-    add_cluster_parser,
     pinned_overrides,
     ray_session,
     timed_generate,
@@ -82,14 +83,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-streams", type=int, default=4, help="steady decode requests")
     p.add_argument("--stream-prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=None,
-                   help="tokens per steady stream (default 256; --quick 64)")
+                   help="tokens per steady stream (default 160; --quick 64)")
     p.add_argument("--num-long", type=int, default=None,
                    help="long prompts sent during decoding (default 6; --quick 2)")
     p.add_argument("--long-prompt-len", type=int, default=None,
                    help="tokens per long prompt (default 1024; --quick 512)")
     p.add_argument("--long-max-tokens", type=int, default=4)
     p.add_argument("--long-interval-s", type=float, default=None,
-                   help="seconds between long prompts (default 2.0; --quick 1.5)")
+                   help="seconds between long prompts (default 3.0; --quick 1.5)")
     p.add_argument("--chunk-size", type=int, default=128,
                    help="colocated_chunked: max_num_batched_tokens per step")
 
@@ -97,9 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _workload(args: argparse.Namespace) -> Workload:
     q = args.quick
     w = Workload(args.num_streams, args.stream_prompt_len,
-                 args.output_len or (64 if q else 256), args.num_long or (2 if q else 6),
+                 args.output_len or (64 if q else 160), args.num_long or (2 if q else 6),
                  args.long_prompt_len or (512 if q else 1024), args.long_max_tokens,
-                 args.long_interval_s or (1.5 if q else 2.0), args.chunk_size)
+                 (args.long_interval_s if args.long_interval_s is not None else 1.5 if q else 3.0), args.chunk_size)
     for name in ("num_streams", "stream_prompt_len", "output_len", "num_long", "long_prompt_len",
                  "long_max_tokens", "chunk_size"):
         if getattr(w, name) <= 0:
@@ -169,15 +170,30 @@ async def _run_setup(name: str, model: str | None, w: Workload, stream_prompts, 
     return SetupRun(name, streams, longs, arrivals, t0)
 
 
+def _window_itls(run_: SetupRun) -> list[float]:
+    """Steady-stream ITLs that ended while long prompts were arriving or being served: from
+    the first long arrival to the last long request's final token. Falls back to every ITL
+    when the streams finished before the first arrival (nothing overlapped)."""
+    if not run_.longs:
+        return [x for tr in run_.streams for x in tr.itls()]
+    lo = run_.t0 + run_.long_arrivals_s[0]
+    hi = max(tr.chunk_times[-1] for tr in run_.longs)
+    out = [b - a for tr in run_.streams
+           for a, b in zip(tr.chunk_times, tr.chunk_times[1:], strict=False) if lo <= b <= hi]
+    return out or [x for tr in run_.streams for x in tr.itls()]
+
+
 def _summarize(run_: SetupRun) -> dict[str, Any]:
-    itls = [x for tr in run_.streams for x in tr.itls()]
-    itl = summarize(itls)
+    all_itls = [x for tr in run_.streams for x in tr.itls()]
+    itl = summarize(_window_itls(run_))
+    every = summarize(all_itls)
     ttft = summarize([tr.ttft_s for tr in run_.longs])
     tokens = sum(tr.num_tokens for tr in run_.streams)
     span = max(tr.chunk_times[-1] for tr in run_.streams) - run_.t0
     return {"itl_p50_s": itl.p50, "itl_p90_s": itl.p90, "itl_p99_s": itl.p99,
-            "itl_mean_s": itl.mean, "itl_max_s": max(itls) if itls else None,
-            "num_itl_samples": itl.count,
+            "itl_mean_s": itl.mean, "num_itl_samples": itl.count,
+            "itl_all_p50_s": every.p50, "itl_all_p99_s": every.p99,
+            "itl_max_s": max(all_itls) if all_itls else None, "num_itl_all": every.count,
             "ttft_mean_s": ttft.mean, "ttft_p50_s": ttft.p50, "ttft_p99_s": ttft.p99,
             "stream_tokens": tokens, "stream_decode_tok_s": tokens / span if span > 0 else None,
             "long_arrivals_s": run_.long_arrivals_s}
@@ -258,8 +274,3 @@ def _plot(runs: list[SetupRun], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``disagg`` to ``pdcluster bench``'s subparsers (sets ``func=run``)."""
-    return add_cluster_parser(subparsers, NAME, HELP, add_arguments, run)

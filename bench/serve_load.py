@@ -32,7 +32,6 @@ from bench.common import (
     summarize,
     write_json,
 )
-from bench.ttft_breakdown import add_cluster_parser
 
 NAME = "serve"
 HELP = "load a running server (gRPC or HTTP): Poisson rate sweep, TTFT/TPOT/ITL/E2E, goodput"
@@ -387,8 +386,3 @@ def _plot(rows: list[dict[str, Any]], slo: dict[str, float], path: Path) -> None
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``serve`` to ``pdcluster bench``'s subparsers (sets ``func=run``)."""
-    return add_cluster_parser(subparsers, NAME, HELP, add_arguments, run)

@@ -39,6 +39,7 @@ from bench.common import (
 from bench.common import target as make_target
 
 NAME = "ttft_breakdown"
+HELP = "TTFT split into queueing, prefill compute and KV transfer tail (streamed vs at end)"
 TAIL_TARGET = 0.20  # streaming: transfer tail < 20% of prefill compute
 SEGMENTS = ("queue_s", "prefill_compute_s", "transfer_tail_s", "other_s")
 
@@ -118,18 +119,6 @@ def pinned_overrides(assignments: dict[str, tuple[int, ...]]) -> dict[str, dict]
         usable = tuple(c for c in cores if c in have) or (have[0],)
         out[wid] = {"cpu_affinity": usable}
     return out
-
-
-def add_cluster_parser(subparsers: Any, name: str, help_: str, add_arguments,
-                       run) -> argparse.ArgumentParser:
-    """Add one cluster benchmark as a subcommand with the common bench options (``func=run``)."""
-    from bench.cli import _add_common
-
-    p = subparsers.add_parser(name, help=help_, description=help_)
-    _add_common(p, baseline=False)
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
 
 
 # ---- this benchmark --------------------------------------------------------------------------
@@ -299,10 +288,3 @@ def _plot(phases: list[PhaseResult], path: Path) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-
-HELP = "TTFT split into queueing, prefill compute and KV transfer tail (streamed vs at end)"
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``ttft_breakdown`` to ``pdcluster bench``'s subparsers (sets ``func=run``)."""
-    return add_cluster_parser(subparsers, NAME, HELP, add_arguments, run)

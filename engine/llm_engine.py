@@ -109,6 +109,7 @@ class LLMEngine:
         # ``current_step`` is the SchedulerOutput being executed while the hook runs.
         self.layer_hook: LayerHook | None = None
         self.current_step = None
+        self.step_started_at = 0.0
 
     # ---- input processing ----------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -172,6 +173,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self.current_step = sched
+        self.step_started_at = self.clock()
         result = self.runner.execute(sched, layer_hook or self.layer_hook)
         updates = self.scheduler.update_from_output(sched, result)
         return [self.process_update(u) for u in updates]

@@ -120,6 +120,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (per-step hot path)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -259,7 +259,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
-        toks = req.all_token_ids[start:start + num_new]
+        toks = req.token_slice(start, start + num_new)
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=toks,
@@ -290,8 +290,12 @@ class Scheduler:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            before = req.num_computed_tokens
             req.num_computed_tokens += chunk.num_tokens
-            self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            bs = self.blocks.block_size
+            if req.num_computed_tokens // bs > before // bs:  # a block just filled up
+                self.blocks.cache_full_blocks(req.request_id, req.all_token_ids,
+                                              req.num_computed_tokens)
             if not chunk.sample:
                 continue
             token = result.sampled_token_ids[chunk.request_id]

@@ -134,7 +134,7 @@ class PrefillWorker:
     # ---- engine-loop thread -----------------------------------------------------------------
     def _on_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
         sched = self.engine.current_step
-        now = time.monotonic()
+        started = self.engine.step_started_at  # same clock (time.monotonic) as `arrival`
         for chunk in sched.chunks:
             if not chunk.export_kv:
                 continue
@@ -142,7 +142,7 @@ class PrefillWorker:
             if pending is None:
                 continue
             if pending.scheduled_at is None:
-                pending.scheduled_at = now
+                pending.scheduled_at = started
             if not chunk.sample:
                 continue  # an earlier chunk of a long prompt: its KV stays in our pages for now
             kv = self.engine.runner.read_layer_kv(layer, chunk.block_ids, chunk.end_pos)

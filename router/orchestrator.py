@@ -287,6 +287,7 @@ class Orchestrator:
                     result = await pslot.handle.prefill.remote(PrefillRequest(
                         rid, prompt_ids, params, spec, decode.info.kv_address, time.time()))
                 except Exception as e:
+                    stream.prefill_id = None
                     await self._safe_abort(decode, rid)
                     self._on_worker_error(pslot, e)
                     excluded_prefill.add(pslot.info.worker_id)
@@ -295,8 +296,9 @@ class Orchestrator:
                     self._journal(rid, "retried", pslot.info.worker_id, repr(e)[:200])
                     continue
                 finally:
+                    # On cancellation prefill_id stays set, so the caller aborts the prefill too.
                     prefill.inflight_prefill_tokens -= len(prompt_ids)
-                    stream.prefill_id = None
+                stream.prefill_id = None
                 self._journal(rid, "prefilled", pslot.info.worker_id, "")
                 self._record_prefix(pslot, prompt_ids)
                 try:

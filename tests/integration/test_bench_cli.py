@@ -7,12 +7,11 @@ all queued at once).
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from bench.cli import Benchmark, add_bench_subcommands, main
+from bench.cli import main
 from bench.common import simulate_batching
 
 
@@ -84,19 +83,16 @@ def test_policies_counts_steps_like_the_arithmetic(tmp_path, tiny_llama_dir):
     assert hol["measured_static"]["slot_utilization"] == pytest.approx(106 / 300)
 
 
-def test_registration_is_extensible():
-    ran = []
-    parser = argparse.ArgumentParser(prog="pdcluster")
-    sub = parser.add_subparsers(dest="command", required=True)
-    extra = Benchmark("disagg", "prefill/decode split", lambda p: p.add_argument("--workers"),
-                      ran.append)
-    add_bench_subcommands(sub, extra=[extra])
-    args = parser.parse_args(["bench", "disagg", "--workers", "2", "--quick"])
-    args.func(args)
-    assert ran and ran[0].workers == "2" and ran[0].quick
+def test_every_benchmark_is_a_pdcluster_bench_subcommand():
+    from router.cli import build_parser
+
+    parser = build_parser()
+    for name in ("ceilings", "sweep", "policies", "ttft_breakdown", "disagg", "serve"):
+        args = parser.parse_args(["bench", name, "--quick"])
+        assert callable(args.func) and args.quick and args.out == "bench/results"
     args = parser.parse_args(["bench", "sweep", "--batch-sizes", "1,8", "--baseline", "transformers"])
     assert args.batch_sizes == "1,8" and args.baseline == "transformers"
-    assert args.out == "bench/results"
+
 
 
 def test_bad_batch_sizes_are_a_usage_error(tmp_path, capsys):
