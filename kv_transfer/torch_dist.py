@@ -31,13 +31,12 @@ import datetime
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from kv_transfer.pairs import Pair, PairOwner, build_group, gen_key, store_key
 from kv_transfer.protocol import (
-    KILL_TAG,
     KVHandshakeError,
     KVLayout,
     KVTransferAborted,
@@ -52,122 +51,6 @@ from kv_transfer.transport import KVReceiver, KVSender, OnLayer, PeerAddress, Tr
 _FOREVER = datetime.timedelta(days=7)  # a data wait must never be what closes a pair
 _POLL_S = 0.005
 _RECENT_ABORTS = 4096
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _gen_key(p: str) -> str:
-    return f"kv/{p}/gen"
-
-
-def _key(p: str, g: int, what: str) -> str:
-    return f"kv/{p}/{g}/{what}"
-
-
-@dataclass
-class _Pair:
-    """One generation of the 2-rank group with one peer."""
-
-    peer_id: str
-    gen: int
-    pg: object
-    peer_rank: int
-    store: dist.Store  # a private client connection the group was built on
-    dead: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    posted: set = field(default_factory=set)  # TransferStates with data ops still outstanding
-
-
-def _build_group(store: dist.Store, prefill_id: str, decode_id: str, gen: int, rank: int,
-                 device: torch.device, local_host: str, timeout_s: float) -> object:
-    prefix = dist.PrefixStore(f"pair/{prefill_id}/{decode_id}/{gen}", store)
-    timeout = datetime.timedelta(seconds=max(timeout_s, 0.1))
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    if local_host in _LOOPBACK:
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    else:
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(prefix, rank, 2, opts)
-
-
-def _kill(pair: _Pair, device: torch.device) -> None:
-    """Close the pair's connection: wakes every blocked wait on both sides with an error."""
-    if device.type == "cuda":
-        pair.pg.abort()
-        return
-    try:
-        work = pair.pg.recv([torch.empty(1)], pair.peer_rank, KILL_TAG)
-        work.wait(datetime.timedelta(milliseconds=1))
-    except RuntimeError:
-        pass  # expected: the timeout is what closes the pair
-
-
-class _PairOwner:
-    """Shared by both sides: the cached pairs, discarding them, and reaping orphans."""
-
-    def __init__(self, worker_id: str, layout: KVLayout, device: str | torch.device,
-                 timeout_s: float, orphan_ttl_s: float) -> None:
-        self.worker_id = worker_id
-        self.layout = layout
-        self.device = torch.device(device)
-        self.timeout_s = timeout_s
-        self.orphan_ttl_s = orphan_ttl_s
-        self._lock = threading.Lock()
-        self._pairs: dict[str, _Pair] = {}
-        self._peer_locks: dict[str, threading.Lock] = {}
-        self._closed = threading.Event()
-        self._reaper = threading.Thread(target=self._reap_loop, daemon=True,
-                                        name=f"kv-reaper-{worker_id}")
-        self._reaper.start()
-
-    def _peer_lock(self, peer_id: str) -> threading.Lock:
-        with self._lock:
-            return self._peer_locks.setdefault(peer_id, threading.Lock())
-
-    def _discard(self, pair: _Pair, retire_store: dist.Store | None) -> None:
-        with pair.lock:
-            if pair.dead:
-                return
-            pair.dead = True
-        with self._lock:
-            if self._pairs.get(pair.peer_id) is pair:
-                del self._pairs[pair.peer_id]
-        if retire_store is not None:
-            try:
-                p = pair.peer_id if pair.peer_rank == 1 else self.worker_id
-                retire_store.set(_key(p, pair.gen, "retired"), "1")
-            except RuntimeError:
-                pass  # the store may be gone with its host; the closed pair says enough
-        _kill(pair, self.device)
-
-    def _control_store(self, pair: _Pair) -> dist.Store | None:
-        return None
-
-    def _reap_loop(self) -> None:
-        # A transfer aborted before its data arrived keeps a posted op (and its buffer) alive;
-        # when only such orphans remain on a pair for orphan_ttl_s, recycle the pair to free them.
-        while not self._closed.wait(0.2):
-            with self._lock:
-                pairs = list(self._pairs.values())
-            now = time.monotonic()
-            for pair in pairs:
-                with pair.lock:
-                    posted = list(pair.posted)
-                if posted and all(getattr(t, "aborted_at", None) is not None
-                                  and now - t.aborted_at > self.orphan_ttl_s for t in posted):
-                    self._discard(pair, self._control_store(pair))
-
-    def _close_pairs(self) -> None:
-        self._closed.set()
-        with self._lock:
-            pairs = list(self._pairs.values())
-        for pair in pairs:
-            self._discard(pair, self._control_store(pair))
-        self._reaper.join()
 
 
 class _RecvTransfer(TransferState):
@@ -176,11 +59,11 @@ class _RecvTransfer(TransferState):
         self.peer_id = peer_id
         self.on_layer = on_layer
         self.aborted_at: float | None = None
-        self.pair: _Pair | None = None
+        self.pair: Pair | None = None
         self.thread: threading.Thread | None = None
 
 
-class TorchDistReceiver(_PairOwner, KVReceiver):
+class TorchDistReceiver(PairOwner, KVReceiver):
     """Decode side: hosts the TCPStore (``.address``) and receives from any prefill worker."""
 
     def __init__(self, worker_id: str, layout: KVLayout, host: str = "127.0.0.1", port: int = 0,
@@ -197,7 +80,7 @@ class TorchDistReceiver(_PairOwner, KVReceiver):
         self._last_gen: dict[str, int] = {}  # newest generation joined (or refused) per peer
         super().__init__(worker_id, layout, device, timeout_s, orphan_ttl_s)
 
-    def _control_store(self, pair: _Pair) -> dist.Store | None:
+    def _control_store(self, pair: Pair) -> dist.Store | None:
         return self._store
 
     def _sget(self, fn, *args):
@@ -218,23 +101,23 @@ class TorchDistReceiver(_PairOwner, KVReceiver):
             self._threads.add(tr.thread)
         tr.thread.start()
 
-    def _pair_for(self, peer_id: str, deadline: float) -> _Pair:
+    def _pair_for(self, peer_id: str, deadline: float) -> Pair:
         """The live group with peer_id, joining the sender's newest generation if needed."""
         with self._peer_lock(peer_id):
             with self._lock:
                 pair = self._pairs.get(peer_id)
-            latest = self._sget("add", _gen_key(peer_id), 0)
+            latest = self._sget("add", gen_key(peer_id), 0)
             if pair is not None and not pair.dead:
-                if latest == pair.gen and not self._sget("check", [_key(peer_id, pair.gen, "retired")]):
+                if latest == pair.gen and not self._sget("check", [store_key(peer_id, pair.gen, "retired")]):
                     return pair
                 self._discard(pair, self._store)  # the sender moved on or retired it
             last = self._last_gen.get(peer_id, 0)
-            while (latest := self._sget("add", _gen_key(peer_id), 0)) <= last:
+            while (latest := self._sget("add", gen_key(peer_id), 0)) <= last:
                 if time.monotonic() > deadline or self._closed.is_set():
                     raise KVTransferTimeout(f"prefill worker {peer_id!r} never connected")
                 time.sleep(_POLL_S)
             self._last_gen[peer_id] = latest
-            layout_key = _key(peer_id, latest, "layout")
+            layout_key = store_key(peer_id, latest, "layout")
             while not self._sget("check", [layout_key]):
                 if time.monotonic() > deadline:
                     raise KVTransferTimeout(f"prefill worker {peer_id!r} sent no layout")
@@ -243,17 +126,17 @@ class TorchDistReceiver(_PairOwner, KVReceiver):
             try:
                 self.layout.check_compatible(theirs)
             except KVHandshakeError as e:
-                self._sget("set", _key(peer_id, latest, "verdict"), "refused:" + str(e))
+                self._sget("set", store_key(peer_id, latest, "verdict"), "refused:" + str(e))
                 raise
-            self._sget("set", _key(peer_id, latest, "verdict"), "ok")
+            self._sget("set", store_key(peer_id, latest, "verdict"), "ok")
             client = dist.TCPStore(self._host, self.address.port, None, False,
                                    datetime.timedelta(seconds=self.timeout_s))
             try:
-                pg = _build_group(client, peer_id, self.worker_id, latest, 0, self.device,
+                pg = build_group(client, peer_id, self.worker_id, latest, 0, self.device,
                                   self._host, max(deadline - time.monotonic(), 0.1))
             except RuntimeError as e:
                 raise KVTransferTimeout(f"group with {peer_id!r} (gen {latest}) failed: {e}") from e
-            pair = _Pair(peer_id, latest, pg, peer_rank=1, store=client)
+            pair = Pair(peer_id, latest, pg, peer_rank=1, store=client)
             with self._lock:
                 self._pairs[peer_id] = pair
             return pair
@@ -347,14 +230,14 @@ class _SendTransfer(TransferState):
         super().__init__(spec)
         self.aborted_at: float | None = None
         self.num_sent = 0
-        self.pair: _Pair | None = None
+        self.pair: Pair | None = None
         # (work, kv) pairs waited on, in order, by the transfer's completion thread
         self.posted: deque = deque()
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
 
 
-class TorchDistSender(_PairOwner, KVSender):
+class TorchDistSender(PairOwner, KVSender):
     """Prefill side: connects to decode workers' stores and streams layers to them."""
 
     def __init__(self, worker_id: str, layout: KVLayout, device: str | torch.device = "cpu",
@@ -366,7 +249,7 @@ class TorchDistSender(_PairOwner, KVSender):
         self._send_stream = None
         super().__init__(worker_id, layout, device, timeout_s, orphan_ttl_s)
 
-    def _control_store(self, pair: _Pair) -> dist.Store | None:
+    def _control_store(self, pair: Pair) -> dist.Store | None:
         return self._stores.get(pair.peer_id)
 
     def _sget(self, peer: PeerAddress, fn, *args):
@@ -378,20 +261,20 @@ class TorchDistSender(_PairOwner, KVSender):
                 self._stores[peer.worker_id] = store
             return getattr(store, fn)(*args)
 
-    def _pair_for(self, peer: PeerAddress) -> _Pair:
+    def _pair_for(self, peer: PeerAddress) -> Pair:
         """The live group with peer, proposing a new generation (and handshaking) if needed."""
         with self._peer_lock(peer.worker_id):
             with self._lock:
                 pair = self._pairs.get(peer.worker_id)
             me = self.worker_id
             if pair is not None and not pair.dead:
-                if not self._sget(peer, "check", [_key(me, pair.gen, "retired")]):
+                if not self._sget(peer, "check", [store_key(me, pair.gen, "retired")]):
                     return pair
                 self._discard(pair, None)
             deadline = time.monotonic() + self.timeout_s
-            gen = self._sget(peer, "add", _gen_key(me), 1)
-            self._sget(peer, "set", _key(me, gen, "layout"), self.layout.to_json())
-            verdict_key = _key(me, gen, "verdict")
+            gen = self._sget(peer, "add", gen_key(me), 1)
+            self._sget(peer, "set", store_key(me, gen, "layout"), self.layout.to_json())
+            verdict_key = store_key(me, gen, "verdict")
             while not self._sget(peer, "check", [verdict_key]):
                 if time.monotonic() > deadline or self._closed.is_set():
                     raise KVTransferTimeout(f"decode worker {peer.worker_id!r} did not answer "
@@ -405,11 +288,11 @@ class TorchDistSender(_PairOwner, KVSender):
             client = dist.TCPStore(peer.host, peer.port, None, False,
                                    datetime.timedelta(seconds=self.timeout_s))
             try:
-                pg = _build_group(client, me, peer.worker_id, gen, 1, self.device, peer.host,
+                pg = build_group(client, me, peer.worker_id, gen, 1, self.device, peer.host,
                                   max(deadline - time.monotonic(), 0.1))
             except RuntimeError as e:
                 raise KVTransferTimeout(f"group with {peer.worker_id!r} (gen {gen}) failed: {e}") from e
-            pair = _Pair(peer.worker_id, gen, pg, peer_rank=0, store=client)
+            pair = Pair(peer.worker_id, gen, pg, peer_rank=0, store=client)
             with self._lock:
                 self._pairs[peer.worker_id] = pair
             return pair
@@ -437,7 +320,7 @@ class TorchDistSender(_PairOwner, KVSender):
             tr.posted.append((layer, kv, event))
             tr.cond.notify()
 
-    def _post(self, pair: _Pair, spec: KVTransferSpec, layer: int, kv: torch.Tensor,
+    def _post(self, pair: Pair, spec: KVTransferSpec, layer: int, kv: torch.Tensor,
               event: object) -> object:
         tag = make_tag(spec.transfer_id, layer)
         if event is None:

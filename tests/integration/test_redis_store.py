@@ -15,12 +15,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from router.store import (
-    JournalEvent,
-    RedisStore,
-    StoreUnavailableError,
-    make_store,
-)
+from router.redis_store import RedisStore
+from router.store import JournalEvent, StoreUnavailableError, make_store
 from tests.unit.test_store import Harness, StoreContract, load, worker
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -97,6 +97,22 @@ def test_openai_client_and_sdk_against_the_served_cluster(server):
     assert "pdcluster_kv_transfer_bytes_total" in metrics
 
 
+def test_generate_and_chat_commands_talk_to_the_server(server):
+    _, grpc_port, _ = server
+    address = f"127.0.0.1:{grpc_port}"
+    gen = subprocess.run([sys.executable, "-m", "router.cli", "generate", "--address", address,
+                          "What is the capital of France?", "--max-tokens", "24"],
+                         capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    assert "Paris" in gen.stdout
+    chat = subprocess.run([sys.executable, "-m", "router.cli", "chat", "--address", address,
+                           "--max-tokens", "24"],
+                          input="What is the capital of France?\n/exit\n",
+                          capture_output=True, text=True, timeout=120)
+    assert chat.returncode == 0, chat.stderr
+    assert "assistant> " in chat.stdout and "Paris" in chat.stdout
+
+
 def test_sigterm_drains_and_exits_cleanly(server):
     proc, _, _ = server
     children = _descendants(proc.pid)

@@ -1,0 +1,135 @@
+"""Pairwise process groups: one 2-rank gloo/NCCL group per (prefill, decode) pair.
+
+Owns building a pair's group over a PrefixStore, closing it on purpose (which wakes every
+blocked wait on both sides), and the per-worker cache of live pairs with the orphan reaper.
+``torch_dist`` builds the sender and receiver on top of this.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.protocol import KILL_TAG, KVLayout
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def gen_key(p: str) -> str:
+    return f"kv/{p}/gen"
+
+
+def store_key(p: str, g: int, what: str) -> str:
+    return f"kv/{p}/{g}/{what}"
+
+
+@dataclass
+class Pair:
+    """One generation of the 2-rank group with one peer."""
+
+    peer_id: str
+    gen: int
+    pg: object
+    peer_rank: int
+    store: dist.Store  # a private client connection the group was built on
+    dead: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    posted: set = field(default_factory=set)  # TransferStates with data ops still outstanding
+
+
+def build_group(store: dist.Store, prefill_id: str, decode_id: str, gen: int, rank: int,
+                 device: torch.device, local_host: str, timeout_s: float) -> object:
+    prefix = dist.PrefixStore(f"pair/{prefill_id}/{decode_id}/{gen}", store)
+    timeout = datetime.timedelta(seconds=max(timeout_s, 0.1))
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    if local_host in _LOOPBACK:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(prefix, rank, 2, opts)
+
+
+def kill_pair(pair: Pair, device: torch.device) -> None:
+    """Close the pair's connection: wakes every blocked wait on both sides with an error."""
+    if device.type == "cuda":
+        pair.pg.abort()
+        return
+    try:
+        work = pair.pg.recv([torch.empty(1)], pair.peer_rank, KILL_TAG)
+        work.wait(datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # expected: the timeout is what closes the pair
+
+
+class PairOwner:
+    """Shared by both sides: the cached pairs, discarding them, and reaping orphans."""
+
+    def __init__(self, worker_id: str, layout: KVLayout, device: str | torch.device,
+                 timeout_s: float, orphan_ttl_s: float) -> None:
+        self.worker_id = worker_id
+        self.layout = layout
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.orphan_ttl_s = orphan_ttl_s
+        self._lock = threading.Lock()
+        self._pairs: dict[str, Pair] = {}
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, daemon=True,
+                                        name=f"kv-reaper-{worker_id}")
+        self._reaper.start()
+
+    def _peer_lock(self, peer_id: str) -> threading.Lock:
+        with self._lock:
+            return self._peer_locks.setdefault(peer_id, threading.Lock())
+
+    def _discard(self, pair: Pair, retire_store: dist.Store | None) -> None:
+        with pair.lock:
+            if pair.dead:
+                return
+            pair.dead = True
+        with self._lock:
+            if self._pairs.get(pair.peer_id) is pair:
+                del self._pairs[pair.peer_id]
+        if retire_store is not None:
+            try:
+                p = pair.peer_id if pair.peer_rank == 1 else self.worker_id
+                retire_store.set(store_key(p, pair.gen, "retired"), "1")
+            except RuntimeError:
+                pass  # the store may be gone with its host; the closed pair says enough
+        kill_pair(pair, self.device)
+
+    def _control_store(self, pair: Pair) -> dist.Store | None:
+        return None
+
+    def _reap_loop(self) -> None:
+        # A transfer aborted before its data arrived keeps a posted op (and its buffer) alive;
+        # when only such orphans remain on a pair for orphan_ttl_s, recycle the pair to free them.
+        while not self._closed.wait(0.2):
+            with self._lock:
+                pairs = list(self._pairs.values())
+            now = time.monotonic()
+            for pair in pairs:
+                with pair.lock:
+                    posted = list(pair.posted)
+                if posted and all(getattr(t, "aborted_at", None) is not None
+                                  and now - t.aborted_at > self.orphan_ttl_s for t in posted):
+                    self._discard(pair, self._control_store(pair))
+
+    def _close_pairs(self) -> None:
+        self._closed.set()
+        with self._lock:
+            pairs = list(self._pairs.values())
+        for pair in pairs:
+            self._discard(pair, self._control_store(pair))
+        self._reaper.join()

@@ -1,0 +1,240 @@
+"""RedisStore: the production ClusterStore backend (router/store.py holds the contract).
+
+All keys live under ``{namespace}:``; expiry uses Redis TTLs; heartbeats and journal appends
+are Lua scripts so each is atomic. Connection failures surface as StoreUnavailableError.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from router.store import (
+    DEFAULT_JOURNAL_TTL_S,
+    DEFAULT_MAX_PREFIX_BLOCKS,
+    ClusterStore,
+    JournalEvent,
+    StoreUnavailableError,
+    UnknownWorkerError,
+    WorkerLoad,
+    WorkerRecord,
+    _check_hashes,
+    _check_role,
+    _check_ttl,
+)
+
+__all__ = ["RedisStore"]
+
+
+def _unavailable(fn):
+    """Turn redis connection/timeout errors into StoreUnavailableError."""
+    @functools.wraps(fn)
+    def wrapper(self: RedisStore, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise StoreUnavailableError(f"Redis at {self.url} is unavailable: {e}") from e
+    return wrapper
+
+
+# Extend the worker's TTL only if it is still registered, atomically with the load update,
+# so a heartbeat can never resurrect a lapsed worker's load without its record.
+_HEARTBEAT_LUA = """
+if redis.call('pexpire', KEYS[1], ARGV[1]) == 0 then return 0 end
+if ARGV[2] ~= '' then redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[1])
+else redis.call('pexpire', KEYS[2], ARGV[1]) end
+return 1
+"""
+
+
+# Append + index the journal with the *server's* clock, strictly increasing, so
+# journal_recent orders appends from many routers correctly even within one microsecond.
+_JOURNAL_APPEND_LUA = """
+redis.call('rpush', KEYS[1], ARGV[1])
+redis.call('pexpire', KEYS[1], ARGV[2])
+local t = redis.call('time')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local last = tonumber(redis.call('get', KEYS[3]) or '0')
+if now_us <= last then now_us = last + 1 end
+redis.call('set', KEYS[3], now_us)
+redis.call('zadd', KEYS[2], now_us, ARGV[3])
+redis.call('zremrangebyscore', KEYS[2], '-inf', now_us - tonumber(ARGV[2]) * 1000)
+return 1
+"""
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class RedisStore(ClusterStore):
+    """Redis backend; every key lives under ``{namespace}:``.
+
+    Keys: ``worker:{id}`` (JSON record, PX ttl), ``load:{id}`` (JSON, same ttl), ``workers``
+    (set of ids, cleaned lazily), ``prefix:{id}`` (zset hash -> expiry in wall-clock ms;
+    scores in recording order double as the LRU order), ``journal:{rid}`` (list of JSON
+    events, PX journal ttl), ``journals`` (zset rid -> last append, server clock in us, for journal_recent).
+    Prefix expiry compares against this host's wall clock, so hosts need roughly synced clocks.
+
+    Raises StoreUnavailableError at construction if Redis cannot be pinged, and from any call
+    that loses the connection.
+    """
+
+    def __init__(self, url: str, namespace: str = "pdcluster",
+                 journal_ttl_s: float = DEFAULT_JOURNAL_TTL_S,
+                 max_prefix_blocks_per_worker: int = DEFAULT_MAX_PREFIX_BLOCKS,
+                 connect_timeout_s: float = 2.0, socket_timeout_s: float = 5.0) -> None:
+        _check_ttl(journal_ttl_s, "journal_ttl_s")
+        if max_prefix_blocks_per_worker < 1:
+            raise ValueError("max_prefix_blocks_per_worker must be >= 1")
+        if not namespace:
+            raise ValueError("namespace must be non-empty")
+        self.url = url
+        self.namespace = namespace
+        self._journal_ttl_ms = _ms(journal_ttl_s)
+        self._max_prefix = max_prefix_blocks_per_worker
+        try:
+            self._r = redis.Redis.from_url(
+                url, decode_responses=True, socket_connect_timeout=connect_timeout_s,
+                socket_timeout=socket_timeout_s,
+                # A couple of quick retries ride out a blip without hiding a dead server.
+                retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2))
+        except ValueError as e:
+            raise ValueError(f"bad Redis URL {url!r}: {e}") from e
+        self._heartbeat = self._r.register_script(_HEARTBEAT_LUA)
+        self._journal_append = self._r.register_script(_JOURNAL_APPEND_LUA)
+        self._ping()
+
+    @_unavailable
+    def _ping(self) -> None:
+        self._r.ping()
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.namespace, *parts))
+
+    @_unavailable
+    def register_worker(self, rec: WorkerRecord, ttl_s: float) -> None:
+        _check_ttl(ttl_s)
+        wid = rec.worker_id
+        with self._r.pipeline(transaction=True) as p:
+            p.set(self._k("worker", wid), json.dumps(rec.to_dict()), px=_ms(ttl_s))
+            p.delete(self._k("load", wid))
+            p.sadd(self._k("workers"), wid)
+            p.execute()
+
+    @_unavailable
+    def heartbeat(self, worker_id: str, ttl_s: float, load: WorkerLoad | None = None) -> None:
+        _check_ttl(ttl_s)
+        payload = json.dumps(load.to_dict()) if load is not None else ""
+        ok = self._heartbeat(keys=[self._k("worker", worker_id), self._k("load", worker_id)],
+                             args=[_ms(ttl_s), payload])
+        if not ok:
+            raise UnknownWorkerError(f"heartbeat from unregistered or expired worker {worker_id!r}")
+
+    @_unavailable
+    def deregister_worker(self, worker_id: str) -> None:
+        with self._r.pipeline(transaction=True) as p:
+            p.delete(self._k("worker", worker_id), self._k("load", worker_id),
+                     self._k("prefix", worker_id))
+            p.srem(self._k("workers"), worker_id)
+            p.execute()
+
+    def _live_records(self) -> list[WorkerRecord]:
+        ids = sorted(self._r.smembers(self._k("workers")))
+        if not ids:
+            return []
+        raw = self._r.mget([self._k("worker", wid) for wid in ids])
+        dead = [wid for wid, v in zip(ids, raw, strict=True) if v is None]
+        if dead:  # their keys expired: drop the ids and the prefixes they left behind
+            with self._r.pipeline(transaction=False) as p:
+                p.srem(self._k("workers"), *dead)
+                p.delete(*(self._k("prefix", wid) for wid in dead))
+                p.execute()
+        return [WorkerRecord.from_dict(json.loads(v)) for v in raw if v is not None]
+
+    @_unavailable
+    def list_workers(self, role: str | None = None) -> list[WorkerRecord]:
+        _check_role(role)
+        return [r for r in self._live_records() if role is None or r.role == role]
+
+    @_unavailable
+    def get_load(self, worker_id: str) -> WorkerLoad | None:
+        alive, raw = self._r.mget([self._k("worker", worker_id), self._k("load", worker_id)])
+        if alive is None or raw is None:
+            return None
+        return WorkerLoad.from_dict(json.loads(raw))
+
+    @_unavailable
+    def record_prefix(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None:
+        _check_ttl(ttl_s)
+        _check_hashes(block_hashes)
+        if not block_hashes:
+            return
+        key = self._k("prefix", worker_id)
+        now_ms = int(time.time() * 1000)
+        expires_ms = now_ms + _ms(ttl_s)
+        with self._r.pipeline(transaction=True) as p:
+            # Head blocks get the higher score so the LRU trim evicts a chain's tail first:
+            # every match starts at the head.
+            p.zadd(key, {str(h): expires_ms - i * 1e-3 for i, h in enumerate(block_hashes)})
+            p.zremrangebyscore(key, "-inf", now_ms)
+            p.zremrangebyrank(key, 0, -self._max_prefix - 1)  # LRU cap: keep the newest
+            # Key TTL = the latest entry's expiry, so an idle worker's set disappears whole.
+            p.pexpire(key, _ms(ttl_s) + 1000, nx=True)
+            p.pexpire(key, _ms(ttl_s) + 1000, gt=True)
+            p.execute()
+
+    @_unavailable
+    def match_prefix(self, block_hashes: list[int]) -> dict[str, int]:
+        _check_hashes(block_hashes)
+        if not block_hashes:
+            return {}
+        ids = [r.worker_id for r in self._live_records()]
+        members = [str(h) for h in block_hashes]
+        with self._r.pipeline(transaction=False) as p:
+            for wid in ids:
+                p.zmscore(self._k("prefix", wid), members)
+            scores = p.execute()
+        now_ms = time.time() * 1000
+        out: dict[str, int] = {}
+        for wid, ws in zip(ids, scores, strict=True):
+            n = 0
+            for s in ws:
+                if s is None or s <= now_ms:
+                    break
+                n += 1
+            if n:
+                out[wid] = n
+        return out
+
+    @_unavailable
+    def drop_worker_prefixes(self, worker_id: str) -> None:
+        self._r.delete(self._k("prefix", worker_id))
+
+    @_unavailable
+    def journal_append(self, request_id: str, event: JournalEvent) -> None:
+        self._journal_append(
+            keys=[self._k("journal", request_id), self._k("journals"), self._k("journals_last")],
+            args=[json.dumps(event.to_dict()), self._journal_ttl_ms, request_id])
+
+    @_unavailable
+    def journal_get(self, request_id: str) -> list[JournalEvent]:
+        raw = self._r.lrange(self._k("journal", request_id), 0, -1)
+        return [JournalEvent.from_dict(json.loads(v)) for v in raw]
+
+    @_unavailable
+    def journal_recent(self, limit: int = 100) -> list[str]:
+        if limit <= 0:
+            return []
+        secs, micros = self._r.time()
+        min_us = secs * 1_000_000 + micros - self._journal_ttl_ms * 1000
+        return self._r.zrevrangebyscore(self._k("journals"), "+inf", f"({min_us}",
+                                        start=0, num=limit)
+
+    def close(self) -> None:
+        self._r.close()
