@@ -2,8 +2,10 @@
 
 - copy bandwidth: ``dst.copy_(src)`` on a tensor far larger than the caches; bytes counted
   are read + written (2 x size), the convention of STREAM's "copy".
-- GEMV bandwidth: fp32 ``F.linear`` with one input row; bytes counted are the weight matrix
-  (what a batch-1 decode step streams). This is the decode floor's denominator.
+- GEMV bandwidth: one input row through fp32 ``F.linear`` and through the engine's ``linear``
+  (MKL's threaded transposed GEMM; ``F.linear``'s one-row path is single-threaded here), the
+  faster of the two; bytes counted are the weight matrix (what a batch-1 decode step
+  streams). This is the decode floor's denominator, so the floor is the best this torch does.
 - matmul rate: a large square fp32 matmul, 2 n^3 FLOPs.
 
 Each figure is the median of ``repeats`` timed runs after one warm-up, so a noisy neighbour
@@ -57,9 +59,12 @@ def _time_gemv(rows: int, cols: int, repeats: int) -> float:
     import torch
     import torch.nn.functional as F
 
+    from engine.models.llama import linear
+
     w = torch.rand(rows, cols)  # [out, in]
     x = torch.rand(1, cols)  # [1, in]: one decode row
-    return _median_time(lambda: F.linear(x, w), repeats)
+    return min(_median_time(lambda: F.linear(x, w), repeats),
+               _median_time(lambda: linear(x, w), repeats))
 
 
 def _time_matmul(n: int, repeats: int) -> float:

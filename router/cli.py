@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args) or 0
+        result = args.func(args)
+        # Commands return an exit code; benchmarks return their result dict (already written).
+        return result if isinstance(result, int) else 0
     except ValueError as e:  # bad input: a clear message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

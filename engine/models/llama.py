@@ -19,6 +19,27 @@ from engine.config import ModelConfig
 
 LayerHook = Callable[[int, torch.Tensor], None]
 
+# Below this many rows, `linear` computes W @ x^T instead of x @ W^T (see its docstring).
+_SMALL_M_ROWS = 128
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x [M, K]``, fast for the small M of decode steps.
+
+    Measured with torch 2.13's MKL on these 2-core CPUs, streaming all 538 MB of the default
+    model's weights once: ``F.linear`` takes 32 ms at M=1 (a single-threaded GEMV path) and
+    50-58 ms at M=2-4, while ``mm(weight, x.T)`` (MKL's threaded transposed-B GEMM) takes
+    16 ms at M=1-4, 34 ms at M=8 and 71 ms (vs 85) at M=32. M=1 goes through the same path as
+    a duplicated row, since MKL sends a one-column product back to the slow GEMV. From a few
+    hundred rows on (prefill), ``F.linear`` is faster again.
+    """
+    m = x.shape[0]
+    if m >= _SMALL_M_ROWS:
+        return F.linear(x, weight, bias)
+    rows = x.repeat(2, 1) if m == 1 else x
+    out = torch.mm(weight, rows.t())[:, :m].t().contiguous()  # [M, N]
+    return out if bias is None else out + bias
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as transformers' LlamaRMSNorm: normalize in fp32, cast, then scale.
@@ -82,16 +103,16 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         t = h.shape[0]
         x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
-        qkv = self.qkv(x)  # [T, (H + 2 KVH) * D]
+        qkv = linear(x, self.qkv.weight, self.qkv.bias)  # [T, (H + 2 KVH) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rope.apply(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = rope.apply(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * D]
-        h = h + self.o_proj(attn)
+        h = h + linear(attn, self.o_proj.weight)
         x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up.weight).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, self.down.weight)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -125,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` in fp32 (sampling math is fp32 whatever the model dtype)."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return linear(hidden, w).float()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up. Raises ValueError on a
