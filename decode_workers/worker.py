@@ -58,7 +58,9 @@ class DecodeWorker:
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
         self.layout = KVLayout.from_model_config(self.engine.model_config)
+        # NCCL on GPU, gloo on CPU: the transport follows the engine's device.
         self.receiver = (TorchDistReceiver(self.worker_id, self.layout, host=config.kv_host,
+                                           device=self.engine.device,
                                            timeout_s=config.transfer_timeout_s)
                          if config.role == "decode" else None)
         self._batches: queue.SimpleQueue[TokenBatch | None] = queue.SimpleQueue()

@@ -57,6 +57,7 @@ class EngineArgs:
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     # Workers leave detokenization (and stop strings) to the router, which owns the stream.
     detokenize: bool = True
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N", or "auto" (CUDA when available)
 
 
 class LLMEngine:
@@ -65,6 +66,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, clock: Callable[[], float] = time.monotonic) -> None:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
+        self.device = resolve_device(args.device)
         resolved = resolve_model(args.model, cache_dir=args.cache_dir)
         self.model_config: ModelConfig = load_model_config(
             resolved.model_dir, dtype=args.dtype, model_id=resolved.model_id)
@@ -90,7 +92,7 @@ class LLMEngine:
                 f"{args.block_size} tokens ({cfg.kv_bytes_per_token} bytes per token)")
         model = LlamaForCausalLM(cfg, max_len)
         model.load_hf_state_dict(load_state_dict(resolved.model_dir, getattr(torch, cfg.dtype)))
-        self.model = model
+        self.model = model.to(self.device)
         self.runner = ModelRunner(model, self.cache_config, num_blocks)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
                                      max_kv_tokens=num_blocks * args.block_size)
@@ -216,3 +218,14 @@ class LLMEngine:
             self._prompts.pop(req.request_id, None)
         return out
 
+
+def resolve_device(name: str) -> torch.device:
+    """``EngineArgs.device`` -> a torch device; ValueError for CUDA on a machine without it."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; use cpu, cuda or auto")
+    return device

@@ -43,8 +43,10 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         dtype = getattr(torch, cfg.dtype)
+        self.device = model.embed.weight.device  # the model is already where it will run
         shape = (num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                          for _ in range(cfg.num_layers)]
         self.eos_token_ids = cfg.eos_token_ids
 
     @property
@@ -91,7 +93,10 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         inp = self.prepare(sched)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, layer_hook)
+        dev = self.device
+        hidden = self.model(inp.input_ids.to(dev, non_blocking=True),
+                            inp.positions.to(dev, non_blocking=True), self.kv_caches,
+                            inp.meta.to(dev), layer_hook)
         if not inp.sample_rows:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inp.sample_rows])
@@ -111,25 +116,28 @@ class ModelRunner:
             slot_offsets=positions % self.block_size,
             prefills=[PrefillSeq(0, t, 0, torch.tensor(block_ids[:nb]))],
         )
-        hidden = self.model(torch.tensor(token_ids), positions, self.kv_caches, meta)
+        dev = self.device
+        hidden = self.model(torch.tensor(token_ids, device=dev), positions.to(dev), self.kv_caches,
+                            meta.to(dev))
         return self.model.compute_logits(hidden)
 
     # ---- KV import/export (disaggregation) ------------------------------------------------
     def read_layer_kv(self, layer: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """One layer's KV of a request, token-contiguous: ``[2, num_tokens, kv_heads, head_dim]``."""
         nb = -(-num_tokens // self.block_size)
-        k, v = gather_kv(self.kv_caches[layer], torch.tensor(block_ids[:nb]), num_tokens)
+        k, v = gather_kv(self.kv_caches[layer], torch.tensor(block_ids[:nb], device=self.device),
+                         num_tokens)
         return torch.stack([k, v])
 
     def write_layer_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """Scatter ``[2, num_tokens, kv_heads, head_dim]`` into this runner's own pages."""
         n = kv.shape[1]
         bs = self.block_size
-        pos = torch.arange(n)
-        blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // bs]
+        pos = torch.arange(n, device=self.device)
+        blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.device)[pos // bs]
         cache = self.kv_caches[layer]
-        cache[blocks, 0, pos % bs] = kv[0].to(cache.dtype)
-        cache[blocks, 1, pos % bs] = kv[1].to(cache.dtype)
+        cache[blocks, 0, pos % bs] = kv[0].to(cache.device, cache.dtype)
+        cache[blocks, 1, pos % bs] = kv[1].to(cache.device, cache.dtype)
 
     def copy_block(self, src: int, dst: int) -> None:
         for cache in self.kv_caches:

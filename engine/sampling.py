@@ -42,12 +42,14 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     noise = torch.empty_like(probs)
     unseeded = [j for j, i in enumerate(rand_idx) if rows[i].params.seed is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_()
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1],
+                                      device=probs.device).exponential_()
     for j, i in enumerate(rand_idx):
         sp = rows[i].params
         if sp.seed is not None:
-            g = torch.Generator().manual_seed(sp.seed * _SEED_STRIDE + rows[i].num_output_tokens)
-            noise[j] = torch.empty(probs.shape[1]).exponential_(generator=g)
+            g = torch.Generator(device=probs.device).manual_seed(
+                sp.seed * _SEED_STRIDE + rows[i].num_output_tokens)
+            noise[j] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
     picked = (probs / noise).argmax(dim=-1).tolist()
     for j, i in enumerate(rand_idx):
         out[i] = picked[j]
@@ -67,23 +69,25 @@ def _suppress_stop_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 
 
 def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
     logits = logits / temps
     top_ks = [p.top_k for p in params]
     if any(k > 0 for k in top_ks):
         vocab = logits.shape[1]
         k_max = max(min(k, vocab) if k > 0 else vocab for k in top_ks)
         kth = torch.topk(logits, k_max, dim=-1).values  # [N, k_max], descending
-        idx = torch.tensor([(min(k, vocab) if k > 0 else k_max) - 1 for k in top_ks]).unsqueeze(1)
+        idx = torch.tensor([(min(k, vocab) if k > 0 else k_max) - 1 for k in top_ks],
+                           device=dev).unsqueeze(1)
         thresh = kth.gather(1, idx)
-        keep_all = torch.tensor([k <= 0 for k in top_ks]).unsqueeze(1)
+        keep_all = torch.tensor([k <= 0 for k in top_ks], device=dev).unsqueeze(1)
         logits = logits.masked_fill(~keep_all & (logits < thresh), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     top_ps = [p.top_p for p in params]
     if any(p < 1.0 for p in top_ps):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(dim=-1)
-        tp = torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
+        tp = torch.tensor(top_ps, dtype=probs.dtype, device=dev).unsqueeze(1)
         # Drop a token when the mass before it already reaches top_p (always keeps the first).
         drop_sorted = (cum - sorted_p) >= tp
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)

@@ -57,7 +57,8 @@ class PrefillWorker:
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
         self.layout = KVLayout.from_model_config(self.engine.model_config)
-        self.sender = TorchDistSender(self.worker_id, self.layout, timeout_s=config.transfer_timeout_s)
+        self.sender = TorchDistSender(self.worker_id, self.layout, device=self.engine.device,
+                                      timeout_s=config.transfer_timeout_s)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{self.worker_id}-send")

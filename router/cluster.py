@@ -177,6 +177,9 @@ class Cluster:
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         total = ray.cluster_resources()
         use_gpus = cfg.use_gpus if cfg.use_gpus is not None else total.get("GPU", 0) > 0
+        if use_gpus:  # Ray gives the actor one GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 there
+            wcfg = dataclasses.replace(
+                wcfg, engine_args=dataclasses.replace(wcfg.engine_args, device="cuda"))
         resource = PREFILL_RESOURCE if role == "prefill" else DECODE_RESOURCE
         resources = {resource: 1} if total.get(resource, 0) > 0 else {}
         if not resources:

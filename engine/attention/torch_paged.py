@@ -31,6 +31,9 @@ class PrefillSeq:
     def end_pos(self) -> int:
         return self.start_pos + self.q_len
 
+    def to(self, device: torch.device) -> PrefillSeq:
+        return PrefillSeq(self.q_start, self.q_len, self.start_pos, self.block_ids.to(device))
+
 
 @dataclass
 class AttentionMetadata:
@@ -42,6 +45,18 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] int64
     decode_key_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq] = field(default_factory=list)
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """A copy on ``device`` (built on the host, moved once per step)."""
+        if device.type == "cpu":
+            return self
+
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return AttentionMetadata(mv(self.slot_blocks), mv(self.slot_offsets), self.num_decode,
+                                 mv(self.decode_block_tables), mv(self.decode_key_mask),
+                                 [p.to(device) for p in self.prefills])
 
 
 def build_decode_tables(block_tables: list[list[int]], seq_lens: list[int], block_size: int
@@ -82,7 +97,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """
     write_kv(kv_cache, k, v, meta)
     num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if meta.num_decode:
         nd = meta.num_decode
         out[:nd] = _decode(q[:nd], kv_cache, meta.decode_block_tables, meta.decode_key_mask)
@@ -96,8 +111,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         else:
             ks, vs = gather_kv(kv_cache, p.block_ids, p.end_pos)
             # Causal with an offset: query i (position start+i) sees keys at positions <= start+i.
-            q_pos = torch.arange(p.start_pos, p.end_pos)
-            mask = torch.arange(p.end_pos)[None, :] <= q_pos[:, None]  # [q_len, end]
+            q_pos = torch.arange(p.start_pos, p.end_pos, device=q.device)
+            mask = torch.arange(p.end_pos, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, end]
             out[p.q_start:p.q_start + p.q_len] = _prefill(qs, ks, vs, mask)
     return out.view(num_tokens, num_heads * head_dim)
 

@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     hundred rows on (prefill), ``F.linear`` is faster again.
     """
     m = x.shape[0]
-    if m >= _SMALL_M_ROWS:
+    if m >= _SMALL_M_ROWS or not x.is_cpu:
         return F.linear(x, weight, bias)
     rows = x.repeat(2, 1) if m == 1 else x
     out = torch.mm(weight, rows.t())[:, :m].t().contiguous()  # [M, N]
@@ -128,6 +128,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
         self.rope = RotaryEmbedding(cfg, max_len or cfg.max_model_len, dtype)
+        # Buffers, so `.to(device)` moves the tables with the weights.
+        self.register_buffer("rope_cos", self.rope.cos, persistent=False)
+        self.register_buffer("rope_sin", self.rope.sin, persistent=False)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -135,8 +138,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: ``[T]``. ``layer_hook(i, kv_cache_i)`` runs after layer i's KV
         is written (the prefill worker streams that layer out while the next one computes)."""
         h = self.embed(input_ids)  # [T, hidden]
-        cos = self.rope.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rope.sin[positions].unsqueeze(1)
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, self.rope, kv_caches[i], meta)
             if layer_hook is not None:
