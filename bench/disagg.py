@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     targets = [make_target("ITL p99 colocated-unchunked / disaggregated",
                            ratios["itl_p99_colocated_unchunked_over_disaggregated"], ITL_P99_TARGET,
-                           reason="see the per-step timings in docs/benchmarks-cluster.md")]
+                           reason="see the per-step timings in docs/benchmarks.md")]
     result = {
         "benchmark": NAME,
         "config": {"model": args.model or "default", **w.__dict__,

@@ -14,9 +14,14 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="test-loop")
         self._thread.start()
 
-    def run(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+    def run(self, coro, timeout_s: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def submit(self, coro):
+        """Start ``coro`` on the loop without waiting; returns a concurrent Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
+        self._thread.join(10)
+        self.loop.close()

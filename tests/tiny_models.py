@@ -48,3 +48,25 @@ def save_tiny_model(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
 def load_hf(model_dir: Path, arch: str):
     _, model_cls = hf_model_classes(arch)
     return model_cls.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+
+def random_prompts(seed: int, count: int, max_len: int, min_len: int = 2) -> list[list[int]]:
+    """Seeded token-id prompts of mixed lengths (ids 3.. avoid the tiny config's bos/eos)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(count)]
+
+
+def hf_greedy(model_dir: Path, arch: str, prompts: list[list[int]], max_new_tokens: int
+              ) -> list[list[int]]:
+    """transformers' own greedy ``generate`` per prompt (no EOS stop): the reference tokens."""
+    hf = load_hf(model_dir, arch)
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        refs.append(out[0, len(p):].tolist())
+    return refs

@@ -9,43 +9,18 @@ have a small queue (``max_num_seqs=4``, ``max_waiting=4``) so that flooding it i
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 import pytest
 
 from router.backend import BackendStats, EngineBackend, GenerationBackend
 from router.frontdoor import FrontDoor, serve_frontdoor
+from tests.async_util import LoopThread
 
 # Queue limits the flood tests rely on: more than MAX_NUM_SEQS + MAX_WAITING concurrent
 # requests must get RESOURCE_EXHAUSTED / 429.
 MAX_NUM_SEQS = 4
 MAX_WAITING = 4
-
-
-class LoopThread:
-    """An asyncio loop on a daemon thread; ``run`` executes a coroutine there and waits."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="server-loop",
-                                        daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine, timeout_s: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def submit(self, coro: Coroutine):
-        """Start ``coro`` on the loop without waiting; returns a concurrent Future."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture(scope="session")

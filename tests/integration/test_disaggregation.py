@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 
 import pytest
-import torch
 
 from engine import EngineArgs, SamplingParams
 from router.backend import GenerateInput
 from router.cluster import Cluster, ClusterConfig
 from tests.async_util import LoopThread
-from tests.tiny_models import VOCAB, load_hf
+from tests.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +39,8 @@ def loop():
 
 @pytest.fixture(scope="module")
 def workload(tiny_llama_dir):
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 90))] for _ in range(32)]
-    hf = load_hf(tiny_llama_dir, "llama")
-    refs = []
-    for p in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
-    return prompts, refs
+    prompts = random_prompts(seed=7, count=32, max_len=90, min_len=3)
+    return prompts, hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
 
 
 def _config(model_dir, **kw) -> ClusterConfig:
@@ -89,7 +79,7 @@ def _run_cluster(loop, config, body):
             return await body(cluster)
         finally:
             await cluster.shutdown()
-    return loop.run(go(), timeout=300)
+    return loop.run(go(), timeout_s=300)
 
 
 def test_32_concurrent_requests_match_transformers_and_colocated(loop, tiny_llama_dir, workload):

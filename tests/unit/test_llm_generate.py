@@ -3,29 +3,18 @@ setup, KV blocks are all returned, bad input is refused without disturbing other
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from tests.tiny_models import VOCAB, load_hf
+from tests.tiny_models import VOCAB, hf_greedy, random_prompts
 
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def prompts_and_refs(tiny_llama_dir):
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 70))] for _ in range(18)]
-    hf = load_hf(tiny_llama_dir, "llama")
-    refs = []
-    for p in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
-    return prompts, refs
+    prompts = random_prompts(seed=0, count=18, max_len=70)
+    return prompts, hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
