@@ -76,6 +76,11 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     decode_id: str | None = None
     prefill_id: str | None = None
+    aborted: bool = False  # Abort RPC: stop retrying, end with finish_reason "abort"
+
+
+class _Aborted(Exception):
+    """Raised inside the lifecycle once the request was aborted by id."""
 
 
 @dataclass
@@ -173,11 +178,15 @@ class Orchestrator:
         finished = False
         self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
         try:
-            if self.config.mode == "colocated":
-                await self._submit_colocated(stream, prompt_ids, params)
+            first = None
+            try:
+                if self.config.mode == "colocated":
+                    await self._submit_colocated(stream, prompt_ids, params)
+                else:
+                    first, commit_finished, commit_reason = await self._prefill(
+                        stream, prompt_ids, params)
+            except _Aborted:  # aborted by id: the queue already holds the final "abort" update
                 first = None
-            else:
-                first, commit_finished, commit_reason = await self._prefill(stream, prompt_ids, params)
             pending: list[TokenUpdate] = []
             if first is not None:
                 pending.append(TokenUpdate(rid, [first], commit_reason if commit_finished else None))
@@ -215,6 +224,7 @@ class Orchestrator:
         stream = self._streams.get(request_id)
         if stream is None:
             return False
+        stream.aborted = True
         await self._abort_on_workers(stream)
         stream.queue.put_nowait(TokenUpdate(request_id, [], "abort"))
         return True
@@ -233,7 +243,7 @@ class Orchestrator:
 
     async def _submit_colocated(self, stream: _Stream, prompt_ids: list[int], params) -> None:
         num_tokens = len(prompt_ids) + params.max_tokens
-        slot = await self._wait_for_decode(num_tokens, set(), prompt_ids)
+        slot = await self._wait_for_decode(num_tokens, set(), prompt_ids, stream)
         stream.decode_id = slot.info.worker_id
         slot.view.inflight_requests += 1
         try:
@@ -252,10 +262,12 @@ class Orchestrator:
         excluded_prefill: set[str] = set()
         last_error: BaseException | None = None
         for attempt in range(self.config.max_attempts):
+            if stream.aborted:
+                raise _Aborted
             # Reserve room for the prompt plus the whole output: a decode worker never has to
             # preempt a request just because its output grew.
             decode = await self._wait_for_decode(len(prompt_ids) + params.max_tokens,
-                                                 excluded_decode, None)
+                                                 excluded_decode, None, stream)
             hits = self._prefix_hits(prompt_ids, self.prefill)
             prefill = pick_prefill([s.view for s in self.prefill.values()], excluded_prefill, hits)
             if prefill is None:
@@ -289,6 +301,8 @@ class Orchestrator:
                 except Exception as e:
                     stream.prefill_id = None
                     await self._safe_abort(decode, rid)
+                    if stream.aborted:  # the prefill failed because we aborted it: no retry
+                        raise _Aborted from None
                     self._on_worker_error(pslot, e)
                     excluded_prefill.add(pslot.info.worker_id)
                     excluded_decode.add(decode.info.worker_id)
@@ -324,11 +338,13 @@ class Orchestrator:
                                      f"attempts; last error: {_cause(last_error)!r}")
 
     async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
-                               prompt_ids: list[int] | None) -> WorkerSlot:
+                               prompt_ids: list[int] | None, stream: _Stream) -> WorkerSlot:
         """A decode worker with room, waiting (bounded) for capacity to free up."""
         deadline = time.monotonic() + self.config.capacity_wait_s
         delay = 0.01
         while True:
+            if stream.aborted:
+                raise _Aborted
             live = [s for s in self.decode.values() if s.view.alive]
             if not live:
                 raise WorkerUnavailableError("no live decode worker")

@@ -176,6 +176,25 @@ def test_abort_in_every_phase_frees_all_blocks(loop, tiny_llama_dir, workload):
     assert after[0] == refs[5]
 
 
+def test_abort_by_id_during_prefill_is_not_retried(loop, tiny_llama_dir, workload):
+    prompts, _ = workload
+    config = _config(tiny_llama_dir, num_prefill_workers=1, num_decode_workers=1,
+                     worker_overrides={"prefill-0": {"fault_delay_per_layer_s": 0.4}})
+
+    async def body(cluster):
+        prefill = cluster.orchestrator.prefill["prefill-0"].handle
+        task = asyncio.ensure_future(_collect(cluster, prompts[7], request_id="by-id"))
+        await _wait_for(lambda: prefill.layers_sent.remote("by-id"), lambda n: n >= 1)
+        assert await cluster.abort("by-id")
+        toks, last = await asyncio.wait_for(task, 30)
+        await _assert_no_blocks_held(cluster)
+        return toks, last, _journal_kinds(cluster, "by-id")
+
+    toks, last, kinds = _run_cluster(loop, config, body)
+    assert toks == [] and last.finished and last.finish_reason == "abort"
+    assert "retried" not in kinds and kinds.count("reserved") == 1
+
+
 def test_dead_transfer_peer_releases_reservation_and_request_completes_elsewhere(
         loop, tiny_llama_dir, workload):
     prompts, refs = workload
