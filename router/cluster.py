@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ class ClusterConfig:
     decode_engine: EngineArgs = field(default_factory=EngineArgs)
     ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join
     redis_url: str | None = None
+    store_namespace: str = "pdcluster"  # Redis key prefix (several clusters can share a Redis)
     worker_num_cpus: float = 1.0
     use_gpus: bool | None = None  # None: use GPUs when the cluster has them
     transfer_timeout_s: float = 30.0
@@ -119,7 +121,7 @@ class Cluster:
                                     DECODE_RESOURCE: cfg.num_decode_workers})
                 self._started_ray = True
         self._progress("ray")
-        self.store = make_store(cfg.redis_url)
+        self.store = make_store(cfg.redis_url, namespace=cfg.store_namespace)
         resolved = resolve_model(cfg.model, cache_dir=cfg.decode_engine.cache_dir)
         self._progress("model")
         model_cfg = load_model_config(resolved.model_dir, dtype=cfg.decode_engine.dtype,
@@ -201,12 +203,27 @@ class Cluster:
                                            return_exceptions=True)
             for slot, load in zip(slots, results, strict=True):
                 if isinstance(load, BaseException):
-                    orch._on_worker_error(slot, load)
+                    orch.on_worker_error(slot, load)
                     continue
                 slot.view.kv_blocks_used = load.kv_blocks_used
                 slot.view.requests_running = load.requests_running
-                self.store.heartbeat(slot.info.worker_id, ttl_s=15.0, load=None)
+                self._heartbeat(slot, load)
             await asyncio.sleep(0.25)
+
+    def _heartbeat(self, slot, load) -> None:
+        """Registry heartbeat with the worker's load; a store outage must not stop serving."""
+        from router.store import StoreError, UnknownWorkerError
+        from router.store import WorkerLoad as StoreLoad
+
+        report = StoreLoad(load.kv_blocks_used, load.kv_blocks_total, load.requests_running,
+                           load.requests_waiting, time.time())
+        try:
+            try:
+                self.store.heartbeat(slot.info.worker_id, ttl_s=15.0, load=report)
+            except UnknownWorkerError:  # our record lapsed (e.g. a long pause): register again
+                self.store.register_worker(_worker_record(slot.info, self._info.model_id), ttl_s=15.0)
+        except StoreError as e:
+            log.warning("cluster store unavailable, registry not updated: %s", e)
 
     async def shutdown(self) -> None:
         import ray
@@ -215,6 +232,10 @@ class Cluster:
             self._refresh_task.cancel()
         if self.orchestrator is not None:
             await self.orchestrator.close()
+            if self.store is not None:  # other routers sharing the store must stop using them
+                for wid in (*self.orchestrator.prefill, *self.orchestrator.decode):
+                    with contextlib.suppress(Exception):
+                        self.store.deregister_worker(wid)
         for a in self._actors:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(a.shutdown.remote(), timeout=5)
@@ -260,8 +281,6 @@ class Cluster:
 
 
 def _worker_record(info: WorkerInfo, model_id: str):
-    import time
-
     from router.store import WorkerRecord
 
     addr = info.kv_address

@@ -284,7 +284,7 @@ class Orchestrator:
                 except KVHandshakeError as e:
                     raise ClusterMisconfiguredError(str(_cause(e))) from None
                 except Exception as e:
-                    self._on_worker_error(decode, e)
+                    self.on_worker_error(decode, e)
                     excluded_decode.add(decode.info.worker_id)
                     last_error = e
                     continue
@@ -303,7 +303,7 @@ class Orchestrator:
                     await self._safe_abort(decode, rid)
                     if stream.aborted:  # the prefill failed because we aborted it: no retry
                         raise _Aborted from None
-                    self._on_worker_error(pslot, e)
+                    self.on_worker_error(pslot, e)
                     excluded_prefill.add(pslot.info.worker_id)
                     excluded_decode.add(decode.info.worker_id)
                     last_error = e
@@ -320,7 +320,7 @@ class Orchestrator:
                                                                self.config.transfer_timeout_s)
                 except Exception as e:
                     await self._safe_abort(decode, rid)
-                    self._on_worker_error(decode, e)
+                    self.on_worker_error(decode, e)
                     excluded_decode.add(decode.info.worker_id)
                     last_error = e
                     self._journal(rid, "retried", decode.info.worker_id, repr(e)[:200])
@@ -364,9 +364,9 @@ class Orchestrator:
         try:
             await slot.handle.abort.remote(rid)
         except Exception as e:
-            self._on_worker_error(slot, e)
+            self.on_worker_error(slot, e)
 
-    def _on_worker_error(self, slot: WorkerSlot, e: BaseException) -> None:
+    def on_worker_error(self, slot: WorkerSlot, e: BaseException) -> None:
         import ray.exceptions
 
         if isinstance(e, ray.exceptions.RayActorError | ray.exceptions.ActorDiedError):

@@ -234,3 +234,39 @@ async def _wait_for(probe, ok, timeout_s=20.0):
             return value
         assert time.monotonic() < deadline, f"condition not met; last value {value!r}"
         await asyncio.sleep(0.02)
+
+
+@pytest.mark.redis
+def test_redis_store_holds_the_registry_and_journal(loop, tiny_llama_dir, workload):
+    """With --redis-url, a second router (here: a plain RedisStore client) sees the workers,
+    their load reports and every request's journal."""
+    import uuid
+
+    from router.redis_store import RedisStore
+
+    prompts, refs = workload
+    ns = f"pdtest-{uuid.uuid4().hex[:8]}"
+    config = _config(tiny_llama_dir, num_prefill_workers=1, num_decode_workers=1,
+                     redis_url="redis://127.0.0.1:6379/0", store_namespace=ns)
+
+    other = RedisStore("redis://127.0.0.1:6379/0", namespace=ns)
+
+    async def body(cluster):
+        toks, _ = await _collect(cluster, prompts[8], request_id="journaled")
+        await asyncio.sleep(0.6)  # at least one load-refresh round
+        workers = {w.worker_id: w.role for w in other.list_workers()}
+        return toks, workers, other.get_load("decode-0")
+
+    try:
+        toks, workers, load = _run_cluster(loop, config, body)
+        kinds = [e.kind for e in other.journal_get("journaled")]
+        assert kinds == ["received", "reserved", "prefilled", "committed", "finished"]
+        assert workers == {"prefill-0": "prefill", "decode-0": "decode"}
+        assert load is not None and load.kv_blocks_total > 0
+        assert other.list_workers() == []  # shutdown deregistered them
+    finally:
+        keys = other._r.keys(f"{ns}:*")
+        if keys:
+            other._r.delete(*keys)
+        other.close()
+    assert toks == refs[8]
