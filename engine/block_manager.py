@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-
-class NoFreeBlocksError(RuntimeError):
-    """Raised by strict callers when the pool cannot satisfy an allocation."""
+from engine.config import cdiv
 
 
 @dataclass
@@ -41,19 +39,6 @@ class ComputedBlocks:
 
     def num_tokens(self, block_size: int) -> int:
         return len(self.block_ids) * block_size
-
-
-@dataclass(frozen=True)
-class ForkResult:
-    """Blocks the child shares with its parent, and a copy the runner must perform.
-
-    The parent's last block, when partially filled, cannot be shared (both would append into
-    it), so the child gets a fresh block and the runner copies ``copy_src`` -> ``copy_dst``.
-    """
-
-    child_block_ids: tuple[int, ...]
-    copy_src: int | None = None
-    copy_dst: int | None = None
 
 
 @dataclass
@@ -108,7 +93,7 @@ class BlockManager:
         return request_id in self._reqs
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # ---- prefix cache --------------------------------------------------------------------
     def get_computed_blocks(self, token_ids: list[int]) -> ComputedBlocks:
@@ -136,10 +121,6 @@ class BlockManager:
         return ComputedBlocks(tuple(ids), tuple(hashes))
 
     # ---- allocation ----------------------------------------------------------------------
-    def can_allocate(self, request_id: str, num_tokens: int,
-                     computed: ComputedBlocks | None = None) -> bool:
-        return self._num_new_blocks(request_id, num_tokens, computed) <= self._num_available(computed)
-
     def allocate_slots(self, request_id: str, num_tokens: int,
                        computed: ComputedBlocks | None = None) -> bool:
         """Make the request's table cover ``num_tokens`` tokens in total.
@@ -186,34 +167,6 @@ class BlockManager:
                 block.token_ids = toks
                 self._cached[h] = block.block_id
 
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> ForkResult:
-        """Give ``child_id`` the parent's first ``num_tokens`` tokens of KV (shared full blocks).
-
-        Raises NoFreeBlocksError when a copy block for a partial last block is unavailable.
-        """
-        if child_id in self._reqs:
-            raise ValueError(f"request {child_id!r} already holds blocks")
-        parent = self._reqs.get(parent_id)
-        if parent is None:
-            raise KeyError(parent_id)
-        num_blocks = self.num_blocks_needed(num_tokens)
-        if num_blocks > len(parent.block_ids):
-            raise ValueError(f"parent {parent_id!r} holds fewer than {num_tokens} tokens")
-        num_full = num_tokens // self.block_size
-        partial = num_blocks > num_full
-        if partial and not self._free:
-            raise NoFreeBlocksError("no free block for the forked partial block")
-        child = self._reqs[child_id] = _RequestBlocks()
-        for bid in parent.block_ids[:num_full]:
-            self._touch(bid)
-            child.block_ids.append(bid)
-        child.block_hashes = parent.block_hashes[:num_full]
-        if not partial:
-            return ForkResult(tuple(child.block_ids))
-        dst = self._pop_free()
-        child.block_ids.append(dst)
-        return ForkResult(tuple(child.block_ids), parent.block_ids[num_full], dst)
-
     def free(self, request_id: str) -> int:
         """Drop the request's references; returns how many blocks became free. Idempotent."""
         rb = self._reqs.pop(request_id, None)
@@ -230,14 +183,6 @@ class BlockManager:
                 self._free[bid] = None
                 freed += 1
         return freed
-
-    def reset_prefix_cache(self) -> None:
-        """Forget all cached content (e.g. after weights change)."""
-        for h, bid in list(self._cached.items()):
-            block = self._blocks[bid]
-            block.block_hash = None
-            block.token_ids = ()
-            del self._cached[h]
 
     # ---- internals -----------------------------------------------------------------------
     def _num_new_blocks(self, request_id: str, num_tokens: int,

@@ -12,6 +12,8 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 BATCHING_POLICIES = ("continuous", "static", "dynamic")
+# The one dtype table: names every config, layout and checkpoint loader accepts, and their
+# sizes. Torch dtypes are ``getattr(torch, name)`` (this module stays torch-free).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # HF `architectures[0]` / `model_type` -> our family name.
@@ -147,6 +149,11 @@ class ModelConfig:
             dtype=dtype,
             model_id=model_id,
         )
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many ``b``-sized blocks hold ``a`` items."""
+    return -(-a // b)
 
 
 def num_blocks_for_budget(model: ModelConfig, block_size: int, kv_cache_memory_bytes: int) -> int:

@@ -19,8 +19,9 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
 from engine.input_processor import InputProcessor, Prompt
+from engine.kv_connector import KVConnector, StepInfo
 from engine.model_runner import ModelRunner
-from engine.models.llama import LayerHook, LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM
 from engine.request import (
     Request,
     RequestMetrics,
@@ -58,6 +59,21 @@ class EngineArgs:
     # Workers leave detokenization (and stop strings) to the router, which owns the stream.
     detokenize: bool = True
     device: str = "cpu"  # "cpu", "cuda", "cuda:N", or "auto" (CUDA when available)
+    # Paged-attention implementation (engine.attention): "torch" runs everywhere.
+    attention_backend: str = "torch"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What an operator (and a router's load report) reads off one engine."""
+
+    kv_blocks_used: int  # reserved-for-remote-KV blocks included
+    kv_blocks_total: int
+    block_size: int
+    kv_blocks_reserved: int  # held for KV still arriving from another worker
+    num_running: int
+    num_waiting: int  # queued, or waiting for remote KV
+    num_generated_tokens: int
 
 
 class LLMEngine:
@@ -93,13 +109,16 @@ class LLMEngine:
         model = LlamaForCausalLM(cfg, max_len)
         model.load_hf_state_dict(load_state_dict(resolved.model_dir, getattr(torch, cfg.dtype)))
         self.model = model.to(self.device)
-        self.runner = ModelRunner(model, self.cache_config, num_blocks)
+        self.runner = ModelRunner(model, self.cache_config, num_blocks,
+                                  attention_backend=args.attention_backend)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
                                      max_kv_tokens=num_blocks * args.block_size)
         self.block_manager = BlockManager(num_blocks, args.block_size,
                                           enable_prefix_caching=args.enable_prefix_caching,
                                           hash_seed=args.prefix_hash_seed)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock)
+        self.kv_connector = KVConnector(self.scheduler, self.block_manager, self.runner,
+                                        self.eos_token_ids, clock)
         self.clock = clock
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
@@ -107,11 +126,6 @@ class LLMEngine:
         self.args = args
         self.num_generated_tokens = 0
         self.last_step_idle = False  # the last step had nothing to schedule
-        # Called after each layer's KV is written (prefill workers stream it out from here);
-        # ``current_step`` is the SchedulerOutput being executed while the hook runs.
-        self.layer_hook: LayerHook | None = None
-        self.current_step = None
-        self.step_started_at = 0.0
 
     # ---- input processing ----------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -160,23 +174,36 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort; returns the final output (finish_reason "abort") or None if unknown/done."""
         req = self.scheduler.requests.get(request_id)
-        if req is None or not self.scheduler.abort_request(request_id):
+        if req is None or req.is_finished:
             return None
+        # A request still waiting for remote KV goes through the connector, which also stops
+        # late layers from landing in its freed pages.
+        self.kv_connector.release(request_id)
+        self.scheduler.abort_request(request_id)
         return self._output(req, [], "")
 
     @property
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self, layer_hook: LayerHook | None = None) -> list[RequestOutput]:
+    def stats(self) -> EngineStats:
+        """A snapshot of the KV pool and the queues (safe to read from any thread; the
+        numbers may be one step stale)."""
+        bm = self.block_manager
+        sched = self.scheduler
+        return EngineStats(bm.num_used_blocks, bm.num_blocks, bm.block_size,
+                           self.kv_connector.num_reserved_blocks, sched.num_running,
+                           sched.num_waiting, self.num_generated_tokens)
+
+    def step(self) -> list[RequestOutput]:
         """One iteration. Returns an output per request that got a token or finished."""
         sched = self.scheduler.schedule()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return []
-        self.current_step = sched
-        self.step_started_at = self.clock()
-        result = self.runner.execute(sched, layer_hook or self.layer_hook)
+        step = StepInfo(self.scheduler.num_steps, self.clock())
+        exports = self.kv_connector.begin_step(sched, step)
+        result = self.runner.execute(sched, self.kv_connector.layer_saved if exports else None)
         updates = self.scheduler.update_from_output(sched, result)
         return [self.process_update(u) for u in updates]
 
@@ -208,7 +235,7 @@ class LLMEngine:
             finish_reason=req.status.finish_reason,
             metrics=RequestMetrics(req.arrival_time, req.first_token_time,
                                    self.clock() if finished else None, list(req.token_times),
-                                   req.num_cached_tokens),
+                                   req.num_cached_tokens, req.first_scheduled_time),
             new_token_ids=list(new_ids),
             delta_text=delta,
             prompt=self._prompts.get(req.request_id),

@@ -104,6 +104,7 @@ class Request:
     # Prefill-only request: stop after the first token and hand the KV to the caller.
     export_kv: bool = False
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # the first step that computed any of it
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     stop_reason: int | str | None = None
@@ -143,6 +144,14 @@ class RequestMetrics:
     finished_time: float | None
     token_times: list[float]
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        """Arrival to the first step that computed any of the request."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     @property
     def ttft_s(self) -> float | None:

@@ -253,6 +253,8 @@ class Scheduler:
                 req.num_computed_tokens = num_computed
                 req.num_cached_tokens = num_computed
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new

@@ -32,7 +32,6 @@ DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster/models")
 _CONVERTER_VERSION = "1"  # bump when the conversion changes
 # GGUF architectures we can convert -> HF architecture / model_type.
 _GGUF_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
-_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -310,10 +309,3 @@ def _write_json(path: Path, obj: Any) -> None:
     with path.open("w") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
         f.write("\n")
-
-
-def torch_dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"`` (the ModelConfig.dtype spelling)."""
-    if dtype not in _TORCH_DTYPE_NAMES:
-        raise ValueError(f"unsupported dtype {dtype}; supported: {list(_TORCH_DTYPE_NAMES.values())}")
-    return _TORCH_DTYPE_NAMES[dtype]

@@ -1,6 +1,5 @@
 """Moving one request's prompt KV from a prefill worker to a decode worker, layer by layer."""
 
-from kv_transfer.local import LocalKVChannel, LocalKVReceiver, LocalKVSender
 from kv_transfer.protocol import (
     KVHandshakeError,
     KVLayout,
@@ -15,7 +14,6 @@ from kv_transfer.transport import KVReceiver, KVSender, OnLayer, PeerAddress
 
 __all__ = [
     "KVHandshakeError", "KVLayout", "KVReceiver", "KVSender", "KVTransferAborted",
-    "KVTransferError", "KVTransferSpec", "KVTransferTimeout", "LocalKVChannel",
-    "LocalKVReceiver", "LocalKVSender", "OnLayer", "PeerAddress", "TorchDistReceiver",
-    "TorchDistSender", "make_tag",
+    "KVTransferError", "KVTransferSpec", "KVTransferTimeout", "OnLayer", "PeerAddress",
+    "TorchDistReceiver", "TorchDistSender", "make_tag",
 ]

@@ -1,6 +1,6 @@
 """KV-transfer protocol: layouts, transfer specs, the handshake check, wire shape and tags.
 
-Pure dataclasses and functions (no I/O). Both transports (``torch_dist``, ``local``) and the
+Pure dataclasses and functions (no I/O). The transport (``torch_dist``) and the
 workers share these definitions, so a prefill and a decode worker agree on what one transfer is:
 one message per layer, a tensor ``[2, num_tokens, num_kv_heads, head_dim]`` (K then V,
 token-contiguous) in the layout's dtype, tagged by ``(transfer_id, layer)``.
@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engine.config import DTYPE_BYTES
+
 # Tag = (transfer_id mod 2**20) * 1024 + layer: unique among in-flight transfers of one pair as
 # long as fewer than 2**20 transfers are in flight at once and a model has at most 1024 layers.
 TAG_TRANSFER_MODULUS = 2**20
@@ -21,7 +23,6 @@ MAX_LAYERS = 1024
 # Reserved tag, above every data tag, used only to tear a pair's connection down on purpose.
 KILL_TAG = 2**31 - 1
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class KVHandshakeError(ValueError):
@@ -51,8 +52,9 @@ class KVLayout:
     head_dim: int
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"KVLayout.dtype {self.dtype!r} unsupported; supported: {', '.join(_DTYPES)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} unsupported; "
+                             f"supported: {', '.join(DTYPE_BYTES)}")
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
@@ -66,7 +68,7 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def check_compatible(self, other: KVLayout, self_role: str = "decode",
                          other_role: str = "prefill") -> None:

@@ -231,8 +231,9 @@ class _SendTransfer(TransferState):
         self.aborted_at: float | None = None
         self.num_sent = 0
         self.pair: Pair | None = None
-        # (work, kv) pairs waited on, in order, by the transfer's completion thread
-        self.posted: deque = deque()
+        # (layer, kv, cuda event or None) queued by send_layer, in layer order; the transfer's
+        # thread posts each send (after the event, on GPU) and waits on it before the next
+        self.posted: deque[tuple[int, torch.Tensor, object]] = deque()
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
 

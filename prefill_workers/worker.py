@@ -1,12 +1,12 @@
 """Prefill worker: batched, chunked prefill that streams each layer's KV to a decode worker.
 
-A plain class; ``router.cluster`` wraps it as a threaded Ray actor so many ``prefill`` calls
-wait concurrently while one ``EngineLoop`` thread batches their prompts by token budget.
+A thin Ray adapter (``router.cluster`` wraps it as a threaded actor so many ``prefill`` calls
+wait concurrently while one ``EngineLoop`` thread batches their prompts by token budget).
 Each prompt is a ``max_tokens=1`` request with ``export_kv``: in the step that computes its
-last chunk, the layer hook gathers that layer's K/V for the whole prompt (token-contiguous)
-and posts an async send right away, so layer L travels while layer L+1 computes. The pages
-are freed when the request finishes (the sends hold their own copies); full blocks stay in
-the prefix cache for later prompts.
+last chunk, the engine's ``KVConnector`` hands this worker each layer's K/V for the whole
+prompt (token-contiguous) as soon as the layer is written, and the worker posts an async send
+right away, so layer L travels while layer L+1 computes. The pages are freed when the request
+finishes (the sends hold their own copies); full blocks stay in the prefix cache.
 """
 
 from __future__ import annotations
@@ -20,18 +20,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from decode_workers.messages import (
+from engine.engine_loop import EngineLoop
+from engine.kv_connector import LayerExport
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput
+from kv_transfer import KVLayout, KVTransferAborted, TorchDistSender
+from worker_protocol import (
+    AbortRequest,
     PrefillRequest,
     PrefillResult,
     WorkerConfig,
     WorkerInfo,
     WorkerLoad,
     apply_cpu_affinity,
+    current_node_id,
 )
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
-from engine.request import Request, RequestOutput
-from kv_transfer import KVLayout, KVTransferAborted, TorchDistSender
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,7 @@ _CALL_TIMEOUT_S = 60.0
 class _Pending:
     req: PrefillRequest
     future: Future
-    arrival: float
-    scheduled_at: float | None = None
+    arrival: float  # engine clock
     layers_sent: int = 0
     kv_bytes: int = 0
     held: list[torch.Tensor] = dataclasses.field(default_factory=list)  # non-streaming mode
@@ -64,22 +66,18 @@ class PrefillWorker:
         self._finisher = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{self.worker_id}-send")
         self._layers_sent_total = 0
         self.kv_bytes_sent = 0
-        self.engine.layer_hook = self._on_layer
+        self.engine.kv_connector.exporter = self._export_layer
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop")
 
     def info(self) -> WorkerInfo:
-        import ray
-
-        bm = self.engine.block_manager
-        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        return WorkerInfo(self.worker_id, "prefill", node, os.getpid(), self.layout, bm.num_blocks,
-                          bm.block_size, self.engine.max_model_len)
+        stats = self.engine.stats()
+        return WorkerInfo(self.worker_id, "prefill", current_node_id(), os.getpid(), self.layout,
+                          stats.kv_blocks_total, stats.block_size, self.engine.max_model_len)
 
     def load(self) -> WorkerLoad:
-        bm = self.engine.block_manager
-        sched = self.engine.scheduler
-        return WorkerLoad(self.worker_id, "prefill", bm.num_used_blocks, bm.num_blocks, 0,
-                          sched.num_running, len(sched.waiting), self.kv_bytes_sent)
+        s = self.engine.stats()
+        return WorkerLoad(self.worker_id, "prefill", s.kv_blocks_used, s.kv_blocks_total,
+                          s.num_running, s.num_waiting, kv_transfer_bytes=self.kv_bytes_sent)
 
     def layers_sent(self, request_id: str) -> int:
         """How many layers of an in-flight request's KV have been posted (tests, debugging)."""
@@ -98,33 +96,32 @@ class PrefillWorker:
         sp = req.sampling_params
         # One token here; stop strings and the rest of the budget are the decode side's.
         params = dataclasses.replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1), stop=[])
-        pending = _Pending(req, Future(), time.monotonic())
+        pending = _Pending(req, Future(), self.engine.clock())
         with self._lock:
             if req.request_id in self._pending:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._pending[req.request_id] = pending
-
-        def add(engine: LLMEngine) -> None:
-            r = Request(req.request_id, list(req.prompt_token_ids), params, engine.clock(),
-                        eos_token_ids=engine.eos_token_ids, export_kv=True)
-            engine.enqueue(r)
-
         try:
-            self.loop.call(add).result(_CALL_TIMEOUT_S)
+            self.loop.call(lambda e: e.add_request(
+                list(req.prompt_token_ids), params, req.request_id, export_kv=True)
+            ).result(_CALL_TIMEOUT_S)
             return pending.future.result()
         finally:
             with self._lock:
                 self._pending.pop(req.request_id, None)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, req: AbortRequest) -> bool:
+        """Stop computing and sending ``req.request_id``; its ``prefill`` call raises
+        KVTransferAborted. False when it is not (or no longer) here."""
+        rid = req.request_id
         with self._lock:
-            pending = self._pending.get(request_id)
+            pending = self._pending.get(rid)
         if pending is None:
             return False
-        self.loop.call(lambda e: e.scheduler.abort_request(request_id))
+        self.loop.call(lambda e: e.abort_request(rid))
         self.sender.abort(pending.req.transfer)
         if not pending.future.done():
-            pending.future.set_exception(KVTransferAborted(f"{request_id} aborted during prefill"))
+            pending.future.set_exception(KVTransferAborted(f"{rid} aborted during prefill"))
         return True
 
     def shutdown(self) -> None:
@@ -133,25 +130,15 @@ class PrefillWorker:
         self.sender.close()
 
     # ---- engine-loop thread -----------------------------------------------------------------
-    def _on_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
-        sched = self.engine.current_step
-        started = self.engine.step_started_at  # same clock (time.monotonic) as `arrival`
-        for chunk in sched.chunks:
-            if not chunk.export_kv:
-                continue
-            pending = self._pending.get(chunk.request_id)
-            if pending is None:
-                continue
-            if pending.scheduled_at is None:
-                pending.scheduled_at = started
-            if not chunk.sample:
-                continue  # an earlier chunk of a long prompt: its KV stays in our pages for now
-            kv = self.engine.runner.read_layer_kv(layer, chunk.block_ids, chunk.end_pos)
-            pending.kv_bytes += kv.numel() * kv.element_size()
-            if self.config.stream_layers:
-                self._send(pending, layer, kv)
-            else:
-                pending.held.append(kv)
+    def _export_layer(self, export: LayerExport) -> None:
+        pending = self._pending.get(export.request_id)
+        if pending is None:
+            return
+        pending.kv_bytes += export.kv.numel() * export.kv.element_size()
+        if self.config.stream_layers:
+            self._send(pending, export.layer, export.kv)
+        else:
+            pending.held.append(export.kv)
 
     def _send(self, pending: _Pending, layer: int, kv: torch.Tensor) -> None:
         self.sender.send_layer(pending.req.destination, pending.req.transfer, layer, kv)
@@ -165,7 +152,7 @@ class PrefillWorker:
             time.sleep(self.config.fault_delay_per_layer_s)
 
     def _on_step(self, outs: list[RequestOutput]) -> None:
-        step_end = time.monotonic()
+        step_end = self.engine.clock()
         for out in outs:
             pending = self._pending.get(out.request_id)
             if pending is None or not out.finished:
@@ -186,11 +173,11 @@ class PrefillWorker:
             if not pending.future.done():
                 pending.future.set_exception(e)
             return
-        done = time.monotonic()
+        done = self.engine.clock()
         self.kv_bytes_sent += pending.kv_bytes
-        scheduled = pending.scheduled_at or pending.arrival
+        scheduled = out.metrics.first_scheduled_time or pending.arrival
         result = PrefillResult(req.request_id, out.token_ids[0], len(req.prompt_token_ids),
-                               out.metrics.num_cached_tokens, scheduled - pending.arrival,
+                               out.metrics.num_cached_tokens, max(0.0, scheduled - pending.arrival),
                                step_end - scheduled, done - step_end, pending.kv_bytes)
         if not pending.future.done():
             pending.future.set_result(result)

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from engine.request import QueueFullError, SamplingParams
+from worker_protocol import WorkerLoad
 
 __all__ = [
     "BackendStats", "EngineBackend", "GenerateInput", "GenerationBackend", "GenerationChunk",
     "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "Usage",
-    "WorkerStats", "WorkerUnavailableError",
+    "WorkerLoad", "WorkerUnavailableError",
 ]
 
 
@@ -100,18 +101,8 @@ class GenerationChunk:
 
 
 @dataclass(frozen=True)
-class WorkerStats:
-    worker_id: str
-    role: str  # "prefill" | "decode" | "colocated" | "embedded"
-    kv_blocks_used: int
-    kv_blocks_total: int
-    requests_running: int
-    requests_waiting: int
-
-
-@dataclass(frozen=True)
 class BackendStats:
-    workers: list[WorkerStats] = field(default_factory=list)
+    workers: list[WorkerLoad] = field(default_factory=list)
     kv_transfer_bytes_total: int = 0
 
 
@@ -190,11 +181,9 @@ class EngineBackend:
         return await self._async.abort(request_id)
 
     async def stats(self) -> BackendStats:
-        eng = self._async.engine
-        bm = eng.block_manager
-        sched = eng.scheduler
-        return BackendStats([WorkerStats("embedded-0", "embedded", bm.num_used_blocks, bm.num_blocks,
-                                         sched.num_running, sched.num_waiting)])
+        s = self._async.engine.stats()
+        return BackendStats([WorkerLoad("embedded-0", "embedded", s.kv_blocks_used,
+                                        s.kv_blocks_total, s.num_running, s.num_waiting)])
 
     async def shutdown(self) -> None:
         self._async.shutdown()

@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from decode_workers.messages import WorkerConfig, WorkerInfo
 from engine.input_processor import InputProcessor
 from engine.llm_engine import EngineArgs
 from engine.tokenizer import load_tokenizer
@@ -30,10 +29,10 @@ from router.backend import (
     GenerationChunk,
     InvalidRequestError,
     ModelInfo,
-    WorkerStats,
 )
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+from worker_protocol import WorkerConfig, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -205,18 +204,15 @@ class Cluster:
                 if isinstance(load, BaseException):
                     orch.on_worker_error(slot, load)
                     continue
-                slot.view.kv_blocks_used = load.kv_blocks_used
-                slot.view.requests_running = load.requests_running
+                slot.view.load = load
                 self._heartbeat(slot, load)
             await asyncio.sleep(0.25)
 
-    def _heartbeat(self, slot, load) -> None:
+    def _heartbeat(self, slot, load: WorkerLoad) -> None:
         """Registry heartbeat with the worker's load; a store outage must not stop serving."""
         from router.store import StoreError, UnknownWorkerError
-        from router.store import WorkerLoad as StoreLoad
 
-        report = StoreLoad(load.kv_blocks_used, load.kv_blocks_total, load.requests_running,
-                           load.requests_waiting, time.time())
+        report = dataclasses.replace(load, reported_at=time.time())
         try:
             try:
                 self.store.heartbeat(slot.info.worker_id, ttl_s=15.0, load=report)
@@ -268,9 +264,7 @@ class Cluster:
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
         loads = await asyncio.gather(*[s.handle.load.remote() for s in slots], return_exceptions=True)
-        workers = [WorkerStats(lo.worker_id, lo.role, lo.kv_blocks_used, lo.kv_blocks_total,
-                               lo.requests_running, lo.requests_waiting)
-                   for lo in loads if not isinstance(lo, BaseException)]
+        workers = [lo for lo in loads if not isinstance(lo, BaseException)]
         return BackendStats(workers, orch.kv_transfer_bytes_total)
 
     async def worker_loads(self) -> list:

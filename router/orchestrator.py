@@ -16,15 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from decode_workers.messages import (
-    PrefillRequest,
-    ReserveRequest,
-    SubmitRequest,
-    TokenBatch,
-    TokenUpdate,
-    WorkerInfo,
-)
 from engine.block_manager import hash_block
+from engine.config import cdiv
 from engine.input_processor import InputProcessor
 from engine.request import QueueFullError
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -38,7 +31,18 @@ from router.backend import (
     WorkerUnavailableError,
     new_request_id,
 )
-from router.policy import WorkerView, blocks_for, pick_decode, pick_prefill
+from router.policy import WorkerView, pick_decode, pick_prefill
+from worker_protocol import (
+    AbortRequest,
+    CommitRequest,
+    PrefillRequest,
+    PrefillResult,
+    ReserveRequest,
+    SubmitRequest,
+    TokenBatch,
+    TokenUpdate,
+    WorkerInfo,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,28 @@ class _Stream:
 
 class _Aborted(Exception):
     """Raised inside the lifecycle once the request was aborted by id."""
+
+
+class _RetryElsewhere(Exception):
+    """One attempt failed: try the request again without the workers in ``exclude``.
+
+    Every failure of an attempt (a worker died, refused, or lost the transfer) becomes this
+    one shape, so the retry policy lives in ``_prefill`` alone."""
+
+    def __init__(self, error: BaseException, exclude: list[WorkerSlot], worker_id: str) -> None:
+        super().__init__(repr(error))
+        self.error = error
+        self.exclude = exclude
+        self.worker_id = worker_id  # the worker that failed (journal)
+
+
+@dataclass(frozen=True)
+class _FirstToken:
+    """What a successful attempt hands the stream: the first token, and whether it ended it."""
+
+    token_id: int
+    finished: bool
+    finish_reason: str | None
 
 
 @dataclass
@@ -178,18 +204,18 @@ class Orchestrator:
         finished = False
         self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
         try:
-            first = None
+            first: _FirstToken | None = None
             try:
                 if self.config.mode == "colocated":
                     await self._submit_colocated(stream, prompt_ids, params)
                 else:
-                    first, commit_finished, commit_reason = await self._prefill(
-                        stream, prompt_ids, params)
+                    first = await self._prefill(stream, prompt_ids, params)
             except _Aborted:  # aborted by id: the queue already holds the final "abort" update
                 first = None
             pending: list[TokenUpdate] = []
             if first is not None:
-                pending.append(TokenUpdate(rid, [first], commit_reason if commit_finished else None))
+                pending.append(TokenUpdate(rid, [first.token_id],
+                                           first.finish_reason if first.finished else None))
             while True:
                 upd = pending.pop(0) if pending else await stream.queue.get()
                 if isinstance(upd, BaseException):
@@ -231,10 +257,11 @@ class Orchestrator:
 
     async def _abort_on_workers(self, stream: _Stream) -> None:
         calls = []
+        msg = AbortRequest(stream.request_id)
         if stream.prefill_id and stream.prefill_id in self.prefill:
-            calls.append(self.prefill[stream.prefill_id].handle.abort.remote(stream.request_id))
+            calls.append(self.prefill[stream.prefill_id].handle.abort.remote(msg))
         if stream.decode_id and stream.decode_id in self.decode:
-            calls.append(self.decode[stream.decode_id].handle.abort.remote(stream.request_id))
+            calls.append(self.decode[stream.decode_id].handle.abort.remote(msg))
         for c in calls:
             try:
                 await c
@@ -247,95 +274,100 @@ class Orchestrator:
         stream.decode_id = slot.info.worker_id
         slot.view.inflight_requests += 1
         try:
-            await slot.handle.submit.remote(SubmitRequest(stream.request_id, prompt_ids, params,
-                                                          time.time()))
+            await slot.handle.submit.remote(SubmitRequest(stream.request_id, prompt_ids, params))
         finally:
             slot.view.inflight_requests -= 1
         self._record_prefix(slot, prompt_ids)
 
-    async def _prefill(self, stream: _Stream, prompt_ids: list[int], params
-                       ) -> tuple[int, bool, str | None]:
-        """Reserve, prefill, transfer, commit; retried on other workers. Returns the first
-        token and whether the request already finished with it."""
+    async def _prefill(self, stream: _Stream, prompt_ids: list[int], params) -> _FirstToken:
+        """Reserve, prefill, transfer, commit; each failed attempt is retried on other
+        workers, up to ``max_attempts``."""
         rid = stream.request_id
-        excluded_decode: set[str] = set()
-        excluded_prefill: set[str] = set()
+        excluded: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         last_error: BaseException | None = None
         for attempt in range(self.config.max_attempts):
             if stream.aborted:
                 raise _Aborted
-            # Reserve room for the prompt plus the whole output: a decode worker never has to
-            # preempt a request just because its output grew.
+            # Route only to a worker whose free blocks cover the prompt AND the whole output
+            # now. That makes decode-side preemption rare, not impossible: the reservation
+            # holds prompt + 1 token, and outputs of requests routed concurrently grow into
+            # the same free blocks; a preempted request is recomputed on its decode worker.
             decode = await self._wait_for_decode(len(prompt_ids) + params.max_tokens,
-                                                 excluded_decode, None, stream)
+                                                 excluded["decode"], None, stream)
             hits = self._prefix_hits(prompt_ids, self.prefill)
-            prefill = pick_prefill([s.view for s in self.prefill.values()], excluded_prefill, hits)
-            if prefill is None:
+            view = pick_prefill([s.view for s in self.prefill.values()], excluded["prefill"], hits)
+            if view is None:
                 raise WorkerUnavailableError("no live prefill worker")
-            pslot = self.prefill[prefill.worker_id]
-            spec = KVTransferSpec(rid, next(self._transfer_ids), len(prompt_ids), self.layout)
-            need = blocks_for(len(prompt_ids) + 1, decode.view.block_size)
-            decode.view.inflight_blocks += need
-            stream.decode_id = decode.info.worker_id
             try:
-                try:
-                    res = await decode.handle.reserve.remote(ReserveRequest(
-                        rid, prompt_ids, params, spec, pslot.info.worker_id, time.time()))
-                except KVHandshakeError as e:
-                    raise ClusterMisconfiguredError(str(_cause(e))) from None
-                except Exception as e:
-                    self.on_worker_error(decode, e)
-                    excluded_decode.add(decode.info.worker_id)
-                    last_error = e
-                    continue
-                if not res.ok:
-                    excluded_decode.add(decode.info.worker_id)
-                    last_error = QueueFullError(res.reason)
-                    continue
-                self._journal(rid, "reserved", decode.info.worker_id, f"{res.num_blocks} blocks")
-                stream.prefill_id = pslot.info.worker_id
-                prefill.inflight_prefill_tokens += len(prompt_ids)
-                try:
-                    result = await pslot.handle.prefill.remote(PrefillRequest(
-                        rid, prompt_ids, params, spec, decode.info.kv_address, time.time()))
-                except Exception as e:
-                    stream.prefill_id = None
-                    await self._safe_abort(decode, rid)
-                    if stream.aborted:  # the prefill failed because we aborted it: no retry
-                        raise _Aborted from None
-                    self.on_worker_error(pslot, e)
-                    excluded_prefill.add(pslot.info.worker_id)
-                    excluded_decode.add(decode.info.worker_id)
-                    last_error = e
-                    self._journal(rid, "retried", pslot.info.worker_id, repr(e)[:200])
-                    continue
-                finally:
-                    # On cancellation prefill_id stays set, so the caller aborts the prefill too.
-                    prefill.inflight_prefill_tokens -= len(prompt_ids)
-                stream.prefill_id = None
-                self._journal(rid, "prefilled", pslot.info.worker_id, "")
-                self._record_prefix(pslot, prompt_ids)
-                try:
-                    commit = await decode.handle.commit.remote(rid, result.first_token_id,
-                                                               self.config.transfer_timeout_s)
-                except Exception as e:
-                    await self._safe_abort(decode, rid)
-                    self.on_worker_error(decode, e)
-                    excluded_decode.add(decode.info.worker_id)
-                    last_error = e
-                    self._journal(rid, "retried", decode.info.worker_id, repr(e)[:200])
-                    continue
-                self.kv_transfer_bytes_total += result.kv_bytes
-                self.timings[rid] = RequestTiming(result.queue_s, result.compute_s,
-                                                  result.transfer_tail_s, attempt + 1)
-                if len(self.timings) > 10_000:
-                    self.timings.pop(next(iter(self.timings)))
-                self._journal(rid, "committed", decode.info.worker_id, "")
-                return result.first_token_id, commit.finished, commit.finish_reason
-            finally:
-                decode.view.inflight_blocks -= need
+                return await self._attempt(stream, self.prefill[view.worker_id], decode,
+                                           prompt_ids, params, attempt)
+            except _RetryElsewhere as retry:
+                for slot in retry.exclude:
+                    excluded["prefill" if slot.info.role == "prefill" else "decode"].add(
+                        slot.info.worker_id)
+                last_error = retry.error
+                self._journal(rid, "retried", retry.worker_id, repr(retry.error)[:200])
         raise WorkerUnavailableError(f"request {rid} failed after {self.config.max_attempts} "
                                      f"attempts; last error: {_cause(last_error)!r}")
+
+    async def _attempt(self, stream: _Stream, pslot: WorkerSlot, decode: WorkerSlot,
+                       prompt_ids: list[int], params, attempt: int) -> _FirstToken:
+        """One try on one (prefill, decode) pair. Raises _RetryElsewhere with the reservation
+        already released, _Aborted, or ClusterMisconfiguredError."""
+        rid = stream.request_id
+        spec = KVTransferSpec(rid, next(self._transfer_ids), len(prompt_ids), self.layout)
+        need = cdiv(len(prompt_ids) + 1, decode.view.block_size)
+        decode.view.inflight_blocks += need
+        stream.decode_id = decode.info.worker_id
+        try:
+            res = await self._call(stream, decode, [decode], decode.handle.reserve.remote(
+                ReserveRequest(rid, prompt_ids, params, spec, pslot.info.worker_id)))
+            if not res.ok:
+                raise _RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
+            self._journal(rid, "reserved", decode.info.worker_id, f"{res.num_blocks} blocks")
+            stream.prefill_id = pslot.info.worker_id
+            pslot.view.inflight_prefill_tokens += len(prompt_ids)
+            try:
+                result: PrefillResult = await self._call(
+                    stream, pslot, [pslot, decode], pslot.handle.prefill.remote(PrefillRequest(
+                        rid, prompt_ids, params, spec, decode.info.kv_address)), release=decode)
+            finally:
+                # On cancellation prefill_id stays set, so the caller aborts the prefill too.
+                pslot.view.inflight_prefill_tokens -= len(prompt_ids)
+            stream.prefill_id = None
+            self._journal(rid, "prefilled", pslot.info.worker_id, "")
+            self._record_prefix(pslot, prompt_ids)
+            commit = await self._call(stream, decode, [decode], decode.handle.commit.remote(
+                CommitRequest(rid, result.first_token_id, self.config.transfer_timeout_s)),
+                release=decode)
+        finally:
+            decode.view.inflight_blocks -= need
+        self.kv_transfer_bytes_total += result.kv_bytes
+        self.timings[rid] = RequestTiming(result.queue_s, result.compute_s,
+                                          result.transfer_tail_s, attempt + 1)
+        if len(self.timings) > 10_000:
+            self.timings.pop(next(iter(self.timings)))
+        self._journal(rid, "committed", decode.info.worker_id, "")
+        return _FirstToken(result.first_token_id, commit.finished, commit.finish_reason)
+
+    async def _call(self, stream: _Stream, worker: WorkerSlot, exclude: list[WorkerSlot], call,
+                    release: WorkerSlot | None = None):
+        """Await one worker call of an attempt. On failure: free the reservation held on
+        ``release``, then raise _Aborted (we aborted it), ClusterMisconfiguredError (the KV
+        handshake refused), or _RetryElsewhere without the workers in ``exclude``."""
+        try:
+            return await call
+        except KVHandshakeError as e:
+            raise ClusterMisconfiguredError(str(_cause(e))) from None
+        except Exception as e:
+            if worker.info.worker_id == stream.prefill_id:
+                stream.prefill_id = None  # the failed prefill holds nothing to abort
+            if release is not None:
+                await self._safe_abort(release, stream.request_id)
+            if stream.aborted:  # it failed because we aborted it: no retry
+                raise _Aborted from None
+            self.on_worker_error(worker, e)
+            raise _RetryElsewhere(e, exclude, worker.info.worker_id) from None
 
     async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
                                prompt_ids: list[int] | None, stream: _Stream) -> WorkerSlot:
@@ -362,7 +394,7 @@ class Orchestrator:
 
     async def _safe_abort(self, slot: WorkerSlot, rid: str) -> None:
         try:
-            await slot.handle.abort.remote(rid)
+            await slot.handle.abort.remote(AbortRequest(rid))
         except Exception as e:
             self.on_worker_error(slot, e)
 

@@ -9,42 +9,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import cdiv
+from worker_protocol import WorkerLoad
+
 
 @dataclass
 class WorkerView:
-    """The router's picture of one worker."""
+    """The router's picture of one worker: its last load report plus exact router-side
+    counters of what was routed to it since."""
 
     worker_id: str
     role: str
     kv_blocks_total: int
     block_size: int
-    kv_blocks_used: int = 0  # from the last load report
-    requests_running: int = 0
+    load: WorkerLoad | None = None  # the last report (None until the first one)
     alive: bool = True
-    # Router-side, exact: blocks reserved / prompt tokens sent since the last report.
     inflight_blocks: int = 0
     inflight_prefill_tokens: int = 0
     inflight_requests: int = 0
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.load.kv_blocks_used if self.load else 0
+
+    @property
+    def requests_running(self) -> int:
+        return self.load.requests_running if self.load else 0
 
     @property
     def free_blocks(self) -> int:
         return self.kv_blocks_total - self.kv_blocks_used - self.inflight_blocks
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def pick_decode(workers: list[WorkerView], num_tokens: int, exclude: set[str] = frozenset(),
                 prefix_hits: dict[str, int] | None = None) -> WorkerView | None:
     """The live decode worker with room for ``num_tokens`` and the most headroom.
 
-    Prefix affinity (colocated mode, where decode workers prefill) breaks near-ties toward
-    the worker already caching the most leading blocks of this prompt.
+    Order of preference: the most leading blocks of this prompt already cached there (prefix
+    affinity; only colocated workers prefill, so only they report hits), then the largest
+    free fraction of the KV pool, then the fewest running and in-flight requests.
     """
     hits = prefix_hits or {}
     fits = [w for w in workers if w.alive and w.worker_id not in exclude
-            and w.free_blocks >= blocks_for(num_tokens, w.block_size)]
+            and w.free_blocks >= cdiv(num_tokens, w.block_size)]
     if not fits:
         return None
     return max(fits, key=lambda w: (hits.get(w.worker_id, 0),

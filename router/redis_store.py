@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from dataclasses import asdict
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -26,6 +27,7 @@ from router.store import (
     _check_hashes,
     _check_role,
     _check_ttl,
+    from_dict,
 )
 
 __all__ = ["RedisStore"]
@@ -130,7 +132,7 @@ class RedisStore(ClusterStore):
     @_unavailable
     def heartbeat(self, worker_id: str, ttl_s: float, load: WorkerLoad | None = None) -> None:
         _check_ttl(ttl_s)
-        payload = json.dumps(load.to_dict()) if load is not None else ""
+        payload = json.dumps(asdict(load)) if load is not None else ""
         ok = self._heartbeat(keys=[self._k("worker", worker_id), self._k("load", worker_id)],
                              args=[_ms(ttl_s), payload])
         if not ok:
@@ -167,7 +169,7 @@ class RedisStore(ClusterStore):
         alive, raw = self._r.mget([self._k("worker", worker_id), self._k("load", worker_id)])
         if alive is None or raw is None:
             return None
-        return WorkerLoad.from_dict(json.loads(raw))
+        return from_dict(WorkerLoad, json.loads(raw))
 
     @_unavailable
     def record_prefix(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None:

@@ -26,7 +26,9 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Self
+from typing import Any, Self, TypeVar
+
+from worker_protocol import WorkerLoad
 
 __all__ = [
     "JOURNAL_KINDS", "WORKER_ROLES", "ClusterStore", "InMemoryStore", "JournalEvent",
@@ -39,6 +41,9 @@ JOURNAL_KINDS = ("received", "reserved", "prefilled", "committed", "finished", "
                  "retried", "failed")
 DEFAULT_JOURNAL_TTL_S = 3600.0
 DEFAULT_MAX_PREFIX_BLOCKS = 100_000
+
+
+_T = TypeVar("_T")
 
 
 class StoreError(Exception):
@@ -54,14 +59,19 @@ class UnknownWorkerError(StoreError, LookupError):
     TTL lapsed). The worker must call ``register_worker`` again."""
 
 
+def from_dict(cls: type[_T], d: dict[str, Any]) -> _T:
+    """Rebuild a dataclass from its ``asdict`` form. Unknown keys are ignored so a newer
+    writer does not break an older reader."""
+    return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})  # type: ignore[arg-type]
+
+
 class _Serde:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:
-        # Unknown keys are ignored so a newer writer does not break an older reader.
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})  # type: ignore[arg-type]
+        return from_dict(cls, d)
 
 
 @dataclass(frozen=True)
@@ -82,17 +92,6 @@ class WorkerRecord(_Serde):
         if not self.worker_id:
             raise ValueError("WorkerRecord.worker_id must be non-empty")
         _check_role(self.role)
-
-
-@dataclass(frozen=True)
-class WorkerLoad(_Serde):
-    """A worker's latest load report, sent with heartbeats."""
-
-    kv_blocks_used: int
-    kv_blocks_total: int
-    requests_running: int
-    requests_waiting: int
-    updated_at: float
 
 
 @dataclass(frozen=True)

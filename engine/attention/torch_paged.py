@@ -1,81 +1,136 @@
 """Paged attention in plain torch: the CPU backend and the reference the GPU backend is tested against.
 
+Owns ``TorchPagedBackend`` (the ``"torch"`` ``AttentionBackend``) and ``gather_kv``.
+
 KV cache layout (one tensor per layer, FlashInfer's NHD): ``[num_blocks, 2, block_size,
 num_kv_heads, head_dim]`` with K at index 0 and V at index 1 of dim 1. The math is FlashInfer's:
-gather a sequence's pages in block-table order, keep the first ``L`` rows, query head ``h`` reads
+gather a sequence's pages in page-table order, keep the first ``L`` rows, query head ``h`` reads
 KV head ``h // (num_heads // num_kv_heads)``, scale ``1/sqrt(head_dim)``, softmax in fp32.
 
-A step's tokens are laid out decode-first: the first ``num_decode`` tokens are single-token
-queries (decode steps, batched in one call), the rest are prefill chunks (one call each).
+A step's sequences are laid out decode-first: the first ``num_decode`` are single-token queries
+(batched in one call), the rest are prefill chunks (one call each).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention.backend import AttentionMetadata
 
-@dataclass
-class PrefillSeq:
+
+@dataclass(frozen=True)
+class _PrefillPlan:
     """One prefill chunk: query rows ``[q_start, q_start + q_len)`` at positions from ``start_pos``."""
 
     q_start: int
     q_len: int
     start_pos: int
-    block_ids: torch.Tensor  # [num_blocks_covering_end] int64
+    block_ids: torch.Tensor  # [num_pages] int64, covering start_pos + q_len tokens
+    # Causal with an offset (query i at position start_pos+i sees keys at positions <= that);
+    # None when nothing is cached before the chunk, which attends to its fresh K/V with is_causal.
+    mask: torch.Tensor | None  # [q_len, start_pos + q_len] bool
 
     @property
     def end_pos(self) -> int:
         return self.start_pos + self.q_len
 
-    def to(self, device: torch.device) -> PrefillSeq:
-        return PrefillSeq(self.q_start, self.q_len, self.start_pos, self.block_ids.to(device))
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """What every layer of one step reuses, on the backend's device."""
+
+    write_page_ids: torch.Tensor  # [num_tokens] int64
+    write_offsets: torch.Tensor  # [num_tokens] int64
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_pages] int64, padded with page 0
+    # True past each sequence's KV length (padding rows of the gathered pages).
+    decode_pad_mask: torch.Tensor | None  # [num_decode, 1, 1, max_pages * block_size] bool
+    prefills: list[_PrefillPlan]
 
 
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs for one step, built once per step by the model runner."""
+class TorchPagedBackend:
+    """``AttentionBackend`` on torch ops (SDPA for prefill, two matmuls for batched decode)."""
 
-    slot_blocks: torch.Tensor  # [num_tokens] int64: block of each new token
-    slot_offsets: torch.Tensor  # [num_tokens] int64: row inside that block
-    num_decode: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] int64
-    decode_key_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
-    prefills: list[PrefillSeq] = field(default_factory=list)
+    name = "torch"
 
-    def to(self, device: torch.device) -> AttentionMetadata:
-        """A copy on ``device`` (built on the host, moved once per step)."""
-        if device.type == "cpu":
-            return self
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._plan: _StepPlan | None = None
 
-        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Build this step's padded decode page tables, padding mask, per-prefill pages and masks.
 
-        return AttentionMetadata(mv(self.slot_blocks), mv(self.slot_offsets), self.num_decode,
-                                 mv(self.decode_block_tables), mv(self.decode_key_mask),
-                                 [p.to(device) for p in self.prefills])
+        Reads the page table as Python ints, so ``meta`` should be the host copy.
+        """
+        bs = meta.block_size
+        dev = self.device
+        qo_indptr = meta.qo_indptr.tolist()
+        kv_indptr = meta.kv_indptr.tolist()
+        last_page_len = meta.kv_last_page_len.tolist()
+        nd = meta.num_decode
+        tables = pad_mask = None
+        if nd:
+            # Python lists, one tensor each: cheaper than a chain of small tensor ops at batch 1.
+            pages = meta.kv_indices[:kv_indptr[nd]].tolist()
+            num_pages = [kv_indptr[i + 1] - kv_indptr[i] for i in range(nd)]
+            max_pages = max(num_pages)
+            rows = [pages[kv_indptr[i]:kv_indptr[i + 1]] + [0] * (max_pages - num_pages[i])
+                    for i in range(nd)]
+            tables = torch.tensor(rows, dtype=torch.int64)  # [nd, max_pages], padded with page 0
+            kv_lens = torch.tensor([(n - 1) * bs + last
+                                    for n, last in zip(num_pages, last_page_len[:nd], strict=True)],
+                                   dtype=torch.int64)  # [nd]
+            pad_mask = torch.arange(max_pages * bs)[None, :] >= kv_lens[:, None]
+            tables = tables.to(dev, non_blocking=True)
+            pad_mask = pad_mask[:, None, None, :].to(dev, non_blocking=True)
+        prefills = []
+        if meta.num_seqs > nd:
+            kv_indices = meta.kv_indices.to(dev, torch.int64, non_blocking=True)  # [total_pages]
+        for i in range(nd, meta.num_seqs):
+            q_start, q_end = qo_indptr[i], qo_indptr[i + 1]
+            q_len = q_end - q_start
+            kv_len = (kv_indptr[i + 1] - kv_indptr[i] - 1) * bs + last_page_len[i]
+            start_pos = kv_len - q_len
+            mask = None
+            if start_pos:
+                q_pos = torch.arange(start_pos, kv_len, device=dev)
+                mask = torch.arange(kv_len, device=dev)[None, :] <= q_pos[:, None]  # [q_len, kv_len]
+            prefills.append(_PrefillPlan(q_start, q_len, start_pos,
+                                         kv_indices[kv_indptr[i]:kv_indptr[i + 1]], mask))
+        self._plan = _StepPlan(meta.write_page_ids.to(dev, non_blocking=True),
+                               meta.write_offsets.to(dev, non_blocking=True),
+                               nd, tables, pad_mask, prefills)
 
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Write new KV into the cache, then attend (``layer`` is unused: all layers share a plan).
 
-def build_decode_tables(block_tables: list[list[int]], seq_lens: list[int], block_size: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad block tables to a rectangle and build the key-validity mask (keep the first L rows)."""
-    max_blocks = max(-(-n // block_size) for n in seq_lens)
-    table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int64)
-    for i, (bt, n) in enumerate(zip(block_tables, seq_lens, strict=True)):
-        nb = -(-n // block_size)
-        table[i, :nb] = torch.tensor(bt[:nb], dtype=torch.int64)
-    lens = torch.tensor(seq_lens, dtype=torch.int64)
-    mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
-    return table, mask[:, None, None, :]
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Scatter this step's new K/V ``[num_tokens, kv_heads, head_dim]`` into their pages."""
-    kv_cache[meta.slot_blocks, 0, meta.slot_offsets] = k
-    kv_cache[meta.slot_blocks, 1, meta.slot_offsets] = v
+        q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
+        Returns ``[num_tokens, num_heads * head_dim]``.
+        """
+        p = self._plan
+        if p is None:
+            raise RuntimeError("TorchPagedBackend.forward called before plan()")
+        kv_cache[p.write_page_ids, 0, p.write_offsets] = k
+        kv_cache[p.write_page_ids, 1, p.write_offsets] = v
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        if p.num_decode:
+            nd = p.num_decode
+            out[:nd] = _decode(q[:nd], kv_cache, p.decode_block_tables, p.decode_pad_mask)
+        for s in p.prefills:
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            if s.mask is None:
+                # Nothing cached before this chunk: attend to the fresh K/V directly.
+                out[rows] = _prefill(q[rows], k[rows], v[rows], None)
+            else:
+                ks, vs = gather_kv(kv_cache, s.block_ids, s.end_pos)
+                out[rows] = _prefill(q[rows], ks, vs, s.mask)
+        return out.view(num_tokens, num_heads * head_dim)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
@@ -88,35 +143,6 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
     return k, v
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
-    """Write new KV into the cache, then attend.
-
-    q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
-    Returns ``[num_tokens, num_heads * head_dim]``.
-    """
-    write_kv(kv_cache, k, v, meta)
-    num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if meta.num_decode:
-        nd = meta.num_decode
-        out[:nd] = _decode(q[:nd], kv_cache, meta.decode_block_tables, meta.decode_key_mask)
-    for p in meta.prefills:
-        qs = q[p.q_start:p.q_start + p.q_len]
-        if p.start_pos == 0:
-            # Nothing cached before this chunk: attend to the fresh K/V directly.
-            ks = k[p.q_start:p.q_start + p.q_len]
-            vs = v[p.q_start:p.q_start + p.q_len]
-            out[p.q_start:p.q_start + p.q_len] = _prefill(qs, ks, vs, None)
-        else:
-            ks, vs = gather_kv(kv_cache, p.block_ids, p.end_pos)
-            # Causal with an offset: query i (position start+i) sees keys at positions <= start+i.
-            q_pos = torch.arange(p.start_pos, p.end_pos, device=q.device)
-            mask = torch.arange(p.end_pos, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, end]
-            out[p.q_start:p.q_start + p.q_len] = _prefill(qs, ks, vs, mask)
-    return out.view(num_tokens, num_heads * head_dim)
-
-
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     # [1, H, q_len, D] x [1, KVH, L, D]; enable_gqa maps head h to kv head h // group.
     o = F.scaled_dot_product_attention(
@@ -127,7 +153,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-            key_mask: torch.Tensor) -> torch.Tensor:
+            pad_mask: torch.Tensor) -> torch.Tensor:
     """One query token per sequence, all sequences in one batched call."""
     b, num_heads, head_dim = q.shape
     pages = kv_cache[block_tables]  # [B, MB, 2, bs, KVH, D]
@@ -139,6 +165,6 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     k, v = kv[0], kv[1]
     qg = q.view(b, kvh, group, head_dim)  # [B, KVH, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(head_dim))  # [B, KVH, G, L]
-    scores.masked_fill_(~key_mask, float("-inf"))
+    scores.masked_fill_(pad_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, num_heads, head_dim)

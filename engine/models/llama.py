@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.torch_paged import AttentionMetadata, paged_attention
+from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -85,9 +85,10 @@ class RotaryEmbedding:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_idx: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer_idx = layer_idx  # passed to the attention backend, which may keep per-layer state
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
@@ -99,7 +100,7 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         cfg = self.cfg
         t = h.shape[0]
         x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
@@ -108,8 +109,8 @@ class DecoderLayer(nn.Module):
         q = rope.apply(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = rope.apply(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, meta)  # [T, H * D]
-        h = h + linear(attn, self.o_proj.weight)
+        o = attn.forward(self.layer_idx, q, k, v, kv_cache)  # [T, H * D]
+        h = h + linear(o, self.o_proj.weight)
         x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
         gate, up = linear(x, self.gate_up.weight).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, self.down.weight)
@@ -123,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         dtype = getattr(torch, cfg.dtype)
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
@@ -134,14 +135,15 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, layer_hook: LayerHook | None = None) -> torch.Tensor:
-        """input_ids, positions: ``[T]``. ``layer_hook(i, kv_cache_i)`` runs after layer i's KV
-        is written (the prefill worker streams that layer out while the next one computes)."""
+                attn: AttentionBackend, layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """input_ids, positions: ``[T]``; ``attn`` is already planned for this step.
+        ``layer_hook(i, kv_cache_i)`` runs after layer i's KV is written (the prefill worker
+        streams that layer out while the next one computes)."""
         h = self.embed(input_ids)  # [T, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, self.rope, kv_caches[i], meta)
+            h = layer(h, cos, sin, self.rope, kv_caches[i], attn)
             if layer_hook is not None:
                 layer_hook(i, kv_caches[i])
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)

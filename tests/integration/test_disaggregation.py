@@ -108,6 +108,21 @@ async def _gather_then_check(cluster, prompts):
     return outs, None
 
 
+def test_dynamic_batching_launches_a_lone_request_after_its_window(loop, tiny_llama_dir):
+    """Arrival times are stamped on the worker's clock. The router once sent wall-clock
+    arrivals that the scheduler compared with its monotonic clock, so a lone request on a
+    dynamic-batching worker waited for a full batch forever."""
+    config = _config(tiny_llama_dir, mode="colocated", num_prefill_workers=0, num_decode_workers=1,
+                     decode_engine=EngineArgs(block_size=8, num_threads=1, batching="dynamic",
+                                              dynamic_window_s=0.05, max_num_seqs=32))
+
+    async def body(cluster):
+        return await asyncio.wait_for(_collect(cluster, [5, 6, 7, 8]), timeout=30)
+
+    toks, last = _run_cluster(loop, config, body)
+    assert len(toks) == MAX_TOKENS and last.finish_reason == "length"
+
+
 def test_abort_in_every_phase_frees_all_blocks(loop, tiny_llama_dir, workload):
     prompts, refs = workload
     # One decode worker with room for ~2 requests, a slow transfer link, a 1-slot prefill worker.

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from decode_workers.messages import ReserveRequest, WorkerConfig
 from decode_workers.worker import DecodeWorker
 from engine import EngineArgs, SamplingParams
 from kv_transfer import KVHandshakeError, KVLayout, KVTransferError, KVTransferSpec
 from tests.tiny_models import save_tiny_model
+from worker_protocol import AbortRequest, CommitRequest, ReserveRequest, WorkerConfig
 
 
 @pytest.fixture()
@@ -37,13 +37,13 @@ def test_expired_lease_frees_the_reservation(decode_worker):
         time.sleep(0.05)
     # the KV never came: committing now is refused, and nothing is held
     with pytest.raises(KVTransferError):
-        decode_worker.commit("r1", 5, timeout_s=0.2)
+        decode_worker.commit(CommitRequest("r1", 5, timeout_s=0.2))
     assert decode_worker.load().kv_blocks_used == 0
 
 
 def test_abort_releases_reservation_at_once(decode_worker):
     assert _reserve(decode_worker, decode_worker.layout, rid="r2").ok
-    assert decode_worker.abort("r2")
+    assert decode_worker.abort(AbortRequest("r2"))
     deadline = time.monotonic() + 2
     while decode_worker.load().kv_blocks_used:
         assert time.monotonic() < deadline
@@ -79,3 +79,4 @@ def test_handshake_refuses_a_different_model(decode_worker, tiny_llama_dir, tmp_
         _reserve(decode_worker, theirs, rid="r3")
     assert decode_worker.load().kv_blocks_used == 0
     assert decode_worker.load().kv_blocks_reserved == 0
+

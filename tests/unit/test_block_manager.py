@@ -1,5 +1,5 @@
-"""BlockManager: a hypothesis state machine over allocate/append/cache/fork/free/lookup, plus
-example tests for prefix reuse, LRU eviction, all-or-nothing allocation and fork copies."""
+"""BlockManager: a hypothesis state machine over allocate/append/cache/free/lookup, plus
+example tests for prefix reuse, LRU eviction and all-or-nothing allocation."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine.block_manager import BlockManager, NoFreeBlocksError
+from engine.block_manager import BlockManager
 
 BS = 4
 
@@ -98,31 +98,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if rid in self.tokens:
             toks = self.tokens[rid]
             self.bm.cache_full_blocks(rid, toks, len(toks))
-
-    @rule(target=reqs, rid=reqs, frac=st.floats(0, 1))
-    def fork(self, rid, frac):
-        if rid not in self.tokens:
-            return multiple()
-        toks = self.tokens[rid]
-        n = int(len(toks) * frac)
-        child = self._new_id()
-        try:
-            res = self.bm.fork(rid, child, n)
-        except NoFreeBlocksError:
-            assert not self.bm.has_request(child)
-            return multiple()
-        parent_table = self.bm.block_ids(rid)
-        num_full = n // BS
-        assert list(res.child_block_ids[:num_full]) == parent_table[:num_full]
-        if n % BS:
-            assert res.copy_src == parent_table[num_full]
-            assert res.copy_dst == res.child_block_ids[-1]
-            assert res.copy_dst not in parent_table
-            self.kv[res.copy_dst] = tuple(toks[:n])  # the runner's copy
-        else:
-            assert res.copy_src is None and res.copy_dst is None
-        self.tokens[child] = toks[:n]
-        return child
 
     @rule(rid=consumes(reqs))
     def free(self, rid):
@@ -234,7 +209,6 @@ def test_cache_hit_on_a_free_block_counts_against_the_pool():
     hit = bm.get_computed_blocks(a + [1])
     assert len(hit.block_ids) == 2
     # 4 blocks needed, 2 from cache (both currently free) + 2 new: only 1 other block exists.
-    assert not bm.can_allocate("b", 16, hit)
     assert not bm.allocate_slots("b", 16, hit)
     assert bm.allocate_slots("b", 12, hit)
     assert bm.num_free_blocks == 0
@@ -264,37 +238,6 @@ def test_adopting_a_prefix_twice_is_rejected():
         bm.allocate_slots("a", 12, hit)
 
 
-def test_fork_shares_full_blocks_and_copies_partial_last_block():
-    bm = BlockManager(8, BS)
-    bm.allocate_slots("p", 10)
-    parent = list(bm.block_ids("p"))
-    res = bm.fork("p", "c", 10)
-    assert res.child_block_ids[:2] == tuple(parent[:2])
-    assert res.copy_src == parent[2]
-    assert res.copy_dst == res.child_block_ids[2] and res.copy_dst not in parent
-    bm.check_invariants()
-    assert bm.free("p") == 1  # only the parent's private tail block becomes free
-    assert bm.free("c") == 3
-    assert bm.num_free_blocks == 8
-
-
-def test_fork_at_block_boundary_needs_no_copy():
-    bm = BlockManager(8, BS)
-    bm.allocate_slots("p", 10)
-    res = bm.fork("p", "c", 8)
-    assert res.copy_src is None and res.copy_dst is None
-    assert list(res.child_block_ids) == bm.block_ids("p")[:2]
-
-
-def test_fork_without_a_free_block_raises_and_changes_nothing():
-    bm = BlockManager(3, BS)
-    bm.allocate_slots("p", 10)
-    with pytest.raises(NoFreeBlocksError):
-        bm.fork("p", "c", 10)
-    assert not bm.has_request("c")
-    bm.check_invariants()
-
-
 def test_prefix_caching_disabled_never_hits():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     a = list(range(9))
@@ -312,13 +255,3 @@ def test_hash_seed_separates_clusters():
     other.allocate_slots("a", 9)
     other.cache_full_blocks("a", a, 9)
     assert bm._blocks[0].block_hash != other._blocks[0].block_hash
-
-
-def test_reset_prefix_cache_forgets_content():
-    bm = BlockManager(8, BS)
-    a = list(range(9))
-    bm.allocate_slots("a", 9)
-    bm.cache_full_blocks("a", a, 9)
-    bm.reset_prefix_cache()
-    assert bm.get_computed_blocks(a).block_ids == ()
-    bm.check_invariants()

@@ -1,19 +1,14 @@
-"""KV protocol: handshake refusals, tag uniqueness, and LocalKVChannel semantics."""
+"""KV protocol: handshake refusals and tag uniqueness."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-import torch
 
 from kv_transfer import (
     KVHandshakeError,
     KVLayout,
-    KVTransferAborted,
-    KVTransferSpec,
-    KVTransferTimeout,
-    LocalKVChannel,
     make_tag,
 )
 
@@ -34,57 +29,3 @@ def test_tags_unique_across_transfers_and_layers():
     assert len(tags) == 2000 * 64
     with pytest.raises(ValueError):
         make_tag(0, 1024)
-
-
-def _kv(spec, layer):
-    return torch.full(spec.layer_shape, float(layer + 10 * spec.transfer_id))
-
-
-def test_local_channel_end_to_end_abort_and_timeout():
-    ch = LocalKVChannel()
-    rx, tx = ch.receiver("d0", LAYOUT), ch.sender("p0", LAYOUT)
-    try:
-        got = []
-        a = KVTransferSpec("a", 1, 5, LAYOUT)
-        # data sent before expect() is held, like a posted send
-        tx.send_layer(rx.address, a, 0, _kv(a, 0))
-        rx.expect(a, "p0", lambda layer, kv: got.append((layer, kv)))
-        for layer in (1, 2):
-            tx.send_layer(rx.address, a, layer, _kv(a, layer))
-        tx.finish(a, timeout_s=5)
-        rx.wait("a", timeout_s=5)
-        assert [layer for layer, _ in got] == [0, 1, 2]
-        assert all(torch.equal(kv, _kv(a, layer)) for layer, kv in got)
-
-        b = KVTransferSpec("b", 2, 3, LAYOUT)
-        rx.expect(b, "p0", lambda *_: None)
-        rx.abort("b")
-        with pytest.raises(KVTransferAborted):
-            rx.wait("b", timeout_s=1)
-
-        c = KVTransferSpec("c", 3, 3, LAYOUT)
-        rx.expect(c, "p0", lambda *_: None)
-        tx.send_layer(rx.address, c, 0, _kv(c, 0))
-        with pytest.raises(KVTransferTimeout):
-            rx.wait("c", timeout_s=0.2)
-        tx.abort(c)
-    finally:
-        rx.close()
-        tx.close()
-
-
-def test_local_channel_refuses_mismatched_sender_on_both_sides():
-    ch = LocalKVChannel()
-    rx = ch.receiver("d0", LAYOUT)
-    bad_layout = dataclasses.replace(LAYOUT, head_dim=8)
-    tx = ch.sender("p0", bad_layout)
-    try:
-        spec = KVTransferSpec("a", 1, 2, LAYOUT)
-        rx.expect(spec, "p0", lambda *_: None)
-        bad = KVTransferSpec("a", 1, 2, bad_layout)
-        with pytest.raises(KVHandshakeError, match="head_dim differs"):
-            tx.send_layer(rx.address, bad, 0, torch.zeros(bad.layer_shape))
-        with pytest.raises(KVHandshakeError, match="head_dim differs"):
-            rx.wait("a", timeout_s=1)
-    finally:
-        rx.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, cdiv
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.weights import load_model_config, load_state_dict
@@ -28,7 +28,7 @@ def test_prompt_logits_match_transformers(arch, request):
     for length in (1, 7, 8, 37, 100):
         ids = torch.randint(0, VOCAB, (length,), generator=gen).tolist()
         # Non-contiguous, shuffled block ids: the page table, not memory order, defines the sequence.
-        blocks = torch.randperm(64, generator=gen)[: -(-length // 8)].tolist()
+        blocks = torch.randperm(64, generator=gen)[: cdiv(length, 8)].tolist()
         ours = runner.compute_logits_for_prompt(ids, blocks)
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0]
@@ -48,26 +48,22 @@ def test_qwen2_has_qkv_bias_and_it_is_used(tiny_qwen2_dir):
 
 def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir):
     """Chunked prefill (prefix in pages) + single-token decode == one full forward."""
-    from engine.attention.torch_paged import AttentionMetadata, PrefillSeq, build_decode_tables
+    from engine.attention.backend import SeqSlice, build_metadata, create_backend
 
     runner = _ours(tiny_llama_dir, block_size=4, num_blocks=32)
     hf = load_hf(tiny_llama_dir, "llama")
     ids = torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(3)).tolist()
     blocks = [9, 2, 17, 5, 30, 11]
     model = runner.model
+    backend = create_backend("torch")
 
     def run(tok_slice, start):
-        pos = torch.arange(start, start + len(tok_slice))
-        meta = AttentionMetadata(slot_blocks=torch.tensor([blocks[p // 4] for p in pos.tolist()]),
-                                 slot_offsets=pos % 4)
-        end = start + len(tok_slice)
-        if len(tok_slice) == 1:
-            meta.num_decode = 1
-            meta.decode_block_tables, meta.decode_key_mask = build_decode_tables([blocks], [end], 4)
-        else:
-            meta.prefills = [PrefillSeq(0, len(tok_slice), start, torch.tensor(blocks[: -(-end // 4)]))]
+        meta = build_metadata([SeqSlice(blocks, start, len(tok_slice))], block_size=4)
+        assert meta.num_decode == (len(tok_slice) == 1)  # the decode step takes the batched path
+        backend.plan(meta)
         with torch.inference_mode():
-            return model.compute_logits(model(torch.tensor(tok_slice), pos, runner.kv_caches, meta))
+            hidden = model(torch.tensor(tok_slice), meta.positions, runner.kv_caches, backend)
+            return model.compute_logits(hidden)
 
     run(ids[:10], 0)
     mid = run(ids[10:22], 10)  # prefill chunk over a cached prefix of 10 tokens

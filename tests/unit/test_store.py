@@ -30,8 +30,9 @@ def worker(worker_id: str, role: str = "decode", port: int = 29500) -> WorkerRec
 
 
 def load(used: int = 10, running: int = 2) -> WorkerLoad:
-    return WorkerLoad(kv_blocks_used=used, kv_blocks_total=1024, requests_running=running,
-                      requests_waiting=1, updated_at=1_700_000_001.25)
+    return WorkerLoad(worker_id="decode-0", role="decode", kv_blocks_used=used,
+                      kv_blocks_total=1024, requests_running=running, requests_waiting=1,
+                      kv_blocks_reserved=3, kv_transfer_bytes=4096, reported_at=1_700_000_001.25)
 
 
 @dataclass

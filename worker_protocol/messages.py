@@ -1,7 +1,9 @@
 """Messages between the router and the workers (plain dataclasses; Ray pickles them).
 
-Prefill workers import these too: they are the workers' shared vocabulary, and keeping them in
-one module means the router, both worker kinds and the tests agree on every field.
+One module so the router, both worker kinds and the tests agree on every field. Times that
+cross a process boundary are durations measured on one side, never timestamps compared
+across clocks (a wall-clock arrival time once reached a scheduler that compared it with its
+monotonic clock).
 """
 
 from __future__ import annotations
@@ -29,33 +31,45 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """A snapshot for routing and /metrics."""
+    """The one load shape: a worker's report, the router's routing input, the registry's
+    heartbeat payload and the /metrics gauges all read these fields."""
 
     worker_id: str
-    role: str
-    kv_blocks_used: int
+    role: str  # "prefill" | "decode" | "colocated" | "embedded"
+    kv_blocks_used: int  # blocks reserved for KV still in flight included
     kv_blocks_total: int
-    kv_blocks_reserved: int
     requests_running: int
     requests_waiting: int
-    kv_transfer_bytes: int = 0
+    kv_blocks_reserved: int = 0
+    kv_transfer_bytes: int = 0  # sent (prefill) or received (decode) so far
+    reported_at: float = 0.0  # wall-clock seconds, set where the report is stored
 
 
 @dataclass(frozen=True)
 class ReserveRequest:
+    """Decode side: hold pages for ``prompt_token_ids`` and post receives for its KV."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     transfer: KVTransferSpec
     source_worker_id: str  # the prefill worker that will send the KV
-    arrival_time: float = 0.0
 
 
 @dataclass(frozen=True)
 class ReserveResult:
     ok: bool
-    reason: str = ""  # why not, when refused (no KV capacity, duplicate id, ...)
+    reason: str = ""  # why not, when refused (no KV capacity, cannot receive, ...)
     num_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """Decode side: wait for the reserved KV to arrive, then admit with the first token."""
+
+    request_id: str
+    first_token_id: int
+    timeout_s: float | None = None  # None: the worker's transfer timeout
 
 
 @dataclass(frozen=True)
@@ -67,13 +81,19 @@ class CommitResult:
 
 
 @dataclass(frozen=True)
+class AbortRequest:
+    """Either worker: free everything ``request_id`` holds there. Idempotent."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class SubmitRequest:
     """Colocated mode: the decode worker prefills the prompt itself (chunked)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    arrival_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,7 +119,6 @@ class PrefillRequest:
     sampling_params: SamplingParams
     transfer: KVTransferSpec
     destination: PeerAddress
-    arrival_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,22 +129,10 @@ class PrefillResult:
     first_token_id: int
     num_prompt_tokens: int
     num_cached_tokens: int
-    queue_s: float  # arrival -> first scheduled step
+    queue_s: float  # arrival at the worker -> first scheduled step
     compute_s: float  # first scheduled step -> end of the step that finished the prompt
     transfer_tail_s: float  # end of that step -> all KV sends completed
     kv_bytes: int
-
-
-def apply_cpu_affinity(cores: tuple[int, ...] | None) -> None:
-    """Pin this process to ``cores`` (Linux); torch then uses one thread per pinned core."""
-    if not cores:
-        return
-    import os
-
-    import torch
-
-    os.sched_setaffinity(0, set(cores))
-    torch.set_num_threads(len(cores))
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,7 @@ class WorkerConfig:
 
     worker_id: str
     role: str  # "prefill" | "decode" | "colocated"
-    engine_args: object  # engine.llm_engine.EngineArgs (kept untyped: no torch import here)
+    engine_args: object  # engine.llm_engine.EngineArgs (untyped: importing it loads the model code)
     kv_host: str = "127.0.0.1"
     transfer_timeout_s: float = 30.0
     # A reservation whose KV has not fully arrived by then is released (blocks freed).

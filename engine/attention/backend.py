@@ -1,0 +1,160 @@
+"""The attention-backend seam: one per-step metadata format and the protocol every backend speaks.
+
+Owns ``AttentionMetadata`` (FlashInfer's page-table format, built once per step by
+``build_metadata``), the ``AttentionBackend`` protocol (``plan`` once per step, ``forward`` once
+per layer) and ``create_backend``, which picks an implementation by name. The model only sees
+the protocol; the runner only builds metadata; each backend turns the metadata into whatever its
+kernels want in ``plan``, so per-layer calls reuse it.
+
+Layout: sequences are decode-first. The first ``num_decode`` sequences have exactly one query
+token each (batched in one call); the rest are prefill chunks, possibly over a cached prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Protocol
+
+import torch
+
+from engine.config import cdiv
+
+ATTENTION_BACKENDS = ("torch",)
+# Named in errors so a user asking for it learns it is planned, not misspelled.
+_PLANNED_BACKENDS = {"flashinfer": "the GPU backend, not available yet"}
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's share of a step: new tokens at positions ``[start_pos, end_pos)``.
+
+    ``block_ids`` is the sequence's block table; it must cover ``end_pos`` tokens (extra
+    trailing blocks are ignored).
+    """
+
+    block_ids: Sequence[int]
+    start_pos: int
+    num_new_tokens: int
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_new_tokens
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, in FlashInfer's paged-KV format.
+
+    Sequence ``i`` owns query rows ``qo_indptr[i]:qo_indptr[i+1]`` and pages
+    ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``; its last page holds ``kv_last_page_len[i]``
+    valid tokens (so its KV length is ``(num_pages - 1) * block_size + kv_last_page_len``).
+    The KV length includes this step's new tokens, which backends write before attending.
+    """
+
+    qo_indptr: torch.Tensor  # [num_seqs + 1] int32
+    kv_indptr: torch.Tensor  # [num_seqs + 1] int32
+    kv_indices: torch.Tensor  # [total_pages] int32
+    kv_last_page_len: torch.Tensor  # [num_seqs] int32
+    positions: torch.Tensor  # [num_tokens] int64: position of each new token in its sequence
+    # Where each new token's K/V goes: kv_cache[write_page_ids[t], :, write_offsets[t]].
+    # int64 because torch indexes with them directly.
+    write_page_ids: torch.Tensor  # [num_tokens] int64
+    write_offsets: torch.Tensor  # [num_tokens] int64
+    num_decode: int  # leading sequences with exactly one query token
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_last_page_len.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """A copy on ``device`` (built on the host, moved once per step); CPU returns ``self``."""
+        device = torch.device(device)
+        if device.type == "cpu" and self.positions.device.type == "cpu":
+            return self
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True)
+                 for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+
+def build_metadata(seqs: Sequence[SeqSlice], block_size: int) -> AttentionMetadata:
+    """The step's metadata from its sequences, in batch order (decode-first for speed).
+
+    Runs on the host every step. The loop is per sequence and per page, never per token: at
+    batch 1 a handful of list appends costs less than the fixed overhead of tensor ops.
+    """
+    qo_indptr, kv_indptr = [0], [0]
+    kv_indices: list[int] = []
+    last_page_len: list[int] = []
+    positions: list[int] = []
+    write_page_ids: list[int] = []
+    for i, s in enumerate(seqs):
+        start, end = s.start_pos, s.end_pos
+        num_pages = cdiv(end, block_size)
+        pages = s.block_ids[:num_pages]
+        if len(pages) < num_pages:
+            raise ValueError(f"sequence {i} has {len(s.block_ids)} blocks, "
+                             f"needs {num_pages} for {end} tokens")
+        qo_indptr.append(qo_indptr[-1] + s.num_new_tokens)
+        kv_indptr.append(kv_indptr[-1] + num_pages)
+        kv_indices.extend(pages)
+        last_page_len.append(end - (num_pages - 1) * block_size)
+        positions.extend(range(start, end))
+        # Each page the new tokens land in, repeated once per token it receives.
+        for j in range(start // block_size, num_pages):
+            first, last = max(start, j * block_size), min(end, (j + 1) * block_size)
+            write_page_ids.extend([pages[j]] * (last - first))
+    num_decode = next((i for i, s in enumerate(seqs) if s.num_new_tokens != 1), len(seqs))
+    positions_t = torch.tensor(positions, dtype=torch.int64)  # [num_tokens]
+    return AttentionMetadata(
+        qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
+        kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),
+        kv_indices=torch.tensor(kv_indices, dtype=torch.int32),
+        kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
+        positions=positions_t,
+        write_page_ids=torch.tensor(write_page_ids, dtype=torch.int64),
+        write_offsets=positions_t % block_size,
+        num_decode=num_decode,
+        block_size=block_size,
+    )
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over per-layer KV caches ``[num_blocks, 2, block_size, kv_heads, head_dim]``.
+
+    ``plan`` runs once per step with the host-built metadata and precomputes what every layer
+    reuses (moving it to the backend's device); ``forward`` runs once per layer.
+    """
+
+    name: str
+
+    def plan(self, meta: AttentionMetadata) -> None: ...
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache``, then attend.
+
+        q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
+        Returns ``[num_tokens, num_heads * head_dim]``.
+        """
+        ...
+
+
+def create_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """The backend called ``name`` (one of ``ATTENTION_BACKENDS``), running on ``device``."""
+    if name == "torch":
+        # Imported here: backends import this module, and a GPU backend's heavy imports
+        # should only happen when it is chosen.
+        from engine.attention.torch_paged import TorchPagedBackend
+
+        return TorchPagedBackend(device)
+    if name in _PLANNED_BACKENDS:
+        raise ValueError(f"attention backend {name!r} ({_PLANNED_BACKENDS[name]}) cannot be used; "
+                         f"choose from {list(ATTENTION_BACKENDS)}")
+    raise ValueError(f"unknown attention backend {name!r}; choose from {list(ATTENTION_BACKENDS)} "
+                     f"('flashinfer', {_PLANNED_BACKENDS['flashinfer']})")

@@ -1,0 +1,161 @@
+"""The engine's only door for remote KV (disaggregation), split like vLLM's KV connector.
+
+Scheduler side (call on the engine-loop thread, between steps, e.g. through
+``EngineLoop.call``): a decode worker ``reserve``s pages for a prompt whose KV another worker
+computes, ``admit``s the request once every layer and the first token are there, or
+``release``s the reservation (lease expiry, abort, failed transfer).
+
+Worker side: ``import_layer`` writes one arriving layer into the pages reserved for that
+request (safe from any thread: no step reads those pages until ``admit``); a prefill worker
+registers an ``exporter`` that the engine calls after each layer's KV is written, once per
+request whose prompt the step completed, with the step's identity and timing passed in.
+
+Workers use this and ``LLMEngine``'s public methods only; they never touch the scheduler,
+the block manager or the model runner.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Which engine step is running: its number and when it started (the engine's clock)."""
+
+    step_id: int
+    started_at: float
+
+
+@dataclass(frozen=True)
+class LayerExport:
+    """One layer of one request's prompt KV, complete and token-contiguous.
+
+    ``kv`` is ``[2, num_tokens, num_kv_heads, head_dim]`` (K then V), a fresh tensor the
+    exporter owns: the engine may reuse the pages it came from as soon as the request ends.
+    """
+
+    request_id: str
+    layer: int
+    kv: torch.Tensor
+    step: StepInfo
+
+
+Exporter = Callable[[LayerExport], None]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The answer to ``reserve``: pages held for the remote KV, or why not."""
+
+    ok: bool
+    num_blocks: int = 0
+    reason: str = ""  # set when refused
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The answer to ``admit``: the request joined the running batch, or its first token
+    already finished it (EOS, ``max_tokens=1``)."""
+
+    finished: bool
+    finish_reason: str | None = None
+
+
+class KVConnector:
+    """Owned by one ``LLMEngine``; see the module docstring for which thread calls what."""
+
+    def __init__(self, scheduler: Scheduler, blocks: BlockManager, runner: ModelRunner,
+                 eos_token_ids: tuple[int, ...], clock: Callable[[], float]) -> None:
+        self._scheduler = scheduler
+        self._blocks = blocks
+        self._runner = runner
+        self._eos_token_ids = eos_token_ids
+        self._clock = clock
+        # request id -> its reserved pages. The lock orders import_layer's page writes against
+        # release: once release returns, no late layer can land in pages now owned by another
+        # request (a receiver thread may still be delivering when a lease expires).
+        self._reserved: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self.exporter: Exporter | None = None
+        self._step: StepInfo | None = None
+        self._exports: list[ScheduledChunk] = []
+
+    # ---- scheduler side (engine-loop thread) ----------------------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int],
+                params: SamplingParams) -> Reservation:
+        """Hold pages for the prompt (and its first generated token) until ``admit`` or
+        ``release``. Refuses (``ok=False``, pool unchanged) when the pool is short right now;
+        raises ValueError for an id the engine already knows."""
+        req = Request(request_id, list(prompt_token_ids), params, self._clock(),
+                      eos_token_ids=self._eos_token_ids)
+        if not self._scheduler.add_remote_request(req):
+            need = self._blocks.num_blocks_needed(len(prompt_token_ids) + 1)
+            return Reservation(False, reason=f"need {need} blocks, "
+                                             f"{self._blocks.num_free_blocks} free")
+        block_ids = list(self._blocks.block_ids(request_id))
+        with self._lock:
+            self._reserved[request_id] = block_ids
+        return Reservation(True, num_blocks=len(block_ids))
+
+    def admit(self, request_id: str, first_token_id: int) -> Admission:
+        """Every layer is in the reserved pages: the request joins the batch with its first
+        token. Raises KeyError when the reservation is gone (released or aborted)."""
+        with self._lock:
+            if self._reserved.pop(request_id, None) is None:
+                raise KeyError(request_id)
+        update = self._scheduler.finish_remote_kv(request_id, first_token_id)
+        return Admission(update.request.is_finished, update.request.status.finish_reason)
+
+    def release(self, request_id: str) -> bool:
+        """Free a reservation whose KV will not be used. False if there was none (already
+        admitted, released, or never reserved)."""
+        with self._lock:
+            had = self._reserved.pop(request_id, None) is not None
+        req = self._scheduler.remote.get(request_id)
+        if req is not None:
+            self._scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return had
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Pages held for KV still in flight (part of the engine's used blocks)."""
+        with self._lock:
+            return sum(len(b) for b in self._reserved.values())
+
+    # ---- worker side ------------------------------------------------------------------------
+    def import_layer(self, request_id: str, layer: int, kv: torch.Tensor) -> None:
+        """Scatter ``kv`` ``[2, num_tokens, kv_heads, head_dim]`` into the request's reserved
+        pages (any thread). Raises KeyError when the reservation was released meanwhile."""
+        with self._lock:
+            block_ids = self._reserved.get(request_id)
+            if block_ids is None:
+                raise KeyError(f"no reservation for {request_id!r} (released)")
+            self._runner.write_layer_kv(layer, block_ids, kv)
+
+    # ---- called by LLMEngine.step ----------------------------------------------------------
+    def begin_step(self, sched: SchedulerOutput, step: StepInfo) -> bool:
+        """Note which requests this step completes whose KV must leave; True if any (the
+        engine then calls ``layer_saved`` after each layer)."""
+        self._step = step
+        # Only a prompt's last chunk exports: earlier chunks of a long prompt stay in our pages
+        # until the step that completes it, which then sends the whole prompt per layer.
+        self._exports = [c for c in sched.chunks if c.export_kv and c.sample]
+        return bool(self._exports and self.exporter is not None)
+
+    def layer_saved(self, layer: int, kv_cache: torch.Tensor) -> None:
+        """Layer ``layer``'s KV for this step is written: hand each completed prompt's copy
+        to the exporter (which sends it while the next layer computes)."""
+        assert self.exporter is not None and self._step is not None
+        for chunk in self._exports:
+            kv = self._runner.read_layer_kv(layer, chunk.block_ids, chunk.end_pos)
+            self.exporter(LayerExport(chunk.request_id, layer, kv, self._step))

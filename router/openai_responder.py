@@ -1,0 +1,184 @@
+"""How one ``GenerateInput`` becomes the HTTP response of an OpenAI endpoint, streamed or not.
+
+``OpenAIResponder`` owns the backend stream's lifecycle: it opens it through ``Metrics.track``
+(so both endpoints feed the same metrics) and closes it however the response ends, which aborts
+the request in the backend and frees its KV. Errors raised before anything was sent become a
+status code (``router.errors.map_error``); errors after a stream's 200 went out are reported
+in-band, as OpenAI does. What the JSON looks like is the ``Renderer``'s business
+(``router.openai_render``), so both endpoints share one non-streamed and one streamed path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.backend import GenerateInput, GenerationBackend, GenerationChunk
+from router.errors import map_error, openai_error_body
+from router.metrics import Metrics
+from router.openai_render import Collected, Renderer
+
+__all__ = ["OpenAIResponder", "error_response"]
+
+log = logging.getLogger(__name__)
+
+# Nginx's "client closed request": nobody reads it, but logs show why the request ended.
+_CLIENT_CLOSED = 499
+
+_DISCONNECTED = object()
+
+
+def error_response(exc: BaseException, param: str | None = None) -> JSONResponse:
+    """``exc`` as OpenAI's error JSON with its mapped status; server faults are logged."""
+    err = map_error(exc)
+    if err.http_status >= 500:
+        log.error("request failed: %s", err.message, exc_info=exc)
+    return JSONResponse(openai_error_body(err, param), status_code=err.http_status)
+
+
+class _PrimedStream:
+    """A backend stream whose first chunk was already awaited (``first`` is None when the
+    stream ended without any): iterating yields that chunk first, then the rest."""
+
+    def __init__(self, first: GenerationChunk | None,
+                 rest: AsyncIterator[GenerationChunk]) -> None:
+        self._first = first
+        self._rest = rest
+
+    def __aiter__(self) -> _PrimedStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()
+
+
+class OpenAIResponder:
+    """Runs generations for the OpenAI endpoints over one backend, recording metrics."""
+
+    def __init__(self, backend: GenerationBackend, metrics: Metrics) -> None:
+        self.backend = backend
+        self.metrics = metrics
+
+    async def respond(self, request: Request, inp: GenerateInput, renderer: Renderer, *,
+                      stream: bool, include_usage: bool) -> Response:
+        """The whole response for ``inp``: JSON, or SSE when ``stream`` (ending with a usage
+        chunk when ``include_usage``). Both carry ``x-request-id``."""
+        if stream:
+            return await self._respond_stream(inp, renderer, include_usage)
+        return await self._respond_whole(request, inp, renderer)
+
+    async def _respond_whole(self, request: Request, inp: GenerateInput,
+                             renderer: Renderer) -> Response:
+        try:
+            out = await _run_until_disconnect(request, self._collect(inp))
+        except Exception as e:
+            return error_response(e)
+        if out is _DISCONNECTED:
+            return Response(status_code=_CLIENT_CLOSED)
+        return JSONResponse(renderer.whole(out), headers=_request_id_header(inp))
+
+    async def _respond_stream(self, inp: GenerateInput, renderer: Renderer,
+                              include_usage: bool) -> Response:
+        try:
+            stream = await self._start_stream(inp)
+        except Exception as e:
+            return error_response(e)
+        return StreamingResponse(_sse_events(stream, renderer, include_usage),
+                                 media_type="text/event-stream",
+                                 headers=_request_id_header(inp))
+
+    def _open(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        return self.metrics.track(self.backend.generate(inp), api="http")
+
+    async def _collect(self, inp: GenerateInput) -> Collected:
+        out = Collected(inp.request_id or "")
+        stream = self._open(inp)
+        try:
+            async for c in stream:
+                out.text += c.text
+                out.token_ids.extend(c.token_ids)
+                if c.finished:
+                    out.finish_reason = c.finish_reason
+                    if c.usage is not None:
+                        out.prompt_tokens = c.usage.prompt_tokens
+                        out.completion_tokens = c.usage.completion_tokens
+        finally:
+            await stream.aclose()
+        return out
+
+    async def _start_stream(self, inp: GenerateInput) -> _PrimedStream:
+        """Wait for the first chunk so errors become a status code, not a broken stream."""
+        stream = self._open(inp)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            return _PrimedStream(None, stream)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return _PrimedStream(first, stream)
+
+
+def _request_id_header(inp: GenerateInput) -> dict[str, str]:
+    return {"x-request-id": inp.request_id or ""}
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _sse_events(stream: _PrimedStream, renderer: Renderer,
+                      include_usage: bool) -> AsyncIterator[str]:
+    """SSE body: one event per chunk the renderer shows, the usage chunk if asked, then
+    ``[DONE]``; the stream is closed (aborting the request) however this ends."""
+    try:
+        try:
+            usage = None  # the finished chunk's; its usage chunk trails the last choice
+            async for c in stream:
+                if usage is None and c.finished:
+                    usage = c.usage
+                payload = renderer.chunk(c)
+                if payload is not None:
+                    yield _sse(payload)
+            if include_usage and usage is not None:
+                yield _sse(renderer.usage_chunk(usage))
+        except Exception as e:  # after the 200 went out: report in-band, OpenAI-style
+            err = map_error(e)
+            log.error("stream failed: %s", err.message, exc_info=e)
+            yield _sse(openai_error_body(err))
+        yield _sse("[DONE]")
+    finally:
+        await stream.aclose()
+
+
+async def _run_until_disconnect(request: Request, coro: Coroutine[Any, Any, Collected]) -> Any:
+    """Await ``coro``; if the client disconnects first, cancel it (which aborts the request)
+    and return ``_DISCONNECTED``. The body was already read, so ``receive`` only reports the
+    disconnect."""
+    work = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    return _DISCONNECTED if work.cancelled() else work.result()

@@ -1,0 +1,100 @@
+"""What every worker process does at start-up, whichever its kind: CPU pinning, which Ray
+node it is on, and which address its KV endpoints bind and advertise (DESIGN §6b)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+
+def apply_cpu_affinity(cores: tuple[int, ...] | None) -> None:
+    """Pin this process to ``cores`` (Linux); torch then uses one thread per pinned core."""
+    if not cores:
+        return
+    import torch
+
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
+
+
+def current_node_id() -> str:
+    """The Ray node this process runs on, or "local" outside Ray (tests build workers bare)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+
+# Set per node (e.g. from a Kubernetes pod's IP through the downward API); Ray actors inherit
+# the environment of their node's `ray start`. The only place the variable is read.
+KV_HOST_ENV = "PDCLUSTER_KV_HOST"
+_LOOPBACK = "127.0.0.1"
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+@dataclass(frozen=True)
+class KVHost:
+    """The address a worker binds and advertises for KV transfer, and why that one."""
+
+    address: str
+    source: str  # for the start-up log line: which rule chose it
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.address.startswith("127.") or self.address in ("::1", "localhost")
+
+
+def resolve_kv_host(kv_host: str | None = None, kv_interface: str | None = None) -> KVHost:
+    """Where this worker's KV endpoints listen, reachable from the other hosts.
+
+    In order: an explicit ``kv_host``; the IPv4 address of ``kv_interface`` on this host (a
+    second NIC); ``$PDCLUSTER_KV_HOST`` of this node; the Ray node IP of this host; loopback
+    outside Ray. Raises ValueError for an interface this host does not have.
+    """
+    if kv_host:
+        return KVHost(kv_host, "--kv-host")
+    if kv_interface:
+        return KVHost(interface_ipv4(kv_interface), f"--kv-interface {kv_interface}")
+    if os.environ.get(KV_HOST_ENV):
+        return KVHost(os.environ[KV_HOST_ENV], KV_HOST_ENV)
+    import ray
+
+    if ray.is_initialized():
+        return KVHost(ray.util.get_node_ip_address(), "Ray node IP")
+    return KVHost(_LOOPBACK, "loopback (not in Ray)")
+
+
+def interface_ipv4(name: str) -> str:
+    """The IPv4 address of network interface ``name`` on this host (ValueError if none)."""
+    packed = struct.pack("256s", name.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, packed)
+        except OSError as e:
+            names = [n for _, n in socket.if_nameindex()]
+            raise ValueError(f"network interface {name!r} has no IPv4 address on this host "
+                             f"({e.strerror}); interfaces: {', '.join(names)}") from None
+    return socket.inet_ntoa(res[20:24])
+
+
+def interface_for_ipv4(address: str) -> str | None:
+    """The interface holding ``address`` on this host, or None (NCCL's bootstrap binds by
+    interface name, ``NCCL_SOCKET_IFNAME``)."""
+    for _, name in socket.if_nameindex():
+        try:
+            if interface_ipv4(name) == address:
+                return name
+        except ValueError:
+            continue
+    return None
+
+
+def pin_nccl_to(host: KVHost) -> None:
+    """Make NCCL bootstrap on the KV address's interface unless the operator chose one."""
+    if host.is_loopback or os.environ.get("NCCL_SOCKET_IFNAME"):
+        return
+    name = interface_for_ipv4(host.address)
+    if name is not None:
+        os.environ["NCCL_SOCKET_IFNAME"] = name
