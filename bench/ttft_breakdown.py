@@ -163,6 +163,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None,
                    help="requests sent at once in the concurrent phase (default 4; --quick 2)")
     p.add_argument("--max-tokens", type=int, default=2, help="tokens generated per request")
+    p.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                   help="2: run again with prefill and decode on two simulated hosts (network "
+                        "namespaces on a bridge; needs root) and compare with one host")
+    # The two-host run re-enters this benchmark on the simulated prefill host, joined there.
+    p.add_argument("--ray-address", default=None, help=argparse.SUPPRESS)
 
 
 async def _phase(cluster: Any, prompts: list[list[int]], max_tokens: int, concurrent: bool,
@@ -193,6 +198,7 @@ async def _run_mode(args: argparse.Namespace, stream_layers: bool, seq_prompts, 
     max_len = args.prompt_len + args.max_tokens + 16
     cfg = ClusterConfig(
         model=args.model, mode="disaggregated", num_prefill_workers=1, num_decode_workers=1,
+        ray_address=args.ray_address,
         # A token budget of one prompt: concurrent prompts queue instead of sharing a step.
         prefill_engine=EngineArgs(block_size=16, num_threads=1, max_num_seqs=8,
                                   max_num_batched_tokens=max(args.prompt_len, 16),
@@ -221,13 +227,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--prompt-len, --num-requests, --concurrency and --max-tokens must be > 0")
     vocab = model_config(args.model).vocab_size
     t0 = time.perf_counter()
-    with ray_session(num_workers=2):
+    session = contextlib.nullcontext() if args.ray_address else ray_session(num_workers=2)
+    with session:
         phases = []
         for i, stream_layers in enumerate((True, False)):
             # Same lengths, fresh ids per mode (each mode gets a new cluster anyway).
             ps = make_prompts(2 + num_seq + conc, args.prompt_len, vocab, seed=args.seed + 7919 * i)
             phases += asyncio.run(_run_mode(args, stream_layers, ps[2:2 + num_seq],
                                             ps[2 + num_seq:], ps[:2]))
+    two_hosts = _two_hosts(args) if args.hosts == 2 and not args.ray_address else None
     by = {(p.stream_layers, p.phase): p for p in phases}
     stream_seq, end_seq = by[(True, "sequential")], by[(False, "sequential")]
     ratio_stream = stream_seq.means["tail_over_compute"]
@@ -249,6 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "link_gb_s": end_seq.means["effective_transfer_gb_s"],
         "ttft_saved_by_streaming_s": end_seq.means["ttft_s"] - stream_seq.means["ttft_s"],
         "targets": targets,
+        "two_hosts": two_hosts,
         "wall_s": time.perf_counter() - t0,
         "machine": machine_info(),
     }
@@ -261,9 +270,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"ttft {m['ttft_s'] * 1e3:7.1f} ms = queue {m['queue_s'] * 1e3:6.1f} + compute "
               f"{m['prefill_compute_s'] * 1e3:7.1f} + tail {m['transfer_tail_s'] * 1e3:6.1f} + "
               f"other {m['other_s'] * 1e3:6.1f}  ({p.kv_bytes_per_request / 1e6:.1f} MB KV)")
+    if two_hosts:
+        for mode in ("stream_layers", "send_at_end"):
+            one = next(p.means for p in phases if p.phase == "sequential"
+                       and p.stream_layers == (mode == "stream_layers"))
+            two = two_hosts["sequential"][mode]
+            print(f"{mode:13s} sequential: ttft {one['ttft_s'] * 1e3:7.1f} ms one host, "
+                  f"{two['ttft_s'] * 1e3:7.1f} ms two hosts; tail {one['transfer_tail_s'] * 1e3:6.1f}"
+                  f" / {two['transfer_tail_s'] * 1e3:6.1f} ms")
+        print(f"bridge between the simulated hosts: {two_hosts['bridge_gb_s']:.2f} GB/s (one TCP "
+              f"stream); KV at the end, exposed: {two_hosts['link_gb_s'] or 0:.2f} GB/s")
     print_targets(targets)
     print(f"wrote {path}")
     return result
+
+
+def _two_hosts(args: argparse.Namespace) -> dict[str, Any]:
+    """The same measurement with the prefill worker (and router) on one simulated host and
+    the decode worker on another; the bridge's raw TCP rate is measured beside it."""
+    import json
+    import sys
+    import tempfile
+
+    from bench.simhosts import HostSpec, SimCluster, unavailable_reason
+    from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+
+    reason = unavailable_reason()
+    if reason:
+        raise RuntimeError(f"--hosts 2 needs simulated hosts: {reason}")
+    specs = [HostSpec("prefill", {"router": 1, PREFILL_RESOURCE: 1}, num_cpus=2),
+             HostSpec("decode", {DECODE_RESOURCE: 1}, num_cpus=2)]
+    with SimCluster(specs) as sim, tempfile.TemporaryDirectory() as tmp:
+        sim.start_ray()
+        bridge = sim.measure_bandwidth_gb_s("prefill", "decode")
+        argv = [sys.executable, "-m", "router.cli", "bench", NAME, "--out", tmp,
+                "--ray-address", sim.ray_address, "--prompt-len", str(args.prompt_len),
+                "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
+        for flag, value in (("--model", args.model), ("--num-requests", args.num_requests),
+                            ("--concurrency", args.concurrency)):
+            if value is not None:
+                argv += [flag, str(value)]
+        if args.quick:
+            argv.append("--quick")
+        res = sim.run("prefill", argv, timeout_s=900, cwd=str(Path(__file__).parents[1]))
+        if res.returncode != 0:
+            raise RuntimeError(f"two-host run failed: {res.stderr[-3000:]}")
+        inner = json.loads((Path(tmp) / f"{NAME}.json").read_text())
+    table: dict[str, dict[str, Any]] = {"sequential": {}, "concurrent": {}}
+    for ph in inner["phases"]:
+        table[ph["phase"]][ph["mode"]] = {k: ph[k] for k in ("ttft_s", *SEGMENTS)}
+    return {**table, "bridge_gb_s": bridge, "link_gb_s": inner["link_gb_s"],
+            "tail_over_compute_streaming": inner["tail_over_compute_streaming"],
+            "hosts": [{"name": h.name, "ip": h.ip} for h in sim.hosts]}
 
 
 def _plot(phases: list[PhaseResult], path: Path) -> None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 
 from engine.engine_loop import EngineLoop
@@ -37,6 +37,8 @@ from worker_protocol import (
     WorkerLoad,
     apply_cpu_affinity,
     current_node_id,
+    current_node_ip,
+    kv_host_for,
 )
 
 log = logging.getLogger(__name__)
@@ -60,12 +62,16 @@ class DecodeWorker:
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
         self.layout = KVLayout.from_model_config(self.engine.model_config)
+        self.kv_host = kv_host_for(self.worker_id, config.kv_host, config.kv_interface,
+                                   self.engine.device.type)
         # NCCL on GPU, gloo on CPU: the transport follows the engine's device.
-        self.receiver = (TorchDistReceiver(self.worker_id, self.layout, host=config.kv_host,
+        self.receiver = (TorchDistReceiver(self.worker_id, self.layout, host=self.kv_host.address,
                                            device=self.engine.device,
                                            timeout_s=config.transfer_timeout_s)
                          if config.role == "decode" else None)
-        self._batches: queue.SimpleQueue[TokenBatch | None] = queue.SimpleQueue()
+        self._batches: deque[TokenBatch] = deque()
+        self._batches_ready = threading.Condition()
+        self._subscription = 0  # the live subscribe() call's number
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -81,7 +87,8 @@ class DecodeWorker:
         return WorkerInfo(self.worker_id, self.config.role, current_node_id(), os.getpid(),
                           self.layout, stats.kv_blocks_total, stats.block_size,
                           self.engine.max_model_len,
-                          self.receiver.address if self.receiver else None)
+                          self.receiver.address if self.receiver else None,
+                          current_node_ip(), self.kv_host.address)
 
     def load(self) -> WorkerLoad:
         s = self.engine.stats()
@@ -91,6 +98,10 @@ class DecodeWorker:
 
     def ping(self) -> str:
         return self.worker_id
+
+    def kv_pairs(self) -> dict[str, int]:
+        """Prefill worker id -> generation of the live KV group with it."""
+        return self.receiver.live_pairs() if self.receiver else {}
 
     # ---- disaggregated path ---------------------------------------------------------------
     def reserve(self, req: ReserveRequest) -> ReserveResult:
@@ -157,19 +168,32 @@ class DecodeWorker:
         return had_reservation or out is not None
 
     def subscribe(self) -> Iterator[TokenBatch]:
-        """Ray streaming generator: one TokenBatch per engine step that produced tokens."""
-        while not self._stopped.is_set():
-            try:
-                batch = self._batches.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if batch is None:
-                return
+        """Ray streaming generator: one TokenBatch per engine step that produced tokens.
+
+        One subscriber at a time: a new call (the router re-subscribing after its connection
+        broke) takes over and the older generator ends. A batch is taken off the queue only
+        by the current subscriber (checked under the queue's lock), so none is handed to a
+        stream nobody reads any more."""
+        with self._batches_ready:
+            self._subscription += 1
+            mine = self._subscription
+            self._batches_ready.notify_all()  # wake the old generator so it ends now
+        while True:
+            with self._batches_ready:
+                self._batches_ready.wait_for(
+                    lambda: self._batches or self._stopped.is_set() or mine != self._subscription,
+                    timeout=0.5)
+                if self._stopped.is_set() or mine != self._subscription:
+                    return
+                if not self._batches:
+                    continue
+                batch = self._batches.popleft()
             yield batch
 
     def shutdown(self) -> None:
         self._stopped.set()
-        self._batches.put(None)
+        with self._batches_ready:
+            self._batches_ready.notify_all()
         self.loop.stop()
         if self.receiver is not None:
             self.receiver.close()
@@ -178,7 +202,9 @@ class DecodeWorker:
     def _on_step(self, outs: list[RequestOutput]) -> None:
         updates = [TokenUpdate(o.request_id, o.new_token_ids, o.finish_reason if o.finished else None)
                    for o in outs]
-        self._batches.put(TokenBatch(self.worker_id, updates, time.time()))
+        with self._batches_ready:
+            self._batches.append(TokenBatch(self.worker_id, updates, time.time()))
+            self._batches_ready.notify_all()
 
     def _release(self, request_id: str) -> bool:
         """Drop a reservation: stop receiving and free its blocks (if still waiting for KV)."""

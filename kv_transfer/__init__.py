@@ -3,6 +3,7 @@
 from kv_transfer.protocol import (
     KVHandshakeError,
     KVLayout,
+    KVPeerUnreachableError,
     KVTransferAborted,
     KVTransferError,
     KVTransferSpec,
@@ -13,7 +14,7 @@ from kv_transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from kv_transfer.transport import KVReceiver, KVSender, OnLayer, PeerAddress
 
 __all__ = [
-    "KVHandshakeError", "KVLayout", "KVReceiver", "KVSender", "KVTransferAborted",
+    "KVHandshakeError", "KVLayout", "KVPeerUnreachableError", "KVReceiver", "KVSender", "KVTransferAborted",
     "KVTransferError", "KVTransferSpec", "KVTransferTimeout", "OnLayer", "PeerAddress",
     "TorchDistReceiver", "TorchDistSender", "make_tag",
 ]

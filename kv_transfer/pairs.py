@@ -17,8 +17,6 @@ import torch.distributed as dist
 
 from kv_transfer.protocol import KILL_TAG, KVLayout
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
 
 def gen_key(p: str) -> str:
     return f"kv/{p}/gen"
@@ -44,6 +42,8 @@ class Pair:
 
 def build_group(store: dist.Store, prefill_id: str, decode_id: str, gen: int, rank: int,
                  device: torch.device, local_host: str, timeout_s: float) -> object:
+    """The pair's 2-rank group (rank 0 = decode, rank 1 = prefill); gloo binds ``local_host``.
+    NCCL bootstraps over the interface named by NCCL_SOCKET_IFNAME (set at worker start)."""
     prefix = dist.PrefixStore(f"pair/{prefill_id}/{decode_id}/{gen}", store)
     timeout = datetime.timedelta(seconds=max(timeout_s, 0.1))
     if device.type == "cuda":
@@ -52,10 +52,10 @@ def build_group(store: dist.Store, prefill_id: str, decode_id: str, gen: int, ra
         return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    if local_host in _LOOPBACK:
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    else:
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    # Bind to the address this worker advertises, never gloo's default (the machine's
+    # hostname, which inside a container or network namespace resolves to an address other
+    # hosts cannot reach, or to none at all).
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
     return dist.ProcessGroupGloo(prefix, rank, 2, opts)
 
 
@@ -89,6 +89,11 @@ class PairOwner:
                                         name=f"kv-reaper-{worker_id}")
         self._reaper.start()
 
+    def live_pairs(self) -> dict[str, int]:
+        """Peer id -> generation of the live group with it (operators, failure tests)."""
+        with self._lock:
+            return {p.peer_id: p.gen for p in self._pairs.values() if not p.dead}
+
     def _peer_lock(self, peer_id: str) -> threading.Lock:
         with self._lock:
             return self._peer_locks.setdefault(peer_id, threading.Lock())
@@ -112,13 +117,17 @@ class PairOwner:
     def _control_store(self, pair: Pair) -> dist.Store | None:
         return None
 
+    def _check_stalls(self, now: float) -> None:
+        """Fail transfers that stopped making progress (the receiver overrides this)."""
+
     def _reap_loop(self) -> None:
         # A transfer aborted before its data arrived keeps a posted op (and its buffer) alive;
         # when only such orphans remain on a pair for orphan_ttl_s, recycle the pair to free them.
         while not self._closed.wait(0.2):
+            now = time.monotonic()
+            self._check_stalls(now)
             with self._lock:
                 pairs = list(self._pairs.values())
-            now = time.monotonic()
             for pair in pairs:
                 with pair.lock:
                     posted = list(pair.posted)

@@ -37,6 +37,11 @@ class KVTransferTimeout(KVTransferError):
     """A transfer (or the group set-up it needed) did not complete within its timeout."""
 
 
+class KVPeerUnreachableError(KVTransferError):
+    """The peer's advertised KV address cannot be reached (wrong address, link down, firewall).
+    The message names the address; the router routes around that peer for a while."""
+
+
 class KVTransferAborted(KVTransferError):
     """The transfer was aborted by a local ``abort()`` call."""
 

@@ -28,6 +28,7 @@ both sides post transfers in the same order; the gloo path has no such restricti
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from collections import deque
@@ -39,6 +40,7 @@ from kv_transfer.pairs import Pair, PairOwner, build_group, gen_key, store_key
 from kv_transfer.protocol import (
     KVHandshakeError,
     KVLayout,
+    KVPeerUnreachableError,
     KVTransferAborted,
     KVTransferError,
     KVTransferSpec,
@@ -49,6 +51,8 @@ from kv_transfer.protocol import (
 from kv_transfer.transport import KVReceiver, KVSender, OnLayer, PeerAddress, TransferState
 
 _FOREVER = datetime.timedelta(days=7)  # a data wait must never be what closes a pair
+_LOCAL = "127.0.0.1"
+_OWN_STORE_TIMEOUT_S = 60.0
 _POLL_S = 0.005
 _RECENT_ABORTS = 4096
 
@@ -61,16 +65,26 @@ class _RecvTransfer(TransferState):
         self.aborted_at: float | None = None
         self.pair: Pair | None = None
         self.thread: threading.Thread | None = None
+        # When the last layer landed (None until the first): a started transfer that then
+        # waits longer than the timeout for its next layer has stalled (a cut link).
+        self.progress_at: float | None = None
 
 
 class TorchDistReceiver(PairOwner, KVReceiver):
     """Decode side: hosts the TCPStore (``.address``) and receives from any prefill worker."""
 
-    def __init__(self, worker_id: str, layout: KVLayout, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, worker_id: str, layout: KVLayout, host: str = _LOCAL, port: int = 0,
                  device: str | torch.device = "cpu", timeout_s: float = 30.0,
                  orphan_ttl_s: float = 60.0) -> None:
+        """``host``: the address other hosts reach this worker at; it is advertised (with the
+        store's port) as ``.address``, and gloo binds it. The store listens on every
+        interface; this process's own store clients use loopback."""
         self._host = host
-        self._store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout_s),
+        # Our own connections to our own store: a generous timeout, since the transfer
+        # timeout may be a few seconds and a busy host (workers loading models) can be slow
+        # to accept even on loopback. Every wait on the store is bounded in Python anyway.
+        self._own_timeout = datetime.timedelta(seconds=max(timeout_s, _OWN_STORE_TIMEOUT_S))
+        self._store = dist.TCPStore(_LOCAL, port, None, True, self._own_timeout,
                                     wait_for_workers=False)
         self._store_lock = threading.Lock()
         self.address = PeerAddress(worker_id, host, self._store.port)
@@ -129,8 +143,7 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                 self._sget("set", store_key(peer_id, latest, "verdict"), "refused:" + str(e))
                 raise
             self._sget("set", store_key(peer_id, latest, "verdict"), "ok")
-            client = dist.TCPStore(self._host, self.address.port, None, False,
-                                   datetime.timedelta(seconds=self.timeout_s))
+            client = dist.TCPStore(_LOCAL, self.address.port, None, False, self._own_timeout)
             try:
                 pg = build_group(client, peer_id, self.worker_id, latest, 0, self.device,
                                   self._host, max(deadline - time.monotonic(), 0.1))
@@ -157,6 +170,7 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                 tr.pair = pair
             for layer, (buf, work) in enumerate(zip(bufs, works, strict=True)):
                 work.wait(_FOREVER)  # [2, T, H, D] lands in buf
+                tr.progress_at = time.monotonic()
                 if tr.done.is_set():
                     continue  # aborted/failed: keep draining so no posted op outlives its buffer
                 try:
@@ -180,6 +194,23 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                     pair.posted.discard(tr)
             with self._lock:
                 self._threads.discard(threading.current_thread())
+
+    def _check_stalls(self, now: float) -> None:
+        """A transfer whose first layer arrived but whose next one has not within the timeout
+        has stalled (the link went down mid-transfer): fail it and retire its pair, so the
+        sender builds a new generation next time instead of reusing a half-dead connection.
+        A transfer that never started is the lease's business, not this one's."""
+        with self._lock:
+            stalled = [tr for tr in self._transfers.values()
+                       if tr.progress_at is not None and not tr.done.is_set()
+                       and now - tr.progress_at > self.timeout_s]
+        for tr in stalled:
+            tr.fail(KVTransferTimeout(
+                f"KV from {tr.peer_id!r} for {tr.spec.request_id!r} stalled after "
+                f"{tr.num_layers_done} of {tr.spec.layout.num_layers} layers "
+                f"(no layer for {self.timeout_s:g}s)"))
+            if tr.pair is not None:
+                self._discard(tr.pair, self._store)
 
     def wait(self, request_id: str, timeout_s: float) -> None:
         with self._lock:
@@ -242,7 +273,9 @@ class TorchDistSender(PairOwner, KVSender):
     """Prefill side: connects to decode workers' stores and streams layers to them."""
 
     def __init__(self, worker_id: str, layout: KVLayout, device: str | torch.device = "cpu",
-                 timeout_s: float = 30.0, orphan_ttl_s: float = 60.0) -> None:
+                 timeout_s: float = 30.0, orphan_ttl_s: float = 60.0, host: str = _LOCAL) -> None:
+        """``host``: this worker's own KV address (gloo binds it; peers connect back to it)."""
+        self._host = host
         self._stores: dict[str, dist.Store] = {}  # decode worker id -> control client
         self._store_lock = threading.Lock()
         self._transfers: dict[str, _SendTransfer] = {}
@@ -254,13 +287,26 @@ class TorchDistSender(PairOwner, KVSender):
         return self._stores.get(pair.peer_id)
 
     def _sget(self, peer: PeerAddress, fn, *args):
+        """One call on the peer's store. Callers hold the peer's lock (``_pair_for``), so the
+        connect below never blocks transfers to other peers. Raises KVPeerUnreachableError
+        naming the address when the store cannot be reached (the cached client is dropped,
+        so a recovered peer is reconnected)."""
         with self._store_lock:
             store = self._stores.get(peer.worker_id)
+        try:
             if store is None:
+                _probe(peer, self.timeout_s)
                 store = dist.TCPStore(peer.host, peer.port, None, False,
                                       datetime.timedelta(seconds=self.timeout_s))
-                self._stores[peer.worker_id] = store
+                with self._store_lock:
+                    self._stores[peer.worker_id] = store
             return getattr(store, fn)(*args)
+        except KVPeerUnreachableError:
+            raise
+        except RuntimeError as e:  # c10d's DistNetworkError / store timeouts
+            with self._store_lock:
+                self._stores.pop(peer.worker_id, None)
+            raise _unreachable(peer, self.timeout_s, str(e).splitlines()[0]) from None
 
     def _pair_for(self, peer: PeerAddress) -> Pair:
         """The live group with peer, proposing a new generation (and handshaking) if needed."""
@@ -286,10 +332,13 @@ class TorchDistSender(PairOwner, KVSender):
                 err = KVHandshakeError(verdict.removeprefix("refused:"))
                 self._refusals[peer.worker_id] = err
                 raise err
-            client = dist.TCPStore(peer.host, peer.port, None, False,
-                                   datetime.timedelta(seconds=self.timeout_s))
             try:
-                pg = build_group(client, me, peer.worker_id, gen, 1, self.device, peer.host,
+                client = dist.TCPStore(peer.host, peer.port, None, False,
+                                       datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                raise _unreachable(peer, self.timeout_s, str(e).splitlines()[0]) from None
+            try:
+                pg = build_group(client, me, peer.worker_id, gen, 1, self.device, self._host,
                                   max(deadline - time.monotonic(), 0.1))
             except RuntimeError as e:
                 raise KVTransferTimeout(f"group with {peer.worker_id!r} (gen {gen}) failed: {e}") from e
@@ -413,3 +462,18 @@ class TorchDistSender(PairOwner, KVSender):
                 tr.thread.join(timeout=self.timeout_s)
         with self._store_lock:
             self._stores.clear()
+
+
+def _probe(peer: PeerAddress, timeout_s: float) -> None:
+    """Connect to the peer's store once, plainly: c10d's own connect retries past its timeout
+    and logs pages of C++ frames, while this fails once, fast, with the OS's reason."""
+    try:
+        socket.create_connection((peer.host, peer.port), timeout=timeout_s).close()
+    except OSError as e:
+        raise _unreachable(peer, timeout_s, e.strerror or type(e).__name__) from None
+
+
+def _unreachable(peer: PeerAddress, timeout_s: float, why: str) -> KVPeerUnreachableError:
+    return KVPeerUnreachableError(
+        f"decode worker {peer.worker_id!r} is unreachable at its advertised KV address "
+        f"{peer.host}:{peer.port}: {why} (connect timeout {timeout_s:g}s)")

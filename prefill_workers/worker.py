@@ -34,6 +34,8 @@ from worker_protocol import (
     WorkerLoad,
     apply_cpu_affinity,
     current_node_id,
+    current_node_ip,
+    kv_host_for,
 )
 
 log = logging.getLogger(__name__)
@@ -59,8 +61,11 @@ class PrefillWorker:
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
         self.layout = KVLayout.from_model_config(self.engine.model_config)
+        self.kv_host = kv_host_for(self.worker_id, config.kv_host, config.kv_interface,
+                                   self.engine.device.type)
         self.sender = TorchDistSender(self.worker_id, self.layout, device=self.engine.device,
-                                      timeout_s=config.transfer_timeout_s)
+                                      timeout_s=config.transfer_timeout_s,
+                                      host=self.kv_host.address)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{self.worker_id}-send")
@@ -72,7 +77,8 @@ class PrefillWorker:
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()
         return WorkerInfo(self.worker_id, "prefill", current_node_id(), os.getpid(), self.layout,
-                          stats.kv_blocks_total, stats.block_size, self.engine.max_model_len)
+                          stats.kv_blocks_total, stats.block_size, self.engine.max_model_len,
+                          None, current_node_ip(), self.kv_host.address)
 
     def load(self) -> WorkerLoad:
         s = self.engine.stats()
@@ -86,6 +92,10 @@ class PrefillWorker:
 
     def ping(self) -> str:
         return self.worker_id
+
+    def kv_pairs(self) -> dict[str, int]:
+        """Decode worker id -> generation of the live KV group with it."""
+        return self.sender.live_pairs()
 
     def prefill(self, req: PrefillRequest) -> PrefillResult:
         """Compute the prompt, stream its KV to ``req.destination``, return the first token.

@@ -8,6 +8,7 @@ The servers only ever see these types, and map the typed errors below to status 
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from worker_protocol import WorkerLoad
 __all__ = [
     "BackendStats", "EngineBackend", "GenerateInput", "GenerationBackend", "GenerationChunk",
     "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "Usage",
-    "WorkerLoad", "WorkerUnavailableError",
+    "WORKER_STATES", "WorkerLoad", "WorkerStatus", "WorkerTimeoutError", "WorkerUnavailableError",
 ]
 
 
@@ -33,6 +34,10 @@ class ModelNotFoundError(LookupError):
 
 class WorkerUnavailableError(RuntimeError):
     """No live worker can take the request: gRPC UNAVAILABLE / HTTP 503 (clients may retry)."""
+
+
+class WorkerTimeoutError(WorkerUnavailableError, TimeoutError):
+    """A worker did not answer a call within its deadline (its host may be cut off)."""
 
 
 # QueueFullError (engine.request) -> gRPC RESOURCE_EXHAUSTED / HTTP 429.
@@ -100,6 +105,31 @@ class GenerationChunk:
     prompt_tokens: int = 0
 
 
+WORKER_STATES = ("starting", "ready", "unreachable", "draining", "dead")
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker as an operator sees it (``GET /v1/cluster``, ``pdcluster status``).
+
+    ``state``: starting (spawned, not up yet) | ready | unreachable (alive for Ray, but its
+    last load report or KV address did not answer in time: no new requests are routed to it)
+    | draining (the front door is draining) | dead. The load fields are the last report.
+    """
+
+    id: str
+    role: str
+    host: str  # the host it runs on (Ray node IP)
+    pid: int
+    state: str
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_transfer_bytes: int = 0  # sent (prefill) or received (decode)
+    kv_address: str = ""  # decode workers: HOST:PORT of their KV store
+
+
 @dataclass(frozen=True)
 class BackendStats:
     workers: list[WorkerLoad] = field(default_factory=list)
@@ -120,6 +150,10 @@ class GenerationBackend(Protocol):
     async def abort(self, request_id: str) -> bool: ...
 
     async def stats(self) -> BackendStats: ...
+
+    async def cluster_status(self) -> list[WorkerStatus]:
+        """Every worker the backend started (dead ones included), for operators."""
+        ...
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
 
@@ -184,6 +218,11 @@ class EngineBackend:
         s = self._async.engine.stats()
         return BackendStats([WorkerLoad("embedded-0", "embedded", s.kv_blocks_used,
                                         s.kv_blocks_total, s.num_running, s.num_waiting)])
+
+    async def cluster_status(self) -> list[WorkerStatus]:
+        s = self._async.engine.stats()
+        return [WorkerStatus("embedded-0", "embedded", "127.0.0.1", os.getpid(), "ready",
+                             s.kv_blocks_used, s.kv_blocks_total, s.num_running, s.num_waiting)]
 
     async def shutdown(self) -> None:
         self._async.shutdown()

@@ -1,4 +1,4 @@
-"""`pdcluster` command line: serve | generate | chat | bench.
+"""`pdcluster` command line: serve | status | generate | chat | bench.
 
 Config is read here once (flags, optionally a YAML file whose keys are the flag names) and
 passed down as frozen dataclasses; nothing deeper reads flags or the environment.
@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="complete the text as is, no chat template")
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    status = sub.add_parser("status", help="the workers of a running server and their state")
+    status.add_argument("--http-address", default="127.0.0.1:8000",
+                        help="HOST:PORT of the server's HTTP front door")
+    status.add_argument("--json", action="store_true", help="print GET /v1/cluster as is")
+    status.set_defaults(func=cmd_status)
 
     chat = sub.add_parser("chat", help="interactive chat with a running server")
     chat.add_argument("--address", default="127.0.0.1:50051")
@@ -94,6 +100,34 @@ def _sampling_kwargs(params: SamplingParams) -> dict:
     return kw
 
 
+_STATUS_COLUMNS = ("id", "role", "host", "pid", "state", "kv_blocks_used", "kv_blocks_total",
+                   "running", "waiting")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """GET /v1/cluster and print one row per worker; exit 1 when the server cannot be reached
+    or a worker is not ready."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = f"http://{args.http_address}/v1/cluster"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body = json.load(resp)
+    except (urllib.error.URLError, OSError) as e:
+        print(f"error: cannot reach {url}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(body, indent=2))
+    else:
+        rows = [[str(w.get(c, "")) for c in _STATUS_COLUMNS] for w in body["workers"]]
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_STATUS_COLUMNS)]
+        for r in [list(_STATUS_COLUMNS), *rows]:
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    return 0 if all(w["state"] == "ready" for w in body["workers"]) else 1
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from client import Client
 
@@ -132,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: a clear message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # start-up failures that name what is missing
+        from router.cluster import StartupError
+        from router.placement import PlacementError
+
+        if not isinstance(e, StartupError | PlacementError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -29,14 +30,16 @@ from router.backend import (
     GenerationChunk,
     InvalidRequestError,
     ModelInfo,
+    WorkerStatus,
 )
 from router.orchestrator import Orchestrator, OrchestratorConfig
-from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE, RoleNeed, check_placement
 from worker_protocol import WorkerConfig, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 
 _RAY_NAMESPACE = "pdcluster"
+_JOIN_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,13 @@ class ClusterConfig:
     max_inflight_requests: int = 1024
     capacity_wait_s: float = 30.0
     stream_layers: bool = True
+    # Where workers bind and advertise KV endpoints (worker_protocol.runtime.resolve_kv_host).
+    # Neither set: loopback when every Ray node is on one host, else each node's own address.
+    kv_host: str | None = None
+    kv_interface: str | None = None
+    # Every start-up wait (each worker loading its model) fails after this, naming the worker.
+    startup_timeout_s: float = 300.0
+    call_timeout_s: float = 10.0  # deadline of a reserve / abort / load call to one worker
     # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
     worker_overrides: dict = field(default_factory=dict)
 
@@ -71,12 +81,27 @@ class ClusterConfig:
             raise ValueError("disaggregated mode needs at least one prefill worker")
 
 
+class StartupError(RuntimeError):
+    """The cluster could not start; the message names the worker or resource at fault."""
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """What every spawned worker shares (decided once, before spawning)."""
+
+    use_gpus: bool
+    by_role: bool  # workers ask for their role's resource (the cluster defines them)
+    kv_host: str | None
+    kv_interface: str | None
+
+
 class Cluster:
     """A running cluster; implements ``router.backend.GenerationBackend``."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self._actors: list = []
+        self._starting: dict[str, str] = {}  # spawned, not up yet: worker id -> role
         self._started_ray = False  # we called ray.init (local start or join): we call ray.shutdown
         self.orchestrator: Orchestrator | None = None
         self.store = None
@@ -107,7 +132,7 @@ class Cluster:
         cfg = self.config
         if not ray.is_initialized():
             if cfg.ray_address:
-                ray.init(address=cfg.ray_address, namespace=_RAY_NAMESPACE, log_to_driver=False)
+                await _join_ray(cfg.ray_address, min(_JOIN_TIMEOUT_S, cfg.startup_timeout_s))
                 # We connected, so we disconnect on shutdown (the cluster itself keeps running).
                 self._started_ray = True
             else:
@@ -135,9 +160,11 @@ class Cluster:
                       for i in range(cfg.num_prefill_workers)]
         role = "decode" if cfg.mode == "disaggregated" else "colocated"
         specs += [(f"decode-{i}", role, cfg.decode_engine) for i in range(cfg.num_decode_workers)]
-        handles = [self._spawn(wid, r, dataclasses.replace(args, model=model_path))
+        placement = self._plan_placement()
+        handles = [self._spawn(wid, r, dataclasses.replace(args, model=model_path), placement)
                    for wid, r, args in specs]
-        infos: list[WorkerInfo] = await asyncio.gather(*[self._ready(h) for h in handles])
+        infos: list[WorkerInfo] = await asyncio.gather(
+            *[self._ready(wid, h) for (wid, _, _), h in zip(specs, handles, strict=True)])
 
         decode_infos = [i for i in infos if i.role != "prefill"]
         max_len = min(i.max_model_len for i in infos)
@@ -147,6 +174,7 @@ class Cluster:
         orch = Orchestrator(
             OrchestratorConfig(model_cfg.model_id, cfg.mode, transfer_timeout_s=cfg.transfer_timeout_s,
                                capacity_wait_s=cfg.capacity_wait_s,
+                               call_timeout_s=cfg.call_timeout_s,
                                max_inflight_requests=cfg.max_inflight_requests,
                                prefix_hash_seed=cfg.decode_engine.prefix_hash_seed),
             tokenizer, InputProcessor(tokenizer, model_cfg.vocab_size, max_len, max_kv_tokens),
@@ -157,53 +185,93 @@ class Cluster:
         self.orchestrator = orch
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
         for i in infos:  # one line per worker: operators (and the placement test) read these
-            log.info("worker %s role=%s node=%s pid=%d", i.worker_id, i.role, i.node_id, i.pid)
+            log.info("worker %s role=%s node=%s host=%s kv=%s pid=%d", i.worker_id, i.role,
+                     i.node_id, i.node_ip, i.kv_host, i.pid)
 
-    async def _ready(self, handle) -> WorkerInfo:
-        info = await handle.info.remote()
+    def _plan_placement(self) -> _Placement:
+        """Check, before spawning anything, that the Ray cluster can host every worker, and
+        decide what every worker shares: GPUs or not, role resources or not, KV address."""
+        import ray
+
+        cfg = self.config
+        nodes = ray.nodes()
+        total = ray.cluster_resources()
+        use_gpus = cfg.use_gpus if cfg.use_gpus is not None else total.get("GPU", 0) > 0
+        gpus = 1 if use_gpus else 0
+        num_prefill = cfg.num_prefill_workers if cfg.mode == "disaggregated" else 0
+        by_role = check_placement(nodes, [
+            RoleNeed("prefill", num_prefill, PREFILL_RESOURCE, cfg.worker_num_cpus, gpus),
+            RoleNeed("decode" if cfg.mode == "disaggregated" else "colocated",
+                     cfg.num_decode_workers, DECODE_RESOURCE, cfg.worker_num_cpus, gpus)])
+        if not by_role:
+            log.warning("the Ray cluster defines neither %r nor %r: workers may land on any node",
+                        PREFILL_RESOURCE, DECODE_RESOURCE)
+        hosts = {n["NodeManagerAddress"] for n in nodes if n["Alive"]}
+        kv_host = cfg.kv_host
+        if kv_host is None and cfg.kv_interface is None and len(hosts) == 1:
+            kv_host = "127.0.0.1"  # every peer shares this host: KV never leaves loopback
+        return _Placement(use_gpus, by_role, kv_host, cfg.kv_interface)
+
+    async def _ready(self, worker_id: str, handle) -> WorkerInfo:
+        try:
+            info = await asyncio.wait_for(handle.info.remote(), self.config.startup_timeout_s)
+        except TimeoutError:
+            raise StartupError(
+                f"worker {worker_id} was not up within {self.config.startup_timeout_s:g} s "
+                f"(still loading its model, or no node can take it: check `ray status`)"
+            ) from None
+        self._starting.pop(worker_id, None)
         self._progress(info.worker_id)
         return info
 
-    def _spawn(self, worker_id: str, role: str, engine_args: EngineArgs):
+    def _spawn(self, worker_id: str, role: str, engine_args: EngineArgs, placement: _Placement):
         import ray
 
         from decode_workers.worker import DecodeWorker
         from prefill_workers.worker import PrefillWorker
 
         cfg = self.config
-        wcfg = WorkerConfig(worker_id, role, engine_args, transfer_timeout_s=cfg.transfer_timeout_s,
-                            lease_s=cfg.lease_s, stream_layers=cfg.stream_layers)
+        wcfg = WorkerConfig(worker_id, role, engine_args, kv_host=placement.kv_host,
+                            kv_interface=placement.kv_interface,
+                            transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
+                            stream_layers=cfg.stream_layers)
         if worker_id in cfg.worker_overrides:
             wcfg = dataclasses.replace(wcfg, **cfg.worker_overrides[worker_id])
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        total = ray.cluster_resources()
-        use_gpus = cfg.use_gpus if cfg.use_gpus is not None else total.get("GPU", 0) > 0
-        if use_gpus:  # Ray gives the actor one GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 there
+        if placement.use_gpus:  # Ray gives the actor one GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
             wcfg = dataclasses.replace(
                 wcfg, engine_args=dataclasses.replace(wcfg.engine_args, device="cuda"))
         resource = PREFILL_RESOURCE if role == "prefill" else DECODE_RESOURCE
-        resources = {resource: 1} if total.get(resource, 0) > 0 else {}
-        if not resources:
-            log.warning("cluster defines no %r resource: %s may land on any node", resource, worker_id)
         actor = ray.remote(cls).options(
             name=f"{worker_id}-{id(self):x}", namespace=_RAY_NAMESPACE,
-            num_cpus=cfg.worker_num_cpus, num_gpus=1 if use_gpus else 0, resources=resources,
+            num_cpus=cfg.worker_num_cpus, num_gpus=1 if placement.use_gpus else 0,
+            resources={resource: 1} if placement.by_role else {},
             max_concurrency=64, max_restarts=0,
         ).remote(wcfg)
         self._actors.append(actor)
+        self._starting[worker_id] = role
         return actor
 
     async def _refresh_loads(self) -> None:
-        """Keep the router's view of each worker's KV use fresh; heartbeat the registry."""
+        """Keep the router's view of each worker's KV use fresh; heartbeat the registry.
+
+        Each report has a deadline: a worker whose host went silent is marked unreachable
+        (no new requests) instead of stalling every other worker's refresh."""
+        timeout = min(2.0, self.config.call_timeout_s)
         while True:
             orch = self.orchestrator
             slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
-            results = await asyncio.gather(*[s.handle.load.remote() for s in slots],
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *[asyncio.wait_for(s.handle.load.remote(), timeout) for s in slots],
+                return_exceptions=True)
             for slot, load in zip(slots, results, strict=True):
+                if isinstance(load, TimeoutError):
+                    orch._mark_unreachable(slot, f"no load report within {timeout:g} s")
+                    continue
                 if isinstance(load, BaseException):
                     orch.on_worker_error(slot, load)
                     continue
+                orch.mark_reachable(slot)
                 slot.view.load = load
                 self._heartbeat(slot, load)
             await asyncio.sleep(0.25)
@@ -272,6 +340,61 @@ class Cluster:
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
         return list(await asyncio.gather(*[s.handle.load.remote() for s in slots]))
+
+    async def cluster_status(self) -> list[WorkerStatus]:
+        """Every worker this cluster started, with its state and last load report."""
+        orch = self.orchestrator
+        now = time.monotonic()
+        out = [WorkerStatus(wid, role, "", 0, "starting") for wid, role in self._starting.items()]
+        for slot in (*orch.prefill.values(), *orch.decode.values()):
+            i, v, lo = slot.info, slot.view, slot.view.load
+            state = ("dead" if not v.alive else "unreachable" if not v.routable(now)
+                     else "ready")
+            addr = i.kv_address
+            out.append(WorkerStatus(
+                i.worker_id, i.role, i.node_ip, i.pid, state,
+                lo.kv_blocks_used if lo else 0, i.num_kv_blocks,
+                lo.requests_running if lo else 0, lo.requests_waiting if lo else 0,
+                lo.kv_transfer_bytes if lo else 0, f"{addr.host}:{addr.port}" if addr else ""))
+        return out
+
+    def worker_handle(self, worker_id: str):
+        """The Ray actor handle of one worker (tests, operators' scripts)."""
+        orch = self.orchestrator
+        return (orch.prefill.get(worker_id) or orch.decode[worker_id]).handle
+
+    async def worker_ready(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is up, reachable and takes new requests now."""
+        return any(w.id == worker_id and w.state == "ready" for w in await self.cluster_status())
+
+
+async def _join_ray(address: str, timeout_s: float) -> None:
+    """``ray.init(address=...)`` with a deadline. Ray itself retries an unreachable GCS for
+    minutes, silently; the call runs on a daemon thread, so giving up does not wait for it."""
+    import ray
+
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(None) if error is None else done.set_exception(error)
+
+    def join() -> None:
+        error = None
+        try:
+            ray.init(address=address, namespace=_RAY_NAMESPACE, log_to_driver=False)
+        except BaseException as e:  # handed to the waiting coroutine
+            error = e
+        loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=join, name="ray-join", daemon=True).start()
+    try:
+        await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    except TimeoutError:
+        raise StartupError(f"could not join the Ray cluster at {address} within {timeout_s:g} s "
+                           f"(is its head running, and is its GCS port reachable from here?)"
+                           ) from None
 
 
 def _worker_record(info: WorkerInfo, model_id: str):

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front door (FastAPI): ``/v1/completions``, ``/v1/chat/completions``
-(both with SSE streaming), ``/v1/models``, ``/health`` and ``/metrics``.
+(both with SSE streaming), ``/v1/models``, ``/v1/cluster`` (every worker and its state),
+``/health`` and ``/metrics``.
 
 Accepts vLLM's extension fields (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``). Every error, malformed JSON included, is answered in OpenAI's
@@ -14,6 +15,7 @@ JSON in ``router.openai_render``, and running a generation into a (streamed) res
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -83,6 +85,13 @@ def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics)
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(await metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/cluster")
+    async def cluster():
+        draining = app.state.draining
+        return {"workers": [
+            {**asdict(w), "state": "draining" if draining and w.state == "ready" else w.state}
+            for w in await backend.cluster_status()]}
 
 
 def _request_id(request: Request) -> str:

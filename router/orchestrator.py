@@ -21,13 +21,20 @@ from engine.config import cdiv
 from engine.input_processor import InputProcessor
 from engine.request import QueueFullError
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from kv_transfer import KVHandshakeError, KVLayout, KVTransferError, KVTransferSpec
+from kv_transfer import (
+    KVHandshakeError,
+    KVLayout,
+    KVPeerUnreachableError,
+    KVTransferError,
+    KVTransferSpec,
+)
 from router.backend import (
     GenerateInput,
     GenerationChunk,
     InvalidRequestError,
     ModelNotFoundError,
     Usage,
+    WorkerTimeoutError,
     WorkerUnavailableError,
     new_request_id,
 )
@@ -65,6 +72,14 @@ class OrchestratorConfig:
     capacity_wait_s: float = 30.0  # how long a request may wait for KV capacity
     max_inflight_requests: int = 1024  # beyond it: QueueFullError (RESOURCE_EXHAUSTED)
     prefix_hash_seed: int = 0
+    # Deadlines on worker calls, so a host that went silent (link down) costs a retry, not a
+    # hung request: reserve / abort get call_timeout_s; commit waits for the transfer too;
+    # a prefill may queue behind other prompts first.
+    call_timeout_s: float = 10.0
+    prefill_timeout_s: float = 300.0
+    # A decode worker whose KV address a prefill worker could not reach gets no new requests
+    # for this long (then it is tried again: the address may have come back).
+    kv_unreachable_quarantine_s: float = 30.0
 
 
 @dataclass
@@ -79,6 +94,7 @@ class _Stream:
     request_id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     decode_id: str | None = None
+    committed: bool = False  # the sequence lives on decode_id (its KV arrived, or submitted)
     prefill_id: str | None = None
     aborted: bool = False  # Abort RPC: stop retrying, end with finish_reason "abort"
 
@@ -154,23 +170,45 @@ class Orchestrator:
         if self.store is not None:
             self.store.deregister_worker(worker_id)
         if worker_id in self.decode:  # its sequences cannot continue: fail them loudly
-            for s in self._streams.values():
-                if s.decode_id == worker_id:
-                    s.queue.put_nowait(RuntimeError(f"decode worker {worker_id} died: {why}"))
+            self._fail_committed_streams(worker_id, f"decode worker {worker_id} died: {why}")
+
+    def _fail_committed_streams(self, worker_id: str, why: str) -> None:
+        """End every stream whose sequence lives on ``worker_id`` with an error. Streams still
+        in an attempt there are left alone: that attempt fails and is retried by itself."""
+        for s in self._streams.values():
+            if s.decode_id == worker_id and s.committed:
+                s.queue.put_nowait(WorkerUnavailableError(why))
 
     async def _consume(self, slot: WorkerSlot) -> None:
-        """Fan one decode worker's per-step token batches out to the request streams."""
-        try:
-            async for ref in slot.handle.subscribe.remote():
-                batch: TokenBatch = await ref
-                for upd in batch.updates:
-                    s = self._streams.get(upd.request_id)
-                    if s is not None:
-                        s.queue.put_nowait(upd)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # actor died
-            self.mark_dead(slot.info.worker_id, repr(e))
+        """Fan one decode worker's per-step token batches out to the request streams, for as
+        long as the worker lives. A broken subscription (the connection dropped while a link
+        was down) loses the batches in flight: the streams on that worker fail, the worker is
+        unreachable until it reports again, and the subscription is taken up anew."""
+        import ray.exceptions
+
+        wid = slot.info.worker_id
+        while slot.view.alive:
+            try:
+                async for ref in slot.handle.subscribe.remote():
+                    batch: TokenBatch = await ref
+                    for upd in batch.updates:
+                        s = self._streams.get(upd.request_id)
+                        # Only the worker the stream is committed to speaks for it: an attempt
+                        # the router gave up on (its commit timed out while the host was cut
+                        # off) may still be admitted there later, and must not inject tokens.
+                        if s is not None and s.decode_id == wid:
+                            s.queue.put_nowait(upd)
+                return  # the worker closed the stream: it is shutting down
+            except asyncio.CancelledError:
+                raise
+            except ray.exceptions.ActorUnavailableError as e:
+                self._mark_unreachable(slot, f"token stream broke: {e!r}")
+                self._fail_committed_streams(wid, f"lost the token stream of decode worker "
+                                                  f"{wid} (its host was unreachable)")
+                await asyncio.sleep(0.5)
+            except Exception as e:  # actor died
+                self.mark_dead(wid, repr(e))
+                return
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -264,14 +302,14 @@ class Orchestrator:
             calls.append(self.decode[stream.decode_id].handle.abort.remote(msg))
         for c in calls:
             try:
-                await c
-            except Exception as e:  # a dead worker holds nothing any more
+                await asyncio.wait_for(c, self.config.call_timeout_s)
+            except Exception as e:  # a dead worker holds nothing; an unreachable one, a lease
                 log.info("abort of %s: %r", stream.request_id, e)
 
     async def _submit_colocated(self, stream: _Stream, prompt_ids: list[int], params) -> None:
         num_tokens = len(prompt_ids) + params.max_tokens
         slot = await self._wait_for_decode(num_tokens, set(), prompt_ids, stream)
-        stream.decode_id = slot.info.worker_id
+        stream.decode_id, stream.committed = slot.info.worker_id, True
         slot.view.inflight_requests += 1
         try:
             await slot.handle.submit.remote(SubmitRequest(stream.request_id, prompt_ids, params))
@@ -315,33 +353,38 @@ class Orchestrator:
         """One try on one (prefill, decode) pair. Raises _RetryElsewhere with the reservation
         already released, _Aborted, or ClusterMisconfiguredError."""
         rid = stream.request_id
+        cfg = self.config
         spec = KVTransferSpec(rid, next(self._transfer_ids), len(prompt_ids), self.layout)
         need = cdiv(len(prompt_ids) + 1, decode.view.block_size)
         decode.view.inflight_blocks += need
-        stream.decode_id = decode.info.worker_id
+        stream.decode_id, stream.committed = decode.info.worker_id, False
         try:
-            res = await self._call(stream, decode, [decode], decode.handle.reserve.remote(
-                ReserveRequest(rid, prompt_ids, params, spec, pslot.info.worker_id)))
+            res = await self._call(stream, decode, decode.handle.reserve.remote(
+                ReserveRequest(rid, prompt_ids, params, spec, pslot.info.worker_id)),
+                cfg.call_timeout_s)
             if not res.ok:
                 raise _RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
-            self._journal(rid, "reserved", decode.info.worker_id, f"{res.num_blocks} blocks")
+            self._journal(rid, "reserved", decode.info.worker_id,
+                          f"{res.num_blocks} blocks for KV from {pslot.info.worker_id}")
             stream.prefill_id = pslot.info.worker_id
             pslot.view.inflight_prefill_tokens += len(prompt_ids)
             try:
                 result: PrefillResult = await self._call(
-                    stream, pslot, [pslot, decode], pslot.handle.prefill.remote(PrefillRequest(
-                        rid, prompt_ids, params, spec, decode.info.kv_address)), release=decode)
+                    stream, pslot, pslot.handle.prefill.remote(PrefillRequest(
+                        rid, prompt_ids, params, spec, decode.info.kv_address)),
+                    cfg.prefill_timeout_s, release=decode, peer=decode)
             finally:
                 # On cancellation prefill_id stays set, so the caller aborts the prefill too.
                 pslot.view.inflight_prefill_tokens -= len(prompt_ids)
             stream.prefill_id = None
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
             self._record_prefix(pslot, prompt_ids)
-            commit = await self._call(stream, decode, [decode], decode.handle.commit.remote(
-                CommitRequest(rid, result.first_token_id, self.config.transfer_timeout_s)),
-                release=decode)
+            commit = await self._call(stream, decode, decode.handle.commit.remote(
+                CommitRequest(rid, result.first_token_id, cfg.transfer_timeout_s)),
+                cfg.transfer_timeout_s + cfg.call_timeout_s, release=decode)
         finally:
             decode.view.inflight_blocks -= need
+        stream.committed = True
         self.kv_transfer_bytes_total += result.kv_bytes
         self.timings[rid] = RequestTiming(result.queue_s, result.compute_s,
                                           result.transfer_tail_s, attempt + 1)
@@ -350,13 +393,16 @@ class Orchestrator:
         self._journal(rid, "committed", decode.info.worker_id, "")
         return _FirstToken(result.first_token_id, commit.finished, commit.finish_reason)
 
-    async def _call(self, stream: _Stream, worker: WorkerSlot, exclude: list[WorkerSlot], call,
-                    release: WorkerSlot | None = None):
-        """Await one worker call of an attempt. On failure: free the reservation held on
-        ``release``, then raise _Aborted (we aborted it), ClusterMisconfiguredError (the KV
-        handshake refused), or _RetryElsewhere without the workers in ``exclude``."""
+    async def _call(self, stream: _Stream, worker: WorkerSlot, call, timeout_s: float,
+                    release: WorkerSlot | None = None, peer: WorkerSlot | None = None):
+        """Await one worker call of an attempt, at most ``timeout_s``.
+
+        On failure: free the reservation held on ``release``, then raise _Aborted (we aborted
+        it), ClusterMisconfiguredError (the KV handshake refused), or _RetryElsewhere without
+        the workers to blame: ``peer`` alone when it was its KV address that could not be
+        reached (it is quarantined), else ``worker`` (and ``peer``, whose transfer it was)."""
         try:
-            return await call
+            return await asyncio.wait_for(call, timeout_s)
         except KVHandshakeError as e:
             raise ClusterMisconfiguredError(str(_cause(e))) from None
         except Exception as e:
@@ -366,8 +412,33 @@ class Orchestrator:
                 await self._safe_abort(release, stream.request_id)
             if stream.aborted:  # it failed because we aborted it: no retry
                 raise _Aborted from None
-            self.on_worker_error(worker, e)
-            raise _RetryElsewhere(e, exclude, worker.info.worker_id) from None
+            if peer is not None and isinstance(e, KVPeerUnreachableError):
+                self._quarantine(peer, str(_cause(e)))
+                raise _RetryElsewhere(_cause(e), [peer], peer.info.worker_id) from None
+            if isinstance(e, TimeoutError):
+                e = WorkerTimeoutError(f"worker {worker.info.worker_id} did not answer within "
+                                       f"{timeout_s:g}s")
+                self._mark_unreachable(worker, str(e))
+            else:
+                self.on_worker_error(worker, e)
+            blamed = [worker] if peer is None else [worker, peer]
+            raise _RetryElsewhere(e, blamed, worker.info.worker_id) from None
+
+    def _quarantine(self, slot: WorkerSlot, why: str) -> None:
+        log.warning("routing around %s for %.0f s: %s", slot.info.worker_id,
+                    self.config.kv_unreachable_quarantine_s, why)
+        slot.view.kv_unreachable_until = time.monotonic() + self.config.kv_unreachable_quarantine_s
+
+    def _mark_unreachable(self, slot: WorkerSlot, why: str) -> None:
+        """No new work until its next load report arrives (``mark_reachable``)."""
+        if slot.view.reachable:
+            log.warning("worker %s is unreachable: %s", slot.info.worker_id, why)
+        slot.view.reachable = False
+
+    def mark_reachable(self, slot: WorkerSlot) -> None:
+        if not slot.view.reachable:
+            log.warning("worker %s is reachable again", slot.info.worker_id)
+        slot.view.reachable = True
 
     async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
                                prompt_ids: list[int] | None, stream: _Stream) -> WorkerSlot:
@@ -387,21 +458,32 @@ class Orchestrator:
             if all(s.info.worker_id in exclude for s in live):
                 exclude.clear()  # every worker refused once: let them try again after a wait
             if time.monotonic() > deadline:
+                now = time.monotonic()
+                if not any(s.view.routable(now) for s in live):
+                    raise WorkerUnavailableError(
+                        "no reachable decode worker: " + ", ".join(
+                            f"{s.info.worker_id} unreachable" for s in live))
                 raise QueueFullError(f"no decode worker had KV room for {num_tokens} tokens "
                                      f"within {self.config.capacity_wait_s:.0f} s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
     async def _safe_abort(self, slot: WorkerSlot, rid: str) -> None:
+        """Best effort: a worker that cannot be reached frees the reservation by its lease."""
         try:
-            await slot.handle.abort.remote(AbortRequest(rid))
+            await asyncio.wait_for(slot.handle.abort.remote(AbortRequest(rid)),
+                                   self.config.call_timeout_s)
+        except TimeoutError:
+            self._mark_unreachable(slot, f"abort of {rid} timed out")
         except Exception as e:
             self.on_worker_error(slot, e)
 
     def on_worker_error(self, slot: WorkerSlot, e: BaseException) -> None:
         import ray.exceptions
 
-        if isinstance(e, ray.exceptions.RayActorError | ray.exceptions.ActorDiedError):
+        if isinstance(e, ray.exceptions.ActorUnavailableError):  # transient, by Ray's word
+            self._mark_unreachable(slot, repr(e))
+        elif isinstance(e, ray.exceptions.RayActorError | ray.exceptions.ActorDiedError):
             self.mark_dead(slot.info.worker_id, repr(e))
         elif not isinstance(e, KVTransferError | QueueFullError):
             log.warning("worker %s failed a call: %r", slot.info.worker_id, e)

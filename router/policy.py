@@ -7,6 +7,7 @@ one refresh interval stale and a burst of requests would otherwise all pick the 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.config import cdiv
@@ -23,7 +24,12 @@ class WorkerView:
     kv_blocks_total: int
     block_size: int
     load: WorkerLoad | None = None  # the last report (None until the first one)
-    alive: bool = True
+    alive: bool = True  # False once Ray reports the actor dead: never routed to again
+    # Alive for Ray, but its last call or load report ran past its deadline (a host whose
+    # link is down): skipped until a report arrives again.
+    reachable: bool = True
+    # A peer could not reach its advertised KV address: skipped until then (monotonic s).
+    kv_unreachable_until: float = 0.0
     inflight_blocks: int = 0
     inflight_prefill_tokens: int = 0
     inflight_requests: int = 0
@@ -40,6 +46,10 @@ class WorkerView:
     def free_blocks(self) -> int:
         return self.kv_blocks_total - self.kv_blocks_used - self.inflight_blocks
 
+    def routable(self, now: float) -> bool:
+        """May new work be sent here?"""
+        return self.alive and self.reachable and now >= self.kv_unreachable_until
+
 
 def pick_decode(workers: list[WorkerView], num_tokens: int, exclude: set[str] = frozenset(),
                 prefix_hits: dict[str, int] | None = None) -> WorkerView | None:
@@ -50,7 +60,8 @@ def pick_decode(workers: list[WorkerView], num_tokens: int, exclude: set[str] = 
     free fraction of the KV pool, then the fewest running and in-flight requests.
     """
     hits = prefix_hits or {}
-    fits = [w for w in workers if w.alive and w.worker_id not in exclude
+    now = time.monotonic()
+    fits = [w for w in workers if w.routable(now) and w.worker_id not in exclude
             and w.free_blocks >= cdiv(num_tokens, w.block_size)]
     if not fits:
         return None
@@ -63,7 +74,8 @@ def pick_prefill(workers: list[WorkerView], exclude: set[str] = frozenset(),
                  prefix_hits: dict[str, int] | None = None) -> WorkerView | None:
     """The live prefill worker with the least queued prompt work, net of cached prefixes."""
     hits = prefix_hits or {}
-    live = [w for w in workers if w.alive and w.worker_id not in exclude]
+    now = time.monotonic()
+    live = [w for w in workers if w.routable(now) and w.worker_id not in exclude]
     if not live:
         return None
     # A cached block saves block_size tokens of compute on that worker.

@@ -52,6 +52,9 @@ class ServeConfig:
     max_waiting: int = 1024
     drain_grace_s: float = 30.0
     threads_per_worker: int | None = None  # None: the machine's cores split among workers
+    kv_host: str | None = None  # address workers advertise for KV (default: their node's)
+    kv_interface: str | None = None  # or: the NIC whose IPv4 they advertise (every node)
+    startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
@@ -60,6 +63,10 @@ class ServeConfig:
         for name in ("prefill_workers", "decode_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.kv_host and self.kv_interface:
+            raise ValueError("give --kv-host or --kv-interface, not both")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"--startup-timeout-s must be > 0, got {self.startup_timeout_s}")
 
     def cluster_config(self):
         from router.cluster import ClusterConfig
@@ -78,7 +85,8 @@ class ServeConfig:
             decode_engine=EngineArgs(block_size=self.decode_block_size, max_num_seqs=self.max_num_seqs,
                                      max_num_batched_tokens=self.max_num_batched_tokens, **common),
             ray_address=self.ray_address, redis_url=self.redis_url,
-            max_inflight_requests=self.max_waiting)
+            max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
+            kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -120,8 +128,10 @@ async def _serve(config: ServeConfig) -> int:
         bar.set_postfix_str(step)
         bar.update(1)
 
-    cluster = await Cluster.start(cc, on_progress=progress)
-    bar.close()
+    try:
+        cluster = await Cluster.start(cc, on_progress=progress)
+    finally:
+        bar.close()
     try:
         fd = await serve_frontdoor(cluster, host=config.host, grpc_port=config.grpc_port,
                                    http_port=config.http_port, drain_grace_s=config.drain_grace_s)

@@ -28,6 +28,15 @@ def add_serve_subcommand(sub) -> None:
                    help="requests in flight before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--drain-grace-s", type=float, default=None)
     p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--kv-host", default=None,
+                   help="address every worker binds and advertises for KV transfer (default: "
+                        "$PDCLUSTER_KV_HOST of its node, else its Ray node IP; loopback when "
+                        "all workers share one host)")
+    p.add_argument("--kv-interface", default=None,
+                   help="advertise this network interface's IPv4 on each node instead "
+                        "(e.g. a second NIC for KV traffic)")
+    p.add_argument("--startup-timeout-s", type=float, default=None,
+                   help="fail start-up if a worker is not up by then (default 300)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -19,10 +19,19 @@ from worker_protocol.messages import (
     WorkerInfo,
     WorkerLoad,
 )
-from worker_protocol.runtime import apply_cpu_affinity, current_node_id
+from worker_protocol.runtime import (
+    KVHost,
+    apply_cpu_affinity,
+    current_node_id,
+    current_node_ip,
+    kv_host_for,
+    pin_nccl_to,
+    resolve_kv_host,
+)
 
 __all__ = [
     "AbortRequest", "CommitRequest", "CommitResult", "PrefillRequest", "PrefillResult",
     "ReserveRequest", "ReserveResult", "SubmitRequest", "TokenBatch", "TokenUpdate",
-    "WorkerConfig", "WorkerInfo", "WorkerLoad", "apply_cpu_affinity", "current_node_id",
+    "KVHost", "WorkerConfig", "WorkerInfo", "WorkerLoad", "apply_cpu_affinity",
+    "current_node_id", "current_node_ip", "kv_host_for", "pin_nccl_to", "resolve_kv_host",
 ]

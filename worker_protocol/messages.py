@@ -27,6 +27,8 @@ class WorkerInfo:
     block_size: int
     max_model_len: int
     kv_address: PeerAddress | None = None  # decode workers: where their TCPStore listens
+    node_ip: str = "127.0.0.1"  # the host it runs on (its Ray node's address)
+    kv_host: str = "127.0.0.1"  # the address its KV endpoints bind and advertise
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,11 @@ class WorkerConfig:
     worker_id: str
     role: str  # "prefill" | "decode" | "colocated"
     engine_args: object  # engine.llm_engine.EngineArgs (untyped: importing it loads the model code)
-    kv_host: str = "127.0.0.1"
+    # Where KV endpoints bind and advertise (worker_protocol.runtime.resolve_kv_host): an
+    # explicit address, else this interface's IPv4, else $PDCLUSTER_KV_HOST, else the Ray
+    # node IP. The router passes 127.0.0.1 when every worker shares one host.
+    kv_host: str | None = None
+    kv_interface: str | None = None
     transfer_timeout_s: float = 30.0
     # A reservation whose KV has not fully arrived by then is released (blocks freed).
     lease_s: float = 30.0

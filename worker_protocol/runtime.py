@@ -4,10 +4,13 @@ node it is on, and which address its KV endpoints bind and advertise (DESIGN §6
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 import struct
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 def apply_cpu_affinity(cores: tuple[int, ...] | None) -> None:
@@ -25,6 +28,13 @@ def current_node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+
+def current_node_ip() -> str:
+    """The address of the host this process runs on (its Ray node's), loopback outside Ray."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else _LOOPBACK
 
 
 # Set per node (e.g. from a Kubernetes pod's IP through the downward API); Ray actors inherit
@@ -62,7 +72,7 @@ def resolve_kv_host(kv_host: str | None = None, kv_interface: str | None = None)
     import ray
 
     if ray.is_initialized():
-        return KVHost(ray.util.get_node_ip_address(), "Ray node IP")
+        return KVHost(current_node_ip(), "Ray node IP")
     return KVHost(_LOOPBACK, "loopback (not in Ray)")
 
 
@@ -89,6 +99,16 @@ def interface_for_ipv4(address: str) -> str | None:
         except ValueError:
             continue
     return None
+
+
+def kv_host_for(worker_id: str, kv_host: str | None, kv_interface: str | None,
+                device_type: str) -> KVHost:
+    """Resolve the worker's KV address, pin NCCL to its interface on GPU, log the choice."""
+    host = resolve_kv_host(kv_host, kv_interface)
+    if device_type == "cuda":
+        pin_nccl_to(host)
+    log.info("%s: KV endpoints on %s (%s)", worker_id, host.address, host.source)
+    return host
 
 
 def pin_nccl_to(host: KVHost) -> None:

@@ -5,9 +5,14 @@
 #   decode  : a decode worker node     resources {"decode_slot": 2}
 # The resource names are router/placement.py's PREFILL_RESOURCE / DECODE_RESOURCE.
 #
-# Usage:  deploy/ray/local_multinode.sh up | down | status
+# Usage:  deploy/ray/local_multinode.sh up [--netns] | down | status
 #   up     start the three nodes (about 10 s, about 0.7 GB each); prints RAY_ADDRESS=...
-#   down   stop exactly the processes of this cluster (never a blanket `ray stop`/`pkill`)
+#   up --netns  the same three nodes as three simulated HOSTS: Linux network namespaces on a
+#          private bridge, each with its own IP (10.231.N.1-3), so KV really crosses a
+#          network between hosts (needs root and iproute2; python -m bench.simhosts does it).
+#          Run the router on the head host:  ip netns exec <head netns> pdcluster serve ...
+#   down   stop exactly the processes of this cluster (never a blanket `ray stop`/`pkill`);
+#          with --netns: every process inside its namespaces, then the namespaces
 #   status print the address and the PIDs of this cluster; exit 1 if it is not running
 # Then:   pdcluster serve --ray-address 127.0.0.2:6390 --prefill-workers 2 --decode-workers 2
 #
@@ -20,7 +25,7 @@
 #                             server and the dashboard take PORT+1 and PORT+2
 #   PDC_RAY_STATE_DIR [/tmp/pdc-ray-<uid>-<port>]  pid file, tag, logs and Ray's temp dir
 #                             (kept short: Ray's unix socket paths must stay under 107 bytes)
-#   PDC_RAY_CPUS_PER_NODE [1] logical CPUs each node advertises
+#   PDC_RAY_CPUS_PER_NODE [2] logical CPUs each node advertises (each worker takes 1)
 #   PDC_RAY_BIN               the `ray` executable (default: the repo's .venv, then PATH)
 #   PDC_RAY_GRACE_S [10]      seconds `down` waits after SIGTERM before SIGKILL
 #   PDC_RAY_AUTH_MODE [disabled]  RAY_AUTH_MODE of the nodes. Ray >= 2.5x turns token auth
@@ -46,7 +51,7 @@ STATE_DIR="${PDC_RAY_STATE_DIR:-/tmp/pdc-ray-$(id -u)-${PORT}}"
 TEMP_DIR="${STATE_DIR}/t"
 PID_FILE="${STATE_DIR}/pids"
 TAG_FILE="${STATE_DIR}/tag"
-CPUS="${PDC_RAY_CPUS_PER_NODE:-1}"
+CPUS="${PDC_RAY_CPUS_PER_NODE:-2}"
 GRACE_S="${PDC_RAY_GRACE_S:-10}"
 AUTH_MODE="${PDC_RAY_AUTH_MODE:-disabled}"
 ADDRESS="${NODE_IP}:${PORT}"
@@ -187,9 +192,27 @@ cmd_status() {
   echo "running at $(cat "${STATE_DIR}/address" 2>/dev/null || echo "${ADDRESS}"); PIDs: ${pids}"
 }
 
+# ---- simulated hosts (network namespaces): bench/simhosts.py owns them -----------------------
+SIM_STATE="${STATE_DIR}/state.json"
+
+simhosts() {  # simhosts up|down|status
+  local py="${PDC_PYTHON:-$(dirname "${RAY_BIN}")/python}"
+  [[ -x "${py}" ]] || py="$(command -v python3)"
+  (cd "${REPO_ROOT}" && "${py}" -m bench.simhosts "$1" --state-dir "${STATE_DIR}" \
+     --num-cpus "${CPUS}" --hosts "head:router=1" "prefill:prefill_slot=2" "decode:decode_slot=2")
+}
+
+cmd_up_netns() {
+  [[ -n "${RAY_BIN}" && -x "${RAY_BIN}" ]] || die "no 'ray' executable found (set PDC_RAY_BIN)"
+  [[ ! -f "${SIM_STATE}" ]] || die "simulated hosts from ${STATE_DIR} are up; run '$0 down' first"
+  simhosts up
+  echo "next: ip netns exec <head netns above> pdcluster serve --ray-address <RAY_ADDRESS above> \\"
+  echo "        --prefill-workers 2 --decode-workers 2"
+}
+
 case "${1:-}" in
-  up) cmd_up ;;
-  down) cmd_down ;;
-  status) cmd_status ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  up) if [[ "${2:-}" == "--netns" ]]; then cmd_up_netns; else cmd_up; fi ;;
+  down) if [[ -f "${SIM_STATE}" ]]; then simhosts down; else cmd_down; fi ;;
+  status) if [[ -f "${SIM_STATE}" ]]; then simhosts status; else cmd_status; fi ;;
+  *) echo "usage: $0 up [--netns]|down|status" >&2; exit 2 ;;
 esac

@@ -218,6 +218,25 @@ def test_health(http):
     assert http.get("/health").status_code == 200
 
 
+def test_cluster_lists_every_worker_ready(http, backend):
+    """GET /v1/cluster: what an operator checks first, one entry per worker."""
+    r = http.get("/v1/cluster")
+    assert r.status_code == 200
+    workers = r.json()["workers"]
+    mode = backend.model_info().mode
+    roles = sorted(w["role"] for w in workers)
+    assert roles == (["embedded"] if mode == "embedded" else ["decode", "prefill"])
+    for w in workers:
+        assert {"id", "role", "host", "pid", "state", "kv_blocks_used", "kv_blocks_total",
+                "running", "waiting"} <= set(w)
+        assert w["state"] == "ready" and w["host"] and w["pid"] > 0
+        assert 0 <= w["kv_blocks_used"] <= w["kv_blocks_total"] and w["kv_blocks_total"] > 0
+    if mode != "embedded":  # every worker is a process of its own
+        assert len({w["pid"] for w in workers}) == len(workers)
+        decode = [w for w in workers if w["role"] == "decode"]
+        assert all(w["kv_address"].startswith("127.0.0.1:") for w in decode)  # one host
+
+
 def _scrape(http) -> dict[str, float]:
     """Sum every sample of each metric name (across labels) from /metrics."""
     r = http.get("/metrics")

@@ -148,3 +148,49 @@ def test_serve_joins_the_cluster_and_places_workers_by_role(tmp_path, tiny_llama
             serve.wait(30)
         down = _script("down", env)
     assert down.returncode == 0, down.stdout + down.stderr
+
+
+@pytest.mark.slow
+def test_netns_mode_builds_three_hosts_and_down_removes_them(tmp_path):
+    """`up --netns`: three simulated hosts (own network namespace and IP each), one Ray node
+    on each; a driver on the head host sees three nodes on three addresses and places a
+    prefill actor on the prefill host; `down` ends every process and deletes the namespaces."""
+    from bench.simhosts import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"simulated hosts unavailable: {reason}")
+    state_dir = Path("/tmp") / f"pdc-ray-netns-{os.getpid()}"
+    env = dict(os.environ, PDC_RAY_STATE_DIR=str(state_dir),
+               PDC_RAY_BIN=str(Path(sys.executable).parent / "ray"))
+    up = subprocess.run(["bash", str(SCRIPT), "up", "--netns"], env=env, capture_output=True,
+                        text=True, timeout=180, check=False)
+    hosts: dict[str, tuple[str, str]] = {}  # name -> (ip, netns)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        for line in up.stdout.splitlines():  # "host decode: 10.231.N.3 (netns pdc-XXXX-2)"
+            if line.startswith("host "):
+                name, ip, _, ns = line.split()[1:5]
+                hosts[name.rstrip(":")] = (ip, ns.rstrip(")"))
+        assert set(hosts) == {"head", "prefill", "decode"}
+        address = next(line.split("=", 1)[1] for line in up.stdout.splitlines()
+                       if line.startswith("RAY_ADDRESS="))
+        assert address == f"{hosts['head'][0]}:6379"
+        status = _script("status", env)
+        assert status.returncode == 0 and hosts["decode"][1] in status.stdout
+        probe = subprocess.run(
+            ["ip", "netns", "exec", hosts["head"][1], sys.executable, "-c", PROBE, address,
+             PREFILL_RESOURCE], capture_output=True, text=True, timeout=180, check=False,
+            cwd=tmp_path, env=dict(env, RAY_AUTH_MODE="disabled"))
+        assert probe.returncode == 0, probe.stderr[-3000:]
+        result = json.loads(probe.stdout.strip().splitlines()[-1])
+        alive = [n for n in result["nodes"] if n["alive"]]
+        assert len(alive) == 3
+        prefill_node = [n["id"] for n in alive if n["resources"].get(PREFILL_RESOURCE)]
+        assert result["landed"] == prefill_node[0]
+    finally:
+        down = _script("down", env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [ns for _, ns in hosts.values() if ns in netns]
+    assert not state_dir.exists()

@@ -113,6 +113,21 @@ def test_generate_and_chat_commands_talk_to_the_server(server):
     assert "assistant> " in chat.stdout and "Paris" in chat.stdout
 
 
+def test_status_command_shows_every_worker(server):
+    _, _, http_port = server
+    res = subprocess.run([sys.executable, "-m", "router.cli", "status", "--http-address",
+                          f"127.0.0.1:{http_port}"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].split()[:5] == ["id", "role", "host", "pid", "state"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(rows) == {"prefill-0", "decode-0"}
+    assert all(r[4] == "ready" for r in rows.values())
+    down = subprocess.run([sys.executable, "-m", "router.cli", "status", "--http-address",
+                           f"127.0.0.1:{_free_port()}"], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1 and "cannot reach" in down.stderr
+
+
 def test_sigterm_drains_and_exits_cleanly(server):
     proc, _, _ = server
     children = _descendants(proc.pid)

