@@ -38,6 +38,7 @@ from worker_protocol import (
     apply_cpu_affinity,
     current_node_id,
     current_node_ip,
+    exit_on_engine_crash,
     kv_host_for,
 )
 
@@ -76,7 +77,8 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self.kv_bytes_received = 0
-        self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop")
+        self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
+                               on_crash=exit_on_engine_crash(self.worker_id))
         self._lease_thread = threading.Thread(target=self._expire_leases, daemon=True,
                                               name=f"{self.worker_id}-leases")
         self._lease_thread.start()
@@ -200,8 +202,8 @@ class DecodeWorker:
 
     # ---- internals ------------------------------------------------------------------------
     def _on_step(self, outs: list[RequestOutput]) -> None:
-        updates = [TokenUpdate(o.request_id, o.new_token_ids, o.finish_reason if o.finished else None)
-                   for o in outs]
+        updates = [TokenUpdate(o.request_id, o.new_token_ids,
+                               o.finish_reason if o.finished else None, o.error) for o in outs]
         with self._batches_ready:
             self._batches.append(TokenBatch(self.worker_id, updates, time.time()))
             self._batches_ready.notify_all()

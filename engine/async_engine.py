@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineArgs, LLMEngine, Prompt
-from engine.request import RequestOutput, SamplingParams
+from engine.request import RequestFailedError, RequestMetrics, RequestOutput, SamplingParams
 
 
 class AsyncEngine:
@@ -23,7 +23,8 @@ class AsyncEngine:
         self.engine = engine or LLMEngine(args or EngineArgs())
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
-        self.loop = EngineLoop(self.engine, self._on_step, name="async-engine")
+        self.loop = EngineLoop(self.engine, self._on_step, name="async-engine",
+                               on_crash=self._on_crash)
 
     def _on_step(self, outs: list[RequestOutput]) -> None:
         for out in outs:
@@ -31,6 +32,13 @@ class AsyncEngine:
             if entry is not None:
                 aloop, q = entry
                 aloop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _on_crash(self, error: BaseException) -> None:
+        """Every open request ends with the error (none would ever get another token)."""
+        for rid, (aloop, q) in list(self._queues.items()):
+            failed = RequestOutput(rid, [], [], "", True, "error", RequestMetrics(0.0, None, None, []),
+                                   error=f"engine loop crashed: {error!r}")
+            aloop.call_soon_threadsafe(q.put_nowait, failed)
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -47,6 +55,8 @@ class AsyncEngine:
             while True:
                 out = await q.get()
                 finished = out.finished
+                if out.finish_reason == "error":
+                    raise RequestFailedError(f"request {rid} failed: {out.error}")
                 yield out
                 if finished:
                     return

@@ -35,9 +35,14 @@ class _Command:
 class EngineLoop:
     """Runs ``engine.step()`` whenever there is work; sleeps on the command queue otherwise."""
 
-    def __init__(self, engine: LLMEngine, sink: Sink, name: str = "engine-loop") -> None:
+    def __init__(self, engine: LLMEngine, sink: Sink, name: str = "engine-loop",
+                 on_crash: Callable[[BaseException], None] | None = None) -> None:
+        """``on_crash(error)`` runs on the loop thread if a step raises (the engine's state is
+        then unknown: a worker exits so Ray reports it dead; the in-process engine fails
+        every open request). Bad *requests* never get here: they fail alone inside a step."""
         self.engine = engine
         self._sink = sink
+        self._on_crash = on_crash
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._stopped = threading.Event()
         # Orders "check stopped + enqueue" in call() against setting stopped, so a command is
@@ -108,6 +113,8 @@ class EngineLoop:
         except BaseException as e:  # surface to callers instead of dying silently
             log.exception("engine loop crashed")
             self.error = e
+            if self._on_crash is not None:
+                self._on_crash(e)
         finally:
             with self._stop_lock:
                 self._stopped.set()

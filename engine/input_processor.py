@@ -52,6 +52,10 @@ class InputProcessor:
     def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError when the request cannot fit the model's context or KV pool."""
         params.validate()
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, but the model's context is "
                              f"{self.max_model_len} tokens")

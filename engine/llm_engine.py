@@ -239,6 +239,7 @@ class LLMEngine:
             new_token_ids=list(new_ids),
             delta_text=delta,
             prompt=self._prompts.get(req.request_id),
+            error=req.error,
         )
         if finished:
             self._detok.pop(req.request_id, None)

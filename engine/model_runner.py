@@ -29,6 +29,19 @@ class StepInputs:
     sample_chunks: list[ScheduledChunk]
 
 
+def _sample_rows_apart(logits: torch.Tensor, rows: list[SampleRow],
+                       chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+    """Sample each row on its own: the rows that raise fail their request only (validation
+    should have refused them; this keeps a missed case from stopping the whole batch)."""
+    out = ModelRunnerOutput()
+    for i, (row, chunk) in enumerate(zip(rows, chunks, strict=True)):
+        try:
+            out.sampled_token_ids[chunk.request_id] = sample(logits[i:i + 1].clone(), [row])[0]
+        except Exception as e:
+            out.failed[chunk.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+    return out
+
+
 class ModelRunner:
     """Executes scheduled steps. Not thread-safe: one engine loop drives it."""
 
@@ -90,7 +103,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         rows = [SampleRow(c.sampling_params, c.num_output_tokens, self.eos_token_ids)
                 for c in inp.sample_chunks]
-        tokens = sample(logits, rows)
+        try:
+            tokens = sample(logits, rows)
+        except Exception:  # one row's parameters broke the batch: find it, fail it alone
+            return _sample_rows_apart(logits, rows, inp.sample_chunks)
         return ModelRunnerOutput({c.request_id: t for c, t in zip(inp.sample_chunks, tokens, strict=True)})
 
     @torch.inference_mode()

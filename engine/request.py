@@ -20,20 +20,44 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # this request alone failed inside a step
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort",
+                RequestStatus.FINISHED_ERROR: "error"}.get(self)
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not compute this request (it alone failed; its batch went on).
+    gRPC INTERNAL / HTTP 500 with the reason."""
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its limit; the caller should retry later (gRPC RESOURCE_EXHAUSTED)."""
+
+
+# Documented limits of SamplingParams (README, API docs). Seeds seed a 64-bit generator
+# with seed * 1_000_003 + token index, so they must stay far below 2**63 / 1_000_003.
+MAX_SEED = 2**32 - 1
+MAX_TEMPERATURE = 100.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 @dataclass
@@ -57,6 +81,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # Set by the router when a request migrates: how many tokens it generated elsewhere
+    # before. Seeded sampling continues from that position, so the stream stays the one an
+    # undisturbed run would have produced. Clients leave it 0.
+    sample_index_offset: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,23 +92,46 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        """Raise ValueError naming the first bad field. Everything the sampler and the stop
+        checks later rely on is checked here, so a bad value is refused at the door instead
+        of raising inside an engine step (which would take its whole batch down)."""
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:  # -1 is vLLM's (and its clients') spelling of "disabled"
-            raise ValueError(f"top_k must be >= -1 (0 or -1 disables it), got {self.top_k}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) \
+                or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:  # -1: vLLM's spelling of "disabled"
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), "
+                             f"got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        long = [s for s in self.stop if len(s) > MAX_STOP_STRING_CHARS]
+        if long:
+            raise ValueError(f"stop: each string at most {MAX_STOP_STRING_CHARS} characters, "
+                             f"got one of {len(long[0])}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}")
+        if not _is_int(self.sample_index_offset) or self.sample_index_offset < 0:
+            raise ValueError(f"sample_index_offset must be an integer >= 0, "
+                             f"got {self.sample_index_offset!r}")
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +159,7 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     stop_reason: int | str | None = None
+    error: str | None = None  # why it failed (status FINISHED_ERROR)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -190,6 +242,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
     prompt: str | None = None
+    error: str | None = None  # finish_reason "error": why this request failed
 
     @property
     def ttft_s(self) -> float | None:

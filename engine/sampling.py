@@ -48,7 +48,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         sp = rows[i].params
         if sp.seed is not None:
             g = torch.Generator(device=probs.device).manual_seed(
-                sp.seed * _SEED_STRIDE + rows[i].num_output_tokens)
+                sp.seed * _SEED_STRIDE + sp.sample_index_offset + rows[i].num_output_tokens)
             noise[j] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
     picked = (probs / noise).argmax(dim=-1).tolist()
     for j, i in enumerate(rand_idx):

@@ -70,6 +70,8 @@ class ModelRunnerOutput:
     """Sampled token per request id (only for chunks with ``sample=True``)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Requests whose row raised (request id -> why): they fail alone, the batch goes on.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,11 @@ class Scheduler:
                 self.blocks.cache_full_blocks(req.request_id, req.all_token_ids,
                                               req.num_computed_tokens)
             if not chunk.sample:
+                continue
+            if chunk.request_id in result.failed:
+                req.error = result.failed[chunk.request_id]
+                self.finish_request(req, RequestStatus.FINISHED_ERROR)
+                updates.append(StepUpdate(req, []))
                 continue
             token = result.sampled_token_ids[chunk.request_id]
             req.output_token_ids.append(token)

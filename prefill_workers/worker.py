@@ -23,7 +23,7 @@ import torch
 from engine.engine_loop import EngineLoop
 from engine.kv_connector import LayerExport
 from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput
+from engine.request import RequestFailedError, RequestOutput
 from kv_transfer import KVLayout, KVTransferAborted, TorchDistSender
 from worker_protocol import (
     AbortRequest,
@@ -35,6 +35,7 @@ from worker_protocol import (
     apply_cpu_affinity,
     current_node_id,
     current_node_ip,
+    exit_on_engine_crash,
     kv_host_for,
 )
 
@@ -72,7 +73,8 @@ class PrefillWorker:
         self._layers_sent_total = 0
         self.kv_bytes_sent = 0
         self.engine.kv_connector.exporter = self._export_layer
-        self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop")
+        self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
+                               on_crash=exit_on_engine_crash(self.worker_id))
 
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()
@@ -166,6 +168,12 @@ class PrefillWorker:
         for out in outs:
             pending = self._pending.get(out.request_id)
             if pending is None or not out.finished:
+                continue
+            if out.finish_reason == "error":  # this prompt alone failed: its caller hears why
+                self.sender.abort(pending.req.transfer)
+                if not pending.future.done():
+                    pending.future.set_exception(RequestFailedError(
+                        f"prefill of {out.request_id} failed: {out.error}"))
                 continue
             if out.finish_reason == "abort" or not out.token_ids:
                 continue

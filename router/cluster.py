@@ -34,7 +34,14 @@ from router.backend import (
 )
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE, RoleNeed, check_placement
-from worker_protocol import WorkerConfig, WorkerInfo, WorkerLoad
+from worker_protocol import (
+    CONTROL_GROUP,
+    CONTROL_GROUP_THREADS,
+    WorkerConfig,
+    WorkerInfo,
+    WorkerLoad,
+    control,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,7 @@ class ClusterConfig:
     # Every start-up wait (each worker loading its model) fails after this, naming the worker.
     startup_timeout_s: float = 300.0
     call_timeout_s: float = 10.0  # deadline of a reserve / abort / load call to one worker
+    migration_limit: int = 3  # moves per request when its decode worker is lost
     # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
     worker_overrides: dict = field(default_factory=dict)
 
@@ -175,6 +183,7 @@ class Cluster:
             OrchestratorConfig(model_cfg.model_id, cfg.mode, transfer_timeout_s=cfg.transfer_timeout_s,
                                capacity_wait_s=cfg.capacity_wait_s,
                                call_timeout_s=cfg.call_timeout_s,
+                               migration_limit=cfg.migration_limit,
                                max_inflight_requests=cfg.max_inflight_requests,
                                prefix_hash_seed=cfg.decode_engine.prefix_hash_seed),
             tokenizer, InputProcessor(tokenizer, model_cfg.vocab_size, max_len, max_kv_tokens),
@@ -242,7 +251,8 @@ class Cluster:
             wcfg = dataclasses.replace(
                 wcfg, engine_args=dataclasses.replace(wcfg.engine_args, device="cuda"))
         resource = PREFILL_RESOURCE if role == "prefill" else DECODE_RESOURCE
-        actor = ray.remote(cls).options(
+        # Control calls (load, abort) get threads of their own: see CONTROL_GROUP.
+        actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_GROUP_THREADS})(cls).options(
             name=f"{worker_id}-{id(self):x}", namespace=_RAY_NAMESPACE,
             num_cpus=cfg.worker_num_cpus, num_gpus=1 if placement.use_gpus else 0,
             resources={resource: 1} if placement.by_role else {},
@@ -262,7 +272,7 @@ class Cluster:
             orch = self.orchestrator
             slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
             results = await asyncio.gather(
-                *[asyncio.wait_for(s.handle.load.remote(), timeout) for s in slots],
+                *[asyncio.wait_for(control(s.handle.load).remote(), timeout) for s in slots],
                 return_exceptions=True)
             for slot, load in zip(slots, results, strict=True):
                 if isinstance(load, TimeoutError):
@@ -331,7 +341,8 @@ class Cluster:
     async def stats(self) -> BackendStats:
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
-        loads = await asyncio.gather(*[s.handle.load.remote() for s in slots], return_exceptions=True)
+        loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
+                                     return_exceptions=True)
         workers = [lo for lo in loads if not isinstance(lo, BaseException)]
         return BackendStats(workers, orch.kv_transfer_bytes_total)
 
@@ -339,7 +350,7 @@ class Cluster:
         """Every live worker's full load report (reserved blocks included); tests use this."""
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
-        return list(await asyncio.gather(*[s.handle.load.remote() for s in slots]))
+        return list(await asyncio.gather(*[control(s.handle.load).remote() for s in slots]))
 
     async def cluster_status(self) -> list[WorkerStatus]:
         """Every worker this cluster started, with its state and last load report."""

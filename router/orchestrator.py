@@ -10,6 +10,7 @@ request either completes or ends with an error the client sees, never silently.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import hash_block
 from engine.config import cdiv
 from engine.input_processor import InputProcessor
-from engine.request import QueueFullError
+from engine.request import QueueFullError, RequestFailedError, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_transfer import (
     KVHandshakeError,
@@ -49,6 +50,7 @@ from worker_protocol import (
     TokenBatch,
     TokenUpdate,
     WorkerInfo,
+    control,
 )
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,11 @@ class OrchestratorConfig:
     # a prefill may queue behind other prompts first.
     call_timeout_s: float = 10.0
     prefill_timeout_s: float = 300.0
+    # A committed stream that gets no token update for this long has lost its decode worker
+    # (a step takes milliseconds to a second): it ends with UNAVAILABLE instead of hanging.
+    token_timeout_s: float = 120.0
+    # How many times one request may move to another decode worker when its own dies.
+    migration_limit: int = 3
     # A decode worker whose KV address a prefill worker could not reach gets no new requests
     # for this long (then it is tried again: the address may have come back).
     kv_unreachable_quarantine_s: float = 30.0
@@ -95,12 +102,18 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     decode_id: str | None = None
     committed: bool = False  # the sequence lives on decode_id (its KV arrived, or submitted)
+    migrations: int = 0
     prefill_id: str | None = None
     aborted: bool = False  # Abort RPC: stop retrying, end with finish_reason "abort"
 
 
 class _Aborted(Exception):
     """Raised inside the lifecycle once the request was aborted by id."""
+
+
+class _WorkerLost(WorkerUnavailableError):
+    """Queued on a stream whose decode worker died or went silent: the stream migrates (or,
+    past the migration limit, ends with UNAVAILABLE)."""
 
 
 class _RetryElsewhere(Exception):
@@ -177,7 +190,8 @@ class Orchestrator:
         in an attempt there are left alone: that attempt fails and is retried by itself."""
         for s in self._streams.values():
             if s.decode_id == worker_id and s.committed:
-                s.queue.put_nowait(WorkerUnavailableError(why))
+                s.committed = False  # one loss marker per stream and worker
+                s.queue.put_nowait(_WorkerLost(why))
 
     async def _consume(self, slot: WorkerSlot) -> None:
         """Fan one decode worker's per-step token batches out to the request streams, for as
@@ -254,11 +268,20 @@ class Orchestrator:
             if first is not None:
                 pending.append(TokenUpdate(rid, [first.token_id],
                                            first.finish_reason if first.finished else None))
+            generated: list[int] = []  # every token streamed so far, in order
             while True:
-                upd = pending.pop(0) if pending else await stream.queue.get()
+                upd = pending.pop(0) if pending else await self._next_update(stream)
+                if isinstance(upd, _WorkerLost) and stream.migrations < self.config.migration_limit:
+                    resumed = await self._migrate(stream, prompt_ids, params, generated, str(upd))
+                    if resumed is not None:
+                        pending.append(resumed)
+                    continue
                 if isinstance(upd, BaseException):
                     raise upd
+                if upd.finish_reason == "error":  # the worker failed this request alone
+                    raise RequestFailedError(f"request {rid} failed: {upd.error}")
                 num_out += len(upd.new_token_ids)
+                generated += upd.new_token_ids
                 if ttft is None and upd.new_token_ids:
                     ttft = time.monotonic() - t0
                 reason = upd.finish_reason
@@ -284,6 +307,40 @@ class Orchestrator:
                 self._journal(rid, "aborted", stream.decode_id, "")
                 await asyncio.shield(self._abort_on_workers(stream))
 
+    async def _migrate(self, stream: _Stream, prompt_ids: list[int], params: SamplingParams,
+                       generated: list[int], why: str) -> TokenUpdate | None:
+        """Continue a stream whose decode worker was lost: prefill prompt + every token
+        already streamed on another pair and commit there. Returns the next token's update,
+        so the client sees one stream with no token missing or repeated. Greedy streams equal
+        an undisturbed run; seeded ones too (the sampler resumes at the same position)."""
+        old = stream.decode_id
+        stream.migrations += 1
+        self._journal(stream.request_id, "migrated", old,
+                      f"after {len(generated)} tokens: {why}"[:200])
+        log.warning("migrating %s off %s after %d tokens (%s)", stream.request_id, old,
+                    len(generated), why)
+        if old in self.decode:  # best effort: a silent worker that comes back frees the KV
+            asyncio.ensure_future(self._safe_abort(self.decode[old], stream.request_id))
+        if len(generated) >= params.max_tokens:  # every token arrived; only the end was lost
+            return TokenUpdate(stream.request_id, [], "length")
+        rest = dataclasses.replace(
+            params, max_tokens=params.max_tokens - len(generated),
+            min_tokens=max(0, params.min_tokens - len(generated)),
+            sample_index_offset=params.sample_index_offset + len(generated))
+        if self.config.mode == "colocated":  # the new worker prefills, then streams via the queue
+            await self._submit_colocated(stream, prompt_ids + generated, rest, avoid={old})
+            return None
+        first = await self._prefill(stream, prompt_ids + generated, rest, avoid_decode={old})
+        return TokenUpdate(stream.request_id, [first.token_id],
+                           first.finish_reason if first.finished else None)
+
+    async def _next_update(self, stream: _Stream) -> TokenUpdate | BaseException:
+        try:
+            return await asyncio.wait_for(stream.queue.get(), self.config.token_timeout_s)
+        except TimeoutError:
+            return _WorkerLost(f"decode worker {stream.decode_id} sent no token for "
+                               f"{stream.request_id} in {self.config.token_timeout_s:g} s")
+
     async def abort(self, request_id: str) -> bool:
         stream = self._streams.get(request_id)
         if stream is None:
@@ -297,18 +354,19 @@ class Orchestrator:
         calls = []
         msg = AbortRequest(stream.request_id)
         if stream.prefill_id and stream.prefill_id in self.prefill:
-            calls.append(self.prefill[stream.prefill_id].handle.abort.remote(msg))
+            calls.append(control(self.prefill[stream.prefill_id].handle.abort).remote(msg))
         if stream.decode_id and stream.decode_id in self.decode:
-            calls.append(self.decode[stream.decode_id].handle.abort.remote(msg))
+            calls.append(control(self.decode[stream.decode_id].handle.abort).remote(msg))
         for c in calls:
             try:
                 await asyncio.wait_for(c, self.config.call_timeout_s)
             except Exception as e:  # a dead worker holds nothing; an unreachable one, a lease
                 log.info("abort of %s: %r", stream.request_id, e)
 
-    async def _submit_colocated(self, stream: _Stream, prompt_ids: list[int], params) -> None:
+    async def _submit_colocated(self, stream: _Stream, prompt_ids: list[int], params,
+                                avoid: set[str] = frozenset()) -> None:
         num_tokens = len(prompt_ids) + params.max_tokens
-        slot = await self._wait_for_decode(num_tokens, set(), prompt_ids, stream)
+        slot = await self._wait_for_decode(num_tokens, set(avoid), prompt_ids, stream)
         stream.decode_id, stream.committed = slot.info.worker_id, True
         slot.view.inflight_requests += 1
         try:
@@ -317,11 +375,12 @@ class Orchestrator:
             slot.view.inflight_requests -= 1
         self._record_prefix(slot, prompt_ids)
 
-    async def _prefill(self, stream: _Stream, prompt_ids: list[int], params) -> _FirstToken:
+    async def _prefill(self, stream: _Stream, prompt_ids: list[int], params,
+                       avoid_decode: set[str] = frozenset()) -> _FirstToken:
         """Reserve, prefill, transfer, commit; each failed attempt is retried on other
         workers, up to ``max_attempts``."""
         rid = stream.request_id
-        excluded: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        excluded: dict[str, set[str]] = {"prefill": set(), "decode": set(avoid_decode)}
         last_error: BaseException | None = None
         for attempt in range(self.config.max_attempts):
             if stream.aborted:
@@ -405,6 +464,10 @@ class Orchestrator:
             return await asyncio.wait_for(call, timeout_s)
         except KVHandshakeError as e:
             raise ClusterMisconfiguredError(str(_cause(e))) from None
+        except RequestFailedError as e:  # the request itself is at fault: no other worker
+            if release is not None:      # would do better, so it is not retried
+                await self._safe_abort(release, stream.request_id)
+            raise RequestFailedError(str(_cause(e))) from None
         except Exception as e:
             if worker.info.worker_id == stream.prefill_id:
                 stream.prefill_id = None  # the failed prefill holds nothing to abort
@@ -471,7 +534,7 @@ class Orchestrator:
     async def _safe_abort(self, slot: WorkerSlot, rid: str) -> None:
         """Best effort: a worker that cannot be reached frees the reservation by its lease."""
         try:
-            await asyncio.wait_for(slot.handle.abort.remote(AbortRequest(rid)),
+            await asyncio.wait_for(control(slot.handle.abort).remote(AbortRequest(rid)),
                                    self.config.call_timeout_s)
         except TimeoutError:
             self._mark_unreachable(slot, f"abort of {rid} timed out")

@@ -55,6 +55,7 @@ class ServeConfig:
     kv_host: str | None = None  # address workers advertise for KV (default: their node's)
     kv_interface: str | None = None  # or: the NIC whose IPv4 they advertise (every node)
     startup_timeout_s: float = 300.0
+    migration_limit: int = 3
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
@@ -65,6 +66,8 @@ class ServeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.kv_host and self.kv_interface:
             raise ValueError("give --kv-host or --kv-interface, not both")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"--startup-timeout-s must be > 0, got {self.startup_timeout_s}")
 
@@ -86,7 +89,8 @@ class ServeConfig:
                                      max_num_batched_tokens=self.max_num_batched_tokens, **common),
             ray_address=self.ray_address, redis_url=self.redis_url,
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
-            kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s)
+            kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
+            migration_limit=self.migration_limit)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -37,6 +37,9 @@ def add_serve_subcommand(sub) -> None:
                         "(e.g. a second NIC for KV traffic)")
     p.add_argument("--startup-timeout-s", type=float, default=None,
                    help="fail start-up if a worker is not up by then (default 300)")
+    p.add_argument("--migration-limit", type=int, default=None,
+                   help="times a request may move to another decode worker when its own dies "
+                        "(default 3; 0 fails its stream instead)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -38,7 +38,7 @@ __all__ = [
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 JOURNAL_KINDS = ("received", "reserved", "prefilled", "committed", "finished", "aborted",
-                 "retried", "failed")
+                 "retried", "failed", "migrated")
 DEFAULT_JOURNAL_TTL_S = 3600.0
 DEFAULT_MAX_PREFIX_BLOCKS = 100_000
 

@@ -5,6 +5,8 @@ Neither worker package imports the other; both, and the router, import this one.
 """
 
 from worker_protocol.messages import (
+    CONTROL_GROUP,
+    CONTROL_GROUP_THREADS,
     AbortRequest,
     CommitRequest,
     CommitResult,
@@ -18,20 +20,23 @@ from worker_protocol.messages import (
     WorkerConfig,
     WorkerInfo,
     WorkerLoad,
+    control,
 )
 from worker_protocol.runtime import (
     KVHost,
     apply_cpu_affinity,
     current_node_id,
     current_node_ip,
+    exit_on_engine_crash,
     kv_host_for,
     pin_nccl_to,
     resolve_kv_host,
 )
 
 __all__ = [
+    "CONTROL_GROUP", "CONTROL_GROUP_THREADS", "control",
     "AbortRequest", "CommitRequest", "CommitResult", "PrefillRequest", "PrefillResult",
     "ReserveRequest", "ReserveResult", "SubmitRequest", "TokenBatch", "TokenUpdate",
     "KVHost", "WorkerConfig", "WorkerInfo", "WorkerLoad", "apply_cpu_affinity",
-    "current_node_id", "current_node_ip", "kv_host_for", "pin_nccl_to", "resolve_kv_host",
+    "current_node_id", "current_node_ip", "exit_on_engine_crash", "kv_host_for", "pin_nccl_to", "resolve_kv_host",
 ]

@@ -13,6 +13,17 @@ from dataclasses import dataclass, field
 from engine.request import SamplingParams
 from kv_transfer import KVLayout, KVTransferSpec, PeerAddress
 
+# The Ray concurrency group of every worker's control calls (load, abort, ping): its own
+# threads, so they answer at once while the default group's threads sit in blocking
+# prefill / commit calls. The router picks the group per call (``control(handle.load)``).
+CONTROL_GROUP = "control"
+CONTROL_GROUP_THREADS = 8
+
+
+def control(method):
+    """``method`` of a worker actor handle, to run in the control concurrency group."""
+    return method.options(concurrency_group=CONTROL_GROUP)
+
 
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -103,6 +114,7 @@ class TokenUpdate:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # set on the request's last update
+    error: str | None = None  # finish_reason "error": why this request alone failed
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,22 @@ def current_node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
+def exit_on_engine_crash(worker_id: str):
+    """An ``EngineLoop.on_crash`` for a Ray worker: a loop that died leaves an engine in an
+    unknown state, so the process exits and Ray reports the actor dead (the router then stops
+    routing to it and fails, or moves, its requests) instead of looking alive and hanging.
+    Outside Ray (a worker built in a test) it only logs."""
+
+    def on_crash(error: BaseException) -> None:
+        import ray
+
+        log.critical("%s: engine loop crashed (%r); the worker exits", worker_id, error)
+        if ray.is_initialized():
+            os._exit(70)  # EX_SOFTWARE
+
+    return on_crash
+
+
 def current_node_ip() -> str:
     """The address of the host this process runs on (its Ray node's), loopback outside Ray."""
     import ray

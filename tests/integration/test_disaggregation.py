@@ -285,3 +285,77 @@ def test_redis_store_holds_the_registry_and_journal(loop, tiny_llama_dir, worklo
             other._r.delete(*keys)
         other.close()
     assert toks == refs[8]
+
+
+def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_dir, workload):
+    """70 prompts held on a slow prefill worker occupy all 64 of its request threads; load
+    reports and aborts run in their own concurrency group and still answer within 1 s."""
+    prompts, _ = workload
+    config = _config(tiny_llama_dir, num_prefill_workers=1, num_decode_workers=1,
+                     max_inflight_requests=200, capacity_wait_s=60.0, transfer_timeout_s=60.0,
+                     lease_s=60.0,
+                     worker_overrides={"prefill-0": {"fault_delay_per_layer_s": 0.5}})
+
+    async def body(cluster):
+        tasks = [asyncio.ensure_future(_collect(cluster, prompts[i % len(prompts)],
+                                                request_id=f"busy-{i}")) for i in range(70)]
+        try:
+            await asyncio.sleep(3.0)  # every request thread of the prefill worker is taken
+            t0 = time.monotonic()
+            stats = await cluster.stats()
+            stats_s = time.monotonic() - t0
+            t0 = time.monotonic()
+            aborted = await cluster.abort("busy-69")
+            abort_s = time.monotonic() - t0
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await _assert_no_blocks_held(cluster, timeout_s=60)
+        return stats, stats_s, aborted, abort_s
+
+    stats, stats_s, aborted, abort_s = _run_cluster(loop, config, body)
+    assert len(stats.workers) == 2 and stats_s < 1.0
+    assert aborted and abort_s < 1.0
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_killed_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_llama_dir, mode):
+    """SIGKILL a decode worker while its streams are mid-way: each continues on the other
+    decode worker (prompt + tokens so far re-prefilled) and the client's stream equals an
+    undisturbed run, token for token; the journal records the move; no block is left held."""
+    import os
+    import signal
+
+    prompts = random_prompts(seed=21, count=4, max_len=40, min_len=8)
+    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    refs = hf_greedy(tiny_llama_dir, "llama", prompts, 300)
+    config = _config(tiny_llama_dir, mode=mode, num_prefill_workers=2 if mode == "disaggregated"
+                     else 0)
+
+    async def body(cluster):
+        streams = [cluster.generate(GenerateInput(long, token_ids=p, request_id=f"m{i}"))
+                   for i, p in enumerate(prompts)]
+        got = [[] for _ in prompts]
+        # everyone has streamed a few tokens, so every stream is committed somewhere
+        for i, s in enumerate(streams):
+            while len(got[i]) < 5:
+                got[i] += (await anext(s)).token_ids
+        status = {w.id: w for w in await cluster.cluster_status()}
+        victim = "decode-0"
+        on_victim = [i for i in range(len(prompts))
+                     if cluster.orchestrator._streams[f"m{i}"].decode_id == victim]
+        os.kill(status[victim].pid, signal.SIGKILL)
+
+        async def drain(i, s):
+            async for ch in s:
+                got[i] += ch.token_ids
+        await asyncio.wait_for(asyncio.gather(*[drain(i, s) for i, s in enumerate(streams)]), 120)
+        journals = {i: [e.kind for e in cluster.store.journal_get(f"m{i}")] for i in on_victim}
+        await _assert_no_blocks_held(cluster)
+        return got, on_victim, journals
+
+    got, on_victim, journals = _run_cluster(loop, config, body)
+    assert on_victim, "no stream was on the killed worker"
+    assert got == refs
+    assert all(j.count("migrated") == 1 and j[-1] == "finished" for j in journals.values())

@@ -135,14 +135,29 @@ def test_sse_framing_and_usage_chunk(http):
     {"prompt": PROMPT, "n": 2},
     {"prompt": PROMPT, "max_tokens": "many"},
     {"max_tokens": 4},  # no prompt at all
+    # Poison values that once raised inside a worker's engine step (killing its loop):
+    {"prompt": PROMPT, "seed": 2**62, "temperature": 0.7},
+    {"prompt": PROMPT, "stop_token_ids": [1_000_000], "min_tokens": 1},
+    {"prompt": PROMPT, "stop": ["x"] * 100},
 ], ids=["empty-prompt", "top_p-2", "temperature-neg", "max_tokens-0", "max_tokens-huge", "n-2",
-        "max_tokens-str", "no-prompt"])
+        "max_tokens-str", "no-prompt", "seed-huge", "stop_token_id-outside-vocab", "stop-many"])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_bad_input_is_400_and_server_keeps_serving(http, body, stream):
     err = _assert_openai_error(http.post("/v1/completions", json={**body, "stream": stream}), 400)
     assert err["type"] == "invalid_request_error"
     ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"seed": 2**62, "temperature": 0.7}, "seed"),
+    ({"stop_token_ids": [1_000_000], "min_tokens": 1}, "stop_token_ids"),
+    ({"stop": ["y" * 1000]}, "stop"),
+], ids=["seed", "stop_token_ids", "stop"])
+def test_poison_values_are_named_in_the_400(http, body, field):
+    err = _assert_openai_error(http.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 2, **body}), 400)
+    assert err["message"].startswith(field), err["message"]
 
 
 def test_bad_chat_input_is_400(http):

@@ -168,3 +168,36 @@ def test_a_crashing_sink_stops_the_loop_and_is_reported(engine):
     loop.stop()
     # The engine is left with the request; clean it up for the other tests of this module.
     engine.abort_request("c")
+
+
+def test_a_crash_is_handed_to_on_crash_and_async_requests_fail_instead_of_hanging(tiny_llama_dir):
+    """A loop that dies tells its owner (a worker exits so Ray sees it dead), and the
+    in-process engine ends every open request with an error rather than leaving it waiting."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.request import RequestFailedError
+
+    eng = AsyncEngine(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory_bytes=1 << 20))
+    crashed = []
+    inner = eng.loop._on_crash
+    eng.loop._on_crash = lambda e: (crashed.append(e), inner(e))
+
+    def broken_step():
+        raise RuntimeError("the step blew up")
+
+    async def run():
+        gen = eng.generate([1, 2, 3], _params(50), "victim")
+        first = await anext(gen)  # running
+        eng.engine.step = broken_step
+        with pytest.raises(RequestFailedError, match="engine loop crashed"):
+            async for _ in gen:
+                pass
+        return first
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+    finally:
+        eng.shutdown()
+    assert [str(e) for e in crashed] == ["the step blew up"]
+    assert not eng.loop.alive
