@@ -134,6 +134,7 @@ class WorkerStatus:
 class BackendStats:
     workers: list[WorkerLoad] = field(default_factory=list)
     kv_transfer_bytes_total: int = 0
+    migrations: dict[str, int] = field(default_factory=dict)  # reason -> streams moved
 
 
 @runtime_checkable

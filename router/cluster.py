@@ -284,6 +284,7 @@ class Cluster:
                 orch.mark_reachable(slot)
                 slot.view.load = load
                 self._heartbeat(slot, load)
+            orch.check_silent_workers()
             await asyncio.sleep(0.25)
 
     def _heartbeat(self, slot, load: WorkerLoad) -> None:
@@ -344,7 +345,7 @@ class Cluster:
         loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
                                      return_exceptions=True)
         workers = [lo for lo in loads if not isinstance(lo, BaseException)]
-        return BackendStats(workers, orch.kv_transfer_bytes_total)
+        return BackendStats(workers, orch.kv_transfer_bytes_total, dict(orch.migrations))
 
     async def worker_loads(self) -> list:
         """Every live worker's full load report (reserved blocks included); tests use this."""

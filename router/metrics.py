@@ -55,6 +55,12 @@ class _StatsCollector(Collector):
             fams["requests_running"].add_metric(lv, w.requests_running)
             fams["requests_waiting"].add_metric(lv, w.requests_waiting)
         yield from fams.values()
+        moved = CounterMetricFamily("pdcluster_migrations",
+                                    "Streams moved to another decode worker after theirs was lost",
+                                    labels=["reason"])
+        for reason in ("worker_died", "worker_silent", "stream_lost", "token_timeout"):
+            moved.add_metric([reason], s.migrations.get(reason, 0))
+        yield moved
         yield CounterMetricFamily("pdcluster_kv_transfer_bytes",
                                   "Bytes of KV cache moved from prefill to decode workers",
                                   value=s.kv_transfer_bytes_total)

@@ -84,6 +84,9 @@ class OrchestratorConfig:
     token_timeout_s: float = 120.0
     # How many times one request may move to another decode worker when its own dies.
     migration_limit: int = 3
+    # A decode worker that misses its load reports this long (hung, SIGSTOP'd, host cut off)
+    # has its streams migrated; it gets no new work until it reports again.
+    worker_silent_s: float = 5.0
     # A decode worker whose KV address a prefill worker could not reach gets no new requests
     # for this long (then it is tried again: the address may have come back).
     kv_unreachable_quarantine_s: float = 30.0
@@ -113,7 +116,11 @@ class _Aborted(Exception):
 
 class _WorkerLost(WorkerUnavailableError):
     """Queued on a stream whose decode worker died or went silent: the stream migrates (or,
-    past the migration limit, ends with UNAVAILABLE)."""
+    past the migration limit, ends with UNAVAILABLE). ``reason`` labels the migration."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # worker_died | worker_silent | stream_lost | token_timeout
 
 
 class _RetryElsewhere(Exception):
@@ -162,6 +169,7 @@ class Orchestrator:
         self._transfer_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.kv_transfer_bytes_total = 0
+        self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.timings: dict[str, RequestTiming] = {}  # kept for the last requests (bounded)
 
     # ---- membership -----------------------------------------------------------------------
@@ -182,16 +190,29 @@ class Orchestrator:
         slot.view.alive = False
         if self.store is not None:
             self.store.deregister_worker(worker_id)
-        if worker_id in self.decode:  # its sequences cannot continue: fail them loudly
-            self._fail_committed_streams(worker_id, f"decode worker {worker_id} died: {why}")
+        if worker_id in self.decode:  # its sequences cannot continue here: move them
+            self._fail_committed_streams(worker_id, f"decode worker {worker_id} died: {why}",
+                                         "worker_died")
 
-    def _fail_committed_streams(self, worker_id: str, why: str) -> None:
-        """End every stream whose sequence lives on ``worker_id`` with an error. Streams still
-        in an attempt there are left alone: that attempt fails and is retried by itself."""
+    def _fail_committed_streams(self, worker_id: str, why: str, reason: str) -> None:
+        """Tell every stream whose sequence lives on ``worker_id`` that it was lost (it then
+        migrates). Streams still in an attempt there are left alone: that attempt fails and
+        is retried by itself."""
         for s in self._streams.values():
             if s.decode_id == worker_id and s.committed:
                 s.committed = False  # one loss marker per stream and worker
-                s.queue.put_nowait(_WorkerLost(why))
+                s.queue.put_nowait(_WorkerLost(why, reason))
+
+    def check_silent_workers(self) -> None:
+        """Called after each load refresh: streams on a decode worker silent for longer than
+        ``worker_silent_s`` are moved (a SIGSTOP'd or hung worker looks alive to Ray)."""
+        now = time.monotonic()
+        for slot in self.decode.values():
+            since = slot.view.unreachable_since
+            if slot.view.alive and since is not None and now - since > self.config.worker_silent_s:
+                self._fail_committed_streams(
+                    slot.info.worker_id, f"decode worker {slot.info.worker_id} silent for "
+                    f"{now - since:.1f} s", "worker_silent")
 
     async def _consume(self, slot: WorkerSlot) -> None:
         """Fan one decode worker's per-step token batches out to the request streams, for as
@@ -218,7 +239,7 @@ class Orchestrator:
             except ray.exceptions.ActorUnavailableError as e:
                 self._mark_unreachable(slot, f"token stream broke: {e!r}")
                 self._fail_committed_streams(wid, f"lost the token stream of decode worker "
-                                                  f"{wid} (its host was unreachable)")
+                                                  f"{wid} (its host was unreachable)", "stream_lost")
                 await asyncio.sleep(0.5)
             except Exception as e:  # actor died
                 self.mark_dead(wid, repr(e))
@@ -272,6 +293,7 @@ class Orchestrator:
             while True:
                 upd = pending.pop(0) if pending else await self._next_update(stream)
                 if isinstance(upd, _WorkerLost) and stream.migrations < self.config.migration_limit:
+                    self.migrations[upd.reason] = self.migrations.get(upd.reason, 0) + 1
                     resumed = await self._migrate(stream, prompt_ids, params, generated, str(upd))
                     if resumed is not None:
                         pending.append(resumed)
@@ -339,7 +361,8 @@ class Orchestrator:
             return await asyncio.wait_for(stream.queue.get(), self.config.token_timeout_s)
         except TimeoutError:
             return _WorkerLost(f"decode worker {stream.decode_id} sent no token for "
-                               f"{stream.request_id} in {self.config.token_timeout_s:g} s")
+                               f"{stream.request_id} in {self.config.token_timeout_s:g} s",
+                               "token_timeout")
 
     async def abort(self, request_id: str) -> bool:
         stream = self._streams.get(request_id)
@@ -496,12 +519,14 @@ class Orchestrator:
         """No new work until its next load report arrives (``mark_reachable``)."""
         if slot.view.reachable:
             log.warning("worker %s is unreachable: %s", slot.info.worker_id, why)
+            slot.view.unreachable_since = time.monotonic()
         slot.view.reachable = False
 
     def mark_reachable(self, slot: WorkerSlot) -> None:
         if not slot.view.reachable:
             log.warning("worker %s is reachable again", slot.info.worker_id)
         slot.view.reachable = True
+        slot.view.unreachable_since = None
 
     async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
                                prompt_ids: list[int] | None, stream: _Stream) -> WorkerSlot:

@@ -28,6 +28,7 @@ class WorkerView:
     # Alive for Ray, but its last call or load report ran past its deadline (a host whose
     # link is down): skipped until a report arrives again.
     reachable: bool = True
+    unreachable_since: float | None = None  # monotonic s, while not reachable
     # A peer could not reach its advertised KV address: skipped until then (monotonic s).
     kv_unreachable_until: float = 0.0
     inflight_blocks: int = 0

@@ -319,11 +319,14 @@ def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_
     assert aborted and abort_s < 1.0
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_killed_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_llama_dir, mode):
-    """SIGKILL a decode worker while its streams are mid-way: each continues on the other
-    decode worker (prompt + tokens so far re-prefilled) and the client's stream equals an
-    undisturbed run, token for token; the journal records the move; no block is left held."""
+@pytest.mark.parametrize("mode,sig", [("disaggregated", "SIGKILL"), ("colocated", "SIGKILL"),
+                                      ("disaggregated", "SIGSTOP")])
+def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_llama_dir, mode, sig):
+    """SIGKILL (or SIGSTOP: alive for Ray, silent for us) a decode worker while its streams
+    are mid-way: each continues on the other decode worker (prompt + tokens so far
+    re-prefilled) and the client's stream equals an undisturbed run, token for token; the
+    journal records the move; no block is left held (a stopped worker, once continued,
+    frees what it held)."""
     import os
     import signal
 
@@ -345,17 +348,24 @@ def test_killed_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_l
         victim = "decode-0"
         on_victim = [i for i in range(len(prompts))
                      if cluster.orchestrator._streams[f"m{i}"].decode_id == victim]
-        os.kill(status[victim].pid, signal.SIGKILL)
+        os.kill(status[victim].pid, getattr(signal, sig))
 
         async def drain(i, s):
             async for ch in s:
                 got[i] += ch.token_ids
-        await asyncio.wait_for(asyncio.gather(*[drain(i, s) for i, s in enumerate(streams)]), 120)
+        try:
+            await asyncio.wait_for(asyncio.gather(*[drain(i, s) for i, s in enumerate(streams)]),
+                                   120)
+        finally:
+            if sig == "SIGSTOP":
+                os.kill(status[victim].pid, signal.SIGCONT)
         journals = {i: [e.kind for e in cluster.store.journal_get(f"m{i}")] for i in on_victim}
-        await _assert_no_blocks_held(cluster)
-        return got, on_victim, journals
+        await _assert_no_blocks_held(cluster, timeout_s=30)
+        return got, on_victim, journals, (await cluster.stats()).migrations
 
-    got, on_victim, journals = _run_cluster(loop, config, body)
-    assert on_victim, "no stream was on the killed worker"
+    got, on_victim, journals, migrations = _run_cluster(loop, config, body)
+    assert on_victim, "no stream was on the lost worker"
     assert got == refs
     assert all(j.count("migrated") == 1 and j[-1] == "finished" for j in journals.values())
+    reason = "worker_died" if sig == "SIGKILL" else "worker_silent"
+    assert migrations == {reason: len(on_victim)}

@@ -21,7 +21,7 @@ METRIC_NAMES = [
     "pdcluster_e2e_request_latency_seconds", "pdcluster_requests_running",
     "pdcluster_requests_waiting", "pdcluster_kv_blocks_used", "pdcluster_kv_blocks_total",
     "pdcluster_kv_transfer_bytes_total", "pdcluster_generation_tokens_total",
-    "pdcluster_prompt_tokens_total",
+    "pdcluster_prompt_tokens_total", "pdcluster_migrations_total",
 ]
 
 
