@@ -1,0 +1,223 @@
+"""`pdcluster bench chaos`: what worker faults cost the users of a 2 prefill + 2 decode cluster.
+
+Two rounds, each on a fresh cluster (a killed worker is not restarted): N concurrent greedy
+streams run while the benchmark kills a decode worker mid-stream (round 1: SIGKILL, round 2:
+SIGSTOP, continued after the streams finish), then a prefill worker while new prompts are in
+prefill; then it aborts requests at random phases (queued, reserving, prefilling, decoding).
+It reports, per round: requests completed, streams token-for-token equal to an undisturbed
+engine run of the same prompts, KV blocks still held by any live worker afterwards, and the
+latency a migration adds (end-to-end time of migrated streams minus the median of streams
+the faults did not touch, same round). Targets: 100% completed, 100% identical, 0 leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    machine_info,
+    make_prompts,
+    model_config,
+    percentile,
+    print_targets,
+    write_json,
+)
+from bench.common import target as make_target
+from bench.ttft_breakdown import ray_session
+
+NAME = "chaos"
+HELP = "kill / stop decode and prefill workers mid-stream, abort at random: is anything lost?"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", type=int, default=None,
+                   help="concurrent greedy streams per round (default 16; --quick 6)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens per stream (default 96; --quick 48)")
+    p.add_argument("--aborts", type=int, default=None,
+                   help="requests aborted at random phases per round (default 200; --quick 40)")
+    p.add_argument("--prompt-len", type=int, default=64)
+
+
+@dataclass
+class StreamRun:
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    e2e_s: float = 0.0
+    error: str | None = None
+
+
+async def _stream(cluster: Any, rid: str, prompt: list[int], max_tokens: int,
+                  first_token: asyncio.Semaphore | None = None) -> StreamRun:
+    from engine import SamplingParams
+    from router.backend import GenerateInput
+
+    run = StreamRun(rid)
+    t0 = time.perf_counter()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    try:
+        async for ch in cluster.generate(GenerateInput(params, token_ids=prompt, request_id=rid)):
+            if first_token is not None and not run.tokens and ch.token_ids:
+                first_token.release()
+            run.tokens += ch.token_ids
+    except Exception as e:  # counted as not completed
+        run.error = f"{type(e).__name__}: {e}"
+    run.e2e_s = time.perf_counter() - t0
+    return run
+
+
+async def _abort_storm(cluster: Any, prompts: list[list[int]], n: int, seed: int) -> None:
+    """``n`` requests, each cancelled after a random delay: some while queued or reserving,
+    some mid-prefill, some while decoding."""
+    rng = random.Random(seed)
+
+    async def one(i: int) -> None:
+        task = asyncio.ensure_future(_stream(cluster, f"abort-{i}", prompts[i % len(prompts)], 64))
+        await asyncio.sleep(rng.uniform(0.0, 1.5))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    await asyncio.gather(*[one(i) for i in range(n)])
+
+
+async def _held(cluster: Any, timeout_s: float = 60.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = await cluster.worker_loads()
+        held = {lo.worker_id: lo.kv_blocks_used + lo.kv_blocks_reserved for lo in loads
+                if lo.kv_blocks_used or lo.kv_blocks_reserved}
+        if not held or time.monotonic() > deadline:
+            return held
+        await asyncio.sleep(0.2)
+
+
+async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: int,
+                 max_tokens: int, n_aborts: int) -> dict[str, Any]:
+    from engine import EngineArgs
+    from router.cluster import Cluster, ClusterConfig
+
+    cfg = ClusterConfig(model=args.model, num_prefill_workers=2, num_decode_workers=2,
+                        prefill_engine=EngineArgs(num_threads=1, max_num_seqs=8),
+                        decode_engine=EngineArgs(num_threads=1), transfer_timeout_s=10.0,
+                        lease_s=20.0, capacity_wait_s=60.0)
+    cluster = await Cluster.start(cfg)
+    try:
+        pids = {w.id: w.pid for w in await cluster.cluster_status()}
+        started = asyncio.Semaphore(0)
+        first = [asyncio.ensure_future(_stream(cluster, f"s{i}", prompts[i], max_tokens, started))
+                 for i in range(n_streams)]
+        for _ in range(n_streams):  # every stream is decoding somewhere
+            await started.acquire()
+        # The decode worker holding the most live streams is the one to lose.
+        live = [s.decode_id for s in cluster.orchestrator._streams.values() if s.committed]
+        victim = max(("decode-0", "decode-1"), key=live.count)
+        on_victim = {rid for rid, s in cluster.orchestrator._streams.items()
+                     if s.decode_id == victim and s.committed}
+        os.kill(pids[victim], getattr(signal, sig))
+        # A second wave of prompts, and the prefill worker dies while they are in prefill.
+        second = [asyncio.ensure_future(_stream(cluster, f"t{i}", prompts[n_streams + i],
+                                                max_tokens)) for i in range(n_streams)]
+        await asyncio.sleep(0.3)
+        os.kill(pids["prefill-0"], signal.SIGKILL)
+        runs = list(await asyncio.gather(*first, *second))
+        if sig == "SIGSTOP":
+            os.kill(pids[victim], signal.SIGCONT)
+        await _abort_storm(cluster, prompts, n_aborts, args.seed)
+        held = await _held(cluster)
+        stats = await cluster.stats()
+    finally:
+        await cluster.shutdown()
+    ref_of = {f"s{i}": refs[i] for i in range(n_streams)}
+    ref_of.update({f"t{i}": refs[n_streams + i] for i in range(n_streams)})
+    completed = [r for r in runs if r.error is None]
+    identical = [r for r in completed if r.tokens == ref_of[r.request_id]]
+    moved = [r.e2e_s for r in runs if r.request_id in on_victim and r.error is None]
+    calm = [r.e2e_s for r in runs if r.request_id not in on_victim and r.request_id[0] == "s"
+            and r.error is None]
+    base = percentile(calm, 50) if calm else 0.0
+    added = [m - base for m in moved]
+    return {"signal": sig, "requests": len(runs), "completed": len(completed),
+            "identical": len(identical), "migrated_streams": len(on_victim),
+            "migrations": stats.migrations, "aborted": n_aborts, "blocks_leaked": held,
+            "added_latency_p50_s": percentile(added, 50) if added else None,
+            "added_latency_p99_s": percentile(added, 99) if added else None,
+            "errors": sorted({r.error for r in runs if r.error})[:5]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    n_streams = args.streams or (6 if args.quick else 16)
+    max_tokens = args.max_tokens or (48 if args.quick else 96)
+    n_aborts = args.aborts or (40 if args.quick else 200)
+    if min(n_streams, max_tokens, n_aborts, args.prompt_len) <= 0:
+        raise ValueError("--streams, --max-tokens, --aborts and --prompt-len must be > 0")
+    t0 = time.perf_counter()
+    vocab = model_config(args.model).vocab_size
+    prompts = make_prompts(2 * n_streams, args.prompt_len, vocab, seed=args.seed)
+    refs = _reference(args, prompts, max_tokens)
+    with ray_session(num_workers=4):
+        rounds = [asyncio.run(_round(args, sig, prompts, refs, n_streams, max_tokens, n_aborts))
+                  for sig in ("SIGKILL", "SIGSTOP")]
+    total = sum(r["requests"] for r in rounds)
+    completed = sum(r["completed"] for r in rounds) / total
+    identical = sum(r["identical"] for r in rounds) / total
+    leaked = sum(sum(r["blocks_leaked"].values()) for r in rounds)
+    targets = [make_target("requests completed", completed, 1.0),
+               make_target("streams identical to an undisturbed run", identical, 1.0),
+               make_target("KV blocks leaked", float(leaked), 0.0, higher_is_better=False)]
+    result = {"benchmark": NAME, "config": {"streams": n_streams, "max_tokens": max_tokens,
+                                            "aborts": n_aborts, "prompt_len": args.prompt_len,
+                                            "model": args.model or "default"},
+              "rounds": rounds, "targets": targets, "wall_s": time.perf_counter() - t0,
+              "machine": machine_info()}
+    out = Path(args.out)
+    path = write_json(out, NAME, result)
+    _plot(rounds, out / f"{NAME}.png")
+    for r in rounds:
+        p50, p99 = r["added_latency_p50_s"], r["added_latency_p99_s"]
+        print(f"{r['signal']:7s}: {r['completed']}/{r['requests']} completed, {r['identical']} "
+              f"identical, {r['migrated_streams']} migrated, {r['aborted']} aborted, leaked "
+              f"{r['blocks_leaked'] or 0}; migration adds p50 "
+              f"{(p50 or 0) * 1e3:.0f} ms, p99 {(p99 or 0) * 1e3:.0f} ms")
+    print_targets(targets)
+    print(f"wrote {path}")
+    return result
+
+
+def _reference(args: argparse.Namespace, prompts: list[list[int]], max_tokens: int) -> list:
+    """The same prompts through one undisturbed in-process engine (greedy)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, max_num_seqs=len(prompts))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def _plot(rounds: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels = [r["signal"] for r in rounds]
+    width = 0.25
+    for k, (key, color) in enumerate((("requests", "#bbbbbb"), ("completed", "#4c72b0"),
+                                      ("identical", "#55a868"))):
+        ax.bar([i + (k - 1) * width for i in range(len(rounds))], [r[key] for r in rounds],
+               width, label=key, color=color)
+    ax.set_xticks(range(len(rounds)), labels)
+    ax.set_ylabel("requests")
+    ax.set_title("decode worker lost mid-stream, then a prefill worker")
+    ax.legend(loc="lower center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
