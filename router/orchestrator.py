@@ -15,9 +15,8 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.block_manager import hash_block
 from engine.config import cdiv
 from engine.input_processor import InputProcessor
 from engine.request import QueueFullError, RequestFailedError, SamplingParams
@@ -40,6 +39,18 @@ from router.backend import (
     new_request_id,
 )
 from router.policy import WorkerView, pick_decode, pick_prefill
+from router.prefix_affinity import PrefixAffinity
+from router.request_state import (
+    Aborted,
+    ClusterMisconfiguredError,
+    FirstToken,
+    RequestTiming,
+    RetryElsewhere,
+    StreamState,
+    WorkerLost,
+    WorkerSlot,
+    cause_of,
+)
 from worker_protocol import (
     AbortRequest,
     CommitRequest,
@@ -54,15 +65,6 @@ from worker_protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class ClusterMisconfiguredError(RuntimeError):
-    """Workers that cannot work together (KV handshake refused): an operator error (INTERNAL)."""
-
-
-def _cause(e: BaseException) -> BaseException:
-    """A Ray task error's original exception (its str() is a remote traceback)."""
-    return getattr(e, "cause", None) or e
 
 
 @dataclass(frozen=True)
@@ -92,69 +94,6 @@ class OrchestratorConfig:
     kv_unreachable_quarantine_s: float = 30.0
 
 
-@dataclass
-class WorkerSlot:
-    info: WorkerInfo
-    handle: object  # Ray actor handle
-    view: WorkerView
-
-
-@dataclass
-class _Stream:
-    request_id: str
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    decode_id: str | None = None
-    committed: bool = False  # the sequence lives on decode_id (its KV arrived, or submitted)
-    migrations: int = 0
-    prefill_id: str | None = None
-    aborted: bool = False  # Abort RPC: stop retrying, end with finish_reason "abort"
-
-
-class _Aborted(Exception):
-    """Raised inside the lifecycle once the request was aborted by id."""
-
-
-class _WorkerLost(WorkerUnavailableError):
-    """Queued on a stream whose decode worker died or went silent: the stream migrates (or,
-    past the migration limit, ends with UNAVAILABLE). ``reason`` labels the migration."""
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason  # worker_died | worker_silent | stream_lost | token_timeout
-
-
-class _RetryElsewhere(Exception):
-    """One attempt failed: try the request again without the workers in ``exclude``.
-
-    Every failure of an attempt (a worker died, refused, or lost the transfer) becomes this
-    one shape, so the retry policy lives in ``_prefill`` alone."""
-
-    def __init__(self, error: BaseException, exclude: list[WorkerSlot], worker_id: str) -> None:
-        super().__init__(repr(error))
-        self.error = error
-        self.exclude = exclude
-        self.worker_id = worker_id  # the worker that failed (journal)
-
-
-@dataclass(frozen=True)
-class _FirstToken:
-    """What a successful attempt hands the stream: the first token, and whether it ended it."""
-
-    token_id: int
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass
-class RequestTiming:
-    """Router-side timings of one request, for metrics and the TTFT breakdown benchmark."""
-
-    queue_s: float = 0.0
-    prefill_compute_s: float = 0.0
-    transfer_tail_s: float = 0.0
-    attempts: int = 0
-
-
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, tokenizer: Tokenizer | None,
                  inputs: InputProcessor, layout: KVLayout, store=None) -> None:
@@ -163,9 +102,10 @@ class Orchestrator:
         self.inputs = inputs
         self.layout = layout
         self.store = store
+        self.affinity = PrefixAffinity(store, config.prefix_hash_seed)
         self.prefill: dict[str, WorkerSlot] = {}
         self.decode: dict[str, WorkerSlot] = {}
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, StreamState] = {}
         self._transfer_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.kv_transfer_bytes_total = 0
@@ -201,7 +141,7 @@ class Orchestrator:
         for s in self._streams.values():
             if s.decode_id == worker_id and s.committed:
                 s.committed = False  # one loss marker per stream and worker
-                s.queue.put_nowait(_WorkerLost(why, reason))
+                s.queue.put_nowait(WorkerLost(why, reason))
 
     def check_silent_workers(self) -> None:
         """Called after each load refresh: streams on a decode worker silent for longer than
@@ -266,7 +206,7 @@ class Orchestrator:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         prompt_ids = enc.token_ids
         params = inp.sampling
-        stream = _Stream(rid)
+        stream = StreamState(rid)
         self._streams[rid] = stream
         detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
                                         include_stop_str_in_output=params.include_stop_str_in_output)
@@ -277,13 +217,13 @@ class Orchestrator:
         finished = False
         self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
         try:
-            first: _FirstToken | None = None
+            first: FirstToken | None = None
             try:
                 if self.config.mode == "colocated":
                     await self._submit_colocated(stream, prompt_ids, params)
                 else:
                     first = await self._prefill(stream, prompt_ids, params)
-            except _Aborted:  # aborted by id: the queue already holds the final "abort" update
+            except Aborted:  # aborted by id: the queue already holds the final "abort" update
                 first = None
             pending: list[TokenUpdate] = []
             if first is not None:
@@ -292,7 +232,7 @@ class Orchestrator:
             generated: list[int] = []  # every token streamed so far, in order
             while True:
                 upd = pending.pop(0) if pending else await self._next_update(stream)
-                if isinstance(upd, _WorkerLost) and stream.migrations < self.config.migration_limit:
+                if isinstance(upd, WorkerLost) and stream.migrations < self.config.migration_limit:
                     self.migrations[upd.reason] = self.migrations.get(upd.reason, 0) + 1
                     resumed = await self._migrate(stream, prompt_ids, params, generated, str(upd))
                     if resumed is not None:
@@ -329,7 +269,7 @@ class Orchestrator:
                 self._journal(rid, "aborted", stream.decode_id, "")
                 await asyncio.shield(self._abort_on_workers(stream))
 
-    async def _migrate(self, stream: _Stream, prompt_ids: list[int], params: SamplingParams,
+    async def _migrate(self, stream: StreamState, prompt_ids: list[int], params: SamplingParams,
                        generated: list[int], why: str) -> TokenUpdate | None:
         """Continue a stream whose decode worker was lost: prefill prompt + every token
         already streamed on another pair and commit there. Returns the next token's update,
@@ -356,11 +296,11 @@ class Orchestrator:
         return TokenUpdate(stream.request_id, [first.token_id],
                            first.finish_reason if first.finished else None)
 
-    async def _next_update(self, stream: _Stream) -> TokenUpdate | BaseException:
+    async def _next_update(self, stream: StreamState) -> TokenUpdate | BaseException:
         try:
             return await asyncio.wait_for(stream.queue.get(), self.config.token_timeout_s)
         except TimeoutError:
-            return _WorkerLost(f"decode worker {stream.decode_id} sent no token for "
+            return WorkerLost(f"decode worker {stream.decode_id} sent no token for "
                                f"{stream.request_id} in {self.config.token_timeout_s:g} s",
                                "token_timeout")
 
@@ -373,7 +313,7 @@ class Orchestrator:
         stream.queue.put_nowait(TokenUpdate(request_id, [], "abort"))
         return True
 
-    async def _abort_on_workers(self, stream: _Stream) -> None:
+    async def _abort_on_workers(self, stream: StreamState) -> None:
         calls = []
         msg = AbortRequest(stream.request_id)
         if stream.prefill_id and stream.prefill_id in self.prefill:
@@ -386,7 +326,7 @@ class Orchestrator:
             except Exception as e:  # a dead worker holds nothing; an unreachable one, a lease
                 log.info("abort of %s: %r", stream.request_id, e)
 
-    async def _submit_colocated(self, stream: _Stream, prompt_ids: list[int], params,
+    async def _submit_colocated(self, stream: StreamState, prompt_ids: list[int], params,
                                 avoid: set[str] = frozenset()) -> None:
         num_tokens = len(prompt_ids) + params.max_tokens
         slot = await self._wait_for_decode(num_tokens, set(avoid), prompt_ids, stream)
@@ -398,8 +338,8 @@ class Orchestrator:
             slot.view.inflight_requests -= 1
         self._record_prefix(slot, prompt_ids)
 
-    async def _prefill(self, stream: _Stream, prompt_ids: list[int], params,
-                       avoid_decode: set[str] = frozenset()) -> _FirstToken:
+    async def _prefill(self, stream: StreamState, prompt_ids: list[int], params,
+                       avoid_decode: set[str] = frozenset()) -> FirstToken:
         """Reserve, prefill, transfer, commit; each failed attempt is retried on other
         workers, up to ``max_attempts``."""
         rid = stream.request_id
@@ -407,7 +347,7 @@ class Orchestrator:
         last_error: BaseException | None = None
         for attempt in range(self.config.max_attempts):
             if stream.aborted:
-                raise _Aborted
+                raise Aborted
             # Route only to a worker whose free blocks cover the prompt AND the whole output
             # now. That makes decode-side preemption rare, not impossible: the reservation
             # holds prompt + 1 token, and outputs of requests routed concurrently grow into
@@ -421,19 +361,19 @@ class Orchestrator:
             try:
                 return await self._attempt(stream, self.prefill[view.worker_id], decode,
                                            prompt_ids, params, attempt)
-            except _RetryElsewhere as retry:
+            except RetryElsewhere as retry:
                 for slot in retry.exclude:
                     excluded["prefill" if slot.info.role == "prefill" else "decode"].add(
                         slot.info.worker_id)
                 last_error = retry.error
                 self._journal(rid, "retried", retry.worker_id, repr(retry.error)[:200])
         raise WorkerUnavailableError(f"request {rid} failed after {self.config.max_attempts} "
-                                     f"attempts; last error: {_cause(last_error)!r}")
+                                     f"attempts; last error: {cause_of(last_error)!r}")
 
-    async def _attempt(self, stream: _Stream, pslot: WorkerSlot, decode: WorkerSlot,
-                       prompt_ids: list[int], params, attempt: int) -> _FirstToken:
-        """One try on one (prefill, decode) pair. Raises _RetryElsewhere with the reservation
-        already released, _Aborted, or ClusterMisconfiguredError."""
+    async def _attempt(self, stream: StreamState, pslot: WorkerSlot, decode: WorkerSlot,
+                       prompt_ids: list[int], params, attempt: int) -> FirstToken:
+        """One try on one (prefill, decode) pair. Raises RetryElsewhere with the reservation
+        already released, Aborted, or ClusterMisconfiguredError."""
         rid = stream.request_id
         cfg = self.config
         spec = KVTransferSpec(rid, next(self._transfer_ids), len(prompt_ids), self.layout)
@@ -445,7 +385,7 @@ class Orchestrator:
                 ReserveRequest(rid, prompt_ids, params, spec, pslot.info.worker_id)),
                 cfg.call_timeout_s)
             if not res.ok:
-                raise _RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
+                raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
             self._journal(rid, "reserved", decode.info.worker_id,
                           f"{res.num_blocks} blocks for KV from {pslot.info.worker_id}")
             stream.prefill_id = pslot.info.worker_id
@@ -473,34 +413,34 @@ class Orchestrator:
         if len(self.timings) > 10_000:
             self.timings.pop(next(iter(self.timings)))
         self._journal(rid, "committed", decode.info.worker_id, "")
-        return _FirstToken(result.first_token_id, commit.finished, commit.finish_reason)
+        return FirstToken(result.first_token_id, commit.finished, commit.finish_reason)
 
-    async def _call(self, stream: _Stream, worker: WorkerSlot, call, timeout_s: float,
+    async def _call(self, stream: StreamState, worker: WorkerSlot, call, timeout_s: float,
                     release: WorkerSlot | None = None, peer: WorkerSlot | None = None):
         """Await one worker call of an attempt, at most ``timeout_s``.
 
-        On failure: free the reservation held on ``release``, then raise _Aborted (we aborted
-        it), ClusterMisconfiguredError (the KV handshake refused), or _RetryElsewhere without
+        On failure: free the reservation held on ``release``, then raise Aborted (we aborted
+        it), ClusterMisconfiguredError (the KV handshake refused), or RetryElsewhere without
         the workers to blame: ``peer`` alone when it was its KV address that could not be
         reached (it is quarantined), else ``worker`` (and ``peer``, whose transfer it was)."""
         try:
             return await asyncio.wait_for(call, timeout_s)
         except KVHandshakeError as e:
-            raise ClusterMisconfiguredError(str(_cause(e))) from None
+            raise ClusterMisconfiguredError(str(cause_of(e))) from None
         except RequestFailedError as e:  # the request itself is at fault: no other worker
             if release is not None:      # would do better, so it is not retried
                 await self._safe_abort(release, stream.request_id)
-            raise RequestFailedError(str(_cause(e))) from None
+            raise RequestFailedError(str(cause_of(e))) from None
         except Exception as e:
             if worker.info.worker_id == stream.prefill_id:
                 stream.prefill_id = None  # the failed prefill holds nothing to abort
             if release is not None:
                 await self._safe_abort(release, stream.request_id)
             if stream.aborted:  # it failed because we aborted it: no retry
-                raise _Aborted from None
+                raise Aborted from None
             if peer is not None and isinstance(e, KVPeerUnreachableError):
-                self._quarantine(peer, str(_cause(e)))
-                raise _RetryElsewhere(_cause(e), [peer], peer.info.worker_id) from None
+                self._quarantine(peer, str(cause_of(e)))
+                raise RetryElsewhere(cause_of(e), [peer], peer.info.worker_id) from None
             if isinstance(e, TimeoutError):
                 e = WorkerTimeoutError(f"worker {worker.info.worker_id} did not answer within "
                                        f"{timeout_s:g}s")
@@ -508,7 +448,7 @@ class Orchestrator:
             else:
                 self.on_worker_error(worker, e)
             blamed = [worker] if peer is None else [worker, peer]
-            raise _RetryElsewhere(e, blamed, worker.info.worker_id) from None
+            raise RetryElsewhere(e, blamed, worker.info.worker_id) from None
 
     def _quarantine(self, slot: WorkerSlot, why: str) -> None:
         log.warning("routing around %s for %.0f s: %s", slot.info.worker_id,
@@ -529,13 +469,13 @@ class Orchestrator:
         slot.view.unreachable_since = None
 
     async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
-                               prompt_ids: list[int] | None, stream: _Stream) -> WorkerSlot:
+                               prompt_ids: list[int] | None, stream: StreamState) -> WorkerSlot:
         """A decode worker with room, waiting (bounded) for capacity to free up."""
         deadline = time.monotonic() + self.config.capacity_wait_s
         delay = 0.01
         while True:
             if stream.aborted:
-                raise _Aborted
+                raise Aborted
             live = [s for s in self.decode.values() if s.view.alive]
             if not live:
                 raise WorkerUnavailableError("no live decode worker")
@@ -576,28 +516,14 @@ class Orchestrator:
         elif not isinstance(e, KVTransferError | QueueFullError):
             log.warning("worker %s failed a call: %r", slot.info.worker_id, e)
 
-    # ---- prefix-affinity bookkeeping ------------------------------------------------------
-    def _prefix_hashes(self, prompt_ids: list[int], block_size: int) -> list[int]:
-        hashes, parent = [], 0
-        for i in range(len(prompt_ids) // block_size):
-            parent = hash_block(parent, prompt_ids[i * block_size:(i + 1) * block_size],
-                                self.config.prefix_hash_seed)
-            hashes.append(parent)
-        return hashes
-
+    # ---- prefix affinity ------------------------------------------------------------------
     def _prefix_hits(self, prompt_ids: list[int] | None, slots: dict[str, WorkerSlot]) -> dict[str, int]:
-        if self.store is None or not prompt_ids or not slots:
+        if not slots:
             return {}
-        bs = next(iter(slots.values())).info.block_size
-        hashes = self._prefix_hashes(prompt_ids, bs)
-        return self.store.match_prefix(hashes) if hashes else {}
+        return self.affinity.hits(prompt_ids, next(iter(slots.values())).info.block_size)
 
     def _record_prefix(self, slot: WorkerSlot, prompt_ids: list[int]) -> None:
-        if self.store is None:
-            return
-        hashes = self._prefix_hashes(prompt_ids, slot.info.block_size)
-        if hashes:
-            self.store.record_prefix(slot.info.worker_id, hashes, ttl_s=600.0)
+        self.affinity.record(slot.info.worker_id, prompt_ids, slot.info.block_size)
 
     def _journal(self, rid: str, kind: str, worker_id: str | None, detail: str | None) -> None:
         if self.store is None:
