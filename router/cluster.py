@@ -276,15 +276,15 @@ class Cluster:
                 return_exceptions=True)
             for slot, load in zip(slots, results, strict=True):
                 if isinstance(load, TimeoutError):
-                    orch._mark_unreachable(slot, f"no load report within {timeout:g} s")
+                    orch.health.unreachable(slot, f"no load report within {timeout:g} s")
                     continue
                 if isinstance(load, BaseException):
-                    orch.on_worker_error(slot, load)
+                    orch.health.on_error(slot, load)
                     continue
-                orch.mark_reachable(slot)
+                orch.health.reachable(slot)
                 slot.view.load = load
                 self._heartbeat(slot, load)
-            orch.check_silent_workers()
+            orch.health.check_silent(orch.decode.values())
             await asyncio.sleep(0.25)
 
     def _heartbeat(self, slot, load: WorkerLoad) -> None:

@@ -25,7 +25,6 @@ from kv_transfer import (
     KVHandshakeError,
     KVLayout,
     KVPeerUnreachableError,
-    KVTransferError,
     KVTransferSpec,
 )
 from router.backend import (
@@ -51,6 +50,7 @@ from router.request_state import (
     WorkerSlot,
     cause_of,
 )
+from router.worker_health import WorkerHealth
 from worker_protocol import (
     AbortRequest,
     CommitRequest,
@@ -103,6 +103,8 @@ class Orchestrator:
         self.layout = layout
         self.store = store
         self.affinity = PrefixAffinity(store, config.prefix_hash_seed)
+        self.health = WorkerHealth(store, config.kv_unreachable_quarantine_s,
+                                   config.worker_silent_s, self._fail_committed_streams)
         self.prefill: dict[str, WorkerSlot] = {}
         self.decode: dict[str, WorkerSlot] = {}
         self._streams: dict[str, StreamState] = {}
@@ -122,18 +124,6 @@ class Orchestrator:
             self.decode[info.worker_id] = slot
             self._tasks.append(asyncio.ensure_future(self._consume(slot)))
 
-    def mark_dead(self, worker_id: str, why: str) -> None:
-        slot = self.prefill.get(worker_id) or self.decode.get(worker_id)
-        if slot is None or not slot.view.alive:
-            return
-        log.error("worker %s is gone: %s", worker_id, why)
-        slot.view.alive = False
-        if self.store is not None:
-            self.store.deregister_worker(worker_id)
-        if worker_id in self.decode:  # its sequences cannot continue here: move them
-            self._fail_committed_streams(worker_id, f"decode worker {worker_id} died: {why}",
-                                         "worker_died")
-
     def _fail_committed_streams(self, worker_id: str, why: str, reason: str) -> None:
         """Tell every stream whose sequence lives on ``worker_id`` that it was lost (it then
         migrates). Streams still in an attempt there are left alone: that attempt fails and
@@ -142,17 +132,6 @@ class Orchestrator:
             if s.decode_id == worker_id and s.committed:
                 s.committed = False  # one loss marker per stream and worker
                 s.queue.put_nowait(WorkerLost(why, reason))
-
-    def check_silent_workers(self) -> None:
-        """Called after each load refresh: streams on a decode worker silent for longer than
-        ``worker_silent_s`` are moved (a SIGSTOP'd or hung worker looks alive to Ray)."""
-        now = time.monotonic()
-        for slot in self.decode.values():
-            since = slot.view.unreachable_since
-            if slot.view.alive and since is not None and now - since > self.config.worker_silent_s:
-                self._fail_committed_streams(
-                    slot.info.worker_id, f"decode worker {slot.info.worker_id} silent for "
-                    f"{now - since:.1f} s", "worker_silent")
 
     async def _consume(self, slot: WorkerSlot) -> None:
         """Fan one decode worker's per-step token batches out to the request streams, for as
@@ -177,12 +156,12 @@ class Orchestrator:
             except asyncio.CancelledError:
                 raise
             except ray.exceptions.ActorUnavailableError as e:
-                self._mark_unreachable(slot, f"token stream broke: {e!r}")
+                self.health.unreachable(slot, f"token stream broke: {e!r}")
                 self._fail_committed_streams(wid, f"lost the token stream of decode worker "
                                                   f"{wid} (its host was unreachable)", "stream_lost")
                 await asyncio.sleep(0.5)
             except Exception as e:  # actor died
-                self.mark_dead(wid, repr(e))
+                self.health.dead(slot, repr(e))
                 return
 
     async def close(self) -> None:
@@ -439,34 +418,16 @@ class Orchestrator:
             if stream.aborted:  # it failed because we aborted it: no retry
                 raise Aborted from None
             if peer is not None and isinstance(e, KVPeerUnreachableError):
-                self._quarantine(peer, str(cause_of(e)))
+                self.health.quarantine(peer, str(cause_of(e)))
                 raise RetryElsewhere(cause_of(e), [peer], peer.info.worker_id) from None
             if isinstance(e, TimeoutError):
                 e = WorkerTimeoutError(f"worker {worker.info.worker_id} did not answer within "
                                        f"{timeout_s:g}s")
-                self._mark_unreachable(worker, str(e))
+                self.health.unreachable(worker, str(e))
             else:
-                self.on_worker_error(worker, e)
+                self.health.on_error(worker, e)
             blamed = [worker] if peer is None else [worker, peer]
             raise RetryElsewhere(e, blamed, worker.info.worker_id) from None
-
-    def _quarantine(self, slot: WorkerSlot, why: str) -> None:
-        log.warning("routing around %s for %.0f s: %s", slot.info.worker_id,
-                    self.config.kv_unreachable_quarantine_s, why)
-        slot.view.kv_unreachable_until = time.monotonic() + self.config.kv_unreachable_quarantine_s
-
-    def _mark_unreachable(self, slot: WorkerSlot, why: str) -> None:
-        """No new work until its next load report arrives (``mark_reachable``)."""
-        if slot.view.reachable:
-            log.warning("worker %s is unreachable: %s", slot.info.worker_id, why)
-            slot.view.unreachable_since = time.monotonic()
-        slot.view.reachable = False
-
-    def mark_reachable(self, slot: WorkerSlot) -> None:
-        if not slot.view.reachable:
-            log.warning("worker %s is reachable again", slot.info.worker_id)
-        slot.view.reachable = True
-        slot.view.unreachable_since = None
 
     async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
                                prompt_ids: list[int] | None, stream: StreamState) -> WorkerSlot:
@@ -502,19 +463,9 @@ class Orchestrator:
             await asyncio.wait_for(control(slot.handle.abort).remote(AbortRequest(rid)),
                                    self.config.call_timeout_s)
         except TimeoutError:
-            self._mark_unreachable(slot, f"abort of {rid} timed out")
+            self.health.unreachable(slot, f"abort of {rid} timed out")
         except Exception as e:
-            self.on_worker_error(slot, e)
-
-    def on_worker_error(self, slot: WorkerSlot, e: BaseException) -> None:
-        import ray.exceptions
-
-        if isinstance(e, ray.exceptions.ActorUnavailableError):  # transient, by Ray's word
-            self._mark_unreachable(slot, repr(e))
-        elif isinstance(e, ray.exceptions.RayActorError | ray.exceptions.ActorDiedError):
-            self.mark_dead(slot.info.worker_id, repr(e))
-        elif not isinstance(e, KVTransferError | QueueFullError):
-            log.warning("worker %s failed a call: %r", slot.info.worker_id, e)
+            self.health.on_error(slot, e)
 
     # ---- prefix affinity ------------------------------------------------------------------
     def _prefix_hits(self, prompt_ids: list[int] | None, slots: dict[str, WorkerSlot]) -> dict[str, int]:
