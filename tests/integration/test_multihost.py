@@ -85,8 +85,13 @@ with Client("127.0.0.1:GRPC_PORT") as c, ThreadPoolExecutor(len(prompts)) as ex:
 def cluster():
     return json.load(urllib.request.urlopen("http://127.0.0.1:HTTP_PORT/v1/cluster", timeout=10))
 
+def settled(workers):  # load reports lag by up to a refresh: wait until they caught up
+    moved = {role: sum(w["kv_transfer_bytes"] for w in workers if w["role"] == role)
+             for role in ("prefill", "decode")}
+    return not any(w["kv_blocks_used"] for w in workers) and moved["prefill"] == moved["decode"] > 0
+
 deadline = time.monotonic() + 30
-while any(w["kv_blocks_used"] for w in cluster()["workers"]) and time.monotonic() < deadline:
+while not settled(cluster()["workers"]) and time.monotonic() < deadline:
     time.sleep(0.2)
 print(json.dumps({"tokens": tokens, "cluster": cluster()}))
 """.replace("GRPC_PORT", str(GRPC_PORT)).replace("HTTP_PORT", str(HTTP_PORT))
