@@ -1,13 +1,15 @@
 """`pdcluster bench chaos`: what worker faults cost the users of a 2 prefill + 2 decode cluster.
 
-Two rounds, each on a fresh cluster (a killed worker is not restarted): N concurrent greedy
-streams run while the benchmark kills a decode worker mid-stream (round 1: SIGKILL, round 2:
-SIGSTOP, continued after the streams finish), then a prefill worker while new prompts are in
-prefill; then it aborts requests at random phases (queued, reserving, prefilling, decoding).
-It reports, per round: requests completed, streams token-for-token equal to an undisturbed
-engine run of the same prompts, KV blocks still held by any live worker afterwards, and the
-latency a migration adds (end-to-end time of migrated streams minus the median of streams
-the faults did not touch, same round). Targets: 100% completed, 100% identical, 0 leaked.
+Two rounds, each on a fresh cluster with the product's defaults (Ray restarts a killed
+worker, which rejoins): N concurrent greedy streams run while the benchmark kills a decode
+worker mid-stream (round 1: SIGKILL, round 2: SIGSTOP, continued after the streams finish),
+then a prefill worker while new prompts are in prefill; then it aborts requests at random
+phases (queued, reserving, prefilling, decoding). It reports, per round: requests completed,
+streams token-for-token equal to an undisturbed engine run of the same prompts, KV blocks
+still held by any worker afterwards (restarted ones included, once they rejoined), which
+workers restarted and rejoined, and the latency a migration adds (end-to-end time of
+migrated streams minus the median of streams the faults did not touch, same round).
+Targets: 100% completed, 100% identical, 0 leaked, every worker ready again.
 """
 
 from __future__ import annotations
@@ -99,6 +101,17 @@ async def _held(cluster: Any, timeout_s: float = 60.0) -> dict[str, int]:
         await asyncio.sleep(0.2)
 
 
+async def _all_ready(cluster: Any, timeout_s: float = 120.0) -> list:
+    """Every worker's status once all are ready again (killed ones restarted and rejoined),
+    or as they are at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await cluster.cluster_status()
+        if all(w.state == "ready" for w in status) or time.monotonic() > deadline:
+            return status
+        await asyncio.sleep(0.5)
+
+
 async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: int,
                  max_tokens: int, n_aborts: int) -> dict[str, Any]:
     from engine import EngineArgs
@@ -131,6 +144,7 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
         if sig == "SIGSTOP":
             os.kill(pids[victim], signal.SIGCONT)
         await _abort_storm(cluster, prompts, n_aborts, args.seed)
+        status = await _all_ready(cluster)
         held = await _held(cluster)
         stats = await cluster.stats()
     finally:
@@ -147,6 +161,8 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
     return {"signal": sig, "requests": len(runs), "completed": len(completed),
             "identical": len(identical), "migrated_streams": len(on_victim),
             "migrations": stats.migrations, "aborted": n_aborts, "blocks_leaked": held,
+            "workers_ready": sum(w.state == "ready" for w in status), "workers": len(status),
+            "restarts": {w.id: w.restarts for w in status if w.restarts},
             "added_latency_p50_s": percentile(added, 50) if added else None,
             "added_latency_p99_s": percentile(added, 99) if added else None,
             "errors": sorted({r.error for r in runs if r.error})[:5]}
@@ -169,9 +185,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     completed = sum(r["completed"] for r in rounds) / total
     identical = sum(r["identical"] for r in rounds) / total
     leaked = sum(sum(r["blocks_leaked"].values()) for r in rounds)
+    ready = sum(r["workers_ready"] for r in rounds) / sum(r["workers"] for r in rounds)
     targets = [make_target("requests completed", completed, 1.0),
                make_target("streams identical to an undisturbed run", identical, 1.0),
-               make_target("KV blocks leaked", float(leaked), 0.0, higher_is_better=False)]
+               make_target("KV blocks leaked", float(leaked), 0.0, higher_is_better=False),
+               make_target("workers ready again after the faults", ready, 1.0)]
     result = {"benchmark": NAME, "config": {"streams": n_streams, "max_tokens": max_tokens,
                                             "aborts": n_aborts, "prompt_len": args.prompt_len,
                                             "model": args.model or "default"},
@@ -184,7 +202,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         p50, p99 = r["added_latency_p50_s"], r["added_latency_p99_s"]
         print(f"{r['signal']:7s}: {r['completed']}/{r['requests']} completed, {r['identical']} "
               f"identical, {r['migrated_streams']} migrated, {r['aborted']} aborted, leaked "
-              f"{r['blocks_leaked'] or 0}; migration adds p50 "
+              f"{r['blocks_leaked'] or 0}, restarted {r['restarts'] or 'none'}, "
+              f"{r['workers_ready']}/{r['workers']} ready; migration adds p50 "
               f"{(p50 or 0) * 1e3:.0f} ms, p99 {(p99 or 0) * 1e3:.0f} ms")
     print_targets(targets)
     print(f"wrote {path}")

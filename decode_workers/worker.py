@@ -40,6 +40,7 @@ from worker_protocol import (
     current_node_ip,
     exit_on_engine_crash,
     kv_host_for,
+    new_incarnation,
 )
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class DecodeWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.worker_id = config.worker_id
+        self.incarnation = new_incarnation()
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
@@ -90,13 +92,13 @@ class DecodeWorker:
                           self.layout, stats.kv_blocks_total, stats.block_size,
                           self.engine.max_model_len,
                           self.receiver.address if self.receiver else None,
-                          current_node_ip(), self.kv_host.address)
+                          current_node_ip(), self.kv_host.address, self.incarnation)
 
     def load(self) -> WorkerLoad:
         s = self.engine.stats()
         return WorkerLoad(self.worker_id, self.config.role, s.kv_blocks_used, s.kv_blocks_total,
                           s.num_running, s.num_waiting, s.kv_blocks_reserved,
-                          self.kv_bytes_received)
+                          self.kv_bytes_received, incarnation=self.incarnation)
 
     def ping(self) -> str:
         return self.worker_id
@@ -130,7 +132,8 @@ class DecodeWorker:
         except Exception as e:
             self._release(rid)
             return ReserveResult(False, f"cannot receive KV: {e}")
-        return ReserveResult(True, num_blocks=res.num_blocks)
+        return ReserveResult(True, num_blocks=res.num_blocks, kv_address=self.receiver.address,
+                             incarnation=self.incarnation)
 
     def commit(self, req: CommitRequest) -> CommitResult:
         """Wait for the KV to have fully arrived, then admit the request with its first token.
@@ -157,10 +160,13 @@ class DecodeWorker:
         return CommitResult(admitted.finished, admitted.finish_reason)
 
     # ---- colocated path -------------------------------------------------------------------
-    def submit(self, req: SubmitRequest) -> None:
-        """Queue a whole request (prefill + decode here). Raises QueueFullError when full."""
+    def submit(self, req: SubmitRequest) -> str:
+        """Queue a whole request (prefill + decode here); returns this process's incarnation
+        (the one the sequence lives on). Raises QueueFullError when full."""
         self.loop.call(lambda e: e.add_request(
-            list(req.prompt_token_ids), req.sampling_params, req.request_id)).result(_CALL_TIMEOUT_S)
+            list(req.prompt_token_ids), req.sampling_params, req.request_id,
+            priority=req.priority)).result(_CALL_TIMEOUT_S)
+        return self.incarnation
 
     # ---- both -----------------------------------------------------------------------------
     def abort(self, req: AbortRequest) -> bool:

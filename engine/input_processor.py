@@ -45,7 +45,8 @@ class InputProcessor:
                 raise ValueError("prompt must be a string, a list of token ids, or chat messages")
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
             return EncodedPrompt(list(prompt), None)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
@@ -65,8 +66,9 @@ class InputProcessor:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context ({self.max_model_len} tokens)")
         if self.max_kv_tokens is not None and total > self.max_kv_tokens:
-            raise ValueError(f"request needs KV for {total} tokens but a worker's cache holds only "
-                             f"{self.max_kv_tokens}; raise the KV cache memory")
+            raise ValueError(f"prompt + max_tokens: the request needs KV for {total} tokens but "
+                             f"a worker's cache holds only {self.max_kv_tokens}; raise the KV "
+                             f"cache memory")
 
     def process(self, prompt: Prompt, params: SamplingParams) -> EncodedPrompt:
         enc = self.encode(prompt)
@@ -75,5 +77,5 @@ class InputProcessor:
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            raise ValueError("prompt: this model has no tokenizer: pass prompts as token ids")
         return self.tokenizer

@@ -150,10 +150,12 @@ class LLMEngine:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None, export_kv: bool = False) -> Request:
-        """Validate and queue. Raises ValueError (bad input) or QueueFullError (queue limit)."""
+                    arrival_time: float | None = None, export_kv: bool = False,
+                    priority: int = 0) -> Request:
+        """Validate and queue (ahead of waiting requests of lower ``priority``). Raises
+        ValueError (bad input) or QueueFullError (queue limit)."""
         req = self.make_request(prompt, params, request_id, arrival_time)
-        req.export_kv = export_kv
+        req.export_kv, req.priority = export_kv, priority
         self.enqueue(req)
         return req
 

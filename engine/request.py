@@ -154,6 +154,9 @@ class Request:
     num_cached_tokens: int = 0
     # Prefill-only request: stop after the first token and hand the KV to the caller.
     export_kv: bool = False
+    # Admitted ahead of every waiting request of lower priority (FIFO among equals). The
+    # router raises it for a migrated stream's re-prefill: its client is already mid-stream.
+    priority: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # the first step that computed any of it
     first_token_time: float | None = None

@@ -107,14 +107,20 @@ class Scheduler:
 
     # ---- request intake ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a validated request. Raises QueueFullError past ``max_waiting``."""
+        """Queue a validated request behind every waiting one of its priority or higher.
+        Raises QueueFullError past ``max_waiting``."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        ahead = next((i for i, r in enumerate(self.waiting) if r.priority < request.priority),
+                     None)
+        if ahead is None:
+            self.waiting.append(request)
+        else:
+            self.waiting.insert(ahead, request)
 
     def add_remote_request(self, request: Request) -> bool:
         """Reserve blocks for a prompt whose KV will arrive from a prefill worker.

@@ -277,6 +277,8 @@ class TorchDistSender(PairOwner, KVSender):
         """``host``: this worker's own KV address (gloo binds it; peers connect back to it)."""
         self._host = host
         self._stores: dict[str, dist.Store] = {}  # decode worker id -> control client
+        # decode worker id -> the (host, port) its cached store client and pair belong to
+        self._addresses: dict[str, tuple[str, int]] = {}
         self._store_lock = threading.Lock()
         self._transfers: dict[str, _SendTransfer] = {}
         self._refusals: dict[str, KVHandshakeError] = {}
@@ -308,9 +310,27 @@ class TorchDistSender(PairOwner, KVSender):
                 self._stores.pop(peer.worker_id, None)
             raise _unreachable(peer, self.timeout_s, str(e).splitlines()[0]) from None
 
+    def _forget_if_moved(self, peer: PeerAddress) -> None:
+        """A decode worker that Ray restarted keeps its id but listens on a new port: drop the
+        cached store client, refusal and group of its old process, so it is joined afresh
+        (its new store numbers generations from the start again). Caller holds the peer lock."""
+        where = (peer.host, peer.port)
+        with self._store_lock:
+            known = self._addresses.get(peer.worker_id)
+            if known == where:
+                return
+            self._addresses[peer.worker_id] = where
+            self._stores.pop(peer.worker_id, None)
+        self._refusals.pop(peer.worker_id, None)
+        with self._lock:
+            pair = self._pairs.get(peer.worker_id)
+        if pair is not None:
+            self._discard(pair, None)  # its store went with the old process
+
     def _pair_for(self, peer: PeerAddress) -> Pair:
         """The live group with peer, proposing a new generation (and handshaking) if needed."""
         with self._peer_lock(peer.worker_id):
+            self._forget_if_moved(peer)
             with self._lock:
                 pair = self._pairs.get(peer.worker_id)
             me = self.worker_id
@@ -350,8 +370,9 @@ class TorchDistSender(PairOwner, KVSender):
     def send_layer(self, peer: PeerAddress, spec: KVTransferSpec, layer: int,
                    kv: torch.Tensor) -> None:
         check_layer_tensor(spec, layer, kv)
-        if peer.worker_id in self._refusals:
-            raise self._refusals[peer.worker_id]
+        refusal = self._refusals.get(peer.worker_id)
+        if refusal is not None and self._addresses.get(peer.worker_id) == (peer.host, peer.port):
+            raise refusal
         event = None
         if kv.is_cuda:  # the send stream must not read kv before the kernel writing it is done
             event = torch.cuda.Event()

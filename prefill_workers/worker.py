@@ -29,6 +29,7 @@ from worker_protocol import (
     AbortRequest,
     PrefillRequest,
     PrefillResult,
+    PrefillTimeoutError,
     WorkerConfig,
     WorkerInfo,
     WorkerLoad,
@@ -37,11 +38,14 @@ from worker_protocol import (
     current_node_ip,
     exit_on_engine_crash,
     kv_host_for,
+    new_incarnation,
+    restarted_by_ray,
 )
 
 log = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 60.0
+_PREFILL_TIMEOUT_S = 300.0  # a PrefillRequest without its own deadline
 
 
 @dataclasses.dataclass
@@ -58,6 +62,9 @@ class PrefillWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.worker_id = config.worker_id
+        self.incarnation = new_incarnation()
+        # Fault injection is for the first incarnation only: restarted, the worker serves.
+        self._fault_exit_after = None if restarted_by_ray() else config.fault_exit_after_layers
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
@@ -80,12 +87,13 @@ class PrefillWorker:
         stats = self.engine.stats()
         return WorkerInfo(self.worker_id, "prefill", current_node_id(), os.getpid(), self.layout,
                           stats.kv_blocks_total, stats.block_size, self.engine.max_model_len,
-                          None, current_node_ip(), self.kv_host.address)
+                          None, current_node_ip(), self.kv_host.address, self.incarnation)
 
     def load(self) -> WorkerLoad:
         s = self.engine.stats()
         return WorkerLoad(self.worker_id, "prefill", s.kv_blocks_used, s.kv_blocks_total,
-                          s.num_running, s.num_waiting, kv_transfer_bytes=self.kv_bytes_sent)
+                          s.num_running, s.num_waiting, kv_transfer_bytes=self.kv_bytes_sent,
+                          incarnation=self.incarnation)
 
     def layers_sent(self, request_id: str) -> int:
         """How many layers of an in-flight request's KV have been posted (tests, debugging)."""
@@ -102,8 +110,10 @@ class PrefillWorker:
     def prefill(self, req: PrefillRequest) -> PrefillResult:
         """Compute the prompt, stream its KV to ``req.destination``, return the first token.
 
-        Blocks until every layer was sent. Raises KVTransferError on a failed/timed-out
-        transfer, KVTransferAborted if ``abort`` was called, ValueError for bad input.
+        Blocks until every layer was sent, at most ``req.timeout_s``. Raises KVTransferError
+        on a failed/timed-out transfer, KVTransferAborted if ``abort`` was called,
+        PrefillTimeoutError past the deadline (the prompt is aborted here first), ValueError
+        for bad input.
         """
         sp = req.sampling_params
         # One token here; stop strings and the rest of the budget are the decode side's.
@@ -115,9 +125,17 @@ class PrefillWorker:
             self._pending[req.request_id] = pending
         try:
             self.loop.call(lambda e: e.add_request(
-                list(req.prompt_token_ids), params, req.request_id, export_kv=True)
+                list(req.prompt_token_ids), params, req.request_id, export_kv=True,
+                priority=req.priority)
             ).result(_CALL_TIMEOUT_S)
-            return pending.future.result()
+            timeout_s = req.timeout_s or _PREFILL_TIMEOUT_S
+            try:
+                return pending.future.result(timeout_s)
+            except TimeoutError:  # concurrent.futures' is the builtin since 3.11
+                self.abort(AbortRequest(req.request_id))  # stop computing and sending it
+                raise PrefillTimeoutError(
+                    f"prefill of {req.request_id} ({len(req.prompt_token_ids)} tokens) was not "
+                    f"done within {timeout_s:g} s on {self.worker_id}") from None
         finally:
             with self._lock:
                 self._pending.pop(req.request_id, None)
@@ -156,7 +174,7 @@ class PrefillWorker:
         self.sender.send_layer(pending.req.destination, pending.req.transfer, layer, kv)
         self._layers_sent_total += 1
         pending.layers_sent += 1
-        limit = self.config.fault_exit_after_layers
+        limit = self._fault_exit_after
         if limit is not None and self._layers_sent_total >= limit:
             log.error("%s: fault injection: exiting after %d layers", self.worker_id, limit)
             os._exit(1)

@@ -114,7 +114,9 @@ class WorkerStatus:
 
     ``state``: starting (spawned, not up yet) | ready | unreachable (alive for Ray, but its
     last load report or KV address did not answer in time: no new requests are routed to it)
-    | draining (the front door is draining) | dead. The load fields are the last report.
+    | draining (the front door is draining) | dead (gone for good: out of restarts, or
+    restarts disabled). A worker Ray is restarting is unreachable until it rejoins, then
+    ready with ``restarts`` one higher. The load fields are the last report.
     """
 
     id: str
@@ -128,6 +130,7 @@ class WorkerStatus:
     waiting: int = 0
     kv_transfer_bytes: int = 0  # sent (prefill) or received (decode)
     kv_address: str = ""  # decode workers: HOST:PORT of their KV store
+    restarts: int = 0  # how often Ray restarted it and it rejoined (a new pid, new KV port)
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class BackendStats:
     workers: list[WorkerLoad] = field(default_factory=list)
     kv_transfer_bytes_total: int = 0
     migrations: dict[str, int] = field(default_factory=dict)  # reason -> streams moved
+    store_up: bool | None = None  # the cluster store answers (None: no store, embedded)
 
 
 @runtime_checkable

@@ -101,7 +101,7 @@ def _sampling_kwargs(params: SamplingParams) -> dict:
 
 
 _STATUS_COLUMNS = ("id", "role", "host", "pid", "state", "kv_blocks_used", "kv_blocks_total",
-                   "running", "waiting")
+                   "running", "waiting", "restarts")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -166,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: a clear message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # start-up failures that name what is missing
+    except Exception as e:  # start-up failures that name what is missing
         from router.cluster import StartupError
         from router.placement import PlacementError
+        from router.store import StoreUnavailableError
 
-        if not isinstance(e, StartupError | PlacementError):
+        if not isinstance(e, StartupError | PlacementError | StoreUnavailableError):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -34,6 +34,7 @@ from router.backend import (
 )
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE, RoleNeed, check_placement
+from router.worker_health import is_restarting
 from worker_protocol import (
     CONTROL_GROUP,
     CONTROL_GROUP_THREADS,
@@ -77,6 +78,12 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     call_timeout_s: float = 10.0  # deadline of a reserve / abort / load call to one worker
     migration_limit: int = 3  # moves per request when its decode worker is lost
+    # How often Ray restarts a worker whose process died (each comes back, loads its model
+    # and rejoins under the same id); past it the worker stays dead. 0: never restart.
+    worker_restarts: int = 3
+    # With redis_url: refuse to start while Redis is unreachable (default: start without it
+    # and catch up once it answers).
+    require_redis: bool = False
     # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
     worker_overrides: dict = field(default_factory=dict)
 
@@ -87,6 +94,8 @@ class ClusterConfig:
             raise ValueError("at least one decode worker is needed")
         if self.mode == "disaggregated" and self.num_prefill_workers < 1:
             raise ValueError("disaggregated mode needs at least one prefill worker")
+        if self.worker_restarts < 0:
+            raise ValueError(f"worker_restarts must be >= 0, got {self.worker_restarts}")
 
 
 class StartupError(RuntimeError):
@@ -115,6 +124,7 @@ class Cluster:
         self.store = None
         self._info: ModelInfo | None = None
         self._refresh_task: asyncio.Task | None = None
+        self._rejoining: dict[str, asyncio.Task] = {}  # worker id -> its rejoin after a restart
         self._progress: Callable[[str], None] = lambda step: None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -153,7 +163,8 @@ class Cluster:
                                     DECODE_RESOURCE: cfg.num_decode_workers})
                 self._started_ray = True
         self._progress("ray")
-        self.store = make_store(cfg.redis_url, namespace=cfg.store_namespace)
+        self.store = make_store(cfg.redis_url, namespace=cfg.store_namespace,
+                                require=cfg.require_redis)
         resolved = resolve_model(cfg.model, cache_dir=cfg.decode_engine.cache_dir)
         self._progress("model")
         model_cfg = load_model_config(resolved.model_dir, dtype=cfg.decode_engine.dtype,
@@ -256,7 +267,10 @@ class Cluster:
             name=f"{worker_id}-{id(self):x}", namespace=_RAY_NAMESPACE,
             num_cpus=cfg.worker_num_cpus, num_gpus=1 if placement.use_gpus else 0,
             resources={resource: 1} if placement.by_role else {},
-            max_concurrency=64, max_restarts=0,
+            # Ray re-runs the constructor in a new process; the router notices the new
+            # incarnation in the next load report and rejoins it (_rejoin). No task is retried
+            # by Ray: the router decides what a lost call costs the request.
+            max_concurrency=64, max_restarts=cfg.worker_restarts, max_task_retries=0,
         ).remote(wcfg)
         self._actors.append(actor)
         self._starting[worker_id] = role
@@ -266,11 +280,15 @@ class Cluster:
         """Keep the router's view of each worker's KV use fresh; heartbeat the registry.
 
         Each report has a deadline: a worker whose host went silent is marked unreachable
-        (no new requests) instead of stalling every other worker's refresh."""
+        (no new requests) instead of stalling every other worker's refresh. A report from a
+        new incarnation (Ray restarted the process) makes the worker rejoin first."""
         timeout = min(2.0, self.config.call_timeout_s)
         while True:
             orch = self.orchestrator
-            slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
+            # Dead ones too while restarts are on: a call to an actor gone for good fails at
+            # once, and one that Ray brought back answers with its new incarnation.
+            slots = [s for s in (*orch.prefill.values(), *orch.decode.values())
+                     if s.view.alive or self.config.worker_restarts]
             results = await asyncio.gather(
                 *[asyncio.wait_for(control(s.handle.load).remote(), timeout) for s in slots],
                 return_exceptions=True)
@@ -281,11 +299,44 @@ class Cluster:
                 if isinstance(load, BaseException):
                     orch.health.on_error(slot, load)
                     continue
+                if load.incarnation != slot.info.incarnation:
+                    self._start_rejoin(slot)
+                    continue
                 orch.health.reachable(slot)
                 slot.view.load = load
                 self._heartbeat(slot, load)
             orch.health.check_silent(orch.decode.values())
             await asyncio.sleep(0.25)
+
+    def _start_rejoin(self, slot) -> None:
+        wid = slot.info.worker_id
+        if wid not in self._rejoining:
+            self._rejoining[wid] = asyncio.ensure_future(self._rejoin(slot))
+
+    async def _rejoin(self, slot) -> None:
+        """Re-read a restarted worker's WorkerInfo (new pid, new KV port), hand it to the
+        orchestrator and register it again. A failure leaves it for the next report."""
+        wid = slot.info.worker_id
+        try:
+            info = await asyncio.wait_for(control(slot.handle.info).remote(),
+                                          self.config.call_timeout_s)
+            self.orchestrator.rejoin(slot, info)
+            self._register_again(info)
+        except Exception as e:
+            log.warning("worker %s restarted but could not rejoin yet: %r", wid, e)
+        finally:
+            self._rejoining.pop(wid, None)
+
+    def _register_again(self, info: WorkerInfo) -> None:
+        """The registry record of a restarted worker: its new KV address; its prefix entries
+        are dropped (the new process caches nothing yet)."""
+        from router.store import StoreError
+
+        try:
+            self.store.deregister_worker(info.worker_id)
+            self.store.register_worker(_worker_record(info, self._info.model_id), ttl_s=15.0)
+        except StoreError as e:
+            log.warning("cluster store unavailable, %s not re-registered: %s", info.worker_id, e)
 
     def _heartbeat(self, slot, load: WorkerLoad) -> None:
         """Registry heartbeat with the worker's load; a store outage must not stop serving."""
@@ -305,6 +356,8 @@ class Cluster:
 
         if self._refresh_task is not None:
             self._refresh_task.cancel()
+        for t in list(self._rejoining.values()):
+            t.cancel()
         if self.orchestrator is not None:
             await self.orchestrator.close()
             if self.store is not None:  # other routers sharing the store must stop using them
@@ -345,13 +398,20 @@ class Cluster:
         loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
                                      return_exceptions=True)
         workers = [lo for lo in loads if not isinstance(lo, BaseException)]
-        return BackendStats(workers, orch.kv_transfer_bytes_total, dict(orch.migrations))
+        return BackendStats(workers, orch.kv_transfer_bytes_total, dict(orch.migrations),
+                            self.store.up)
 
     async def worker_loads(self) -> list:
-        """Every live worker's full load report (reserved blocks included); tests use this."""
+        """Every live worker's full load report (reserved blocks included); tests use this.
+        A worker Ray is restarting has no report (its new process holds nothing yet)."""
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
-        return list(await asyncio.gather(*[control(s.handle.load).remote() for s in slots]))
+        loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
+                                     return_exceptions=True)
+        for lo in loads:
+            if isinstance(lo, BaseException) and not is_restarting(lo):
+                raise lo
+        return [lo for lo in loads if not isinstance(lo, BaseException)]
 
     async def cluster_status(self) -> list[WorkerStatus]:
         """Every worker this cluster started, with its state and last load report."""
@@ -367,7 +427,8 @@ class Cluster:
                 i.worker_id, i.role, i.node_ip, i.pid, state,
                 lo.kv_blocks_used if lo else 0, i.num_kv_blocks,
                 lo.requests_running if lo else 0, lo.requests_waiting if lo else 0,
-                lo.kv_transfer_bytes if lo else 0, f"{addr.host}:{addr.port}" if addr else ""))
+                lo.kv_transfer_bytes if lo else 0, f"{addr.host}:{addr.port}" if addr else "",
+                v.restarts))
         return out
 
     def worker_handle(self, worker_id: str):

@@ -58,9 +58,14 @@ class _StatsCollector(Collector):
         moved = CounterMetricFamily("pdcluster_migrations",
                                     "Streams moved to another decode worker after theirs was lost",
                                     labels=["reason"])
-        for reason in ("worker_died", "worker_silent", "stream_lost", "token_timeout"):
+        for reason in ("worker_died", "worker_silent", "worker_restarted", "stream_lost",
+                       "token_timeout"):
             moved.add_metric([reason], s.migrations.get(reason, 0))
         yield moved
+        if s.store_up is not None:
+            yield GaugeMetricFamily("pdcluster_store_up",
+                                    "1 while the cluster store (Redis) answers, 0 while the "
+                                    "router serves without it", value=int(s.store_up))
         yield CounterMetricFamily("pdcluster_kv_transfer_bytes",
                                   "Bytes of KV cache moved from prefill to decode workers",
                                   value=s.kv_transfer_bytes_total)

@@ -50,7 +50,7 @@ from router.request_state import (
     WorkerSlot,
     cause_of,
 )
-from router.worker_health import WorkerHealth
+from router.worker_health import WorkerHealth, is_restarting
 from worker_protocol import (
     AbortRequest,
     CommitRequest,
@@ -66,6 +66,8 @@ from worker_protocol import (
 
 log = logging.getLogger(__name__)
 
+MIGRATED_PRIORITY = 1  # a migrated stream's re-prefill is queued ahead of new prompts
+
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
@@ -78,7 +80,8 @@ class OrchestratorConfig:
     prefix_hash_seed: int = 0
     # Deadlines on worker calls, so a host that went silent (link down) costs a retry, not a
     # hung request: reserve / abort get call_timeout_s; commit waits for the transfer too;
-    # a prefill may queue behind other prompts first.
+    # a prefill may queue behind other prompts first (the prefill worker gives up on it at
+    # prefill_timeout_s; the router waits call_timeout_s longer for that answer).
     call_timeout_s: float = 10.0
     prefill_timeout_s: float = 300.0
     # A committed stream that gets no token update for this long has lost its decode worker
@@ -109,7 +112,7 @@ class Orchestrator:
         self.decode: dict[str, WorkerSlot] = {}
         self._streams: dict[str, StreamState] = {}
         self._transfer_ids = itertools.count(1)
-        self._tasks: list[asyncio.Task] = []
+        self._consumers: dict[str, asyncio.Task] = {}  # decode worker id -> its token fan-out
         self.kv_transfer_bytes_total = 0
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.timings: dict[str, RequestTiming] = {}  # kept for the last requests (bounded)
@@ -122,14 +125,40 @@ class Orchestrator:
             self.prefill[info.worker_id] = slot
         else:
             self.decode[info.worker_id] = slot
-            self._tasks.append(asyncio.ensure_future(self._consume(slot)))
+            self._consumers[info.worker_id] = asyncio.ensure_future(self._consume(slot))
 
-    def _fail_committed_streams(self, worker_id: str, why: str, reason: str) -> None:
+    def rejoin(self, slot: WorkerSlot, info: WorkerInfo) -> None:
+        """``slot``'s worker was restarted by Ray (same id and handle, new process): take its
+        new ``info`` (KV port, pid), move the streams its old process held, and route to it
+        again. Its KV pool starts empty; the router's in-flight counters stay, owned by the
+        attempts that raised them."""
+        old = slot.info
+        wid = info.worker_id
+        if old.role != "prefill":
+            self._fail_committed_streams(wid, f"decode worker {wid} restarted (pid {old.pid} "
+                                              f"-> {info.pid})", "worker_restarted",
+                                         keep_incarnation=info.incarnation)
+        slot.info = info
+        view = slot.view
+        view.alive, view.load, view.kv_unreachable_until = True, None, 0.0
+        view.kv_blocks_total = info.num_kv_blocks
+        view.restarts += 1
+        self.health.reachable(slot)
+        consumer = self._consumers.get(wid)
+        if old.role != "prefill" and (consumer is None or consumer.done()):
+            self._consumers[wid] = asyncio.ensure_future(self._consume(slot))
+        log.warning("worker %s rejoined after a restart: pid %d -> %d, KV address %s",
+                    wid, old.pid, info.pid, info.kv_address)
+
+    def _fail_committed_streams(self, worker_id: str, why: str, reason: str,
+                                keep_incarnation: str | None = None) -> None:
         """Tell every stream whose sequence lives on ``worker_id`` that it was lost (it then
-        migrates). Streams still in an attempt there are left alone: that attempt fails and
-        is retried by itself."""
+        migrates), except those committed in process ``keep_incarnation`` (a restarted
+        worker's new one). Streams still in an attempt there are left alone: that attempt
+        fails and is retried by itself."""
         for s in self._streams.values():
-            if s.decode_id == worker_id and s.committed:
+            if (s.decode_id == worker_id and s.committed
+                    and (keep_incarnation is None or s.decode_incarnation != keep_incarnation)):
                 s.committed = False  # one loss marker per stream and worker
                 s.queue.put_nowait(WorkerLost(why, reason))
 
@@ -157,17 +186,23 @@ class Orchestrator:
                 raise
             except ray.exceptions.ActorUnavailableError as e:
                 self.health.unreachable(slot, f"token stream broke: {e!r}")
-                self._fail_committed_streams(wid, f"lost the token stream of decode worker "
-                                                  f"{wid} (its host was unreachable)", "stream_lost")
+                if is_restarting(e):
+                    self._fail_committed_streams(wid, f"decode worker {wid} died; Ray is "
+                                                      f"restarting it", "worker_restarted")
+                else:
+                    self._fail_committed_streams(wid, f"lost the token stream of decode worker "
+                                                      f"{wid} (its host was unreachable)",
+                                                 "stream_lost")
                 await asyncio.sleep(0.5)
             except Exception as e:  # actor died
                 self.health.dead(slot, repr(e))
                 return
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._consumers.values())
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- the lifecycle --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
@@ -185,17 +220,19 @@ class Orchestrator:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         prompt_ids = enc.token_ids
         params = inp.sampling
-        stream = StreamState(rid)
-        self._streams[rid] = stream
         detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
                                         include_stop_str_in_output=params.include_stop_str_in_output)
                  if self.tokenizer is not None else None)
+        stream = StreamState(rid)
         t0 = time.monotonic()
         ttft = None
         num_out = 0
         finished = False
-        self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
+        # From here every path ends in the finally below, which drops the stream's entry:
+        # a leaked entry would count against max_inflight_requests forever.
+        self._streams[rid] = stream
         try:
+            self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
             first: FirstToken | None = None
             try:
                 if self.config.mode == "colocated":
@@ -256,6 +293,7 @@ class Orchestrator:
         an undisturbed run; seeded ones too (the sampler resumes at the same position)."""
         old = stream.decode_id
         stream.migrations += 1
+        stream.priority = MIGRATED_PRIORITY
         self._journal(stream.request_id, "migrated", old,
                       f"after {len(generated)} tokens: {why}"[:200])
         log.warning("migrating %s off %s after %d tokens (%s)", stream.request_id, old,
@@ -312,7 +350,8 @@ class Orchestrator:
         stream.decode_id, stream.committed = slot.info.worker_id, True
         slot.view.inflight_requests += 1
         try:
-            await slot.handle.submit.remote(SubmitRequest(stream.request_id, prompt_ids, params))
+            stream.decode_incarnation = await slot.handle.submit.remote(
+                SubmitRequest(stream.request_id, prompt_ids, params, stream.priority))
         finally:
             slot.view.inflight_requests -= 1
         self._record_prefix(slot, prompt_ids)
@@ -333,7 +372,7 @@ class Orchestrator:
             # the same free blocks; a preempted request is recomputed on its decode worker.
             decode = await self._wait_for_decode(len(prompt_ids) + params.max_tokens,
                                                  excluded["decode"], None, stream)
-            hits = self._prefix_hits(prompt_ids, self.prefill)
+            hits = await self._prefix_hits(prompt_ids, self.prefill)
             view = pick_prefill([s.view for s in self.prefill.values()], excluded["prefill"], hits)
             if view is None:
                 raise WorkerUnavailableError("no live prefill worker")
@@ -358,6 +397,10 @@ class Orchestrator:
         spec = KVTransferSpec(rid, next(self._transfer_ids), len(prompt_ids), self.layout)
         need = cdiv(len(prompt_ids) + 1, decode.view.block_size)
         decode.view.inflight_blocks += need
+        # Counted from the pick, not from the reserve's answer: requests routed in one burst
+        # must see each other's prompts, or they all pick the same prefill worker.
+        pslot.view.inflight_prefill_tokens += len(prompt_ids)
+        prefill_counted = True
         stream.decode_id, stream.committed = decode.info.worker_id, False
         try:
             res = await self._call(stream, decode, decode.handle.reserve.remote(
@@ -368,15 +411,18 @@ class Orchestrator:
             self._journal(rid, "reserved", decode.info.worker_id,
                           f"{res.num_blocks} blocks for KV from {pslot.info.worker_id}")
             stream.prefill_id = pslot.info.worker_id
-            pslot.view.inflight_prefill_tokens += len(prompt_ids)
+            # The reserving process's own address: a just-restarted worker has a new port.
+            destination = res.kv_address or decode.info.kv_address
             try:
                 result: PrefillResult = await self._call(
                     stream, pslot, pslot.handle.prefill.remote(PrefillRequest(
-                        rid, prompt_ids, params, spec, decode.info.kv_address)),
-                    cfg.prefill_timeout_s, release=decode, peer=decode)
+                        rid, prompt_ids, params, spec, destination, cfg.prefill_timeout_s,
+                        stream.priority)),
+                    cfg.prefill_timeout_s + cfg.call_timeout_s, release=decode, peer=decode)
             finally:
                 # On cancellation prefill_id stays set, so the caller aborts the prefill too.
                 pslot.view.inflight_prefill_tokens -= len(prompt_ids)
+                prefill_counted = False
             stream.prefill_id = None
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
             self._record_prefix(pslot, prompt_ids)
@@ -385,7 +431,9 @@ class Orchestrator:
                 cfg.transfer_timeout_s + cfg.call_timeout_s, release=decode)
         finally:
             decode.view.inflight_blocks -= need
-        stream.committed = True
+            if prefill_counted:  # the reserve failed: no prefill was sent
+                pslot.view.inflight_prefill_tokens -= len(prompt_ids)
+        stream.committed, stream.decode_incarnation = True, res.incarnation
         self.kv_transfer_bytes_total += result.kv_bytes
         self.timings[rid] = RequestTiming(result.queue_s, result.compute_s,
                                           result.transfer_tail_s, attempt + 1)
@@ -440,7 +488,7 @@ class Orchestrator:
             live = [s for s in self.decode.values() if s.view.alive]
             if not live:
                 raise WorkerUnavailableError("no live decode worker")
-            hits = self._prefix_hits(prompt_ids, self.decode) if prompt_ids else None
+            hits = await self._prefix_hits(prompt_ids, self.decode) if prompt_ids else None
             view = pick_decode([s.view for s in live], num_tokens, exclude, hits)
             if view is not None:
                 return self.decode[view.worker_id]
@@ -468,10 +516,11 @@ class Orchestrator:
             self.health.on_error(slot, e)
 
     # ---- prefix affinity ------------------------------------------------------------------
-    def _prefix_hits(self, prompt_ids: list[int] | None, slots: dict[str, WorkerSlot]) -> dict[str, int]:
+    async def _prefix_hits(self, prompt_ids: list[int] | None,
+                           slots: dict[str, WorkerSlot]) -> dict[str, int]:
         if not slots:
             return {}
-        return self.affinity.hits(prompt_ids, next(iter(slots.values())).info.block_size)
+        return await self.affinity.hits(prompt_ids, next(iter(slots.values())).info.block_size)
 
     def _record_prefix(self, slot: WorkerSlot, prompt_ids: list[int]) -> None:
         self.affinity.record(slot.info.worker_id, prompt_ids, slot.info.block_size)

@@ -34,6 +34,7 @@ class WorkerView:
     inflight_blocks: int = 0
     inflight_prefill_tokens: int = 0
     inflight_requests: int = 0
+    restarts: int = 0  # times Ray restarted the worker and it rejoined
 
     @property
     def kv_blocks_used(self) -> int:

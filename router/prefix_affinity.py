@@ -29,12 +29,13 @@ class PrefixAffinity:
             out.append(parent)
         return out
 
-    def hits(self, prompt_ids: list[int] | None, block_size: int) -> dict[str, int]:
-        """Worker id -> how many leading blocks of the prompt it caches."""
+    async def hits(self, prompt_ids: list[int] | None, block_size: int) -> dict[str, int]:
+        """Worker id -> how many leading blocks of the prompt it caches (none while a remote
+        store is down or slow: routing never waits on it)."""
         if self.store is None or not prompt_ids:
             return {}
         hashes = self.hashes(prompt_ids, block_size)
-        return self.store.match_prefix(hashes) if hashes else {}
+        return await self.store.match_prefix_async(hashes) if hashes else {}
 
     def record(self, worker_id: str, prompt_ids: list[int], block_size: int) -> None:
         """``worker_id`` has just computed this prompt's KV."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+import uuid
 from dataclasses import asdict
 
 import redis
@@ -18,9 +19,12 @@ from redis.retry import Retry
 from router.store import (
     DEFAULT_JOURNAL_TTL_S,
     DEFAULT_MAX_PREFIX_BLOCKS,
+    DEFAULT_STREAM_TTL_S,
     ClusterStore,
     JournalEvent,
     StoreUnavailableError,
+    StreamLog,
+    StreamRecord,
     UnknownWorkerError,
     WorkerLoad,
     WorkerRecord,
@@ -28,6 +32,7 @@ from router.store import (
     _check_role,
     _check_ttl,
     from_dict,
+    redact_url,
 )
 
 __all__ = ["RedisStore"]
@@ -40,7 +45,8 @@ def _unavailable(fn):
         try:
             return fn(self, *args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as e:
-            raise StoreUnavailableError(f"Redis at {self.url} is unavailable: {e}") from e
+            raise StoreUnavailableError(f"Redis at {redact_url(self.url)} is unavailable: {e}"
+                                        ) from e
     return wrapper
 
 
@@ -70,6 +76,17 @@ return 1
 """
 
 
+# Append to a stream log only if it was opened (and has not expired), and keep its three
+# keys' TTLs together. ARGV: ttl ms, finish reason ('' = still live), token ids...
+_STREAM_APPEND_LUA = """
+if redis.call('exists', KEYS[1]) == 0 then return 0 end
+if #ARGV > 2 then redis.call('rpush', KEYS[2], unpack(ARGV, 3)) end
+if ARGV[2] ~= '' then redis.call('set', KEYS[3], ARGV[2]) end
+for i = 1, 3 do redis.call('pexpire', KEYS[i], ARGV[1]) end
+return 1
+"""
+
+
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
@@ -90,8 +107,11 @@ class RedisStore(ClusterStore):
     def __init__(self, url: str, namespace: str = "pdcluster",
                  journal_ttl_s: float = DEFAULT_JOURNAL_TTL_S,
                  max_prefix_blocks_per_worker: int = DEFAULT_MAX_PREFIX_BLOCKS,
-                 connect_timeout_s: float = 2.0, socket_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 2.0, socket_timeout_s: float = 5.0,
+                 stream_ttl_s: float = DEFAULT_STREAM_TTL_S) -> None:
         _check_ttl(journal_ttl_s, "journal_ttl_s")
+        _check_ttl(stream_ttl_s, "stream_ttl_s")
+        self._stream_ttl_ms = _ms(stream_ttl_s)
         if max_prefix_blocks_per_worker < 1:
             raise ValueError("max_prefix_blocks_per_worker must be >= 1")
         if not namespace:
@@ -107,14 +127,21 @@ class RedisStore(ClusterStore):
                 # A couple of quick retries ride out a blip without hiding a dead server.
                 retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2))
         except ValueError as e:
-            raise ValueError(f"bad Redis URL {url!r}: {e}") from e
+            raise ValueError(f"bad Redis URL {redact_url(url)!r}: {e}") from e
         self._heartbeat = self._r.register_script(_HEARTBEAT_LUA)
         self._journal_append = self._r.register_script(_JOURNAL_APPEND_LUA)
-        self._ping()
+        self._stream_append = self._r.register_script(_STREAM_APPEND_LUA)
+        self.ping()
 
     @_unavailable
-    def _ping(self) -> None:
+    def ping(self) -> None:
         self._r.ping()
+
+    @_unavailable
+    def epoch(self) -> str:
+        # The first caller after the data was lost sets a fresh token; everyone reads it.
+        self._r.set(self._k("epoch"), uuid.uuid4().hex, nx=True)
+        return self._r.get(self._k("epoch")) or ""
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.namespace, *parts))
@@ -237,6 +264,39 @@ class RedisStore(ClusterStore):
         min_us = secs * 1_000_000 + micros - self._journal_ttl_ms * 1000
         return self._r.zrevrangebyscore(self._k("journals"), "+inf", f"({min_us}",
                                         start=0, num=limit)
+
+    def _stream_keys(self, request_id: str) -> list[str]:
+        return [self._k("stream", request_id, part) for part in ("rec", "tok", "end")]
+
+    @_unavailable
+    def stream_open(self, record: StreamRecord) -> None:
+        rec, tok, end = self._stream_keys(record.request_id)
+        with self._r.pipeline(transaction=True) as p:
+            p.delete(tok, end)
+            p.set(rec, json.dumps(record.to_dict()), px=self._stream_ttl_ms)
+            p.execute()
+
+    @_unavailable
+    def stream_append(self, request_id: str, token_ids: list[int],
+                      finish_reason: str | None = None) -> None:
+        self._stream_append(keys=self._stream_keys(request_id),
+                            args=[self._stream_ttl_ms, finish_reason or "", *token_ids])
+
+    @_unavailable
+    def stream_read(self, request_id: str, from_index: int = 0) -> StreamLog | None:
+        if from_index < 0:
+            raise ValueError(f"from_index must be >= 0, got {from_index}")
+        rec, tok, end = self._stream_keys(request_id)
+        with self._r.pipeline(transaction=True) as p:
+            p.get(rec)
+            p.lrange(tok, from_index, -1)
+            p.llen(tok)
+            p.get(end)
+            raw, tokens, total, reason = p.execute()
+        if raw is None:
+            return None
+        return StreamLog(StreamRecord.from_dict(json.loads(raw)), [int(t) for t in tokens],
+                         total, reason)
 
     def close(self) -> None:
         self._r.close()

@@ -34,7 +34,11 @@ class StreamState:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     decode_id: str | None = None
     committed: bool = False  # the sequence lives on decode_id (its KV arrived, or submitted)
+    decode_incarnation: str = ""  # ... in that process (Ray may restart a worker under its id)
     migrations: int = 0
+    # Engine queue priority of its prefills: raised once it migrated (the client is waiting
+    # mid-stream, so its re-prefill goes ahead of new prompts).
+    priority: int = 0
     prefill_id: str | None = None
     aborted: bool = False  # Abort RPC: stop retrying, end with finish_reason "abort"
 
@@ -49,7 +53,8 @@ class WorkerLost(WorkerUnavailableError):
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
-        self.reason = reason  # worker_died | worker_silent | stream_lost | token_timeout
+        # worker_died | worker_silent | worker_restarted | stream_lost | token_timeout
+        self.reason = reason
 
 
 class RetryElsewhere(Exception):

@@ -56,6 +56,8 @@ class ServeConfig:
     kv_interface: str | None = None  # or: the NIC whose IPv4 they advertise (every node)
     startup_timeout_s: float = 300.0
     migration_limit: int = 3
+    worker_restarts: int = 3
+    require_redis: bool = False
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
@@ -68,6 +70,8 @@ class ServeConfig:
             raise ValueError("give --kv-host or --kv-interface, not both")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.worker_restarts < 0:
+            raise ValueError(f"--worker-restarts must be >= 0, got {self.worker_restarts}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"--startup-timeout-s must be > 0, got {self.startup_timeout_s}")
 
@@ -90,7 +94,8 @@ class ServeConfig:
             ray_address=self.ray_address, redis_url=self.redis_url,
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
             kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
-            migration_limit=self.migration_limit)
+            migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
+            require_redis=self.require_redis)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -16,7 +16,12 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=None)
     p.add_argument("--http-port", type=int, default=None)
     p.add_argument("--ray-address", default=None, help="join a running Ray cluster ('auto')")
-    p.add_argument("--redis-url", default=None, help="redis://host:port (default: in-process store)")
+    p.add_argument("--redis-url", default=None,
+                   help="redis://[:PASSWORD@]host:port/db or rediss:// (TLS); default: the "
+                        "in-process store. Serving goes on while Redis is down")
+    p.add_argument("--require-redis", action="store_true", default=None,
+                   help="refuse to start while --redis-url does not answer (default: start "
+                        "without it and catch up when it does)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache per worker, e.g. 1GiB")
     p.add_argument("--max-num-seqs", type=int, default=None, help="decode batch size cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -40,6 +45,9 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move to another decode worker when its own dies "
                         "(default 3; 0 fails its stream instead)")
+    p.add_argument("--worker-restarts", type=int, default=None,
+                   help="times Ray restarts a worker whose process died; it rejoins under its "
+                        "id with a new KV port (default 3; 0 leaves it dead)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -6,7 +6,9 @@ Owns three things, behind one interface with two backends:
    latest load report),
 2. the **prefix-cache index** used for KV-aware routing (which worker holds which chained
    block hashes),
-3. the **request journal** (the ordered lifecycle events of each global request id).
+3. the **request journal** (the ordered lifecycle events of each global request id),
+4. the **stream logs** (each request's generated token ids as they stream, so a client whose
+   connection or router died resumes on any router of the deployment).
 
 ``InMemoryStore`` is the embedded default (one process, thread-safe, injectable clock so
 tests never sleep); ``RedisStore`` (router/redis_store.py) is the production backend shared
@@ -31,15 +33,17 @@ from typing import Any, Self, TypeVar
 from worker_protocol import WorkerLoad
 
 __all__ = [
-    "JOURNAL_KINDS", "WORKER_ROLES", "ClusterStore", "InMemoryStore", "JournalEvent",
-    "StoreError", "StoreUnavailableError", "UnknownWorkerError", "WorkerLoad",
-    "WorkerRecord", "make_store",
+    "JOURNAL_KINDS", "TERMINAL_JOURNAL_KINDS", "WORKER_ROLES", "ClusterStore", "InMemoryStore", "JournalEvent",
+    "StoreError", "StreamLog", "StreamRecord", "StoreUnavailableError", "UnknownWorkerError", "WorkerLoad",
+    "WorkerRecord", "make_store", "redact_url",
 ]
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 JOURNAL_KINDS = ("received", "reserved", "prefilled", "committed", "finished", "aborted",
                  "retried", "failed", "migrated")
+TERMINAL_JOURNAL_KINDS = ("finished", "aborted", "failed")  # a request's last event
 DEFAULT_JOURNAL_TTL_S = 3600.0
+DEFAULT_STREAM_TTL_S = 600.0  # a stream log lives this long after its last append
 DEFAULT_MAX_PREFIX_BLOCKS = 100_000
 
 
@@ -106,6 +110,30 @@ class JournalEvent(_Serde):
     def __post_init__(self) -> None:
         if self.kind not in JOURNAL_KINDS:
             raise ValueError(f"unknown journal event kind {self.kind!r}; expected one of {JOURNAL_KINDS}")
+
+
+@dataclass(frozen=True)
+class StreamRecord(_Serde):
+    """What any router needs to resume a request's stream: its tokens come from the log,
+    its text from detokenizing them after the prompt, cut at the same stop strings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stop: list[str]
+    include_stop_str_in_output: bool
+    model_id: str
+
+
+@dataclass(frozen=True)
+class StreamLog:
+    """A stream log read from ``from_index``: its record, the tokens from there on, how many
+    were logged in all, and the finish reason once the request ended (None while live)."""
+
+    record: StreamRecord
+    token_ids: list[int]
+    num_tokens: int
+    finish_reason: str | None
 
 
 def _check_role(role: str | None) -> None:
@@ -184,8 +212,39 @@ class ClusterStore(ABC):
         """Request ids with unexpired journals, most recently appended first."""
 
     @abstractmethod
+    def stream_open(self, record: StreamRecord) -> None:
+        """Start (or restart, emptied) the stream log of ``record.request_id``."""
+
+    @abstractmethod
+    def stream_append(self, request_id: str, token_ids: list[int],
+                      finish_reason: str | None = None) -> None:
+        """Append generated tokens (possibly none) and, on the last append, the finish
+        reason. Ignored for a log that was never opened (or expired)."""
+
+    @abstractmethod
+    def stream_read(self, request_id: str, from_index: int = 0) -> StreamLog | None:
+        """The log from token ``from_index`` on; None if unknown or expired."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release connections. The store must not be used afterwards."""
+
+    @property
+    def up(self) -> bool:
+        """Whether the store answers (a remote one may be down; see ResilientStore)."""
+        return True
+
+    def ping(self) -> None:  # noqa: B027 (optional hook: a local store is always there)
+        """Raise StoreUnavailableError when the store cannot be reached."""
+
+    def epoch(self) -> str:
+        """A token that changes when the store lost its data (a Redis restarted without
+        persistence): whoever keeps state in it must write that state again."""
+        return "local"
+
+    async def match_prefix_async(self, block_hashes: list[int]) -> dict[str, int]:
+        """``match_prefix`` for the router's event loop (a remote store answers off it)."""
+        return self.match_prefix(block_hashes)
 
     def __enter__(self) -> Self:
         return self
@@ -200,8 +259,13 @@ class InMemoryStore(ClusterStore):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  journal_ttl_s: float = DEFAULT_JOURNAL_TTL_S,
-                 max_prefix_blocks_per_worker: int = DEFAULT_MAX_PREFIX_BLOCKS) -> None:
+                 max_prefix_blocks_per_worker: int = DEFAULT_MAX_PREFIX_BLOCKS,
+                 stream_ttl_s: float = DEFAULT_STREAM_TTL_S) -> None:
         _check_ttl(journal_ttl_s, "journal_ttl_s")
+        _check_ttl(stream_ttl_s, "stream_ttl_s")
+        self._stream_ttl_s = stream_ttl_s
+        # request id -> [record, tokens, finish_reason, expires_at]
+        self._streams: dict[str, list] = {}
         if max_prefix_blocks_per_worker < 1:
             raise ValueError("max_prefix_blocks_per_worker must be >= 1")
         self._clock = clock
@@ -324,16 +388,68 @@ class InMemoryStore(ClusterStore):
             self._expire_journals(self._clock())
             return list(reversed(self._journals))[:limit]
 
+    def stream_open(self, record: StreamRecord) -> None:
+        with self._lock:
+            now = self._clock()
+            self._expire_streams(now)
+            self._streams[record.request_id] = [record, [], None, now + self._stream_ttl_s]
+
+    def stream_append(self, request_id: str, token_ids: list[int],
+                      finish_reason: str | None = None) -> None:
+        with self._lock:
+            now = self._clock()
+            self._expire_streams(now)
+            entry = self._streams.get(request_id)
+            if entry is None:
+                return
+            entry[1].extend(token_ids)
+            if finish_reason is not None:
+                entry[2] = finish_reason
+            entry[3] = now + self._stream_ttl_s
+
+    def stream_read(self, request_id: str, from_index: int = 0) -> StreamLog | None:
+        if from_index < 0:
+            raise ValueError(f"from_index must be >= 0, got {from_index}")
+        with self._lock:
+            self._expire_streams(self._clock())
+            entry = self._streams.get(request_id)
+            if entry is None:
+                return None
+            record, tokens, reason, _ = entry
+            return StreamLog(record, list(tokens[from_index:]), len(tokens), reason)
+
+    def _expire_streams(self, now: float) -> None:
+        for rid in [r for r, e in self._streams.items() if e[3] <= now]:
+            del self._streams[rid]
+
     def close(self) -> None:
         pass
 
 
 def make_store(redis_url: str | None, namespace: str = "pdcluster",
-               journal_ttl_s: float = DEFAULT_JOURNAL_TTL_S) -> ClusterStore:
-    """``RedisStore`` when ``redis_url`` is given (raises StoreUnavailableError if it is not
-    reachable), else the embedded ``InMemoryStore``."""
+               journal_ttl_s: float = DEFAULT_JOURNAL_TTL_S,
+               require: bool = False) -> ClusterStore:
+    """For a ``redis_url`` (``redis://`` or ``rediss://``, password in the URL): a
+    ``RedisStore`` behind a ``ResilientStore``, which serves on while Redis is down, at
+    start-up too (``require``: raise StoreUnavailableError instead). Without one: the
+    embedded ``InMemoryStore``. A malformed URL raises ValueError."""
     if redis_url:
         from router.redis_store import RedisStore
+        from router.resilient_store import ResilientStore
 
-        return RedisStore(redis_url, namespace=namespace, journal_ttl_s=journal_ttl_s)
+        return ResilientStore(
+            lambda: RedisStore(redis_url, namespace=namespace, journal_ttl_s=journal_ttl_s),
+            f"Redis at {redact_url(redis_url)}", require=require)
     return InMemoryStore(journal_ttl_s=journal_ttl_s)
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (it goes to logs)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))

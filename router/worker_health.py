@@ -24,6 +24,14 @@ log = logging.getLogger(__name__)
 DecodeLost = Callable[[str, str, str], None]
 
 
+def is_restarting(e: BaseException) -> bool:
+    """Ray's word that the actor's process died and is being started again (a transient
+    ActorUnavailableError whose message says so; a cut link reads differently)."""
+    import ray.exceptions
+
+    return isinstance(e, ray.exceptions.ActorUnavailableError) and "restarting" in str(e)
+
+
 class WorkerHealth:
     def __init__(self, store, quarantine_s: float, silent_s: float,
                  on_decode_lost: DecodeLost) -> None:

@@ -12,6 +12,7 @@ from worker_protocol.messages import (
     CommitResult,
     PrefillRequest,
     PrefillResult,
+    PrefillTimeoutError,
     ReserveRequest,
     ReserveResult,
     SubmitRequest,
@@ -29,14 +30,18 @@ from worker_protocol.runtime import (
     current_node_ip,
     exit_on_engine_crash,
     kv_host_for,
+    new_incarnation,
     pin_nccl_to,
     resolve_kv_host,
+    restarted_by_ray,
 )
 
 __all__ = [
     "CONTROL_GROUP", "CONTROL_GROUP_THREADS", "control",
     "AbortRequest", "CommitRequest", "CommitResult", "PrefillRequest", "PrefillResult",
+    "PrefillTimeoutError",
     "ReserveRequest", "ReserveResult", "SubmitRequest", "TokenBatch", "TokenUpdate",
     "KVHost", "WorkerConfig", "WorkerInfo", "WorkerLoad", "apply_cpu_affinity",
-    "current_node_id", "current_node_ip", "exit_on_engine_crash", "kv_host_for", "pin_nccl_to", "resolve_kv_host",
+    "current_node_id", "current_node_ip", "exit_on_engine_crash", "kv_host_for", "new_incarnation",
+    "pin_nccl_to", "resolve_kv_host", "restarted_by_ray",
 ]

@@ -40,6 +40,9 @@ class WorkerInfo:
     kv_address: PeerAddress | None = None  # decode workers: where their TCPStore listens
     node_ip: str = "127.0.0.1"  # the host it runs on (its Ray node's address)
     kv_host: str = "127.0.0.1"  # the address its KV endpoints bind and advertise
+    # New for every start of the process: a worker Ray restarted (same id, same handle) has
+    # a new incarnation, a new KV port and none of the old sequences.
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class WorkerLoad:
     kv_blocks_reserved: int = 0
     kv_transfer_bytes: int = 0  # sent (prefill) or received (decode) so far
     reported_at: float = 0.0  # wall-clock seconds, set where the report is stored
+    incarnation: str = ""  # the reporting process's (WorkerInfo.incarnation)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,11 @@ class ReserveResult:
     ok: bool
     reason: str = ""  # why not, when refused (no KV capacity, cannot receive, ...)
     num_blocks: int = 0
+    # Where the reserving process receives the KV, and which process that is. The prefill
+    # worker sends here, not to the router's record: a worker Ray has just restarted
+    # listens on a new port before the router has re-read its WorkerInfo.
+    kv_address: PeerAddress | None = None
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,7 @@ class SubmitRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    priority: int = 0  # queued ahead of lower priorities (a migrated stream's re-prefill)
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,15 @@ class PrefillRequest:
     sampling_params: SamplingParams
     transfer: KVTransferSpec
     destination: PeerAddress
+    # The worker gives up (aborts the prompt, frees its pages) after this long; None: its
+    # own default. The router waits a little longer, so the worker's answer arrives first.
+    timeout_s: float | None = None
+    priority: int = 0  # queued ahead of lower priorities (a migrated stream's re-prefill)
+
+
+class PrefillTimeoutError(RuntimeError):
+    """A prefill worker did not finish a prompt (queue + compute + send) within its deadline;
+    the prompt was aborted there."""
 
 
 @dataclass(frozen=True)

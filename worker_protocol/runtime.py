@@ -30,10 +30,27 @@ def current_node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
+def new_incarnation() -> str:
+    """A fresh id for this start of a worker process (``WorkerInfo.incarnation``)."""
+    import uuid
+
+    return uuid.uuid4().hex[:12]
+
+
+def restarted_by_ray() -> bool:
+    """Whether Ray restarted this actor after its process died (its constructor is running
+    again). Fault injection fires in the first incarnation only, so a test's failure happens
+    once and the restarted worker serves."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+
+
 def exit_on_engine_crash(worker_id: str):
     """An ``EngineLoop.on_crash`` for a Ray worker: a loop that died leaves an engine in an
-    unknown state, so the process exits and Ray reports the actor dead (the router then stops
-    routing to it and fails, or moves, its requests) instead of looking alive and hanging.
+    unknown state, so the process exits and Ray restarts the actor (or, past its restarts,
+    reports it dead); the router moves its requests instead of the worker looking alive and
+    hanging.
     Outside Ray (a worker built in a test) it only logs."""
 
     def on_crash(error: BaseException) -> None:

@@ -162,7 +162,8 @@ def test_serve_refuses_lengths_beyond_the_servers_context(tmp_path, tiny_frontdo
 @pytest.mark.slow
 def test_chaos_loses_nothing_when_workers_die(tmp_path, tiny_llama_dir):
     """Both rounds (SIGKILL, SIGSTOP a decode worker, then SIGKILL a prefill worker, then an
-    abort storm): every stream completes with the undisturbed run's tokens, nothing leaks."""
+    abort storm): every stream completes with the undisturbed run's tokens, nothing leaks,
+    and the killed workers are restarted and ready again."""
     from bench import chaos
 
     _run(chaos, ["chaos", "--model", str(tiny_llama_dir), "--quick", "--streams", "4",
@@ -175,4 +176,10 @@ def test_chaos_loses_nothing_when_workers_die(tmp_path, tiny_llama_dir):
         assert r["requests"] == 8 and r["completed"] == 8 and r["identical"] == 8, r
         assert r["migrated_streams"] > 0 and sum(r["migrations"].values()) >= r["migrated_streams"]
         assert r["blocks_leaked"] == {}
+        assert r["workers_ready"] == r["workers"] == 4, r  # the killed ones came back
+    # SIGKILL'd workers (decode victim and prefill-0 in round 1, prefill-0 in round 2) were
+    # restarted by Ray and rejoined; a SIGSTOP'd one was only paused
+    assert data["rounds"][0]["restarts"].get("prefill-0") == 1
+    assert len(data["rounds"][0]["restarts"]) == 2
+    assert data["rounds"][1]["restarts"] == {"prefill-0": 1}
     assert all(t["met"] for t in data["targets"])

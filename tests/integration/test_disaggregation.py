@@ -213,8 +213,9 @@ def test_abort_by_id_during_prefill_is_not_retried(loop, tiny_llama_dir, workloa
 def test_dead_transfer_peer_releases_reservation_and_request_completes_elsewhere(
         loop, tiny_llama_dir, workload):
     prompts, refs = workload
+    # No restarts: this is the worker gone for good (restarts: test_restarted_workers_...).
     config = _config(tiny_llama_dir, worker_overrides={"prefill-0": {"fault_exit_after_layers": 1}},
-                     transfer_timeout_s=5.0, lease_s=5.0)
+                     transfer_timeout_s=5.0, lease_s=5.0, worker_restarts=0)
 
     async def body(cluster):
         toks, last = await _collect(cluster, prompts[6], request_id="survivor")
@@ -319,14 +320,17 @@ def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_
     assert aborted and abort_s < 1.0
 
 
-@pytest.mark.parametrize("mode,sig", [("disaggregated", "SIGKILL"), ("colocated", "SIGKILL"),
-                                      ("disaggregated", "SIGSTOP")])
-def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_llama_dir, mode, sig):
+@pytest.mark.parametrize("mode,sig,restarts", [("disaggregated", "SIGKILL", 0),
+                                               ("colocated", "SIGKILL", 2),
+                                               ("disaggregated", "SIGSTOP", 2)])
+def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_llama_dir, mode, sig,
+                                                                  restarts):
     """SIGKILL (or SIGSTOP: alive for Ray, silent for us) a decode worker while its streams
     are mid-way: each continues on the other decode worker (prompt + tokens so far
     re-prefilled) and the client's stream equals an undisturbed run, token for token; the
     journal records the move; no block is left held (a stopped worker, once continued,
-    frees what it held)."""
+    frees what it held). Without restarts Ray reports the killed worker dead; with them its
+    token stream breaks and it comes back later (test_restarted_workers_rejoin_and_serve)."""
     import os
     import signal
 
@@ -334,7 +338,7 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     refs = hf_greedy(tiny_llama_dir, "llama", prompts, 300)
     config = _config(tiny_llama_dir, mode=mode, num_prefill_workers=2 if mode == "disaggregated"
-                     else 0)
+                     else 0, worker_restarts=restarts)
 
     async def body(cluster):
         streams = [cluster.generate(GenerateInput(long, token_ids=p, request_id=f"m{i}"))
@@ -367,5 +371,80 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     assert on_victim, "no stream was on the lost worker"
     assert got == refs
     assert all(j.count("migrated") == 1 and j[-1] == "finished" for j in journals.values())
-    reason = "worker_died" if sig == "SIGKILL" else "worker_silent"
-    assert migrations == {reason: len(on_victim)}
+    if sig == "SIGSTOP" or restarts == 0:
+        reason = "worker_silent" if sig == "SIGSTOP" else "worker_died"
+        assert migrations == {reason: len(on_victim)}
+    else:  # Ray's first word on a restarting actor is "restarting" or a closed socket
+        assert set(migrations) <= {"worker_restarted", "stream_lost"}
+        assert sum(migrations.values()) == len(on_victim)
+
+
+def test_restarted_workers_rejoin_and_serve(loop, tiny_llama_dir, workload):
+    """SIGKILL a decode and a prefill worker mid-stream with restarts on: the streams migrate
+    (tokens equal transformers), Ray restarts both processes, and each rejoins under its id:
+    a new pid, the decode worker's new KV port, ``restarts`` 1, state ready. Then both serve
+    again: KV flows to the restarted decode worker's new port from the restarted prefill
+    worker and from prefill-1, which had a group with decode-0's old process (it drops its
+    cached store client and group when the address changes)."""
+    import os
+    import signal
+
+    prompts, refs = workload
+    long_prompts = random_prompts(seed=22, count=4, max_len=40, min_len=8)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    long_refs = hf_greedy(tiny_llama_dir, "llama", long_prompts, 200)
+    config = _config(tiny_llama_dir, worker_restarts=2)
+
+    def only(cluster, prefill: str | None, decode: str | None) -> None:
+        """Route new requests to these workers alone (the others look KV-quarantined)."""
+        orch, until = cluster.orchestrator, time.monotonic() + 600
+        for slots, keep in ((orch.prefill, prefill), (orch.decode, decode)):
+            for wid, slot in slots.items():
+                slot.view.kv_unreachable_until = 0.0 if keep in (None, wid) else until
+
+    async def body(cluster):
+        only(cluster, "prefill-1", "decode-0")  # prefill-1 gets a group with decode-0
+        warm, _ = await _collect(cluster, prompts[9], request_id="warm")
+        sent_before = {lo.worker_id: lo.kv_transfer_bytes for lo in await cluster.worker_loads()}
+        only(cluster, None, None)
+        streams = [cluster.generate(GenerateInput(long, token_ids=p, request_id=f"r{i}"))
+                   for i, p in enumerate(long_prompts)]
+        got = [[] for _ in long_prompts]
+        for i, s in enumerate(streams):
+            while len(got[i]) < 5:
+                got[i] += (await anext(s)).token_ids
+        before = {w.id: w for w in await cluster.cluster_status()}
+        for victim in ("decode-0", "prefill-0"):
+            os.kill(before[victim].pid, signal.SIGKILL)
+
+        async def drain(i, s):
+            async for ch in s:
+                got[i] += ch.token_ids
+        await asyncio.wait_for(asyncio.gather(*[drain(i, s) for i, s in enumerate(streams)]), 120)
+
+        def rejoined(status):
+            w = {x.id: x for x in status}
+            return all(w[v].state == "ready" and w[v].restarts == 1 for v in ("decode-0", "prefill-0"))
+        after = {w.id: w for w in await _wait_for(cluster.cluster_status, rejoined, 60)}
+        only(cluster, None, "decode-0")  # every transfer goes to decode-0's new port
+        sent_mid = {lo.worker_id: lo.kv_transfer_bytes for lo in await cluster.worker_loads()}
+        results = await asyncio.gather(*[_collect(cluster, p, request_id=f"again-{i}")
+                                         for i, p in enumerate(prompts[:8])])
+        loads = {lo.worker_id: lo for lo in await cluster.worker_loads()}
+        await _assert_no_blocks_held(cluster)
+        return got, before, after, [warm] + [t for t, _ in results], loads, sent_before, sent_mid
+
+    got, before, after, toks, loads, sent_before, sent_mid = _run_cluster(loop, config, body)
+    assert sent_before["prefill-1"] > 0 and sent_before["decode-0"] == sent_before["prefill-1"]
+    assert got == long_refs
+    assert toks == [refs[9]] + refs[:8]
+    for victim in ("decode-0", "prefill-0"):
+        assert after[victim].pid != before[victim].pid
+        assert after[victim].restarts == 1
+    assert after["decode-0"].kv_address != before["decode-0"].kv_address
+    assert after["decode-1"].restarts == 0 and after["prefill-1"].restarts == 0
+    # The restarted processes' counters start at zero; decode-0's new one received exactly
+    # what both prefill workers sent after the restart, and each sent some.
+    from_p1 = loads["prefill-1"].kv_transfer_bytes - sent_mid["prefill-1"]
+    assert loads["prefill-0"].kv_transfer_bytes > 0 and from_p1 > 0
+    assert loads["decode-0"].kv_transfer_bytes == loads["prefill-0"].kv_transfer_bytes + from_p1

@@ -344,3 +344,45 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_llama_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_fuzzed_requests_get_an_answer_or_invalid_argument_naming_the_field(address, client,
+                                                                             backend, kv_probe):
+    """Random prompts and sampling fields at the limits of their wire types (NaN and
+    infinite floats, int64 seeds, uint32 stop ids, 300 stop ids, long stop strings) through
+    the raw stub while a good greedy request runs beside them: each stream ends OK or with
+    INVALID_ARGUMENT naming a field it set, never another code; the good request's tokens
+    equal its run alone, and no KV block is left held."""
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.fuzz_inputs import BackgroundStream, names_a_field, proto_fields
+
+    alone = client.generate(PROMPT, max_tokens=64, temperature=0, ignore_eos=True).token_ids
+    def bystander() -> list[int]:
+        with Client(address, timeout=300) as c:
+            return c.generate(PROMPT, max_tokens=64, temperature=0, ignore_eos=True).token_ids
+
+    bg = BackgroundStream(bystander)
+    seen: dict[str, int] = {}
+
+    @settings(max_examples=20, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(proto_fields(backend.model_info().vocab_size))
+    def one(case):
+        prompt, fields = case
+        kw = {"text": prompt} if isinstance(prompt, str) else {"token_ids": pb.TokenIds(ids=prompt)}
+        req = pb.GenerateRequest(sampling=pb.SamplingParams(**fields), **kw)
+        with grpc.insecure_channel(address) as ch:
+            try:
+                list(pb_grpc.GenerationStub(ch).Generate(req, timeout=120))
+                seen["OK"] = seen.get("OK", 0) + 1
+            except grpc.RpcError as e:
+                seen[e.code().name] = seen.get(e.code().name, 0) + 1
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, e.code(), e.details())
+                assert names_a_field(e.details(), fields), (case, e.details())
+
+    assert bg.running()
+    one()
+    assert bg.result(300) == alone
+    assert seen.get("OK") and seen.get("INVALID_ARGUMENT"), seen
+    kv_probe.wait_until_free()

@@ -116,10 +116,15 @@ def test_two_routers_share_one_cluster_view(namespace):
 @pytest.mark.timeout(20)  # a hang guard, not a speed check: connect timeouts bound the failure
 def test_unreachable_redis_fails_fast_with_a_clear_error():
     with pytest.raises(StoreUnavailableError, match="127.0.0.1:1"):
-        make_store("redis://127.0.0.1:1/0")
+        RedisStore("redis://127.0.0.1:1/0")
+    with pytest.raises(StoreUnavailableError, match="127.0.0.1:1"):  # --require-redis
+        make_store("redis://127.0.0.1:1/0", require=True)
 
 
-def test_make_store_with_url_is_redis(namespace):
+def test_make_store_with_url_is_redis_behind_the_outage_guard(namespace):
+    from router.resilient_store import ResilientStore
+
     store = make_store(REDIS_URL, namespace=namespace)
-    assert isinstance(store, RedisStore)
+    assert isinstance(store, ResilientStore) and store.up
+    assert isinstance(store._backend, RedisStore)
     store.close()

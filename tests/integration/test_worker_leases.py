@@ -1,4 +1,5 @@
-"""Decode-worker reservations without Ray: leases expire, handshakes refuse other models."""
+"""Workers without Ray: decode-worker leases expire, handshakes refuse other models, a prefill
+past its deadline is given up (and freed) by the prefill worker itself."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ import pytest
 from decode_workers.worker import DecodeWorker
 from engine import EngineArgs, SamplingParams
 from kv_transfer import KVHandshakeError, KVLayout, KVTransferError, KVTransferSpec
+from prefill_workers.worker import PrefillWorker
 from tests.tiny_models import save_tiny_model
-from worker_protocol import AbortRequest, CommitRequest, ReserveRequest, WorkerConfig
+from worker_protocol import (
+    AbortRequest,
+    CommitRequest,
+    PrefillRequest,
+    PrefillTimeoutError,
+    ReserveRequest,
+    WorkerConfig,
+)
 
 
 @pytest.fixture()
@@ -80,3 +89,45 @@ def test_handshake_refuses_a_different_model(decode_worker, tiny_llama_dir, tmp_
     assert decode_worker.load().kv_blocks_used == 0
     assert decode_worker.load().kv_blocks_reserved == 0
 
+
+
+def test_prefill_past_its_deadline_is_aborted_by_the_prefill_worker(tiny_llama_dir):
+    """A PrefillRequest carries its deadline: the worker stops waiting for the prompt after
+    ``timeout_s``, aborts it (no pages, no queued work left) and says so with
+    PrefillTimeoutError; the next prompt on the same worker is served."""
+    prefill = PrefillWorker(WorkerConfig(
+        "prefill-t", "prefill", EngineArgs(model=str(tiny_llama_dir), block_size=16),
+        transfer_timeout_s=5.0, fault_delay_per_layer_s=0.4))  # 2 layers: 0.8 s per prompt
+    decode_worker = DecodeWorker(WorkerConfig(
+        "decode-t", "decode", EngineArgs(model=str(tiny_llama_dir), block_size=8),
+        lease_s=10.0, transfer_timeout_s=5.0))
+    try:
+        def prefill_one(rid, transfer_id, timeout_s):
+            n = 20
+            spec = KVTransferSpec(rid, transfer_id, n, decode_worker.layout)
+            prompt = list(range(3, 3 + n))
+            res = decode_worker.reserve(ReserveRequest(rid, prompt, SamplingParams(max_tokens=4),
+                                                       spec, "prefill-t"))
+            assert res.ok and res.kv_address == decode_worker.receiver.address
+            return prefill.prefill(PrefillRequest(rid, prompt, SamplingParams(max_tokens=4), spec,
+                                                  res.kv_address, timeout_s))
+
+        t0 = time.monotonic()
+        with pytest.raises(PrefillTimeoutError, match=r"late.*not done within 0.2 s on prefill-t"):
+            prefill_one("late", 1, 0.2)
+        assert time.monotonic() - t0 < 0.7  # it gave up at its deadline, not at the prompt's end
+        assert prefill.layers_sent("late") == -1  # no longer pending here
+        decode_worker.abort(AbortRequest("late"))  # what the router does with the reservation
+        deadline = time.monotonic() + 5
+        while (lo := prefill.load()).kv_blocks_used or lo.requests_running or lo.requests_waiting:
+            assert time.monotonic() < deadline, f"the timed-out prompt is still held: {lo}"
+            time.sleep(0.05)
+
+        result = prefill_one("on-time", 2, 10.0)
+        assert result.request_id == "on-time" and result.kv_bytes > 0
+        commit = decode_worker.commit(CommitRequest("on-time", result.first_token_id, 5.0))
+        assert not commit.finished
+        decode_worker.abort(AbortRequest("on-time"))
+    finally:
+        prefill.shutdown()
+        decode_worker.shutdown()

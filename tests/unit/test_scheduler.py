@@ -183,6 +183,26 @@ def test_seq_cap_limits_the_running_batch():
     h.assert_all_free()
 
 
+def test_a_higher_priority_request_is_admitted_ahead_of_waiting_ones():
+    """A migrated stream's re-prefill (priority 1) goes ahead of prompts already waiting,
+    behind the running batch and behind earlier requests of its own priority."""
+    h = make(max_num_seqs=1)
+    for i in range(3):
+        h.add(f"new{i}", 4, max_tokens=2)
+    h.step()  # new0 runs; new1, new2 wait
+    for rid in ("moved-a", "moved-b"):
+        req = Request(rid, list(range(900, 904)), SamplingParams(max_tokens=2),
+                      arrival_time=h.clock(), eos_token_ids=(EOS,), priority=1)
+        h.sched.add_request(req)
+    assert [r.request_id for r in h.sched.waiting] == ["moved-a", "moved-b", "new1", "new2"]
+    order = []
+    while h.sched.has_unfinished:
+        out, _ = h.step()
+        order += [rid for rid in chunk_ids(out) if rid not in order]
+    assert order == ["new0", "moved-a", "moved-b", "new1", "new2"]
+    h.assert_all_free()
+
+
 def test_without_chunked_prefill_a_prompt_waits_for_the_whole_budget():
     h = make(max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
     h.add("a", 10, max_tokens=3)

@@ -16,6 +16,8 @@ from router.store import (
     ClusterStore,
     InMemoryStore,
     JournalEvent,
+    StreamLog,
+    StreamRecord,
     UnknownWorkerError,
     WorkerLoad,
     WorkerRecord,
@@ -192,6 +194,33 @@ class StoreContract:
         assert store.journal_get("req-1") == [JournalEvent(1.0, "received", None)]
         h.wait_until(lambda: store.journal_get("req-1") == [] and store.journal_recent() == [],
                      h.ttl_s)
+
+    # -- stream logs ----------------------------------------------------------------------
+
+    def test_stream_log_reads_from_any_index_and_ends_with_its_reason(self, h: Harness):
+        rec = StreamRecord("req-s", [5, 6, 7], 6, ["\n\n"], False, "tiny-llama")
+        h.store.stream_open(rec)
+        assert h.store.stream_read("req-s") == StreamLog(rec, [], 0, None)
+        h.store.stream_append("req-s", [11, 12])
+        h.store.stream_append("req-s", [])  # an update without tokens is fine
+        h.store.stream_append("req-s", [13])
+        assert h.store.stream_read("req-s", 1) == StreamLog(rec, [12, 13], 3, None)
+        h.store.stream_append("req-s", [14], "length")
+        assert h.store.stream_read("req-s") == StreamLog(rec, [11, 12, 13, 14], 4, "length")
+        assert h.store.stream_read("req-s", 9) == StreamLog(rec, [], 4, "length")
+        assert h.store.stream_read("unknown") is None
+        h.store.stream_append("never-opened", [1], "stop")  # ignored, not created
+        assert h.store.stream_read("never-opened") is None
+        with pytest.raises(ValueError, match="from_index"):
+            h.store.stream_read("req-s", -1)
+        h.store.stream_open(rec)  # reopened (a retried id): starts empty again
+        assert h.store.stream_read("req-s") == StreamLog(rec, [], 0, None)
+
+    def test_stream_log_expires_after_its_last_append(self, h: Harness):
+        store = h.make(stream_ttl_s=h.ttl_s)
+        store.stream_open(StreamRecord("req-e", [1], 4, [], False, "m"))
+        store.stream_append("req-e", [2], "stop")
+        h.wait_until(lambda: store.stream_read("req-e") is None, h.ttl_s)
 
     def test_concurrent_appends_lose_nothing(self, h: Harness):
         def append(t: int) -> None:
