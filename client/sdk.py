@@ -12,6 +12,11 @@ Errors are ``PdclusterError`` subclasses (``InvalidArgument``, ``NotFound``,
 but only before any token arrived. Closing a stream early (``close()``, leaving the ``with``
 block, ``break`` then garbage collection, or cancelling the task) cancels the call, and the
 server aborts the request and frees its KV.
+
+Resumable streams: ``stream(..., resume=True)`` asks the server to keep the request running
+if the call breaks, and resumes it by itself (``Resume`` RPC, on whichever router answers)
+from the last token received; ``resume(request_id, from_index)`` does the same by hand, e.g.
+from another process. The tokens equal an unbroken stream's.
 """
 
 from __future__ import annotations
@@ -72,8 +77,10 @@ class GenerateStream:
     holds everything joined once the stream is exhausted. ``close()`` cancels the call.
     """
 
-    def __init__(self, stub: pb_grpc.GenerationStub, request: pb.GenerateRequest,
-                 timeout: float | None, retry: RetryPolicy) -> None:
+    def __init__(self, stub: pb_grpc.GenerationStub, request: pb.GenerateRequest | None,
+                 timeout: float | None, retry: RetryPolicy, *, resume: bool = False,
+                 request_id: str | None = None, from_index: int = 0) -> None:
+        """``request`` None: follow ``request_id``'s stream from ``from_index`` (Resume)."""
         self._stub = stub
         self._request = request
         self._deadline = _Deadline(timeout)
@@ -82,17 +89,51 @@ class GenerateStream:
         self._attempt = 0
         self._got_tokens = False
         self._done = False
-        self.request_id: str | None = request.request_id or None
+        self._resume = resume or request is None
+        self._resuming = request is None  # the next call is Resume
+        self._resumes = 0
+        self._received = from_index  # tokens the caller has: where a resume starts
+        self.request_id: str | None = (request_id or (request.request_id if request else None)
+                                       or None)
         self.result = GenerateResult(self.request_id or "")
+
+    def _new_call(self):
+        timeout = self._deadline.remaining()
+        if self._resuming:
+            return self._stub.Resume(pb.ResumeRequest(request_id=self.request_id,
+                                                      from_index=self._received), timeout=timeout)
+        return self._stub.Generate(self._request, timeout=timeout)
+
+    def _resume_delay(self, code: grpc.StatusCode) -> float | None:
+        """Seconds to wait before resuming a broken stream, or None: do not resume."""
+        if not (self._resume and self.request_id and (self._got_tokens or self._resuming)):
+            return None
+        if not self._retry.should_resume(code, self._resumes):
+            return None
+        self._resuming = True
+        self._resumes += 1
+        return self._deadline.clip(self._retry.resume_backoff_s(self._resumes - 1))
+
+    def _accept(self, resp) -> StreamChunk:
+        chunk = chunk_from_response(resp)
+        self.request_id = chunk.request_id or self.request_id
+        self._got_tokens = self._got_tokens or bool(chunk.token_ids)
+        self._received += len(chunk.token_ids)
+        self.result.add(chunk)
+        return chunk
 
     def _ensure_call(self):
         if self._call is None:
-            self._call = self._stub.Generate(self._request, timeout=self._deadline.remaining())
+            self._call = self._new_call()
         return self._call
 
     def _handle(self, e: grpc.RpcError) -> None:
-        """Retry (return) or raise the mapped error."""
+        """Retry or resume (return), or raise the mapped error."""
         self._call = None
+        delay = self._resume_delay(e.code())
+        if delay is not None:
+            time.sleep(delay)
+            return
         if self._retry.should_retry(e.code(), self._attempt, self._got_tokens):
             time.sleep(self._deadline.clip(self._retry.backoff_s(self._attempt)))
             self._attempt += 1
@@ -126,11 +167,7 @@ class GenerateStream:
             except grpc.RpcError as e:
                 self._handle(e)
                 continue
-            chunk = chunk_from_response(resp)
-            self.request_id = chunk.request_id or self.request_id
-            self._got_tokens = self._got_tokens or bool(chunk.token_ids)
-            self.result.add(chunk)
-            return chunk
+            return self._accept(resp)
         raise StopIteration
 
     def close(self) -> None:
@@ -173,14 +210,26 @@ class Client:
     def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, model: str | None = None,
                request_id: str | None = None, timeout: float | None = None,
-               **sampling) -> GenerateStream:
+               resume: bool = False, **sampling) -> GenerateStream:
         """Stream one request. Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``;
         ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, min_tokens, include_stop_str_in_output (unset: server defaults).
+        ``resume``: the request survives a broken call (router restarted, connection cut)
+        and this stream resumes it by itself from the last token received (UNAVAILABLE is
+        retried up to ``RetryPolicy.max_resumes`` times); without it, a broken call after
+        the first token raises and the server aborts the request.
         Raises ValueError / TypeError for a malformed call; server errors surface while
         iterating."""
-        req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling)
-        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry)
+        req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling,
+                            resumable=resume)
+        return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, resume=resume)
+
+    def resume(self, request_id: str, from_index: int = 0,
+               timeout: float | None = None) -> GenerateStream:
+        """Follow ``request_id``'s stream (on any router of its deployment) from token
+        ``from_index`` on, until the request ends. NotFound for an unknown or expired id."""
+        return GenerateStream(self._stub, None, self._timeout(timeout), self.retry,
+                              request_id=request_id, from_index=from_index)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
         """Run one request to completion; same arguments as ``stream``."""
@@ -229,8 +278,10 @@ class AsyncGenerateStream:
     """Async iterator of ``StreamChunk``; ``aclose()`` (or ``async with``, or cancelling the
     task that iterates) cancels the call and the server aborts the request."""
 
-    def __init__(self, stub: pb_grpc.GenerationStub, request: pb.GenerateRequest,
-                 timeout: float | None, retry: RetryPolicy) -> None:
+    def __init__(self, stub: pb_grpc.GenerationStub, request: pb.GenerateRequest | None,
+                 timeout: float | None, retry: RetryPolicy, *, resume: bool = False,
+                 request_id: str | None = None, from_index: int = 0) -> None:
+        """``request`` None: follow ``request_id``'s stream from ``from_index`` (Resume)."""
         self._stub = stub
         self._request = request
         self._deadline = _Deadline(timeout)
@@ -239,16 +290,50 @@ class AsyncGenerateStream:
         self._attempt = 0
         self._got_tokens = False
         self._done = False
-        self.request_id: str | None = request.request_id or None
+        self._resume = resume or request is None
+        self._resuming = request is None  # the next call is Resume
+        self._resumes = 0
+        self._received = from_index  # tokens the caller has: where a resume starts
+        self.request_id: str | None = (request_id or (request.request_id if request else None)
+                                       or None)
         self.result = GenerateResult(self.request_id or "")
+
+    def _new_call(self):
+        timeout = self._deadline.remaining()
+        if self._resuming:
+            return self._stub.Resume(pb.ResumeRequest(request_id=self.request_id,
+                                                      from_index=self._received), timeout=timeout)
+        return self._stub.Generate(self._request, timeout=timeout)
+
+    def _resume_delay(self, code: grpc.StatusCode) -> float | None:
+        """Seconds to wait before resuming a broken stream, or None: do not resume."""
+        if not (self._resume and self.request_id and (self._got_tokens or self._resuming)):
+            return None
+        if not self._retry.should_resume(code, self._resumes):
+            return None
+        self._resuming = True
+        self._resumes += 1
+        return self._deadline.clip(self._retry.resume_backoff_s(self._resumes - 1))
+
+    def _accept(self, resp) -> StreamChunk:
+        chunk = chunk_from_response(resp)
+        self.request_id = chunk.request_id or self.request_id
+        self._got_tokens = self._got_tokens or bool(chunk.token_ids)
+        self._received += len(chunk.token_ids)
+        self.result.add(chunk)
+        return chunk
 
     def _ensure_call(self):
         if self._call is None:
-            self._call = self._stub.Generate(self._request, timeout=self._deadline.remaining())
+            self._call = self._new_call()
         return self._call
 
     async def _handle(self, e: grpc.aio.AioRpcError) -> None:
         self._call = None
+        delay = self._resume_delay(e.code())
+        if delay is not None:
+            await asyncio.sleep(delay)
+            return
         if self._retry.should_retry(e.code(), self._attempt, self._got_tokens):
             await asyncio.sleep(self._deadline.clip(self._retry.backoff_s(self._attempt)))
             self._attempt += 1
@@ -286,11 +371,7 @@ class AsyncGenerateStream:
             if resp is grpc.aio.EOF:
                 self._done = True
                 break
-            chunk = chunk_from_response(resp)
-            self.request_id = chunk.request_id or self.request_id
-            self._got_tokens = self._got_tokens or bool(chunk.token_ids)
-            self.result.add(chunk)
-            return chunk
+            return self._accept(resp)
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
@@ -325,10 +406,18 @@ class AsyncClient:
     def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, model: str | None = None,
                request_id: str | None = None, timeout: float | None = None,
-               **sampling) -> AsyncGenerateStream:
+               resume: bool = False, **sampling) -> AsyncGenerateStream:
         """See ``Client.stream``."""
-        req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling)
-        return AsyncGenerateStream(self._stub, req, self._timeout(timeout), self.retry)
+        req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling,
+                            resumable=resume)
+        return AsyncGenerateStream(self._stub, req, self._timeout(timeout), self.retry,
+                                   resume=resume)
+
+    def resume(self, request_id: str, from_index: int = 0,
+               timeout: float | None = None) -> AsyncGenerateStream:
+        """See ``Client.resume``."""
+        return AsyncGenerateStream(self._stub, None, self._timeout(timeout), self.retry,
+                                   request_id=request_id, from_index=from_index)
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
         async with self.stream(prompt, **kwargs) as s:

@@ -142,6 +142,10 @@ class RetryPolicy:
     max_retries: int = 3
     initial_backoff_s: float = 0.05
     max_backoff_s: float = 2.0
+    # A resumable stream (``stream(..., resume=True)``) that broke after its first token is
+    # resumed up to this many times (backoff capped at 1 s: about a minute for a router to
+    # come back), each from the last token received.
+    max_resumes: int = 60
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
@@ -156,11 +160,20 @@ class RetryPolicy:
     def should_retry(self, code: grpc.StatusCode, attempt: int, got_tokens: bool) -> bool:
         return code == grpc.StatusCode.UNAVAILABLE and not got_tokens and attempt < self.max_retries
 
+    def should_resume(self, code: grpc.StatusCode, resumes: int) -> bool:
+        """A broken resumable stream: the router went away (UNAVAILABLE) or the call was
+        cut (CANCELLED by a proxy, INTERNAL from a reset connection)."""
+        return (code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+                and resumes < self.max_resumes)
+
+    def resume_backoff_s(self, resumes: int) -> float:
+        return min(1.0, self.initial_backoff_s * 2 ** resumes) * random.uniform(0.5, 1)
+
 
 # ---- wire conversions ----------------------------------------------------------------------
 def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
                   messages: list[dict] | None, model: str | None, request_id: str | None,
-                  sampling: dict) -> pb.GenerateRequest:
+                  sampling: dict, resumable: bool = False) -> pb.GenerateRequest:
     """Raises ValueError unless exactly one prompt form is given, TypeError for an unknown
     sampling argument. Values themselves are validated by the server (INVALID_ARGUMENT)."""
     given = [name for name, v in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
@@ -173,6 +186,8 @@ def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}; "
                         f"expected some of {', '.join(SAMPLING_FIELDS)}")
     req = pb.GenerateRequest()
+    if resumable:
+        req.resumable = True
     if request_id is not None:
         req.request_id = request_id
     if model is not None:

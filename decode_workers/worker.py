@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 
 from engine.engine_loop import EngineLoop
@@ -27,6 +27,7 @@ from worker_protocol import (
     AbortRequest,
     CommitRequest,
     CommitResult,
+    RequestTokens,
     ReserveRequest,
     ReserveResult,
     SubmitRequest,
@@ -46,6 +47,11 @@ from worker_protocol import (
 log = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 60.0
+_KEEP_OUTPUTS = 4096  # finished requests' outputs kept beyond the running ones (tokens_of)
+
+
+def _oldest_finished(outputs: OrderedDict) -> str | None:
+    return next((rid for rid, t in outputs.items() if t.finish_reason is not None), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +82,10 @@ class DecodeWorker:
         self._batches_ready = threading.Condition()
         self._subscription = 0  # the live subscribe() call's number
         self._leases: dict[str, _Lease] = {}
+        # request id -> its stream offset (a migrated request's tokens before it), and the
+        # outputs of running and recently finished requests (see tokens_of)
+        self._offsets: dict[str, int] = {}
+        self._outputs: OrderedDict[str, RequestTokens] = OrderedDict()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self.kv_bytes_received = 0
@@ -115,6 +125,7 @@ class DecodeWorker:
         worker's model does not match ours.
         """
         rid = req.request_id
+        self._offsets[rid] = req.sampling_params.sample_index_offset
         res = self.loop.call(lambda e: e.kv_connector.reserve(
             rid, req.prompt_token_ids, req.sampling_params)).result(_CALL_TIMEOUT_S)
         if not res.ok:
@@ -163,6 +174,7 @@ class DecodeWorker:
     def submit(self, req: SubmitRequest) -> str:
         """Queue a whole request (prefill + decode here); returns this process's incarnation
         (the one the sequence lives on). Raises QueueFullError when full."""
+        self._offsets[req.request_id] = req.sampling_params.sample_index_offset
         self.loop.call(lambda e: e.add_request(
             list(req.prompt_token_ids), req.sampling_params, req.request_id,
             priority=req.priority)).result(_CALL_TIMEOUT_S)
@@ -174,6 +186,19 @@ class DecodeWorker:
         had_reservation = self._release(req.request_id)
         out = self.loop.call(lambda e: e.abort_request(req.request_id)).result(_CALL_TIMEOUT_S)
         return had_reservation or out is not None
+
+    def tokens_of(self, request_id: str) -> RequestTokens | None:
+        """Everything generated here for a running or recently finished request (None once
+        forgotten): a router that adopts a request whose own router died repairs its stream
+        log from this."""
+        with self._lock:
+            return self._outputs.get(request_id)
+
+    def all_tokens(self) -> list[RequestTokens]:
+        """``tokens_of`` every running and recently finished request: what a router that
+        re-attaches here adopts from a router that died."""
+        with self._lock:
+            return list(self._outputs.values())
 
     def subscribe(self) -> Iterator[TokenBatch]:
         """Ray streaming generator: one TokenBatch per engine step that produced tokens.
@@ -208,8 +233,20 @@ class DecodeWorker:
 
     # ---- internals ------------------------------------------------------------------------
     def _on_step(self, outs: list[RequestOutput]) -> None:
-        updates = [TokenUpdate(o.request_id, o.new_token_ids,
-                               o.finish_reason if o.finished else None, o.error) for o in outs]
+        updates = []
+        with self._lock:
+            for o in outs:
+                offset = self._offsets.get(o.request_id, 0)
+                reason = o.finish_reason if o.finished else None
+                updates.append(TokenUpdate(o.request_id, o.new_token_ids, reason, o.error,
+                                           offset + len(o.token_ids) - len(o.new_token_ids)))
+                self._outputs[o.request_id] = RequestTokens(o.request_id, offset,
+                                                            list(o.token_ids), reason)
+                self._outputs.move_to_end(o.request_id)
+                if o.finished:
+                    self._offsets.pop(o.request_id, None)
+            while len(self._outputs) > _KEEP_OUTPUTS and _oldest_finished(self._outputs):
+                self._outputs.pop(_oldest_finished(self._outputs))
         with self._batches_ready:
             self._batches.append(TokenBatch(self.worker_id, updates, time.time()))
             self._batches_ready.notify_all()

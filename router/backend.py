@@ -19,7 +19,7 @@ from worker_protocol import WorkerLoad
 
 __all__ = [
     "BackendStats", "EngineBackend", "GenerateInput", "GenerationBackend", "GenerationChunk",
-    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "Usage",
+    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "StreamNotFoundError", "Usage",
     "WORKER_STATES", "WorkerLoad", "WorkerStatus", "WorkerTimeoutError", "WorkerUnavailableError",
 ]
 
@@ -30,6 +30,10 @@ class InvalidRequestError(ValueError):
 
 class ModelNotFoundError(LookupError):
     """The request names a model this cluster does not serve: gRPC NOT_FOUND / HTTP 404."""
+
+
+class StreamNotFoundError(LookupError):
+    """Resume names a request whose stream log is unknown or expired: NOT_FOUND / 404."""
 
 
 class WorkerUnavailableError(RuntimeError):
@@ -66,6 +70,9 @@ class GenerateInput:
     messages: list[dict] | None = None
     request_id: str | None = None
     model: str | None = None
+    # The client may reconnect and resume: if it goes away, the request runs on into its
+    # stream log instead of being aborted (router/stream_log.py).
+    resumable: bool = False
 
     @property
     def prompt(self) -> str | list[int] | list[dict]:
@@ -154,6 +161,15 @@ class GenerationBackend(Protocol):
 
     async def abort(self, request_id: str) -> bool: ...
 
+    def resume(self, request_id: str, from_index: int = 0) -> AsyncIterator[GenerationChunk]:
+        """The request's stream from token ``from_index`` on, followed until it ends.
+        Raises StreamNotFoundError for an unknown or expired id."""
+        ...
+
+    async def stream_kind(self, request_id: str) -> str | None:
+        """"chat" or "completion" (how it was asked for), None for an unknown stream."""
+        ...
+
     async def stats(self) -> BackendStats: ...
 
     async def cluster_status(self) -> list[WorkerStatus]:
@@ -176,11 +192,14 @@ class EngineBackend:
     def __init__(self, engine_args=None) -> None:
         from engine.async_engine import AsyncEngine
         from engine.llm_engine import EngineArgs
+        from router.store import InMemoryStore
+        from router.stream_log import StreamLogger
 
         self._async = AsyncEngine(engine_args or EngineArgs())
         eng = self._async.engine
         self._info = ModelInfo(eng.model_config.model_id, eng.max_model_len,
                                eng.model_config.vocab_size, eng.eos_token_ids, mode="embedded")
+        self.streams = StreamLogger(InMemoryStore(), self._info.model_id, eng.tokenizer)
 
     @property
     def engine(self):
@@ -195,7 +214,16 @@ class EngineBackend:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+    def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        return self.streams.keep(inp, self._generate(inp))
+
+    def resume(self, request_id: str, from_index: int = 0) -> AsyncIterator[GenerationChunk]:
+        return self.streams.resume(request_id, from_index)
+
+    async def stream_kind(self, request_id: str) -> str | None:
+        return await self.streams.kind(request_id)
+
+    async def _generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
         if inp.model is not None and inp.model != self._info.model_id:
             raise ModelNotFoundError(f"model {inp.model!r} is not served here "
                                      f"(serving {self._info.model_id!r})")
@@ -203,8 +231,16 @@ class EngineBackend:
         t0 = asyncio.get_running_loop().time()
         ttft = None
         gen = self._async.generate(inp.prompt, inp.sampling, rid)
+        opened = finished = False
         try:
             async for out in gen:
+                if not opened:
+                    self.streams.open(rid, len(out.prompt_token_ids), inp.sampling,
+                                      inp.messages is not None)
+                    opened = True
+                self.streams.append(rid, out.new_token_ids,
+                                    out.finish_reason if out.finished else None)
+                finished = out.finished
                 if ttft is None and out.token_ids:
                     ttft = asyncio.get_running_loop().time() - t0
                 usage = (Usage(len(out.prompt_token_ids), len(out.token_ids))
@@ -214,6 +250,8 @@ class EngineBackend:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         finally:
+            if opened and not finished:
+                self.streams.append(rid, [], "abort")
             await gen.aclose()
 
     async def abort(self, request_id: str) -> bool:
@@ -230,4 +268,5 @@ class EngineBackend:
                              s.kv_blocks_used, s.kv_blocks_total, s.num_running, s.num_waiting)]
 
     async def shutdown(self) -> None:
+        await self.streams.close()
         self._async.shutdown()

@@ -1,4 +1,4 @@
-"""`pdcluster` command line: serve | status | generate | chat | bench.
+"""`pdcluster` command line: serve | status | stop | generate | chat | bench.
 
 Config is read here once (flags, optionally a YAML file whose keys are the flag names) and
 passed down as frozen dataclasses; nothing deeper reads flags or the environment.
@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HOST:PORT of the server's HTTP front door")
     status.add_argument("--json", action="store_true", help="print GET /v1/cluster as is")
     status.set_defaults(func=cmd_status)
+
+    stop = sub.add_parser("stop", help="end a deployment's workers on a Ray cluster (they "
+                                       "outlive their routers)")
+    stop.add_argument("--ray-address", required=True, help="the Ray cluster (HOST:PORT)")
+    stop.add_argument("--name", default="pdcluster", help="the deployment (serve --name)")
+    stop.set_defaults(func=cmd_stop)
 
     chat = sub.add_parser("chat", help="interactive chat with a running server")
     chat.add_argument("--address", default="127.0.0.1:50051")
@@ -126,6 +132,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         for r in [list(_STATUS_COLUMNS), *rows]:
             print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
     return 0 if all(w["state"] == "ready" for w in body["workers"]) else 1
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router.cluster import stop_deployment
+
+    names = asyncio.run(stop_deployment(args.ray_address, args.name))
+    print(f"stopped {len(names)} workers of {args.name!r}: {', '.join(names) or 'none'}")
+    return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -84,6 +84,10 @@ class ClusterConfig:
     # With redis_url: refuse to start while Redis is unreachable (default: start without it
     # and catch up once it answers).
     require_redis: bool = False
+    # The deployment's name. Joining an existing Ray cluster (ray_address), workers are
+    # detached Ray actors named "{name}-{worker id}": they outlive this router, and a router
+    # started later with the same name re-attaches to them instead of starting new ones.
+    name: str = "pdcluster"
     # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
     worker_overrides: dict = field(default_factory=dict)
 
@@ -125,6 +129,7 @@ class Cluster:
         self._info: ModelInfo | None = None
         self._refresh_task: asyncio.Task | None = None
         self._rejoining: dict[str, asyncio.Task] = {}  # worker id -> its rejoin after a restart
+        self._attached: list = []  # handles of detached workers found running at start-up
         self._progress: Callable[[str], None] = lambda step: None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -138,7 +143,7 @@ class Cluster:
         try:
             await cluster._start()
         except BaseException:
-            await cluster.shutdown()
+            await cluster.shutdown(keep=set(cluster._attached))  # what it found stays
             raise
         return cluster
 
@@ -180,7 +185,8 @@ class Cluster:
         role = "decode" if cfg.mode == "disaggregated" else "colocated"
         specs += [(f"decode-{i}", role, cfg.decode_engine) for i in range(cfg.num_decode_workers)]
         placement = self._plan_placement()
-        handles = [self._spawn(wid, r, dataclasses.replace(args, model=model_path), placement)
+        handles = [self._attach(wid, r) or
+                   self._spawn(wid, r, dataclasses.replace(args, model=model_path), placement)
                    for wid, r, args in specs]
         infos: list[WorkerInfo] = await asyncio.gather(
             *[self._ready(wid, h) for (wid, _, _), h in zip(specs, handles, strict=True)])
@@ -204,6 +210,11 @@ class Cluster:
             self.store.register_worker(_worker_record(info, model_cfg.model_id), ttl_s=15.0)
         self.orchestrator = orch
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
+        for info, handle in zip(infos, handles, strict=True):
+            if handle in self._attached and info.role != "prefill":
+                n = await orch.adopt_leftovers(orch.decode[info.worker_id])
+                log.warning("re-attached to %s: took over %d requests left by the previous "
+                            "router", info.worker_id, n)
         for i in infos:  # one line per worker: operators (and the placement test) read these
             log.info("worker %s role=%s node=%s host=%s kv=%s pid=%d", i.worker_id, i.role,
                      i.node_id, i.node_ip, i.kv_host, i.pid)
@@ -264,7 +275,8 @@ class Cluster:
         resource = PREFILL_RESOURCE if role == "prefill" else DECODE_RESOURCE
         # Control calls (load, abort) get threads of their own: see CONTROL_GROUP.
         actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_GROUP_THREADS})(cls).options(
-            name=f"{worker_id}-{id(self):x}", namespace=_RAY_NAMESPACE,
+            name=self._actor_name(worker_id), namespace=_RAY_NAMESPACE,
+            lifetime="detached" if self.detached else None,
             num_cpus=cfg.worker_num_cpus, num_gpus=1 if placement.use_gpus else 0,
             resources={resource: 1} if placement.by_role else {},
             # Ray re-runs the constructor in a new process; the router notices the new
@@ -275,6 +287,45 @@ class Cluster:
         self._actors.append(actor)
         self._starting[worker_id] = role
         return actor
+
+    @property
+    def detached(self) -> bool:
+        """Workers outlive this router (it joined an existing Ray cluster)."""
+        return self.config.ray_address is not None
+
+    def _actor_name(self, worker_id: str) -> str:
+        if self.detached:
+            return f"{self.config.name}-{worker_id}"
+        return f"{worker_id}-{id(self):x}"  # private to this router: tests share one Ray
+
+    def _attach(self, worker_id: str, role: str):
+        """The handle of this deployment's live worker ``worker_id`` (left by a router that
+        stopped or died), or None. A worker of another role under that name is an operator
+        error (two deployments sharing a name)."""
+        import ray
+
+        if not self.detached:
+            return None
+        try:
+            handle = ray.get_actor(self._actor_name(worker_id), namespace=_RAY_NAMESPACE)
+        except ValueError:  # no such actor: spawn it
+            return None
+        try:
+            info = ray.get(control(handle.info).remote(), timeout=self.config.call_timeout_s)
+        except Exception as e:  # dying or dead: replace it
+            log.warning("worker %s exists but does not answer (%r); starting a new one",
+                        worker_id, e)
+            ray.kill(handle, no_restart=True)
+            return None
+        if info.role != role:
+            raise StartupError(f"deployment {self.config.name!r} already has a {info.role} "
+                               f"worker {worker_id!r}; this router wants a {role} one (use "
+                               f"another --name, or `pdcluster stop` the old deployment)")
+        log.info("re-attached to worker %s (pid %d): no model load", worker_id, info.pid)
+        self._actors.append(handle)
+        self._attached.append(handle)
+        self._starting[worker_id] = role
+        return handle
 
     async def _refresh_loads(self) -> None:
         """Keep the router's view of each worker's KV use fresh; heartbeat the registry.
@@ -351,20 +402,26 @@ class Cluster:
         except StoreError as e:
             log.warning("cluster store unavailable, registry not updated: %s", e)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, keep: set | None = None) -> None:
+        """Stop serving. Workers are stopped too, except detached ones (they outlive this
+        router: `pdcluster stop` ends a deployment) and the handles in ``keep``."""
         import ray
 
+        if keep is None:
+            keep = set(self._actors) if self.detached else set()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
         for t in list(self._rejoining.values()):
             t.cancel()
         if self.orchestrator is not None:
             await self.orchestrator.close()
-            if self.store is not None:  # other routers sharing the store must stop using them
+            if self.store is not None and not keep:  # other routers must stop using them
                 for wid in (*self.orchestrator.prefill, *self.orchestrator.decode):
                     with contextlib.suppress(Exception):
                         self.store.deregister_worker(wid)
         for a in self._actors:
+            if a in keep:
+                continue
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(a.shutdown.remote(), timeout=5)
             ray.kill(a, no_restart=True)
@@ -385,9 +442,14 @@ class Cluster:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
-        async for chunk in self.orchestrator.generate(inp):
-            yield chunk
+    def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        return self.orchestrator.streams.keep(inp, self.orchestrator.generate(inp))
+
+    def resume(self, request_id: str, from_index: int = 0) -> AsyncIterator[GenerationChunk]:
+        return self.orchestrator.streams.resume(request_id, from_index)
+
+    async def stream_kind(self, request_id: str) -> str | None:
+        return await self.orchestrator.streams.kind(request_id)
 
     async def abort(self, request_id: str) -> bool:
         return await self.orchestrator.abort(request_id)
@@ -439,6 +501,27 @@ class Cluster:
     async def worker_ready(self, worker_id: str) -> bool:
         """Whether ``worker_id`` is up, reachable and takes new requests now."""
         return any(w.id == worker_id and w.state == "ready" for w in await self.cluster_status())
+
+
+async def stop_deployment(ray_address: str, name: str, timeout_s: float = 60.0) -> list[str]:
+    """Kill every worker of deployment ``name`` on the Ray cluster at ``ray_address`` (the
+    detached workers routers re-attach to); returns their actor names."""
+    import ray
+
+    await _join_ray(ray_address, timeout_s)
+    try:
+        prefix = f"{name}-"
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["namespace"] == _RAY_NAMESPACE and a["name"].startswith(prefix)
+                       and a["name"][len(prefix):].split("-")[0] in ("prefill", "decode"))
+        for n in names:
+            handle = ray.get_actor(n, namespace=_RAY_NAMESPACE)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(handle.shutdown.remote(), timeout=5)
+            ray.kill(handle, no_restart=True)
+        return names
+    finally:
+        ray.shutdown()
 
 
 async def _join_ray(address: str, timeout_s: float) -> None:

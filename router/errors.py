@@ -13,6 +13,7 @@ from router.backend import (
     InvalidRequestError,
     ModelNotFoundError,
     QueueFullError,
+    StreamNotFoundError,
     WorkerUnavailableError,
 )
 
@@ -40,6 +41,9 @@ def map_error(exc: BaseException) -> MappedError:
     if isinstance(exc, ModelNotFoundError):
         return MappedError(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error",
                            "model_not_found", msg)
+    if isinstance(exc, StreamNotFoundError):
+        return MappedError(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error",
+                           "stream_not_found", msg)
     if isinstance(exc, InvalidRequestError | ValueError):
         return MappedError(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error",
                            None, msg)

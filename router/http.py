@@ -21,10 +21,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from router.backend import GenerationBackend, InvalidRequestError, new_request_id
+from router.backend import (
+    GenerationBackend,
+    InvalidRequestError,
+    StreamNotFoundError,
+    new_request_id,
+)
 from router.metrics import CONTENT_TYPE, Metrics
 from router.openai_render import ChatRenderer, CompletionRenderer
-from router.openai_responder import OpenAIResponder, error_response
+from router.openai_responder import OpenAIResponder, error_response, stream_position
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["create_app"]
@@ -66,6 +71,22 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         renderer = ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id)
         return await responder.respond(request, inp, renderer, stream=body.stream,
                                        include_usage=body.include_usage)
+
+
+    @app.get("/v1/streams/{request_id}")
+    async def resume_stream(request_id: str, request: Request):
+        try:
+            from_index = stream_position(request.headers.get("last-event-id"), request_id)
+        except ValueError as e:
+            return error_response(e)
+        kind = await backend.stream_kind(request_id)
+        if kind is None:
+            return error_response(StreamNotFoundError(f"no stream {request_id!r} here "
+                                                      f"(unknown, or expired)"))
+        make = ChatRenderer if kind == "chat" else CompletionRenderer
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        renderer = make(f"{prefix}-{request_id}", int(time.time()), backend.model_info().model_id)
+        return await responder.respond_resumed(request_id, from_index, renderer)
 
 
 def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics) -> None:

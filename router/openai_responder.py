@@ -24,7 +24,7 @@ from router.errors import map_error, openai_error_body
 from router.metrics import Metrics
 from router.openai_render import Collected, Renderer
 
-__all__ = ["OpenAIResponder", "error_response"]
+__all__ = ["OpenAIResponder", "error_response", "stream_position"]
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,27 @@ class OpenAIResponder:
             stream = await self._start_stream(inp)
         except Exception as e:
             return error_response(e)
-        return StreamingResponse(_sse_events(stream, renderer, include_usage),
+        return StreamingResponse(_sse_events(stream, renderer, include_usage,
+                                             inp.request_id or ""),
                                  media_type="text/event-stream",
                                  headers=_request_id_header(inp))
+
+    async def respond_resumed(self, request_id: str, from_index: int,
+                              renderer: Renderer) -> Response:
+        """SSE of a request's stream from token ``from_index`` on, in the format of its
+        original endpoint (404 when unknown or expired). Not metered: counted once already."""
+        stream = self.backend.resume(request_id, from_index)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:
+            await stream.aclose()
+            return error_response(e)
+        return StreamingResponse(_sse_events(_PrimedStream(first, stream), renderer, False,
+                                             request_id, from_index),
+                                 media_type="text/event-stream",
+                                 headers={"x-request-id": request_id})
 
     def _open(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
         return self.metrics.track(self.backend.generate(inp), api="http")
@@ -135,23 +153,40 @@ def _request_id_header(inp: GenerateInput) -> dict[str, str]:
     return {"x-request-id": inp.request_id or ""}
 
 
-def _sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+def _sse(payload: dict | str, event_id: str | None = None) -> str:
+    data = f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+    return f"id: {event_id}\n{data}" if event_id else data
 
 
-async def _sse_events(stream: _PrimedStream, renderer: Renderer,
-                      include_usage: bool) -> AsyncIterator[str]:
-    """SSE body: one event per chunk the renderer shows, the usage chunk if asked, then
-    ``[DONE]``; the stream is closed (aborting the request) however this ends."""
+def stream_position(last_event_id: str | None, request_id: str) -> int:
+    """The token index a client resumes from, out of the SSE ``Last-Event-ID`` it last saw
+    (``<request_id>:<tokens so far>``); 0 without one. Raises ValueError for another
+    request's id or a malformed one."""
+    if not last_event_id:
+        return 0
+    rid, _, index = last_event_id.rpartition(":")
+    if rid != request_id or not index.isdigit():
+        raise ValueError(f"Last-Event-ID {last_event_id!r} is not an event of {request_id!r} "
+                         f"(expected {request_id}:<tokens received>)")
+    return int(index)
+
+
+async def _sse_events(stream: _PrimedStream, renderer: Renderer, include_usage: bool,
+                      request_id: str, index: int = 0) -> AsyncIterator[str]:
+    """SSE body: one event per chunk the renderer shows, each with the id
+    ``<request_id>:<tokens so far>`` (what a client resumes from), the usage chunk if asked,
+    then ``[DONE]``; the stream is closed (aborting the request unless it is resumable)
+    however this ends."""
     try:
         try:
             usage = None  # the finished chunk's; its usage chunk trails the last choice
             async for c in stream:
                 if usage is None and c.finished:
                     usage = c.usage
+                index += len(c.token_ids)
                 payload = renderer.chunk(c)
                 if payload is not None:
-                    yield _sse(payload)
+                    yield _sse(payload, f"{request_id}:{index}")
             if include_usage and usage is not None:
                 yield _sse(renderer.usage_chunk(usage))
         except Exception as e:  # after the 200 went out: report in-band, OpenAI-style

@@ -2,7 +2,7 @@
 
 Pydantic models for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields plus vLLM's
 extensions (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``). Shape errors are pydantic's (the app maps them to 400);
+``include_stop_str_in_output``), and pdcluster's ``resumable``. Shape errors are pydantic's (the app maps them to 400);
 semantic ones (unsupported field, batch prompt, bad sampling value) raise ValueError /
 InvalidRequestError from ``to_input``.
 
@@ -50,6 +50,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    # pdcluster: keep generating if the client goes away; resume with GET /v1/streams/{id}
+    resumable: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -87,10 +89,10 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("echo is not supported")
         prompt = self._single_prompt()
         sampling = self.to_sampling(default_max_tokens=None)
+        common = dict(request_id=request_id, model=self.model, resumable=self.resumable)
         if isinstance(prompt, str):
-            return GenerateInput(sampling, text=prompt, request_id=request_id, model=self.model)
-        return GenerateInput(sampling, token_ids=list(prompt), request_id=request_id,
-                             model=self.model)
+            return GenerateInput(sampling, text=prompt, **common)
+        return GenerateInput(sampling, token_ids=list(prompt), **common)
 
     def _single_prompt(self) -> str | list[int]:
         """The one prompt: text or token ids. A list of strings is OpenAI's batch form, of
@@ -141,4 +143,5 @@ class ChatCompletionRequest(_SamplingFields):
             # OpenAI's default: generate until the context is full (or a stop).
             default_max = max(1, max_model_len - len(chat_template(messages)))
         sampling = self.to_sampling(default_max_tokens=default_max)
-        return GenerateInput(sampling, messages=messages, request_id=request_id, model=self.model)
+        return GenerateInput(sampling, messages=messages, request_id=request_id, model=self.model,
+                             resumable=self.resumable)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -50,6 +51,8 @@ from router.request_state import (
     WorkerSlot,
     cause_of,
 )
+from router.store import InMemoryStore
+from router.stream_log import StreamLogger
 from router.worker_health import WorkerHealth, is_restarting
 from worker_protocol import (
     AbortRequest,
@@ -105,6 +108,8 @@ class Orchestrator:
         self.inputs = inputs
         self.layout = layout
         self.store = store
+        self.streams = StreamLogger(store if store is not None else InMemoryStore(),
+                                    config.model_id, tokenizer)
         self.affinity = PrefixAffinity(store, config.prefix_hash_seed)
         self.health = WorkerHealth(store, config.kv_unreachable_quarantine_s,
                                    config.worker_silent_s, self._fail_committed_streams)
@@ -181,6 +186,8 @@ class Orchestrator:
                         # off) may still be admitted there later, and must not inject tokens.
                         if s is not None and s.decode_id == wid:
                             s.queue.put_nowait(upd)
+                        elif s is None:  # a request of a router that died: keep its log going
+                            self.streams.adopt(upd, functools.partial(self._tokens_of, slot))
                 return  # the worker closed the stream: it is shutting down
             except asyncio.CancelledError:
                 raise
@@ -198,7 +205,25 @@ class Orchestrator:
                 self.health.dead(slot, repr(e))
                 return
 
+    async def adopt_leftovers(self, slot: WorkerSlot) -> int:
+        """Take over the stream logs of the requests a dead router left on decode worker
+        ``slot`` (this router re-attached to it): each gets everything the worker generated
+        for it, and its later tokens as they come. Returns how many were handed over."""
+        records = await asyncio.wait_for(control(slot.handle.all_tokens).remote(),
+                                         self.config.call_timeout_s)
+        fetch = functools.partial(self._tokens_of, slot)
+        mine = [r for r in records if r.request_id not in self._streams]
+        for r in mine:
+            self.streams.adopt(TokenUpdate(r.request_id, r.token_ids, r.finish_reason, None,
+                                           r.index), fetch)
+        return len(mine)
+
+    async def _tokens_of(self, slot: WorkerSlot, request_id: str):
+        return await asyncio.wait_for(control(slot.handle.tokens_of).remote(request_id),
+                                      self.config.call_timeout_s)
+
     async def close(self) -> None:
+        await self.streams.close()
         tasks = list(self._consumers.values())
         for t in tasks:
             t.cancel()
@@ -233,6 +258,7 @@ class Orchestrator:
         self._streams[rid] = stream
         try:
             self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
+            self.streams.open(rid, len(prompt_ids), params, inp.messages is not None)
             first: FirstToken | None = None
             try:
                 if self.config.mode == "colocated":
@@ -273,6 +299,8 @@ class Orchestrator:
                     if reason is not None:
                         text += detok.flush()
                 finished = reason is not None
+                # Logged before the client sees it: a client resuming after token n finds it.
+                self.streams.append(rid, list(upd.new_token_ids), reason)
                 yield GenerationChunk(rid, list(upd.new_token_ids), text, finished, reason,
                                       Usage(len(prompt_ids), num_out) if finished else None, ttft,
                                       len(prompt_ids))
@@ -282,6 +310,7 @@ class Orchestrator:
         finally:
             self._streams.pop(rid, None)
             if not finished:
+                self.streams.append(rid, [], "abort")
                 self._journal(rid, "aborted", stream.decode_id, "")
                 await asyncio.shield(self._abort_on_workers(stream))
 

@@ -76,10 +76,10 @@ return 1
 """
 
 
-# Append to a stream log only if it was opened (and has not expired), and keep its three
+# Append to a stream log only if it was opened, has not expired and has not ended; keep its three
 # keys' TTLs together. ARGV: ttl ms, finish reason ('' = still live), token ids...
 _STREAM_APPEND_LUA = """
-if redis.call('exists', KEYS[1]) == 0 then return 0 end
+if redis.call('exists', KEYS[1]) == 0 or redis.call('exists', KEYS[3]) == 1 then return 0 end
 if #ARGV > 2 then redis.call('rpush', KEYS[2], unpack(ARGV, 3)) end
 if ARGV[2] ~= '' then redis.call('set', KEYS[3], ARGV[2]) end
 for i = 1, 3 do redis.call('pexpire', KEYS[i], ARGV[1]) end

@@ -58,6 +58,7 @@ class ServeConfig:
     migration_limit: int = 3
     worker_restarts: int = 3
     require_redis: bool = False
+    name: str = "pdcluster"
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
@@ -95,7 +96,7 @@ class ServeConfig:
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
             kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
             migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
-            require_redis=self.require_redis)
+            require_redis=self.require_redis, name=self.name)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

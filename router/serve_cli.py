@@ -45,6 +45,10 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move to another decode worker when its own dies "
                         "(default 3; 0 fails its stream instead)")
+    p.add_argument("--name", default=None,
+                   help="the deployment's name (default pdcluster). With --ray-address its "
+                        "workers outlive this router; a router started with the same name "
+                        "re-attaches to them (no model load). `pdcluster stop` ends them")
     p.add_argument("--worker-restarts", type=int, default=None,
                    help="times Ray restarts a worker whose process died; it rejoins under its "
                         "id with a new KV port (default 3; 0 leaves it dead)")

@@ -57,15 +57,15 @@ def request_to_input(req: pb.GenerateRequest, request_id: str) -> GenerateInput:
         raise InvalidRequestError("request has no prompt: set text, token_ids or messages")
     sampling = sampling_from_proto(req.sampling)
     model = req.model if req.HasField("model") and req.model else None
+    common = dict(request_id=request_id, model=model, resumable=req.resumable)
     if kind == "text":
-        return GenerateInput(sampling, text=req.text, request_id=request_id, model=model)
+        return GenerateInput(sampling, text=req.text, **common)
     if kind == "token_ids":
-        return GenerateInput(sampling, token_ids=list(req.token_ids.ids), request_id=request_id,
-                             model=model)
+        return GenerateInput(sampling, token_ids=list(req.token_ids.ids), **common)
     messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
     if not messages:
         raise InvalidRequestError("prompt is empty: messages has no entries")
-    return GenerateInput(sampling, messages=messages, request_id=request_id, model=model)
+    return GenerateInput(sampling, messages=messages, **common)
 
 
 def chunk_to_responses(chunk: GenerationChunk) -> list[pb.GenerateResponse]:
@@ -105,7 +105,26 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(err.grpc_code, err.message)
         # Before the first token, so a client can Abort a request still waiting for prefill.
         await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
-        stream = self.metrics.track(self.backend.generate(inp), api="grpc")
+        chunks = self.metrics.track(self.backend.generate(inp), api="grpc")
+        async for resp in self._stream(rid, chunks, context):
+            yield resp
+
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.GenerateResponse]:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        rid = request.request_id
+        await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
+        # Not metered: these tokens were counted when they were generated.
+        async for resp in self._stream(rid, self.backend.resume(rid, request.from_index),
+                                       context):
+            yield resp
+
+    async def _stream(self, rid: str, chunks, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[pb.GenerateResponse]:
+        """One backend stream as GenerateResponses; errors mapped once, here. Closing it
+        aborts a generation (unless resumable) and stops following a resumed log."""
+        stream = chunks
         sent_tokens = False
         try:
             try:
@@ -123,7 +142,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                         code=err.grpc_code.name, message=err.message))
                 await context.abort(err.grpc_code, err.message)
         finally:
-            # Runs on completion, error and cancellation alike: closing aborts the request.
+            # Runs on completion, error and cancellation alike.
             await stream.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

@@ -115,14 +115,16 @@ class JournalEvent(_Serde):
 @dataclass(frozen=True)
 class StreamRecord(_Serde):
     """What any router needs to resume a request's stream: its tokens come from the log,
-    its text from detokenizing them after the prompt, cut at the same stop strings."""
+    its text from detokenizing them (output text depends on output tokens alone), cut at
+    the same stop strings."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    num_prompt_tokens: int
     max_tokens: int
     stop: list[str]
     include_stop_str_in_output: bool
     model_id: str
+    kind: str = "completion"  # or "chat": how the HTTP API renders a resumed stream
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,7 @@ class ClusterStore(ABC):
     def stream_append(self, request_id: str, token_ids: list[int],
                       finish_reason: str | None = None) -> None:
         """Append generated tokens (possibly none) and, on the last append, the finish
-        reason. Ignored for a log that was never opened (or expired)."""
+        reason. Ignored for a log that was never opened (or expired), or that has ended."""
 
     @abstractmethod
     def stream_read(self, request_id: str, from_index: int = 0) -> StreamLog | None:
@@ -400,7 +402,7 @@ class InMemoryStore(ClusterStore):
             now = self._clock()
             self._expire_streams(now)
             entry = self._streams.get(request_id)
-            if entry is None:
+            if entry is None or entry[2] is not None:
                 return
             entry[1].extend(token_ids)
             if finish_reason is not None:

@@ -125,6 +125,20 @@ class TokenUpdate:
     new_token_ids: list[int]
     finish_reason: str | None = None  # set on the request's last update
     error: str | None = None  # finish_reason "error": why this request alone failed
+    # Position of new_token_ids[0] in the client's whole stream (a migrated request's
+    # earlier tokens counted): lets a router that adopts the request write its log exactly.
+    index: int = -1
+
+
+@dataclass(frozen=True)
+class RequestTokens:
+    """Every token a decode worker generated for one request, for a router repairing a gap
+    in its stream log: ``token_ids`` start at stream position ``index``."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
 
 
 @dataclass(frozen=True)

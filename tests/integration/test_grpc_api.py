@@ -386,3 +386,78 @@ def test_fuzzed_requests_get_an_answer_or_invalid_argument_naming_the_field(addr
     assert bg.result(300) == alone
     assert seen.get("OK") and seen.get("INVALID_ARGUMENT"), seen
     kv_probe.wait_until_free()
+
+
+def _greedy_alone(client, n: int) -> list[int]:
+    return client.generate(PROMPT, max_tokens=n, temperature=0, ignore_eos=True).token_ids
+
+
+def test_a_resumable_request_outlives_its_call_and_resumes_exactly(address, client, kv_probe):
+    """The call of a resumable request is cancelled after 5 tokens: the request runs on, and
+    Resume from token 5 (a new call) returns exactly the remaining tokens; the whole equals
+    an unbroken run. KV is freed once it ends."""
+    alone = _greedy_alone(client, 48)
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        req = pb.GenerateRequest(text=PROMPT, resumable=True, sampling=pb.SamplingParams(
+            max_tokens=48, temperature=0, ignore_eos=True))
+        call = stub.Generate(req, timeout=60)
+        got, rid = [], None
+        for resp in call:
+            rid = resp.request_id
+            got += list(resp.chunk.token_ids)
+            if len(got) >= 5:
+                break
+        call.cancel()  # the client goes away mid-stream
+    resumed = client.resume(rid, from_index=len(got))
+    rest = [t for chunk in resumed for t in chunk.token_ids]
+    assert got + rest == alone
+    assert resumed.result.finish_reason == "length"
+    # after its end, from the start: the whole stream again
+    assert [t for c in client.resume(rid) for t in c.token_ids] == alone
+    kv_probe.wait_until_free()
+
+
+def test_a_plain_request_is_aborted_when_its_call_breaks(address, client, kv_probe):
+    """Without resumable, cancelling the call aborts the request (KV freed at once); its log
+    says so: Resume returns what was streamed and ends with "abort"."""
+    with grpc.insecure_channel(address) as ch:
+        call = pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+            text=PROMPT, sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True)),
+            timeout=60)
+        first = next(call)
+        call.cancel()
+    kv_probe.wait_until_free()
+    resumed = client.resume(first.request_id)
+    chunks = list(resumed)
+    assert chunks[-1].finished and resumed.result.finish_reason == "abort"
+    assert len(resumed.result.token_ids) < 400
+
+
+def test_resume_of_an_unknown_request_is_not_found(client):
+    with pytest.raises(NotFound, match="no stream"):
+        list(client.resume("req-that-never-was"))
+
+
+def test_sdk_resumes_by_itself_when_the_connection_is_cut(address, client, kv_probe):
+    """Through a proxy that resets every connection mid-stream (twice): the SDK's
+    ``stream(..., resume=True)`` reconnects, resumes from the last token received, and the
+    caller sees one stream equal to an unbroken run."""
+    from tests.tcp_proxy import CuttableProxy
+
+    alone = _greedy_alone(client, 64)
+    proxy = CuttableProxy(int(address.rsplit(":", 1)[1]))
+    try:
+        with Client(f"127.0.0.1:{proxy.port}", timeout=120) as c, c.stream(
+                PROMPT, max_tokens=64, temperature=0, ignore_eos=True, resume=True) as s:
+            tokens = []
+            for chunk in s:
+                tokens += chunk.token_ids
+                if len(tokens) in (6, 30):
+                    proxy.cut()
+            assert tokens == alone and s.result.token_ids == alone
+            assert s.result.finish_reason == "length"
+            assert s._resumes >= 2  # it really was cut and resumed
+    finally:
+        proxy.close()
+    kv_probe.wait_until_free()

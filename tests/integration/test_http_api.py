@@ -356,3 +356,64 @@ def test_fuzzed_requests_get_an_answer_or_a_400_naming_the_field(base_url, http,
     workers = http.get("/v1/cluster").json()["workers"]
     assert all(w["state"] == "ready" for w in workers), workers
     kv_probe.wait_until_free()
+
+
+def _sse_events_with_ids(lines) -> list[tuple[str | None, str]]:
+    """(id, data) of each SSE event."""
+    events, event_id = [], None
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            events.append((event_id, line[6:]))
+            event_id = None
+    return events
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_a_resumable_sse_stream_resumes_from_its_last_event_id(base_url, http, kv_probe,
+                                                               endpoint):
+    """SSE events carry ``id: <request_id>:<tokens so far>``. A resumable request whose
+    client disconnects runs on; GET /v1/streams/{id} with Last-Event-ID returns the rest, in
+    the original endpoint's format, and the text joins up to an unbroken run's."""
+    chat = endpoint.endswith("chat/completions")
+    body = ({"messages": PARIS} if chat else {"prompt": PROMPT}) | {
+        "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def text_of(data: str) -> str:
+        choice = json.loads(data)["choices"][0]
+        return choice["delta"].get("content") or "" if chat else choice["text"]
+
+    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream("POST", endpoint,
+                                                                     json=body) as r:
+        alone = "".join(text_of(d) for _, d in _sse_events_with_ids(r.iter_lines())
+                        if d != "[DONE]")
+    got, last_id = "", None
+    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
+            "POST", endpoint, json=body | {"resumable": True}) as r:
+        rid = r.headers["x-request-id"]
+        for event_id, data in _sse_events_with_ids(r.iter_lines()):
+            assert event_id.startswith(f"{rid}:")
+            got += text_of(data)
+            last_id = event_id
+            if int(event_id.rsplit(":", 1)[1]) >= 5:
+                break  # the client drops the connection here
+    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
+            "GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": last_id}) as r:
+        assert r.status_code == 200
+        events = _sse_events_with_ids(r.iter_lines())
+    assert events[-1] == (None, "[DONE]")
+    objects = {json.loads(d)["object"] for _, d in events[:-1]}
+    assert objects == {"chat.completion.chunk" if chat else "text_completion"}
+    rest = "".join(text_of(d) for _, d in events[:-1])
+    assert got + rest == alone
+    assert events[-2][0] == f"{rid}:40"  # the last event says how many tokens in all
+    kv_probe.wait_until_free()
+
+
+def test_resuming_an_unknown_or_foreign_stream_is_refused(http):
+    err = _assert_openai_error(http.get("/v1/streams/req-none"), 404)
+    assert err["code"] == "stream_not_found"
+    err = _assert_openai_error(http.get("/v1/streams/req-none", headers={
+        "Last-Event-ID": "req-other:3"}), 400)
+    assert "Last-Event-ID" in err["message"]

@@ -198,7 +198,7 @@ class StoreContract:
     # -- stream logs ----------------------------------------------------------------------
 
     def test_stream_log_reads_from_any_index_and_ends_with_its_reason(self, h: Harness):
-        rec = StreamRecord("req-s", [5, 6, 7], 6, ["\n\n"], False, "tiny-llama")
+        rec = StreamRecord("req-s", 3, 6, ["\n\n"], False, "tiny-llama", "chat")
         h.store.stream_open(rec)
         assert h.store.stream_read("req-s") == StreamLog(rec, [], 0, None)
         h.store.stream_append("req-s", [11, 12])
@@ -208,6 +208,8 @@ class StoreContract:
         h.store.stream_append("req-s", [14], "length")
         assert h.store.stream_read("req-s") == StreamLog(rec, [11, 12, 13, 14], 4, "length")
         assert h.store.stream_read("req-s", 9) == StreamLog(rec, [], 4, "length")
+        h.store.stream_append("req-s", [99], "stop")  # after the end: ignored
+        assert h.store.stream_read("req-s", 3) == StreamLog(rec, [14], 4, "length")
         assert h.store.stream_read("unknown") is None
         h.store.stream_append("never-opened", [1], "stop")  # ignored, not created
         assert h.store.stream_read("never-opened") is None
@@ -218,7 +220,7 @@ class StoreContract:
 
     def test_stream_log_expires_after_its_last_append(self, h: Harness):
         store = h.make(stream_ttl_s=h.ttl_s)
-        store.stream_open(StreamRecord("req-e", [1], 4, [], False, "m"))
+        store.stream_open(StreamRecord("req-e", 1, 4, [], False, "m"))
         store.stream_append("req-e", [2], "stop")
         h.wait_until(lambda: store.stream_read("req-e") is None, h.ttl_s)
 

@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=pdcluster_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/pdcluster.v1.Generation/Resume',
+                request_serializer=pdcluster_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pdcluster.v1.Generation/GetModelInfo',
                 request_serializer=pdcluster_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
@@ -68,6 +73,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """The stream of a request whose Generate call broke (connection cut, router restarted),
+        on any router of the deployment: the same messages Generate sends, from token
+        `from_index` on, until the request ends. NOT_FOUND for an unknown or expired id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -86,6 +100,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdcluster_dot_v1_dot_generation__pb2.AbortRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=pdcluster_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -147,6 +166,33 @@ class Generation:
             '/pdcluster.v1.Generation/Abort',
             pdcluster_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
             pdcluster_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdcluster.v1.Generation/Resume',
+            pdcluster_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+            pdcluster_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,157 @@
+"""The router is no single point of failure: on a Ray cluster of its own (three nodes, started
+with deploy/ray/local_multinode.sh) and a Redis of its own, a `pdcluster serve --ray-address`
+router is SIGKILLed with 16 resumable streams mid-way. Its workers live on (detached); a new
+router with the same --name re-attaches to them without loading a model, adopts the requests
+the dead router left, and every client (the SDK, resume=True) receives exactly the remaining
+tokens: each stream equals transformers' greedy run. `pdcluster stop` then ends the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from tests.redis_server import OwnRedis, free_port
+from tests.tiny_models import hf_greedy, random_prompts
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "deploy" / "ray" / "local_multinode.sh"
+PORT = 6480  # the Ray head's GCS port: apart from a developer's cluster (6390) and 6470
+MAX_TOKENS = 300
+
+
+class Router:
+    """One `pdcluster serve` process, ended by its pid."""
+
+    def __init__(self, args: list[str], env: dict, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=REPO_ROOT, start_new_session=True)
+
+    def wait_serving(self, timeout_s: float) -> float:
+        t0 = time.monotonic()
+        while "pdcluster serving" not in self.log_path.read_text():
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            assert time.monotonic() - t0 < timeout_s, self.log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        return time.monotonic() - t0
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def _workers(http_port: int) -> dict[str, dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/cluster", timeout=10) as r:
+        return {w["id"]: w for w in json.load(r)["workers"]}
+
+
+def test_router_killed_mid_stream_workers_live_on_and_clients_resume(tmp_path, tiny_llama_dir):
+    state_dir = Path("/tmp") / f"pdc-ray-rr-{os.getpid()}"  # short: unix socket path limit
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    env = dict(os.environ, PDC_RAY_PORT=str(PORT), PDC_RAY_STATE_DIR=str(state_dir),
+               PDC_RAY_GRACE_S="5", PDC_RAY_BIN=ray_bin, RAY_AUTH_MODE="disabled")
+    redis = OwnRedis()
+    redis.start()
+    up = subprocess.run(["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True,
+                        timeout=180, check=False)
+    routers: list[Router] = []
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        address = f"127.0.0.2:{PORT}"
+        grpc_port, http_port = free_port(), free_port()
+        args = ["--ray-address", address, "--redis-url", redis.url, "--name", "rr",
+                "--model", str(tiny_llama_dir), "--prefill-workers", "1", "--decode-workers", "1",
+                "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+                "--kv-cache-memory", "64MiB", "--max-num-seqs", "16", "--threads-per-worker", "1"]
+
+        routers.append(Router(args, env, tmp_path / "router-1.log"))
+        first_start_s = routers[0].wait_serving(240)
+        before = _workers(http_port)
+
+        prompts = random_prompts(seed=41, count=16, max_len=24, min_len=4)
+        refs = hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
+        got: list[list[int]] = [[] for _ in prompts]
+        errors: list[BaseException] = []
+
+        def client(i: int) -> None:
+            try:
+                with Client(f"127.0.0.1:{grpc_port}", timeout=240) as c, c.stream(
+                        prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS, temperature=0,
+                        ignore_eos=True, resume=True) as s:
+                    for chunk in s:
+                        got[i] += chunk.token_ids
+            except BaseException as e:  # handed to the test thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True)
+                   for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while min(len(g) for g in got) < 5:
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.01)
+        routers[0].stop(signal.SIGKILL)  # mid-stream, with no warning
+        cut_at = [len(g) for g in got]
+
+        routers.append(Router(args, env, tmp_path / "router-2.log"))
+        restart_s = routers[1].wait_serving(240)
+        for t in threads:
+            t.join(240)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads)
+        after = _workers(http_port)
+
+        assert any(c < MAX_TOKENS for c in cut_at), "every stream ended before the kill"
+        assert got == refs  # each client saw exactly the remaining tokens
+        # Re-attached, not restarted: the same worker processes, nothing reloaded.
+        assert {w: (v["pid"], v["state"]) for w, v in after.items()} == {
+            w: (v["pid"], "ready") for w, v in before.items()}
+        assert "re-attached" in (tmp_path / "router-2.log").read_text() or restart_s < first_start_s
+
+        routers[1].stop()  # graceful: detached workers stay for the next router
+        stop = subprocess.run([sys.executable, "-m", "router.cli", "stop", "--ray-address",
+                               address, "--name", "rr"], env=env, capture_output=True,
+                              text=True, timeout=120, check=False, cwd=REPO_ROOT)
+        assert stop.returncode == 0, stop.stderr[-3000:]
+        assert "stopped 2 workers" in stop.stdout, stop.stdout
+        for w in before.values():
+            _wait_gone(w["pid"])
+    finally:
+        for r in routers:
+            r.stop(signal.SIGKILL)
+        down = subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True,
+                              text=True, timeout=180, check=False)
+        redis.kill()
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists():
+        stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}/stat").exists() else ""
+        if stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]:
+            return
+        assert time.monotonic() < deadline, f"worker pid {pid} still runs after `pdcluster stop`"
+        time.sleep(0.2)
