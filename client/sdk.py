@@ -70,12 +70,9 @@ def _request_id_from(metadata) -> str | None:
 
 
 # ---- blocking --------------------------------------------------------------------------------
-class GenerateStream:
-    """Iterator of ``StreamChunk`` for one request; the call starts on the first ``next``.
-
-    ``request_id`` is known after the first chunk (or call ``wait_request_id()``). ``result``
-    holds everything joined once the stream is exhausted. ``close()`` cancels the call.
-    """
+class _StreamCall:
+    """What both stream kinds keep about one request's call: retries before the first token,
+    and resumption (a new ``Resume`` call from the last token received) after it."""
 
     def __init__(self, stub: pb_grpc.GenerationStub, request: pb.GenerateRequest | None,
                  timeout: float | None, retry: RetryPolicy, *, resume: bool = False,
@@ -114,6 +111,11 @@ class GenerateStream:
         self._resumes += 1
         return self._deadline.clip(self._retry.resume_backoff_s(self._resumes - 1))
 
+    def _ensure_call(self):
+        if self._call is None:
+            self._call = self._new_call()
+        return self._call
+
     def _accept(self, resp) -> StreamChunk:
         chunk = chunk_from_response(resp)
         self.request_id = chunk.request_id or self.request_id
@@ -122,10 +124,13 @@ class GenerateStream:
         self.result.add(chunk)
         return chunk
 
-    def _ensure_call(self):
-        if self._call is None:
-            self._call = self._new_call()
-        return self._call
+
+class GenerateStream(_StreamCall):
+    """Iterator of ``StreamChunk`` for one request; the call starts on the first ``next``.
+
+    ``request_id`` is known after the first chunk (or call ``wait_request_id()``). ``result``
+    holds everything joined once the stream is exhausted. ``close()`` cancels the call.
+    """
 
     def _handle(self, e: grpc.RpcError) -> None:
         """Retry or resume (return), or raise the mapped error."""
@@ -274,59 +279,9 @@ class Client:
 
 
 # ---- asyncio ---------------------------------------------------------------------------------
-class AsyncGenerateStream:
+class AsyncGenerateStream(_StreamCall):
     """Async iterator of ``StreamChunk``; ``aclose()`` (or ``async with``, or cancelling the
     task that iterates) cancels the call and the server aborts the request."""
-
-    def __init__(self, stub: pb_grpc.GenerationStub, request: pb.GenerateRequest | None,
-                 timeout: float | None, retry: RetryPolicy, *, resume: bool = False,
-                 request_id: str | None = None, from_index: int = 0) -> None:
-        """``request`` None: follow ``request_id``'s stream from ``from_index`` (Resume)."""
-        self._stub = stub
-        self._request = request
-        self._deadline = _Deadline(timeout)
-        self._retry = retry
-        self._call = None
-        self._attempt = 0
-        self._got_tokens = False
-        self._done = False
-        self._resume = resume or request is None
-        self._resuming = request is None  # the next call is Resume
-        self._resumes = 0
-        self._received = from_index  # tokens the caller has: where a resume starts
-        self.request_id: str | None = (request_id or (request.request_id if request else None)
-                                       or None)
-        self.result = GenerateResult(self.request_id or "")
-
-    def _new_call(self):
-        timeout = self._deadline.remaining()
-        if self._resuming:
-            return self._stub.Resume(pb.ResumeRequest(request_id=self.request_id,
-                                                      from_index=self._received), timeout=timeout)
-        return self._stub.Generate(self._request, timeout=timeout)
-
-    def _resume_delay(self, code: grpc.StatusCode) -> float | None:
-        """Seconds to wait before resuming a broken stream, or None: do not resume."""
-        if not (self._resume and self.request_id and (self._got_tokens or self._resuming)):
-            return None
-        if not self._retry.should_resume(code, self._resumes):
-            return None
-        self._resuming = True
-        self._resumes += 1
-        return self._deadline.clip(self._retry.resume_backoff_s(self._resumes - 1))
-
-    def _accept(self, resp) -> StreamChunk:
-        chunk = chunk_from_response(resp)
-        self.request_id = chunk.request_id or self.request_id
-        self._got_tokens = self._got_tokens or bool(chunk.token_ids)
-        self._received += len(chunk.token_ids)
-        self.result.add(chunk)
-        return chunk
-
-    def _ensure_call(self):
-        if self._call is None:
-            self._call = self._new_call()
-        return self._call
 
     async def _handle(self, e: grpc.aio.AioRpcError) -> None:
         self._call = None

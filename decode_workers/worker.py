@@ -113,6 +113,10 @@ class DecodeWorker:
     def ping(self) -> str:
         return self.worker_id
 
+    def worker_config(self) -> WorkerConfig:
+        """How this worker was built (a re-attaching router checks it wants the same)."""
+        return self.config
+
     def kv_pairs(self) -> dict[str, int]:
         """Prefill worker id -> generation of the live KV group with it."""
         return self.receiver.live_pairs() if self.receiver else {}

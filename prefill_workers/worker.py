@@ -103,6 +103,10 @@ class PrefillWorker:
     def ping(self) -> str:
         return self.worker_id
 
+    def worker_config(self) -> WorkerConfig:
+        """How this worker was built (a re-attaching router checks it wants the same)."""
+        return self.config
+
     def kv_pairs(self) -> dict[str, int]:
         """Decode worker id -> generation of the live KV group with it."""
         return self.sender.live_pairs()

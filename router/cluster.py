@@ -85,9 +85,12 @@ class ClusterConfig:
     # and catch up once it answers).
     require_redis: bool = False
     # The deployment's name. Joining an existing Ray cluster (ray_address), workers are
-    # detached Ray actors named "{name}-{worker id}": they outlive this router, and a router
-    # started later with the same name re-attaches to them instead of starting new ones.
+    # detached Ray actors named "{name}-{worker id}": they outlive this router's death, and a
+    # router started later with the same name re-attaches to them instead of starting new
+    # ones (if they run the configuration it wants). A graceful shutdown stops them, unless
+    # keep_workers (a router upgrade: the next router takes them over).
     name: str = "pdcluster"
+    keep_workers: bool = False
     # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
     worker_overrides: dict = field(default_factory=dict)
 
@@ -185,9 +188,9 @@ class Cluster:
         role = "decode" if cfg.mode == "disaggregated" else "colocated"
         specs += [(f"decode-{i}", role, cfg.decode_engine) for i in range(cfg.num_decode_workers)]
         placement = self._plan_placement()
-        handles = [self._attach(wid, r) or
-                   self._spawn(wid, r, dataclasses.replace(args, model=model_path), placement)
-                   for wid, r, args in specs]
+        wanted = [self._worker_config(wid, r, dataclasses.replace(args, model=model_path),
+                                      placement) for wid, r, args in specs]
+        handles = [self._attach(w) or self._spawn(w, placement) for w in wanted]
         infos: list[WorkerInfo] = await asyncio.gather(
             *[self._ready(wid, h) for (wid, _, _), h in zip(specs, handles, strict=True)])
 
@@ -255,12 +258,8 @@ class Cluster:
         self._progress(info.worker_id)
         return info
 
-    def _spawn(self, worker_id: str, role: str, engine_args: EngineArgs, placement: _Placement):
-        import ray
-
-        from decode_workers.worker import DecodeWorker
-        from prefill_workers.worker import PrefillWorker
-
+    def _worker_config(self, worker_id: str, role: str, engine_args: EngineArgs,
+                       placement: _Placement) -> WorkerConfig:
         cfg = self.config
         wcfg = WorkerConfig(worker_id, role, engine_args, kv_host=placement.kv_host,
                             kv_interface=placement.kv_interface,
@@ -268,10 +267,20 @@ class Cluster:
                             stream_layers=cfg.stream_layers)
         if worker_id in cfg.worker_overrides:
             wcfg = dataclasses.replace(wcfg, **cfg.worker_overrides[worker_id])
-        cls = PrefillWorker if role == "prefill" else DecodeWorker
         if placement.use_gpus:  # Ray gives the actor one GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
             wcfg = dataclasses.replace(
                 wcfg, engine_args=dataclasses.replace(wcfg.engine_args, device="cuda"))
+        return wcfg
+
+    def _spawn(self, wcfg: WorkerConfig, placement: _Placement):
+        import ray
+
+        from decode_workers.worker import DecodeWorker
+        from prefill_workers.worker import PrefillWorker
+
+        cfg = self.config
+        worker_id, role = wcfg.worker_id, wcfg.role
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
         resource = PREFILL_RESOURCE if role == "prefill" else DECODE_RESOURCE
         # Control calls (load, abort) get threads of their own: see CONTROL_GROUP.
         actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_GROUP_THREADS})(cls).options(
@@ -298,12 +307,14 @@ class Cluster:
             return f"{self.config.name}-{worker_id}"
         return f"{worker_id}-{id(self):x}"  # private to this router: tests share one Ray
 
-    def _attach(self, worker_id: str, role: str):
-        """The handle of this deployment's live worker ``worker_id`` (left by a router that
-        stopped or died), or None. A worker of another role under that name is an operator
+    def _attach(self, wanted: WorkerConfig):
+        """The handle of this deployment's live worker ``wanted.worker_id`` (left by a router
+        that died, or stopped with keep_workers), or None. One built with another config is
+        stopped (the new config wins: it is spawned anew); one of another role is an operator
         error (two deployments sharing a name)."""
         import ray
 
+        worker_id, role = wanted.worker_id, wanted.role
         if not self.detached:
             return None
         try:
@@ -321,6 +332,14 @@ class Cluster:
             raise StartupError(f"deployment {self.config.name!r} already has a {info.role} "
                                f"worker {worker_id!r}; this router wants a {role} one (use "
                                f"another --name, or `pdcluster stop` the old deployment)")
+        theirs = ray.get(control(handle.worker_config).remote(), timeout=self.config.call_timeout_s)
+        if theirs != wanted:
+            log.warning("worker %s runs another configuration than this router's; replacing "
+                        "it", worker_id)
+            with contextlib.suppress(Exception):
+                ray.get(handle.shutdown.remote(), timeout=5)
+            ray.kill(handle, no_restart=True)
+            return None
         log.info("re-attached to worker %s (pid %d): no model load", worker_id, info.pid)
         self._actors.append(handle)
         self._attached.append(handle)
@@ -403,12 +422,12 @@ class Cluster:
             log.warning("cluster store unavailable, registry not updated: %s", e)
 
     async def shutdown(self, keep: set | None = None) -> None:
-        """Stop serving. Workers are stopped too, except detached ones (they outlive this
-        router: `pdcluster stop` ends a deployment) and the handles in ``keep``."""
+        """Stop serving, and the workers too, except the handles in ``keep`` (default: all
+        of them when ``keep_workers``, for the next router of the deployment to re-attach)."""
         import ray
 
         if keep is None:
-            keep = set(self._actors) if self.detached else set()
+            keep = set(self._actors) if self.detached and self.config.keep_workers else set()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
         for t in list(self._rejoining.values()):

@@ -212,9 +212,8 @@ class ResilientStore(ClusterStore):
         return self._read(lambda b: b.journal_recent(limit), list)
 
     def stream_read(self, request_id: str, from_index: int = 0) -> StreamLog | None:
-        """Read-your-writes, like ``journal_get``; None while the store is down (a router
-        resumes its own live streams without the store)."""
-        self.flush(timeout_s=2.0)
+        """What the store holds (this router's latest appends may still be queued: readers
+        poll); None while the store is down."""
         return self._read(lambda b: b.stream_read(request_id, from_index), lambda: None)
 
     def _read(self, call, fallback):

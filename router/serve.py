@@ -59,6 +59,7 @@ class ServeConfig:
     worker_restarts: int = 3
     require_redis: bool = False
     name: str = "pdcluster"
+    keep_workers: bool = False
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
@@ -96,7 +97,7 @@ class ServeConfig:
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
             kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
             migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
-            require_redis=self.require_redis, name=self.name)
+            require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

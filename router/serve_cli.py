@@ -48,7 +48,11 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--name", default=None,
                    help="the deployment's name (default pdcluster). With --ray-address its "
                         "workers outlive this router; a router started with the same name "
-                        "re-attaches to them (no model load). `pdcluster stop` ends them")
+                        "re-attaches to them (no model load)")
+    p.add_argument("--keep-workers", action="store_true", default=None,
+                   help="with --ray-address: leave the workers running when this router stops "
+                        "(a router upgrade: the next one re-attaches; `pdcluster stop` ends "
+                        "them). Without it a graceful stop ends them; a crash never does")
     p.add_argument("--worker-restarts", type=int, default=None,
                    help="times Ray restarts a worker whose process died; it rejoins under its "
                         "id with a new KV port (default 3; 0 leaves it dead)")

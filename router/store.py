@@ -368,7 +368,12 @@ class InMemoryStore(ClusterStore):
             self._prefixes.pop(worker_id, None)
 
     def _expire_journals(self, now: float) -> None:
-        for rid in [r for r, (_, exp) in self._journals.items() if exp <= now]:
+        # Dict order is last-append order and the TTL is one constant, so the expired ones
+        # are a prefix: stop at the first live one (O(expired), not O(all), per append).
+        while self._journals:
+            rid, (_, exp) = next(iter(self._journals.items()))
+            if exp > now:
+                break
             del self._journals[rid]
 
     def journal_append(self, request_id: str, event: JournalEvent) -> None:
@@ -394,6 +399,7 @@ class InMemoryStore(ClusterStore):
         with self._lock:
             now = self._clock()
             self._expire_streams(now)
+            self._streams.pop(record.request_id, None)
             self._streams[record.request_id] = [record, [], None, now + self._stream_ttl_s]
 
     def stream_append(self, request_id: str, token_ids: list[int],
@@ -402,8 +408,9 @@ class InMemoryStore(ClusterStore):
             now = self._clock()
             self._expire_streams(now)
             entry = self._streams.get(request_id)
-            if entry is None or entry[2] is not None:
+            if entry is None or entry[2] is not None:  # unknown, or ended: nothing to log
                 return
+            self._streams[request_id] = self._streams.pop(request_id)  # last-append order
             entry[1].extend(token_ids)
             if finish_reason is not None:
                 entry[2] = finish_reason
@@ -421,7 +428,11 @@ class InMemoryStore(ClusterStore):
             return StreamLog(record, list(tokens[from_index:]), len(tokens), reason)
 
     def _expire_streams(self, now: float) -> None:
-        for rid in [r for r, e in self._streams.items() if e[3] <= now]:
+        # As _expire_journals: dict order is last-append order, expired ones a prefix.
+        while self._streams:
+            rid, entry = next(iter(self._streams.items()))
+            if entry[3] > now:
+                break
             del self._streams[rid]
 
     def close(self) -> None:

@@ -38,6 +38,8 @@ __all__ = ["StreamLogger"]
 
 log = logging.getLogger(__name__)
 
+_OPEN_GRACE_S = 1.0  # a log opened a moment ago may still sit in the store's write queue
+
 
 class StreamLogger:
     def __init__(self, store: ClusterStore, model_id: str, tokenizer: Tokenizer | None,
@@ -184,6 +186,10 @@ class StreamLogger:
         if from_index < 0:
             raise ValueError(f"from_index must be >= 0, got {from_index}")
         first = await asyncio.to_thread(self.store.stream_read, request_id, 0)
+        deadline = time.monotonic() + _OPEN_GRACE_S
+        while first is None and time.monotonic() < deadline:  # its opening may be queued
+            await asyncio.sleep(self.poll_s)
+            first = await asyncio.to_thread(self.store.stream_read, request_id, 0)
         if first is None:
             raise StreamNotFoundError(f"no stream {request_id!r} here (unknown, or expired "
                                       f"{int(getattr(self.store, 'stream_ttl_s', 600))} s "

@@ -461,3 +461,32 @@ def test_sdk_resumes_by_itself_when_the_connection_is_cut(address, client, kv_pr
     finally:
         proxy.close()
     kv_probe.wait_until_free()
+
+
+def test_async_sdk_resumes_by_itself_too(address, client, kv_probe):
+    """The asyncio client's ``stream(..., resume=True)`` through a proxy cut mid-stream, and
+    its ``resume`` by hand after the end: both equal the unbroken run."""
+    from tests.tcp_proxy import CuttableProxy
+
+    alone = _greedy_alone(client, 40)
+    proxy = CuttableProxy(int(address.rsplit(":", 1)[1]))
+
+    async def go():
+        async with AsyncClient(f"127.0.0.1:{proxy.port}", timeout=120) as c:
+            s = c.stream(PROMPT, max_tokens=40, temperature=0, ignore_eos=True, resume=True)
+            tokens = []
+            async for chunk in s:
+                tokens += chunk.token_ids
+                if len(tokens) == 8:
+                    proxy.cut()
+            by_hand = [t async for ch in c.resume(s.request_id, from_index=8)
+                       for t in ch.token_ids]
+            return tokens, s._resumes, by_hand
+
+    try:
+        tokens, resumes, by_hand = asyncio.run(go())
+    finally:
+        proxy.close()
+    assert tokens == alone and resumes >= 1
+    assert by_hand == alone[8:]
+    kv_probe.wait_until_free()

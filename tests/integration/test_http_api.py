@@ -49,12 +49,18 @@ def model_id(backend) -> str:
 
 
 def _sse_payloads(lines) -> list:
-    """Parse an SSE body: every event must be ``data: ...``; the last one ``[DONE]``."""
+    """Parse an SSE body: every line is ``data: ...`` or, before a token chunk's data, its
+    ``id: <request id>:<tokens so far>``; the last event is ``[DONE]``."""
     events = [line for line in lines if line]
     assert events, "empty SSE stream"
-    assert all(e.startswith("data: ") for e in events), events
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all(e.startswith(("data: ", "id: ")) for e in events), events
+    ids = [e[len("id: "):] for e in events if e.startswith("id: ")]
+    rids = {i.rpartition(":")[0] for i in ids}
+    counts = [int(i.rpartition(":")[2]) for i in ids]
+    assert len(rids) <= 1 and counts == sorted(counts), ids  # one request, counting up
+    data = [e for e in events if e.startswith("data: ")]
+    assert data[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: "):]) for e in data[:-1]]
 
 
 def _assert_openai_error(resp: httpx.Response, status: int) -> dict:
@@ -210,7 +216,7 @@ def test_client_disconnect_during_stream_frees_kv(base_url, kv_probe):
                 "messages": PARIS, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
-        assert next(line for line in lines if line).startswith("data: ")
+        assert next(line for line in lines if line.startswith("data: "))
         assert kv_probe.blocks_used() > 0
     kv_probe.wait_until_free()
 

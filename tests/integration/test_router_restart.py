@@ -3,7 +3,8 @@ with deploy/ray/local_multinode.sh) and a Redis of its own, a `pdcluster serve -
 router is SIGKILLed with 16 resumable streams mid-way. Its workers live on (detached); a new
 router with the same --name re-attaches to them without loading a model, adopts the requests
 the dead router left, and every client (the SDK, resume=True) receives exactly the remaining
-tokens: each stream equals transformers' greedy run. `pdcluster stop` then ends the workers.
+tokens: each stream equals transformers' greedy run. A router that wants another
+configuration replaces the workers that differ; `pdcluster stop` ends a deployment.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def test_router_killed_mid_stream_workers_live_on_and_clients_resume(tmp_path, t
         args = ["--ray-address", address, "--redis-url", redis.url, "--name", "rr",
                 "--model", str(tiny_llama_dir), "--prefill-workers", "1", "--decode-workers", "1",
                 "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-                "--kv-cache-memory", "64MiB", "--max-num-seqs", "16", "--threads-per-worker", "1"]
+                "--kv-cache-memory", "64MiB", "--max-num-seqs", "16", "--threads-per-worker", "1",
+                "--keep-workers"]
 
         routers.append(Router(args, env, tmp_path / "router-1.log"))
         first_start_s = routers[0].wait_serving(240)
@@ -130,13 +132,23 @@ def test_router_killed_mid_stream_workers_live_on_and_clients_resume(tmp_path, t
             w: (v["pid"], "ready") for w, v in before.items()}
         assert "re-attached" in (tmp_path / "router-2.log").read_text() or restart_s < first_start_s
 
-        routers[1].stop()  # graceful: detached workers stay for the next router
+        routers[1].stop()  # graceful, with --keep-workers: they stay for the next router
+        # A router that wants another decode configuration (--max-num-seqs 8) replaces the
+        # decode worker and re-attaches to the unchanged prefill worker.
+        other = [a if a != "16" else "8" for a in args]
+        routers.append(Router(other, env, tmp_path / "router-3.log"))
+        routers[2].wait_serving(240)
+        replaced = _workers(http_port)
+        assert replaced["decode-0"]["pid"] != before["decode-0"]["pid"]
+        assert replaced["prefill-0"]["pid"] == before["prefill-0"]["pid"]
+        _wait_gone(before["decode-0"]["pid"])
+        routers[2].stop()
         stop = subprocess.run([sys.executable, "-m", "router.cli", "stop", "--ray-address",
                                address, "--name", "rr"], env=env, capture_output=True,
                               text=True, timeout=120, check=False, cwd=REPO_ROOT)
         assert stop.returncode == 0, stop.stderr[-3000:]
         assert "stopped 2 workers" in stop.stdout, stop.stdout
-        for w in before.values():
+        for w in replaced.values():
             _wait_gone(w["pid"])
     finally:
         for r in routers:
