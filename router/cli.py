@@ -137,7 +137,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     import asyncio
 
-    from router.cluster import stop_deployment
+    from router.launcher import stop_deployment
 
     names = asyncio.run(stop_deployment(args.ray_address, args.name))
     print(f"stopped {len(names)} workers of {args.name!r}: {', '.join(names) or 'none'}")

@@ -2,7 +2,8 @@
 
 ``Cluster`` is the Python entry point (``router.Cluster``) that ``pdcluster serve`` wraps:
 ``cluster = await Cluster.start(ClusterConfig(...))`` then ``cluster.generate(...)``. It owns
-every actor it spawns (killed in ``shutdown``) and, if it started Ray itself, Ray too.
+its workers (``router.launcher`` spawns them or re-attaches to a deployment's; ``shutdown``
+ends them unless they are kept for the next router) and, if it started Ray itself, Ray too.
 Placement: CPU workers ask for ``num_cpus``; on GPU nodes ``num_gpus=1``; and each role asks
 for its custom resource (``prefill_slot`` / ``decode_slot``) when the cluster defines it, so
 separate prefill and decode node types each get the right workers.
@@ -14,7 +15,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -32,13 +32,18 @@ from router.backend import (
     ModelInfo,
     WorkerStatus,
 )
+from router.launcher import (
+    JOIN_TIMEOUT_S,
+    RAY_NAMESPACE,
+    Placement,
+    StartupError,
+    WorkerLauncher,
+    join_ray,
+)
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE, RoleNeed, check_placement
 from router.worker_health import is_restarting
 from worker_protocol import (
-    CONTROL_GROUP,
-    CONTROL_GROUP_THREADS,
-    WorkerConfig,
     WorkerInfo,
     WorkerLoad,
     control,
@@ -46,8 +51,6 @@ from worker_protocol import (
 
 log = logging.getLogger(__name__)
 
-_RAY_NAMESPACE = "pdcluster"
-_JOIN_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -105,34 +108,18 @@ class ClusterConfig:
             raise ValueError(f"worker_restarts must be >= 0, got {self.worker_restarts}")
 
 
-class StartupError(RuntimeError):
-    """The cluster could not start; the message names the worker or resource at fault."""
-
-
-@dataclass(frozen=True)
-class _Placement:
-    """What every spawned worker shares (decided once, before spawning)."""
-
-    use_gpus: bool
-    by_role: bool  # workers ask for their role's resource (the cluster defines them)
-    kv_host: str | None
-    kv_interface: str | None
-
-
 class Cluster:
     """A running cluster; implements ``router.backend.GenerationBackend``."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self._actors: list = []
-        self._starting: dict[str, str] = {}  # spawned, not up yet: worker id -> role
+        self.launcher = WorkerLauncher(config, tag=f"{id(self):x}")
         self._started_ray = False  # we called ray.init (local start or join): we call ray.shutdown
         self.orchestrator: Orchestrator | None = None
         self.store = None
         self._info: ModelInfo | None = None
         self._refresh_task: asyncio.Task | None = None
         self._rejoining: dict[str, asyncio.Task] = {}  # worker id -> its rejoin after a restart
-        self._attached: list = []  # handles of detached workers found running at start-up
         self._progress: Callable[[str], None] = lambda step: None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -146,7 +133,7 @@ class Cluster:
         try:
             await cluster._start()
         except BaseException:
-            await cluster.shutdown(keep=set(cluster._attached))  # what it found stays
+            await cluster.shutdown(keep=set(cluster.launcher.attached))  # what it found stays
             raise
         return cluster
 
@@ -158,14 +145,14 @@ class Cluster:
         cfg = self.config
         if not ray.is_initialized():
             if cfg.ray_address:
-                await _join_ray(cfg.ray_address, min(_JOIN_TIMEOUT_S, cfg.startup_timeout_s))
+                await join_ray(cfg.ray_address, min(JOIN_TIMEOUT_S, cfg.startup_timeout_s))
                 # We connected, so we disconnect on shutdown (the cluster itself keeps running).
                 self._started_ray = True
             else:
                 n = cfg.num_prefill_workers + cfg.num_decode_workers
                 # Logical CPUs: workers are mostly waiting on memory, and one per core would
                 # make a 2-core laptop unable to host a 1+1 cluster plus the router.
-                ray.init(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1), namespace=_RAY_NAMESPACE,
+                ray.init(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1), namespace=RAY_NAMESPACE,
                          include_dashboard=False, log_to_driver=False,
                          resources={PREFILL_RESOURCE: cfg.num_prefill_workers,
                                     DECODE_RESOURCE: cfg.num_decode_workers})
@@ -188,9 +175,9 @@ class Cluster:
         role = "decode" if cfg.mode == "disaggregated" else "colocated"
         specs += [(f"decode-{i}", role, cfg.decode_engine) for i in range(cfg.num_decode_workers)]
         placement = self._plan_placement()
-        wanted = [self._worker_config(wid, r, dataclasses.replace(args, model=model_path),
+        wanted = [self.launcher.worker_config(wid, r, dataclasses.replace(args, model=model_path),
                                       placement) for wid, r, args in specs]
-        handles = [self._attach(w) or self._spawn(w, placement) for w in wanted]
+        handles = [self.launcher.attach(w) or self.launcher.spawn(w, placement) for w in wanted]
         infos: list[WorkerInfo] = await asyncio.gather(
             *[self._ready(wid, h) for (wid, _, _), h in zip(specs, handles, strict=True)])
 
@@ -214,7 +201,7 @@ class Cluster:
         self.orchestrator = orch
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
         for info, handle in zip(infos, handles, strict=True):
-            if handle in self._attached and info.role != "prefill":
+            if handle in self.launcher.attached and info.role != "prefill":
                 n = await orch.adopt_leftovers(orch.decode[info.worker_id])
                 log.warning("re-attached to %s: took over %d requests left by the previous "
                             "router", info.worker_id, n)
@@ -222,7 +209,7 @@ class Cluster:
             log.info("worker %s role=%s node=%s host=%s kv=%s pid=%d", i.worker_id, i.role,
                      i.node_id, i.node_ip, i.kv_host, i.pid)
 
-    def _plan_placement(self) -> _Placement:
+    def _plan_placement(self) -> Placement:
         """Check, before spawning anything, that the Ray cluster can host every worker, and
         decide what every worker shares: GPUs or not, role resources or not, KV address."""
         import ray
@@ -244,7 +231,7 @@ class Cluster:
         kv_host = cfg.kv_host
         if kv_host is None and cfg.kv_interface is None and len(hosts) == 1:
             kv_host = "127.0.0.1"  # every peer shares this host: KV never leaves loopback
-        return _Placement(use_gpus, by_role, kv_host, cfg.kv_interface)
+        return Placement(use_gpus, by_role, kv_host, cfg.kv_interface)
 
     async def _ready(self, worker_id: str, handle) -> WorkerInfo:
         try:
@@ -254,97 +241,9 @@ class Cluster:
                 f"worker {worker_id} was not up within {self.config.startup_timeout_s:g} s "
                 f"(still loading its model, or no node can take it: check `ray status`)"
             ) from None
-        self._starting.pop(worker_id, None)
+        self.launcher.starting.pop(worker_id, None)
         self._progress(info.worker_id)
         return info
-
-    def _worker_config(self, worker_id: str, role: str, engine_args: EngineArgs,
-                       placement: _Placement) -> WorkerConfig:
-        cfg = self.config
-        wcfg = WorkerConfig(worker_id, role, engine_args, kv_host=placement.kv_host,
-                            kv_interface=placement.kv_interface,
-                            transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
-                            stream_layers=cfg.stream_layers)
-        if worker_id in cfg.worker_overrides:
-            wcfg = dataclasses.replace(wcfg, **cfg.worker_overrides[worker_id])
-        if placement.use_gpus:  # Ray gives the actor one GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
-            wcfg = dataclasses.replace(
-                wcfg, engine_args=dataclasses.replace(wcfg.engine_args, device="cuda"))
-        return wcfg
-
-    def _spawn(self, wcfg: WorkerConfig, placement: _Placement):
-        import ray
-
-        from decode_workers.worker import DecodeWorker
-        from prefill_workers.worker import PrefillWorker
-
-        cfg = self.config
-        worker_id, role = wcfg.worker_id, wcfg.role
-        cls = PrefillWorker if role == "prefill" else DecodeWorker
-        resource = PREFILL_RESOURCE if role == "prefill" else DECODE_RESOURCE
-        # Control calls (load, abort) get threads of their own: see CONTROL_GROUP.
-        actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_GROUP_THREADS})(cls).options(
-            name=self._actor_name(worker_id), namespace=_RAY_NAMESPACE,
-            lifetime="detached" if self.detached else None,
-            num_cpus=cfg.worker_num_cpus, num_gpus=1 if placement.use_gpus else 0,
-            resources={resource: 1} if placement.by_role else {},
-            # Ray re-runs the constructor in a new process; the router notices the new
-            # incarnation in the next load report and rejoins it (_rejoin). No task is retried
-            # by Ray: the router decides what a lost call costs the request.
-            max_concurrency=64, max_restarts=cfg.worker_restarts, max_task_retries=0,
-        ).remote(wcfg)
-        self._actors.append(actor)
-        self._starting[worker_id] = role
-        return actor
-
-    @property
-    def detached(self) -> bool:
-        """Workers outlive this router (it joined an existing Ray cluster)."""
-        return self.config.ray_address is not None
-
-    def _actor_name(self, worker_id: str) -> str:
-        if self.detached:
-            return f"{self.config.name}-{worker_id}"
-        return f"{worker_id}-{id(self):x}"  # private to this router: tests share one Ray
-
-    def _attach(self, wanted: WorkerConfig):
-        """The handle of this deployment's live worker ``wanted.worker_id`` (left by a router
-        that died, or stopped with keep_workers), or None. One built with another config is
-        stopped (the new config wins: it is spawned anew); one of another role is an operator
-        error (two deployments sharing a name)."""
-        import ray
-
-        worker_id, role = wanted.worker_id, wanted.role
-        if not self.detached:
-            return None
-        try:
-            handle = ray.get_actor(self._actor_name(worker_id), namespace=_RAY_NAMESPACE)
-        except ValueError:  # no such actor: spawn it
-            return None
-        try:
-            info = ray.get(control(handle.info).remote(), timeout=self.config.call_timeout_s)
-        except Exception as e:  # dying or dead: replace it
-            log.warning("worker %s exists but does not answer (%r); starting a new one",
-                        worker_id, e)
-            ray.kill(handle, no_restart=True)
-            return None
-        if info.role != role:
-            raise StartupError(f"deployment {self.config.name!r} already has a {info.role} "
-                               f"worker {worker_id!r}; this router wants a {role} one (use "
-                               f"another --name, or `pdcluster stop` the old deployment)")
-        theirs = ray.get(control(handle.worker_config).remote(), timeout=self.config.call_timeout_s)
-        if theirs != wanted:
-            log.warning("worker %s runs another configuration than this router's; replacing "
-                        "it", worker_id)
-            with contextlib.suppress(Exception):
-                ray.get(handle.shutdown.remote(), timeout=5)
-            ray.kill(handle, no_restart=True)
-            return None
-        log.info("re-attached to worker %s (pid %d): no model load", worker_id, info.pid)
-        self._actors.append(handle)
-        self._attached.append(handle)
-        self._starting[worker_id] = role
-        return handle
 
     async def _refresh_loads(self) -> None:
         """Keep the router's view of each worker's KV use fresh; heartbeat the registry.
@@ -427,7 +326,8 @@ class Cluster:
         import ray
 
         if keep is None:
-            keep = set(self._actors) if self.detached and self.config.keep_workers else set()
+            keep_all = self.launcher.detached and self.config.keep_workers
+            keep = set(self.launcher.actors) if keep_all else set()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
         for t in list(self._rejoining.values()):
@@ -438,13 +338,13 @@ class Cluster:
                 for wid in (*self.orchestrator.prefill, *self.orchestrator.decode):
                     with contextlib.suppress(Exception):
                         self.store.deregister_worker(wid)
-        for a in self._actors:
+        for a in self.launcher.actors:
             if a in keep:
                 continue
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(a.shutdown.remote(), timeout=5)
             ray.kill(a, no_restart=True)
-        self._actors.clear()
+        self.launcher.actors.clear()
         if self.store is not None:
             self.store.close()
         if self._started_ray:
@@ -498,7 +398,7 @@ class Cluster:
         """Every worker this cluster started, with its state and last load report."""
         orch = self.orchestrator
         now = time.monotonic()
-        out = [WorkerStatus(wid, role, "", 0, "starting") for wid, role in self._starting.items()]
+        out = [WorkerStatus(wid, role, "", 0, "starting") for wid, role in self.launcher.starting.items()]
         for slot in (*orch.prefill.values(), *orch.decode.values()):
             i, v, lo = slot.info, slot.view, slot.view.load
             state = ("dead" if not v.alive else "unreachable" if not v.routable(now)
@@ -520,56 +420,6 @@ class Cluster:
     async def worker_ready(self, worker_id: str) -> bool:
         """Whether ``worker_id`` is up, reachable and takes new requests now."""
         return any(w.id == worker_id and w.state == "ready" for w in await self.cluster_status())
-
-
-async def stop_deployment(ray_address: str, name: str, timeout_s: float = 60.0) -> list[str]:
-    """Kill every worker of deployment ``name`` on the Ray cluster at ``ray_address`` (the
-    detached workers routers re-attach to); returns their actor names."""
-    import ray
-
-    await _join_ray(ray_address, timeout_s)
-    try:
-        prefix = f"{name}-"
-        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["namespace"] == _RAY_NAMESPACE and a["name"].startswith(prefix)
-                       and a["name"][len(prefix):].split("-")[0] in ("prefill", "decode"))
-        for n in names:
-            handle = ray.get_actor(n, namespace=_RAY_NAMESPACE)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(handle.shutdown.remote(), timeout=5)
-            ray.kill(handle, no_restart=True)
-        return names
-    finally:
-        ray.shutdown()
-
-
-async def _join_ray(address: str, timeout_s: float) -> None:
-    """``ray.init(address=...)`` with a deadline. Ray itself retries an unreachable GCS for
-    minutes, silently; the call runs on a daemon thread, so giving up does not wait for it."""
-    import ray
-
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def settle(error: BaseException | None) -> None:
-        if not done.done():
-            done.set_result(None) if error is None else done.set_exception(error)
-
-    def join() -> None:
-        error = None
-        try:
-            ray.init(address=address, namespace=_RAY_NAMESPACE, log_to_driver=False)
-        except BaseException as e:  # handed to the waiting coroutine
-            error = e
-        loop.call_soon_threadsafe(settle, error)
-
-    threading.Thread(target=join, name="ray-join", daemon=True).start()
-    try:
-        await asyncio.wait_for(asyncio.shield(done), timeout_s)
-    except TimeoutError:
-        raise StartupError(f"could not join the Ray cluster at {address} within {timeout_s:g} s "
-                           f"(is its head running, and is its GCS port reachable from here?)"
-                           ) from None
 
 
 def _worker_record(info: WorkerInfo, model_id: str):

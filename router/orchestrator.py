@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -38,6 +37,7 @@ from router.backend import (
     WorkerUnavailableError,
     new_request_id,
 )
+from router.fanout import TokenFanout
 from router.policy import WorkerView, pick_decode, pick_prefill
 from router.prefix_affinity import PrefixAffinity
 from router.request_state import (
@@ -53,7 +53,7 @@ from router.request_state import (
 )
 from router.store import InMemoryStore
 from router.stream_log import StreamLogger
-from router.worker_health import WorkerHealth, is_restarting
+from router.worker_health import WorkerHealth
 from worker_protocol import (
     AbortRequest,
     CommitRequest,
@@ -61,7 +61,6 @@ from worker_protocol import (
     PrefillResult,
     ReserveRequest,
     SubmitRequest,
-    TokenBatch,
     TokenUpdate,
     WorkerInfo,
     control,
@@ -111,13 +110,14 @@ class Orchestrator:
         self.streams = StreamLogger(store if store is not None else InMemoryStore(),
                                     config.model_id, tokenizer)
         self.affinity = PrefixAffinity(store, config.prefix_hash_seed)
+        self._streams: dict[str, StreamState] = {}
+        self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s)
         self.health = WorkerHealth(store, config.kv_unreachable_quarantine_s,
-                                   config.worker_silent_s, self._fail_committed_streams)
+                                   config.worker_silent_s, self.fanout.fail_committed_streams)
+        self.fanout.health = self.health
         self.prefill: dict[str, WorkerSlot] = {}
         self.decode: dict[str, WorkerSlot] = {}
-        self._streams: dict[str, StreamState] = {}
         self._transfer_ids = itertools.count(1)
-        self._consumers: dict[str, asyncio.Task] = {}  # decode worker id -> its token fan-out
         self.kv_transfer_bytes_total = 0
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.timings: dict[str, RequestTiming] = {}  # kept for the last requests (bounded)
@@ -130,7 +130,7 @@ class Orchestrator:
             self.prefill[info.worker_id] = slot
         else:
             self.decode[info.worker_id] = slot
-            self._consumers[info.worker_id] = asyncio.ensure_future(self._consume(slot))
+            self.fanout.start(slot)
 
     def rejoin(self, slot: WorkerSlot, info: WorkerInfo) -> None:
         """``slot``'s worker was restarted by Ray (same id and handle, new process): take its
@@ -140,94 +140,27 @@ class Orchestrator:
         old = slot.info
         wid = info.worker_id
         if old.role != "prefill":
-            self._fail_committed_streams(wid, f"decode worker {wid} restarted (pid {old.pid} "
-                                              f"-> {info.pid})", "worker_restarted",
-                                         keep_incarnation=info.incarnation)
+            self.fanout.fail_committed_streams(
+                wid, f"decode worker {wid} restarted (pid {old.pid} -> {info.pid})",
+                "worker_restarted", keep_incarnation=info.incarnation)
         slot.info = info
         view = slot.view
         view.alive, view.load, view.kv_unreachable_until = True, None, 0.0
         view.kv_blocks_total = info.num_kv_blocks
         view.restarts += 1
         self.health.reachable(slot)
-        consumer = self._consumers.get(wid)
-        if old.role != "prefill" and (consumer is None or consumer.done()):
-            self._consumers[wid] = asyncio.ensure_future(self._consume(slot))
+        if old.role != "prefill":
+            self.fanout.start(slot)
         log.warning("worker %s rejoined after a restart: pid %d -> %d, KV address %s",
                     wid, old.pid, info.pid, info.kv_address)
 
-    def _fail_committed_streams(self, worker_id: str, why: str, reason: str,
-                                keep_incarnation: str | None = None) -> None:
-        """Tell every stream whose sequence lives on ``worker_id`` that it was lost (it then
-        migrates), except those committed in process ``keep_incarnation`` (a restarted
-        worker's new one). Streams still in an attempt there are left alone: that attempt
-        fails and is retried by itself."""
-        for s in self._streams.values():
-            if (s.decode_id == worker_id and s.committed
-                    and (keep_incarnation is None or s.decode_incarnation != keep_incarnation)):
-                s.committed = False  # one loss marker per stream and worker
-                s.queue.put_nowait(WorkerLost(why, reason))
-
-    async def _consume(self, slot: WorkerSlot) -> None:
-        """Fan one decode worker's per-step token batches out to the request streams, for as
-        long as the worker lives. A broken subscription (the connection dropped while a link
-        was down) loses the batches in flight: the streams on that worker fail, the worker is
-        unreachable until it reports again, and the subscription is taken up anew."""
-        import ray.exceptions
-
-        wid = slot.info.worker_id
-        while slot.view.alive:
-            try:
-                async for ref in slot.handle.subscribe.remote():
-                    batch: TokenBatch = await ref
-                    for upd in batch.updates:
-                        s = self._streams.get(upd.request_id)
-                        # Only the worker the stream is committed to speaks for it: an attempt
-                        # the router gave up on (its commit timed out while the host was cut
-                        # off) may still be admitted there later, and must not inject tokens.
-                        if s is not None and s.decode_id == wid:
-                            s.queue.put_nowait(upd)
-                        elif s is None:  # a request of a router that died: keep its log going
-                            self.streams.adopt(upd, functools.partial(self._tokens_of, slot))
-                return  # the worker closed the stream: it is shutting down
-            except asyncio.CancelledError:
-                raise
-            except ray.exceptions.ActorUnavailableError as e:
-                self.health.unreachable(slot, f"token stream broke: {e!r}")
-                if is_restarting(e):
-                    self._fail_committed_streams(wid, f"decode worker {wid} died; Ray is "
-                                                      f"restarting it", "worker_restarted")
-                else:
-                    self._fail_committed_streams(wid, f"lost the token stream of decode worker "
-                                                      f"{wid} (its host was unreachable)",
-                                                 "stream_lost")
-                await asyncio.sleep(0.5)
-            except Exception as e:  # actor died
-                self.health.dead(slot, repr(e))
-                return
-
     async def adopt_leftovers(self, slot: WorkerSlot) -> int:
-        """Take over the stream logs of the requests a dead router left on decode worker
-        ``slot`` (this router re-attached to it): each gets everything the worker generated
-        for it, and its later tokens as they come. Returns how many were handed over."""
-        records = await asyncio.wait_for(control(slot.handle.all_tokens).remote(),
-                                         self.config.call_timeout_s)
-        fetch = functools.partial(self._tokens_of, slot)
-        mine = [r for r in records if r.request_id not in self._streams]
-        for r in mine:
-            self.streams.adopt(TokenUpdate(r.request_id, r.token_ids, r.finish_reason, None,
-                                           r.index), fetch)
-        return len(mine)
-
-    async def _tokens_of(self, slot: WorkerSlot, request_id: str):
-        return await asyncio.wait_for(control(slot.handle.tokens_of).remote(request_id),
-                                      self.config.call_timeout_s)
+        """See ``TokenFanout.adopt_leftovers``."""
+        return await self.fanout.adopt_leftovers(slot)
 
     async def close(self) -> None:
         await self.streams.close()
-        tasks = list(self._consumers.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.fanout.close()
 
     # ---- the lifecycle --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
