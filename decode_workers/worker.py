@@ -16,9 +16,10 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterator
 
+from decode_workers.delivery import TokenDelivery
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
@@ -78,9 +79,7 @@ class DecodeWorker:
                                            device=self.engine.device,
                                            timeout_s=config.transfer_timeout_s)
                          if config.role == "decode" else None)
-        self._batches: deque[TokenBatch] = deque()
-        self._batches_ready = threading.Condition()
-        self._subscription = 0  # the live subscribe() call's number
+        self.delivery = TokenDelivery(self.worker_id)
         self._leases: dict[str, _Lease] = {}
         # request id -> its stream offset (a migrated request's tokens before it), and the
         # outputs of running and recently finished requests (see tokens_of)
@@ -104,7 +103,10 @@ class DecodeWorker:
                           self.receiver.address if self.receiver else None,
                           current_node_ip(), self.kv_host.address, self.incarnation)
 
-    def load(self) -> WorkerLoad:
+    def load(self, router_id: str = "") -> WorkerLoad:
+        """``router_id``: the router asking (its reports say it is alive: see delivery)."""
+        if router_id:
+            self.delivery.seen(router_id)
         s = self.engine.stats()
         return WorkerLoad(self.worker_id, self.config.role, s.kv_blocks_used, s.kv_blocks_total,
                           s.num_running, s.num_waiting, s.kv_blocks_reserved,
@@ -130,6 +132,7 @@ class DecodeWorker:
         """
         rid = req.request_id
         self._offsets[rid] = req.sampling_params.sample_index_offset
+        self.delivery.own(rid, req.router_id)
         res = self.loop.call(lambda e: e.kv_connector.reserve(
             rid, req.prompt_token_ids, req.sampling_params)).result(_CALL_TIMEOUT_S)
         if not res.ok:
@@ -179,6 +182,7 @@ class DecodeWorker:
         """Queue a whole request (prefill + decode here); returns this process's incarnation
         (the one the sequence lives on). Raises QueueFullError when full."""
         self._offsets[req.request_id] = req.sampling_params.sample_index_offset
+        self.delivery.own(req.request_id, req.router_id)
         self.loop.call(lambda e: e.add_request(
             list(req.prompt_token_ids), req.sampling_params, req.request_id,
             priority=req.priority)).result(_CALL_TIMEOUT_S)
@@ -198,46 +202,23 @@ class DecodeWorker:
         with self._lock:
             return self._outputs.get(request_id)
 
-    def all_tokens(self) -> list[RequestTokens]:
-        """``tokens_of`` every running and recently finished request: what a router that
-        re-attaches here adopts from a router that died."""
-        with self._lock:
-            return list(self._outputs.values())
-
-    def subscribe(self) -> Iterator[TokenBatch]:
-        """Ray streaming generator: one TokenBatch per engine step that produced tokens.
-
-        One subscriber at a time: a new call (the router re-subscribing after its connection
-        broke) takes over and the older generator ends. A batch is taken off the queue only
-        by the current subscriber (checked under the queue's lock), so none is handed to a
-        stream nobody reads any more."""
-        with self._batches_ready:
-            self._subscription += 1
-            mine = self._subscription
-            self._batches_ready.notify_all()  # wake the old generator so it ends now
-        while True:
-            with self._batches_ready:
-                self._batches_ready.wait_for(
-                    lambda: self._batches or self._stopped.is_set() or mine != self._subscription,
-                    timeout=0.5)
-                if self._stopped.is_set() or mine != self._subscription:
-                    return
-                if not self._batches:
-                    continue
-                batch = self._batches.popleft()
-            yield batch
+    def subscribe(self, router_id: str = "") -> Iterator[TokenBatch]:
+        """Ray streaming generator: one TokenBatch per engine step for the requests
+        ``router_id`` owns (several routers may subscribe at once). A newer call from the
+        same router (re-subscribing after its connection broke) takes over and the older
+        generator ends; a batch is taken off the queue only by the current one."""
+        yield from self.delivery.subscribe(router_id)
 
     def shutdown(self) -> None:
         self._stopped.set()
-        with self._batches_ready:
-            self._batches_ready.notify_all()
+        self.delivery.stop()
         self.loop.stop()
         if self.receiver is not None:
             self.receiver.close()
 
     # ---- internals ------------------------------------------------------------------------
     def _on_step(self, outs: list[RequestOutput]) -> None:
-        updates = []
+        updates, forgotten = [], []
         with self._lock:
             for o in outs:
                 offset = self._offsets.get(o.request_id, 0)
@@ -250,10 +231,11 @@ class DecodeWorker:
                 if o.finished:
                     self._offsets.pop(o.request_id, None)
             while len(self._outputs) > _KEEP_OUTPUTS and _oldest_finished(self._outputs):
-                self._outputs.pop(_oldest_finished(self._outputs))
-        with self._batches_ready:
-            self._batches.append(TokenBatch(self.worker_id, updates, time.time()))
-            self._batches_ready.notify_all()
+                forgotten.append(_oldest_finished(self._outputs))
+                self._outputs.pop(forgotten[-1])
+        self.delivery.publish(updates, time.time())
+        for rid in forgotten:
+            self.delivery.forget(rid)
 
     def _release(self, request_id: str) -> bool:
         """Drop a reservation: stop receiving and free its blocks (if still waiting for KV)."""
@@ -267,7 +249,12 @@ class DecodeWorker:
         return True
 
     def _expire_leases(self) -> None:
+        """Also hands requests of routers that stopped reporting to a live one (delivery)."""
         while not self._stopped.wait(0.2):
+            moved = self.delivery.reassign_orphans(self.tokens_of)
+            if moved:
+                log.warning("%s: %d requests of a silent router handed to a live one",
+                            self.worker_id, len(moved))
             now = time.monotonic()
             with self._lock:
                 expired = [rid for rid, lease in self._leases.items() if lease.deadline < now]

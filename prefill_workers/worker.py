@@ -89,7 +89,7 @@ class PrefillWorker:
                           stats.kv_blocks_total, stats.block_size, self.engine.max_model_len,
                           None, current_node_ip(), self.kv_host.address, self.incarnation)
 
-    def load(self) -> WorkerLoad:
+    def load(self, router_id: str = "") -> WorkerLoad:
         s = self.engine.stats()
         return WorkerLoad(self.worker_id, "prefill", s.kv_blocks_used, s.kv_blocks_total,
                           s.num_running, s.num_waiting, kv_transfer_bytes=self.kv_bytes_sent,

@@ -200,11 +200,6 @@ class Cluster:
             self.store.register_worker(_worker_record(info, model_cfg.model_id), ttl_s=15.0)
         self.orchestrator = orch
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
-        for info, handle in zip(infos, handles, strict=True):
-            if handle in self.launcher.attached and info.role != "prefill":
-                n = await orch.adopt_leftovers(orch.decode[info.worker_id])
-                log.warning("re-attached to %s: took over %d requests left by the previous "
-                            "router", info.worker_id, n)
         for i in infos:  # one line per worker: operators (and the placement test) read these
             log.info("worker %s role=%s node=%s host=%s kv=%s pid=%d", i.worker_id, i.role,
                      i.node_id, i.node_ip, i.kv_host, i.pid)
@@ -259,7 +254,8 @@ class Cluster:
             slots = [s for s in (*orch.prefill.values(), *orch.decode.values())
                      if s.view.alive or self.config.worker_restarts]
             results = await asyncio.gather(
-                *[asyncio.wait_for(control(s.handle.load).remote(), timeout) for s in slots],
+                *[asyncio.wait_for(control(s.handle.load).remote(orch.router_id), timeout)
+                  for s in slots],
                 return_exceptions=True)
             for slot, load in zip(slots, results, strict=True):
                 if isinstance(load, TimeoutError):

@@ -1,7 +1,7 @@
 """Each decode worker's token fan-out: one task per worker subscribes to its per-step token
 batches and hands every update to the stream of its request; the same owner tells streams
-when their worker was lost (they migrate) and adopts requests nobody here owns (their
-router died: their stream logs are kept going).
+when their worker was lost (they migrate) and adopts the requests a worker hands over from
+a router that stopped reporting (their stream logs are kept going).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 from router.request_state import StreamState, WorkerLost, WorkerSlot
 from router.stream_log import StreamLogger
 from router.worker_health import WorkerHealth, is_restarting
-from worker_protocol import TokenBatch, TokenUpdate, control
+from worker_protocol import TokenBatch, control
 
 __all__ = ["TokenFanout"]
 
@@ -24,8 +24,9 @@ class TokenFanout:
     """Over the orchestrator's stream table (``streams``: request id -> StreamState)."""
 
     def __init__(self, streams: dict[str, StreamState], stream_log: StreamLogger,
-                 call_timeout_s: float) -> None:
+                 call_timeout_s: float, router_id: str) -> None:
         self._streams = streams
+        self.router_id = router_id
         self.streams = stream_log
         self.call_timeout_s = call_timeout_s
         self.health: WorkerHealth | None = None  # set by the owner (health reports losses here)
@@ -65,7 +66,7 @@ class TokenFanout:
         wid = slot.info.worker_id
         while slot.view.alive:
             try:
-                async for ref in slot.handle.subscribe.remote():
+                async for ref in slot.handle.subscribe.remote(self.router_id):
                     batch: TokenBatch = await ref
                     for upd in batch.updates:
                         s = self._streams.get(upd.request_id)
@@ -92,19 +93,6 @@ class TokenFanout:
             except Exception as e:  # actor died
                 self.health.dead(slot, repr(e))
                 return
-
-    async def adopt_leftovers(self, slot: WorkerSlot) -> int:
-        """Take over the stream logs of the requests a dead router left on decode worker
-        ``slot`` (this router re-attached to it): each gets everything the worker generated
-        for it, and its later tokens as they come. Returns how many were handed over."""
-        records = await asyncio.wait_for(control(slot.handle.all_tokens).remote(),
-                                         self.call_timeout_s)
-        fetch = functools.partial(self._tokens_of, slot)
-        mine = [r for r in records if r.request_id not in self._streams]
-        for r in mine:
-            self.streams.adopt(TokenUpdate(r.request_id, r.token_ids, r.finish_reason, None,
-                                           r.index), fetch)
-        return len(mine)
 
     async def _tokens_of(self, slot: WorkerSlot, request_id: str):
         return await asyncio.wait_for(control(slot.handle.tokens_of).remote(request_id),

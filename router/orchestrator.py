@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -111,7 +112,11 @@ class Orchestrator:
                                     config.model_id, tokenizer)
         self.affinity = PrefixAffinity(store, config.prefix_hash_seed)
         self._streams: dict[str, StreamState] = {}
-        self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s)
+        # This router's name towards the workers: they send it the tokens of the requests it
+        # reserved or submitted, and hand it those of routers that stopped reporting.
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
+        self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s,
+                                  self.router_id)
         self.health = WorkerHealth(store, config.kv_unreachable_quarantine_s,
                                    config.worker_silent_s, self.fanout.fail_committed_streams)
         self.fanout.health = self.health
@@ -153,10 +158,6 @@ class Orchestrator:
             self.fanout.start(slot)
         log.warning("worker %s rejoined after a restart: pid %d -> %d, KV address %s",
                     wid, old.pid, info.pid, info.kv_address)
-
-    async def adopt_leftovers(self, slot: WorkerSlot) -> int:
-        """See ``TokenFanout.adopt_leftovers``."""
-        return await self.fanout.adopt_leftovers(slot)
 
     async def close(self) -> None:
         await self.streams.close()
@@ -313,7 +314,8 @@ class Orchestrator:
         slot.view.inflight_requests += 1
         try:
             stream.decode_incarnation = await slot.handle.submit.remote(
-                SubmitRequest(stream.request_id, prompt_ids, params, stream.priority))
+                SubmitRequest(stream.request_id, prompt_ids, params, stream.priority,
+                              self.router_id))
         finally:
             slot.view.inflight_requests -= 1
         self._record_prefix(slot, prompt_ids)
@@ -366,7 +368,8 @@ class Orchestrator:
         stream.decode_id, stream.committed = decode.info.worker_id, False
         try:
             res = await self._call(stream, decode, decode.handle.reserve.remote(
-                ReserveRequest(rid, prompt_ids, params, spec, pslot.info.worker_id)),
+                ReserveRequest(rid, prompt_ids, params, spec, pslot.info.worker_id,
+                               self.router_id)),
                 cfg.call_timeout_s)
             if not res.ok:
                 raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)

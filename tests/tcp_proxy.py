@@ -10,6 +10,9 @@ import threading
 
 
 class CuttableProxy:
+    """``target_port`` may be changed at any time (a load balancer moving to another
+    backend): new connections go there."""
+
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self._listener = socket.create_server(("127.0.0.1", 0))

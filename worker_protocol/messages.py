@@ -71,6 +71,7 @@ class ReserveRequest:
     sampling_params: SamplingParams
     transfer: KVTransferSpec
     source_worker_id: str  # the prefill worker that will send the KV
+    router_id: str = ""  # the router that owns the request (gets its tokens)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class SubmitRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int = 0  # queued ahead of lower priorities (a migrated stream's re-prefill)
+    router_id: str = ""  # the router that owns the request (gets its tokens)
 
 
 @dataclass(frozen=True)

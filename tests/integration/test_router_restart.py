@@ -67,7 +67,10 @@ def _workers(http_port: int) -> dict[str, dict]:
         return {w["id"]: w for w in json.load(r)["workers"]}
 
 
-def test_router_killed_mid_stream_workers_live_on_and_clients_resume(tmp_path, tiny_llama_dir):
+@pytest.fixture(scope="module")
+def deployment():
+    """A 3-node local Ray (deploy/ray/local_multinode.sh) and a Redis of the module's own;
+    yields (env for routers, Ray address, the Redis). Both are ended by pid afterwards."""
     state_dir = Path("/tmp") / f"pdc-ray-rr-{os.getpid()}"  # short: unix socket path limit
     ray_bin = str(Path(sys.executable).parent / "ray")
     env = dict(os.environ, PDC_RAY_PORT=str(PORT), PDC_RAY_STATE_DIR=str(state_dir),
@@ -76,10 +79,51 @@ def test_router_killed_mid_stream_workers_live_on_and_clients_resume(tmp_path, t
     redis.start()
     up = subprocess.run(["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True,
                         timeout=180, check=False)
-    routers: list[Router] = []
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        address = f"127.0.0.2:{PORT}"
+        yield env, f"127.0.0.2:{PORT}", redis
+    finally:
+        down = subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True,
+                              text=True, timeout=180, check=False)
+        redis.kill()
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+def _start_clients(prompts, addresses):
+    """One SDK client per prompt (resume=True), each on its address; returns (tokens so
+    far per client, errors, threads)."""
+    got: list[list[int]] = [[] for _ in prompts]
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            with Client(addresses[i], timeout=240) as c, c.stream(
+                    prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS, temperature=0,
+                    ignore_eos=True, resume=True) as s:
+                for chunk in s:
+                    got[i] += chunk.token_ids
+        except BaseException as e:  # handed to the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True)
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return got, errors, threads
+
+
+def _wait_all_started(got, errors, min_tokens: int = 5) -> None:
+    deadline = time.monotonic() + 120
+    while min(len(g) for g in got) < min_tokens:
+        assert time.monotonic() < deadline and not errors, errors
+        time.sleep(0.01)
+
+
+def test_router_killed_mid_stream_workers_live_on_and_clients_resume(deployment, tmp_path,
+                                                                    tiny_llama_dir):
+    env, address, redis = deployment
+    routers: list[Router] = []
+    try:
         grpc_port, http_port = free_port(), free_port()
         args = ["--ray-address", address, "--redis-url", redis.url, "--name", "rr",
                 "--model", str(tiny_llama_dir), "--prefill-workers", "1", "--decode-workers", "1",
@@ -88,37 +132,18 @@ def test_router_killed_mid_stream_workers_live_on_and_clients_resume(tmp_path, t
                 "--keep-workers"]
 
         routers.append(Router(args, env, tmp_path / "router-1.log"))
-        first_start_s = routers[0].wait_serving(240)
+        routers[0].wait_serving(240)
         before = _workers(http_port)
 
         prompts = random_prompts(seed=41, count=16, max_len=24, min_len=4)
         refs = hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
-        got: list[list[int]] = [[] for _ in prompts]
-        errors: list[BaseException] = []
-
-        def client(i: int) -> None:
-            try:
-                with Client(f"127.0.0.1:{grpc_port}", timeout=240) as c, c.stream(
-                        prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS, temperature=0,
-                        ignore_eos=True, resume=True) as s:
-                    for chunk in s:
-                        got[i] += chunk.token_ids
-            except BaseException as e:  # handed to the test thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=client, args=(i,), daemon=True)
-                   for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 120
-        while min(len(g) for g in got) < 5:
-            assert time.monotonic() < deadline and not errors, errors
-            time.sleep(0.01)
+        got, errors, threads = _start_clients(prompts, [f"127.0.0.1:{grpc_port}"] * 16)
+        _wait_all_started(got, errors)
         routers[0].stop(signal.SIGKILL)  # mid-stream, with no warning
         cut_at = [len(g) for g in got]
 
         routers.append(Router(args, env, tmp_path / "router-2.log"))
-        restart_s = routers[1].wait_serving(240)
+        routers[1].wait_serving(240)
         for t in threads:
             t.join(240)
         assert not errors, errors
@@ -130,7 +155,6 @@ def test_router_killed_mid_stream_workers_live_on_and_clients_resume(tmp_path, t
         # Re-attached, not restarted: the same worker processes, nothing reloaded.
         assert {w: (v["pid"], v["state"]) for w, v in after.items()} == {
             w: (v["pid"], "ready") for w, v in before.items()}
-        assert "re-attached" in (tmp_path / "router-2.log").read_text() or restart_s < first_start_s
 
         routers[1].stop()  # graceful, with --keep-workers: they stay for the next router
         # A router that wants another decode configuration (--max-num-seqs 8) replaces the
@@ -153,10 +177,6 @@ def test_router_killed_mid_stream_workers_live_on_and_clients_resume(tmp_path, t
     finally:
         for r in routers:
             r.stop(signal.SIGKILL)
-        down = subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True,
-                              text=True, timeout=180, check=False)
-        redis.kill()
-    assert down.returncode == 0, down.stdout + down.stderr
 
 
 def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
@@ -167,3 +187,57 @@ def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"worker pid {pid} still runs after `pdcluster stop`"
         time.sleep(0.2)
+
+
+def test_two_routers_front_one_deployment_and_the_survivor_takes_over(deployment,
+                                                                       tiny_llama_dir, tmp_path):
+    """Active-active: routers A and B with the same --name and Redis front the same two
+    workers at once, each owning the requests it took (8 each). A is SIGKILLed mid-stream;
+    its clients' load balancer (a proxy) now sends them to B, where they resume: the workers
+    hand A's requests to B once A stops reporting, B keeps their logs going, and all 16
+    streams equal transformers' greedy run."""
+    from tests.tcp_proxy import CuttableProxy
+
+    env, address, redis = deployment
+    a_ports, b_ports = (free_port(), free_port()), (free_port(), free_port())
+
+    def args(ports):
+        return ["--ray-address", address, "--redis-url", redis.url, "--name", "aa",
+                "--model", str(tiny_llama_dir), "--prefill-workers", "1", "--decode-workers",
+                "1", "--grpc-port", str(ports[0]), "--http-port", str(ports[1]),
+                "--kv-cache-memory", "64MiB", "--max-num-seqs", "16", "--threads-per-worker",
+                "1", "--keep-workers"]
+
+    routers = [Router(args(a_ports), env, tmp_path / "a.log")]
+    proxy = None
+    try:
+        routers[0].wait_serving(240)
+        routers.append(Router(args(b_ports), env, tmp_path / "b.log"))
+        routers[1].wait_serving(240)
+        assert {w: v["pid"] for w, v in _workers(a_ports[1]).items()} == {
+            w: v["pid"] for w, v in _workers(b_ports[1]).items()}  # the same two workers
+        proxy = CuttableProxy(a_ports[0])
+
+        prompts = random_prompts(seed=43, count=16, max_len=24, min_len=4)
+        refs = hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
+        via = [f"127.0.0.1:{proxy.port}"] * 8 + [f"127.0.0.1:{b_ports[0]}"] * 8
+        got, errors, threads = _start_clients(prompts, via)
+        _wait_all_started(got, errors)
+        routers[0].stop(signal.SIGKILL)
+        proxy.target_port = b_ports[0]  # the load balancer now knows only B
+        proxy.cut()
+        for t in threads:
+            t.join(240)
+        assert not errors, errors
+        assert got == refs
+        assert all(v["state"] == "ready" for v in _workers(b_ports[1]).values())
+        routers[1].stop()
+        stop = subprocess.run([sys.executable, "-m", "router.cli", "stop", "--ray-address",
+                               address, "--name", "aa"], env=env, capture_output=True,
+                              text=True, timeout=120, check=False, cwd=REPO_ROOT)
+        assert "stopped 2 workers" in stop.stdout, stop.stdout + stop.stderr
+    finally:
+        for r in routers:
+            r.stop(signal.SIGKILL)
+        if proxy is not None:
+            proxy.close()
