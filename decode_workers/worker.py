@@ -225,8 +225,10 @@ class DecodeWorker:
                 reason = o.finish_reason if o.finished else None
                 updates.append(TokenUpdate(o.request_id, o.new_token_ids, reason, o.error,
                                            offset + len(o.token_ids) - len(o.new_token_ids)))
+                # o.token_ids is this output's own copy already: kept as is, not copied
+                # again (this runs every step for every sequence).
                 self._outputs[o.request_id] = RequestTokens(o.request_id, offset,
-                                                            list(o.token_ids), reason)
+                                                            o.token_ids, reason)
                 self._outputs.move_to_end(o.request_id)
                 if o.finished:
                     self._offsets.pop(o.request_id, None)
