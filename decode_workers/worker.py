@@ -12,6 +12,7 @@ Every step's new tokens for all sequences leave as ONE ``TokenBatch`` (one Ray m
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -23,7 +24,13 @@ from decode_workers.delivery import TokenDelivery
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
-from kv_transfer import KVHandshakeError, KVLayout, KVTransferError, TorchDistReceiver
+from kv_transfer import (
+    KVHandshakeError,
+    KVLayout,
+    KVTransferError,
+    KVTransferSpec,
+    TorchDistReceiver,
+)
 from worker_protocol import (
     AbortRequest,
     CommitRequest,
@@ -86,6 +93,9 @@ class DecodeWorker:
         self._offsets: dict[str, int] = {}
         self._outputs: OrderedDict[str, RequestTokens] = OrderedDict()
         self._lock = threading.Lock()
+        # Transfer ids are this worker's to give (see ReserveResult.transfer); next() on an
+        # itertools.count is atomic under the GIL, so concurrent reserves never share one.
+        self._transfer_ids = itertools.count(1)
         self._stopped = threading.Event()
         self.kv_bytes_received = 0
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
@@ -137,12 +147,14 @@ class DecodeWorker:
             rid, req.prompt_token_ids, req.sampling_params)).result(_CALL_TIMEOUT_S)
         if not res.ok:
             return ReserveResult(False, f"no KV capacity on {self.worker_id}: {res.reason}")
+        spec = KVTransferSpec(rid, next(self._transfer_ids), len(req.prompt_token_ids),
+                              req.layout)
         with self._lock:
             self._leases[rid] = _Lease(time.monotonic() + self.config.lease_s,
-                                       req.transfer.layer_nbytes * req.transfer.layout.num_layers)
+                                       spec.layer_nbytes * spec.layout.num_layers)
         connector = self.engine.kv_connector
         try:
-            self.receiver.expect(req.transfer, req.source_worker_id,
+            self.receiver.expect(spec, req.source_worker_id,
                                  lambda layer, kv: connector.import_layer(rid, layer, kv))
         except KVHandshakeError:
             self._release(rid)
@@ -151,7 +163,7 @@ class DecodeWorker:
             self._release(rid)
             return ReserveResult(False, f"cannot receive KV: {e}")
         return ReserveResult(True, num_blocks=res.num_blocks, kv_address=self.receiver.address,
-                             incarnation=self.incarnation)
+                             incarnation=self.incarnation, transfer=spec)
 
     def commit(self, req: CommitRequest) -> CommitResult:
         """Wait for the KV to have fully arrived, then admit the request with its first token.

@@ -96,7 +96,9 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class KVTransferSpec:
-    """One request's prompt-KV transfer. The router assigns both ids (never a worker)."""
+    """One request's prompt-KV transfer. The router assigns the request id; the receiving
+    decode worker assigns the transfer id (the message tags), because it alone sees every
+    transfer into it when several routers reserve at once."""
 
     request_id: str
     transfer_id: int

@@ -109,6 +109,15 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                 raise KVTransferError("receiver is closed")
             if spec.request_id in self._transfers:
                 raise ValueError(f"transfer for request {spec.request_id!r} already expected")
+            # Two in-flight transfers from one peer with one tag would each take the other's
+            # layers (silently wrong KV); refuse the second instead.
+            tag = make_tag(spec.transfer_id, 0)
+            clash = next((t.spec.request_id for t in self._transfers.values()
+                          if t.peer_id == peer_id and make_tag(t.spec.transfer_id, 0) == tag),
+                         None)
+            if clash is not None:
+                raise ValueError(f"transfer id {spec.transfer_id} from {peer_id!r} is already "
+                                 f"in flight (request {clash!r})")
             self._transfers[spec.request_id] = tr
             tr.thread = threading.Thread(target=self._run, args=(tr,), daemon=True,
                                          name=f"kv-recv-{spec.request_id}")

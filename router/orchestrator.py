@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import time
 import uuid
@@ -26,7 +25,6 @@ from kv_transfer import (
     KVHandshakeError,
     KVLayout,
     KVPeerUnreachableError,
-    KVTransferSpec,
 )
 from router.backend import (
     GenerateInput,
@@ -122,7 +120,6 @@ class Orchestrator:
         self.fanout.health = self.health
         self.prefill: dict[str, WorkerSlot] = {}
         self.decode: dict[str, WorkerSlot] = {}
-        self._transfer_ids = itertools.count(1)
         self.kv_transfer_bytes_total = 0
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.timings: dict[str, RequestTiming] = {}  # kept for the last requests (bounded)
@@ -358,7 +355,6 @@ class Orchestrator:
         already released, Aborted, or ClusterMisconfiguredError."""
         rid = stream.request_id
         cfg = self.config
-        spec = KVTransferSpec(rid, next(self._transfer_ids), len(prompt_ids), self.layout)
         need = cdiv(len(prompt_ids) + 1, decode.view.block_size)
         decode.view.inflight_blocks += need
         # Counted from the pick, not from the reserve's answer: requests routed in one burst
@@ -368,7 +364,7 @@ class Orchestrator:
         stream.decode_id, stream.committed = decode.info.worker_id, False
         try:
             res = await self._call(stream, decode, decode.handle.reserve.remote(
-                ReserveRequest(rid, prompt_ids, params, spec, pslot.info.worker_id,
+                ReserveRequest(rid, prompt_ids, params, self.layout, pslot.info.worker_id,
                                self.router_id)),
                 cfg.call_timeout_s)
             if not res.ok:
@@ -381,7 +377,7 @@ class Orchestrator:
             try:
                 result: PrefillResult = await self._call(
                     stream, pslot, pslot.handle.prefill.remote(PrefillRequest(
-                        rid, prompt_ids, params, spec, destination, cfg.prefill_timeout_s,
+                        rid, prompt_ids, params, res.transfer, destination, cfg.prefill_timeout_s,
                         stream.priority)),
                     cfg.prefill_timeout_s + cfg.call_timeout_s, release=decode, peer=decode)
             finally:

@@ -69,7 +69,7 @@ class ReserveRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    transfer: KVTransferSpec
+    layout: KVLayout  # what the prefill worker sends in (checked against the decode model's)
     source_worker_id: str  # the prefill worker that will send the KV
     router_id: str = ""  # the router that owns the request (gets its tokens)
 
@@ -84,6 +84,10 @@ class ReserveResult:
     # listens on a new port before the router has re-read its WorkerInfo.
     kv_address: PeerAddress | None = None
     incarnation: str = ""
+    # The transfer the prefill worker must send, its id assigned by this decode worker: the
+    # receiver is the one party that sees every transfer into it, so ids stay unique per
+    # (prefill, decode) pair however many routers reserve at once.
+    transfer: KVTransferSpec | None = None
 
 
 @dataclass(frozen=True)

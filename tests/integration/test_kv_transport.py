@@ -109,6 +109,22 @@ def test_concurrent_transfers_bit_identical_and_abort():
     _run_lifecycle("cpu")
 
 
+def test_a_tag_in_flight_is_not_given_twice():
+    """A second transfer from the same peer with a transfer id already in flight would take
+    the first one's layers: the receiver refuses it (another peer may use the id)."""
+    rx = TorchDistReceiver("decode-0", LAYOUT, timeout_s=20, orphan_ttl_s=60)
+    try:
+        rx.expect(KVTransferSpec("first", 7, 5, LAYOUT), "prefill-0", lambda *_: None)
+        with pytest.raises(ValueError, match=r"transfer id 7 from 'prefill-0' is already in "
+                                             r"flight \(request 'first'\)"):
+            rx.expect(KVTransferSpec("second", 7, 5, LAYOUT), "prefill-0", lambda *_: None)
+        rx.expect(KVTransferSpec("other-peer", 7, 5, LAYOUT), "prefill-1", lambda *_: None)
+        rx.abort("first")
+        rx.abort("other-peer")
+    finally:
+        rx.close()
+
+
 def test_layout_mismatch_refused_on_both_sides():
     rx = TorchDistReceiver("decode-0", LAYOUT, timeout_s=20)
     try:

@@ -9,7 +9,7 @@ import pytest
 
 from decode_workers.worker import DecodeWorker
 from engine import EngineArgs, SamplingParams
-from kv_transfer import KVHandshakeError, KVLayout, KVTransferError, KVTransferSpec
+from kv_transfer import KVHandshakeError, KVLayout, KVTransferError
 from prefill_workers.worker import PrefillWorker
 from tests.tiny_models import save_tiny_model
 from worker_protocol import (
@@ -31,9 +31,8 @@ def decode_worker(tiny_llama_dir):
 
 
 def _reserve(worker, layout, rid="r1", n=20):
-    spec = KVTransferSpec(rid, 1, n, layout)
     return worker.reserve(ReserveRequest(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=4),
-                                         spec, "prefill-x"))
+                                         layout, "prefill-x"))
 
 
 def test_expired_lease_frees_the_reservation(decode_worker):
@@ -58,6 +57,25 @@ def test_abort_releases_reservation_at_once(decode_worker):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert decode_worker.load().kv_blocks_reserved == 0
+
+
+def test_transfer_ids_are_the_decode_workers_own(decode_worker):
+    """Routers that know nothing of each other (active-active) reserve on one decode worker
+    for one prefill worker: each reservation gets its own transfer id from the worker, so the
+    two prompts' KV can never take each other's message tags (it did when each router counted
+    ids itself: a stream decoded another prompt's KV)."""
+    ids = []
+    for rid in ("from-router-a", "from-router-b", "from-router-a-2"):
+        res = _reserve(decode_worker, decode_worker.layout, rid=rid)
+        assert res.ok and res.transfer.request_id == rid and res.transfer.num_tokens == 20
+        ids.append(res.transfer.transfer_id)
+    assert len(set(ids)) == 3, ids
+    for rid in ("from-router-a", "from-router-b", "from-router-a-2"):
+        decode_worker.abort(AbortRequest(rid))
+    deadline = time.monotonic() + 2
+    while decode_worker.load().kv_blocks_used:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
 def test_no_capacity_is_a_clear_refusal(tiny_llama_dir):
@@ -102,19 +120,18 @@ def test_prefill_past_its_deadline_is_aborted_by_the_prefill_worker(tiny_llama_d
         "decode-t", "decode", EngineArgs(model=str(tiny_llama_dir), block_size=8),
         lease_s=10.0, transfer_timeout_s=5.0))
     try:
-        def prefill_one(rid, transfer_id, timeout_s):
+        def prefill_one(rid, timeout_s):
             n = 20
-            spec = KVTransferSpec(rid, transfer_id, n, decode_worker.layout)
             prompt = list(range(3, 3 + n))
             res = decode_worker.reserve(ReserveRequest(rid, prompt, SamplingParams(max_tokens=4),
-                                                       spec, "prefill-t"))
+                                                       decode_worker.layout, "prefill-t"))
             assert res.ok and res.kv_address == decode_worker.receiver.address
-            return prefill.prefill(PrefillRequest(rid, prompt, SamplingParams(max_tokens=4), spec,
-                                                  res.kv_address, timeout_s))
+            return prefill.prefill(PrefillRequest(rid, prompt, SamplingParams(max_tokens=4),
+                                                  res.transfer, res.kv_address, timeout_s))
 
         t0 = time.monotonic()
         with pytest.raises(PrefillTimeoutError, match=r"late.*not done within 0.2 s on prefill-t"):
-            prefill_one("late", 1, 0.2)
+            prefill_one("late", 0.2)
         assert time.monotonic() - t0 < 0.7  # it gave up at its deadline, not at the prompt's end
         assert prefill.layers_sent("late") == -1  # no longer pending here
         decode_worker.abort(AbortRequest("late"))  # what the router does with the reservation
@@ -123,7 +140,7 @@ def test_prefill_past_its_deadline_is_aborted_by_the_prefill_worker(tiny_llama_d
             assert time.monotonic() < deadline, f"the timed-out prompt is still held: {lo}"
             time.sleep(0.05)
 
-        result = prefill_one("on-time", 2, 10.0)
+        result = prefill_one("on-time", 10.0)
         assert result.request_id == "on-time" and result.kv_bytes > 0
         commit = decode_worker.commit(CommitRequest("on-time", result.first_token_id, 5.0))
         assert not commit.finished
