@@ -47,6 +47,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aborts", type=int, default=None,
                    help="requests aborted at random phases per round (default 200; --quick 40)")
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--signals", default="SIGKILL,SIGSTOP",
+                   help="how the decode worker is taken down, one round each, in order "
+                        "(default SIGKILL,SIGSTOP)")
+
+
+def _signals(text: str) -> list[str]:
+    sigs = [s.strip().upper() for s in text.split(",") if s.strip()]
+    bad = [s for s in sigs if s not in ("SIGKILL", "SIGSTOP")]
+    if not sigs or bad:
+        raise SystemExit(f"--signals: SIGKILL and/or SIGSTOP, got {text!r}")
+    return sigs
 
 
 @dataclass
@@ -180,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     refs = _reference(args, prompts, max_tokens)
     with ray_session(num_workers=4):
         rounds = [asyncio.run(_round(args, sig, prompts, refs, n_streams, max_tokens, n_aborts))
-                  for sig in ("SIGKILL", "SIGSTOP")]
+                  for sig in _signals(args.signals)]
     total = sum(r["requests"] for r in rounds)
     completed = sum(r["completed"] for r in rounds) / total
     identical = sum(r["identical"] for r in rounds) / total

@@ -214,6 +214,16 @@ class DecodeWorker:
         with self._lock:
             return self._outputs.get(request_id)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is reserved, queued or running here (not ended): a router
+        deciding that a request's router and decode worker both died asks every live
+        decode worker this first."""
+        with self._lock:
+            rec = self._outputs.get(request_id)
+            if request_id in self._leases or (rec is not None and rec.finish_reason is None):
+                return True
+        return rec is None and request_id in self._offsets  # admitted, no step yet
+
     def subscribe(self, router_id: str = "") -> Iterator[TokenBatch]:
         """Ray streaming generator: one TokenBatch per engine step for the requests
         ``router_id`` owns (several routers may subscribe at once). A newer call from the
@@ -250,6 +260,8 @@ class DecodeWorker:
         self.delivery.publish(updates, time.time())
         for rid in forgotten:
             self.delivery.forget(rid)
+        if self.config.fault_delay_per_step_s:  # fault injection: a slow decode step
+            time.sleep(self.config.fault_delay_per_step_s)
 
     def _release(self, request_id: str) -> bool:
         """Drop a reservation: stop receiving and free its blocks (if still waiting for KV)."""
@@ -257,6 +269,9 @@ class DecodeWorker:
             lease = self._leases.pop(request_id, None)
         if lease is None:
             return False
+        # It never produced a token here: nothing else would drop these.
+        self._offsets.pop(request_id, None)
+        self.delivery.forget(request_id)
         if self.receiver is not None:
             self.receiver.abort(request_id)
         self.loop.call(lambda e: e.kv_connector.release(request_id)).result(_CALL_TIMEOUT_S)

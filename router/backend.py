@@ -235,7 +235,7 @@ class EngineBackend:
         try:
             async for out in gen:
                 if not opened:
-                    self.streams.open(rid, len(out.prompt_token_ids), inp.sampling,
+                    self.streams.open(rid, out.prompt_token_ids, inp.sampling,
                                       inp.messages is not None)
                     opened = True
                 self.streams.append(rid, out.new_token_ids,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 
 from router.request_state import StreamState, WorkerLost, WorkerSlot
 from router.stream_log import StreamLogger
@@ -30,6 +31,9 @@ class TokenFanout:
         self.streams = stream_log
         self.call_timeout_s = call_timeout_s
         self.health: WorkerHealth | None = None  # set by the owner (health reports losses here)
+        # Set by the owner: on_lost(worker_id, why) for each lost decode worker, so requests
+        # adopted from it (their router died) are continued elsewhere (router/orphans.py).
+        self.on_lost: Callable[[str, str], None] | None = None
         self._consumers: dict[str, asyncio.Task] = {}  # decode worker id -> its fan-out task
 
     def start(self, slot: WorkerSlot) -> None:
@@ -55,6 +59,8 @@ class TokenFanout:
                     and (keep_incarnation is None or s.decode_incarnation != keep_incarnation)):
                 s.committed = False  # one loss marker per stream and worker
                 s.queue.put_nowait(WorkerLost(why, reason))
+        if self.on_lost is not None:
+            self.on_lost(worker_id, why)
 
     async def _consume(self, slot: WorkerSlot) -> None:
         """Fan one decode worker's per-step token batches out to the request streams, for as
@@ -65,6 +71,10 @@ class TokenFanout:
 
         wid = slot.info.worker_id
         while slot.view.alive:
+            # The process this subscription reaches. A call made before Ray restarted the
+            # worker can fail only after the new process rejoined: that error speaks for the
+            # old process alone, not for streams already committed on the new one.
+            incarnation = slot.info.incarnation
             try:
                 async for ref in slot.handle.subscribe.remote(self.router_id):
                     batch: TokenBatch = await ref
@@ -76,19 +86,23 @@ class TokenFanout:
                         if s is not None and s.decode_id == wid:
                             s.queue.put_nowait(upd)
                         elif s is None:  # a request of a router that died: keep its log going
-                            self.streams.adopt(upd, functools.partial(self._tokens_of, slot))
+                            self.streams.adopt(upd, functools.partial(self._tokens_of, slot),
+                                               wid)
                 return  # the worker closed the stream: it is shutting down
             except asyncio.CancelledError:
                 raise
             except ray.exceptions.ActorUnavailableError as e:
-                self.health.unreachable(slot, f"token stream broke: {e!r}")
+                rejoined = slot.info.incarnation != incarnation
+                keep = slot.info.incarnation if rejoined else None
+                if not rejoined:
+                    self.health.unreachable(slot, f"token stream broke: {e!r}")
                 if is_restarting(e):
                     self.fail_committed_streams(wid, f"decode worker {wid} died; Ray is "
-                                                      f"restarting it", "worker_restarted")
+                                                      f"restarting it", "worker_restarted", keep)
                 else:
                     self.fail_committed_streams(wid, f"lost the token stream of decode worker "
                                                       f"{wid} (its host was unreachable)",
-                                                 "stream_lost")
+                                                 "stream_lost", keep)
                 await asyncio.sleep(0.5)
             except Exception as e:  # actor died
                 self.health.dead(slot, repr(e))

@@ -15,7 +15,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from engine.config import cdiv
 from engine.input_processor import InputProcessor
@@ -37,6 +36,8 @@ from router.backend import (
     new_request_id,
 )
 from router.fanout import TokenFanout
+from router.orchestrator_config import MIGRATED_PRIORITY, OrchestratorConfig
+from router.orphans import OrphanRescue
 from router.policy import WorkerView, pick_decode, pick_prefill
 from router.prefix_affinity import PrefixAffinity
 from router.request_state import (
@@ -67,37 +68,6 @@ from worker_protocol import (
 
 log = logging.getLogger(__name__)
 
-MIGRATED_PRIORITY = 1  # a migrated stream's re-prefill is queued ahead of new prompts
-
-
-@dataclass(frozen=True)
-class OrchestratorConfig:
-    model_id: str
-    mode: str = "disaggregated"  # or "colocated"
-    max_attempts: int = 3  # reserve/prefill/transfer tries before giving up on a request
-    transfer_timeout_s: float = 30.0
-    capacity_wait_s: float = 30.0  # how long a request may wait for KV capacity
-    max_inflight_requests: int = 1024  # beyond it: QueueFullError (RESOURCE_EXHAUSTED)
-    prefix_hash_seed: int = 0
-    # Deadlines on worker calls, so a host that went silent (link down) costs a retry, not a
-    # hung request: reserve / abort get call_timeout_s; commit waits for the transfer too;
-    # a prefill may queue behind other prompts first (the prefill worker gives up on it at
-    # prefill_timeout_s; the router waits call_timeout_s longer for that answer).
-    call_timeout_s: float = 10.0
-    prefill_timeout_s: float = 300.0
-    # A committed stream that gets no token update for this long has lost its decode worker
-    # (a step takes milliseconds to a second): it ends with UNAVAILABLE instead of hanging.
-    token_timeout_s: float = 120.0
-    # How many times one request may move to another decode worker when its own dies.
-    migration_limit: int = 3
-    # A decode worker that misses its load reports this long (hung, SIGSTOP'd, host cut off)
-    # has its streams migrated; it gets no new work until it reports again.
-    worker_silent_s: float = 5.0
-    # A decode worker whose KV address a prefill worker could not reach gets no new requests
-    # for this long (then it is tried again: the address may have come back).
-    kv_unreachable_quarantine_s: float = 30.0
-
-
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, tokenizer: Tokenizer | None,
                  inputs: InputProcessor, layout: KVLayout, store=None) -> None:
@@ -118,6 +88,9 @@ class Orchestrator:
         self.health = WorkerHealth(store, config.kv_unreachable_quarantine_s,
                                    config.worker_silent_s, self.fanout.fail_committed_streams)
         self.fanout.health = self.health
+        self.orphans = OrphanRescue(self)
+        self.fanout.on_lost = self.orphans.lost
+        self.streams.on_stall = self.orphans.stalled
         self.prefill: dict[str, WorkerSlot] = {}
         self.decode: dict[str, WorkerSlot] = {}
         self.kv_transfer_bytes_total = 0
@@ -157,6 +130,7 @@ class Orchestrator:
                     wid, old.pid, info.pid, info.kv_address)
 
     async def close(self) -> None:
+        await self.orphans.close()
         await self.streams.close()
         await self.fanout.close()
 
@@ -176,20 +150,15 @@ class Orchestrator:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         prompt_ids = enc.token_ids
         params = inp.sampling
-        detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
-                                        include_stop_str_in_output=params.include_stop_str_in_output)
-                 if self.tokenizer is not None else None)
         stream = StreamState(rid)
         t0 = time.monotonic()
-        ttft = None
-        num_out = 0
         finished = False
         # From here every path ends in the finally below, which drops the stream's entry:
         # a leaked entry would count against max_inflight_requests forever.
         self._streams[rid] = stream
         try:
             self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
-            self.streams.open(rid, len(prompt_ids), params, inp.messages is not None)
+            self.streams.open(rid, prompt_ids, params, inp.messages is not None, self.router_id)
             first: FirstToken | None = None
             try:
                 if self.config.mode == "colocated":
@@ -198,52 +167,76 @@ class Orchestrator:
                     first = await self._prefill(stream, prompt_ids, params)
             except Aborted:  # aborted by id: the queue already holds the final "abort" update
                 first = None
-            pending: list[TokenUpdate] = []
+            pending: list[TokenUpdate | WorkerLost] = []
             if first is not None:
                 pending.append(TokenUpdate(rid, [first.token_id],
                                            first.finish_reason if first.finished else None))
-            generated: list[int] = []  # every token streamed so far, in order
-            while True:
-                upd = pending.pop(0) if pending else await self._next_update(stream)
-                if isinstance(upd, WorkerLost) and stream.migrations < self.config.migration_limit:
-                    self.migrations[upd.reason] = self.migrations.get(upd.reason, 0) + 1
-                    resumed = await self._migrate(stream, prompt_ids, params, generated, str(upd))
-                    if resumed is not None:
-                        pending.append(resumed)
-                    continue
-                if isinstance(upd, BaseException):
-                    raise upd
-                if upd.finish_reason == "error":  # the worker failed this request alone
-                    raise RequestFailedError(f"request {rid} failed: {upd.error}")
-                num_out += len(upd.new_token_ids)
-                generated += upd.new_token_ids
-                if ttft is None and upd.new_token_ids:
-                    ttft = time.monotonic() - t0
-                reason = upd.finish_reason
-                text = ""
-                if detok is not None:
-                    d = detok.update(upd.new_token_ids)
-                    text = d.delta_text
-                    if d.stopped and reason is None:
-                        reason = "stop"
-                        await self._abort_on_workers(stream)
-                    if reason is not None:
-                        text += detok.flush()
-                finished = reason is not None
-                # Logged before the client sees it: a client resuming after token n finds it.
-                self.streams.append(rid, list(upd.new_token_ids), reason)
-                yield GenerationChunk(rid, list(upd.new_token_ids), text, finished, reason,
-                                      Usage(len(prompt_ids), num_out) if finished else None, ttft,
-                                      len(prompt_ids))
-                if finished:
-                    self._journal(rid, "finished", stream.decode_id, reason)
-                    return
+            async for chunk in self.follow(stream, prompt_ids, params, [], pending, t0):
+                finished = chunk.finished
+                yield chunk
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self.streams.append(rid, [], "abort")
-                self._journal(rid, "aborted", stream.decode_id, "")
-                await asyncio.shield(self._abort_on_workers(stream))
+            await self.end_stream(stream, finished)
+
+    async def end_stream(self, stream: StreamState, finished: bool) -> None:
+        """Drop the stream's entry; unfinished, end its log and journal with "abort" and free
+        whatever its workers hold."""
+        self._streams.pop(stream.request_id, None)
+        if not finished:
+            self.streams.append(stream.request_id, [], "abort")
+            self._journal(stream.request_id, "aborted", stream.decode_id, "")
+            await asyncio.shield(self._abort_on_workers(stream))
+
+    async def follow(self, stream: StreamState, prompt_ids: list[int], params: SamplingParams,
+                     generated: list[int], pending: list, t0: float
+                     ) -> AsyncIterator[GenerationChunk]:
+        """The stream's chunks from its worker's token updates (``pending`` first), after
+        the tokens ``generated`` already (a continued request's log holds them): each is
+        logged before it is yielded; a lost worker migrates the stream (up to
+        ``migration_limit`` times); a stop string ends it. Ends after the finished chunk."""
+        rid = stream.request_id
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output)
+            if generated:
+                detok.update(generated)  # the text so far, so stop strings span the seam
+        generated = list(generated)  # every token streamed so far, in order
+        ttft = None
+        while True:
+            upd = pending.pop(0) if pending else await self._next_update(stream)
+            if isinstance(upd, WorkerLost) and stream.migrations < self.config.migration_limit:
+                self.migrations[upd.reason] = self.migrations.get(upd.reason, 0) + 1
+                resumed = await self._migrate(stream, prompt_ids, params, generated, str(upd))
+                if resumed is not None:
+                    pending.append(resumed)
+                continue
+            if isinstance(upd, BaseException):
+                raise upd
+            if upd.finish_reason == "error":  # the worker failed this request alone
+                raise RequestFailedError(f"request {rid} failed: {upd.error}")
+            generated += upd.new_token_ids
+            if ttft is None and upd.new_token_ids:
+                ttft = time.monotonic() - t0
+            reason = upd.finish_reason
+            text = ""
+            if detok is not None:
+                d = detok.update(upd.new_token_ids)
+                text = d.delta_text
+                if d.stopped and reason is None:
+                    reason = "stop"
+                    await self._abort_on_workers(stream)
+                if reason is not None:
+                    text += detok.flush()
+            finished = reason is not None
+            # Logged before the client sees it: a client resuming after token n finds it.
+            self.streams.append(rid, list(upd.new_token_ids), reason)
+            yield GenerationChunk(rid, list(upd.new_token_ids), text, finished, reason,
+                                  Usage(len(prompt_ids), len(generated)) if finished else None,
+                                  ttft, len(prompt_ids))
+            if finished:
+                self._journal(rid, "finished", stream.decode_id, reason)
+                return
 
     async def _migrate(self, stream: StreamState, prompt_ids: list[int], params: SamplingParams,
                        generated: list[int], why: str) -> TokenUpdate | None:
@@ -256,8 +249,8 @@ class Orchestrator:
         stream.priority = MIGRATED_PRIORITY
         self._journal(stream.request_id, "migrated", old,
                       f"after {len(generated)} tokens: {why}"[:200])
-        log.warning("migrating %s off %s after %d tokens (%s)", stream.request_id, old,
-                    len(generated), why)
+        log.warning("migrating %s off %s after %d tokens (%s)", stream.request_id,
+                    old or "its lost worker", len(generated), why)
         if old in self.decode:  # best effort: a silent worker that comes back frees the KV
             asyncio.ensure_future(self._safe_abort(self.decode[old], stream.request_id))
         if len(generated) >= params.max_tokens:  # every token arrived; only the end was lost

@@ -76,13 +76,23 @@ return 1
 """
 
 
-# Append to a stream log only if it was opened, has not expired and has not ended; keep its three
-# keys' TTLs together. ARGV: ttl ms, finish reason ('' = still live), token ids...
+# Append to a stream log only if it was opened, has not expired and has not ended; keep its
+# keys' TTLs together. KEYS: rec, tok, end, own. ARGV: ttl ms, finish reason ('' = still live),
+# token ids...
 _STREAM_APPEND_LUA = """
 if redis.call('exists', KEYS[1]) == 0 or redis.call('exists', KEYS[3]) == 1 then return 0 end
 if #ARGV > 2 then redis.call('rpush', KEYS[2], unpack(ARGV, 3)) end
 if ARGV[2] ~= '' then redis.call('set', KEYS[3], ARGV[2]) end
-for i = 1, 3 do redis.call('pexpire', KEYS[i], ARGV[1]) end
+for i = 1, 4 do redis.call('pexpire', KEYS[i], ARGV[1]) end
+return 1
+"""
+
+# Compare-and-set of a live log's owner. KEYS: rec, tok, end, own. ARGV: expected owner, new
+# owner, ttl ms.
+_STREAM_CLAIM_LUA = """
+if redis.call('exists', KEYS[1]) == 0 or redis.call('exists', KEYS[3]) == 1 then return 0 end
+if (redis.call('get', KEYS[4]) or '') ~= ARGV[1] then return 0 end
+redis.call('set', KEYS[4], ARGV[2], 'PX', ARGV[3])
 return 1
 """
 
@@ -97,7 +107,9 @@ class RedisStore(ClusterStore):
     Keys: ``worker:{id}`` (JSON record, PX ttl), ``load:{id}`` (JSON, same ttl), ``workers``
     (set of ids, cleaned lazily), ``prefix:{id}`` (zset hash -> expiry in wall-clock ms;
     scores in recording order double as the LRU order), ``journal:{rid}`` (list of JSON
-    events, PX journal ttl), ``journals`` (zset rid -> last append, server clock in us, for journal_recent).
+    events, PX journal ttl), ``journals`` (zset rid -> last append, server clock in us, for journal_recent),
+    ``stream:{rid}:rec|tok|end|own`` (a stream log: JSON record, token list, finish reason,
+    current owner; one PX stream ttl, renewed by every append).
     Prefix expiry compares against this host's wall clock, so hosts need roughly synced clocks.
 
     Raises StoreUnavailableError at construction if Redis cannot be pinged, and from any call
@@ -131,6 +143,7 @@ class RedisStore(ClusterStore):
         self._heartbeat = self._r.register_script(_HEARTBEAT_LUA)
         self._journal_append = self._r.register_script(_JOURNAL_APPEND_LUA)
         self._stream_append = self._r.register_script(_STREAM_APPEND_LUA)
+        self._stream_claim = self._r.register_script(_STREAM_CLAIM_LUA)
         self.ping()
 
     @_unavailable
@@ -266,15 +279,21 @@ class RedisStore(ClusterStore):
                                         start=0, num=limit)
 
     def _stream_keys(self, request_id: str) -> list[str]:
-        return [self._k("stream", request_id, part) for part in ("rec", "tok", "end")]
+        return [self._k("stream", request_id, part) for part in ("rec", "tok", "end", "own")]
 
     @_unavailable
     def stream_open(self, record: StreamRecord) -> None:
-        rec, tok, end = self._stream_keys(record.request_id)
+        rec, tok, end, own = self._stream_keys(record.request_id)
         with self._r.pipeline(transaction=True) as p:
             p.delete(tok, end)
             p.set(rec, json.dumps(record.to_dict()), px=self._stream_ttl_ms)
+            p.set(own, record.owner, px=self._stream_ttl_ms)
             p.execute()
+
+    @_unavailable
+    def stream_claim(self, request_id: str, owner: str, expect_owner: str) -> bool:
+        return bool(self._stream_claim(keys=self._stream_keys(request_id),
+                                       args=[expect_owner, owner, self._stream_ttl_ms]))
 
     @_unavailable
     def stream_append(self, request_id: str, token_ids: list[int],
@@ -286,17 +305,18 @@ class RedisStore(ClusterStore):
     def stream_read(self, request_id: str, from_index: int = 0) -> StreamLog | None:
         if from_index < 0:
             raise ValueError(f"from_index must be >= 0, got {from_index}")
-        rec, tok, end = self._stream_keys(request_id)
+        rec, tok, end, own = self._stream_keys(request_id)
         with self._r.pipeline(transaction=True) as p:
             p.get(rec)
             p.lrange(tok, from_index, -1)
             p.llen(tok)
             p.get(end)
-            raw, tokens, total, reason = p.execute()
+            p.get(own)
+            raw, tokens, total, reason, owner = p.execute()
         if raw is None:
             return None
         return StreamLog(StreamRecord.from_dict(json.loads(raw)), [int(t) for t in tokens],
-                         total, reason)
+                         total, reason, owner or "")
 
     def close(self) -> None:
         self._r.close()

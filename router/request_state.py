@@ -53,7 +53,8 @@ class WorkerLost(WorkerUnavailableError):
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
-        # worker_died | worker_silent | worker_restarted | stream_lost | token_timeout
+        # worker_died | worker_silent | worker_restarted | stream_lost | token_timeout |
+        # router_lost (continued for a router that died: router/orphans.py)
         self.reason = reason
 
 

@@ -216,6 +216,13 @@ class ResilientStore(ClusterStore):
         poll); None while the store is down."""
         return self._read(lambda b: b.stream_read(request_id, from_index), lambda: None)
 
+    def stream_claim(self, request_id: str, owner: str, expect_owner: str) -> bool:
+        """Only while the store is up (a claim nobody else can see fences nothing): False
+        while it is down. This router's queued writes go first, so its own open is there."""
+        self.flush(timeout_s=2.0)
+        return self._read(lambda b: b.stream_claim(request_id, owner, expect_owner),
+                          lambda: False)
+
     def _read(self, call, fallback):
         backend = self._backend
         if not self._up or backend is None:

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.llm_engine import EngineArgs
@@ -60,9 +60,16 @@ class ServeConfig:
     require_redis: bool = False
     name: str = "pdcluster"
     keep_workers: bool = False
+    # Fault injection for failure tests only: worker id -> {fault_* WorkerConfig field: value}.
+    worker_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
+        for wid, over in self.worker_overrides.items():
+            bad = [k for k in (over if isinstance(over, dict) else {"?": 0})
+                   if not str(k).startswith("fault_")]
+            if bad:
+                raise ValueError(f"--worker-overrides[{wid!r}]: only fault_* fields, got {bad}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"--mode must be disaggregated or colocated, got {self.mode!r}")
         for name in ("prefill_workers", "decode_workers"):
@@ -97,7 +104,8 @@ class ServeConfig:
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
             kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
             migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
-            require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers)
+            require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
+            worker_overrides=dict(self.worker_overrides))
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

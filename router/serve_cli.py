@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_serve_subcommand(sub) -> None:
@@ -56,6 +57,8 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--worker-restarts", type=int, default=None,
                    help="times Ray restarts a worker whose process died; it rejoins under its "
                         "id with a new KV port (default 3; 0 leaves it dead)")
+    # Failure tests only (fault injection), so not in --help: JSON {worker id: {fault_*: v}}.
+    p.add_argument("--worker-overrides", type=json.loads, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
 
 

@@ -27,7 +27,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Self, TypeVar
 
 from worker_protocol import WorkerLoad
@@ -125,6 +125,12 @@ class StreamRecord(_Serde):
     include_stop_str_in_output: bool
     model_id: str
     kind: str = "completion"  # or "chat": how the HTTP API renders a resumed stream
+    # What another router needs to continue the request itself when both its router and its
+    # decode worker died: the prompt's token ids, the SamplingParams (asdict), and the
+    # router that opened the log (its first owner; StreamLog.owner is the current one).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,7 @@ class StreamLog:
     token_ids: list[int]
     num_tokens: int
     finish_reason: str | None
+    owner: str = ""  # the router producing it now (``stream_claim`` moves it)
 
 
 def _check_role(role: str | None) -> None:
@@ -226,6 +233,12 @@ class ClusterStore(ABC):
     @abstractmethod
     def stream_read(self, request_id: str, from_index: int = 0) -> StreamLog | None:
         """The log from token ``from_index`` on; None if unknown or expired."""
+
+    @abstractmethod
+    def stream_claim(self, request_id: str, owner: str, expect_owner: str) -> bool:
+        """Make ``owner`` the producer of a live log whose producer is still ``expect_owner``
+        (compare-and-set: of several routers racing to continue an orphaned request, exactly
+        one wins). False for an unknown, expired or ended log, or one owned by another."""
 
     @abstractmethod
     def close(self) -> None:
@@ -400,7 +413,8 @@ class InMemoryStore(ClusterStore):
             now = self._clock()
             self._expire_streams(now)
             self._streams.pop(record.request_id, None)
-            self._streams[record.request_id] = [record, [], None, now + self._stream_ttl_s]
+            self._streams[record.request_id] = [record, [], None, now + self._stream_ttl_s,
+                                                record.owner]
 
     def stream_append(self, request_id: str, token_ids: list[int],
                       finish_reason: str | None = None) -> None:
@@ -424,8 +438,17 @@ class InMemoryStore(ClusterStore):
             entry = self._streams.get(request_id)
             if entry is None:
                 return None
-            record, tokens, reason, _ = entry
-            return StreamLog(record, list(tokens[from_index:]), len(tokens), reason)
+            record, tokens, reason, _, owner = entry
+            return StreamLog(record, list(tokens[from_index:]), len(tokens), reason, owner)
+
+    def stream_claim(self, request_id: str, owner: str, expect_owner: str) -> bool:
+        with self._lock:
+            self._expire_streams(self._clock())
+            entry = self._streams.get(request_id)
+            if entry is None or entry[2] is not None or entry[4] != expect_owner:
+                return False
+            entry[4] = owner
+            return True
 
     def _expire_streams(self, now: float) -> None:
         # As _expire_journals: dict order is last-append order, expired ones a prefix.

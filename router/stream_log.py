@@ -16,6 +16,11 @@ they stream, and any router of the deployment can replay a log and follow it liv
   to its decode worker hands over each token update it gets for a request it does not know.
   Updates carry their stream position, so writes are idempotent, and a gap (tokens the dead
   router received but never logged) is filled from the worker's own record of the request.
+  Should that worker die too, ``take_adopted`` tells the router which requests to continue
+  itself (router/orphans.py);
+- a followed log that stops growing for ``orphan_after_s`` calls ``on_stall``: a request whose
+  router and decode worker both died has nobody to hand it over, and the router the client
+  resumed on continues it (router/orphans.py).
 
 A log lives ``stream_ttl_s`` (10 min) after its last append, in Redis with ``--redis-url``
 (so another router can resume it), else in the router's memory.
@@ -24,6 +29,7 @@ A log lives ``stream_ttl_s`` (10 min) after its last append, in Redis with ``--r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,35 +49,49 @@ _OPEN_GRACE_S = 1.0  # a log opened a moment ago may still sit in the store's wr
 
 class StreamLogger:
     def __init__(self, store: ClusterStore, model_id: str, tokenizer: Tokenizer | None,
-                 poll_s: float = 0.02, stall_s: float = 120.0) -> None:
+                 poll_s: float = 0.02, stall_s: float = 120.0,
+                 orphan_after_s: float = 20.0) -> None:
         self.store = store
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.poll_s = poll_s
         self.stall_s = stall_s  # a followed log that grows no more for this long ends
+        # ... and after this long without growth, on_stall(request_id) is awaited (once per
+        # follower): the owner may have lost the request (router/orphans.py).
+        self.orphan_after_s = orphan_after_s
+        self.on_stall: Callable[[str], Awaitable[None]] | None = None
         self._drains: set[asyncio.Task] = set()
-        # Adopted requests: id -> tokens in its log (None: not ours to write: unknown, ended)
+        # Adopted requests: id -> tokens in its log (None: not ours to write: unknown, ended,
+        # or continued by this router itself), and the decode worker each came from.
         self._adopted: dict[str, int | None] = {}
+        self._adopted_from: dict[str, str] = {}
         self._adoptions: asyncio.Queue | None = None
         self._adopter: asyncio.Task | None = None
 
     # ---- the producer's side --------------------------------------------------------------
-    def open(self, request_id: str, num_prompt_tokens: int, params: SamplingParams,
-             chat: bool) -> None:
+    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             chat: bool, owner: str = "") -> None:
+        """Start the log. It holds the prompt and the sampling parameters too, so another
+        router can continue the request if ``owner`` (the producing router) and its decode
+        worker both die."""
         self.store.stream_open(StreamRecord(
-            request_id, num_prompt_tokens, params.max_tokens, list(params.stop),
-            params.include_stop_str_in_output, self.model_id, "chat" if chat else "completion"))
+            request_id, len(prompt_token_ids), params.max_tokens, list(params.stop),
+            params.include_stop_str_in_output, self.model_id, "chat" if chat else "completion",
+            list(prompt_token_ids), dataclasses.asdict(params), owner))
 
     def append(self, request_id: str, token_ids: list[int], finish_reason: str | None) -> None:
         self.store.stream_append(request_id, token_ids, finish_reason)
 
-    def adopt(self, update: TokenUpdate, fetch: Callable[[str], Awaitable[RequestTokens | None]]
-              ) -> None:
-        """A token update for a request no stream of this router owns (its router died, or
-        it ended here already). ``fetch(request_id)`` asks its decode worker for everything
-        it generated. Never blocks: the writes happen in order on a task of their own."""
+    def adopt(self, update: TokenUpdate, fetch: Callable[[str], Awaitable[RequestTokens | None]],
+              worker_id: str = "") -> None:
+        """A token update from decode worker ``worker_id`` for a request no stream of this
+        router owns (its router died, or it ended here already). ``fetch(request_id)`` asks
+        that worker for everything it generated. Never blocks: the writes happen in order on
+        a task of their own."""
         if update.index < 0:
             return
+        if worker_id:
+            self._adopted_from[update.request_id] = worker_id
         if self._adoptions is None:
             self._adoptions = asyncio.Queue()
             self._adopter = asyncio.ensure_future(self._adopt_loop())
@@ -95,12 +115,16 @@ class StreamLogger:
             if known is not None:
                 log.warning("adopting %s (its router is gone) at token %d", rid, known)
             if len(self._adopted) > 65536:
-                self._adopted.pop(next(iter(self._adopted)))
-        known = self._adopted[rid]
+                oldest = next(iter(self._adopted))
+                del self._adopted[oldest]
+                self._adopted_from.pop(oldest, None)
+        known = self._adopted.get(rid)
         if known is None:
             return
         if upd.index > known:  # a gap: fill it from the worker's record
             rec = await fetch(rid)
+            if self._adopted.get(rid) is None:  # taken over meanwhile (take_adopted)
+                return
             if rec is None or rec.index > known:
                 log.warning("cannot fill tokens %d..%d of %s: its worker no longer has them",
                             known, upd.index, rid)
@@ -111,6 +135,20 @@ class StreamLogger:
             tokens, reason = upd.new_token_ids[known - upd.index:], upd.finish_reason
         self.append(rid, tokens, reason)
         self._adopted[rid] = None if reason else known + len(tokens)
+        if reason:
+            self._adopted_from.pop(rid, None)
+
+    def take_adopted(self, worker_id: str) -> list[str]:
+        """The adopted requests still live on ``worker_id``, which was just lost: their logs
+        are no longer written from its updates (updates already queued are dropped), and the
+        caller continues them elsewhere."""
+        # Not in _adopted yet: its first update is still queued (it is dropped, as above).
+        taken = [rid for rid, wid in self._adopted_from.items()
+                 if wid == worker_id and self._adopted.get(rid, 0) is not None]
+        for rid in taken:
+            self._adopted[rid] = None
+            del self._adopted_from[rid]
+        return taken
 
     # ---- the front door's side ------------------------------------------------------------
     async def keep(self, inp: GenerateInput, chunks: AsyncIterator[GenerationChunk]
@@ -199,6 +237,7 @@ class StreamLogger:
                                         include_stop_str_in_output=rec.include_stop_str_in_output)
                  if self.tokenizer is not None else None)
         seen, last_growth, current = 0, time.monotonic(), first
+        stall_reported = False
         while True:
             reason = current.finish_reason
             for tok in current.token_ids:  # one token per chunk, as the original streamed
@@ -227,6 +266,10 @@ class StreamLogger:
             elif time.monotonic() - last_growth > self.stall_s:
                 raise StreamNotFoundError(f"stream {request_id!r} stopped growing "
                                           f"{self.stall_s:g} s ago without an end")
+            elif (not stall_reported and self.on_stall is not None
+                  and time.monotonic() - last_growth > self.orphan_after_s):
+                stall_reported = True
+                await self.on_stall(request_id)
             await asyncio.sleep(self.poll_s)
             nxt = await asyncio.to_thread(self.store.stream_read, request_id, seen)
             if nxt is None:

@@ -209,6 +209,8 @@ class WorkerConfig:
     cpu_affinity: tuple[int, ...] | None = None
     # Fault injection for failure tests (never set in production): the prefill worker's
     # process exits after sending this many layers in total (a peer dying mid-transfer), or
-    # sleeps after each layer it sends (a slow link, to hold a transfer open).
+    # sleeps after each layer it sends (a slow link, to hold a transfer open); the decode
+    # worker sleeps after each engine step (long-lived streams).
     fault_exit_after_layers: int | None = None
     fault_delay_per_layer_s: float = 0.0
+    fault_delay_per_step_s: float = 0.0

@@ -161,25 +161,23 @@ def test_serve_refuses_lengths_beyond_the_servers_context(tmp_path, tiny_frontdo
 
 @pytest.mark.slow
 def test_chaos_loses_nothing_when_workers_die(tmp_path, tiny_llama_dir):
-    """Both rounds (SIGKILL, SIGSTOP a decode worker, then SIGKILL a prefill worker, then an
-    abort storm): every stream completes with the undisturbed run's tokens, nothing leaks,
-    and the killed workers are restarted and ready again."""
+    """The SIGKILL round (a decode worker, then a prefill worker, then an abort storm): every
+    stream completes with the undisturbed run's tokens, nothing leaks, and the killed
+    workers are restarted and ready again. (The SIGSTOP round's detection is the same code
+    test_disaggregation.py tests with SIGSTOP; CI runs one round to save 30 s.)"""
     from bench import chaos
 
     _run(chaos, ["chaos", "--model", str(tiny_llama_dir), "--quick", "--streams", "4",
                  "--max-tokens", "300", "--aborts", "20", "--prompt-len", "24",
-                 "--out", str(tmp_path)])
+                 "--signals", "SIGKILL", "--out", str(tmp_path)])
     _assert_ray_down()
     data = _read(tmp_path, "chaos")
-    assert [r["signal"] for r in data["rounds"]] == ["SIGKILL", "SIGSTOP"]
-    for r in data["rounds"]:
-        assert r["requests"] == 8 and r["completed"] == 8 and r["identical"] == 8, r
-        assert r["migrated_streams"] > 0 and sum(r["migrations"].values()) >= r["migrated_streams"]
-        assert r["blocks_leaked"] == {}
-        assert r["workers_ready"] == r["workers"] == 4, r  # the killed ones came back
-    # SIGKILL'd workers (decode victim and prefill-0 in round 1, prefill-0 in round 2) were
-    # restarted by Ray and rejoined; a SIGSTOP'd one was only paused
-    assert data["rounds"][0]["restarts"].get("prefill-0") == 1
-    assert len(data["rounds"][0]["restarts"]) == 2
-    assert data["rounds"][1]["restarts"] == {"prefill-0": 1}
+    assert [r["signal"] for r in data["rounds"]] == ["SIGKILL"]
+    r = data["rounds"][0]
+    assert r["requests"] == 8 and r["completed"] == 8 and r["identical"] == 8, r
+    assert r["migrated_streams"] > 0 and sum(r["migrations"].values()) >= r["migrated_streams"]
+    assert r["blocks_leaked"] == {}
+    assert r["workers_ready"] == r["workers"] == 4, r  # the killed ones came back
+    # both SIGKILL'd workers (the decode victim and prefill-0) were restarted by Ray
+    assert r["restarts"].get("prefill-0") == 1 and len(r["restarts"]) == 2, r
     assert all(t["met"] for t in data["targets"])

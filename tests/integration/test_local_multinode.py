@@ -1,6 +1,7 @@
 """deploy/ray/local_multinode.sh brings up a real three-node Ray cluster on this machine
 (head + prefill node + decode node), an actor asking for the prefill resource lands on the
-prefill node, and `down` leaves none of the cluster's processes running."""
+prefill node, `pdcluster serve` places its workers by role, and `down` leaves none of the
+cluster's processes running (one cluster for all of it: each start costs ~20 s)."""
 
 from __future__ import annotations
 
@@ -57,11 +58,27 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_up_places_prefill_actor_on_prefill_node_and_down_stops_everything(tmp_path):
+def test_up_places_workers_by_role_serves_and_down_stops_everything(tmp_path, tiny_llama_dir):
+    """`up` brings up three nodes (head, prefill, decode) with their resources; an actor asking
+    for the prefill resource lands on the prefill node; `pdcluster serve --ray-address` on
+    that cluster runs its prefill worker on the prefill node and its decode worker on the
+    decode node, and a request completes; `down` leaves none of the cluster's processes."""
+    import re
+    import signal
+    import socket
+    import time
+
+    from client import Client
+
     state_dir = Path("/tmp") / f"pdc-ray-test-{os.getpid()}"  # short: unix socket path limit
     env = dict(os.environ, PDC_RAY_PORT=str(PORT), PDC_RAY_STATE_DIR=str(state_dir),
                PDC_RAY_GRACE_S="5", PDC_RAY_BIN=str(Path(sys.executable).parent / "ray"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        grpc_port = s.getsockname()[1]
     up = _script("up", env)
+    serve = None
+    pids: list[int] = []
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         address = f"127.0.0.2:{PORT}"
@@ -84,44 +101,7 @@ def test_up_places_prefill_actor_on_prefill_node_and_down_stops_everything(tmp_p
         assert len(prefill_nodes) == len(decode_nodes) == len(router_nodes) == 1
         assert len({prefill_nodes[0], decode_nodes[0], router_nodes[0]}) == 3
         assert result["landed"] == prefill_nodes[0]
-    finally:
-        down = _script("down", env)
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert [p for p in pids if _alive(p)] == []
-    assert not state_dir.exists()
-    status = _script("status", env)
-    assert status.returncode == 1
 
-
-@pytest.mark.slow
-def test_serve_joins_the_cluster_and_places_workers_by_role(tmp_path, tiny_llama_dir):
-    """`pdcluster serve --ray-address` on the three-node cluster: the prefill worker runs on
-    the prefill node, the decode worker on the decode node, and a request completes."""
-    import re
-    import signal
-    import socket
-    import time
-
-    from client import Client
-
-    state_dir = Path("/tmp") / f"pdc-ray-serve-{os.getpid()}"
-    env = dict(os.environ, PDC_RAY_PORT=str(PORT + 1), PDC_RAY_STATE_DIR=str(state_dir),
-               PDC_RAY_GRACE_S="5", PDC_RAY_BIN=str(Path(sys.executable).parent / "ray"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        grpc_port = s.getsockname()[1]
-    up = _script("up", env)
-    serve = None
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        address = f"127.0.0.2:{PORT + 1}"
-        probe = subprocess.run(
-            [sys.executable, "-c", PROBE, address, PREFILL_RESOURCE], capture_output=True,
-            text=True, timeout=180, check=False, cwd=tmp_path, env=dict(env, RAY_AUTH_MODE="disabled"))
-        assert probe.returncode == 0, probe.stderr[-3000:]
-        nodes = json.loads(probe.stdout.strip().splitlines()[-1])["nodes"]
-        node_of = {res: [n["id"] for n in nodes if n["alive"] and n["resources"].get(res)][0]
-                   for res in (PREFILL_RESOURCE, DECODE_RESOURCE)}
         log = tmp_path / "serve.log"
         serve = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "--log-level", "INFO", "serve",
@@ -135,7 +115,7 @@ def test_serve_joins_the_cluster_and_places_workers_by_role(tmp_path, tiny_llama
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         placed = dict(re.findall(r"worker (\S+) role=\S+ node=(\S+)", log.read_text()))
-        assert placed == {"prefill-0": node_of[PREFILL_RESOURCE], "decode-0": node_of[DECODE_RESOURCE]}
+        assert placed == {"prefill-0": prefill_nodes[0], "decode-0": decode_nodes[0]}
         with Client(f"127.0.0.1:{grpc_port}") as c:
             res = c.generate(prompt_token_ids=[5, 6, 7, 8], max_tokens=6, temperature=0,
                              ignore_eos=True, timeout=60)
@@ -148,6 +128,10 @@ def test_serve_joins_the_cluster_and_places_workers_by_role(tmp_path, tiny_llama
             serve.wait(30)
         down = _script("down", env)
     assert down.returncode == 0, down.stdout + down.stderr
+    assert [p for p in pids if _alive(p)] == []
+    assert not state_dir.exists()
+    status = _script("status", env)
+    assert status.returncode == 1
 
 
 @pytest.mark.slow

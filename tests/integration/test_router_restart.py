@@ -191,22 +191,28 @@ def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
 
 def test_two_routers_front_one_deployment_and_the_survivor_takes_over(deployment,
                                                                        tiny_llama_dir, tmp_path):
-    """Active-active: routers A and B with the same --name and Redis front the same two
-    workers at once, each owning the requests it took (8 each). A is SIGKILLed mid-stream;
-    its clients' load balancer (a proxy) now sends them to B, where they resume: the workers
-    hand A's requests to B once A stops reporting, B keeps their logs going, and all 16
-    streams equal transformers' greedy run."""
+    """Active-active: routers A and B with the same --name and Redis front the same workers
+    (1 prefill, 2 decode; decode steps slowed so streams last ~25 s) at once, each owning the
+    requests it took (8 each). A and decode-0 are SIGKILLed together mid-stream; A's clients'
+    load balancer (a proxy) now sends them to B, where they resume:
+    - A's requests on decode-1 are handed to B once A stops reporting (B keeps their logs);
+      then decode-1 is SIGKILLed too, and B continues them itself (adopted, then lost);
+    - A's requests on decode-0 had nobody to hand them over: their resumed logs stop
+      growing, and B continues them (orphaned outright);
+    - B's own requests migrate as usual.
+    All 16 streams equal transformers' greedy run."""
     from tests.tcp_proxy import CuttableProxy
 
     env, address, redis = deployment
     a_ports, b_ports = (free_port(), free_port()), (free_port(), free_port())
+    slow = json.dumps({f"decode-{i}": {"fault_delay_per_step_s": 0.08} for i in range(2)})
 
     def args(ports):
         return ["--ray-address", address, "--redis-url", redis.url, "--name", "aa",
                 "--model", str(tiny_llama_dir), "--prefill-workers", "1", "--decode-workers",
-                "1", "--grpc-port", str(ports[0]), "--http-port", str(ports[1]),
+                "2", "--grpc-port", str(ports[0]), "--http-port", str(ports[1]),
                 "--kv-cache-memory", "64MiB", "--max-num-seqs", "16", "--threads-per-worker",
-                "1", "--keep-workers"]
+                "1", "--keep-workers", "--worker-overrides", slow]
 
     routers = [Router(args(a_ports), env, tmp_path / "a.log")]
     proxy = None
@@ -214,8 +220,9 @@ def test_two_routers_front_one_deployment_and_the_survivor_takes_over(deployment
         routers[0].wait_serving(240)
         routers.append(Router(args(b_ports), env, tmp_path / "b.log"))
         routers[1].wait_serving(240)
+        workers = _workers(b_ports[1])
         assert {w: v["pid"] for w, v in _workers(a_ports[1]).items()} == {
-            w: v["pid"] for w, v in _workers(b_ports[1]).items()}  # the same two workers
+            w: v["pid"] for w, v in workers.items()}  # the same three workers
         proxy = CuttableProxy(a_ports[0])
 
         prompts = random_prompts(seed=43, count=16, max_len=24, min_len=4)
@@ -224,18 +231,30 @@ def test_two_routers_front_one_deployment_and_the_survivor_takes_over(deployment
         got, errors, threads = _start_clients(prompts, via)
         _wait_all_started(got, errors)
         routers[0].stop(signal.SIGKILL)
+        os.kill(workers["decode-0"]["pid"], signal.SIGKILL)
         proxy.target_port = b_ports[0]  # the load balancer now knows only B
         proxy.cut()
+        b_log = routers[1].log_path
+        deadline = time.monotonic() + 60
+        while "(its router is gone)" not in b_log.read_text():  # decode-1 handed A's to B
+            assert time.monotonic() < deadline and not errors, (errors, b_log.read_text()[-3000:])
+            time.sleep(0.05)
+        os.kill(workers["decode-1"]["pid"], signal.SIGKILL)
         for t in threads:
             t.join(240)
         assert not errors, errors
         assert got == refs
-        assert all(v["state"] == "ready" for v in _workers(b_ports[1]).values())
+        text = b_log.read_text()
+        assert "adopted, then" in text, text[-3000:]  # continued: its worker died after
+        assert "its router and its decode worker are gone" in text, text[-3000:]
+        after = _workers(b_ports[1])
+        assert all(v["state"] == "ready" for v in after.values()), after
+        assert [after[f"decode-{i}"]["restarts"] for i in range(2)] == [1, 1], after
         routers[1].stop()
         stop = subprocess.run([sys.executable, "-m", "router.cli", "stop", "--ray-address",
                                address, "--name", "aa"], env=env, capture_output=True,
                               text=True, timeout=120, check=False, cwd=REPO_ROOT)
-        assert "stopped 2 workers" in stop.stdout, stop.stdout + stop.stderr
+        assert "stopped 3 workers" in stop.stdout, stop.stdout + stop.stderr
     finally:
         for r in routers:
             r.stop(signal.SIGKILL)

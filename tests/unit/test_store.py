@@ -200,7 +200,7 @@ class StoreContract:
     def test_stream_log_reads_from_any_index_and_ends_with_its_reason(self, h: Harness):
         rec = StreamRecord("req-s", 3, 6, ["\n\n"], False, "tiny-llama", "chat")
         h.store.stream_open(rec)
-        assert h.store.stream_read("req-s") == StreamLog(rec, [], 0, None)
+        assert h.store.stream_read("req-s") == StreamLog(rec, [], 0, None, "")
         h.store.stream_append("req-s", [11, 12])
         h.store.stream_append("req-s", [])  # an update without tokens is fine
         h.store.stream_append("req-s", [13])
@@ -217,6 +217,28 @@ class StoreContract:
             h.store.stream_read("req-s", -1)
         h.store.stream_open(rec)  # reopened (a retried id): starts empty again
         assert h.store.stream_read("req-s") == StreamLog(rec, [], 0, None)
+
+    def test_stream_log_keeps_what_continuing_it_needs_and_one_claim_wins(self, h: Harness):
+        """The record carries prompt and sampling (big seeds intact) for a router that
+        continues the request; the owner moves by compare-and-set, so of routers racing
+        to continue an orphan exactly one wins, and an ended log cannot be claimed."""
+        sampling = {"max_tokens": 6, "temperature": 0.7, "seed": 2**63 - 1, "stop": ["x"]}
+        rec = StreamRecord("req-c", 3, 6, ["x"], False, "m", "completion", [5, 6, 7], sampling,
+                           "router-a")
+        h.store.stream_open(rec)
+        h.store.stream_append("req-c", [11])
+        got = h.store.stream_read("req-c")
+        assert got == StreamLog(rec, [11], 1, None, "router-a")
+        assert got.record.prompt_token_ids == [5, 6, 7] and got.record.sampling == sampling
+        wins = [h.store.stream_claim("req-c", r, "router-a") for r in ("router-b", "router-c")]
+        assert wins == [True, False]
+        assert h.store.stream_read("req-c").owner == "router-b"
+        assert not h.store.stream_claim("req-c", "router-c", "router-a")  # stale expectation
+        assert h.store.stream_claim("req-c", "router-c", "router-b")
+        h.store.stream_append("req-c", [12], "stop")
+        assert not h.store.stream_claim("req-c", "router-d", "router-c")  # ended
+        assert not h.store.stream_claim("unknown", "router-d", "")
+        assert h.store.stream_read("req-c") == StreamLog(rec, [11, 12], 2, "stop", "router-c")
 
     def test_stream_log_expires_after_its_last_append(self, h: Harness):
         store = h.make(stream_ttl_s=h.ttl_s)
