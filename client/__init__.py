@@ -13,6 +13,7 @@ from client.types import (
     ResourceExhausted,
     RetryPolicy,
     StreamChunk,
+    Unauthenticated,
     Unavailable,
     Usage,
 )
@@ -20,5 +21,6 @@ from client.types import (
 __all__ = [
     "AsyncClient", "AsyncGenerateStream", "Cancelled", "Client", "DeadlineExceeded",
     "GenerateResult", "GenerateStream", "Internal", "InvalidArgument", "ModelInfo", "NotFound",
-    "PdclusterError", "ResourceExhausted", "RetryPolicy", "StreamChunk", "Unavailable", "Usage",
+    "PdclusterError", "ResourceExhausted", "RetryPolicy", "StreamChunk", "Unauthenticated",
+    "Unavailable", "Usage",
 ]

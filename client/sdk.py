@@ -22,6 +22,8 @@ from another process. The tokens equal an unbroken stream's.
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import time
 from collections.abc import Iterator
 
@@ -43,6 +45,41 @@ from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncClient", "AsyncGenerateStream", "Client", "GenerateStream"]
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _credentials(tls: bool, ca_file: str | None, client_cert: str | None,
+                 client_key: str | None) -> grpc.ChannelCredentials | None:
+    """TLS channel credentials, or None for plaintext. ``ca_file`` / a client certificate
+    imply TLS; without ``ca_file`` the system's trusted roots verify the server."""
+    if bool(client_cert) != bool(client_key):
+        raise ValueError("give client_cert and client_key together")
+    if not (tls or ca_file or client_cert):
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file),
+                                        private_key=_read(client_key),
+                                        certificate_chain=_read(client_cert))
+
+
+class _Stub:
+    """The Generation stub with the API key on every call (``authorization: Bearer KEY``):
+    call credentials would refuse a plaintext channel, metadata works on both."""
+
+    def __init__(self, channel, api_key: str | None) -> None:
+        self._stub = pb_grpc.GenerationStub(channel)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+        if self._metadata is None:
+            return method
+        return functools.partial(method, metadata=self._metadata)
 
 
 class _Deadline:
@@ -198,16 +235,24 @@ class Client:
     """Blocking client for one server address (``"host:port"``).
 
     ``timeout`` is the default per-call deadline in seconds (None: none); ``retry`` governs
-    UNAVAILABLE retries. Safe to share between threads.
+    UNAVAILABLE retries. ``api_key`` (default ``$PDCLUSTER_API_KEY``) goes with every call.
+    ``tls=True`` (or a ``ca_file``) connects over TLS, verifying the server against
+    ``ca_file`` (default: the system's roots); ``client_cert`` + ``client_key`` (PEM files)
+    answer a server that requires client certificates. Safe to share between threads.
     """
 
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
-                 retry: RetryPolicy | None = None, channel_options: list | None = None) -> None:
+                 retry: RetryPolicy | None = None, channel_options: list | None = None,
+                 api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
+                 client_cert: str | None = None, client_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        self._channel = grpc.insecure_channel(address, options=channel_options or [])
-        self._stub = pb_grpc.GenerationStub(self._channel)
+        creds = _credentials(tls, ca_file, client_cert, client_key)
+        options = channel_options or []
+        self._channel = (grpc.secure_channel(address, creds, options=options) if creds
+                         else grpc.insecure_channel(address, options=options))
+        self._stub = _Stub(self._channel, api_key or os.environ.get("PDCLUSTER_API_KEY"))
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -348,12 +393,17 @@ class AsyncClient:
     iterator). Create and use it inside one event loop."""
 
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
-                 retry: RetryPolicy | None = None, channel_options: list | None = None) -> None:
+                 retry: RetryPolicy | None = None, channel_options: list | None = None,
+                 api_key: str | None = None, tls: bool = False, ca_file: str | None = None,
+                 client_cert: str | None = None, client_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options or [])
-        self._stub = pb_grpc.GenerationStub(self._channel)
+        creds = _credentials(tls, ca_file, client_cert, client_key)
+        options = channel_options or []
+        self._channel = (grpc.aio.secure_channel(address, creds, options=options) if creds
+                         else grpc.aio.insecure_channel(address, options=options))
+        self._stub = _Stub(self._channel, api_key or os.environ.get("PDCLUSTER_API_KEY"))
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout

@@ -60,6 +60,10 @@ class Internal(PdclusterError):
     """The server failed; the message says how."""
 
 
+class Unauthenticated(PdclusterError, PermissionError):
+    """No API key, or one the server does not know (``api_key=`` / $PDCLUSTER_API_KEY)."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[PdclusterError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -68,6 +72,7 @@ _BY_CODE: dict[grpc.StatusCode, type[PdclusterError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 

@@ -28,6 +28,7 @@ both sides post transfers in the same order; the gloo path has no such restricti
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 import threading
 import time
@@ -49,6 +50,8 @@ from kv_transfer.protocol import (
     make_tag,
 )
 from kv_transfer.transport import KVReceiver, KVSender, OnLayer, PeerAddress, TransferState
+
+log = logging.getLogger(__name__)
 
 _FOREVER = datetime.timedelta(days=7)  # a data wait must never be what closes a pair
 _LOCAL = "127.0.0.1"
@@ -77,15 +80,30 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                  device: str | torch.device = "cpu", timeout_s: float = 30.0,
                  orphan_ttl_s: float = 60.0) -> None:
         """``host``: the address other hosts reach this worker at; it is advertised (with the
-        store's port) as ``.address``, and gloo binds it. The store listens on every
-        interface; this process's own store clients use loopback."""
+        store's port) as ``.address``, gloo binds it, and the store listens on it alone (a
+        TCPStore of its own would listen on every interface: anyone reaching any of them
+        could write its keys)."""
         self._host = host
         # Our own connections to our own store: a generous timeout, since the transfer
         # timeout may be a few seconds and a busy host (workers loading models) can be slow
         # to accept even on loopback. Every wait on the store is bounded in Python anyway.
         self._own_timeout = datetime.timedelta(seconds=max(timeout_s, _OWN_STORE_TIMEOUT_S))
-        self._store = dist.TCPStore(_LOCAL, port, None, True, self._own_timeout,
-                                    wait_for_workers=False)
+        self._own_host = host  # where this process's own store clients connect
+        try:
+            listen = socket.create_server((host, port), family=_family(host), backlog=4096)
+        except OSError as e:  # not this host's address (behind NAT?): every interface
+            log.warning("KV address %s is not local (%s): the KV store listens on every "
+                        "interface", host, e.strerror or e)
+            listen = socket.create_server(("", port), backlog=4096)
+            self._own_host = _LOCAL
+        try:
+            self._store = dist.TCPStore(self._own_host, listen.getsockname()[1], None, True,
+                                        self._own_timeout, wait_for_workers=False,
+                                        master_listen_fd=listen.fileno())
+        except BaseException:
+            listen.close()
+            raise
+        listen.detach()  # the store owns the descriptor now and closes it
         self._store_lock = threading.Lock()
         self.address = PeerAddress(worker_id, host, self._store.port)
         self._transfers: dict[str, _RecvTransfer] = {}
@@ -152,7 +170,8 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                 self._sget("set", store_key(peer_id, latest, "verdict"), "refused:" + str(e))
                 raise
             self._sget("set", store_key(peer_id, latest, "verdict"), "ok")
-            client = dist.TCPStore(_LOCAL, self.address.port, None, False, self._own_timeout)
+            client = dist.TCPStore(self._own_host, self.address.port, None, False,
+                                   self._own_timeout)
             try:
                 pg = build_group(client, peer_id, self.worker_id, latest, 0, self.device,
                                   self._host, max(deadline - time.monotonic(), 0.1))
@@ -263,6 +282,10 @@ class TorchDistReceiver(PairOwner, KVReceiver):
         for t in threads:
             t.join(timeout=self.timeout_s)
         del self._store
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 class _SendTransfer(TransferState):

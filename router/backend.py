@@ -12,7 +12,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from engine.request import QueueFullError, SamplingParams
 from worker_protocol import WorkerLoad
@@ -73,6 +73,12 @@ class GenerateInput:
     # The client may reconnect and resume: if it goes away, the request runs on into its
     # stream log instead of being aborted (router/stream_log.py).
     resumable: bool = False
+    # The id the client knows the request by: request_id without its tenant's scope
+    # (router/security.py). None: request_id itself.
+    public_id: str | None = None
+    # The tenant's concurrency permit (router/security.Permit), released when the generation
+    # ends, however it ends (StreamLogger.keep); None: no cap.
+    permit: Any = None
 
     @property
     def prompt(self) -> str | list[int] | list[dict]:

@@ -26,6 +26,20 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None,
+                   help="the server's API key (default: $PDCLUSTER_API_KEY)")
+    p.add_argument("--tls", action="store_true", help="connect over TLS (HTTPS for status)")
+    p.add_argument("--ca-file", default=None,
+                   help="PEM CA that signed the server's certificate (implies --tls)")
+
+
+def _client(args: argparse.Namespace):
+    from client import Client
+
+    return Client(args.address, api_key=args.api_key, tls=args.tls, ca_file=args.ca_file)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING")
@@ -42,12 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="local HF dir or GGUF (with --local)")
     gen.add_argument("--raw", action="store_true", help="complete the text as is, no chat template")
     _add_sampling_args(gen)
+    _add_connection_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     status = sub.add_parser("status", help="the workers of a running server and their state")
     status.add_argument("--http-address", default="127.0.0.1:8000",
                         help="HOST:PORT of the server's HTTP front door")
     status.add_argument("--json", action="store_true", help="print GET /v1/cluster as is")
+    _add_connection_args(status)
     status.set_defaults(func=cmd_status)
 
     stop = sub.add_parser("stop", help="end a deployment's workers on a Ray cluster (they "
@@ -60,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--address", default="127.0.0.1:50051")
     chat.add_argument("--system", default=None)
     _add_sampling_args(chat)
+    _add_connection_args(chat)
     chat.set_defaults(func=cmd_chat)
 
     try:
@@ -83,9 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         return 0
-    from client import Client
-
-    with Client(args.address) as client:
+    with _client(args) as client:
         if args.raw:
             chunks = client.stream(prompt=args.prompt, **_sampling_kwargs(params))
         else:
@@ -114,12 +129,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     """GET /v1/cluster and print one row per worker; exit 1 when the server cannot be reached
     or a worker is not ready."""
     import json
+    import os
+    import ssl
     import urllib.error
     import urllib.request
 
-    url = f"http://{args.http_address}/v1/cluster"
+    tls = args.tls or args.ca_file
+    url = f"{'https' if tls else 'http'}://{args.http_address}/v1/cluster"
+    key = args.api_key or os.environ.get("PDCLUSTER_API_KEY")
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    context = ssl.create_default_context(cafile=args.ca_file) if tls else None
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
+        with urllib.request.urlopen(req, timeout=10, context=context) as resp:
             body = json.load(resp)
     except (urllib.error.URLError, OSError) as e:
         print(f"error: cannot reach {url}: {getattr(e, 'reason', e)}", file=sys.stderr)
@@ -145,13 +166,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from client import Client
 
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     params = _sampling(args)
-    with Client(args.address) as client:
+    with _client(args) as client:
         while True:
             try:
                 line = input("you> ")

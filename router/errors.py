@@ -16,6 +16,7 @@ from router.backend import (
     StreamNotFoundError,
     WorkerUnavailableError,
 )
+from router.security import RateLimitedError, RequestTooLargeError, UnauthenticatedError
 
 __all__ = ["MappedError", "map_error", "openai_error_body"]
 
@@ -27,10 +28,13 @@ class MappedError:
     openai_type: str  # OpenAI's error "type" field
     openai_code: str | None
     message: str
+    retry_after_s: float | None = None  # HTTP Retry-After (rate limits)
 
 
 def map_error(exc: BaseException) -> MappedError:
-    """Classify ``exc``: bad input -> INVALID_ARGUMENT/400, unknown model -> NOT_FOUND/404,
+    """Classify ``exc``: no or a bad API key -> UNAUTHENTICATED/401, a body too large ->
+    RESOURCE_EXHAUSTED/413, a tenant over its limits -> RESOURCE_EXHAUSTED/429 (Retry-After),
+    bad input -> INVALID_ARGUMENT/400, unknown model -> NOT_FOUND/404,
     queue full -> RESOURCE_EXHAUSTED/429, no live worker -> UNAVAILABLE/503, anything else ->
     INTERNAL/500.
 
@@ -38,6 +42,15 @@ def map_error(exc: BaseException) -> MappedError:
     as bad input; unexpected errors keep their type name so logs and clients can tell them apart.
     """
     msg = str(exc) or type(exc).__name__
+    if isinstance(exc, UnauthenticatedError):
+        return MappedError(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error",
+                           "invalid_api_key", msg)
+    if isinstance(exc, RequestTooLargeError):
+        return MappedError(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error",
+                           "request_too_large", msg)
+    if isinstance(exc, RateLimitedError):
+        return MappedError(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
+                           "rate_limit_exceeded", msg, exc.retry_after_s)
     if isinstance(exc, ModelNotFoundError):
         return MappedError(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error",
                            "model_not_found", msg)

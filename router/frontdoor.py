@@ -14,12 +14,14 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 
 import uvicorn
 
 from router.backend import GenerationBackend
 from router.http import create_app
 from router.metrics import Metrics
+from router.security import Gate
 from router.server import GrpcServer, start_grpc_server
 
 __all__ = ["FrontDoor", "install_signal_handlers", "serve_frontdoor"]
@@ -115,23 +117,29 @@ def _bind(host: str, port: int) -> socket.socket:
 
 async def serve_frontdoor(backend: GenerationBackend, host: str = "127.0.0.1",
                           grpc_port: int = 50051, http_port: int = 8000,
-                          drain_grace_s: float = 30.0) -> FrontDoor:
+                          drain_grace_s: float = 30.0, gate: Gate | None = None) -> FrontDoor:
     """Start gRPC (``grpc_port``) and OpenAI-compatible HTTP (``http_port``) on the running loop.
 
     Port 0 picks a free port; read the bound ones from ``.grpc_port`` / ``.http_port``. Both
-    servers feed one ``Metrics`` (served at ``/metrics``). Raises RuntimeError if a port cannot
-    be bound (nothing is left running then).
+    servers feed one ``Metrics`` (served at ``/metrics``) and sit behind one ``gate`` (API
+    keys, tenants, limits, TLS for both: router/security.py). Raises RuntimeError if a port
+    cannot be bound, ValueError for unreadable TLS files (nothing is left running then).
     """
+    gate = gate or Gate()
     metrics = Metrics(backend)
-    grpc_server = await start_grpc_server(backend, metrics, host, grpc_port)
+    grpc_server = await start_grpc_server(backend, metrics, host, grpc_port, gate)
     try:
         sock = _bind(host, http_port)
     except BaseException:
         await grpc_server.stop(0)
         raise
-    app = create_app(backend, metrics)
+    app = create_app(backend, metrics, gate)
+    tls = gate.config.tls
+    ssl_args = {} if tls is None else dict(
+        ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file, ssl_ca_certs=tls.client_ca_file,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if tls.client_ca_file else ssl.CERT_NONE)
     config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=drain_grace_s)
+                            timeout_graceful_shutdown=drain_grace_s, **ssl_args)
     http_server = _EmbeddedUvicorn(config)
     http_task = asyncio.ensure_future(http_server.serve(sockets=[sock]))
     while not http_server.started and not http_task.done():
@@ -142,8 +150,9 @@ async def serve_frontdoor(backend: GenerationBackend, host: str = "127.0.0.1",
         http_task.result()  # re-raise uvicorn's startup error
         raise RuntimeError("the HTTP server exited during startup")
     bound_port = sock.getsockname()[1]
-    log.info("front door serving gRPC on %s:%d and HTTP on %s:%d", host, grpc_server.port,
-             host, bound_port)
+    log.info("front door serving gRPC on %s:%d and HTTP%s on %s:%d (API keys: %s)", host,
+             grpc_server.port, "S" if tls else "", host, bound_port,
+             "required" if gate.auth_required else "off")
     return FrontDoor(backend, metrics, grpc_server, http_server, http_task, bound_port, app,
                      drain_grace_s)
 

@@ -14,12 +14,14 @@ JSON in ``router.openai_render``, and running a generation into a (streamed) res
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.backend import (
     GenerationBackend,
@@ -27,50 +29,65 @@ from router.backend import (
     StreamNotFoundError,
     new_request_id,
 )
+from router.http_guard import GuardMiddleware
 from router.metrics import CONTENT_TYPE, Metrics
 from router.openai_render import ChatRenderer, CompletionRenderer
 from router.openai_responder import OpenAIResponder, error_response, stream_position
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from router.security import Gate, RateLimitedError
 
 __all__ = ["create_app"]
 
 
-def create_app(backend: GenerationBackend, metrics: Metrics) -> FastAPI:
-    """The FastAPI app over ``backend``; set ``app.state.draining = True`` to fail /health."""
+def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None = None
+               ) -> FastAPI:
+    """The FastAPI app over ``backend``, behind ``gate`` (API keys, tenants, limits; default:
+    open); set ``app.state.draining = True`` to fail /health."""
+    gate = gate or Gate()
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     app.state.draining = False
     app.add_exception_handler(RequestValidationError, _bad_request)
-    _add_generation_routes(app, backend, OpenAIResponder(backend, metrics))
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(GuardMiddleware, gate=gate)
+    _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate)
     _add_info_routes(app, backend, metrics)
     return app
 
 
 def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
-                           responder: OpenAIResponder) -> None:
+                           responder: OpenAIResponder, gate: Gate) -> None:
     # Handlers carry no docstrings: FastAPI would publish them in /openapi.json.
+    async def respond(request: Request, body, make_input, renderer) -> Response:
+        """Admit the caller's generation (its tenant's limits), run it, and free its permit
+        if the generation never started (once started, the generation frees it)."""
+        tenant, rid = request.state.tenant, _request_id(request)
+        try:
+            inp = make_input(gate.scoped(tenant, rid))
+            permit = gate.admit(tenant)
+        except (ValueError, RateLimitedError) as e:
+            return error_response(e)
+        inp = dataclasses.replace(inp, public_id=rid, permit=permit)
+        try:
+            return await responder.respond(request, inp, renderer(rid), stream=body.stream,
+                                           include_usage=body.include_usage)
+        finally:
+            if not permit.adopted:
+                permit.release()
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        rid = _request_id(request)
-        try:
-            inp = body.to_input(rid)
-        except ValueError as e:
-            return error_response(e)
-        renderer = CompletionRenderer(f"cmpl-{rid}", int(time.time()),
-                                      backend.model_info().model_id)
-        return await responder.respond(request, inp, renderer, stream=body.stream,
-                                       include_usage=body.include_usage)
+        model_id = backend.model_info().model_id
+        return await respond(request, body, body.to_input,
+                             lambda rid: CompletionRenderer(f"cmpl-{rid}", int(time.time()),
+                                                            model_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        rid = _request_id(request)
         info = backend.model_info()
-        try:
-            inp = body.to_input(rid, info.max_model_len, backend.apply_chat_template)
-        except ValueError as e:
-            return error_response(e)
-        renderer = ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id)
-        return await responder.respond(request, inp, renderer, stream=body.stream,
-                                       include_usage=body.include_usage)
+        return await respond(
+            request, body,
+            lambda rid: body.to_input(rid, info.max_model_len, backend.apply_chat_template),
+            lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id))
 
 
     @app.get("/v1/streams/{request_id}")
@@ -79,14 +96,15 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
             from_index = stream_position(request.headers.get("last-event-id"), request_id)
         except ValueError as e:
             return error_response(e)
-        kind = await backend.stream_kind(request_id)
+        backend_id = gate.scoped(request.state.tenant, request_id)
+        kind = await backend.stream_kind(backend_id)
         if kind is None:
             return error_response(StreamNotFoundError(f"no stream {request_id!r} here "
                                                       f"(unknown, or expired)"))
         make = ChatRenderer if kind == "chat" else CompletionRenderer
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         renderer = make(f"{prefix}-{request_id}", int(time.time()), backend.model_info().model_id)
-        return await responder.respond_resumed(request_id, from_index, renderer)
+        return await responder.respond_resumed(backend_id, request_id, from_index, renderer)
 
 
 def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics) -> None:
@@ -117,6 +135,15 @@ def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics)
 
 def _request_id(request: Request) -> str:
     return request.headers.get("x-request-id") or new_request_id()
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown path, a wrong method, a body FastAPI could not
+    even parse, e.g. JSON nested too deep) in OpenAI's error shape too."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None,
+                                   "code": None}},
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -39,7 +40,10 @@ def error_response(exc: BaseException, param: str | None = None) -> JSONResponse
     err = map_error(exc)
     if err.http_status >= 500:
         log.error("request failed: %s", err.message, exc_info=exc)
-    return JSONResponse(openai_error_body(err, param), status_code=err.http_status)
+    headers = ({"retry-after": str(max(1, math.ceil(err.retry_after_s)))}
+               if err.retry_after_s is not None else None)
+    return JSONResponse(openai_error_body(err, param), status_code=err.http_status,
+                        headers=headers)
 
 
 class _PrimedStream:
@@ -95,16 +99,16 @@ class OpenAIResponder:
             stream = await self._start_stream(inp)
         except Exception as e:
             return error_response(e)
-        return StreamingResponse(_sse_events(stream, renderer, include_usage,
-                                             inp.request_id or ""),
+        return StreamingResponse(_sse_events(stream, renderer, include_usage, _public_id(inp)),
                                  media_type="text/event-stream",
                                  headers=_request_id_header(inp))
 
-    async def respond_resumed(self, request_id: str, from_index: int,
+    async def respond_resumed(self, backend_id: str, request_id: str, from_index: int,
                               renderer: Renderer) -> Response:
         """SSE of a request's stream from token ``from_index`` on, in the format of its
-        original endpoint (404 when unknown or expired). Not metered: counted once already."""
-        stream = self.backend.resume(request_id, from_index)
+        original endpoint (404 when unknown or expired). ``backend_id``: the id the backend
+        knows it by (the tenant's scope + ``request_id``). Not metered: counted once."""
+        stream = self.backend.resume(backend_id, from_index)
         try:
             first = await anext(stream)
         except StopAsyncIteration:
@@ -121,7 +125,7 @@ class OpenAIResponder:
         return self.metrics.track(self.backend.generate(inp), api="http")
 
     async def _collect(self, inp: GenerateInput) -> Collected:
-        out = Collected(inp.request_id or "")
+        out = Collected(_public_id(inp))
         stream = self._open(inp)
         try:
             async for c in stream:
@@ -149,8 +153,13 @@ class OpenAIResponder:
         return _PrimedStream(first, stream)
 
 
+def _public_id(inp: GenerateInput) -> str:
+    """The id the client knows the request by (without its tenant's scope)."""
+    return inp.public_id or inp.request_id or ""
+
+
 def _request_id_header(inp: GenerateInput) -> dict[str, str]:
-    return {"x-request-id": inp.request_id or ""}
+    return {"x-request-id": _public_id(inp)}
 
 
 def _sse(payload: dict | str, event_id: str | None = None) -> str:

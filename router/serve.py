@@ -62,9 +62,23 @@ class ServeConfig:
     keep_workers: bool = False
     # Fault injection for failure tests only: worker id -> {fault_* WorkerConfig field: value}.
     worker_overrides: dict = field(default_factory=dict)
+    # The front doors' security (router/security.py).
+    api_keys: str | None = None  # key file (or $PDCLUSTER_API_KEYS_FILE)
+    metrics_public: bool | None = None  # None: public exactly when there are no keys
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    max_request_bytes: str | int = "1MiB"
+    rate_limit: float = 0.0
+    max_concurrent_per_key: int = 0
 
     def __post_init__(self) -> None:
         parse_bytes(self.kv_cache_memory)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("give --tls-cert and --tls-key together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        self.security_config()  # its own checks: limits in range
         for wid, over in self.worker_overrides.items():
             bad = [k for k in (over if isinstance(over, dict) else {"?": 0})
                    if not str(k).startswith("fault_")]
@@ -83,6 +97,15 @@ class ServeConfig:
             raise ValueError(f"--worker-restarts must be >= 0, got {self.worker_restarts}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"--startup-timeout-s must be > 0, got {self.startup_timeout_s}")
+
+    def security_config(self):
+        from router.security import SecurityConfig, TLSConfig
+
+        tls = (TLSConfig(self.tls_cert, self.tls_key, self.tls_client_ca)
+               if self.tls_cert and self.tls_key else None)
+        return SecurityConfig(self.api_keys, self.metrics_public,
+                              parse_bytes(self.max_request_bytes), float(self.rate_limit),
+                              int(self.max_concurrent_per_key), tls)
 
     def cluster_config(self):
         from router.cluster import ClusterConfig
@@ -126,6 +149,11 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         v = getattr(args, name, None)
         if v is not None:
             values[name] = v
+    # Secrets may come from the environment (a Kubernetes Secret), never needed on a command
+    # line where `ps` shows them; a flag or YAML key wins.
+    for name, env in (("api_keys", "PDCLUSTER_API_KEYS_FILE"), ("redis_url", "PDCLUSTER_REDIS_URL")):
+        if values.get(name) is None and os.environ.get(env):
+            values[name] = os.environ[env]
     return ServeConfig(**values)
 
 
@@ -138,8 +166,12 @@ async def _serve(config: ServeConfig) -> int:
 
     from router.cluster import Cluster
     from router.frontdoor import install_signal_handlers, serve_frontdoor
+    from router.security import Gate
 
     cc = config.cluster_config()
+    gate = Gate.from_config(config.security_config())  # a bad key file fails before any work
+    if gate.config.tls is not None:
+        gate.config.tls.read()
     total = 2 + cc.num_prefill_workers + cc.num_decode_workers
     bar = tqdm(total=total, desc="starting pdcluster", unit="step")
 
@@ -153,13 +185,17 @@ async def _serve(config: ServeConfig) -> int:
         bar.close()
     try:
         fd = await serve_frontdoor(cluster, host=config.host, grpc_port=config.grpc_port,
-                                   http_port=config.http_port, drain_grace_s=config.drain_grace_s)
+                                   http_port=config.http_port, drain_grace_s=config.drain_grace_s,
+                                   gate=gate)
         install_signal_handlers(fd)
         info = cluster.model_info()
         print(f"pdcluster serving {info.model_id} ({config.mode}, {cc.num_prefill_workers} prefill + "
               f"{cc.num_decode_workers} decode workers)\n"
               f"  gRPC  {config.host}:{fd.grpc_port}\n"
-              f"  HTTP  http://{config.host}:{fd.http_port}/v1  (metrics: /metrics)", flush=True)
+              f"  HTTP  {'https' if gate.config.tls else 'http'}://{config.host}:{fd.http_port}/v1"
+              f"  (metrics: /metrics)\n"
+              f"  API keys: {'required' if gate.auth_required else 'off (anyone who reaches the ports may call)'}",
+              flush=True)
         await fd.wait_closed()
     finally:
         await cluster.shutdown()

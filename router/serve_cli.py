@@ -57,6 +57,22 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--worker-restarts", type=int, default=None,
                    help="times Ray restarts a worker whose process died; it rejoins under its "
                         "id with a new KV port (default 3; 0 leaves it dead)")
+    sec = p.add_argument_group("security (docs/security.md)")
+    sec.add_argument("--api-keys", default=None,
+                     help="file of API keys, one per line, optionally 'name:key' (or "
+                          "$PDCLUSTER_API_KEYS_FILE); callers send 'Authorization: Bearer KEY'")
+    sec.add_argument("--metrics-public", action="store_true", default=None,
+                     help="serve /metrics without a key (default: only when there are no keys)")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate chain: HTTPS and gRPC TLS")
+    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default=None,
+                     help="PEM CA: require client certificates it signed (mTLS)")
+    sec.add_argument("--max-request-bytes", default=None,
+                     help="largest request body / gRPC message (default 1MiB): 413")
+    sec.add_argument("--rate-limit", type=float, default=None,
+                     help="generations per second per API key (0: none): 429 + Retry-After")
+    sec.add_argument("--max-concurrent-per-key", type=int, default=None,
+                     help="generations running at once per API key (0: no cap): 429")
     # Failure tests only (fault injection), so not in --help: JSON {worker id: {fault_*: v}}.
     p.add_argument("--worker-overrides", type=json.loads, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)

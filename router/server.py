@@ -9,10 +9,13 @@ aborts the request and frees its KV.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -28,6 +31,7 @@ from router.backend import (
 )
 from router.errors import map_error
 from router.metrics import Metrics
+from router.security import Gate, RateLimitedError, Tenant, UnauthenticatedError
 
 __all__ = ["SERVICE_NAME", "GenerationService", "GrpcServer", "request_to_input", "start_grpc_server"]
 
@@ -68,11 +72,14 @@ def request_to_input(req: pb.GenerateRequest, request_id: str) -> GenerateInput:
     return GenerateInput(sampling, messages=messages, **common)
 
 
-def chunk_to_responses(chunk: GenerationChunk) -> list[pb.GenerateResponse]:
-    """One backend chunk -> a token chunk (if it carries tokens or text) and/or the complete."""
+def chunk_to_responses(chunk: GenerationChunk, request_id: str | None = None
+                       ) -> list[pb.GenerateResponse]:
+    """One backend chunk -> a token chunk (if it carries tokens or text) and/or the complete,
+    under ``request_id`` (the id the client knows; default: the chunk's)."""
+    rid = chunk.request_id if request_id is None else request_id
     out = []
     if chunk.token_ids or chunk.text:
-        out.append(pb.GenerateResponse(request_id=chunk.request_id, chunk=pb.GenerateChunk(
+        out.append(pb.GenerateResponse(request_id=rid, chunk=pb.GenerateChunk(
             token_ids=chunk.token_ids, text=chunk.text)))
     if chunk.finished:
         usage = chunk.usage
@@ -83,41 +90,59 @@ def chunk_to_responses(chunk: GenerationChunk) -> list[pb.GenerateResponse]:
                                              total_tokens=usage.total_tokens))
         if chunk.ttft_s is not None:
             complete.ttft_s = chunk.ttft_s
-        out.append(pb.GenerateResponse(request_id=chunk.request_id, complete=complete))
+        out.append(pb.GenerateResponse(request_id=rid, complete=complete))
     return out
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    """The Generation RPCs over one backend; metrics are shared with the HTTP server."""
+    """The Generation RPCs over one backend; metrics are shared with the HTTP server. Every
+    RPC of this service needs an API key when the gate has keys (health and reflection are
+    other services and stay open); request ids are the caller's tenant's own."""
 
-    def __init__(self, backend: GenerationBackend, metrics: Metrics) -> None:
+    def __init__(self, backend: GenerationBackend, metrics: Metrics,
+                 gate: Gate | None = None) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.gate = gate or Gate()
+
+    async def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        try:
+            return self.gate.authenticate(dict(context.invocation_metadata()).get("authorization"))
+        except UnauthenticatedError as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
+        tenant = await self._tenant(context)
         rid = request.request_id if request.HasField("request_id") and request.request_id \
             else new_request_id()
         try:
-            inp = request_to_input(request, rid)
-        except ValueError as e:
+            inp = request_to_input(request, self.gate.scoped(tenant, rid))
+            permit = self.gate.admit(tenant)
+        except (ValueError, RateLimitedError) as e:
             err = map_error(e)
             await context.abort(err.grpc_code, err.message)
-        # Before the first token, so a client can Abort a request still waiting for prefill.
-        await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
-        chunks = self.metrics.track(self.backend.generate(inp), api="grpc")
-        async for resp in self._stream(rid, chunks, context):
-            yield resp
+        inp = dataclasses.replace(inp, public_id=rid, permit=permit)
+        try:
+            # Before the first token, so a client can Abort a request still in prefill.
+            await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
+            chunks = self.metrics.track(self.backend.generate(inp), api="grpc")
+            async for resp in self._stream(rid, chunks, context):
+                yield resp
+        finally:
+            if not permit.adopted:  # the generation never started: nobody else frees it
+                permit.release()
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.GenerateResponse]:
+        tenant = await self._tenant(context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         rid = request.request_id
         await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
         # Not metered: these tokens were counted when they were generated.
-        async for resp in self._stream(rid, self.backend.resume(rid, request.from_index),
-                                       context):
+        chunks = self.backend.resume(self.gate.scoped(tenant, rid), request.from_index)
+        async for resp in self._stream(rid, chunks, context):
             yield resp
 
     async def _stream(self, rid: str, chunks, context: grpc.aio.ServicerContext
@@ -129,7 +154,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             try:
                 async for chunk in stream:
-                    for resp in chunk_to_responses(chunk):
+                    for resp in chunk_to_responses(chunk, rid):
                         sent_tokens = sent_tokens or resp.HasField("chunk")
                         yield resp
             except Exception as e:  # mapped once, here; CancelledError passes through
@@ -147,10 +172,11 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> pb.AbortResponse:
+        tenant = await self._tenant(context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         try:
-            found = await self.backend.abort(request.request_id)
+            found = await self.backend.abort(self.gate.scoped(tenant, request.request_id))
         except Exception as e:
             err = map_error(e)
             await context.abort(err.grpc_code, err.message)
@@ -158,10 +184,71 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await self._tenant(context)
         info = self.backend.model_info()
         return pb.ModelInfo(model_id=info.model_id, max_model_len=info.max_model_len,
                             vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
                             mode=info.mode)
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """A request whose bytes are not a valid message of its type."""
+
+    message: str
+
+
+def _lenient(message_type):
+    """A deserializer that hands bad bytes to the handler (as _Undecodable) instead of
+    failing the call with INTERNAL, grpc's answer to a deserializer that raises."""
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return _Undecodable(f"request is not a valid {message_type.DESCRIPTOR.full_name}: "
+                                f"{e}")
+    return parse
+
+
+def _checked_stream(method):
+    async def handler(request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        async for resp in method(request, context):
+            yield resp
+    return handler
+
+
+def _checked_unary(method):
+    async def handler(request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await method(request, context)
+    return handler
+
+
+def _add_generation_service(service: GenerationService, server: grpc.aio.Server) -> None:
+    """As the generated ``add_GenerationServicer_to_server``, except that undecodable
+    request bytes get INVALID_ARGUMENT naming the message type, not INTERNAL."""
+    def stream(method, req, resp):
+        return grpc.unary_stream_rpc_method_handler(
+            _checked_stream(method), request_deserializer=_lenient(req),
+            response_serializer=resp.SerializeToString)
+
+    def unary(method, req, resp):
+        return grpc.unary_unary_rpc_method_handler(
+            _checked_unary(method), request_deserializer=_lenient(req),
+            response_serializer=resp.SerializeToString)
+
+    handlers = {
+        "Generate": stream(service.Generate, pb.GenerateRequest, pb.GenerateResponse),
+        "Resume": stream(service.Resume, pb.ResumeRequest, pb.GenerateResponse),
+        "Abort": unary(service.Abort, pb.AbortRequest, pb.AbortResponse),
+        "GetModelInfo": unary(service.GetModelInfo, pb.GetModelInfoRequest, pb.ModelInfo),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
+                                                                          handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class GrpcServer:
@@ -184,17 +271,29 @@ class GrpcServer:
 
 
 async def start_grpc_server(backend: GenerationBackend, metrics: Metrics,
-                            host: str = "127.0.0.1", port: int = 50051) -> GrpcServer:
-    """Bind ``host:port`` (port 0: a free one) and start serving. Raises RuntimeError when the
-    address cannot be bound."""
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(backend, metrics), server)
+                            host: str = "127.0.0.1", port: int = 50051,
+                            gate: Gate | None = None) -> GrpcServer:
+    """Bind ``host:port`` (port 0: a free one) and start serving, over TLS when the gate's
+    config has it (mTLS with a client CA). Messages above ``max_request_bytes`` are refused
+    with RESOURCE_EXHAUSTED. Raises RuntimeError when the address cannot be bound, and
+    ValueError naming a TLS file that cannot be read."""
+    gate = gate or Gate()
+    tls = gate.config.tls
+    creds = None
+    if tls is not None:
+        cert, key, client_ca = tls.read()
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                            require_client_auth=client_ca is not None)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", gate.config.max_request_bytes)])
+    _add_generation_service(GenerationService(backend, metrics, gate), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    bound = (server.add_secure_port(address, creds) if creds is not None
+             else server.add_insecure_port(address))
     if bound == 0:
         raise RuntimeError(f"could not bind the gRPC server to {address}")
     await server.start()

@@ -155,17 +155,23 @@ class StreamLogger:
                    ) -> AsyncIterator[GenerationChunk]:
         """Re-yield ``chunks``. Closed or cancelled early, the request is aborted, unless it
         is resumable: then it runs on into its log. A resumable request's producer runs in
-        a task of its own, so the client's cancellation never reaches it."""
+        a task of its own, so the client's cancellation never reaches it. ``inp.permit`` is
+        taken over here and released when the generation ends (not the call)."""
+        permit = inp.permit.adopt() if inp.permit is not None else None
         if not inp.resumable:
             try:
                 async for c in chunks:
                     yield c
             finally:
-                await chunks.aclose()
+                try:
+                    await chunks.aclose()
+                finally:
+                    if permit is not None:
+                        permit.release()
             return
         queue: asyncio.Queue = asyncio.Queue()
         listening = [True]
-        pump = asyncio.ensure_future(self._pump(chunks, queue, listening))
+        pump = asyncio.ensure_future(self._pump(chunks, queue, listening, permit))
         self._drains.add(pump)
         pump.add_done_callback(self._drains.discard)
         finished = False
@@ -186,7 +192,7 @@ class StreamLogger:
 
     @staticmethod
     async def _pump(chunks: AsyncIterator[GenerationChunk], queue: asyncio.Queue,
-                    listening: list[bool]) -> None:
+                    listening: list[bool], permit) -> None:
         """Run the producer to its end (it logs every update itself), handing chunks to the
         client while one listens; an error goes to the client, or to the log alone."""
         try:
@@ -202,7 +208,11 @@ class StreamLogger:
             else:
                 log.info("detached request ended with %r", e)
         finally:
-            await chunks.aclose()
+            try:
+                await chunks.aclose()
+            finally:
+                if permit is not None:
+                    permit.release()
 
     async def close(self) -> None:
         """Abort the resumable requests still running (shutdown)."""

@@ -109,6 +109,20 @@ def test_concurrent_transfers_bit_identical_and_abort():
     _run_lifecycle("cpu")
 
 
+def test_the_store_listens_on_the_kv_address_alone():
+    """The decode worker's TCPStore (anyone who reaches it can write its keys) listens on
+    the address it advertises, not on every interface: another local address is refused."""
+    import socket
+
+    rx = TorchDistReceiver("decode-0", LAYOUT, host="127.0.0.1", timeout_s=20)
+    try:
+        socket.create_connection(("127.0.0.1", rx.address.port), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", rx.address.port), timeout=5)
+    finally:
+        rx.close()
+
+
 def test_a_tag_in_flight_is_not_given_twice():
     """A second transfer from the same peer with a transfer id already in flight would take
     the first one's layers: the receiver refuses it (another peer may use the id)."""

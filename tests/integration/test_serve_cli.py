@@ -1,5 +1,7 @@
-"""`pdcluster serve` as a user runs it: a real process, local Ray, default model, both APIs,
-then SIGTERM: it drains, exits 0 and leaves no Ray process behind."""
+"""`pdcluster serve` as a user runs it: a real process, local Ray, default model, both APIs
+behind API keys (the key file from $PDCLUSTER_API_KEYS_FILE, as a Kubernetes Secret gives it;
+/metrics public), the CLI's commands with a key, then SIGTERM: it drains, exits 0 and leaves
+no Ray process behind."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
+
+KEY = "sk-serve-cli-test-0123456789"
 
 
 def _free_port() -> int:
@@ -44,12 +48,16 @@ def _alive(pids: set[int]) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     grpc_port, http_port = _free_port(), _free_port()
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text(f"cli-tests:{KEY}\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "serve", "--grpc-port", str(grpc_port),
-         "--http-port", str(http_port), "--max-num-seqs", "8", "--kv-cache-memory", "256MiB"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--http-port", str(http_port), "--max-num-seqs", "8", "--kv-cache-memory", "256MiB",
+         "--metrics-public"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PDCLUSTER_API_KEYS_FILE=str(keys)))
     deadline = time.monotonic() + 240
     while True:
         assert proc.poll() is None, proc.stdout.read()
@@ -72,13 +80,18 @@ def test_openai_client_and_sdk_against_the_served_cluster(server):
     from client import Client
 
     proc, grpc_port, http_port = server
-    oai = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused")
+    from openai import AuthenticationError
+
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="sk-not-this-servers-key",
+               max_retries=0).models.list()
+    oai = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY)
     model = oai.models.list().data[0].id
     r = oai.chat.completions.create(
         model=model, max_tokens=24, temperature=0,
         messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in r.choices[0].message.content
-    with Client(f"127.0.0.1:{grpc_port}") as c:
+    with Client(f"127.0.0.1:{grpc_port}", api_key=KEY) as c:
         res = c.chat([{"role": "user", "content": "What is the capital of France?"}],
                      max_tokens=24, temperature=0)
         assert res.text == r.choices[0].message.content  # same greedy answer over both APIs
@@ -101,22 +114,26 @@ def test_generate_and_chat_commands_talk_to_the_server(server):
     _, grpc_port, _ = server
     address = f"127.0.0.1:{grpc_port}"
     gen = subprocess.run([sys.executable, "-m", "router.cli", "generate", "--address", address,
-                          "What is the capital of France?", "--max-tokens", "24"],
-                         capture_output=True, text=True, timeout=120)
+                          "What is the capital of France?", "--max-tokens", "24",
+                          "--api-key", KEY], capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr
     assert "Paris" in gen.stdout
     chat = subprocess.run([sys.executable, "-m", "router.cli", "chat", "--address", address,
                            "--max-tokens", "24"],
                           input="What is the capital of France?\n/exit\n",
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PDCLUSTER_API_KEY=KEY))
     assert chat.returncode == 0, chat.stderr
     assert "assistant> " in chat.stdout and "Paris" in chat.stdout
 
 
 def test_status_command_shows_every_worker(server):
     _, _, http_port = server
-    res = subprocess.run([sys.executable, "-m", "router.cli", "status", "--http-address",
-                          f"127.0.0.1:{http_port}"], capture_output=True, text=True, timeout=60)
+    status = [sys.executable, "-m", "router.cli", "status", "--http-address",
+              f"127.0.0.1:{http_port}"]
+    keyless = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    assert keyless.returncode == 1 and "Unauthorized" in keyless.stderr, keyless.stderr
+    res = subprocess.run(status + ["--api-key", KEY], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0].split()[:5] == ["id", "role", "host", "pid", "state"]
