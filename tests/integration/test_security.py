@@ -6,6 +6,7 @@ gRPC channels over TLS with client certificates, all against certificates this t
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from client import (
+    AsyncClient,
     Client,
     NotFound,
     ResourceExhausted,
@@ -163,6 +165,16 @@ def test_grpc_needs_a_key_and_health_stays_open(secure, pki):
     with _sdk(secure, pki, KEY_A) as c:
         out = c.generate(prompt_token_ids=PROMPT, max_tokens=5, temperature=0, ignore_eos=True)
     assert len(out.token_ids) == 5
+    ca, _, clients, _ = pki
+
+    async def with_async_client(key):
+        async with AsyncClient(f"127.0.0.1:{secure.grpc_port}", api_key=key, ca_file=ca.ca_file,
+                               client_cert=clients["team-b"].cert,
+                               client_key=clients["team-b"].key, timeout=60) as ac:
+            return (await ac.generate(prompt_token_ids=PROMPT, max_tokens=3)).token_ids
+    assert len(asyncio.run(with_async_client(KEY_B))) == 3
+    with pytest.raises(Unauthenticated):
+        asyncio.run(with_async_client(None))
     with grpc.secure_channel(f"127.0.0.1:{secure.grpc_port}", _creds(pki, "team-b")) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
