@@ -81,6 +81,7 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     call_timeout_s: float = 10.0  # deadline of a reserve / abort / load call to one worker
     migration_limit: int = 3  # moves per request when its decode worker is lost
+    orphan_after_s: float = 20.0  # see OrchestratorConfig.orphan_after_s
     # How often Ray restarts a worker whose process died (each comes back, loads its model
     # and rejoins under the same id); past it the worker stays dead. 0: never restart.
     worker_restarts: int = 3
@@ -191,6 +192,7 @@ class Cluster:
                                capacity_wait_s=cfg.capacity_wait_s,
                                call_timeout_s=cfg.call_timeout_s,
                                migration_limit=cfg.migration_limit,
+                               orphan_after_s=cfg.orphan_after_s,
                                max_inflight_requests=cfg.max_inflight_requests,
                                prefix_hash_seed=cfg.decode_engine.prefix_hash_seed),
             tokenizer, InputProcessor(tokenizer, model_cfg.vocab_size, max_len, max_kv_tokens),

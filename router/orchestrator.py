@@ -77,7 +77,8 @@ class Orchestrator:
         self.layout = layout
         self.store = store
         self.streams = StreamLogger(store if store is not None else InMemoryStore(),
-                                    config.model_id, tokenizer)
+                                    config.model_id, tokenizer,
+                                    orphan_after_s=config.orphan_after_s)
         self.affinity = PrefixAffinity(store, config.prefix_hash_seed)
         self._streams: dict[str, StreamState] = {}
         # This router's name towards the workers: they send it the tokens of the requests it

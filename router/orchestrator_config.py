@@ -36,3 +36,7 @@ class OrchestratorConfig:
     # A decode worker whose KV address a prefill worker could not reach gets no new requests
     # for this long (then it is tried again: the address may have come back).
     kv_unreachable_quarantine_s: float = 30.0
+    # A resumed stream's log that grows no more for this long, with no live decode worker
+    # holding its request, is continued by this router: its router and its decode worker
+    # both died (router/orphans.py).
+    orphan_after_s: float = 20.0

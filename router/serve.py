@@ -56,6 +56,7 @@ class ServeConfig:
     kv_interface: str | None = None  # or: the NIC whose IPv4 they advertise (every node)
     startup_timeout_s: float = 300.0
     migration_limit: int = 3
+    orphan_after_s: float = 20.0
     worker_restarts: int = 3
     require_redis: bool = False
     name: str = "pdcluster"
@@ -91,6 +92,8 @@ class ServeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.kv_host and self.kv_interface:
             raise ValueError("give --kv-host or --kv-interface, not both")
+        if not self.orphan_after_s > 0:
+            raise ValueError(f"--orphan-after-s must be > 0, got {self.orphan_after_s}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.worker_restarts < 0:
@@ -127,6 +130,7 @@ class ServeConfig:
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
             kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
             migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
+            orphan_after_s=self.orphan_after_s,
             require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
             worker_overrides=dict(self.worker_overrides))
 

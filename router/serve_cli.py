@@ -46,6 +46,10 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move to another decode worker when its own dies "
                         "(default 3; 0 fails its stream instead)")
+    p.add_argument("--orphan-after-s", type=float, default=None,
+                   help="a resumed stream that grows no more for this long, held by no live "
+                        "decode worker (its router and decode worker both died), is continued "
+                        "by the router it was resumed on (default 20)")
     p.add_argument("--name", default=None,
                    help="the deployment's name (default pdcluster). With --ray-address its "
                         "workers outlive this router; a router started with the same name "

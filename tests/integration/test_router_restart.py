@@ -192,27 +192,27 @@ def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
 def test_two_routers_front_one_deployment_and_the_survivor_takes_over(deployment,
                                                                        tiny_llama_dir, tmp_path):
     """Active-active: routers A and B with the same --name and Redis front the same workers
-    (1 prefill, 2 decode; decode steps slowed so streams last ~25 s) at once, each owning the
+    (1 prefill, 2 decode; decode steps slowed so streams last ~18 s) at once, each owning the
     requests it took (8 each). A and decode-0 are SIGKILLed together mid-stream; A's clients'
     load balancer (a proxy) now sends them to B, where they resume:
     - A's requests on decode-1 are handed to B once A stops reporting (B keeps their logs);
       then decode-1 is SIGKILLed too, and B continues them itself (adopted, then lost);
     - A's requests on decode-0 had nobody to hand them over: their resumed logs stop
-      growing, and B continues them (orphaned outright);
+      growing, and B continues them (orphaned outright; after --orphan-after-s 6 here);
     - B's own requests migrate as usual.
     All 16 streams equal transformers' greedy run."""
     from tests.tcp_proxy import CuttableProxy
 
     env, address, redis = deployment
     a_ports, b_ports = (free_port(), free_port()), (free_port(), free_port())
-    slow = json.dumps({f"decode-{i}": {"fault_delay_per_step_s": 0.08} for i in range(2)})
+    slow = json.dumps({f"decode-{i}": {"fault_delay_per_step_s": 0.06} for i in range(2)})
 
     def args(ports):
         return ["--ray-address", address, "--redis-url", redis.url, "--name", "aa",
                 "--model", str(tiny_llama_dir), "--prefill-workers", "1", "--decode-workers",
                 "2", "--grpc-port", str(ports[0]), "--http-port", str(ports[1]),
                 "--kv-cache-memory", "64MiB", "--max-num-seqs", "16", "--threads-per-worker",
-                "1", "--keep-workers", "--worker-overrides", slow]
+                "1", "--keep-workers", "--worker-overrides", slow, "--orphan-after-s", "6"]
 
     routers = [Router(args(a_ports), env, tmp_path / "a.log")]
     proxy = None
