@@ -76,14 +76,16 @@ class Orchestrator:
         self.inputs = inputs
         self.layout = layout
         self.store = store
+        # This router's name towards the workers (they send it the tokens of the requests it
+        # reserved or submitted, and hand it those of routers that stopped reporting) and
+        # in the store (the owner of its requests' stream logs).
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
         self.streams = StreamLogger(store if store is not None else InMemoryStore(),
                                     config.model_id, tokenizer,
-                                    orphan_after_s=config.orphan_after_s)
+                                    orphan_after_s=config.orphan_after_s,
+                                    owner=self.router_id)
         self.affinity = PrefixAffinity(store, config.prefix_hash_seed)
         self._streams: dict[str, StreamState] = {}
-        # This router's name towards the workers: they send it the tokens of the requests it
-        # reserved or submitted, and hand it those of routers that stopped reporting.
-        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
         self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s,
                                   self.router_id)
         self.health = WorkerHealth(store, config.kv_unreachable_quarantine_s,
@@ -159,7 +161,7 @@ class Orchestrator:
         self._streams[rid] = stream
         try:
             self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
-            self.streams.open(rid, prompt_ids, params, inp.messages is not None, self.router_id)
+            self.streams.open(rid, prompt_ids, params, inp.messages is not None)
             first: FirstToken | None = None
             try:
                 if self.config.mode == "colocated":

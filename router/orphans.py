@@ -19,9 +19,12 @@ attached: claim the log (a compare-and-set in the store, so one router wins), pr
 following the log (``Resume``) see one stream. Greedy requests equal an undisturbed run;
 seeded ones too (the sampler's position is carried).
 
-Known limit: a router that is alive but has held a request for ``orphan_after_s`` with no
-decode worker holding it (waiting that long for KV capacity mid-migration) can lose it to
-a resume on another router; then both append to its log.
+Every write to a log is fenced by its owner (``ClusterStore.stream_append(owner=)``): the
+router that claimed a request is the only one that can extend or end its log. So a router
+that is alive but held a request ``orphan_after_s`` with no decode worker holding it (a long
+wait for KV capacity mid-migration) and lost it to a takeover cannot corrupt the log; its
+own still-connected client keeps what that router produces (for greedy and seeded requests
+the same tokens; for unseeded sampling they may differ from the log after the takeover).
 """
 
 from __future__ import annotations
@@ -126,9 +129,8 @@ class OrphanRescue:
 
     async def _complete_from(self, request_id: str, rec) -> None:
         """A worker finished the request but its router died before logging the end."""
-        store = self._orch.streams.store
-        current = await asyncio.to_thread(store.stream_read, request_id, 0)
-        if current is None or current.finish_reason is not None:
+        current = await self._claim(request_id)
+        if current is None:
             return
         start = current.num_tokens - rec.index
         if start < 0:  # the worker no longer has every missing token

@@ -76,12 +76,14 @@ return 1
 """
 
 
-# Append to a stream log only if it was opened, has not expired and has not ended; keep its
-# keys' TTLs together. KEYS: rec, tok, end, own. ARGV: ttl ms, finish reason ('' = still live),
+# Append to a stream log only if it was opened, has not expired, has not ended and (when an
+# owner is given) is still that owner's; keep its keys' TTLs together. KEYS: rec, tok, end,
+# own. ARGV: ttl ms, finish reason ('' = still live), fence ('' = none, else '=' .. owner),
 # token ids...
 _STREAM_APPEND_LUA = """
 if redis.call('exists', KEYS[1]) == 0 or redis.call('exists', KEYS[3]) == 1 then return 0 end
-if #ARGV > 2 then redis.call('rpush', KEYS[2], unpack(ARGV, 3)) end
+if ARGV[3] ~= '' and '=' .. (redis.call('get', KEYS[4]) or '') ~= ARGV[3] then return 0 end
+if #ARGV > 3 then redis.call('rpush', KEYS[2], unpack(ARGV, 4)) end
 if ARGV[2] ~= '' then redis.call('set', KEYS[3], ARGV[2]) end
 for i = 1, 4 do redis.call('pexpire', KEYS[i], ARGV[1]) end
 return 1
@@ -297,9 +299,10 @@ class RedisStore(ClusterStore):
 
     @_unavailable
     def stream_append(self, request_id: str, token_ids: list[int],
-                      finish_reason: str | None = None) -> None:
+                      finish_reason: str | None = None, owner: str | None = None) -> None:
+        fence = "" if owner is None else "=" + owner
         self._stream_append(keys=self._stream_keys(request_id),
-                            args=[self._stream_ttl_ms, finish_reason or "", *token_ids])
+                            args=[self._stream_ttl_ms, finish_reason or "", fence, *token_ids])
 
     @_unavailable
     def stream_read(self, request_id: str, from_index: int = 0) -> StreamLog | None:

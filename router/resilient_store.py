@@ -158,8 +158,9 @@ class ResilientStore(ClusterStore):
         self._enqueue("stream_open", (record,))
 
     def stream_append(self, request_id: str, token_ids: list[int],
-                      finish_reason: str | None = None) -> None:
-        self._enqueue("stream_append", (request_id, list(token_ids), finish_reason))
+                      finish_reason: str | None = None, owner: str | None = None) -> None:
+        # The owner check happens when the writer applies it, against Redis' owner then.
+        self._enqueue("stream_append", (request_id, list(token_ids), finish_reason, owner))
 
     def _enqueue(self, method: str, args: tuple) -> None:
         with self._changed:

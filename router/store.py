@@ -226,9 +226,11 @@ class ClusterStore(ABC):
 
     @abstractmethod
     def stream_append(self, request_id: str, token_ids: list[int],
-                      finish_reason: str | None = None) -> None:
+                      finish_reason: str | None = None, owner: str | None = None) -> None:
         """Append generated tokens (possibly none) and, on the last append, the finish
-        reason. Ignored for a log that was never opened (or expired), or that has ended."""
+        reason. Ignored for a log that was never opened (or expired), that has ended, or,
+        with ``owner``, whose owner is another (a router whose request was taken over
+        cannot write, or end, the log of the router that continues it)."""
 
     @abstractmethod
     def stream_read(self, request_id: str, from_index: int = 0) -> StreamLog | None:
@@ -417,12 +419,14 @@ class InMemoryStore(ClusterStore):
                                                 record.owner]
 
     def stream_append(self, request_id: str, token_ids: list[int],
-                      finish_reason: str | None = None) -> None:
+                      finish_reason: str | None = None, owner: str | None = None) -> None:
         with self._lock:
             now = self._clock()
             self._expire_streams(now)
             entry = self._streams.get(request_id)
             if entry is None or entry[2] is not None:  # unknown, or ended: nothing to log
+                return
+            if owner is not None and entry[4] != owner:  # taken over by another router
                 return
             self._streams[request_id] = self._streams.pop(request_id)  # last-append order
             entry[1].extend(token_ids)

@@ -50,8 +50,12 @@ _OPEN_GRACE_S = 1.0  # a log opened a moment ago may still sit in the store's wr
 class StreamLogger:
     def __init__(self, store: ClusterStore, model_id: str, tokenizer: Tokenizer | None,
                  poll_s: float = 0.02, stall_s: float = 120.0,
-                 orphan_after_s: float = 20.0) -> None:
+                 orphan_after_s: float = 20.0, owner: str | None = None) -> None:
+        """``owner``: the producing router's id. Its logs are opened under it and its
+        appends are fenced by it: once another router claimed a log (it continues the
+        request), this one's writes to it are dropped. None: no fencing (one process)."""
         self.store = store
+        self.owner = owner
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.poll_s = poll_s
@@ -70,17 +74,17 @@ class StreamLogger:
 
     # ---- the producer's side --------------------------------------------------------------
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             chat: bool, owner: str = "") -> None:
-        """Start the log. It holds the prompt and the sampling parameters too, so another
-        router can continue the request if ``owner`` (the producing router) and its decode
-        worker both die."""
+             chat: bool) -> None:
+        """Start the log, owned by this logger's owner. It holds the prompt and the sampling
+        parameters too, so another router can continue the request if its router and its
+        decode worker both die."""
         self.store.stream_open(StreamRecord(
             request_id, len(prompt_token_ids), params.max_tokens, list(params.stop),
             params.include_stop_str_in_output, self.model_id, "chat" if chat else "completion",
-            list(prompt_token_ids), dataclasses.asdict(params), owner))
+            list(prompt_token_ids), dataclasses.asdict(params), self.owner or ""))
 
     def append(self, request_id: str, token_ids: list[int], finish_reason: str | None) -> None:
-        self.store.stream_append(request_id, token_ids, finish_reason)
+        self.store.stream_append(request_id, token_ids, finish_reason, self.owner)
 
     def adopt(self, update: TokenUpdate, fetch: Callable[[str], Awaitable[RequestTokens | None]],
               worker_id: str = "") -> None:
@@ -111,6 +115,10 @@ class StreamLogger:
         if rid not in self._adopted:
             current = await asyncio.to_thread(self.store.stream_read, rid, 2**31)
             known = None if current is None or current.finish_reason else current.num_tokens
+            if (known is not None and self.owner is not None and current.owner != self.owner
+                    and not await asyncio.to_thread(self.store.stream_claim, rid, self.owner,
+                                                    current.owner)):
+                known = None  # another router claimed it first: its log is theirs to write
             self._adopted[rid] = known
             if known is not None:
                 log.warning("adopting %s (its router is gone) at token %d", rid, known)

@@ -230,15 +230,20 @@ class StoreContract:
         got = h.store.stream_read("req-c")
         assert got == StreamLog(rec, [11], 1, None, "router-a")
         assert got.record.prompt_token_ids == [5, 6, 7] and got.record.sampling == sampling
+        h.store.stream_append("req-c", [12], owner="router-a")  # its owner writes
         wins = [h.store.stream_claim("req-c", r, "router-a") for r in ("router-b", "router-c")]
         assert wins == [True, False]
         assert h.store.stream_read("req-c").owner == "router-b"
+        h.store.stream_append("req-c", [99], owner="router-a")  # taken over: fenced off
+        h.store.stream_append("req-c", [], "abort", owner="router-a")  # cannot end it either
+        assert h.store.stream_read("req-c") == StreamLog(rec, [11, 12], 2, None, "router-b")
         assert not h.store.stream_claim("req-c", "router-c", "router-a")  # stale expectation
         assert h.store.stream_claim("req-c", "router-c", "router-b")
-        h.store.stream_append("req-c", [12], "stop")
+        h.store.stream_append("req-c", [13], "stop", owner="router-c")
         assert not h.store.stream_claim("req-c", "router-d", "router-c")  # ended
         assert not h.store.stream_claim("unknown", "router-d", "")
-        assert h.store.stream_read("req-c") == StreamLog(rec, [11, 12], 2, "stop", "router-c")
+        assert h.store.stream_read("req-c") == StreamLog(rec, [11, 12, 13], 3, "stop",
+                                                         "router-c")
 
     def test_stream_log_expires_after_its_last_append(self, h: Harness):
         store = h.make(stream_ttl_s=h.ttl_s)
