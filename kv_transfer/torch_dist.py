@@ -28,8 +28,6 @@ both sides post transfers in the same order; the gloo path has no such restricti
 from __future__ import annotations
 
 import datetime
-import logging
-import socket
 import threading
 import time
 from collections import deque
@@ -37,6 +35,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from kv_transfer.endpoints import LOCAL, listening_store, probe, unreachable
 from kv_transfer.pairs import Pair, PairOwner, build_group, gen_key, store_key
 from kv_transfer.protocol import (
     KVHandshakeError,
@@ -51,10 +50,7 @@ from kv_transfer.protocol import (
 )
 from kv_transfer.transport import KVReceiver, KVSender, OnLayer, PeerAddress, TransferState
 
-log = logging.getLogger(__name__)
-
 _FOREVER = datetime.timedelta(days=7)  # a data wait must never be what closes a pair
-_LOCAL = "127.0.0.1"
 _OWN_STORE_TIMEOUT_S = 60.0
 _POLL_S = 0.005
 _RECENT_ABORTS = 4096
@@ -76,7 +72,7 @@ class _RecvTransfer(TransferState):
 class TorchDistReceiver(PairOwner, KVReceiver):
     """Decode side: hosts the TCPStore (``.address``) and receives from any prefill worker."""
 
-    def __init__(self, worker_id: str, layout: KVLayout, host: str = _LOCAL, port: int = 0,
+    def __init__(self, worker_id: str, layout: KVLayout, host: str = LOCAL, port: int = 0,
                  device: str | torch.device = "cpu", timeout_s: float = 30.0,
                  orphan_ttl_s: float = 60.0) -> None:
         """``host``: the address other hosts reach this worker at; it is advertised (with the
@@ -88,22 +84,9 @@ class TorchDistReceiver(PairOwner, KVReceiver):
         # timeout may be a few seconds and a busy host (workers loading models) can be slow
         # to accept even on loopback. Every wait on the store is bounded in Python anyway.
         self._own_timeout = datetime.timedelta(seconds=max(timeout_s, _OWN_STORE_TIMEOUT_S))
-        self._own_host = host  # where this process's own store clients connect
-        try:
-            listen = socket.create_server((host, port), family=_family(host), backlog=4096)
-        except OSError as e:  # not this host's address (behind NAT?): every interface
-            log.warning("KV address %s is not local (%s): the KV store listens on every "
-                        "interface", host, e.strerror or e)
-            listen = socket.create_server(("", port), backlog=4096)
-            self._own_host = _LOCAL
-        try:
-            self._store = dist.TCPStore(self._own_host, listen.getsockname()[1], None, True,
-                                        self._own_timeout, wait_for_workers=False,
-                                        master_listen_fd=listen.fileno())
-        except BaseException:
-            listen.close()
-            raise
-        listen.detach()  # the store owns the descriptor now and closes it
+        # Our own store clients connect where the store listens (its KV address, or
+        # loopback when that address is not this host's).
+        self._store, self._own_host = listening_store(host, port, self._own_timeout)
         self._store_lock = threading.Lock()
         self.address = PeerAddress(worker_id, host, self._store.port)
         self._transfers: dict[str, _RecvTransfer] = {}
@@ -284,10 +267,6 @@ class TorchDistReceiver(PairOwner, KVReceiver):
         del self._store
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
 class _SendTransfer(TransferState):
     def __init__(self, spec: KVTransferSpec) -> None:
         super().__init__(spec)
@@ -305,7 +284,7 @@ class TorchDistSender(PairOwner, KVSender):
     """Prefill side: connects to decode workers' stores and streams layers to them."""
 
     def __init__(self, worker_id: str, layout: KVLayout, device: str | torch.device = "cpu",
-                 timeout_s: float = 30.0, orphan_ttl_s: float = 60.0, host: str = _LOCAL) -> None:
+                 timeout_s: float = 30.0, orphan_ttl_s: float = 60.0, host: str = LOCAL) -> None:
         """``host``: this worker's own KV address (gloo binds it; peers connect back to it)."""
         self._host = host
         self._stores: dict[str, dist.Store] = {}  # decode worker id -> control client
@@ -329,7 +308,7 @@ class TorchDistSender(PairOwner, KVSender):
             store = self._stores.get(peer.worker_id)
         try:
             if store is None:
-                _probe(peer, self.timeout_s)
+                probe(peer, self.timeout_s)
                 store = dist.TCPStore(peer.host, peer.port, None, False,
                                       datetime.timedelta(seconds=self.timeout_s))
                 with self._store_lock:
@@ -340,7 +319,7 @@ class TorchDistSender(PairOwner, KVSender):
         except RuntimeError as e:  # c10d's DistNetworkError / store timeouts
             with self._store_lock:
                 self._stores.pop(peer.worker_id, None)
-            raise _unreachable(peer, self.timeout_s, str(e).splitlines()[0]) from None
+            raise unreachable(peer, self.timeout_s, str(e).splitlines()[0]) from None
 
     def _forget_if_moved(self, peer: PeerAddress) -> None:
         """A decode worker that Ray restarted keeps its id but listens on a new port: drop the
@@ -388,7 +367,7 @@ class TorchDistSender(PairOwner, KVSender):
                 client = dist.TCPStore(peer.host, peer.port, None, False,
                                        datetime.timedelta(seconds=self.timeout_s))
             except RuntimeError as e:
-                raise _unreachable(peer, self.timeout_s, str(e).splitlines()[0]) from None
+                raise unreachable(peer, self.timeout_s, str(e).splitlines()[0]) from None
             try:
                 pg = build_group(client, me, peer.worker_id, gen, 1, self.device, self._host,
                                   max(deadline - time.monotonic(), 0.1))
@@ -516,17 +495,3 @@ class TorchDistSender(PairOwner, KVSender):
         with self._store_lock:
             self._stores.clear()
 
-
-def _probe(peer: PeerAddress, timeout_s: float) -> None:
-    """Connect to the peer's store once, plainly: c10d's own connect retries past its timeout
-    and logs pages of C++ frames, while this fails once, fast, with the OS's reason."""
-    try:
-        socket.create_connection((peer.host, peer.port), timeout=timeout_s).close()
-    except OSError as e:
-        raise _unreachable(peer, timeout_s, e.strerror or type(e).__name__) from None
-
-
-def _unreachable(peer: PeerAddress, timeout_s: float, why: str) -> KVPeerUnreachableError:
-    return KVPeerUnreachableError(
-        f"decode worker {peer.worker_id!r} is unreachable at its advertised KV address "
-        f"{peer.host}:{peer.port}: {why} (connect timeout {timeout_s:g}s)")
