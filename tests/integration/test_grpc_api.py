@@ -365,7 +365,7 @@ def test_fuzzed_requests_get_an_answer_or_invalid_argument_naming_the_field(addr
     bg = BackgroundStream(bystander)
     seen: dict[str, int] = {}
 
-    @settings(max_examples=8, deadline=None, database=None,
+    @settings(max_examples=5, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(proto_fields(backend.model_info().vocab_size))
     @example((PROMPT, {"max_tokens": 3, "seed": 7}))  # both outcomes, every run

@@ -338,7 +338,7 @@ def test_fuzzed_requests_get_an_answer_or_a_400_naming_the_field(base_url, http,
     bg = BackgroundStream(bystander)
     seen: dict[int, int] = {}
 
-    @settings(max_examples=8, deadline=None, database=None,
+    @settings(max_examples=5, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(json_bodies(backend.model_info().vocab_size))
     @example({"prompt": PROMPT, "max_tokens": 3, "seed": 7})  # both outcomes, every run
