@@ -51,7 +51,6 @@ class OrphanRescue:
     def __init__(self, orch: Orchestrator) -> None:
         self._orch = orch
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> its continuation
-        self.continued = 0  # requests this router took over (for tests and status)
 
     # ---- triggers -------------------------------------------------------------------------
     def lost(self, worker_id: str, why: str) -> None:
@@ -104,17 +103,16 @@ class OrphanRescue:
         orch = self._orch
         try:
             current = await self._claim(request_id)
-        except Exception as e:  # the store is away: the client's resume ends; it may retry
-            log.warning("cannot claim %s: %r", request_id, e)
+            if current is None or request_id in orch._streams:
+                return
+            rec = current.record
+            params = from_dict(SamplingParams, rec.sampling)
+        except Exception as e:  # the store is away (the client's resume ends; it may retry),
+            log.warning("cannot continue %s: %r", request_id, e)  # or a record we cannot read
             return
-        if current is None or request_id in orch._streams:
-            return
-        rec = current.record
-        params = from_dict(SamplingParams, rec.sampling)
         stream = StreamState(request_id)
         stream.decode_id = lost_on  # a lost worker that comes back frees its copy
         orch._streams[request_id] = stream
-        self.continued += 1
         log.warning("continuing %s after %d tokens: %s", request_id, current.num_tokens, why)
         finished = False
         try:
