@@ -51,6 +51,7 @@ from worker_protocol import (
     kv_host_for,
     new_incarnation,
 )
+from worker_protocol.kv_events import KVEventFeed, KVSnapshot, WorkerKVEvents
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,12 @@ class DecodeWorker:
         self._transfer_ids = itertools.count(1)
         self._stopped = threading.Event()
         self.kv_bytes_received = 0
+        self._kv_events = WorkerKVEvents(self.worker_id, self.incarnation,
+                                        self.engine.stats().block_size,
+                                        config.kv_events_redis_url, config.kv_events_namespace)
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
-                               on_crash=exit_on_engine_crash(self.worker_id))
+                               on_crash=exit_on_engine_crash(self.worker_id),
+                               after_work=self._kv_events.after_work)
         self._lease_thread = threading.Thread(target=self._expire_leases, daemon=True,
                                               name=f"{self.worker_id}-leases")
         self._lease_thread.start()
@@ -120,7 +125,9 @@ class DecodeWorker:
         s = self.engine.stats()
         return WorkerLoad(self.worker_id, self.config.role, s.kv_blocks_used, s.kv_blocks_total,
                           s.num_running, s.num_waiting, s.kv_blocks_reserved,
-                          self.kv_bytes_received, incarnation=self.incarnation)
+                          self.kv_bytes_received, incarnation=self.incarnation,
+                          prefix_hit_tokens=s.num_prefix_hit_tokens,
+                          prefill_tokens_computed=s.num_prefill_tokens_computed)
 
     def ping(self) -> str:
         return self.worker_id
@@ -132,6 +139,14 @@ class DecodeWorker:
     def kv_pairs(self) -> dict[str, int]:
         """Prefill worker id -> generation of the live KV group with it."""
         return self.receiver.live_pairs() if self.receiver else {}
+
+    def kv_events(self, after_seq: int, incarnation: str) -> KVEventFeed:
+        """The KV event batches after a router's cursor (see worker_protocol.kv_events)."""
+        return self._kv_events.since(after_seq, incarnation)
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every block hash the prefix cache holds, and the batch seq it follows."""
+        return self.loop.call(self._kv_events.snapshot).result(_CALL_TIMEOUT_S)
 
     # ---- disaggregated path ---------------------------------------------------------------
     def reserve(self, req: ReserveRequest) -> ReserveResult:
@@ -147,8 +162,10 @@ class DecodeWorker:
             rid, req.prompt_token_ids, req.sampling_params)).result(_CALL_TIMEOUT_S)
         if not res.ok:
             return ReserveResult(False, f"no KV capacity on {self.worker_id}: {res.reason}")
-        spec = KVTransferSpec(rid, next(self._transfer_ids), len(req.prompt_token_ids),
-                              req.layout)
+        # Our prefix cache holds the first num_cached_tokens: only the rest travels.
+        cached = res.num_cached_tokens
+        spec = KVTransferSpec(rid, next(self._transfer_ids),
+                              len(req.prompt_token_ids) - cached, req.layout, start_token=cached)
         with self._lock:
             self._leases[rid] = _Lease(time.monotonic() + self.config.lease_s,
                                        spec.layer_nbytes * spec.layout.num_layers)
@@ -237,6 +254,7 @@ class DecodeWorker:
         self.loop.stop()
         if self.receiver is not None:
             self.receiver.close()
+        self._kv_events.close()
 
     # ---- internals ------------------------------------------------------------------------
     def _on_step(self, outs: list[RequestOutput]) -> None:

@@ -6,6 +6,10 @@ with a chain (parent hash + token ids, seeded so every worker of a cluster agree
 the prefix cache; a freed block keeps its cached content until it is reused (LRU), so a later
 request with the same prefix gets it back without recomputation.
 
+Every change of the prefix cache is recorded as a KV event (``engine.kv_events``: blocks
+stored, blocks evicted) for the router's KV-aware index; ``take_events`` drains them and
+``cached_hashes`` is the snapshot they apply to.
+
 Invariants the tests check: a block is either free (ref_cnt 0, in the free queue) or owned
 (ref_cnt = number of requests whose table holds it); nothing is freed twice; when every request
 has been freed, every block is free.
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from engine.config import cdiv
+from engine.kv_events import KVEvent, KVEventRecorder
 
 
 @dataclass
@@ -70,6 +75,7 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._reqs: dict[str, _RequestBlocks] = {}
         self.num_prefix_hit_tokens = 0  # cumulative, for metrics
+        self._events = KVEventRecorder()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -120,6 +126,15 @@ class BlockManager:
             parent = h
         return ComputedBlocks(tuple(ids), tuple(hashes))
 
+    def cached_hashes(self) -> list[int]:
+        """Every hash the prefix cache holds now: the snapshot that the events drained by
+        ``take_events`` from here on apply to."""
+        return list(self._cached)
+
+    def take_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call, oldest first."""
+        return self._events.drain()
+
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_tokens: int,
                        computed: ComputedBlocks | None = None) -> bool:
@@ -166,6 +181,7 @@ class BlockManager:
                 block.block_hash = h
                 block.token_ids = toks
                 self._cached[h] = block.block_id
+                self._events.stored(h)
 
     def free(self, request_id: str) -> int:
         """Drop the request's references; returns how many blocks became free. Idempotent."""
@@ -212,6 +228,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict its cached content
             if self._cached.get(block.block_hash) == bid:
                 del self._cached[block.block_hash]
+                self._events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = ()
         block.ref_cnt = 1

@@ -36,13 +36,17 @@ class EngineLoop:
     """Runs ``engine.step()`` whenever there is work; sleeps on the command queue otherwise."""
 
     def __init__(self, engine: LLMEngine, sink: Sink, name: str = "engine-loop",
-                 on_crash: Callable[[BaseException], None] | None = None) -> None:
+                 on_crash: Callable[[BaseException], None] | None = None,
+                 after_work: Callable[[LLMEngine], None] | None = None) -> None:
         """``on_crash(error)`` runs on the loop thread if a step raises (the engine's state is
         then unknown: a worker exits so Ray reports it dead; the in-process engine fails
-        every open request). Bad *requests* never get here: they fail alone inside a step."""
+        every open request). Bad *requests* never get here: they fail alone inside a step.
+        ``after_work(engine)`` runs on the loop thread after every step and every run of
+        commands (a worker publishes the step's KV events there); it must not raise."""
         self.engine = engine
         self._sink = sink
         self._on_crash = on_crash
+        self._after_work = after_work
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._stopped = threading.Event()
         # Orders "check stopped + enqueue" in call() against setting stopped, so a command is
@@ -110,6 +114,8 @@ class EngineLoop:
                     outs = self.engine.step()
                     if outs:
                         self._sink(outs)
+                if self._after_work is not None:
+                    self._after_work(self.engine)
         except BaseException as e:  # surface to callers instead of dying silently
             log.exception("engine loop crashed")
             self.error = e

@@ -40,8 +40,10 @@ class StepInfo:
 class LayerExport:
     """One layer of one request's prompt KV, complete and token-contiguous.
 
-    ``kv`` is ``[2, num_tokens, num_kv_heads, head_dim]`` (K then V), a fresh tensor the
-    exporter owns: the engine may reuse the pages it came from as soon as the request ends.
+    ``kv`` is ``[2, num_tokens, num_kv_heads, head_dim]`` (K then V) for prompt positions
+    ``[export_from, end)`` (the request's ``export_from``; 0 unless the receiver holds a
+    prefix), a fresh tensor the exporter owns: the engine may reuse the pages it came from
+    as soon as the request ends.
     """
 
     request_id: str
@@ -60,6 +62,9 @@ class Reservation:
     ok: bool
     num_blocks: int = 0
     reason: str = ""  # set when refused
+    # Leading prompt tokens this engine's prefix cache already holds (whole blocks, pinned
+    # with the reservation): only the KV of the tokens after them must arrive.
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,10 @@ class KVConnector:
         self._runner = runner
         self._eos_token_ids = eos_token_ids
         self._clock = clock
-        # request id -> its reserved pages. The lock orders import_layer's page writes against
+        # request id -> (its pages, the first position that arrives). The lock orders import_layer's page writes against
         # release: once release returns, no late layer can land in pages now owned by another
         # request (a receiver thread may still be delivering when a lease expires).
-        self._reserved: dict[str, list[int]] = {}
+        self._reserved: dict[str, tuple[list[int], int]] = {}
         self._lock = threading.Lock()
         self.exporter: Exporter | None = None
         self._step: StepInfo | None = None
@@ -94,8 +99,10 @@ class KVConnector:
     def reserve(self, request_id: str, prompt_token_ids: list[int],
                 params: SamplingParams) -> Reservation:
         """Hold pages for the prompt (and its first generated token) until ``admit`` or
-        ``release``. Refuses (``ok=False``, pool unchanged) when the pool is short right now;
-        raises ValueError for an id the engine already knows."""
+        ``release``, reusing the longest prefix this engine caches (``num_cached_tokens``:
+        ``import_layer`` then takes only the rest). Refuses (``ok=False``, pool unchanged)
+        when the pool is short right now; raises ValueError for an id the engine already
+        knows."""
         req = Request(request_id, list(prompt_token_ids), params, self._clock(),
                       eos_token_ids=self._eos_token_ids)
         if not self._scheduler.add_remote_request(req):
@@ -104,8 +111,8 @@ class KVConnector:
                                              f"{self._blocks.num_free_blocks} free")
         block_ids = list(self._blocks.block_ids(request_id))
         with self._lock:
-            self._reserved[request_id] = block_ids
-        return Reservation(True, num_blocks=len(block_ids))
+            self._reserved[request_id] = (block_ids, req.num_cached_tokens)
+        return Reservation(True, num_blocks=len(block_ids), num_cached_tokens=req.num_cached_tokens)
 
     def admit(self, request_id: str, first_token_id: int) -> Admission:
         """Every layer is in the reserved pages: the request joins the batch with its first
@@ -130,17 +137,19 @@ class KVConnector:
     def num_reserved_blocks(self) -> int:
         """Pages held for KV still in flight (part of the engine's used blocks)."""
         with self._lock:
-            return sum(len(b) for b in self._reserved.values())
+            return sum(len(b) for b, _ in self._reserved.values())
 
     # ---- worker side ------------------------------------------------------------------------
     def import_layer(self, request_id: str, layer: int, kv: torch.Tensor) -> None:
-        """Scatter ``kv`` ``[2, num_tokens, kv_heads, head_dim]`` into the request's reserved
-        pages (any thread). Raises KeyError when the reservation was released meanwhile."""
+        """Scatter ``kv`` ``[2, num_tokens, kv_heads, head_dim]`` (the prompt's positions from
+        ``num_cached_tokens`` on) into the request's reserved pages (any thread). Raises
+        KeyError when the reservation was released meanwhile."""
         with self._lock:
-            block_ids = self._reserved.get(request_id)
-            if block_ids is None:
+            reserved = self._reserved.get(request_id)
+            if reserved is None:
                 raise KeyError(f"no reservation for {request_id!r} (released)")
-            self._runner.write_layer_kv(layer, block_ids, kv)
+            block_ids, start = reserved
+            self._runner.write_layer_kv(layer, block_ids, kv, start=start)
 
     # ---- called by LLMEngine.step ----------------------------------------------------------
     def begin_step(self, sched: SchedulerOutput, step: StepInfo) -> bool:
@@ -157,5 +166,6 @@ class KVConnector:
         to the exporter (which sends it while the next layer computes)."""
         assert self.exporter is not None and self._step is not None
         for chunk in self._exports:
-            kv = self._runner.read_layer_kv(layer, chunk.block_ids, chunk.end_pos)
+            kv = self._runner.read_layer_kv(layer, chunk.block_ids, chunk.end_pos,
+                                            start=chunk.export_from)
             self.exporter(LayerExport(chunk.request_id, layer, kv, self._step))

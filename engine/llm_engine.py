@@ -74,6 +74,10 @@ class EngineStats:
     num_running: int
     num_waiting: int  # queued, or waiting for remote KV
     num_generated_tokens: int
+    # Cumulative: prompt (and recomputed) tokens run through the model, and prompt tokens
+    # whose KV came from the prefix cache instead (local hits and pinned remote prefixes).
+    num_prefill_tokens_computed: int = 0
+    num_prefix_hit_tokens: int = 0
 
 
 class LLMEngine:
@@ -125,6 +129,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.args = args
         self.num_generated_tokens = 0
+        self.num_prefill_tokens_computed = 0
         self.last_step_idle = False  # the last step had nothing to schedule
 
     # ---- input processing ----------------------------------------------------------------
@@ -151,11 +156,15 @@ class LLMEngine:
     # ---- lifecycle -----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, export_kv: bool = False,
-                    priority: int = 0) -> Request:
-        """Validate and queue (ahead of waiting requests of lower ``priority``). Raises
-        ValueError (bad input) or QueueFullError (queue limit)."""
+                    priority: int = 0, export_from: int = 0) -> Request:
+        """Validate and queue (ahead of waiting requests of lower ``priority``). With
+        ``export_kv`` the prompt's KV from position ``export_from`` on is handed to the
+        connector's exporter. Raises ValueError (bad input) or QueueFullError (queue limit)."""
         req = self.make_request(prompt, params, request_id, arrival_time)
-        req.export_kv, req.priority = export_kv, priority
+        if not 0 <= export_from < req.num_prompt_tokens:
+            raise ValueError(f"export_from {export_from} outside the prompt "
+                             f"({req.num_prompt_tokens} tokens)")
+        req.export_kv, req.priority, req.export_from = export_kv, priority, export_from
         self.enqueue(req)
         return req
 
@@ -195,7 +204,18 @@ class LLMEngine:
         sched = self.scheduler
         return EngineStats(bm.num_used_blocks, bm.num_blocks, bm.block_size,
                            self.kv_connector.num_reserved_blocks, sched.num_running,
-                           sched.num_waiting, self.num_generated_tokens)
+                           sched.num_waiting, self.num_generated_tokens,
+                           self.num_prefill_tokens_computed, bm.num_prefix_hit_tokens)
+
+    def take_kv_events(self) -> list:
+        """The prefix cache's changes since the last call (``engine.kv_events``), oldest
+        first. Call on the engine's own thread (the engine loop), e.g. after each step."""
+        return self.block_manager.take_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        """Snapshot of the prefix cache (engine thread): what the events after the last
+        ``take_kv_events`` apply to."""
+        return self.block_manager.cached_hashes()
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns an output per request that got a token or finished."""
@@ -203,6 +223,9 @@ class LLMEngine:
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return []
+        # Prefill work: every chunk but a running sequence's one-token decode.
+        self.num_prefill_tokens_computed += sum(
+            c.num_tokens for c in sched.chunks if c.num_output_tokens == 0 or c.num_tokens > 1)
         step = StepInfo(self.scheduler.num_steps, self.clock())
         exports = self.kv_connector.begin_step(sched, step)
         result = self.runner.execute(sched, self.kv_connector.layer_saved if exports else None)

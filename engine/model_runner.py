@@ -117,18 +117,26 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     # ---- KV import/export (disaggregation) ------------------------------------------------
-    def read_layer_kv(self, layer: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """One layer's KV of a request, token-contiguous: ``[2, num_tokens, kv_heads, head_dim]``."""
-        nb = cdiv(num_tokens, self.block_size)
-        k, v = gather_kv(self.kv_caches[layer], torch.tensor(block_ids[:nb], device=self.device),
-                         num_tokens)
-        return torch.stack([k, v])
+    def read_layer_kv(self, layer: int, block_ids: list[int], num_tokens: int,
+                      start: int = 0) -> torch.Tensor:
+        """One layer's KV of a request's positions ``[start, num_tokens)``, token-contiguous:
+        ``[2, num_tokens - start, kv_heads, head_dim]``."""
+        bs = self.block_size
+        first, nb = start // bs, cdiv(num_tokens, bs)
+        # Gather only the pages that hold [start, num_tokens), then drop the rows before start.
+        k, v = gather_kv(self.kv_caches[layer],
+                         torch.tensor(block_ids[first:nb], device=self.device),
+                         num_tokens - first * bs)
+        skip = start - first * bs
+        return torch.stack([k[skip:], v[skip:]]) if skip else torch.stack([k, v])
 
-    def write_layer_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Scatter ``[2, num_tokens, kv_heads, head_dim]`` into this runner's own pages."""
+    def write_layer_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor,
+                       start: int = 0) -> None:
+        """Scatter ``[2, num_tokens, kv_heads, head_dim]`` into this runner's own pages at
+        positions ``[start, start + num_tokens)``."""
         n = kv.shape[1]
         bs = self.block_size
-        pos = torch.arange(n, device=self.device)
+        pos = torch.arange(start, start + n, device=self.device)
         blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.device)[pos // bs]
         cache = self.kv_caches[layer]
         cache[blocks, 0, pos % bs] = kv[0].to(cache.device, cache.dtype)

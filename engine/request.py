@@ -154,6 +154,9 @@ class Request:
     num_cached_tokens: int = 0
     # Prefill-only request: stop after the first token and hand the KV to the caller.
     export_kv: bool = False
+    # Exported KV starts at this prompt position: the receiver already holds the tokens
+    # before it (a decode-side prefix hit), so they are neither read nor sent.
+    export_from: int = 0
     # Admitted ahead of every waiting request of lower priority (FIFO among equals). The
     # router raises it for a migrated stream's re-prefill: its client is already mid-stream.
     priority: int = 0

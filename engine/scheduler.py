@@ -41,6 +41,7 @@ class ScheduledChunk:
     num_output_tokens: int  # tokens generated before this step (seeds per-token sampling)
     output_token_ids: list[int]  # generated so far (for min_tokens / penalties); do not mutate
     export_kv: bool = False
+    export_from: int = 0  # first prompt position whose KV leaves (Request.export_from)
 
     @property
     def num_tokens(self) -> int:
@@ -123,15 +124,22 @@ class Scheduler:
             self.waiting.insert(ahead, request)
 
     def add_remote_request(self, request: Request) -> bool:
-        """Reserve blocks for a prompt whose KV will arrive from a prefill worker.
+        """Reserve blocks for a prompt whose KV will arrive from a prefill worker, reusing
+        the longest cached prefix (``request.num_cached_tokens`` says how long: only the
+        tokens after it must arrive).
 
         Returns False (nothing reserved) when the pool is too small right now.
         """
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        # The leading blocks our own prefix cache already holds are pinned, not received:
+        # the prefill worker sends only the tokens after them (``num_cached_tokens``).
+        computed = self.blocks.get_computed_blocks(request.prompt_token_ids)
         # +1: room for the first generated token, which the prefill worker sends with the KV.
-        if not self.blocks.allocate_slots(request.request_id, request.num_prompt_tokens + 1):
+        if not self.blocks.allocate_slots(request.request_id, request.num_prompt_tokens + 1,
+                                          computed):
             return False
+        request.num_cached_tokens = computed.num_tokens(self.blocks.block_size)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request
@@ -142,6 +150,9 @@ class Scheduler:
         (ahead of new arrivals), or finishes at once if that token already stops it."""
         req = self.remote.pop(request_id)
         req.num_computed_tokens = req.num_prompt_tokens
+        # The arrived prompt is a prefix like any computed one: the next turn of this
+        # conversation routed here reuses it instead of receiving it again.
+        self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
         now = self.clock()
         req.output_token_ids.append(first_token_id)
         req.first_token_time = req.first_token_time or now
@@ -280,6 +291,7 @@ class Scheduler:
             num_output_tokens=len(req.output_token_ids),
             output_token_ids=req.output_token_ids,
             export_kv=req.export_kv,
+            export_from=req.export_from,
         )
 
     def _preempt(self, req: Request) -> None:

@@ -98,12 +98,16 @@ class KVLayout:
 class KVTransferSpec:
     """One request's prompt-KV transfer. The router assigns the request id; the receiving
     decode worker assigns the transfer id (the message tags), because it alone sees every
-    transfer into it when several routers reserve at once."""
+    transfer into it when several routers reserve at once, and ``start_token``: the prompt
+    positions before it are already in its own prefix cache, so the transfer carries
+    positions ``[start_token, start_token + num_tokens)`` only (the prefill worker neither
+    reads nor sends the rest)."""
 
     request_id: str
     transfer_id: int
-    num_tokens: int
+    num_tokens: int  # tokens carried, not the prompt's length
     layout: KVLayout
+    start_token: int = 0
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -112,6 +116,13 @@ class KVTransferSpec:
             raise ValueError(f"KVTransferSpec.transfer_id must be >= 0, got {self.transfer_id}")
         if self.num_tokens <= 0:
             raise ValueError(f"KVTransferSpec.num_tokens must be > 0, got {self.num_tokens}")
+        if self.start_token < 0:
+            raise ValueError(f"KVTransferSpec.start_token must be >= 0, got {self.start_token}")
+
+    @property
+    def prompt_len(self) -> int:
+        """The whole prompt's length: the skipped prefix plus the tokens carried."""
+        return self.start_token + self.num_tokens
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:

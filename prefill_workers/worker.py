@@ -41,6 +41,7 @@ from worker_protocol import (
     new_incarnation,
     restarted_by_ray,
 )
+from worker_protocol.kv_events import KVEventFeed, KVSnapshot, WorkerKVEvents
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,12 @@ class PrefillWorker:
         self._layers_sent_total = 0
         self.kv_bytes_sent = 0
         self.engine.kv_connector.exporter = self._export_layer
+        self._kv_events = WorkerKVEvents(self.worker_id, self.incarnation,
+                                        self.engine.stats().block_size,
+                                        config.kv_events_redis_url, config.kv_events_namespace)
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
-                               on_crash=exit_on_engine_crash(self.worker_id))
+                               on_crash=exit_on_engine_crash(self.worker_id),
+                               after_work=self._kv_events.after_work)
 
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()
@@ -93,7 +98,9 @@ class PrefillWorker:
         s = self.engine.stats()
         return WorkerLoad(self.worker_id, "prefill", s.kv_blocks_used, s.kv_blocks_total,
                           s.num_running, s.num_waiting, kv_transfer_bytes=self.kv_bytes_sent,
-                          incarnation=self.incarnation)
+                          incarnation=self.incarnation,
+                          prefix_hit_tokens=s.num_prefix_hit_tokens,
+                          prefill_tokens_computed=s.num_prefill_tokens_computed)
 
     def layers_sent(self, request_id: str) -> int:
         """How many layers of an in-flight request's KV have been posted (tests, debugging)."""
@@ -111,6 +118,14 @@ class PrefillWorker:
         """Decode worker id -> generation of the live KV group with it."""
         return self.sender.live_pairs()
 
+    def kv_events(self, after_seq: int, incarnation: str) -> KVEventFeed:
+        """The KV event batches after a router's cursor (see worker_protocol.kv_events)."""
+        return self._kv_events.since(after_seq, incarnation)
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every block hash the prefix cache holds, and the batch seq it follows."""
+        return self.loop.call(self._kv_events.snapshot).result(_CALL_TIMEOUT_S)
+
     def prefill(self, req: PrefillRequest) -> PrefillResult:
         """Compute the prompt, stream its KV to ``req.destination``, return the first token.
 
@@ -120,6 +135,9 @@ class PrefillWorker:
         for bad input.
         """
         sp = req.sampling_params
+        if req.transfer.prompt_len != len(req.prompt_token_ids):
+            raise ValueError(f"transfer of {req.request_id} covers {req.transfer.prompt_len} "
+                             f"tokens, the prompt has {len(req.prompt_token_ids)}")
         # One token here; stop strings and the rest of the budget are the decode side's.
         params = dataclasses.replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1), stop=[])
         pending = _Pending(req, Future(), self.engine.clock())
@@ -130,7 +148,7 @@ class PrefillWorker:
         try:
             self.loop.call(lambda e: e.add_request(
                 list(req.prompt_token_ids), params, req.request_id, export_kv=True,
-                priority=req.priority)
+                priority=req.priority, export_from=req.transfer.start_token)
             ).result(_CALL_TIMEOUT_S)
             timeout_s = req.timeout_s or _PREFILL_TIMEOUT_S
             try:
@@ -162,6 +180,7 @@ class PrefillWorker:
         self.loop.stop()
         self._finisher.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
+        self._kv_events.close()
 
     # ---- engine-loop thread -----------------------------------------------------------------
     def _export_layer(self, export: LayerExport) -> None:

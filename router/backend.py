@@ -152,6 +152,10 @@ class BackendStats:
     kv_transfer_bytes_total: int = 0
     migrations: dict[str, int] = field(default_factory=dict)  # reason -> streams moved
     store_up: bool | None = None  # the cluster store answers (None: no store, embedded)
+    # Cumulative: prompt tokens served from a prefix cache, per worker role, and prompt
+    # (or recomputed) tokens run through a model (router.usage).
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
+    prefill_computed_tokens: int = 0
 
 
 @runtime_checkable
@@ -266,7 +270,9 @@ class EngineBackend:
     async def stats(self) -> BackendStats:
         s = self._async.engine.stats()
         return BackendStats([WorkerLoad("embedded-0", "embedded", s.kv_blocks_used,
-                                        s.kv_blocks_total, s.num_running, s.num_waiting)])
+                                        s.kv_blocks_total, s.num_running, s.num_waiting)],
+                            prefix_hit_tokens={"embedded": s.num_prefix_hit_tokens},
+                            prefill_computed_tokens=s.num_prefill_tokens_computed)
 
     async def cluster_status(self) -> list[WorkerStatus]:
         s = self._async.engine.stats()

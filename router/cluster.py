@@ -42,6 +42,7 @@ from router.launcher import (
 )
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE, RoleNeed, check_placement
+from router.policy import RoutingConfig
 from router.worker_health import is_restarting
 from worker_protocol import (
     WorkerInfo,
@@ -95,6 +96,8 @@ class ClusterConfig:
     # keep_workers (a router upgrade: the next router takes them over).
     name: str = "pdcluster"
     keep_workers: bool = False
+    # How requests are spread over workers (router.policy.RoutingConfig: kv_aware by default).
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
     worker_overrides: dict = field(default_factory=dict)
 
@@ -194,9 +197,10 @@ class Cluster:
                                migration_limit=cfg.migration_limit,
                                orphan_after_s=cfg.orphan_after_s,
                                max_inflight_requests=cfg.max_inflight_requests,
-                               prefix_hash_seed=cfg.decode_engine.prefix_hash_seed),
+                               prefix_hash_seed=cfg.decode_engine.prefix_hash_seed,
+                               routing=cfg.routing),
             tokenizer, InputProcessor(tokenizer, model_cfg.vocab_size, max_len, max_kv_tokens),
-            layout, self.store)
+            layout, self.store, self._kv_event_source())
         for info, handle in zip(infos, handles, strict=True):
             orch.add_worker(info, handle)
             self.store.register_worker(_worker_record(info, model_cfg.model_id), ttl_s=15.0)
@@ -205,6 +209,15 @@ class Cluster:
         for i in infos:  # one line per worker: operators (and the placement test) read these
             log.info("worker %s role=%s node=%s host=%s kv=%s pid=%d", i.worker_id, i.role,
                      i.node_id, i.node_ip, i.kv_host, i.pid)
+
+    def _kv_event_source(self):
+        """With Redis, routers read the workers' KV events from its streams (the workers
+        publish there too); without it they pull them from the workers (router.kv_sync)."""
+        if self.config.redis_url is None:
+            return None
+        from worker_protocol.kv_stream import RedisKVEventSource
+
+        return RedisKVEventSource(self.config.redis_url, self.config.store_namespace)
 
     def _plan_placement(self) -> Placement:
         """Check, before spawning anything, that the Ray cluster can host every worker, and
@@ -271,8 +284,10 @@ class Cluster:
                     continue
                 orch.health.reachable(slot)
                 slot.view.load = load
+                orch.usage.note(load)
                 self._heartbeat(slot, load)
             orch.health.check_silent(orch.decode.values())
+            await orch.kv_sync.refresh([s for s in slots if s.view.alive and s.view.reachable])
             await asyncio.sleep(0.25)
 
     def _start_rejoin(self, slot) -> None:
@@ -377,8 +392,11 @@ class Cluster:
         loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
                                      return_exceptions=True)
         workers = [lo for lo in loads if not isinstance(lo, BaseException)]
+        for lo in workers:
+            orch.usage.note(lo)
         return BackendStats(workers, orch.kv_transfer_bytes_total, dict(orch.migrations),
-                            self.store.up)
+                            self.store.up, dict(orch.usage.prefix_hit_tokens),
+                            orch.usage.prefill_computed_tokens)
 
     async def worker_loads(self) -> list:
         """Every live worker's full load report (reserved blocks included); tests use this.

@@ -62,7 +62,9 @@ class WorkerLauncher:
         wcfg = WorkerConfig(worker_id, role, engine_args, kv_host=placement.kv_host,
                             kv_interface=placement.kv_interface,
                             transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
-                            stream_layers=cfg.stream_layers)
+                            stream_layers=cfg.stream_layers,
+                            kv_events_redis_url=cfg.redis_url,
+                            kv_events_namespace=cfg.store_namespace)
         if worker_id in cfg.worker_overrides:
             wcfg = dataclasses.replace(wcfg, **cfg.worker_overrides[worker_id])
         if placement.use_gpus:  # Ray gives the actor one GPU (CUDA_VISIBLE_DEVICES): cuda:0 there

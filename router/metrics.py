@@ -69,6 +69,16 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("pdcluster_kv_transfer_bytes",
                                   "Bytes of KV cache moved from prefill to decode workers",
                                   value=s.kv_transfer_bytes_total)
+        hits = CounterMetricFamily(
+            "pdcluster_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV a worker's prefix cache already held (decode: not "
+            "transferred; prefill, colocated: not computed)", labels=["role"])
+        for role, n in sorted(s.prefix_hit_tokens.items()):
+            hits.add_metric([role], n)
+        yield hits
+        yield CounterMetricFamily("pdcluster_prefill_computed_tokens",
+                                  "Prompt (and recomputed) tokens run through a model",
+                                  value=s.prefill_computed_tokens)
 
 
 class Metrics:

@@ -36,10 +36,11 @@ from router.backend import (
     new_request_id,
 )
 from router.fanout import TokenFanout
+from router.kv_index import KVIndex
+from router.kv_sync import KVEventSync
 from router.orchestrator_config import MIGRATED_PRIORITY, OrchestratorConfig
 from router.orphans import OrphanRescue
-from router.policy import WorkerView, pick_decode, pick_prefill
-from router.prefix_affinity import PrefixAffinity
+from router.policy import Routing, WorkerView
 from router.request_state import (
     Aborted,
     ClusterMisconfiguredError,
@@ -53,6 +54,7 @@ from router.request_state import (
 )
 from router.store import InMemoryStore
 from router.stream_log import StreamLogger
+from router.usage import UsageCounters
 from router.worker_health import WorkerHealth
 from worker_protocol import (
     AbortRequest,
@@ -70,7 +72,10 @@ log = logging.getLogger(__name__)
 
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, tokenizer: Tokenizer | None,
-                 inputs: InputProcessor, layout: KVLayout, store=None) -> None:
+                 inputs: InputProcessor, layout: KVLayout, store=None,
+                 kv_event_source=None) -> None:
+        """``kv_event_source``: where workers' KV events are read (Redis Streams), or None:
+        pulled from the workers (see router.kv_sync)."""
         self.config = config
         self.tokenizer = tokenizer
         self.inputs = inputs
@@ -84,7 +89,11 @@ class Orchestrator:
                                     config.model_id, tokenizer,
                                     orphan_after_s=config.orphan_after_s,
                                     owner=self.router_id)
-        self.affinity = PrefixAffinity(store, config.prefix_hash_seed)
+        # Which worker caches which blocks, from the workers' own KV events (kv_sync feeds it).
+        self.kv_index = KVIndex(config.prefix_hash_seed)
+        self.kv_sync = KVEventSync(self.kv_index, config.call_timeout_s, kv_event_source)
+        self.routing = Routing(config.routing)
+        self.usage = UsageCounters()
         self._streams: dict[str, StreamState] = {}
         self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s,
                                   self.router_id)
@@ -104,6 +113,7 @@ class Orchestrator:
     def add_worker(self, info: WorkerInfo, handle) -> None:
         view = WorkerView(info.worker_id, info.role, info.num_kv_blocks, info.block_size)
         slot = WorkerSlot(info, handle, view)
+        self.kv_sync.track(info.worker_id, info.block_size)
         if info.role == "prefill":
             self.prefill[info.worker_id] = slot
         else:
@@ -126,6 +136,7 @@ class Orchestrator:
         view.alive, view.load, view.kv_unreachable_until = True, None, 0.0
         view.kv_blocks_total = info.num_kv_blocks
         view.restarts += 1
+        self.kv_sync.track(wid, info.block_size)  # its cache is new: stale until a snapshot
         self.health.reachable(slot)
         if old.role != "prefill":
             self.fanout.start(slot)
@@ -133,6 +144,7 @@ class Orchestrator:
                     wid, old.pid, info.pid, info.kv_address)
 
     async def close(self) -> None:
+        await self.kv_sync.close()
         await self.orphans.close()
         await self.streams.close()
         await self.fanout.close()
@@ -311,7 +323,6 @@ class Orchestrator:
                               self.router_id))
         finally:
             slot.view.inflight_requests -= 1
-        self._record_prefix(slot, prompt_ids)
 
     async def _prefill(self, stream: StreamState, prompt_ids: list[int], params,
                        avoid_decode: set[str] = frozenset()) -> FirstToken:
@@ -328,9 +339,10 @@ class Orchestrator:
             # holds prompt + 1 token, and outputs of requests routed concurrently grow into
             # the same free blocks; a preempted request is recomputed on its decode worker.
             decode = await self._wait_for_decode(len(prompt_ids) + params.max_tokens,
-                                                 excluded["decode"], None, stream)
-            hits = await self._prefix_hits(prompt_ids, self.prefill)
-            view = pick_prefill([s.view for s in self.prefill.values()], excluded["prefill"], hits)
+                                                 excluded["decode"], prompt_ids, stream)
+            view = self.routing.pick_prefill(
+                [s.view for s in self.prefill.values()], len(prompt_ids), excluded["prefill"],
+                self.kv_index.match(prompt_ids, list(self.prefill)))
             if view is None:
                 raise WorkerUnavailableError("no live prefill worker")
             try:
@@ -365,8 +377,10 @@ class Orchestrator:
                 cfg.call_timeout_s)
             if not res.ok:
                 raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
+            cached = res.transfer.start_token if res.transfer is not None else 0
             self._journal(rid, "reserved", decode.info.worker_id,
-                          f"{res.num_blocks} blocks for KV from {pslot.info.worker_id}")
+                          f"{res.num_blocks} blocks for KV from {pslot.info.worker_id}"
+                          + (f"; {cached} prompt tokens cached here" if cached else ""))
             stream.prefill_id = pslot.info.worker_id
             # The reserving process's own address: a just-restarted worker has a new port.
             destination = res.kv_address or decode.info.kv_address
@@ -382,7 +396,6 @@ class Orchestrator:
                 prefill_counted = False
             stream.prefill_id = None
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
-            self._record_prefix(pslot, prompt_ids)
             commit = await self._call(stream, decode, decode.handle.commit.remote(
                 CommitRequest(rid, result.first_token_id, cfg.transfer_timeout_s)),
                 cfg.transfer_timeout_s + cfg.call_timeout_s, release=decode)
@@ -435,8 +448,9 @@ class Orchestrator:
             raise RetryElsewhere(e, blamed, worker.info.worker_id) from None
 
     async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
-                               prompt_ids: list[int] | None, stream: StreamState) -> WorkerSlot:
-        """A decode worker with room, waiting (bounded) for capacity to free up."""
+                               prompt_ids: list[int], stream: StreamState) -> WorkerSlot:
+        """A decode worker with room for ``num_tokens``, chosen by the routing policy for
+        this prompt, waiting (bounded) for capacity to free up."""
         deadline = time.monotonic() + self.config.capacity_wait_s
         delay = 0.01
         while True:
@@ -445,8 +459,9 @@ class Orchestrator:
             live = [s for s in self.decode.values() if s.view.alive]
             if not live:
                 raise WorkerUnavailableError("no live decode worker")
-            hits = await self._prefix_hits(prompt_ids, self.decode) if prompt_ids else None
-            view = pick_decode([s.view for s in live], num_tokens, exclude, hits)
+            hits = self.kv_index.match(prompt_ids, [s.info.worker_id for s in live])
+            view = self.routing.pick_decode([s.view for s in live], len(prompt_ids), num_tokens,
+                                            exclude, hits)
             if view is not None:
                 return self.decode[view.worker_id]
             if all(s.info.worker_id in exclude for s in live):
@@ -471,16 +486,6 @@ class Orchestrator:
             self.health.unreachable(slot, f"abort of {rid} timed out")
         except Exception as e:
             self.health.on_error(slot, e)
-
-    # ---- prefix affinity ------------------------------------------------------------------
-    async def _prefix_hits(self, prompt_ids: list[int] | None,
-                           slots: dict[str, WorkerSlot]) -> dict[str, int]:
-        if not slots:
-            return {}
-        return await self.affinity.hits(prompt_ids, next(iter(slots.values())).info.block_size)
-
-    def _record_prefix(self, slot: WorkerSlot, prompt_ids: list[int]) -> None:
-        self.affinity.record(slot.info.worker_id, prompt_ids, slot.info.block_size)
 
     def _journal(self, rid: str, kind: str, worker_id: str | None, detail: str | None) -> None:
         if self.store is None:

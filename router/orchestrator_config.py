@@ -3,7 +3,9 @@ from ClusterConfig."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from router.policy import RoutingConfig
 
 __all__ = ["MIGRATED_PRIORITY", "OrchestratorConfig"]
 
@@ -18,7 +20,8 @@ class OrchestratorConfig:
     transfer_timeout_s: float = 30.0
     capacity_wait_s: float = 30.0  # how long a request may wait for KV capacity
     max_inflight_requests: int = 1024  # beyond it: QueueFullError (RESOURCE_EXHAUSTED)
-    prefix_hash_seed: int = 0
+    prefix_hash_seed: int = 0  # the workers' (KV-aware routing hashes prompts the same way)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     # Deadlines on worker calls, so a host that went silent (link down) costs a retry, not a
     # hung request: reserve / abort get call_timeout_s; commit waits for the transfer too;
     # a prefill may queue behind other prompts first (the prefill worker gives up on it at

@@ -1,6 +1,7 @@
-"""Choosing workers: a decode worker by KV capacity and load, a prefill worker by queued work.
+"""Choosing workers: by cached prefix, queued work and KV use (``kv_aware``), by load alone,
+or in turns (``RoutingConfig``).
 
-Pure functions over snapshots, so the choices are unit-testable. The router keeps its own
+Pure choices over snapshots, so they are unit-testable. The router keeps its own
 in-flight counters on top of the workers' periodic load reports, because a report is up to
 one refresh interval stale and a burst of requests would otherwise all pick the same worker.
 """
@@ -45,6 +46,10 @@ class WorkerView:
         return self.load.requests_running if self.load else 0
 
     @property
+    def requests_waiting(self) -> int:
+        return self.load.requests_waiting if self.load else 0
+
+    @property
     def free_blocks(self) -> int:
         return self.kv_blocks_total - self.kv_blocks_used - self.inflight_blocks
 
@@ -53,32 +58,110 @@ class WorkerView:
         return self.alive and self.reachable and now >= self.kv_unreachable_until
 
 
-def pick_decode(workers: list[WorkerView], num_tokens: int, exclude: set[str] = frozenset(),
-                prefix_hits: dict[str, int] | None = None) -> WorkerView | None:
-    """The live decode worker with room for ``num_tokens`` and the most headroom.
+ROUTING_POLICIES = ("kv_aware", "load", "round_robin")
 
-    Order of preference: the most leading blocks of this prompt already cached there (prefix
-    affinity; only colocated workers prefill, so only they report hits), then the largest
-    free fraction of the KV pool, then the fewest running and in-flight requests.
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How the router chooses workers (``pdcluster serve --routing ...``).
+
+    ``kv_aware`` (default) picks the worker with the lowest cost, in prompt tokens of work:
+    ``prefix_weight`` x the prompt tokens it does NOT cache (what it must compute, or for a
+    decode worker receive) + ``queue_weight`` x the prompt tokens queued there ahead of this
+    one + ``kv_usage_weight`` x its KV pool's used fraction x the prompt length (a nearly
+    full pool costs preemptions). With the default weights (1, 1, 1) a worker holding the
+    prefix wins unless the work queued on it exceeds the work the prefix saves: a hot
+    prefix spills to a cold worker, which then caches it too. Ties go to the least loaded.
+    ``load`` ignores caches (most free KV, fewest requests; least queued prefill tokens);
+    ``round_robin`` takes turns among the workers with room.
     """
-    hits = prefix_hits or {}
-    now = time.monotonic()
-    fits = [w for w in workers if w.routable(now) and w.worker_id not in exclude
-            and w.free_blocks >= cdiv(num_tokens, w.block_size)]
-    if not fits:
-        return None
-    return max(fits, key=lambda w: (hits.get(w.worker_id, 0),
-                                    w.free_blocks / max(w.kv_blocks_total, 1),
-                                    -(w.requests_running + w.inflight_requests)))
+
+    policy: str = "kv_aware"
+    prefix_weight: float = 1.0
+    queue_weight: float = 1.0
+    kv_usage_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, "
+                             f"got {self.policy!r}")
+        for name in ("prefix_weight", "queue_weight", "kv_usage_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
-def pick_prefill(workers: list[WorkerView], exclude: set[str] = frozenset(),
-                 prefix_hits: dict[str, int] | None = None) -> WorkerView | None:
-    """The live prefill worker with the least queued prompt work, net of cached prefixes."""
-    hits = prefix_hits or {}
-    now = time.monotonic()
-    live = [w for w in workers if w.routable(now) and w.worker_id not in exclude]
-    if not live:
-        return None
-    # A cached block saves block_size tokens of compute on that worker.
-    return min(live, key=lambda w: w.inflight_prefill_tokens - hits.get(w.worker_id, 0) * w.block_size)
+class Routing:
+    """Picks workers for one router under one ``RoutingConfig``. ``hits`` maps a worker id
+    to how many leading blocks of the prompt its cache holds (``router.kv_index``)."""
+
+    def __init__(self, config: RoutingConfig | None = None) -> None:
+        self.config = config or RoutingConfig()
+        self._turn = {"prefill": 0, "decode": 0}  # round_robin's next position per kind
+
+    def pick_decode(self, workers: list[WorkerView], prompt_len: int, num_tokens: int,
+                    exclude: set[str] = frozenset(), hits: dict[str, int] | None = None
+                    ) -> WorkerView | None:
+        """A live decode (or colocated) worker with room for ``num_tokens`` (prompt +
+        output), or None."""
+        now = time.monotonic()
+        fits = [w for w in workers if w.routable(now) and w.worker_id not in exclude
+                and w.free_blocks >= cdiv(num_tokens, w.block_size)]
+        if not fits:
+            return None
+        if self.config.policy == "round_robin":
+            return self._take_turn("decode", fits)
+        if self.config.policy == "load":
+            return max(fits, key=_decode_headroom)
+        hits = hits or {}
+        return min(fits, key=lambda w: (self.cost(w, prompt_len, hits, _decode_queue(w, prompt_len)),
+                                         _neg(_decode_headroom(w))))
+
+    def pick_prefill(self, workers: list[WorkerView], prompt_len: int,
+                     exclude: set[str] = frozenset(), hits: dict[str, int] | None = None
+                     ) -> WorkerView | None:
+        """The live prefill worker to compute this prompt, or None."""
+        now = time.monotonic()
+        live = [w for w in workers if w.routable(now) and w.worker_id not in exclude]
+        if not live:
+            return None
+        if self.config.policy == "round_robin":
+            return self._take_turn("prefill", live)
+        if self.config.policy == "load":
+            return min(live, key=lambda w: w.inflight_prefill_tokens)
+        hits = hits or {}
+        return min(live, key=lambda w: (self.cost(w, prompt_len, hits, w.inflight_prefill_tokens),
+                                        w.inflight_prefill_tokens))
+
+    def cost(self, w: WorkerView, prompt_len: int, hits: dict[str, int],
+             queued_tokens: int) -> float:
+        """``kv_aware``'s cost of sending this prompt to ``w`` (tokens of work; lower wins)."""
+        c = self.config
+        missing = max(0, prompt_len - hits.get(w.worker_id, 0) * w.block_size)
+        usage = w.kv_blocks_used / w.kv_blocks_total if w.kv_blocks_total else 0.0
+        return (c.prefix_weight * missing + c.queue_weight * queued_tokens
+                + c.kv_usage_weight * usage * prompt_len)
+
+    def _take_turn(self, kind: str, candidates: list[WorkerView]) -> WorkerView:
+        ordered = sorted(candidates, key=lambda w: w.worker_id)
+        pick = ordered[self._turn[kind] % len(ordered)]
+        self._turn[kind] += 1
+        return pick
+
+
+def _decode_headroom(w: WorkerView) -> tuple[float, int]:
+    """Larger is better: the free fraction of the KV pool, then fewer requests."""
+    return (w.free_blocks / max(w.kv_blocks_total, 1),
+            -(w.requests_running + w.inflight_requests))
+
+
+def _neg(t: tuple[float, int]) -> tuple[float, int]:
+    return (-t[0], -t[1])
+
+
+def _decode_queue(w: WorkerView, prompt_len: int) -> int:
+    """Prompt tokens queued on a decode worker ahead of this one: KV being reserved or
+    received (disaggregated), or prompts waiting to be prefilled there (colocated; each
+    counted as long as this one, the report carries no lengths)."""
+    if w.role == "colocated":
+        return (w.requests_waiting + w.inflight_requests) * prompt_len
+    return w.inflight_blocks * w.block_size

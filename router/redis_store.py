@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 import uuid
 from dataclasses import asdict
 
@@ -18,7 +17,6 @@ from redis.retry import Retry
 
 from router.store import (
     DEFAULT_JOURNAL_TTL_S,
-    DEFAULT_MAX_PREFIX_BLOCKS,
     DEFAULT_STREAM_TTL_S,
     ClusterStore,
     JournalEvent,
@@ -28,7 +26,6 @@ from router.store import (
     UnknownWorkerError,
     WorkerLoad,
     WorkerRecord,
-    _check_hashes,
     _check_role,
     _check_ttl,
     from_dict,
@@ -107,12 +104,10 @@ class RedisStore(ClusterStore):
     """Redis backend; every key lives under ``{namespace}:``.
 
     Keys: ``worker:{id}`` (JSON record, PX ttl), ``load:{id}`` (JSON, same ttl), ``workers``
-    (set of ids, cleaned lazily), ``prefix:{id}`` (zset hash -> expiry in wall-clock ms;
-    scores in recording order double as the LRU order), ``journal:{rid}`` (list of JSON
-    events, PX journal ttl), ``journals`` (zset rid -> last append, server clock in us, for journal_recent),
+    (set of ids, cleaned lazily), ``journal:{rid}`` (list of JSON events, PX journal ttl),
+    ``journals`` (zset rid -> last append, server clock in us, for journal_recent),
     ``stream:{rid}:rec|tok|end|own`` (a stream log: JSON record, token list, finish reason,
     current owner; one PX stream ttl, renewed by every append).
-    Prefix expiry compares against this host's wall clock, so hosts need roughly synced clocks.
 
     Raises StoreUnavailableError at construction if Redis cannot be pinged, and from any call
     that loses the connection.
@@ -120,20 +115,16 @@ class RedisStore(ClusterStore):
 
     def __init__(self, url: str, namespace: str = "pdcluster",
                  journal_ttl_s: float = DEFAULT_JOURNAL_TTL_S,
-                 max_prefix_blocks_per_worker: int = DEFAULT_MAX_PREFIX_BLOCKS,
                  connect_timeout_s: float = 2.0, socket_timeout_s: float = 5.0,
                  stream_ttl_s: float = DEFAULT_STREAM_TTL_S) -> None:
         _check_ttl(journal_ttl_s, "journal_ttl_s")
         _check_ttl(stream_ttl_s, "stream_ttl_s")
         self._stream_ttl_ms = _ms(stream_ttl_s)
-        if max_prefix_blocks_per_worker < 1:
-            raise ValueError("max_prefix_blocks_per_worker must be >= 1")
         if not namespace:
             raise ValueError("namespace must be non-empty")
         self.url = url
         self.namespace = namespace
         self._journal_ttl_ms = _ms(journal_ttl_s)
-        self._max_prefix = max_prefix_blocks_per_worker
         try:
             self._r = redis.Redis.from_url(
                 url, decode_responses=True, socket_connect_timeout=connect_timeout_s,
@@ -183,8 +174,7 @@ class RedisStore(ClusterStore):
     @_unavailable
     def deregister_worker(self, worker_id: str) -> None:
         with self._r.pipeline(transaction=True) as p:
-            p.delete(self._k("worker", worker_id), self._k("load", worker_id),
-                     self._k("prefix", worker_id))
+            p.delete(self._k("worker", worker_id), self._k("load", worker_id))
             p.srem(self._k("workers"), worker_id)
             p.execute()
 
@@ -194,11 +184,8 @@ class RedisStore(ClusterStore):
             return []
         raw = self._r.mget([self._k("worker", wid) for wid in ids])
         dead = [wid for wid, v in zip(ids, raw, strict=True) if v is None]
-        if dead:  # their keys expired: drop the ids and the prefixes they left behind
-            with self._r.pipeline(transaction=False) as p:
-                p.srem(self._k("workers"), *dead)
-                p.delete(*(self._k("prefix", wid) for wid in dead))
-                p.execute()
+        if dead:  # their keys expired: drop the ids
+            self._r.srem(self._k("workers"), *dead)
         return [WorkerRecord.from_dict(json.loads(v)) for v in raw if v is not None]
 
     @_unavailable
@@ -212,53 +199,6 @@ class RedisStore(ClusterStore):
         if alive is None or raw is None:
             return None
         return from_dict(WorkerLoad, json.loads(raw))
-
-    @_unavailable
-    def record_prefix(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None:
-        _check_ttl(ttl_s)
-        _check_hashes(block_hashes)
-        if not block_hashes:
-            return
-        key = self._k("prefix", worker_id)
-        now_ms = int(time.time() * 1000)
-        expires_ms = now_ms + _ms(ttl_s)
-        with self._r.pipeline(transaction=True) as p:
-            # Head blocks get the higher score so the LRU trim evicts a chain's tail first:
-            # every match starts at the head.
-            p.zadd(key, {str(h): expires_ms - i * 1e-3 for i, h in enumerate(block_hashes)})
-            p.zremrangebyscore(key, "-inf", now_ms)
-            p.zremrangebyrank(key, 0, -self._max_prefix - 1)  # LRU cap: keep the newest
-            # Key TTL = the latest entry's expiry, so an idle worker's set disappears whole.
-            p.pexpire(key, _ms(ttl_s) + 1000, nx=True)
-            p.pexpire(key, _ms(ttl_s) + 1000, gt=True)
-            p.execute()
-
-    @_unavailable
-    def match_prefix(self, block_hashes: list[int]) -> dict[str, int]:
-        _check_hashes(block_hashes)
-        if not block_hashes:
-            return {}
-        ids = [r.worker_id for r in self._live_records()]
-        members = [str(h) for h in block_hashes]
-        with self._r.pipeline(transaction=False) as p:
-            for wid in ids:
-                p.zmscore(self._k("prefix", wid), members)
-            scores = p.execute()
-        now_ms = time.time() * 1000
-        out: dict[str, int] = {}
-        for wid, ws in zip(ids, scores, strict=True):
-            n = 0
-            for s in ws:
-                if s is None or s <= now_ms:
-                    break
-                n += 1
-            if n:
-                out[wid] = n
-        return out
-
-    @_unavailable
-    def drop_worker_prefixes(self, worker_id: str) -> None:
-        self._r.delete(self._k("prefix", worker_id))
 
     @_unavailable
     def journal_append(self, request_id: str, event: JournalEvent) -> None:

@@ -3,12 +3,13 @@ any moment, at start-up included. Serving never waits on it.
 
 - **Writes never block and never fail.** Registry changes (register, heartbeat, deregister)
   are kept as the state this router wants the store to hold, one entry per worker (only the
-  newest heartbeat matters); journal events and prefix records queue in a bounded backlog
+  newest heartbeat matters); journal events and stream-log writes queue in a bounded backlog
   (oldest dropped past ``max_backlog``, counted). One writer thread applies them in order.
 - **Reads degrade.** While the store is down, reads answer from this router's own view (its
-  registrations and their last loads; no prefix hits; the journal events not yet written)
-  instead of raising. ``match_prefix_async`` (the request path's one read) runs off the event
-  loop with a deadline.
+  registrations and their last loads; the journal events not yet written) instead of
+  raising. Routing reads nothing here (its KV cache index is the router's own, built from
+  the workers' KV events: router/kv_index.py); callers on the event loop run reads on a
+  thread.
 - **Reconciled on return.** The writer probes a down store every ``probe_interval_s``; when
   it answers, and whenever the store's ``epoch`` changed (a Redis restarted so fast that no
   call failed still lost its data), every worker this router registered is written again,
@@ -24,7 +25,6 @@ waits on Redis) with one implementation of every Redis command.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -69,10 +69,9 @@ class ResilientStore(ClusterStore):
 
     def __init__(self, connect: Callable[[], ClusterStore], describe: str,
                  require: bool = False, probe_interval_s: float = 0.5,
-                 read_timeout_s: float = 0.5, max_backlog: int = 100_000) -> None:
+                 max_backlog: int = 100_000) -> None:
         self.describe = describe
         self.probe_interval_s = probe_interval_s
-        self.read_timeout_s = read_timeout_s
         self.dropped = 0  # backlog entries lost to the bound during a long outage
         self._connect = connect
         self._backend: ClusterStore | None = None
@@ -140,12 +139,6 @@ class ResilientStore(ClusterStore):
             self._deregistered.add(worker_id)
             self._changed.notify()
 
-    def record_prefix(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None:
-        self._enqueue("record_prefix", (worker_id, list(block_hashes), ttl_s))
-
-    def drop_worker_prefixes(self, worker_id: str) -> None:
-        self._enqueue("drop_worker_prefixes", (worker_id,))
-
     def journal_append(self, request_id: str, event: JournalEvent) -> None:
         with self._lock:
             events = self._open_journals.setdefault(request_id, [])
@@ -185,19 +178,6 @@ class ResilientStore(ClusterStore):
                 reg = self._registry.get(worker_id)
             return reg.load if reg else None
         return self._read(lambda b: b.get_load(worker_id), local)
-
-    def match_prefix(self, block_hashes: list[int]) -> dict[str, int]:
-        return self._read(lambda b: b.match_prefix(block_hashes), dict)
-
-    async def match_prefix_async(self, block_hashes: list[int]) -> dict[str, int]:
-        """On a thread, at most ``read_timeout_s``: no prefix hits beats a late answer."""
-        if not self._up:
-            return {}
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(self.match_prefix, block_hashes),
-                                          self.read_timeout_s)
-        except TimeoutError:
-            return {}
 
     def journal_get(self, request_id: str) -> list[JournalEvent]:
         """Read-your-writes: waits (bounded) for this router's queued events to be written."""

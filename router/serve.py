@@ -61,6 +61,11 @@ class ServeConfig:
     require_redis: bool = False
     name: str = "pdcluster"
     keep_workers: bool = False
+    # How requests are spread (router.policy.RoutingConfig: the cost and its defaults).
+    routing: str = "kv_aware"
+    prefix_weight: float = 1.0
+    queue_weight: float = 1.0
+    kv_usage_weight: float = 1.0
     # Fault injection for failure tests only: worker id -> {fault_* WorkerConfig field: value}.
     worker_overrides: dict = field(default_factory=dict)
     # The front doors' security (router/security.py).
@@ -80,6 +85,7 @@ class ServeConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         self.security_config()  # its own checks: limits in range
+        self.routing_config()  # its own checks: a known policy, weights >= 0
         for wid, over in self.worker_overrides.items():
             bad = [k for k in (over if isinstance(over, dict) else {"?": 0})
                    if not str(k).startswith("fault_")]
@@ -110,6 +116,12 @@ class ServeConfig:
                               parse_bytes(self.max_request_bytes), float(self.rate_limit),
                               int(self.max_concurrent_per_key), tls)
 
+    def routing_config(self):
+        from router.policy import RoutingConfig
+
+        return RoutingConfig(self.routing, float(self.prefix_weight), float(self.queue_weight),
+                             float(self.kv_usage_weight))
+
     def cluster_config(self):
         from router.cluster import ClusterConfig
 
@@ -132,7 +144,7 @@ class ServeConfig:
             migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
             orphan_after_s=self.orphan_after_s,
             require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
-            worker_overrides=dict(self.worker_overrides))
+            routing=self.routing_config(), worker_overrides=dict(self.worker_overrides))
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -61,6 +61,15 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--worker-restarts", type=int, default=None,
                    help="times Ray restarts a worker whose process died; it rejoins under its "
                         "id with a new KV port (default 3; 0 leaves it dead)")
+    rt = p.add_argument_group("routing (docs/architecture.md, KV-aware routing)")
+    rt.add_argument("--routing", choices=["kv_aware", "load", "round_robin"], default=None,
+                    help="kv_aware (default): lowest cost = prefix-weight x prompt tokens the "
+                         "worker does not cache + queue-weight x prompt tokens queued there + "
+                         "kv-usage-weight x its KV use fraction x prompt length; load: most "
+                         "free KV / least queued; round_robin: in turns")
+    rt.add_argument("--prefix-weight", type=float, default=None, help="kv_aware (default 1)")
+    rt.add_argument("--queue-weight", type=float, default=None, help="kv_aware (default 1)")
+    rt.add_argument("--kv-usage-weight", type=float, default=None, help="kv_aware (default 1)")
     sec = p.add_argument_group("security (docs/security.md)")
     sec.add_argument("--api-keys", default=None,
                      help="file of API keys, one per line, optionally 'name:key' (or "

@@ -4,20 +4,17 @@ Owns three things, behind one interface with two backends:
 
 1. the **worker registry** (records kept alive by heartbeats with a TTL, plus each worker's
    latest load report),
-2. the **prefix-cache index** used for KV-aware routing (which worker holds which chained
-   block hashes),
-3. the **request journal** (the ordered lifecycle events of each global request id),
-4. the **stream logs** (each request's generated token ids as they stream, so a client whose
+2. the **request journal** (the ordered lifecycle events of each global request id),
+3. the **stream logs** (each request's generated token ids as they stream, so a client whose
    connection or router died resumes on any router of the deployment).
+
+KV-aware routing's per-worker cache index is not in the store: each router builds it from
+the workers' KV events (router/kv_index.py).
 
 ``InMemoryStore`` is the embedded default (one process, thread-safe, injectable clock so
 tests never sleep); ``RedisStore`` (router/redis_store.py) is the production backend shared
 by several routers.
 ``make_store(redis_url)`` picks one. Every value is a JSON-serializable dataclass.
-
-Prefix index bounds: each (worker, block hash) entry expires ``ttl_s`` after it was last
-recorded, and each worker keeps at most ``max_prefix_blocks_per_worker`` entries; past the
-cap the least recently recorded hashes are evicted (LRU). Both bounds apply in both backends.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Self, TypeVar
@@ -44,7 +40,6 @@ JOURNAL_KINDS = ("received", "reserved", "prefilled", "committed", "finished", "
 TERMINAL_JOURNAL_KINDS = ("finished", "aborted", "failed")  # a request's last event
 DEFAULT_JOURNAL_TTL_S = 3600.0
 DEFAULT_STREAM_TTL_S = 600.0  # a stream log lives this long after its last append
-DEFAULT_MAX_PREFIX_BLOCKS = 100_000
 
 
 _T = TypeVar("_T")
@@ -155,18 +150,12 @@ def _check_ttl(ttl_s: float, name: str = "ttl_s") -> None:
         raise ValueError(f"{name} must be > 0, got {ttl_s!r}")
 
 
-def _check_hashes(block_hashes: list[int]) -> None:
-    for h in block_hashes:
-        if not isinstance(h, int) or isinstance(h, bool):
-            raise ValueError(f"block hashes must be ints, got {type(h).__name__}: {h!r}")
-
-
 class ClusterStore(ABC):
     """The control plane's metadata store. All methods are safe to call from many threads.
 
     Liveness: a worker is live from ``register_worker`` until ``ttl_s`` passes without a
-    ``heartbeat`` (or until ``deregister_worker``). Only live workers are listed, report
-    loads, or appear in ``match_prefix`` results.
+    ``heartbeat`` (or until ``deregister_worker``). Only live workers are listed or report
+    loads.
     """
 
     @abstractmethod
@@ -182,7 +171,7 @@ class ClusterStore(ABC):
 
     @abstractmethod
     def deregister_worker(self, worker_id: str) -> None:
-        """Remove a worker, its load and its prefix entries. Unknown ids are ignored."""
+        """Remove a worker and its load. Unknown ids are ignored."""
 
     @abstractmethod
     def list_workers(self, role: str | None = None) -> list[WorkerRecord]:
@@ -191,22 +180,6 @@ class ClusterStore(ABC):
     @abstractmethod
     def get_load(self, worker_id: str) -> WorkerLoad | None:
         """The latest load of a live worker; None if it is not live or never reported."""
-
-    @abstractmethod
-    def record_prefix(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None:
-        """Note that ``worker_id`` now caches the chained block hashes ``block_hashes``
-        (the chain from the first block). Refreshes their TTL and LRU position."""
-
-    @abstractmethod
-    def match_prefix(self, block_hashes: list[int]) -> dict[str, int]:
-        """worker_id -> how many *leading* blocks of ``block_hashes`` the worker holds.
-
-        A worker that lacks the first block is absent even if it holds later ones (a KV
-        cache is only usable from the start). Only live workers with a match >= 1 appear."""
-
-    @abstractmethod
-    def drop_worker_prefixes(self, worker_id: str) -> None:
-        """Forget every prefix entry of a worker (e.g. after its cache was reset)."""
 
     @abstractmethod
     def journal_append(self, request_id: str, event: JournalEvent) -> None:
@@ -259,10 +232,6 @@ class ClusterStore(ABC):
         persistence): whoever keeps state in it must write that state again."""
         return "local"
 
-    async def match_prefix_async(self, block_hashes: list[int]) -> dict[str, int]:
-        """``match_prefix`` for the router's event loop (a remote store answers off it)."""
-        return self.match_prefix(block_hashes)
-
     def __enter__(self) -> Self:
         return self
 
@@ -276,23 +245,17 @@ class InMemoryStore(ClusterStore):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  journal_ttl_s: float = DEFAULT_JOURNAL_TTL_S,
-                 max_prefix_blocks_per_worker: int = DEFAULT_MAX_PREFIX_BLOCKS,
                  stream_ttl_s: float = DEFAULT_STREAM_TTL_S) -> None:
         _check_ttl(journal_ttl_s, "journal_ttl_s")
         _check_ttl(stream_ttl_s, "stream_ttl_s")
         self._stream_ttl_s = stream_ttl_s
         # request id -> [record, tokens, finish_reason, expires_at]
         self._streams: dict[str, list] = {}
-        if max_prefix_blocks_per_worker < 1:
-            raise ValueError("max_prefix_blocks_per_worker must be >= 1")
         self._clock = clock
         self._journal_ttl_s = journal_ttl_s
-        self._max_prefix = max_prefix_blocks_per_worker
         self._lock = threading.Lock()
         self._workers: dict[str, tuple[WorkerRecord, float]] = {}  # id -> (record, expires_at)
         self._loads: dict[str, WorkerLoad] = {}
-        # Per worker: hash -> expires_at, oldest-recorded first (LRU order).
-        self._prefixes: dict[str, OrderedDict[int, float]] = {}
         # request id -> (events, expires_at); dict order = last-append order.
         self._journals: dict[str, tuple[list[JournalEvent], float]] = {}
 
@@ -308,7 +271,6 @@ class InMemoryStore(ClusterStore):
     def _forget_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
         self._loads.pop(worker_id, None)
-        self._prefixes.pop(worker_id, None)
 
     def register_worker(self, rec: WorkerRecord, ttl_s: float) -> None:
         _check_ttl(ttl_s)
@@ -343,44 +305,6 @@ class InMemoryStore(ClusterStore):
             if self._live(worker_id, self._clock()) is None:
                 return None
             return self._loads.get(worker_id)
-
-    def record_prefix(self, worker_id: str, block_hashes: list[int], ttl_s: float) -> None:
-        _check_ttl(ttl_s)
-        _check_hashes(block_hashes)
-        with self._lock:
-            now = self._clock()
-            expires_at = now + ttl_s
-            entries = self._prefixes.setdefault(worker_id, OrderedDict())
-            # Head of the chain recorded last = evicted last: every match starts there.
-            for h in reversed(block_hashes):
-                entries[h] = expires_at
-                entries.move_to_end(h)
-            # Front = least recently recorded; also shed lapsed entries so memory tracks use.
-            while entries and (len(entries) > self._max_prefix
-                               or next(iter(entries.values())) <= now):
-                entries.popitem(last=False)
-
-    def match_prefix(self, block_hashes: list[int]) -> dict[str, int]:
-        _check_hashes(block_hashes)
-        out: dict[str, int] = {}
-        with self._lock:
-            now = self._clock()
-            for wid, entries in list(self._prefixes.items()):
-                if self._live(wid, now) is None:
-                    continue
-                n = 0
-                for h in block_hashes:
-                    exp = entries.get(h)
-                    if exp is None or exp <= now:
-                        break
-                    n += 1
-                if n:
-                    out[wid] = n
-        return out
-
-    def drop_worker_prefixes(self, worker_id: str) -> None:
-        with self._lock:
-            self._prefixes.pop(worker_id, None)
 
     def _expire_journals(self, now: float) -> None:
         # Dict order is last-append order and the TTL is one constant, so the expired ones

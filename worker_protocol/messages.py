@@ -60,6 +60,11 @@ class WorkerLoad:
     kv_transfer_bytes: int = 0  # sent (prefill) or received (decode) so far
     reported_at: float = 0.0  # wall-clock seconds, set where the report is stored
     incarnation: str = ""  # the reporting process's (WorkerInfo.incarnation)
+    # Cumulative over this incarnation: prompt tokens whose KV came from the prefix cache
+    # (a decode worker's count includes pinned prefixes it did not receive), and prompt
+    # (or recomputed) tokens run through the model.
+    prefix_hit_tokens: int = 0
+    prefill_tokens_computed: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,10 @@ class WorkerConfig:
     # process exits after sending this many layers in total (a peer dying mid-transfer), or
     # sleeps after each layer it sends (a slow link, to hold a transfer open); the decode
     # worker sleeps after each engine step (long-lived streams).
+    # KV events (prefix-cache changes, for KV-aware routing) also go to Redis Streams here
+    # (None: routers pull them from the worker's in-memory log through Ray).
+    kv_events_redis_url: str | None = None
+    kv_events_namespace: str = "pdcluster"
     fault_exit_after_layers: int | None = None
     fault_delay_per_layer_s: float = 0.0
     fault_delay_per_step_s: float = 0.0

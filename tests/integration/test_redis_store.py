@@ -78,14 +78,14 @@ class TestRedisStore(StoreContract):
 def test_all_keys_live_under_the_namespace(namespace, raw_redis):
     store = _open(namespace)
     store.register_worker(worker("d1"), ttl_s=60)
-    store.record_prefix("d1", [1, 2], ttl_s=60)
+    store.heartbeat("d1", ttl_s=60, load=load())
     store.journal_append("req-1", JournalEvent(1.0, "received", None))
     keys = set(raw_redis.scan_iter(match=f"{namespace}:*"))
-    assert {f"{namespace}:worker:d1", f"{namespace}:prefix:d1",
+    assert {f"{namespace}:worker:d1", f"{namespace}:load:d1",
             f"{namespace}:journal:req-1"} <= keys
     store.deregister_worker("d1")
     assert not set(raw_redis.scan_iter(match=f"{namespace}:*")) & {
-        f"{namespace}:worker:d1", f"{namespace}:prefix:d1"}
+        f"{namespace}:worker:d1", f"{namespace}:load:d1"}
     store.close()
 
 
@@ -93,9 +93,8 @@ def test_keys_carry_real_redis_ttls(namespace, raw_redis):
     store = _open(namespace, journal_ttl_s=120)
     store.register_worker(worker("d1"), ttl_s=30)
     store.heartbeat("d1", ttl_s=30, load=load())
-    store.record_prefix("d1", [1], ttl_s=30)
     store.journal_append("req-1", JournalEvent(1.0, "received", None))
-    for key in ("worker:d1", "load:d1", "prefix:d1", "journal:req-1"):
+    for key in ("worker:d1", "load:d1", "journal:req-1"):
         assert raw_redis.ttl(f"{namespace}:{key}") > 0, f"{key} has no expiry"
     assert raw_redis.ttl(f"{namespace}:journal:req-1") > 30  # the journal TTL, not a worker's
     store.close()
@@ -104,11 +103,11 @@ def test_keys_carry_real_redis_ttls(namespace, raw_redis):
 def test_two_routers_share_one_cluster_view(namespace):
     a, b = _open(namespace), _open(namespace)
     a.register_worker(worker("d1"), ttl_s=60)
-    b.record_prefix("d1", [5, 6], ttl_s=60)
+    b.heartbeat("d1", ttl_s=60, load=load(used=42))  # b knows a's worker: no UnknownWorkerError
     assert [w.worker_id for w in b.list_workers()] == ["d1"]
-    assert a.match_prefix([5, 6, 7]) == {"d1": 2}
+    assert a.get_load("d1") == load(used=42)
     other = _open(namespace + "-other")  # another namespace sees none of it
-    assert other.list_workers() == [] and other.match_prefix([5, 6]) == {}
+    assert other.list_workers() == [] and other.get_load("d1") is None
     for s in (a, b, other):
         s.close()
 

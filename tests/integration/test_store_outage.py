@@ -15,7 +15,7 @@ import time
 import pytest
 
 from router.redis_store import RedisStore
-from router.store import JournalEvent, StoreUnavailableError, make_store
+from router.store import JournalEvent, StoreUnavailableError, StreamRecord, make_store
 from tests.redis_server import OwnRedis
 from tests.unit.test_store import load, worker
 
@@ -46,17 +46,18 @@ def test_writes_never_block_and_everything_is_written_once_redis_returns(own_red
         own_redis.kill()
 
         t0 = time.monotonic()
+        store.stream_open(StreamRecord("s0", 3, 300, [], False, "tiny-llama"))
         for i in range(300):  # what a busy router writes while Redis is gone
             store.journal_append(f"r{i % 30}", JournalEvent(float(i), "received", None, str(i)))
             store.heartbeat("decode-0", ttl_s=30, load=load(used=i))
-            store.record_prefix("decode-0", [i, i + 1], ttl_s=60)
+            store.stream_append("s0", [i])
         writes_s = time.monotonic() - t0
         _until(lambda: not store.up, what="store marked down")
         # Reads answer from the router's own view instead of raising or hanging.
         assert [w.worker_id for w in store.list_workers()] == ["decode-0", "prefill-0"]
         assert store.get_load("decode-0").kv_blocks_used == 299
-        assert store.match_prefix([1, 2]) == {}
-        assert asyncio.run(store.match_prefix_async([1, 2])) == {}
+        assert store.stream_read("s0") is None
+        assert store.journal_recent() == []
         assert [e.detail for e in store.journal_get("r7")] == [str(i) for i in range(7, 300, 30)]
         assert writes_s < 1.0, f"900 writes took {writes_s:.2f} s while Redis was down"
 
@@ -68,7 +69,8 @@ def test_writes_never_block_and_everything_is_written_once_redis_returns(own_red
             assert [w.worker_id for w in fresh.list_workers()] == ["decode-0", "prefill-0"]
             assert fresh.get_load("decode-0").kv_blocks_used == 299
             assert [e.detail for e in fresh.journal_get("r7")] == [str(i) for i in range(7, 300, 30)]
-            assert fresh.match_prefix([299, 300]) == {"decode-0": 2}
+            s0 = fresh.stream_read("s0")
+            assert s0 is not None and s0.token_ids == list(range(300)) and s0.num_tokens == 300
         finally:
             fresh.close()
         assert store.dropped == 0 and store.backlog == 0

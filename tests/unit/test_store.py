@@ -92,16 +92,14 @@ class StoreContract:
             h.store.heartbeat("ghost", ttl_s=60, load=load())
         assert h.store.get_load("ghost") is None  # the refused load was not stored
 
-    def test_deregister_removes_worker_load_and_prefixes(self, h: Harness):
+    def test_deregister_removes_worker_and_load(self, h: Harness):
         h.store.register_worker(worker("d1"), ttl_s=60)
         h.store.register_worker(worker("d2"), ttl_s=60)
         h.store.heartbeat("d1", ttl_s=60, load=load())
-        h.store.record_prefix("d1", [1, 2], ttl_s=60)
         h.store.deregister_worker("d1")
         h.store.deregister_worker("never-registered")  # ignored
         assert [w.worker_id for w in h.store.list_workers()] == ["d2"]
         assert h.store.get_load("d1") is None
-        assert h.store.match_prefix([1, 2]) == {}
         with pytest.raises(UnknownWorkerError):
             h.store.heartbeat("d1", ttl_s=60)
 
@@ -124,52 +122,6 @@ class StoreContract:
             worker("x", role="router")
         with pytest.raises(ValueError, match="kind"):
             JournalEvent(ts=1.0, kind="started", worker_id=None)
-        with pytest.raises(ValueError, match="ints"):
-            h.store.match_prefix([1, "2"])  # type: ignore[list-item]
-
-    # -- prefix index ---------------------------------------------------------------------
-
-    def test_prefix_match_is_longest_leading_run_per_worker(self, h: Harness):
-        for wid in ("a", "b", "c", "d"):
-            h.store.register_worker(worker(wid), ttl_s=60)
-        h.store.record_prefix("a", [1, 2, 3, 4], ttl_s=60)
-        h.store.record_prefix("b", [1, 2], ttl_s=60)
-        h.store.record_prefix("c", [2, 3, 4], ttl_s=60)  # holds later blocks, not the first
-        h.store.record_prefix("d", [1, 9, 3], ttl_s=60)  # diverges after one block
-        assert h.store.match_prefix([1, 2, 3]) == {"a": 3, "b": 2, "d": 1}
-        assert h.store.match_prefix([1, 2, 3, 4, 5]) == {"a": 4, "b": 2, "d": 1}
-        assert h.store.match_prefix([7, 8]) == {}
-        assert h.store.match_prefix([]) == {}
-
-    def test_prefix_of_dead_or_dropped_worker_is_not_matched(self, h: Harness):
-        h.store.register_worker(worker("short"), ttl_s=h.ttl_s)
-        h.store.register_worker(worker("long"), ttl_s=3600)
-        h.store.record_prefix("short", [1, 2], ttl_s=3600)
-        h.store.record_prefix("long", [1], ttl_s=3600)
-        h.store.record_prefix("unregistered", [1, 2], ttl_s=3600)
-        assert h.store.match_prefix([1, 2]) == {"short": 2, "long": 1}
-        h.wait_until(lambda: h.store.match_prefix([1, 2]) == {"long": 1}, h.ttl_s)
-        h.store.drop_worker_prefixes("long")
-        assert h.store.match_prefix([1, 2]) == {}
-        assert [w.worker_id for w in h.store.list_workers()] == ["long"]  # still registered
-
-    def test_prefix_entries_expire(self, h: Harness):
-        h.store.register_worker(worker("a"), ttl_s=3600)
-        h.store.record_prefix("a", [1, 2], ttl_s=h.ttl_s)
-        h.store.record_prefix("a", [1], ttl_s=3600)  # re-recording the head refreshes it
-        assert h.store.match_prefix([1, 2]) == {"a": 2}
-        h.wait_until(lambda: h.store.match_prefix([1, 2]) == {"a": 1}, h.ttl_s)
-
-    def test_prefix_index_is_lru_capped_per_worker(self, h: Harness):
-        store = h.make(max_prefix_blocks_per_worker=4)
-        store.register_worker(worker("a"), ttl_s=60)
-        store.register_worker(worker("b"), ttl_s=60)
-        store.record_prefix("a", [1, 2, 3], ttl_s=60)
-        store.record_prefix("a", [10, 11], ttl_s=60)  # 5 > 4: a's oldest entry goes
-        store.record_prefix("b", [1, 2, 3], ttl_s=60)  # another worker's cap is separate
-        # The chain's tail is evicted before its head, so block 1 (every match needs it) stays.
-        assert store.match_prefix([1, 2, 3]) == {"a": 2, "b": 3}
-        assert store.match_prefix([10, 11]) == {"a": 2}
 
     # -- journal --------------------------------------------------------------------------
 

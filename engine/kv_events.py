@@ -1,0 +1,67 @@
+"""What a worker's prefix cache did, as events a router can index (KV-aware routing).
+
+The block manager records one event per change of its prefix cache, in order: a run of
+blocks became cached (``BlockStored``: their chained hashes, in prompt order), cached blocks
+were evicted (``BlockRemoved``), or everything was dropped (``AllCleared``). The hashes are the
+same chained hashes the router computes for a prompt (``engine.block_manager.hash_block`` with
+the cluster's seed and the worker's block size), so "worker W holds blocks h0..hk" answers
+"how many leading blocks of this prompt would W not recompute".
+
+Pure dataclasses, no I/O: workers batch them per engine step and publish them
+(``worker_protocol.kv_events``); the router applies them (``router.kv_index``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """These blocks now hold cached content (hashes in chain order)."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """These blocks were evicted: their content is gone."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllCleared:
+    """The whole prefix cache is empty (a new process, a reset)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllCleared
+
+
+class KVEventRecorder:
+    """Collects events between drains, merging consecutive ones of one kind (a step that
+    caches 12 blocks yields one ``BlockStored`` of 12 hashes, not 12 events)."""
+
+    def __init__(self) -> None:
+        self._runs: list[tuple[type, list[int]]] = []  # (event kind, its hashes so far)
+
+    def stored(self, block_hash: int) -> None:
+        self._append(BlockStored, block_hash)
+
+    def removed(self, block_hash: int) -> None:
+        self._append(BlockRemoved, block_hash)
+
+    def cleared(self) -> None:
+        self._runs = [(AllCleared, [])]  # whatever came before is moot
+
+    def drain(self) -> list[KVEvent]:
+        """The events since the last drain, oldest first."""
+        runs, self._runs = self._runs, []
+        return [AllCleared() if kind is AllCleared else kind(tuple(hashes))
+                for kind, hashes in runs]
+
+    def _append(self, kind: type, block_hash: int) -> None:
+        if self._runs and self._runs[-1][0] is kind:
+            self._runs[-1][1].append(block_hash)
+        else:
+            self._runs.append((kind, [block_hash]))

@@ -1,0 +1,138 @@
+"""The router's picture of every worker's prefix cache, built only from the workers' KV events.
+
+Per worker: the set of chained block hashes its cache holds (``engine.kv_events``), its block
+size, and a cursor (incarnation, last batch applied). No TTLs and no guesses: a block is in
+the index from the batch that stored it until the batch that evicted it. A batch that does
+not follow the cursor (a hole: batches trimmed or dropped; a new incarnation) is refused, and
+the worker's entry is marked stale until a snapshot (``reset``) replaces it; a stale worker
+matches nothing, so routing never relies on what might have been evicted.
+
+``match`` answers, for a prompt, how many of its leading full blocks each worker holds: the
+prompt's hashes are computed once per block size in use (workers of one cluster may differ)
+with the cluster's seed, then each worker's run is walked until the first miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_manager import hash_block
+from engine.kv_events import AllCleared, BlockRemoved, BlockStored
+from worker_protocol.kv_events import KVEventBatch, KVSnapshot
+
+
+@dataclass
+class _WorkerCache:
+    block_size: int
+    incarnation: str = ""
+    seq: int = 0  # last batch applied
+    stale: bool = True  # no snapshot yet, or a hole since: matches nothing until reset
+    hashes: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a worker's event feed must continue from (``stale``: take a snapshot)."""
+
+    incarnation: str
+    seq: int
+    stale: bool
+
+
+class KVIndex:
+    """Not thread-safe: owned by the router's event loop."""
+
+    def __init__(self, hash_seed: int) -> None:
+        self.hash_seed = hash_seed
+        self._workers: dict[str, _WorkerCache] = {}
+        self.batches_applied = 0
+        self.holes = 0  # batches refused for not following their worker's cursor
+
+    # ---- feeding --------------------------------------------------------------------------
+    def add_worker(self, worker_id: str, block_size: int) -> None:
+        """Track a worker (stale, empty) until its first snapshot."""
+        self._workers[worker_id] = _WorkerCache(block_size)
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def invalidate(self, worker_id: str) -> None:
+        """The worker restarted or its feed broke: match nothing until the next snapshot."""
+        cache = self._workers.get(worker_id)
+        if cache is not None:
+            cache.stale, cache.hashes = True, set()
+
+    def cursor(self, worker_id: str) -> Cursor | None:
+        c = self._workers.get(worker_id)
+        return None if c is None else Cursor(c.incarnation, c.seq, c.stale)
+
+    def reset(self, snap: KVSnapshot) -> None:
+        """Replace a worker's entry by its snapshot (the batches after ``snap.seq`` follow)."""
+        c = self._workers.setdefault(snap.worker_id, _WorkerCache(snap.block_size))
+        c.block_size, c.incarnation, c.seq = snap.block_size, snap.incarnation, snap.seq
+        c.hashes, c.stale = set(snap.block_hashes), False
+
+    def apply(self, batch: KVEventBatch) -> bool:
+        """Apply one batch in order. Returns False (entry now stale, nothing applied) when it
+        does not follow the worker's cursor; an already-applied batch is ignored (True)."""
+        c = self._workers.get(batch.worker_id)
+        if c is None or c.stale:
+            return False
+        if batch.incarnation == c.incarnation and batch.seq <= c.seq:
+            return True  # a duplicate (two feeds, or a replay overlapping the snapshot)
+        if batch.incarnation != c.incarnation or batch.seq != c.seq + 1:
+            self.holes += 1
+            self.invalidate(batch.worker_id)
+            return False
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                c.hashes.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                c.hashes.difference_update(ev.block_hashes)
+            elif isinstance(ev, AllCleared):
+                c.hashes.clear()
+        c.seq = batch.seq
+        self.batches_applied += 1
+        return True
+
+    # ---- reading --------------------------------------------------------------------------
+    def match(self, prompt_ids: list[int] | None,
+              worker_ids: list[str] | None = None) -> dict[str, int]:
+        """Worker id -> how many leading full blocks of the prompt its cache holds (only
+        workers with at least one; stale ones never appear). ``worker_ids`` limits the
+        answer to those workers."""
+        if not prompt_ids:
+            return {}
+        ids = worker_ids if worker_ids is not None else list(self._workers)
+        by_size: dict[int, list[int]] = {}
+        out: dict[str, int] = {}
+        for wid in ids:
+            c = self._workers.get(wid)
+            if c is None or c.stale or not c.hashes:
+                continue
+            hashes = by_size.get(c.block_size)
+            if hashes is None:
+                hashes = by_size[c.block_size] = self.prompt_hashes(prompt_ids, c.block_size)
+            n = 0
+            for h in hashes:
+                if h not in c.hashes:
+                    break
+                n += 1
+            if n:
+                out[wid] = n
+        return out
+
+    def prompt_hashes(self, prompt_ids: list[int], block_size: int) -> list[int]:
+        """Chained hashes of the prompt's full blocks, as the engine's prefix cache computes
+        them. The last token never comes from a cache (it must be computed to sample), so a
+        prompt of exactly k blocks counts k - 1."""
+        out, parent = [], 0
+        for i in range((len(prompt_ids) - 1) // block_size):
+            parent = hash_block(parent, prompt_ids[i * block_size:(i + 1) * block_size],
+                                self.hash_seed)
+            out.append(parent)
+        return out
+
+    def num_cached_blocks(self, worker_id: str) -> int:
+        c = self._workers.get(worker_id)
+        return 0 if c is None or c.stale else len(c.hashes)

@@ -1,0 +1,193 @@
+"""KV-aware routing on a real local Ray: the router's index is fed by the workers' KV events
+(pulled through Ray, or read from Redis Streams), a conversation's next turn goes to the
+decode worker that holds its start, and only the missing blocks travel. Tokens equal
+transformers' greedy ones; no worker holds a block at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from engine import EngineArgs, SamplingParams
+from router.backend import GenerateInput
+from router.cluster import Cluster, ClusterConfig
+from router.kv_index import KVIndex
+from router.kv_sync import KVEventSync
+from router.policy import RoutingConfig
+from tests.async_util import LoopThread
+from tests.redis_server import OwnRedis
+from tests.tiny_models import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    import ray
+
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
+             resources={"prefill_slot": 8, "decode_slot": 8})
+    lt = LoopThread()
+    yield lt
+    lt.close()
+    ray.shutdown()
+
+
+def _config(model_dir, prefill_bs: int, decode_bs: int, **kw) -> ClusterConfig:
+    base = dict(model=str(model_dir), num_prefill_workers=2, num_decode_workers=2,
+                prefill_engine=EngineArgs(block_size=prefill_bs, num_threads=1, max_num_seqs=8),
+                decode_engine=EngineArgs(block_size=decode_bs, num_threads=1),
+                transfer_timeout_s=10.0, lease_s=10.0, worker_num_cpus=1.0,
+                routing=RoutingConfig("kv_aware"))
+    base.update(kw)
+    return ClusterConfig(**base)
+
+
+def _run(loop, config, body):
+    async def go():
+        cluster = await Cluster.start(config)
+        try:
+            return await body(cluster)
+        finally:
+            await cluster.shutdown()
+    return loop.run(go(), timeout_s=300)
+
+
+async def _generate(cluster, prompt, rid):
+    toks = []
+    async for ch in cluster.generate(GenerateInput(GREEDY, token_ids=prompt, request_id=rid)):
+        toks += ch.token_ids
+    return toks
+
+
+async def _until(ok, what: str, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not await ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _index_equals_workers(index: KVIndex, cluster) -> bool:
+    """Every worker's entry in ``index`` holds exactly what its prefix cache holds now."""
+    orch = cluster.orchestrator
+    for slot in (*orch.prefill.values(), *orch.decode.values()):
+        snap = await slot.handle.kv_snapshot.remote()
+        cur = index.cursor(slot.info.worker_id)
+        if cur is None or cur.stale or cur.seq != snap.seq:
+            return False
+        if index._workers[slot.info.worker_id].hashes != set(snap.block_hashes):
+            return False
+    return True
+
+
+async def _no_blocks_held(cluster) -> bool:
+    return not any(lo.kv_blocks_used or lo.kv_blocks_reserved
+                   for lo in await cluster.worker_loads())
+
+
+@pytest.mark.parametrize(("prefill_bs", "decode_bs"), [(16, 8), (8, 16)])
+def test_next_turns_reuse_the_decode_workers_prefix(loop, tiny_llama_dir, prefill_bs, decode_bs):
+    convs = random_prompts(seed=21, count=3, max_len=60, min_len=50)
+    extra = random_prompts(seed=22, count=6, max_len=10, min_len=6)
+
+    async def body(cluster):
+        orch = cluster.orchestrator
+        turns: list[list[list[int]]] = [[c] for c in convs]
+        outs: list[list[list[int]]] = [[] for _ in convs]
+        decode_of: dict[str, str] = {}
+        for t in range(3):
+            for i in range(len(convs)):
+                if t:  # the conversation so far + a new user message
+                    turns[i].append(turns[i][-1] + outs[i][-1] + extra[(i + t) % len(extra)])
+                    prompt = turns[i][-1]
+                    # The index learned the last turn from the workers' events.
+                    await _until(lambda p=prompt: _has_hit(orch, p), "the index to see turn")
+                rid = f"c{i}-t{t}"
+                outs[i].append(await _generate(cluster, turns[i][-1], rid))
+                decode_of[rid] = [e.worker_id for e in orch.store.journal_get(rid)
+                                  if e.kind == "committed"][-1]
+        await _until(lambda: _no_blocks_held(cluster), "every block to be freed")
+        stats = await cluster.stats()
+        hits = {rid: [e.detail for e in orch.store.journal_get(rid)
+                      if e.kind == "reserved" and "cached here" in e.detail]
+                for rid in decode_of}
+        return turns, outs, decode_of, hits, stats
+
+    turns, outs, decode_of, hits, stats = _run(
+        loop, _config(tiny_llama_dir, prefill_bs, decode_bs), body)
+    for i in range(len(convs)):
+        refs = hf_greedy(tiny_llama_dir, "llama", turns[i], MAX_TOKENS)
+        assert outs[i] == refs, f"conversation {i}"
+        for t in (1, 2):  # the same decode worker, and only the missing tokens moved
+            assert decode_of[f"c{i}-t{t}"] == decode_of[f"c{i}-t0"]
+            assert hits[f"c{i}-t{t}"], f"c{i}-t{t} had no decode-side prefix hit"
+    prompt_tokens = sum(len(p) for turn in turns for p in turn)
+    assert stats.prefix_hit_tokens.get("decode", 0) > prompt_tokens // 3
+    assert stats.prefix_hit_tokens.get("prefill", 0) > 0
+    assert 0 < stats.prefill_computed_tokens < prompt_tokens
+
+
+def _has_hit(orch, prompt) -> bool:
+    async def check():
+        return bool(orch.kv_index.match(prompt, list(orch.decode)))
+    return check()
+
+
+def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_llama_dir):
+    """With Redis: the router's index follows the workers' streams; a second router's index,
+    started later from snapshots + stream replay, converges to the same content; a Redis
+    outage falls back to pulling from the workers."""
+    from worker_protocol.kv_stream import RedisKVEventSource
+
+    redis = OwnRedis()
+    redis.start()
+    ns = f"pdtest-{uuid.uuid4().hex[:8]}"
+    prompts = random_prompts(seed=31, count=8, max_len=70, min_len=20)
+    config = _config(tiny_llama_dir, 16, 8, num_prefill_workers=1, redis_url=redis.url,
+                     store_namespace=ns)
+
+    async def body(cluster):
+        orch = cluster.orchestrator
+        assert orch.kv_sync.source is not None
+        for i, p in enumerate(prompts[:4]):
+            await _generate(cluster, p, f"a{i}")
+        await _until(lambda: _index_equals_workers(orch.kv_index, cluster), "router index")
+        source = RedisKVEventSource(redis.url, ns)
+        assert source.length("decode-0") > 0 and source.length("prefill-0") > 0
+        # A second reader, as a router started now would be: snapshots, then the streams.
+        index = KVIndex(orch.kv_index.hash_seed)
+        sync = KVEventSync(index, 10.0, source)
+        slots = [*orch.prefill.values(), *orch.decode.values()]
+        for s in slots:
+            sync.track(s.info.worker_id, s.info.block_size)
+        await sync.refresh(slots)
+        for i, p in enumerate(prompts[4:]):
+            await _generate(cluster, p, f"b{i}")
+        await _until(lambda: _index_equals_workers(index, cluster), "the second index")
+        pulled = sync.snapshots
+        await sync.close()
+        # Redis goes away: the router's own index keeps up by pulling through Ray.
+        redis.kill()
+        await _until(lambda: _false_stream(orch), "the router to notice the outage")
+        for i, p in enumerate(prompts[:3]):
+            await _generate(cluster, p + [5, 6, 7] * (i + 1), f"c{i}")
+        await _until(lambda: _index_equals_workers(orch.kv_index, cluster), "pulled index")
+        return pulled
+
+    try:
+        pulled = _run(loop, config, body)
+        assert pulled == 3  # one snapshot per worker, then only the streams
+    finally:
+        redis.kill()
+
+
+def _false_stream(orch):
+    async def check():
+        return not orch.kv_sync.stream_up
+    return check()

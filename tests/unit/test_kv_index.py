@@ -1,0 +1,183 @@
+"""KV events -> the router's index -> routing: events mirror the prefix cache exactly, a hole
+or a restart never leaves stale entries routable, and the kv_aware cost trades affinity
+against queued work."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.kv_events import AllCleared, BlockRemoved, BlockStored
+from router.kv_index import KVIndex
+from router.policy import Routing, RoutingConfig, WorkerView
+from worker_protocol import WorkerLoad
+from worker_protocol.kv_events import KVEventBatch, KVEventLog
+
+BS = 4
+
+
+def _replay(events, into: set[int]) -> None:
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            into.update(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            into.difference_update(ev.block_hashes)
+        else:
+            into.clear()
+
+
+def test_events_mirror_the_prefix_cache_through_allocation_and_eviction():
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    mirror: set[int] = set()
+    live: dict[str, list[int]] = {}
+    prefixes = [[rng.randrange(100) for _ in range(4 * BS)] for _ in range(3)]
+    evicted = 0
+    for step in range(400):
+        if live and (rng.random() < 0.45 or len(live) > 3):
+            rid = rng.choice(list(live))
+            bm.free(rid)
+            del live[rid]
+        else:  # a prompt sharing one of a few prefixes, so hits, sharing and eviction mix
+            toks = rng.choice(prefixes)[:rng.randrange(1, 4 * BS)] + [
+                rng.randrange(100) for _ in range(rng.randrange(0, 3 * BS))]
+            rid = f"r{step}"
+            computed = bm.get_computed_blocks(toks)
+            if bm.allocate_slots(rid, len(toks), computed):
+                bm.cache_full_blocks(rid, toks, len(toks))
+                live[rid] = toks
+        events = bm.take_events()
+        evicted += sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
+        _replay(events, mirror)
+        assert mirror == set(bm.cached_hashes())
+        bm.check_invariants()
+    assert evicted > 0  # the pool was small enough to evict
+
+
+def _log(worker="d0", inc="i1", keep=64) -> KVEventLog:
+    return KVEventLog(worker, inc, BS, keep=keep)
+
+
+def _index_with(log: KVEventLog) -> KVIndex:
+    idx = KVIndex(hash_seed=0)
+    idx.add_worker(log.worker_id, BS)
+    idx.reset(log.snapshot([]))
+    return idx
+
+
+def test_an_evicted_block_is_never_matched():
+    idx = KVIndex(hash_seed=0)
+    prompt = list(range(3, 3 + 3 * BS + 1))
+    h = idx.prompt_hashes(prompt, BS)
+    log = _log()
+    idx = _index_with(log)
+    for batch in log.since(0, "i1").batches:
+        idx.apply(batch)
+    log.publish([BlockStored(tuple(h))])
+    assert all(idx.apply(b) for b in log.since(1, "i1").batches)
+    assert idx.match(prompt) == {"d0": 3}
+    log.publish([BlockRemoved((h[1],))])  # the middle block goes: only the first still counts
+    assert all(idx.apply(b) for b in log.since(2, "i1").batches)
+    assert idx.match(prompt) == {"d0": 1}
+
+
+def test_a_hole_makes_the_worker_match_nothing_until_a_snapshot():
+    log = _log()
+    idx = _index_with(log)
+    prompt = list(range(3, 3 + 2 * BS + 1))
+    h = idx.prompt_hashes(prompt, BS)
+    log.publish([BlockStored(tuple(h))])  # seq 2
+    log.publish([BlockRemoved((h[0],))])  # seq 3: lost on the way
+    log.publish([BlockStored((h[0],))])  # seq 4
+    batches = log.since(1, "i1").batches
+    assert idx.apply(batches[0])
+    assert idx.match(prompt) == {"d0": 2}
+    assert not idx.apply(batches[2])  # seq 4 after 2: a hole
+    assert idx.cursor("d0").stale and idx.match(prompt) == {} and idx.holes == 1
+    idx.reset(log.snapshot(list(h)))
+    assert idx.match(prompt) == {"d0": 2} and idx.cursor("d0").seq == 4
+
+
+def test_a_restarted_worker_is_cleared():
+    log = _log(inc="old")
+    idx = _index_with(log)
+    prompt = list(range(3, 3 + 2 * BS + 1))
+    log.publish([BlockStored(tuple(idx.prompt_hashes(prompt, BS)))])
+    for b in log.since(1, "old").batches:
+        idx.apply(b)
+    assert idx.match(prompt) == {"d0": 2}
+    new = _log(inc="new")  # the new process: batch 1 is AllCleared
+    assert new.since(0, "new").batches[0].events == (AllCleared(),)
+    assert not idx.apply(new.since(0, "new").batches[0])  # another incarnation: stale
+    assert idx.match(prompt) == {}
+    assert not new.since(2, "old").complete  # a pull with the old cursor asks for a snapshot
+
+
+def test_the_log_reports_batches_it_no_longer_holds():
+    log = _log(keep=3)
+    for i in range(10):
+        log.publish([BlockStored((i,))])
+    assert log.seq == 11
+    assert not log.since(2, "i1").complete  # trimmed away
+    feed = log.since(8, "i1")
+    assert feed.complete and [b.seq for b in feed.batches] == [9, 10, 11]
+    assert log.since(11, "i1").batches == () and log.publish([]) is None
+
+
+def test_batches_round_trip_as_json():
+    b = KVEventBatch("p-1", "abc", 7, 16, (BlockStored((2**64 - 1, 5)), BlockRemoved((9,)),
+                                             AllCleared()))
+    assert KVEventBatch.from_json(b.to_json()) == b
+
+
+# ---- routing --------------------------------------------------------------------------------
+def _view(wid: str, used=0, inflight_blocks=0, role="decode", inflight_prefill=0) -> WorkerView:
+    v = WorkerView(wid, role, kv_blocks_total=1000, block_size=BS,
+                   load=WorkerLoad(wid, role, used, 1000, 0, 0))
+    v.inflight_blocks, v.inflight_prefill_tokens = inflight_blocks, inflight_prefill
+    return v
+
+
+def test_kv_aware_follows_the_cache_until_the_queue_outweighs_it():
+    r = Routing(RoutingConfig("kv_aware"))
+    views = [_view("a"), _view("b")]
+    prompt_len = 40 * BS
+    assert r.pick_decode(views, prompt_len, prompt_len + 8, hits={"a": 30}).worker_id == "a"
+    assert r.pick_decode(views, prompt_len, prompt_len + 8, hits={"b": 30}).worker_id == "b"
+    # a holds 30 blocks (120 tokens saved) but 200 tokens are queued on it: b is cheaper.
+    views[0].inflight_blocks = 200 // BS
+    assert r.pick_decode(views, prompt_len, prompt_len + 8, hits={"a": 30}).worker_id == "b"
+    # Prefill workers: the cached one, unless the queue ahead of it costs more than it saves.
+    pre = [_view("p0", role="prefill"), _view("p1", role="prefill", inflight_prefill=10)]
+    assert r.pick_prefill(pre, prompt_len, hits={"p1": 20}).worker_id == "p1"
+    pre[1].inflight_prefill_tokens = 500
+    assert r.pick_prefill(pre, prompt_len, hits={"p1": 20}).worker_id == "p0"
+
+
+def test_kv_aware_spreads_cold_prompts_and_avoids_a_full_pool():
+    r = Routing()
+    views = [_view("a", used=900), _view("b", used=100)]
+    assert r.pick_decode(views, 64, 80).worker_id == "b"  # no hits anywhere: the emptier
+    # A small prefix hit does not outweigh a nearly full pool.
+    assert r.pick_decode(views, 64, 80, hits={"a": 2}).worker_id == "b"
+
+
+def test_round_robin_and_load_ignore_the_cache():
+    rr = Routing(RoutingConfig("round_robin"))
+    views = [_view("a"), _view("b"), _view("c")]
+    picks = [rr.pick_decode(views, 40, 48, hits={"a": 9}).worker_id for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    load = Routing(RoutingConfig("load"))
+    views[0].load = WorkerLoad("a", "decode", 800, 1000, 0, 0)
+    views[1].load = WorkerLoad("b", "decode", 100, 1000, 0, 0)
+    views[2].load = WorkerLoad("c", "decode", 500, 1000, 0, 0)
+    assert load.pick_decode(views, 40, 48, hits={"a": 9}).worker_id == "b"
+
+
+def test_routing_config_is_checked():
+    with pytest.raises(ValueError, match="routing policy must be one of"):
+        RoutingConfig("random")
+    with pytest.raises(ValueError, match="queue_weight must be >= 0"):
+        RoutingConfig(queue_weight=-1)

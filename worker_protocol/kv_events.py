@@ -1,0 +1,180 @@
+"""A worker's KV events on their way to routers: numbered batches, a bounded log, snapshots.
+
+Every engine step's prefix-cache changes (``engine.kv_events``) leave the worker as one
+``KVEventBatch`` numbered ``seq`` = 1, 2, ... within the worker's incarnation (its process),
+so a reader can tell a complete run from one with a hole. The worker keeps the last
+``keep`` batches in a ``KVEventLog`` (the in-memory bus: routers pull ``since(seq)`` through
+Ray) and may also hand each batch to a sink (Redis Streams, ``worker_protocol.kv_stream``).
+A reader that finds a hole (batches trimmed away, a sink that dropped some while Redis was
+down) or a new incarnation asks the worker for a ``KVSnapshot`` and replays from its ``seq``.
+
+Batch 1 of every incarnation is ``AllCleared``: a restarted worker's old entries are void.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+
+DEFAULT_KEEP_BATCHES = 4096
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """One engine step's prefix-cache changes on one worker, in order."""
+
+    worker_id: str
+    incarnation: str
+    seq: int  # 1, 2, ... per incarnation, no gaps
+    block_size: int
+    events: tuple[KVEvent, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"w": self.worker_id, "i": self.incarnation, "s": self.seq,
+                           "b": self.block_size,
+                           "e": [_event_to_list(e) for e in self.events]})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KVEventBatch:
+        d = json.loads(text)
+        return cls(d["w"], d["i"], int(d["s"]), int(d["b"]),
+                   tuple(_event_from_list(e) for e in d["e"]))
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Every block hash a worker's prefix cache holds after batch ``seq``."""
+
+    worker_id: str
+    incarnation: str
+    seq: int
+    block_size: int
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVEventFeed:
+    """The answer to ``KVEventLog.since``: the batches after the reader's ``seq``, or
+    ``complete=False`` when some of them are gone (a new incarnation, or trimmed): the
+    reader must take a snapshot instead."""
+
+    incarnation: str
+    batches: tuple[KVEventBatch, ...]
+    complete: bool
+
+
+Sink = Callable[[KVEventBatch], None]
+
+
+class KVEventLog:
+    """Numbers and keeps a worker's batches. ``publish`` and ``snapshot`` run on the engine
+    thread (the one that drains the events, so a snapshot and the numbering agree); ``since``
+    is safe from any thread."""
+
+    def __init__(self, worker_id: str, incarnation: str, block_size: int,
+                 keep: int = DEFAULT_KEEP_BATCHES, sink: Sink | None = None) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.block_size = block_size
+        self._batches: deque[KVEventBatch] = deque(maxlen=keep)
+        self._seq = 0
+        self._sink = sink
+        self._lock = threading.Lock()
+        self.publish([AllCleared()])
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    def publish(self, events: list[KVEvent]) -> KVEventBatch | None:
+        """Number and keep one step's events (nothing for no events) and hand the batch to
+        the sink. A sink that raises loses only its own copy (readers see the hole)."""
+        if not events:
+            return None
+        with self._lock:
+            self._seq += 1
+            batch = KVEventBatch(self.worker_id, self.incarnation, self._seq, self.block_size,
+                                 tuple(events))
+            self._batches.append(batch)
+        if self._sink is not None:
+            self._sink(batch)
+        return batch
+
+    def snapshot(self, block_hashes: list[int]) -> KVSnapshot:
+        """The cache's content right after the last published batch (call on the engine
+        thread with the engine's ``cached_block_hashes()``, after publishing its events)."""
+        with self._lock:
+            return KVSnapshot(self.worker_id, self.incarnation, self._seq, self.block_size,
+                              tuple(block_hashes))
+
+    def since(self, seq: int, incarnation: str = "") -> KVEventFeed:
+        """The batches after ``seq`` of ``incarnation`` (a reader's cursor)."""
+        with self._lock:
+            if incarnation != self.incarnation:
+                return KVEventFeed(self.incarnation, (), False)
+            if seq >= self._seq:
+                return KVEventFeed(self.incarnation, (), True)
+            first = self._batches[0].seq if self._batches else self._seq + 1
+            if seq + 1 < first:  # trimmed: the reader missed batches
+                return KVEventFeed(self.incarnation, (), False)
+            return KVEventFeed(self.incarnation,
+                               tuple(b for b in self._batches if b.seq > seq), True)
+
+
+class WorkerKVEvents:
+    """A worker's side of KV events, the same for both kinds: publishes its engine's events
+    after every step (``after_work``, the engine loop's hook), answers routers' pulls
+    (``since``) and snapshots (``snapshot``, on the engine thread), and publishes to Redis
+    Streams as well when ``redis_url`` is set."""
+
+    def __init__(self, worker_id: str, incarnation: str, block_size: int,
+                 redis_url: str | None = None, namespace: str = "pdcluster") -> None:
+        self._close: Callable[[], None] = lambda: None
+        sink = None
+        if redis_url is not None:
+            from worker_protocol.kv_stream import RedisKVEventSink
+
+            sink = RedisKVEventSink(redis_url, namespace, worker_id)
+            self._close = sink.close
+        self.log = KVEventLog(worker_id, incarnation, block_size, sink=sink)
+
+    def after_work(self, engine) -> None:
+        """Publish what the engine's prefix cache did since the last call (engine thread)."""
+        self.log.publish(engine.take_kv_events())
+
+    def snapshot(self, engine) -> KVSnapshot:
+        """The engine's prefix cache now, with the seq it follows (engine thread)."""
+        self.after_work(engine)
+        return self.log.snapshot(engine.cached_block_hashes())
+
+    def since(self, seq: int, incarnation: str) -> KVEventFeed:
+        return self.log.since(seq, incarnation)
+
+    def close(self) -> None:
+        self._close()
+
+
+def _event_to_list(e: KVEvent) -> list:
+    if isinstance(e, BlockStored):
+        return ["s", list(e.block_hashes)]
+    if isinstance(e, BlockRemoved):
+        return ["r", list(e.block_hashes)]
+    return ["c"]
+
+
+def _event_from_list(v: list) -> KVEvent:
+    kind = v[0]
+    if kind == "s":
+        return BlockStored(tuple(int(h) for h in v[1]))
+    if kind == "r":
+        return BlockRemoved(tuple(int(h) for h in v[1]))
+    if kind == "c":
+        return AllCleared()
+    raise ValueError(f"unknown KV event kind {kind!r}")
