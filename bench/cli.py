@@ -29,10 +29,10 @@ class Benchmark:
 
 
 def _builtin() -> list[Benchmark]:
-    from bench import ceilings, chaos, disagg, policies, serve_load, sweep, ttft_breakdown
+    from bench import ceilings, chaos, disagg, policies, prefix, serve_load, sweep, ttft_breakdown
 
     cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
-               for m in (ttft_breakdown, disagg, serve_load, chaos)]
+               for m in (ttft_breakdown, disagg, serve_load, chaos, prefix)]
     return [
         Benchmark("ceilings", "this machine's copy/GEMV bandwidth and fp32 matmul rate",
                   ceilings.add_arguments, ceilings.run),

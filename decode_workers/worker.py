@@ -127,7 +127,8 @@ class DecodeWorker:
                           s.num_running, s.num_waiting, s.kv_blocks_reserved,
                           self.kv_bytes_received, incarnation=self.incarnation,
                           prefix_hit_tokens=s.num_prefix_hit_tokens,
-                          prefill_tokens_computed=s.num_prefill_tokens_computed)
+                          prefill_tokens_computed=s.num_prefill_tokens_computed,
+                          kv_event_seq=self._kv_events.log.seq)
 
     def ping(self) -> str:
         return self.worker_id

@@ -100,7 +100,8 @@ class PrefillWorker:
                           s.num_running, s.num_waiting, kv_transfer_bytes=self.kv_bytes_sent,
                           incarnation=self.incarnation,
                           prefix_hit_tokens=s.num_prefix_hit_tokens,
-                          prefill_tokens_computed=s.num_prefill_tokens_computed)
+                          prefill_tokens_computed=s.num_prefill_tokens_computed,
+                          kv_event_seq=self._kv_events.log.seq)
 
     def layers_sent(self, request_id: str) -> int:
         """How many layers of an in-flight request's KV have been posted (tests, debugging)."""

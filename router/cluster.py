@@ -98,6 +98,11 @@ class ClusterConfig:
     keep_workers: bool = False
     # How requests are spread over workers (router.policy.RoutingConfig: kv_aware by default).
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # How workers' KV events reach routers (router.kv_sync): "auto" = Redis Streams when
+    # redis_url is set (workers then get its URL and publish there), else pulled through
+    # Ray; "memory" = always pulled (workers never talk to Redis: the shipped Kubernetes
+    # and `ray up` set-ups, whose workers cannot reach it).
+    kv_event_bus: str = "auto"
     # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
     worker_overrides: dict = field(default_factory=dict)
 
@@ -110,6 +115,13 @@ class ClusterConfig:
             raise ValueError("disaggregated mode needs at least one prefill worker")
         if self.worker_restarts < 0:
             raise ValueError(f"worker_restarts must be >= 0, got {self.worker_restarts}")
+        if self.kv_event_bus not in ("auto", "memory"):
+            raise ValueError(f"kv_event_bus must be 'auto' or 'memory', got {self.kv_event_bus!r}")
+
+    @property
+    def kv_events_redis_url(self) -> str | None:
+        """Where workers publish KV events besides their own log (None: nowhere else)."""
+        return self.redis_url if self.kv_event_bus == "auto" else None
 
 
 class Cluster:
@@ -213,11 +225,12 @@ class Cluster:
     def _kv_event_source(self):
         """With Redis, routers read the workers' KV events from its streams (the workers
         publish there too); without it they pull them from the workers (router.kv_sync)."""
-        if self.config.redis_url is None:
+        url = self.config.kv_events_redis_url
+        if url is None:
             return None
         from worker_protocol.kv_stream import RedisKVEventSource
 
-        return RedisKVEventSource(self.config.redis_url, self.config.store_namespace)
+        return RedisKVEventSource(url, self.config.store_namespace)
 
     def _plan_placement(self) -> Placement:
         """Check, before spawning anything, that the Ray cluster can host every worker, and
@@ -287,7 +300,7 @@ class Cluster:
                 orch.usage.note(load)
                 self._heartbeat(slot, load)
             orch.health.check_silent(orch.decode.values())
-            await orch.kv_sync.refresh([s for s in slots if s.view.alive and s.view.reachable])
+            orch.kv_sync.kick([s for s in slots if s.view.alive and s.view.reachable])
             await asyncio.sleep(0.25)
 
     def _start_rejoin(self, slot) -> None:

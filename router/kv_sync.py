@@ -5,7 +5,10 @@ Two buses, one recovery rule:
   pulls each worker's batches after the index's cursor through Ray (``kv_events``);
 - Redis Streams (``--redis-url``): workers also XADD every batch to a bounded stream; one
   reader task here follows all streams and applies batches as they land. While Redis is
-  unreachable the refresh falls back to pulling through Ray, so routing keeps its picture.
+  unreachable the refresh falls back to pulling through Ray, so routing keeps its picture;
+  so it does for one worker whose batches stop arriving through the stream while its load
+  reports say it published more (a worker that cannot reach Redis, a sink that dropped
+  batches): after ``STREAM_LAG_S`` of lag, that worker's batches are pulled.
 Either way a worker whose entry is stale (new, restarted, or a hole in its batches) gets a
 snapshot (``kv_snapshot``) on the next refresh; with Redis the stream is then replayed from
 its start, and batches the snapshot already covers are skipped by their ``seq``.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from router.kv_index import KVIndex
 from worker_protocol import control
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 _STREAM_START = "0-0"
 _STREAM_BLOCK_MS = 200
 _STREAM_RETRY_S = 1.0
+STREAM_LAG_S = 1.0  # a worker's stream this far behind its load reports is pulled instead
 
 
 class KVEventSync:
@@ -39,7 +44,10 @@ class KVEventSync:
         self._cursors: dict[str, str] = {}  # worker id -> last stream entry read
         self._resets: dict[str, int] = {}  # worker id -> snapshots taken (drops stale reads)
         self._reader: asyncio.Task | None = None
+        self._behind_since: dict[str, float] = {}  # worker id -> when its stream fell behind
+        self._refreshing: asyncio.Future | None = None
         self.snapshots = 0
+        self.pulls = 0  # pulls through Ray (every refresh without a stream; else fallbacks)
 
     def track(self, worker_id: str, block_size: int) -> None:
         """A worker joined (or rejoined after a restart): stale until its snapshot."""
@@ -52,6 +60,13 @@ class KVEventSync:
         """A worker is gone for good: nothing may be routed to its cache."""
         self.index.forget(worker_id)
         self._cursors.pop(worker_id, None)
+
+    def kick(self, slots) -> None:
+        """Start a ``refresh`` in the background unless one still runs: the load loop calls
+        this every round and never waits on it (a snapshot waits for the worker's current
+        engine step, seconds for a long prefill; load reports must not)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self.refresh(slots))
 
     async def refresh(self, slots) -> None:
         """Bring every given worker's entry up to date (one deadline-bound call each)."""
@@ -71,8 +86,9 @@ class KVEventSync:
                 self._resets[wid] = self._resets.get(wid, 0) + 1
                 self._cursors[wid] = _STREAM_START  # replay what the stream still holds
                 return
-            if self.stream_up:
+            if self.stream_up and not self._stream_lags(slot, cur.seq):
                 return  # the stream reader applies this worker's batches
+            self.pulls += 1
             feed = await asyncio.wait_for(
                 control(slot.handle.kv_events).remote(cur.seq, cur.incarnation),
                 self.call_timeout_s)
@@ -85,6 +101,22 @@ class KVEventSync:
         for batch in feed.batches:
             if not self.index.apply(batch):
                 break
+
+    def _stream_lags(self, slot, seq: int) -> bool:
+        """Has the stream been behind this worker's own load reports for STREAM_LAG_S?"""
+        wid = slot.info.worker_id
+        load = slot.view.load
+        if load is None or load.incarnation != slot.info.incarnation or load.kv_event_seq <= seq:
+            self._behind_since.pop(wid, None)
+            return False
+        now = time.monotonic()
+        since = self._behind_since.setdefault(wid, now)
+        if now - since < STREAM_LAG_S:
+            return False
+        log.warning("KV events of %s lag %d batches behind on the stream: pulling them",
+                    wid, load.kv_event_seq - seq)
+        self._behind_since[wid] = now  # warn again only if it keeps lagging
+        return True
 
     async def _follow_streams(self) -> None:
         from worker_protocol.kv_stream import KVStreamUnavailable
@@ -112,6 +144,9 @@ class KVEventSync:
                 self.index.apply(batch)
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            await asyncio.gather(self._refreshing, return_exceptions=True)
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)

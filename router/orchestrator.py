@@ -340,14 +340,16 @@ class Orchestrator:
             # the same free blocks; a preempted request is recomputed on its decode worker.
             decode = await self._wait_for_decode(len(prompt_ids) + params.max_tokens,
                                                  excluded["decode"], prompt_ids, stream)
-            view = self.routing.pick_prefill(
-                [s.view for s in self.prefill.values()], len(prompt_ids), excluded["prefill"],
-                self.kv_index.match(prompt_ids, list(self.prefill)))
+            hits = self.kv_index.match(prompt_ids, list(self.prefill))
+            view = self.routing.pick_prefill([s.view for s in self.prefill.values()],
+                                             len(prompt_ids), excluded["prefill"], hits)
             if view is None:
                 raise WorkerUnavailableError("no live prefill worker")
+            # The work this prompt queues there: what that worker's cache does not hold.
+            work = max(1, len(prompt_ids) - hits.get(view.worker_id, 0) * view.block_size)
             try:
                 return await self._attempt(stream, self.prefill[view.worker_id], decode,
-                                           prompt_ids, params, attempt)
+                                           prompt_ids, params, attempt, work)
             except RetryElsewhere as retry:
                 for slot in retry.exclude:
                     excluded["prefill" if slot.info.role == "prefill" else "decode"].add(
@@ -358,16 +360,17 @@ class Orchestrator:
                                      f"attempts; last error: {cause_of(last_error)!r}")
 
     async def _attempt(self, stream: StreamState, pslot: WorkerSlot, decode: WorkerSlot,
-                       prompt_ids: list[int], params, attempt: int) -> FirstToken:
-        """One try on one (prefill, decode) pair. Raises RetryElsewhere with the reservation
-        already released, Aborted, or ClusterMisconfiguredError."""
+                       prompt_ids: list[int], params, attempt: int, work: int) -> FirstToken:
+        """One try on one (prefill, decode) pair; ``work``: the prompt tokens it will cost
+        the prefill worker (counted as queued there meanwhile). Raises RetryElsewhere with
+        the reservation already released, Aborted, or ClusterMisconfiguredError."""
         rid = stream.request_id
         cfg = self.config
         need = cdiv(len(prompt_ids) + 1, decode.view.block_size)
         decode.view.inflight_blocks += need
         # Counted from the pick, not from the reserve's answer: requests routed in one burst
         # must see each other's prompts, or they all pick the same prefill worker.
-        pslot.view.inflight_prefill_tokens += len(prompt_ids)
+        pslot.view.inflight_prefill_tokens += work
         prefill_counted = True
         stream.decode_id, stream.committed = decode.info.worker_id, False
         try:
@@ -392,7 +395,7 @@ class Orchestrator:
                     cfg.prefill_timeout_s + cfg.call_timeout_s, release=decode, peer=decode)
             finally:
                 # On cancellation prefill_id stays set, so the caller aborts the prefill too.
-                pslot.view.inflight_prefill_tokens -= len(prompt_ids)
+                pslot.view.inflight_prefill_tokens -= work
                 prefill_counted = False
             stream.prefill_id = None
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
@@ -402,7 +405,7 @@ class Orchestrator:
         finally:
             decode.view.inflight_blocks -= need
             if prefill_counted:  # the reserve failed: no prefill was sent
-                pslot.view.inflight_prefill_tokens -= len(prompt_ids)
+                pslot.view.inflight_prefill_tokens -= work
         stream.committed, stream.decode_incarnation = True, res.incarnation
         self.kv_transfer_bytes_total += result.kv_bytes
         self.timings[rid] = RequestTiming(result.queue_s, result.compute_s,

@@ -67,11 +67,14 @@ class RoutingConfig:
 
     ``kv_aware`` (default) picks the worker with the lowest cost, in prompt tokens of work:
     ``prefix_weight`` x the prompt tokens it does NOT cache (what it must compute, or for a
-    decode worker receive) + ``queue_weight`` x the prompt tokens queued there ahead of this
-    one + ``kv_usage_weight`` x its KV pool's used fraction x the prompt length (a nearly
-    full pool costs preemptions). With the default weights (1, 1, 1) a worker holding the
+    decode worker receive) + ``queue_weight`` x the uncached prompt tokens queued there ahead
+    of this one (prefill and colocated workers: a disaggregated decode worker admits
+    arrivals at once, nothing queues) + ``kv_usage_weight`` x its KV pool's used fraction,
+    reservations in flight included, x the prompt length (a nearly full pool costs
+    preemptions). With the default weights (1, 1, 1) a worker holding the
     prefix wins unless the work queued on it exceeds the work the prefix saves: a hot
-    prefix spills to a cold worker, which then caches it too. Ties go to the least loaded.
+    prefix spills to a cold worker, which then caches it too. Ties go to the least loaded,
+    then take turns.
     ``load`` ignores caches (most free KV, fewest requests; least queued prefill tokens);
     ``round_robin`` takes turns among the workers with room.
     """
@@ -113,8 +116,9 @@ class Routing:
         if self.config.policy == "load":
             return max(fits, key=_decode_headroom)
         hits = hits or {}
-        return min(fits, key=lambda w: (self.cost(w, prompt_len, hits, _decode_queue(w, prompt_len)),
-                                         _neg(_decode_headroom(w))))
+        return self._cheapest("decode", fits, lambda w: (
+            self.cost(w, prompt_len, hits, _decode_queue(w, prompt_len)),
+            _neg(_decode_headroom(w))))
 
     def pick_prefill(self, workers: list[WorkerView], prompt_len: int,
                      exclude: set[str] = frozenset(), hits: dict[str, int] | None = None
@@ -129,17 +133,25 @@ class Routing:
         if self.config.policy == "load":
             return min(live, key=lambda w: w.inflight_prefill_tokens)
         hits = hits or {}
-        return min(live, key=lambda w: (self.cost(w, prompt_len, hits, w.inflight_prefill_tokens),
-                                        w.inflight_prefill_tokens))
+        return self._cheapest("prefill", live, lambda w: (
+            self.cost(w, prompt_len, hits, w.inflight_prefill_tokens), w.inflight_prefill_tokens))
 
     def cost(self, w: WorkerView, prompt_len: int, hits: dict[str, int],
              queued_tokens: int) -> float:
         """``kv_aware``'s cost of sending this prompt to ``w`` (tokens of work; lower wins)."""
         c = self.config
         missing = max(0, prompt_len - hits.get(w.worker_id, 0) * w.block_size)
-        usage = w.kv_blocks_used / w.kv_blocks_total if w.kv_blocks_total else 0.0
+        used = w.kv_blocks_used + w.inflight_blocks
+        usage = min(1.0, used / w.kv_blocks_total) if w.kv_blocks_total else 0.0
         return (c.prefix_weight * missing + c.queue_weight * queued_tokens
                 + c.kv_usage_weight * usage * prompt_len)
+
+    def _cheapest(self, kind: str, candidates: list[WorkerView], key) -> WorkerView:
+        """The lowest ``key``; exact ties (idle workers, cold prompts) take turns, so every
+        worker's cache fills, not only the first one's."""
+        keys = {w.worker_id: key(w) for w in candidates}
+        best = min(keys.values())
+        return self._take_turn(kind, [w for w in candidates if keys[w.worker_id] == best])
 
     def _take_turn(self, kind: str, candidates: list[WorkerView]) -> WorkerView:
         ordered = sorted(candidates, key=lambda w: w.worker_id)
@@ -159,9 +171,10 @@ def _neg(t: tuple[float, int]) -> tuple[float, int]:
 
 
 def _decode_queue(w: WorkerView, prompt_len: int) -> int:
-    """Prompt tokens queued on a decode worker ahead of this one: KV being reserved or
-    received (disaggregated), or prompts waiting to be prefilled there (colocated; each
-    counted as long as this one, the report carries no lengths)."""
+    """Prompt tokens queued on a decode worker ahead of this one: prompts waiting to be
+    prefilled there (colocated; each counted as long as this one, the report carries no
+    lengths). A disaggregated decode worker has no such queue: KV in flight to it is
+    memory (the usage term), not a wait."""
     if w.role == "colocated":
         return (w.requests_waiting + w.inflight_requests) * prompt_len
-    return w.inflight_blocks * w.block_size
+    return 0

@@ -66,6 +66,7 @@ class ServeConfig:
     prefix_weight: float = 1.0
     queue_weight: float = 1.0
     kv_usage_weight: float = 1.0
+    kv_event_bus: str = "auto"
     # Fault injection for failure tests only: worker id -> {fault_* WorkerConfig field: value}.
     worker_overrides: dict = field(default_factory=dict)
     # The front doors' security (router/security.py).
@@ -104,6 +105,8 @@ class ServeConfig:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.worker_restarts < 0:
             raise ValueError(f"--worker-restarts must be >= 0, got {self.worker_restarts}")
+        if self.kv_event_bus not in ("auto", "memory"):
+            raise ValueError(f"--kv-event-bus must be auto or memory, got {self.kv_event_bus!r}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"--startup-timeout-s must be > 0, got {self.startup_timeout_s}")
 
@@ -144,7 +147,8 @@ class ServeConfig:
             migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
             orphan_after_s=self.orphan_after_s,
             require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
-            routing=self.routing_config(), worker_overrides=dict(self.worker_overrides))
+            routing=self.routing_config(), kv_event_bus=self.kv_event_bus,
+            worker_overrides=dict(self.worker_overrides))
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -70,6 +70,11 @@ def add_serve_subcommand(sub) -> None:
     rt.add_argument("--prefix-weight", type=float, default=None, help="kv_aware (default 1)")
     rt.add_argument("--queue-weight", type=float, default=None, help="kv_aware (default 1)")
     rt.add_argument("--kv-usage-weight", type=float, default=None, help="kv_aware (default 1)")
+    rt.add_argument("--kv-event-bus", choices=["auto", "memory"], default=None,
+                    help="how workers' KV events reach the router: auto (default) = Redis "
+                         "Streams with --redis-url (workers get its URL and must reach it), "
+                         "else pulled from the workers; memory = always pulled (workers never "
+                         "talk to Redis)")
     sec = p.add_argument_group("security (docs/security.md)")
     sec.add_argument("--api-keys", default=None,
                      help="file of API keys, one per line, optionally 'name:key' (or "

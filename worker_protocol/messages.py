@@ -65,6 +65,9 @@ class WorkerLoad:
     # (or recomputed) tokens run through the model.
     prefix_hit_tokens: int = 0
     prefill_tokens_computed: int = 0
+    # The newest KV event batch this incarnation published (worker_protocol.kv_events): a
+    # router whose index lags it for long pulls the batches itself (see router.kv_sync).
+    kv_event_seq: int = 0
 
 
 @dataclass(frozen=True)

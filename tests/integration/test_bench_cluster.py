@@ -88,6 +88,40 @@ def test_disagg_measures_every_setup(tmp_path, tiny_llama_dir):
     assert data["targets"][0]["measured"] == r
 
 
+@pytest.mark.slow
+def test_prefix_runs_each_policy_on_the_same_requests(tmp_path, tiny_llama_dir):
+    from bench import prefix
+
+    convs, turns, out_len = 3, 3, 4
+    _run(prefix, ["prefix", "--model", str(tiny_llama_dir), "--quick", "--workloads",
+                  "multi_turn", "--policies", "kv_aware,round_robin", "--conversations",
+                  str(convs), "--turns", str(turns), "--doc-len", "40", "--user-len", "8",
+                  "--output-len", str(out_len), "--think-s", "0", "--cache-fraction", "2",
+                  "--out", str(tmp_path)])
+    _assert_ray_down()
+    data = _read(tmp_path, "prefix")
+    runs = data["results"]["multi_turn"]
+    assert set(runs) == {"kv_aware", "round_robin"}
+    # The same seeded conversations under both policies: equal prompt lengths.
+    prompt_tokens = sum(40 + t * (out_len + 8) for t in range(turns)) * convs
+    for name, r in runs.items():
+        assert r["requests"] == convs * turns and r["prompt_tokens"] == prompt_tokens, name
+        assert 0 < r["computed_prompt_tokens"] <= prompt_tokens, name
+        assert r["kv_bytes_moved"] > 0 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0, name
+    # kv_aware keeps each conversation on the decode worker that holds it.
+    assert runs["kv_aware"]["decode_hit_rate"] > 0.3
+    r = data["ratios"]["multi_turn_kv_bytes_round_robin_over_kv_aware"]
+    assert r == pytest.approx(runs["round_robin"]["kv_bytes_moved"]
+                              / runs["kv_aware"]["kv_bytes_moved"])
+
+
+def test_prefix_rejects_an_unknown_policy(tmp_path):
+    from bench import prefix
+
+    with pytest.raises(ValueError, match="unknown"):
+        _run(prefix, ["prefix", "--policies", "kv_aware,random", "--out", str(tmp_path)])
+
+
 def test_disagg_rejects_an_unknown_setup(tmp_path):
     with pytest.raises(ValueError, match="unknown"):
         _run(disagg, ["disagg", "--setups", "colocated,bogus", "--out", str(tmp_path)])

@@ -140,17 +140,20 @@ def _has_hit(orch, prompt) -> bool:
 
 
 def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_llama_dir):
-    """With Redis: the router's index follows the workers' streams; a second router's index,
-    started later from snapshots + stream replay, converges to the same content; a Redis
-    outage falls back to pulling from the workers."""
+    """With Redis: the router's index follows the workers' streams; a worker that cannot
+    reach Redis is pulled instead once its stream lags its load reports; a second router's
+    index, started later from snapshots + stream replay, converges to the same content; a
+    Redis outage falls back to pulling from the workers."""
     from worker_protocol.kv_stream import RedisKVEventSource
 
     redis = OwnRedis()
     redis.start()
     ns = f"pdtest-{uuid.uuid4().hex[:8]}"
     prompts = random_prompts(seed=31, count=8, max_len=70, min_len=20)
+    unreachable = OwnRedis()  # never started: decode-1 publishes into the void
     config = _config(tiny_llama_dir, 16, 8, num_prefill_workers=1, redis_url=redis.url,
-                     store_namespace=ns)
+                     store_namespace=ns,
+                     worker_overrides={"decode-1": {"kv_events_redis_url": unreachable.url}})
 
     async def body(cluster):
         orch = cluster.orchestrator
@@ -158,8 +161,10 @@ def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_ll
         for i, p in enumerate(prompts[:4]):
             await _generate(cluster, p, f"a{i}")
         await _until(lambda: _index_equals_workers(orch.kv_index, cluster), "router index")
+        assert orch.kv_sync.stream_up and orch.kv_sync.pulls > 0  # decode-1's, pulled
         source = RedisKVEventSource(redis.url, ns)
         assert source.length("decode-0") > 0 and source.length("prefill-0") > 0
+        assert source.length("decode-1") == 0
         # A second reader, as a router started now would be: snapshots, then the streams.
         index = KVIndex(orch.kv_index.hash_seed)
         sync = KVEventSync(index, 10.0, source)

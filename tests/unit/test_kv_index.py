@@ -140,14 +140,16 @@ def _view(wid: str, used=0, inflight_blocks=0, role="decode", inflight_prefill=0
     return v
 
 
-def test_kv_aware_follows_the_cache_until_the_queue_outweighs_it():
+def test_kv_aware_follows_the_cache_until_load_outweighs_it():
     r = Routing(RoutingConfig("kv_aware"))
     views = [_view("a"), _view("b")]
     prompt_len = 40 * BS
     assert r.pick_decode(views, prompt_len, prompt_len + 8, hits={"a": 30}).worker_id == "a"
     assert r.pick_decode(views, prompt_len, prompt_len + 8, hits={"b": 30}).worker_id == "b"
-    # a holds 30 blocks (120 tokens saved) but 200 tokens are queued on it: b is cheaper.
-    views[0].inflight_blocks = 200 // BS
+    # a holds 30 blocks (120 tokens saved), but its pool is 95% full (reservations in
+    # flight count): 0.95 x 160 = 152 tokens of penalty, so b is cheaper.
+    views[0].load = WorkerLoad("a", "decode", 900, 1000, 0, 0)
+    views[0].inflight_blocks = 50
     assert r.pick_decode(views, prompt_len, prompt_len + 8, hits={"a": 30}).worker_id == "b"
     # Prefill workers: the cached one, unless the queue ahead of it costs more than it saves.
     pre = [_view("p0", role="prefill"), _view("p1", role="prefill", inflight_prefill=10)]
@@ -181,3 +183,11 @@ def test_routing_config_is_checked():
         RoutingConfig("random")
     with pytest.raises(ValueError, match="queue_weight must be >= 0"):
         RoutingConfig(queue_weight=-1)
+
+
+def test_kv_aware_ties_take_turns():
+    r = Routing()
+    views = [_view("a"), _view("b")]
+    assert [r.pick_decode(views, 40, 48).worker_id for _ in range(4)] == ["a", "b", "a", "b"]
+    pre = [_view("p0", role="prefill"), _view("p1", role="prefill")]
+    assert {r.pick_prefill(pre, 40).worker_id for _ in range(2)} == {"p0", "p1"}

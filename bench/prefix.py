@@ -1,0 +1,349 @@
+"""`pdcluster bench prefix`: routing policies on prefix-heavy chat traffic, 2 prefill + 2 decode.
+
+Two seeded workloads, each run once per routing policy (``kv_aware``, ``load``,
+``round_robin``) on a fresh cluster of the same shape, in one invocation:
+
+- ``multi_turn``: ``--conversations`` chats run concurrently; each opens with its own
+  ``--doc-len``-token context (a pasted document) and goes on for ``--turns`` turns; turn t's
+  prompt is the whole conversation so far (every earlier prompt and answer) plus a new
+  ``--user-len``-token message. Each chat sends its next turn a seeded random 0 to
+  ``--think-s`` seconds after the last answer ends (users do not type in lockstep).
+- ``shared_prefix``: ``--system-prompts`` system prompts of ``--system-len`` tokens shared by
+  ``--users`` requests (system prompt + a ``--question-len``-token question), at most
+  ``--concurrency`` in flight, in a seeded random order.
+
+Every worker's KV pool holds ``--cache-fraction`` of the workload's working set (every
+distinct prompt token it will see), so no single worker can cache everything: routing
+decides whether a prefix is found where it lands. That is the regime shared-prefix and
+multi-turn serving lives in; with pools larger than the working set every policy finds
+everything everywhere and routing stops mattering.
+
+Per run: TTFT p50/p99 (client side), ITL p99, prompt tokens computed by the workers, KV bytes
+moved prefill -> decode, and hit rates (prompt tokens served from a prefix cache, decode and
+prefill side). Targets (``multi_turn``): kv_aware vs round_robin TTFT p50 >= 3x better and
+KV bytes moved >= 3x fewer. Each worker is pinned to one core with one torch thread
+(prefill-i and decode-i share core i), the same for every policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine_info, model_config, print_targets, ratio, summarize, write_json
+from bench.common import target as make_target
+from bench.ttft_breakdown import pinned_overrides, ray_session
+
+NAME = "prefix"
+HELP = "KV-aware vs load vs round-robin routing on multi-turn and shared-prefix chat (2P+2D)"
+POLICIES = ("kv_aware", "load", "round_robin")
+WORKLOADS = ("multi_turn", "shared_prefix")
+TTFT_TARGET = 3.0  # round_robin TTFT p50 / kv_aware TTFT p50, multi_turn
+BYTES_TARGET = 3.0  # round_robin KV bytes moved / kv_aware, multi_turn
+
+
+@dataclass(frozen=True)
+class Shape:
+    conversations: int
+    turns: int
+    doc_len: int
+    user_len: int
+    output_len: int
+    system_prompts: int
+    system_len: int
+    users: int
+    question_len: int
+    concurrency: int
+    cache_fraction: float
+    think_s: float
+
+
+@dataclass
+class Request:
+    """One request as the client saw it."""
+
+    ttft_s: float
+    itls: list[float]
+    prompt_len: int
+    turn: int  # 0 for the first turn / a shared-prefix request
+
+
+@dataclass
+class PolicyRun:
+    workload: str
+    policy: str
+    requests: list[Request] = field(default_factory=list)
+    wall_s: float = 0.0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    kv_bytes: int = 0
+    decode_hit_tokens: int = 0
+    prefill_hit_tokens: int = 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated, from {', '.join(POLICIES)}")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated, from {', '.join(WORKLOADS)}")
+    p.add_argument("--conversations", type=int, default=None, help="multi_turn (default 7)")
+    p.add_argument("--turns", type=int, default=None, help="multi_turn (default 8)")
+    p.add_argument("--doc-len", type=int, default=None, help="multi_turn opening context (384)")
+    p.add_argument("--user-len", type=int, default=24, help="multi_turn new message per turn")
+    p.add_argument("--think-s", type=float, default=0.3,
+                   help="multi_turn: most seconds between an answer and the next turn")
+    p.add_argument("--output-len", type=int, default=16, help="answer tokens per request")
+    p.add_argument("--system-prompts", type=int, default=None, help="shared_prefix (default 8)")
+    p.add_argument("--system-len", type=int, default=None, help="shared_prefix (default 1024)")
+    p.add_argument("--users", type=int, default=None, help="shared_prefix requests (default 48)")
+    p.add_argument("--question-len", type=int, default=48, help="shared_prefix question")
+    p.add_argument("--concurrency", type=int, default=4, help="shared_prefix in flight")
+    p.add_argument("--cache-fraction", type=float, default=0.75,
+                   help="each worker's KV pool / the workload's working set (default 0.75)")
+
+
+def _shape(args: argparse.Namespace) -> Shape:
+    q = args.quick
+    s = Shape(args.conversations or (5 if q else 7), args.turns or (4 if q else 8),
+              args.doc_len or (128 if q else 384), args.user_len, args.output_len,
+              args.system_prompts or (4 if q else 8), args.system_len or (256 if q else 1024),
+              args.users or (12 if q else 48), args.question_len, args.concurrency,
+              args.cache_fraction, args.think_s)
+    for name, v in asdict(s).items():
+        if v < 0 or (v == 0 and name != "think_s"):
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    if s.cache_fraction > 4:
+        raise ValueError(f"--cache-fraction must be <= 4, got {s.cache_fraction}")
+    return s
+
+
+def _names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"{flag}: unknown {unknown or 'empty list'}; choose from {', '.join(known)}")
+    return names
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _working_set(workload: str, s: Shape) -> tuple[int, int]:
+    """(distinct prompt tokens the workload touches, its longest request in tokens)."""
+    if workload == "multi_turn":
+        final = s.doc_len + (s.turns - 1) * (s.output_len + s.user_len)
+        return s.conversations * (final + s.output_len), final + s.output_len
+    return (s.system_prompts * s.system_len + s.users * s.question_len,
+            s.system_len + s.question_len + s.output_len)
+
+
+async def _generate(cluster, prompt: list[int], max_tokens: int, rid: str, turn: int
+                    ) -> tuple[Request, list[int]]:
+    from engine import SamplingParams
+    from router.backend import GenerateInput
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    times, tokens = [], []
+    async for ch in cluster.generate(GenerateInput(params, token_ids=prompt, request_id=rid)):
+        if ch.token_ids:
+            times.append(time.perf_counter())
+            tokens += ch.token_ids
+    itls = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return Request(times[0] - start, itls, len(prompt), turn), tokens
+
+
+async def _multi_turn(cluster, s: Shape, vocab: int, seed: int, tag: str) -> list[Request]:
+    rng = random.Random(seed)
+    docs = [_tokens(rng, s.doc_len, vocab) for _ in range(s.conversations)]
+    messages = [[_tokens(rng, s.user_len, vocab) for _ in range(s.turns)]
+                for _ in range(s.conversations)]
+
+    pauses = [[rng.uniform(0, s.think_s) for _ in range(s.turns)] for _ in range(s.conversations)]
+
+    async def chat(c: int) -> list[Request]:
+        out, prompt = [], docs[c]
+        for t in range(s.turns):
+            await asyncio.sleep(pauses[c][t])
+            req, answer = await _generate(cluster, prompt, s.output_len, f"{tag}-c{c}-t{t}", t)
+            out.append(req)
+            prompt = prompt + answer + messages[c][t]
+        return out
+
+    per_chat = await asyncio.gather(*(chat(c) for c in range(s.conversations)))
+    return [r for chat_reqs in per_chat for r in chat_reqs]
+
+
+async def _shared_prefix(cluster, s: Shape, vocab: int, seed: int, tag: str) -> list[Request]:
+    rng = random.Random(seed)
+    systems = [_tokens(rng, s.system_len, vocab) for _ in range(s.system_prompts)]
+    prompts = [systems[rng.randrange(s.system_prompts)] + _tokens(rng, s.question_len, vocab)
+               for _ in range(s.users)]
+    gate = asyncio.Semaphore(s.concurrency)
+
+    async def one(i: int) -> Request:
+        async with gate:
+            req, _ = await _generate(cluster, prompts[i], s.output_len, f"{tag}-u{i}", 0)
+            return req
+
+    return list(await asyncio.gather(*(one(i) for i in range(s.users))))
+
+
+# ---- one run ------------------------------------------------------------------------------------
+def _cluster_config(model: str | None, policy: str, pool_bytes: int, max_len: int) -> Any:
+    from engine import EngineArgs
+    from router.cluster import ClusterConfig
+    from router.policy import RoutingConfig
+
+    common = dict(block_size=16, num_threads=1, max_model_len=max_len,
+                  kv_cache_memory_bytes=pool_bytes)
+    return ClusterConfig(
+        model=model, mode="disaggregated", num_prefill_workers=2, num_decode_workers=2,
+        prefill_engine=EngineArgs(**common, max_num_seqs=8,
+                                  max_num_batched_tokens=max(max_len, 2048)),
+        decode_engine=EngineArgs(**common), routing=RoutingConfig(policy),
+        worker_overrides=pinned_overrides({"prefill-0": (0,), "decode-0": (0,),
+                                           "prefill-1": (1,), "decode-1": (1,)}))
+
+
+async def _run_policy(model: str | None, workload: str, policy: str, s: Shape, vocab: int,
+                      seed: int, pool_bytes: int, max_len: int) -> PolicyRun:
+    from router.cluster import Cluster
+
+    cluster = await Cluster.start(_cluster_config(model, policy, pool_bytes, max_len))
+    run_ = PolicyRun(workload, policy)
+    try:
+        # Every worker's first forward, on prompts unrelated to the workload (4 > 2 workers
+        # of each kind under every policy, so each one runs at least one).
+        warm = random.Random(seed ^ 0x5EED)
+        await asyncio.gather(*(_generate(cluster, _tokens(warm, 48, vocab), 2, f"warm-{i}", 0)
+                               for i in range(4)))
+        before = await cluster.stats()
+        t0 = time.perf_counter()
+        body = _multi_turn if workload == "multi_turn" else _shared_prefix
+        run_.requests = await body(cluster, s, vocab, seed, f"{policy}-{workload}")
+        run_.wall_s = time.perf_counter() - t0
+        after = await cluster.stats()
+    finally:
+        await cluster.shutdown()
+    run_.prompt_tokens = sum(r.prompt_len for r in run_.requests)
+    run_.computed_tokens = after.prefill_computed_tokens - before.prefill_computed_tokens
+    run_.kv_bytes = after.kv_transfer_bytes_total - before.kv_transfer_bytes_total
+    hits = {role: after.prefix_hit_tokens.get(role, 0) - before.prefix_hit_tokens.get(role, 0)
+            for role in ("decode", "prefill")}
+    run_.decode_hit_tokens, run_.prefill_hit_tokens = hits["decode"], hits["prefill"]
+    return run_
+
+
+def _summary(r: PolicyRun) -> dict[str, Any]:
+    ttft = summarize([q.ttft_s for q in r.requests])
+    later = summarize([q.ttft_s for q in r.requests if q.turn > 0])
+    itl = summarize([x for q in r.requests for x in q.itls])
+    return {"ttft_p50_s": ttft.p50, "ttft_p99_s": ttft.p99, "ttft_mean_s": ttft.mean,
+            "ttft_later_turns_p50_s": later.p50 if later.count else None,
+            "itl_p50_s": itl.p50, "itl_p99_s": itl.p99, "requests": len(r.requests),
+            "wall_s": r.wall_s, "prompt_tokens": r.prompt_tokens,
+            "computed_prompt_tokens": r.computed_tokens, "kv_bytes_moved": r.kv_bytes,
+            "decode_hit_rate": r.decode_hit_tokens / max(r.prompt_tokens, 1),
+            "prefill_hit_rate": r.prefill_hit_tokens / max(r.prompt_tokens, 1)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every (workload, policy) on one Ray; write ``prefix.json`` and ``prefix.png``."""
+    s = _shape(args)
+    policies = _names(args.policies, POLICIES, "--policies")
+    workloads = _names(args.workloads, WORKLOADS, "--workloads")
+    cfg = model_config(args.model)
+    vocab, per_token = cfg.vocab_size, cfg.kv_bytes_per_token
+    t_start = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    sizing: dict[str, Any] = {}
+    with ray_session(num_workers=4):
+        for k, workload in enumerate(workloads):
+            working, longest = _working_set(workload, s)
+            # No pool below 2 longest requests: each worker must still serve its share.
+            pool_tokens = max(int(s.cache_fraction * working), 2 * longest)
+            sizing[workload] = {"working_set_tokens": working, "pool_tokens": pool_tokens}
+            results[workload] = {}
+            for policy in policies:  # the same seed: every policy sees the same requests
+                r = asyncio.run(_run_policy(args.model, workload, policy, s, vocab,
+                                            args.seed + 1000 * k, pool_tokens * per_token,
+                                            longest + 16))
+                results[workload][policy] = _summary(r)
+                print(f"  {workload}/{policy}: done ({time.perf_counter() - t_start:.0f} s)")
+    mt = results.get("multi_turn", {})
+    ratios = {
+        "multi_turn_ttft_p50_round_robin_over_kv_aware": ratio(
+            mt.get("round_robin", {}).get("ttft_p50_s"), mt.get("kv_aware", {}).get("ttft_p50_s")),
+        "multi_turn_kv_bytes_round_robin_over_kv_aware": ratio(
+            mt.get("round_robin", {}).get("kv_bytes_moved"),
+            mt.get("kv_aware", {}).get("kv_bytes_moved")),
+    }
+    sp = results.get("shared_prefix", {})
+    ratios["shared_prefix_ttft_p50_round_robin_over_kv_aware"] = ratio(
+        sp.get("round_robin", {}).get("ttft_p50_s"), sp.get("kv_aware", {}).get("ttft_p50_s"))
+    targets = [
+        make_target("multi_turn TTFT p50 round_robin / kv_aware",
+                    ratios["multi_turn_ttft_p50_round_robin_over_kv_aware"], TTFT_TARGET),
+        make_target("multi_turn KV bytes moved round_robin / kv_aware",
+                    ratios["multi_turn_kv_bytes_round_robin_over_kv_aware"], BYTES_TARGET),
+    ]
+    result = {
+        "benchmark": NAME,
+        "config": {"model": args.model or "default", **asdict(s), "seed": args.seed,
+                   "shape": "2 prefill + 2 decode, block size 16; prefill-i and decode-i "
+                            "pinned to core i, 1 torch thread each",
+                   "pools": sizing},
+        "results": results,
+        "ratios": ratios,
+        "targets": targets,
+        "wall_s": time.perf_counter() - t_start,
+        "machine": machine_info(),
+    }
+    path = write_json(Path(args.out), NAME, result)
+    _plot(results, Path(args.out) / f"{NAME}.png")
+    for workload, by_policy in results.items():
+        for policy, m in by_policy.items():
+            print(f"  {workload:13s} {policy:11s} TTFT p50 {m['ttft_p50_s'] * 1e3:7.0f} ms "
+                  f"p99 {m['ttft_p99_s'] * 1e3:7.0f} ms  ITL p99 {m['itl_p99_s'] * 1e3:6.0f} ms"
+                  f"  computed {m['computed_prompt_tokens']:7d}/{m['prompt_tokens']} tok"
+                  f"  KV moved {m['kv_bytes_moved'] / 1e6:8.1f} MB  hit decode "
+                  f"{m['decode_hit_rate']:.0%} prefill {m['prefill_hit_rate']:.0%}")
+    print_targets(targets)
+    print(f"wrote {path}")
+    return result
+
+
+def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Per workload: TTFT p50 / p99 and KV moved, one bar per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(9, 2.6 * len(results) + 0.4),
+                             squeeze=False)
+    for row, (workload, by_policy) in zip(axes, results.items(), strict=True):
+        names = list(by_policy)
+        xs = range(len(names))
+        p50 = [by_policy[n]["ttft_p50_s"] for n in names]
+        p99 = [by_policy[n]["ttft_p99_s"] for n in names]
+        row[0].bar([x - 0.2 for x in xs], p50, width=0.4, label="p50")
+        row[0].bar([x + 0.2 for x in xs], p99, width=0.4, label="p99")
+        row[0].set_ylabel("TTFT (s)")
+        row[0].legend(fontsize=7)
+        row[1].bar(xs, [by_policy[n]["kv_bytes_moved"] / 1e6 for n in names], color="#55a868")
+        row[1].set_ylabel("KV moved (MB)")
+        for ax in row:
+            ax.set_xticks(list(xs), names, fontsize=8)
+            ax.set_title(workload, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
