@@ -12,11 +12,14 @@ Two seeded workloads, each run once per routing policy (``kv_aware``, ``load``,
   ``--users`` requests (system prompt + a ``--question-len``-token question), at most
   ``--concurrency`` in flight, in a seeded random order.
 
-Every worker's KV pool holds ``--cache-fraction`` of the workload's working set (every
-distinct prompt token it will see), so no single worker can cache everything: routing
-decides whether a prefix is found where it lands. That is the regime shared-prefix and
-multi-turn serving lives in; with pools larger than the working set every policy finds
-everything everywhere and routing stops mattering.
+Every worker's KV pool holds ``--cache-fraction`` (default 0.6) of the workload's working
+set (every distinct prompt token it will see): enough for a worker's share when each prefix
+stays on one worker (half of it, plus the requests running), not enough for all of it,
+which is what each worker needs when requests land anywhere. That is the regime
+prefix-heavy serving lives in; with pools larger than the working set every policy finds
+everything everywhere and routing stops mattering. (With 2 decode workers, round_robin
+still lands a conversation's next turn on the worker that served its last one about half
+the time: that sets how far apart the policies can get.)
 
 Per run: TTFT p50/p99 (client side), ITL p99, prompt tokens computed by the workers, KV bytes
 moved prefill -> decode, and hit rates (prompt tokens served from a prefix cache, decode and
@@ -91,28 +94,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, from {', '.join(POLICIES)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated, from {', '.join(WORKLOADS)}")
-    p.add_argument("--conversations", type=int, default=None, help="multi_turn (default 7)")
-    p.add_argument("--turns", type=int, default=None, help="multi_turn (default 8)")
-    p.add_argument("--doc-len", type=int, default=None, help="multi_turn opening context (384)")
+    p.add_argument("--conversations", type=int, default=None, help="multi_turn (default 8)")
+    p.add_argument("--turns", type=int, default=None, help="multi_turn (default 12)")
+    p.add_argument("--doc-len", type=int, default=None, help="multi_turn opening context (512)")
     p.add_argument("--user-len", type=int, default=24, help="multi_turn new message per turn")
     p.add_argument("--think-s", type=float, default=0.3,
                    help="multi_turn: most seconds between an answer and the next turn")
     p.add_argument("--output-len", type=int, default=16, help="answer tokens per request")
     p.add_argument("--system-prompts", type=int, default=None, help="shared_prefix (default 8)")
     p.add_argument("--system-len", type=int, default=None, help="shared_prefix (default 1024)")
-    p.add_argument("--users", type=int, default=None, help="shared_prefix requests (default 48)")
+    p.add_argument("--users", type=int, default=None, help="shared_prefix requests (default 40)")
     p.add_argument("--question-len", type=int, default=48, help="shared_prefix question")
     p.add_argument("--concurrency", type=int, default=4, help="shared_prefix in flight")
-    p.add_argument("--cache-fraction", type=float, default=0.75,
-                   help="each worker's KV pool / the workload's working set (default 0.75)")
+    p.add_argument("--cache-fraction", type=float, default=0.6,
+                   help="each worker's KV pool / the workload's working set (default 0.6)")
 
 
 def _shape(args: argparse.Namespace) -> Shape:
     q = args.quick
-    s = Shape(args.conversations or (5 if q else 7), args.turns or (4 if q else 8),
-              args.doc_len or (128 if q else 384), args.user_len, args.output_len,
-              args.system_prompts or (4 if q else 8), args.system_len or (256 if q else 1024),
-              args.users or (12 if q else 48), args.question_len, args.concurrency,
+    s = Shape(args.conversations or (4 if q else 8), args.turns or (3 if q else 12),
+              args.doc_len or (128 if q else 512), args.user_len, args.output_len,
+              args.system_prompts or (3 if q else 8), args.system_len or (192 if q else 1024),
+              args.users or (8 if q else 40), args.question_len, args.concurrency,
               args.cache_fraction, args.think_s)
     for name, v in asdict(s).items():
         if v < 0 or (v == 0 and name != "think_s"):

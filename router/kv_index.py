@@ -53,9 +53,6 @@ class KVIndex:
         """Track a worker (stale, empty) until its first snapshot."""
         self._workers[worker_id] = _WorkerCache(block_size)
 
-    def forget(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
-
     def invalidate(self, worker_id: str) -> None:
         """The worker restarted or its feed broke: match nothing until the next snapshot."""
         cache = self._workers.get(worker_id)

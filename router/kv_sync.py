@@ -56,11 +56,6 @@ class KVEventSync:
         if self.source is not None and self._reader is None:
             self._reader = asyncio.ensure_future(self._follow_streams())
 
-    def forget(self, worker_id: str) -> None:
-        """A worker is gone for good: nothing may be routed to its cache."""
-        self.index.forget(worker_id)
-        self._cursors.pop(worker_id, None)
-
     def kick(self, slots) -> None:
         """Start a ``refresh`` in the background unless one still runs: the load loop calls
         this every round and never waits on it (a snapshot waits for the worker's current

@@ -341,6 +341,7 @@ class Orchestrator:
             decode = await self._wait_for_decode(len(prompt_ids) + params.max_tokens,
                                                  excluded["decode"], prompt_ids, stream)
             hits = self.kv_index.match(prompt_ids, list(self.prefill))
+            self._note_cached(self.prefill.values())
             view = self.routing.pick_prefill([s.view for s in self.prefill.values()],
                                              len(prompt_ids), excluded["prefill"], hits)
             if view is None:
@@ -463,6 +464,7 @@ class Orchestrator:
             if not live:
                 raise WorkerUnavailableError("no live decode worker")
             hits = self.kv_index.match(prompt_ids, [s.info.worker_id for s in live])
+            self._note_cached(live)
             view = self.routing.pick_decode([s.view for s in live], len(prompt_ids), num_tokens,
                                             exclude, hits)
             if view is not None:
@@ -479,6 +481,11 @@ class Orchestrator:
                                      f"within {self.config.capacity_wait_s:.0f} s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    def _note_cached(self, slots) -> None:
+        """Give the routing its candidates' cache footprints (from the KV index)."""
+        for s in slots:
+            s.view.cached_blocks = self.kv_index.num_cached_blocks(s.info.worker_id)
 
     async def _safe_abort(self, slot: WorkerSlot, rid: str) -> None:
         """Best effort: a worker that cannot be reached frees the reservation by its lease."""

@@ -34,6 +34,8 @@ class WorkerView:
     kv_unreachable_until: float = 0.0
     inflight_blocks: int = 0
     inflight_prefill_tokens: int = 0
+    # Blocks its prefix cache holds, per the router's KV index (running requests' included).
+    cached_blocks: int = 0
     inflight_requests: int = 0
     restarts: int = 0  # times Ray restarted the worker and it rejoined
 
@@ -50,8 +52,16 @@ class WorkerView:
         return self.load.requests_waiting if self.load else 0
 
     @property
+    def occupied_blocks(self) -> int:
+        """Blocks in use or promised: the last report's, with its reservations replaced by
+        the router's own in-flight count when that is larger (a reservation is in both from
+        the worker's reserve until its commit; counting it twice would turn away work)."""
+        reserved = self.load.kv_blocks_reserved if self.load else 0
+        return self.kv_blocks_used - reserved + max(reserved, self.inflight_blocks)
+
+    @property
     def free_blocks(self) -> int:
-        return self.kv_blocks_total - self.kv_blocks_used - self.inflight_blocks
+        return self.kv_blocks_total - self.occupied_blocks
 
     def routable(self, now: float) -> bool:
         """May new work be sent here?"""
@@ -69,9 +79,9 @@ class RoutingConfig:
     ``prefix_weight`` x the prompt tokens it does NOT cache (what it must compute, or for a
     decode worker receive) + ``queue_weight`` x the uncached prompt tokens queued there ahead
     of this one (prefill and colocated workers: a disaggregated decode worker admits
-    arrivals at once, nothing queues) + ``kv_usage_weight`` x its KV pool's used fraction,
-    reservations in flight included, x the prompt length (a nearly full pool costs
-    preemptions). With the default weights (1, 1, 1) a worker holding the
+    arrivals at once, nothing queues) + ``kv_usage_weight`` x its KV pool's used fraction
+    (blocks in use with reservations in flight, or the blocks its prefix cache holds, if more)
+    x the prompt length (a nearly full pool costs preemptions or evicts cached prefixes). With the default weights (1, 1, 1) a worker holding the
     prefix wins unless the work queued on it exceeds the work the prefix saves: a hot
     prefix spills to a cold worker, which then caches it too. Ties go to the least loaded,
     then take turns.
@@ -141,7 +151,10 @@ class Routing:
         """``kv_aware``'s cost of sending this prompt to ``w`` (tokens of work; lower wins)."""
         c = self.config
         missing = max(0, prompt_len - hits.get(w.worker_id, 0) * w.block_size)
-        used = w.kv_blocks_used + w.inflight_blocks
+        # A pool full of cached prefixes is as full for a newcomer as one full of running
+        # requests (it would evict them): cold prompts spread the working set evenly, so
+        # no worker has to cycle more conversations through its cache than it holds.
+        used = max(w.occupied_blocks, w.cached_blocks)
         usage = min(1.0, used / w.kv_blocks_total) if w.kv_blocks_total else 0.0
         return (c.prefix_weight * missing + c.queue_weight * queued_tokens
                 + c.kv_usage_weight * usage * prompt_len)

@@ -191,3 +191,25 @@ def test_kv_aware_ties_take_turns():
     assert [r.pick_decode(views, 40, 48).worker_id for _ in range(4)] == ["a", "b", "a", "b"]
     pre = [_view("p0", role="prefill"), _view("p1", role="prefill")]
     assert {r.pick_prefill(pre, 40).worker_id for _ in range(2)} == {"p0", "p1"}
+
+
+def test_kv_aware_places_cold_prompts_where_the_cache_holds_least():
+    """A pool full of other prompts' cached prefixes is full for a newcomer: cold prompts
+    go to the worker with the smaller cached footprint (the working set spreads evenly)."""
+    r = Routing()
+    views = [_view("a"), _view("b")]
+    views[0].cached_blocks, views[1].cached_blocks = 600, 200
+    assert r.pick_decode(views, 64, 80).worker_id == "b"
+    # ...but a prompt whose prefix a holds still goes to a.
+    assert r.pick_decode(views, 64 * BS, 64 * BS + 8, hits={"a": 60}).worker_id == "a"
+
+
+def test_a_reservation_is_counted_once():
+    """From the worker's reserve to its commit a reservation is both in the last report and
+    in the router's in-flight count: counted twice, it would turn a worker with room away."""
+    v = _view("a")
+    v.load = WorkerLoad("a", "decode", 300, 1000, 0, 0, kv_blocks_reserved=100)
+    v.inflight_blocks = 120  # the 100 the report saw, and 20 not yet reserved there
+    assert v.occupied_blocks == 320 and v.free_blocks == 680
+    v.inflight_blocks = 0  # another router's reservations: the report's count stands
+    assert v.occupied_blocks == 300
