@@ -174,7 +174,11 @@ def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_ll
         await sync.refresh(slots)
         for i, p in enumerate(prompts[4:]):
             await _generate(cluster, p, f"b{i}")
-        await _until(lambda: _index_equals_workers(index, cluster), "the second index")
+        async def caught_up():  # driven as a router's load loop drives its own (4/s)
+            await sync.refresh(slots)
+            return await _index_equals_workers(index, cluster)
+
+        await _until(caught_up, "the second index")
         pulled = sync.snapshots
         await sync.close()
         # Redis goes away: the router's own index keeps up by pulling through Ray.
@@ -187,7 +191,7 @@ def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_ll
 
     try:
         pulled = _run(loop, config, body)
-        assert pulled == 3  # one snapshot per worker, then only the streams
+        assert pulled == 3  # one snapshot per worker, then the streams (and decode-1's pulls)
     finally:
         redis.kill()
 
