@@ -35,6 +35,7 @@ from router.backend import (
     WorkerUnavailableError,
     new_request_id,
 )
+from router.chooser import WorkerChooser
 from router.fanout import TokenFanout
 from router.kv_index import KVIndex
 from router.kv_sync import KVEventSync
@@ -92,7 +93,8 @@ class Orchestrator:
         # Which worker caches which blocks, from the workers' own KV events (kv_sync feeds it).
         self.kv_index = KVIndex(config.prefix_hash_seed)
         self.kv_sync = KVEventSync(self.kv_index, config.call_timeout_s, kv_event_source)
-        self.routing = Routing(config.routing)
+        self.choose = WorkerChooser(Routing(config.routing), self.kv_index,
+                                    config.capacity_wait_s)
         self.usage = UsageCounters()
         self._streams: dict[str, StreamState] = {}
         self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s,
@@ -314,7 +316,8 @@ class Orchestrator:
     async def _submit_colocated(self, stream: StreamState, prompt_ids: list[int], params,
                                 avoid: set[str] = frozenset()) -> None:
         num_tokens = len(prompt_ids) + params.max_tokens
-        slot = await self._wait_for_decode(num_tokens, set(avoid), prompt_ids, stream)
+        slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
+                                        lambda: stream.aborted)
         stream.decode_id, stream.committed = slot.info.worker_id, True
         slot.view.inflight_requests += 1
         try:
@@ -338,19 +341,13 @@ class Orchestrator:
             # now. That makes decode-side preemption rare, not impossible: the reservation
             # holds prompt + 1 token, and outputs of requests routed concurrently grow into
             # the same free blocks; a preempted request is recomputed on its decode worker.
-            decode = await self._wait_for_decode(len(prompt_ids) + params.max_tokens,
-                                                 excluded["decode"], prompt_ids, stream)
-            hits = self.kv_index.match(prompt_ids, list(self.prefill))
-            self._note_cached(self.prefill.values())
-            view = self.routing.pick_prefill([s.view for s in self.prefill.values()],
-                                             len(prompt_ids), excluded["prefill"], hits)
-            if view is None:
-                raise WorkerUnavailableError("no live prefill worker")
-            # The work this prompt queues there: what that worker's cache does not hold.
-            work = max(1, len(prompt_ids) - hits.get(view.worker_id, 0) * view.block_size)
+            decode = await self.choose.decode(self.decode, len(prompt_ids) + params.max_tokens,
+                                              excluded["decode"], prompt_ids,
+                                              lambda: stream.aborted)
+            pslot, work = self.choose.prefill(self.prefill, prompt_ids, excluded["prefill"])
             try:
-                return await self._attempt(stream, self.prefill[view.worker_id], decode,
-                                           prompt_ids, params, attempt, work)
+                return await self._attempt(stream, pslot, decode, prompt_ids, params, attempt,
+                                           work)
             except RetryElsewhere as retry:
                 for slot in retry.exclude:
                     excluded["prefill" if slot.info.role == "prefill" else "decode"].add(
@@ -450,42 +447,6 @@ class Orchestrator:
                 self.health.on_error(worker, e)
             blamed = [worker] if peer is None else [worker, peer]
             raise RetryElsewhere(e, blamed, worker.info.worker_id) from None
-
-    async def _wait_for_decode(self, num_tokens: int, exclude: set[str],
-                               prompt_ids: list[int], stream: StreamState) -> WorkerSlot:
-        """A decode worker with room for ``num_tokens``, chosen by the routing policy for
-        this prompt, waiting (bounded) for capacity to free up."""
-        deadline = time.monotonic() + self.config.capacity_wait_s
-        delay = 0.01
-        while True:
-            if stream.aborted:
-                raise Aborted
-            live = [s for s in self.decode.values() if s.view.alive]
-            if not live:
-                raise WorkerUnavailableError("no live decode worker")
-            hits = self.kv_index.match(prompt_ids, [s.info.worker_id for s in live])
-            self._note_cached(live)
-            view = self.routing.pick_decode([s.view for s in live], len(prompt_ids), num_tokens,
-                                            exclude, hits)
-            if view is not None:
-                return self.decode[view.worker_id]
-            if all(s.info.worker_id in exclude for s in live):
-                exclude.clear()  # every worker refused once: let them try again after a wait
-            if time.monotonic() > deadline:
-                now = time.monotonic()
-                if not any(s.view.routable(now) for s in live):
-                    raise WorkerUnavailableError(
-                        "no reachable decode worker: " + ", ".join(
-                            f"{s.info.worker_id} unreachable" for s in live))
-                raise QueueFullError(f"no decode worker had KV room for {num_tokens} tokens "
-                                     f"within {self.config.capacity_wait_s:.0f} s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
-
-    def _note_cached(self, slots) -> None:
-        """Give the routing its candidates' cache footprints (from the KV index)."""
-        for s in slots:
-            s.view.cached_blocks = self.kv_index.num_cached_blocks(s.info.worker_id)
 
     async def _safe_abort(self, slot: WorkerSlot, rid: str) -> None:
         """Best effort: a worker that cannot be reached frees the reservation by its lease."""

@@ -1,9 +1,51 @@
-"""Run coroutines on one long-lived asyncio loop from synchronous tests (no pytest-asyncio)."""
+"""Run coroutines on one long-lived asyncio loop from synchronous tests (no pytest-asyncio),
+and poll a condition with a deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition",
+               poll_s: float = 0.05) -> None:
+    """Poll ``pred`` until it holds; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} not met within {timeout_s} s"
+        time.sleep(poll_s)
+
+
+def run_cluster(loop: LoopThread, config, body, timeout_s: float = 300.0):
+    """Start a ``router.cluster.Cluster`` of ``config`` on ``loop``, return ``await
+    body(cluster)``, and shut the cluster down on every path."""
+    from router.cluster import Cluster
+
+    async def go():
+        cluster = await Cluster.start(config)
+        try:
+            return await body(cluster)
+        finally:
+            await cluster.shutdown()
+    return loop.run(go(), timeout_s=timeout_s)
+
+
+@contextmanager
+def ray_loop(**ray_init_kw) -> Iterator[LoopThread]:
+    """A local Ray (``ray.init(**ray_init_kw)``, no dashboard, no driver logs) and a
+    ``LoopThread`` for a test module's clusters; both shut down afterwards."""
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False, **ray_init_kw)
+    lt = LoopThread()
+    try:
+        yield lt
+    finally:
+        lt.close()
+        ray.shutdown()
 
 
 class LoopThread:

@@ -23,6 +23,17 @@ MAX_NUM_SEQS = 4
 MAX_WAITING = 4
 
 
+@pytest.fixture
+def own_redis():
+    """A redis-server of this test's own on a free port (tests/redis_server.py); killed after."""
+    from tests.redis_server import OwnRedis
+
+    r = OwnRedis()
+    r.start()
+    yield r
+    r.kill()
+
+
 @pytest.fixture(scope="session")
 def server_loop():
     lt = LoopThread()

@@ -15,8 +15,8 @@ import pytest
 
 from engine import EngineArgs, SamplingParams
 from router.backend import GenerateInput
-from router.cluster import Cluster, ClusterConfig
-from tests.async_util import LoopThread
+from router.cluster import ClusterConfig
+from tests.async_util import ray_loop, run_cluster
 from tests.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
@@ -27,14 +27,8 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def loop():
-    import ray
-
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
-             resources={"prefill_slot": 8, "decode_slot": 8})
-    lt = LoopThread()
-    yield lt
-    lt.close()
-    ray.shutdown()
+    with ray_loop(num_cpus=16, resources={"prefill_slot": 8, "decode_slot": 8}) as lt:
+        yield lt
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +67,7 @@ async def _assert_no_blocks_held(cluster, timeout_s: float = 10.0):
 
 
 def _run_cluster(loop, config, body):
-    async def go():
-        cluster = await Cluster.start(config)
-        try:
-            return await body(cluster)
-        finally:
-            await cluster.shutdown()
-    return loop.run(go(), timeout_s=300)
+    return run_cluster(loop, config, body)
 
 
 def test_32_concurrent_requests_match_transformers_and_colocated(loop, tiny_llama_dir, workload):

@@ -13,11 +13,11 @@ import pytest
 
 from engine import EngineArgs, SamplingParams
 from router.backend import GenerateInput
-from router.cluster import Cluster, ClusterConfig
+from router.cluster import ClusterConfig
 from router.kv_index import KVIndex
 from router.kv_sync import KVEventSync
 from router.policy import RoutingConfig
-from tests.async_util import LoopThread
+from tests.async_util import ray_loop, run_cluster
 from tests.redis_server import OwnRedis
 from tests.tiny_models import hf_greedy, random_prompts
 
@@ -29,14 +29,8 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def loop():
-    import ray
-
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
-             resources={"prefill_slot": 8, "decode_slot": 8})
-    lt = LoopThread()
-    yield lt
-    lt.close()
-    ray.shutdown()
+    with ray_loop(num_cpus=16, resources={"prefill_slot": 8, "decode_slot": 8}) as lt:
+        yield lt
 
 
 def _config(model_dir, prefill_bs: int, decode_bs: int, **kw) -> ClusterConfig:
@@ -47,16 +41,6 @@ def _config(model_dir, prefill_bs: int, decode_bs: int, **kw) -> ClusterConfig:
                 routing=RoutingConfig("kv_aware"))
     base.update(kw)
     return ClusterConfig(**base)
-
-
-def _run(loop, config, body):
-    async def go():
-        cluster = await Cluster.start(config)
-        try:
-            return await body(cluster)
-        finally:
-            await cluster.shutdown()
-    return loop.run(go(), timeout_s=300)
 
 
 async def _generate(cluster, prompt, rid):
@@ -120,7 +104,7 @@ def test_next_turns_reuse_the_decode_workers_prefix(loop, tiny_llama_dir):
                 for rid in decode_of}
         return turns, outs, decode_of, hits, stats
 
-    turns, outs, decode_of, hits, stats = _run(loop, _config(tiny_llama_dir, 16, 8), body)
+    turns, outs, decode_of, hits, stats = run_cluster(loop, _config(tiny_llama_dir, 16, 8), body)
     for i in range(len(convs)):
         refs = hf_greedy(tiny_llama_dir, "llama", turns[i], MAX_TOKENS)
         assert outs[i] == refs, f"conversation {i}"
@@ -139,15 +123,15 @@ def _has_hit(orch, prompt) -> bool:
     return check()
 
 
-def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_llama_dir):
+def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_llama_dir,
+                                                                    own_redis):
     """With Redis: the router's index follows the workers' streams; a worker that cannot
     reach Redis is pulled instead once its stream lags its load reports; a second router's
     index, started later from snapshots + stream replay, converges to the same content; a
     Redis outage falls back to pulling from the workers."""
     from worker_protocol.kv_stream import RedisKVEventSource
 
-    redis = OwnRedis()
-    redis.start()
+    redis = own_redis
     ns = f"pdtest-{uuid.uuid4().hex[:8]}"
     prompts = random_prompts(seed=31, count=8, max_len=70, min_len=20)
     unreachable = OwnRedis()  # never started: decode-1 publishes into the void
@@ -189,11 +173,8 @@ def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_ll
         await _until(lambda: _index_equals_workers(orch.kv_index, cluster), "pulled index")
         return pulled
 
-    try:
-        pulled = _run(loop, config, body)
-        assert pulled == 3  # one snapshot per worker, then the streams (and decode-1's pulls)
-    finally:
-        redis.kill()
+    pulled = run_cluster(loop, config, body)
+    assert pulled == 3  # one snapshot per worker, then the streams (and decode-1's pulls)
 
 
 def _false_stream(orch):

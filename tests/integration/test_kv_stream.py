@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from engine.kv_events import AllCleared, BlockRemoved, BlockStored
+from tests.async_util import wait_until
 from tests.redis_server import OwnRedis
 from worker_protocol.kv_events import KVEventBatch, KVEventLog
 from worker_protocol.kv_stream import (
@@ -28,19 +29,8 @@ from worker_protocol.kv_stream import (
 pytestmark = pytest.mark.redis
 
 
-@pytest.fixture
-def own_redis():
-    r = OwnRedis()
-    r.start()
-    yield r
-    r.kill()
-
-
 def _until(pred, timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"{what} not met within {timeout_s} s"
-        time.sleep(0.01)
+    wait_until(pred, timeout_s, what, poll_s=0.01)
 
 
 def _events(i: int) -> list:

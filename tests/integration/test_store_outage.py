@@ -16,25 +16,15 @@ import pytest
 
 from router.redis_store import RedisStore
 from router.store import JournalEvent, StoreUnavailableError, StreamRecord, make_store
+from tests.async_util import wait_until
 from tests.redis_server import OwnRedis
 from tests.unit.test_store import load, worker
 
 pytestmark = pytest.mark.redis
 
 
-@pytest.fixture
-def own_redis():
-    r = OwnRedis()
-    r.start()
-    yield r
-    r.kill()
-
-
 def _until(pred, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"{what} not met within {timeout_s} s"
-        time.sleep(0.05)
+    wait_until(pred, timeout_s, what)
 
 
 def test_writes_never_block_and_everything_is_written_once_redis_returns(own_redis):
