@@ -86,9 +86,10 @@ class KVConnector:
         self._runner = runner
         self._eos_token_ids = eos_token_ids
         self._clock = clock
-        # request id -> (its pages, the first position that arrives). The lock orders import_layer's page writes against
-        # release: once release returns, no late layer can land in pages now owned by another
-        # request (a receiver thread may still be delivering when a lease expires).
+        # request id -> (its pages, the first position that arrives). The lock orders
+        # import_layer's page writes against release: once release returns, no late layer
+        # can land in pages now owned by another request (a receiver thread may still be
+        # delivering when a lease expires).
         self._reserved: dict[str, tuple[list[int], int]] = {}
         self._lock = threading.Lock()
         self.exporter: Exporter | None = None

@@ -32,7 +32,8 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class AllCleared:
-    """The whole prefix cache is empty (a new process, a reset)."""
+    """The whole prefix cache is empty: a worker process's first batch says so, so a
+    restarted worker's old entries are void (``worker_protocol.kv_events``)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllCleared
@@ -51,14 +52,10 @@ class KVEventRecorder:
     def removed(self, block_hash: int) -> None:
         self._append(BlockRemoved, block_hash)
 
-    def cleared(self) -> None:
-        self._runs = [(AllCleared, [])]  # whatever came before is moot
-
     def drain(self) -> list[KVEvent]:
         """The events since the last drain, oldest first."""
         runs, self._runs = self._runs, []
-        return [AllCleared() if kind is AllCleared else kind(tuple(hashes))
-                for kind, hashes in runs]
+        return [kind(tuple(hashes)) for kind, hashes in runs]
 
     def _append(self, kind: type, block_hash: int) -> None:
         if self._runs and self._runs[-1][0] is kind:
