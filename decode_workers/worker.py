@@ -99,9 +99,8 @@ class DecodeWorker:
         self._transfer_ids = itertools.count(1)
         self._stopped = threading.Event()
         self.kv_bytes_received = 0
-        self._kv_events = WorkerKVEvents(self.worker_id, self.incarnation,
-                                        self.engine.stats().block_size,
-                                        config.kv_events_redis_url, config.kv_events_namespace)
+        self._kv_events = WorkerKVEvents(self.engine, self.worker_id, self.incarnation,
+                                         config.kv_events_redis_url, config.kv_events_namespace)
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
                                on_crash=exit_on_engine_crash(self.worker_id),
                                after_work=self._kv_events.after_work)

@@ -6,9 +6,10 @@ with a chain (parent hash + token ids, seeded so every worker of a cluster agree
 the prefix cache; a freed block keeps its cached content until it is reused (LRU), so a later
 request with the same prefix gets it back without recomputation.
 
-Every change of the prefix cache is recorded as a KV event (``engine.kv_events``: blocks
-stored, blocks evicted) for the router's KV-aware index; ``take_events`` drains them and
-``cached_hashes`` is the snapshot they apply to.
+Once ``record_events()`` is called (a worker whose router indexes its cache), every change
+of the prefix cache is recorded as a KV event (``engine.kv_events``: blocks stored, blocks
+evicted); ``take_events`` drains them and ``cached_hashes`` is the snapshot they apply to.
+Nothing is recorded otherwise (an in-process engine has no reader to drain them).
 
 Invariants the tests check: a block is either free (ref_cnt 0, in the free queue) or owned
 (ref_cnt = number of requests whose table holds it); nothing is freed twice; when every request
@@ -75,7 +76,7 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._reqs: dict[str, _RequestBlocks] = {}
         self.num_prefix_hit_tokens = 0  # cumulative, for metrics
-        self._events = KVEventRecorder()
+        self._events: KVEventRecorder | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -131,9 +132,15 @@ class BlockManager:
         ``take_events`` from here on apply to."""
         return list(self._cached)
 
+    def record_events(self) -> None:
+        """Record the prefix cache's changes from now on (idempotent)."""
+        if self._events is None:
+            self._events = KVEventRecorder()
+
     def take_events(self) -> list[KVEvent]:
-        """The prefix cache's changes since the last call, oldest first."""
-        return self._events.drain()
+        """The prefix cache's changes since the last call, oldest first ([] while not
+        recording)."""
+        return self._events.drain() if self._events is not None else []
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_tokens: int,
@@ -181,7 +188,8 @@ class BlockManager:
                 block.block_hash = h
                 block.token_ids = toks
                 self._cached[h] = block.block_id
-                self._events.stored(h)
+                if self._events is not None:
+                    self._events.stored(h)
 
     def free(self, request_id: str) -> int:
         """Drop the request's references; returns how many blocks became free. Idempotent."""
@@ -228,7 +236,8 @@ class BlockManager:
         if block.block_hash is not None:  # evict its cached content
             if self._cached.get(block.block_hash) == bid:
                 del self._cached[block.block_hash]
-                self._events.removed(block.block_hash)
+                if self._events is not None:
+                    self._events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = ()
         block.ref_cnt = 1

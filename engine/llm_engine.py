@@ -207,6 +207,11 @@ class LLMEngine:
                            sched.num_waiting, self.num_generated_tokens,
                            self.num_prefill_tokens_computed, bm.num_prefix_hit_tokens)
 
+    def record_kv_events(self) -> None:
+        """Record the prefix cache's changes from now on, for ``take_kv_events`` (a worker
+        whose routers index its cache calls this before serving)."""
+        self.block_manager.record_events()
+
     def take_kv_events(self) -> list:
         """The prefix cache's changes since the last call (``engine.kv_events``), oldest
         first. Call on the engine's own thread (the engine loop), e.g. after each step."""

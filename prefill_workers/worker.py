@@ -81,9 +81,8 @@ class PrefillWorker:
         self._layers_sent_total = 0
         self.kv_bytes_sent = 0
         self.engine.kv_connector.exporter = self._export_layer
-        self._kv_events = WorkerKVEvents(self.worker_id, self.incarnation,
-                                        self.engine.stats().block_size,
-                                        config.kv_events_redis_url, config.kv_events_namespace)
+        self._kv_events = WorkerKVEvents(self.engine, self.worker_id, self.incarnation,
+                                         config.kv_events_redis_url, config.kv_events_namespace)
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
                                on_crash=exit_on_engine_crash(self.worker_id),
                                after_work=self._kv_events.after_work)

@@ -134,8 +134,12 @@ class WorkerKVEvents:
     (``since``) and snapshots (``snapshot``, on the engine thread), and publishes to Redis
     Streams as well when ``redis_url`` is set."""
 
-    def __init__(self, worker_id: str, incarnation: str, block_size: int,
+    def __init__(self, engine, worker_id: str, incarnation: str,
                  redis_url: str | None = None, namespace: str = "pdcluster") -> None:
+        """``engine``: the worker's LLMEngine, before its loop starts (its events are
+        recorded from here on)."""
+        engine.record_kv_events()
+        block_size = engine.stats().block_size
         self._close: Callable[[], None] = lambda: None
         sink = None
         if redis_url is not None:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine import EngineArgs, SamplingParams  # noqa: E402
 from router.backend import GenerateInput  # noqa: E402
 from router.cluster import Cluster, ClusterConfig  # noqa: E402
+from router.policy import RoutingConfig  # noqa: E402
 
 MiB = 1 << 20
 
@@ -78,9 +79,12 @@ def _link(cfg: dict, host_ip: str, state: str) -> None:
 
 async def link_down(cfg: dict) -> dict:
     # Each layer's send is held 0.75 s, so the transfer is surely in flight when the link goes.
+    # Load routing: the two requests sent after the cut must land one on each decode worker
+    # (kv_aware would send both to the one that already holds their prompt).
     slow = {"fault_delay_per_layer_s": 0.75}
     cluster = await Cluster.start(_config(cfg, worker_overrides={"prefill-0": slow,
-                                                                 "prefill-1": slow}))
+                                                                 "prefill-1": slow},
+                                          routing=RoutingConfig("load")))
     try:
         hosts = {w.id: w.host for w in await cluster.cluster_status()}
         task = asyncio.ensure_future(_collect(cluster, cfg["prompt"], cfg["max_tokens"], "cut"))
@@ -121,9 +125,11 @@ async def link_down(cfg: dict) -> dict:
 
 
 async def unreachable(cfg: dict) -> dict:
-    # decode-0 wins ties, so the first request is reserved there and must route around it.
+    # Under load routing decode-0 wins ties, so the first request is reserved there and must
+    # route around it.
     cluster = await Cluster.start(_config(
-        cfg, worker_overrides={"decode-0": {"kv_host": cfg["bogus_host"]}}))
+        cfg, worker_overrides={"decode-0": {"kv_host": cfg["bogus_host"]}},
+        routing=RoutingConfig("load")))
     try:
         prompts, n = cfg["prompts"], cfg["max_tokens"]
         t0 = time.time()

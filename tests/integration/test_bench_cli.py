@@ -87,7 +87,8 @@ def test_every_benchmark_is_a_pdcluster_bench_subcommand():
     from router.cli import build_parser
 
     parser = build_parser()
-    for name in ("ceilings", "sweep", "policies", "ttft_breakdown", "disagg", "serve"):
+    for name in ("ceilings", "sweep", "policies", "ttft_breakdown", "disagg", "serve",
+                 "chaos", "prefix"):
         args = parser.parse_args(["bench", name, "--quick"])
         assert callable(args.func) and args.quick and args.out == "bench/results"
     args = parser.parse_args(["bench", "sweep", "--batch-sizes", "1,8", "--baseline", "transformers"])

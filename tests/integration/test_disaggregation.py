@@ -402,6 +402,8 @@ def test_restarted_workers_rejoin_and_serve(loop, tiny_llama_dir, workload):
             while len(got[i]) < 5:
                 got[i] += (await anext(s)).token_ids
         before = {w.id: w for w in await cluster.cluster_status()}
+        orch = cluster.orchestrator
+        old_incarnation = orch.kv_index.cursor("decode-0").incarnation
         for victim in ("decode-0", "prefill-0"):
             os.kill(before[victim].pid, signal.SIGKILL)
 
@@ -420,9 +422,22 @@ def test_restarted_workers_rejoin_and_serve(loop, tiny_llama_dir, workload):
                                          for i, p in enumerate(prompts[:8])])
         loads = {lo.worker_id: lo for lo in await cluster.worker_loads()}
         await _assert_no_blocks_held(cluster)
-        return got, before, after, [warm] + [t for t, _ in results], loads, sent_before, sent_mid
 
-    got, before, after, toks, loads, sent_before, sent_mid = _run_cluster(loop, config, body)
+        async def index_vs_process():  # KV-aware routing's entry for decode-0, and the truth
+            snap = await orch.decode["decode-0"].handle.kv_snapshot.remote()
+            cur = orch.kv_index.cursor("decode-0")
+            return snap, cur, orch.kv_index.num_cached_blocks("decode-0")
+        snap, cur, cached = await _wait_for(
+            index_vs_process, lambda r: (r[1].incarnation, r[1].seq, r[2])
+            == (r[0].incarnation, r[0].seq, len(r[0].block_hashes)), 10)
+        indexed = (old_incarnation, cur.incarnation, cached)
+        return (got, before, after, [warm] + [t for t, _ in results], loads, sent_before,
+                sent_mid, indexed)
+
+    got, before, after, toks, loads, sent_before, sent_mid, indexed = _run_cluster(
+        loop, config, body)
+    # The router's KV index dropped the dead process's entry and follows the new one.
+    assert indexed[0] != indexed[1] and indexed[2] > 0
     assert sent_before["prefill-1"] > 0 and sent_before["decode-0"] == sent_before["prefill-1"]
     assert got == long_refs
     assert toks == [refs[9]] + refs[:8]

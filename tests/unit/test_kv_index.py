@@ -31,6 +31,7 @@ def _replay(events, into: set[int]) -> None:
 def test_events_mirror_the_prefix_cache_through_allocation_and_eviction():
     rng = random.Random(7)
     bm = BlockManager(num_blocks=12, block_size=BS)
+    bm.record_events()
     mirror: set[int] = set()
     live: dict[str, list[int]] = {}
     prefixes = [[rng.randrange(100) for _ in range(4 * BS)] for _ in range(3)]
@@ -213,3 +214,11 @@ def test_a_reservation_is_counted_once():
     assert v.occupied_blocks == 320 and v.free_blocks == 680
     v.inflight_blocks = 0  # another router's reservations: the report's count stands
     assert v.occupied_blocks == 300
+
+
+def test_nothing_is_recorded_without_a_reader():
+    """An in-process engine never drains events: recording them would grow without bound."""
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    bm.allocate_slots("a", 2 * BS)
+    bm.cache_full_blocks("a", list(range(2 * BS)), 2 * BS)
+    assert bm.take_events() == [] and len(bm.cached_hashes()) == 2
