@@ -144,12 +144,11 @@ def test_cluster_serves_through_a_redis_outage(own_redis, tiny_llama_dir):
     stream table ends empty, requests after the outage are served (no 429 storm), the store
     gauge goes 0 then 1, and the registry and the journals of requests that ran during the
     outage are in the restarted Redis."""
-    import ray
 
     from engine import EngineArgs, SamplingParams
     from router.backend import GenerateInput
-    from router.cluster import Cluster, ClusterConfig
-    from tests.async_util import LoopThread
+    from router.cluster import ClusterConfig
+    from tests.async_util import ray_loop, run_cluster
     from tests.tiny_models import hf_greedy, random_prompts
 
     prompts = random_prompts(seed=31, count=40, max_len=40, min_len=4)
@@ -189,22 +188,9 @@ def test_cluster_serves_through_a_redis_outage(own_redis, tiny_llama_dir):
         assert cluster.store.flush(10.0)
         return got, after, up_during, len(cluster.orchestrator._streams)
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             resources={"prefill_slot": 2, "decode_slot": 4})
-    lt = LoopThread()
-
-    async def go():
-        cluster = await Cluster.start(config)
-        try:
-            return await body(cluster)
-        finally:
-            await cluster.shutdown()
-    try:
+    with ray_loop(num_cpus=8, resources={"prefill_slot": 2, "decode_slot": 4}) as lt:
         # Read the restarted Redis before shutdown deregisters the workers: from inside.
-        got, after, up_again, left = lt.run(go(), timeout_s=400)
-    finally:
-        lt.close()
-        ray.shutdown()
+        got, after, up_again, left = run_cluster(lt, config, body, timeout_s=400)
     assert got == refs[:32]
     assert after == refs[32:40]
     assert up_again and left == 0
