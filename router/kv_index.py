@@ -130,6 +130,11 @@ class KVIndex:
             out.append(parent)
         return out
 
+    def cached_hashes(self, worker_id: str) -> frozenset[int]:
+        """The block hashes the index says the worker holds (none while stale or unknown)."""
+        c = self._workers.get(worker_id)
+        return frozenset() if c is None or c.stale else frozenset(c.hashes)
+
     def num_cached_blocks(self, worker_id: str) -> int:
         c = self._workers.get(worker_id)
         return 0 if c is None or c.stale else len(c.hashes)

@@ -65,7 +65,7 @@ async def _index_equals_workers(index: KVIndex, cluster) -> bool:
         cur = index.cursor(slot.info.worker_id)
         if cur is None or cur.stale or cur.seq != snap.seq:
             return False
-        if index._workers[slot.info.worker_id].hashes != set(snap.block_hashes):
+        if index.cached_hashes(slot.info.worker_id) != set(snap.block_hashes):
             return False
     return True
 
