@@ -18,6 +18,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
+from engine.device import kv_pool_bytes, plan_device
 from engine.input_processor import InputProcessor, Prompt
 from engine.kv_connector import KVConnector, StepInfo
 from engine.model_runner import ModelRunner
@@ -42,11 +43,14 @@ class EngineArgs:
     """Everything needed to build an engine; the offline API and the workers share it."""
 
     model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
-    dtype: str = "float32"
+    # "auto": bfloat16 on CUDA, float32 on CPU (engine.device has every default).
+    dtype: str = "auto"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
+    # None: 1 GiB on CPU; on CUDA what the weights leave of gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     batching: str = "continuous"
     dynamic_window_s: float = 0.05
     enable_prefix_caching: bool = True
@@ -59,8 +63,11 @@ class EngineArgs:
     # Workers leave detokenization (and stop strings) to the router, which owns the stream.
     detokenize: bool = True
     device: str = "cpu"  # "cpu", "cuda", "cuda:N", or "auto" (CUDA when available)
-    # Paged-attention implementation (engine.attention): "torch" runs everywhere.
-    attention_backend: str = "torch"
+    # Paged-attention implementation (engine.attention): "torch" runs everywhere,
+    # "flashinfer" on CUDA; "auto" picks flashinfer on CUDA when installed.
+    attention_backend: str = "auto"
+    # Replay decode steps from captured CUDA graphs (None: on for CUDA, off for CPU).
+    cuda_graphs: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -86,10 +93,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, clock: Callable[[], float] = time.monotonic) -> None:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        self.device = resolve_device(args.device)
+        self.plan = plan_device(args.device, args.dtype, args.attention_backend, args.cuda_graphs)
+        self.device = self.plan.device
         resolved = resolve_model(args.model, cache_dir=args.cache_dir)
         self.model_config: ModelConfig = load_model_config(
-            resolved.model_dir, dtype=args.dtype, model_id=resolved.model_id)
+            resolved.model_dir, dtype=self.plan.dtype, model_id=resolved.model_id)
         self.tokenizer = load_tokenizer(resolved.model_dir)
         cfg = self.model_config
         eos = tuple(sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids
@@ -97,24 +105,28 @@ class LLMEngine:
         self.eos_token_ids = eos
         max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
         self.max_model_len = max_len
-        self.cache_config = CacheConfig(
-            block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            enable_prefix_caching=args.enable_prefix_caching, prefix_hash_seed=args.prefix_hash_seed)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.batching, dynamic_window_s=args.dynamic_window_s,
             enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
             max_waiting=args.max_waiting)
-        num_blocks = num_blocks_for_budget(cfg, args.block_size, args.kv_cache_memory_bytes)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} holds no block of "
-                f"{args.block_size} tokens ({cfg.kv_bytes_per_token} bytes per token)")
         model = LlamaForCausalLM(cfg, max_len)
         model.load_hf_state_dict(load_state_dict(resolved.model_dir, getattr(torch, cfg.dtype)))
         self.model = model.to(self.device)
+        # Sized after the weights are on the device: on CUDA the pool takes what they left.
+        pool_bytes = kv_pool_bytes(args.kv_cache_memory_bytes, self.device,
+                                   args.gpu_memory_utilization)
+        self.cache_config = CacheConfig(
+            block_size=args.block_size, kv_cache_memory_bytes=pool_bytes,
+            enable_prefix_caching=args.enable_prefix_caching, prefix_hash_seed=args.prefix_hash_seed)
+        num_blocks = num_blocks_for_budget(cfg, args.block_size, pool_bytes)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={pool_bytes} holds no block of "
+                f"{args.block_size} tokens ({cfg.kv_bytes_per_token} bytes per token)")
         self.runner = ModelRunner(model, self.cache_config, num_blocks,
-                                  attention_backend=args.attention_backend)
+                                  attention_backend=self.plan.attention_backend,
+                                  cuda_graphs=self.plan.cuda_graphs)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
                                      max_kv_tokens=num_blocks * args.block_size)
         self.block_manager = BlockManager(num_blocks, args.block_size,
@@ -275,15 +287,3 @@ class LLMEngine:
             self._detok.pop(req.request_id, None)
             self._prompts.pop(req.request_id, None)
         return out
-
-
-def resolve_device(name: str) -> torch.device:
-    """``EngineArgs.device`` -> a torch device; ValueError for CUDA on a machine without it."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {name!r}; use cpu, cuda or auto")
-    return device

@@ -46,7 +46,7 @@ class ModelRunner:
     """Executes scheduled steps. Not thread-safe: one engine loop drives it."""
 
     def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, num_blocks: int,
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", cuda_graphs: bool = False) -> None:
         cfg: ModelConfig = model.cfg
         self.model = model
         self.cfg = cfg
@@ -55,6 +55,7 @@ class ModelRunner:
         dtype = getattr(torch, cfg.dtype)
         self.device = model.embed.weight.device  # the model is already where it will run
         self.attn_backend = create_backend(attention_backend, self.device)
+        self.use_cuda_graphs = cuda_graphs
         shape = (num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
                           for _ in range(cfg.num_layers)]

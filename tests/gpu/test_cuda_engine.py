@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import resolve_device
+from engine.device import resolve_device
 from tests.tiny_models import VOCAB
 
 pytestmark = [pytest.mark.gpu,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm_engine import resolve_device
+from engine.device import resolve_device
 
 
 def test_cpu_and_auto():
