@@ -42,22 +42,27 @@ def _gloo_sender(addr, layout, sizes, reps) -> None:
 
 
 def bench_gloo(sizes: list[int], reps: int) -> dict[int, float]:
+    """GB/s per size: the mean over ``reps`` back-to-back transfers after one warm-up.
+
+    Every transfer is expected before the sender starts: as in the cluster, where the spec
+    comes from the receiver, a receiver expects a transfer before its first layer is sent
+    (one it does not expect is read and dropped)."""
     layout = KVLayout("bench", "float32", NUM_LAYERS, HEADS, HEAD_DIM)
     rx = TorchDistReceiver("bench-decode", layout, timeout_s=60)
+    plan = [[_spec(i * (reps + 1) + r, size, layout) for r in range(reps + 1)]
+            for i, size in enumerate(sizes)]
+    for specs in plan:
+        for spec in specs:
+            rx.expect(spec, "bench-prefill", lambda *_: None)
     p = mp.get_context("spawn").Process(target=_gloo_sender, args=(rx.address, layout, sizes, reps))
     p.start()
-    out, i = {}, 0
-    for size in sizes:
-        times = []
-        for rep in range(reps + 1):  # the first one per size warms up (and builds the group)
-            spec = _spec(i, size, layout)
-            t0 = time.perf_counter()
-            rx.expect(spec, "bench-prefill", lambda *_: None)
+    out = {}
+    for size, specs in zip(sizes, plan, strict=True):
+        rx.wait(specs[0].request_id, 60)  # the warm-up (the first one also builds the group)
+        t0 = time.perf_counter()
+        for spec in specs[1:]:
             rx.wait(spec.request_id, 60)
-            if rep:
-                times.append(time.perf_counter() - t0)
-            i += 1
-        out[size] = size * 2**20 / min(times) / 1e9
+        out[size] = size * 2**20 * reps / (time.perf_counter() - t0) / 1e9
     p.join(60)
     rx.close()
     return out

@@ -80,11 +80,14 @@ class DecodeWorker:
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
         self.layout = KVLayout.from_model_config(self.engine.model_config)
+        # NCCL into the GPU, or gloo (layers arrive in host memory; importing them into the
+        # pages copies them to the cache's device): the launcher chose (WorkerConfig.kv_transport).
+        self.kv_transport = config.transport_for(self.engine.device.type)
+        kv_device = self.engine.device if self.kv_transport == "nccl" else "cpu"
         self.kv_host = kv_host_for(self.worker_id, config.kv_host, config.kv_interface,
-                                   self.engine.device.type)
-        # NCCL on GPU, gloo on CPU: the transport follows the engine's device.
+                                   "cuda" if self.kv_transport == "nccl" else "cpu")
         self.receiver = (TorchDistReceiver(self.worker_id, self.layout, host=self.kv_host.address,
-                                           device=self.engine.device,
+                                           device=kv_device,
                                            timeout_s=config.transfer_timeout_s)
                          if config.role == "decode" else None)
         self.delivery = TokenDelivery(self.worker_id)
@@ -115,7 +118,8 @@ class DecodeWorker:
                           self.layout, stats.kv_blocks_total, stats.block_size,
                           self.engine.max_model_len,
                           self.receiver.address if self.receiver else None,
-                          current_node_ip(), self.kv_host.address, self.incarnation)
+                          current_node_ip(), self.kv_host.address, self.incarnation,
+                          self.kv_transport)
 
     def load(self, router_id: str = "") -> WorkerLoad:
         """``router_id``: the router asking (its reports say it is alive: see delivery)."""

@@ -11,7 +11,7 @@ Defaults, by device:
 setting                       CPU                  CUDA
 ============================  ===================  ====================================
 ``dtype="auto"``              float32              bfloat16
-``attention_backend="auto"``  torch                flashinfer if importable, else torch
+``attention_backend="auto"``  torch                flashinfer if installed (bf16/fp16)
 ``cuda_graphs=None``          off (no CUDA)        on
 ``kv_cache_memory_bytes=None``  1 GiB              ``gpu_memory_utilization`` of the
                                                    device less this worker's weights
@@ -67,15 +67,17 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_attention_backend(name: str, device: torch.device,
+def resolve_attention_backend(name: str, device: torch.device, dtype: str = "bfloat16",
                               have_flashinfer: Callable[[], bool] = flashinfer_available) -> str:
     """``"auto"`` -> flashinfer on CUDA when installed (else torch, with a warning), torch on
-    CPU. ``"flashinfer"`` without CUDA, or without the package, is a ValueError."""
+    CPU and for float32 (FlashInfer has no fp32 kernels; fp32 on a GPU is the exactness
+    check against the CPU engine). ``"flashinfer"`` without CUDA, without the package, or
+    with float32 is a ValueError."""
     if name not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(f"unknown attention backend {name!r}; "
                          f"choose from {', '.join(ATTENTION_BACKEND_CHOICES)}")
     if name == "auto":
-        if device.type != "cuda":
+        if device.type != "cuda" or dtype == "float32":
             return "torch"
         if have_flashinfer():
             return "flashinfer"
@@ -86,6 +88,9 @@ def resolve_attention_backend(name: str, device: torch.device,
         if device.type != "cuda":
             raise ValueError("attention backend 'flashinfer' needs a CUDA device "
                              f"(this engine runs on {device.type}); use 'torch' or 'auto'")
+        if dtype == "float32":
+            raise ValueError("attention backend 'flashinfer' has no float32 kernels: use "
+                             "dtype bfloat16 or float16, or the 'torch' backend")
         if not have_flashinfer():
             raise ValueError("attention backend 'flashinfer' needs the flashinfer package: "
                              "pip install 'pdcluster[gpu]'")
@@ -155,6 +160,6 @@ def plan_device(device: str, dtype: str, attention_backend: str,
                 cuda_graphs: bool | None) -> DevicePlan:
     """Resolve every "auto"; ValueError naming the first setting this machine cannot honour."""
     dev = resolve_device(device)
-    return DevicePlan(dev, resolve_dtype(dtype, dev),
-                      resolve_attention_backend(attention_backend, dev),
+    dt = resolve_dtype(dtype, dev)
+    return DevicePlan(dev, dt, resolve_attention_backend(attention_backend, dev, dt),
                       resolve_cuda_graphs(cuda_graphs, dev))

@@ -126,7 +126,8 @@ class LLMEngine:
                 f"{args.block_size} tokens ({cfg.kv_bytes_per_token} bytes per token)")
         self.runner = ModelRunner(model, self.cache_config, num_blocks,
                                   attention_backend=self.plan.attention_backend,
-                                  cuda_graphs=self.plan.cuda_graphs)
+                                  cuda_graphs=self.plan.cuda_graphs,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=max_len)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
                                      max_kv_tokens=num_blocks * args.block_size)
         self.block_manager = BlockManager(num_blocks, args.block_size,

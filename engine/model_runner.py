@@ -4,29 +4,46 @@ Owns the KV cache tensors (one ``[num_blocks, 2, block_size, kv_heads, head_dim]
 the model weights and the attention backend. Each step it builds one ``AttentionMetadata`` and
 plans the backend once; every layer then reuses that plan. Chunks are laid out decode-first so
 all single-token queries share one batched attention call.
+
+Decode-only steps may be padded to a batch-size bucket (``engine.cuda_graphs``): on CUDA with
+the FlashInfer backend they replay a captured CUDA graph; elsewhere padding is off unless a
+test asks for it (``pad_decode_batches=True`` runs the padded batch eagerly).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionMetadata, SeqSlice, build_metadata, create_backend
+from engine.attention.backend import (
+    AttentionMetadata,
+    AttentionShape,
+    SeqSlice,
+    build_metadata,
+    create_backend,
+)
 from engine.attention.torch_paged import gather_kv
 from engine.config import CacheConfig, ModelConfig, cdiv
+from engine.cuda_graphs import PAD_TOKEN_ID, CudaGraphRunner, DecodePadding, decode_buckets
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.sampling import SampleRow, sample
 from engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
+log = logging.getLogger(__name__)
+_logged_torch_graphs_off = False  # log that once per process, not once per engine
+
 
 @dataclass(frozen=True)
 class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
+    input_ids: torch.Tensor  # [T] int64 (padded rows included)
     meta: AttentionMetadata  # on the host; meta.positions: [T]
     order: list[ScheduledChunk]  # chunks in batch order
     sample_rows: list[int]  # hidden-state row of each sampled chunk's last token
     sample_chunks: list[ScheduledChunk]
+    # Decode-only step padded to this many sequences (dummies after the real ones); None: eager.
+    bucket: int | None = None
 
 
 def _sample_rows_apart(logits: torch.Tensor, rows: list[SampleRow],
@@ -43,10 +60,21 @@ def _sample_rows_apart(logits: torch.Tensor, rows: list[SampleRow],
 
 
 class ModelRunner:
-    """Executes scheduled steps. Not thread-safe: one engine loop drives it."""
+    """Executes scheduled steps. Not thread-safe: one engine loop drives it.
+
+    ``num_blocks`` is what the block manager hands out. With decode padding on (CUDA graphs
+    running, or ``pad_decode_batches=True``) the KV caches hold ``num_blocks + 1`` pages: page
+    ``num_blocks`` is the scratch page padded rows write to, which no request ever gets.
+    CUDA graphs run only with the FlashInfer backend (the torch backend's plan has
+    data-dependent shapes); they are captured here, for buckets up to ``max_num_seqs``, with
+    room for ``max_model_len`` tokens per sequence (default: the model's context).
+    """
 
     def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, num_blocks: int,
-                 attention_backend: str = "torch", cuda_graphs: bool = False) -> None:
+                 attention_backend: str = "torch", cuda_graphs: bool = False,
+                 max_num_seqs: int = 32, max_model_len: int | None = None,
+                 pad_decode_batches: bool | None = None) -> None:
+        global _logged_torch_graphs_off
         cfg: ModelConfig = model.cfg
         self.model = model
         self.cfg = cfg
@@ -54,26 +82,55 @@ class ModelRunner:
         self.num_blocks = num_blocks
         dtype = getattr(torch, cfg.dtype)
         self.device = model.embed.weight.device  # the model is already where it will run
-        self.attn_backend = create_backend(attention_backend, self.device)
+        self.attn_backend = create_backend(
+            attention_backend, self.device,
+            AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype))
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device (the model is on {self.device})")
+        if cuda_graphs and attention_backend != "flashinfer":
+            if not _logged_torch_graphs_off:
+                log.info("CUDA graphs off: the %r attention backend plans data-dependent shapes "
+                         "each step; they need the flashinfer backend", attention_backend)
+                _logged_torch_graphs_off = True
+            cuda_graphs = False
         self.use_cuda_graphs = cuda_graphs
-        shape = (num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        pad = cuda_graphs if pad_decode_batches is None else pad_decode_batches
+        self.decode_padding = (DecodePadding(decode_buckets(max_num_seqs), scratch_page=num_blocks)
+                               if pad else None)
+        num_pages = num_blocks + 1 if pad else num_blocks
+        shape = (num_pages, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
                           for _ in range(cfg.num_layers)]
         self.eos_token_ids = cfg.eos_token_ids
+        self.graph_runner: CudaGraphRunner | None = None
+        if cuda_graphs:
+            assert self.decode_padding is not None
+            max_pages = cdiv(max_model_len or cfg.max_model_len, self.block_size)
+            self.graph_runner = CudaGraphRunner(model, self.kv_caches, self.attn_backend,
+                                                self.decode_padding, self.block_size, max_pages)
+            self.graph_runner.capture()
 
     @property
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+    def prepare(self, sched: SchedulerOutput, allow_padding: bool = True) -> StepInputs:
+        """The step's tensors, decode-first; a decode-only step is padded to its bucket when
+        decode padding is on and ``allow_padding``."""
         decodes = [c for c in sched.chunks if c.num_tokens == 1]
         prefills = [c for c in sched.chunks if c.num_tokens > 1]
         order = decodes + prefills
         ids: list[int] = []
         for c in order:
             ids.extend(c.token_ids)
-        meta = build_metadata([SeqSlice(c.block_ids, c.start_pos, c.num_tokens) for c in order],
-                              self.block_size)
+        seqs = [SeqSlice(c.block_ids, c.start_pos, c.num_tokens) for c in order]
+        bucket = None
+        if self.decode_padding is not None and allow_padding:
+            bucket = self.decode_padding.bucket_for(seqs)
+            if bucket is not None:
+                seqs = self.decode_padding.pad(seqs, bucket)
+                ids.extend([PAD_TOKEN_ID] * (bucket - len(order)))
+        meta = build_metadata(seqs, self.block_size)
         sample_rows, sample_chunks = [], []
         row = 0
         for c in order:
@@ -81,7 +138,8 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(row - 1)
                 sample_chunks.append(c)
-        return StepInputs(torch.tensor(ids, dtype=torch.int64), meta, order, sample_rows, sample_chunks)
+        return StepInputs(torch.tensor(ids, dtype=torch.int64), meta, order, sample_rows,
+                          sample_chunks, bucket)
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                  layer_hook: LayerHook | None = None) -> torch.Tensor:
@@ -97,8 +155,12 @@ class ModelRunner:
         """Run one step; returns the sampled token of every chunk with ``sample=True``."""
         if sched.is_empty:
             return ModelRunnerOutput()
-        inp = self.prepare(sched)
-        hidden = self._forward(inp.input_ids, inp.meta, layer_hook)
+        # A layer hook (KV export) must run between layers: never inside a replayed graph.
+        inp = self.prepare(sched, allow_padding=layer_hook is None)
+        if inp.bucket is not None and self.graph_runner is not None:
+            hidden = self.graph_runner.run(inp.input_ids, inp.meta)
+        else:
+            hidden = self._forward(inp.input_ids, inp.meta, layer_hook)
         if not inp.sample_rows:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inp.sample_rows])

@@ -8,7 +8,6 @@ from kv_transfer.protocol import (
     KVTransferError,
     KVTransferSpec,
     KVTransferTimeout,
-    make_tag,
 )
 from kv_transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from kv_transfer.transport import KVReceiver, KVSender, OnLayer, PeerAddress
@@ -16,5 +15,5 @@ from kv_transfer.transport import KVReceiver, KVSender, OnLayer, PeerAddress
 __all__ = [
     "KVHandshakeError", "KVLayout", "KVPeerUnreachableError", "KVReceiver", "KVSender", "KVTransferAborted",
     "KVTransferError", "KVTransferSpec", "KVTransferTimeout", "OnLayer", "PeerAddress",
-    "TorchDistReceiver", "TorchDistSender", "make_tag",
+    "TorchDistReceiver", "TorchDistSender",
 ]

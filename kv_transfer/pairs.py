@@ -1,13 +1,21 @@
 """Pairwise process groups: one 2-rank gloo/NCCL group per (prefill, decode) pair.
 
 Owns building a pair's group over a PrefixStore, closing it on purpose (which wakes every
-blocked wait on both sides), and the per-worker cache of live pairs with the orphan reaper.
-``torch_dist`` builds the sender and receiver on top of this.
+blocked wait on both sides), and the per-worker cache of live pairs with the stall watchdog.
+``kv_transfer.sender`` and ``kv_transfer.receiver`` build on this.
+
+NCCL error handling is chosen on purpose: a pair's group waits forever (the receiver always
+has a header receive posted, even on an idle pair, and deadlines are enforced in Python), and
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` makes an NCCL error abort that communicator only. Torch's
+default (3) tears the whole process down, so one cut link would take a worker and every
+request on it with it. The heartbeat monitor, which kills a process whose NCCL watchdog looks
+stuck, is off for the same reason. An operator's own setting of either variable wins.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,6 +24,10 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.protocol import KILL_TAG, KVLayout
+
+FOREVER = datetime.timedelta(days=7)  # a data wait must never be what closes a pair
+# See the module docstring: an NCCL error aborts the pair's communicator, never the process.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
 
 
 def gen_key(p: str) -> str:
@@ -37,7 +49,6 @@ class Pair:
     store: dist.Store  # a private client connection the group was built on
     dead: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
-    posted: set = field(default_factory=set)  # TransferStates with data ops still outstanding
 
 
 def build_group(store: dist.Store, prefill_id: str, decode_id: str, gen: int, rank: int,
@@ -47,8 +58,11 @@ def build_group(store: dist.Store, prefill_id: str, decode_id: str, gen: int, ra
     prefix = dist.PrefixStore(f"pair/{prefill_id}/{decode_id}/{gen}", store)
     timeout = datetime.timedelta(seconds=max(timeout_s, 0.1))
     if device.type == "cuda":
+        for name, value in NCCL_ENV.items():
+            os.environ.setdefault(name, value)  # read when the group is built
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        # The watchdog must never time a wait out: an idle pair always has a receive posted.
+        opts._timeout = FOREVER
         return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
@@ -72,22 +86,21 @@ def kill_pair(pair: Pair, device: torch.device) -> None:
 
 
 class PairOwner:
-    """Shared by both sides: the cached pairs, discarding them, and reaping orphans."""
+    """Shared by both sides: the cached pairs, discarding them, and the stall watchdog."""
 
     def __init__(self, worker_id: str, layout: KVLayout, device: str | torch.device,
-                 timeout_s: float, orphan_ttl_s: float) -> None:
+                 timeout_s: float) -> None:
         self.worker_id = worker_id
         self.layout = layout
         self.device = torch.device(device)
         self.timeout_s = timeout_s
-        self.orphan_ttl_s = orphan_ttl_s
         self._lock = threading.Lock()
         self._pairs: dict[str, Pair] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
         self._closed = threading.Event()
-        self._reaper = threading.Thread(target=self._reap_loop, daemon=True,
-                                        name=f"kv-reaper-{worker_id}")
-        self._reaper.start()
+        self._watchdog = threading.Thread(target=self._watch_loop, daemon=True,
+                                          name=f"kv-watchdog-{worker_id}")
+        self._watchdog.start()
 
     def live_pairs(self) -> dict[str, int]:
         """Peer id -> generation of the live group with it (operators, failure tests)."""
@@ -99,6 +112,7 @@ class PairOwner:
             return self._peer_locks.setdefault(peer_id, threading.Lock())
 
     def _discard(self, pair: Pair, retire_store: dist.Store | None) -> None:
+        """Retire the pair (the peer then builds a new generation) and close its connection."""
         with pair.lock:
             if pair.dead:
                 return
@@ -120,20 +134,9 @@ class PairOwner:
     def _check_stalls(self, now: float) -> None:
         """Fail transfers that stopped making progress (the receiver overrides this)."""
 
-    def _reap_loop(self) -> None:
-        # A transfer aborted before its data arrived keeps a posted op (and its buffer) alive;
-        # when only such orphans remain on a pair for orphan_ttl_s, recycle the pair to free them.
+    def _watch_loop(self) -> None:
         while not self._closed.wait(0.2):
-            now = time.monotonic()
-            self._check_stalls(now)
-            with self._lock:
-                pairs = list(self._pairs.values())
-            for pair in pairs:
-                with pair.lock:
-                    posted = list(pair.posted)
-                if posted and all(getattr(t, "aborted_at", None) is not None
-                                  and now - t.aborted_at > self.orphan_ttl_s for t in posted):
-                    self._discard(pair, self._control_store(pair))
+            self._check_stalls(time.monotonic())
 
     def _close_pairs(self) -> None:
         self._closed.set()
@@ -141,4 +144,4 @@ class PairOwner:
             pairs = list(self._pairs.values())
         for pair in pairs:
             self._discard(pair, self._control_store(pair))
-        self._reaper.join()
+        self._watchdog.join()

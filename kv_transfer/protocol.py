@@ -1,9 +1,10 @@
-"""KV-transfer protocol: layouts, transfer specs, the handshake check, wire shape and tags.
+"""KV-transfer protocol: layouts, transfer specs, the handshake check and the wire shape.
 
-Pure dataclasses and functions (no I/O). The transport (``torch_dist``) and the
-workers share these definitions, so a prefill and a decode worker agree on what one transfer is:
-one message per layer, a tensor ``[2, num_tokens, num_kv_heads, head_dim]`` (K then V,
-token-contiguous) in the layout's dtype, tagged by ``(transfer_id, layer)``.
+Pure dataclasses and functions (no I/O). The transport (``kv_transfer.sender`` /
+``kv_transfer.receiver``, wire format in ``kv_transfer.wire``) and the workers share these
+definitions, so a prefill and a decode worker agree on what one transfer is: one message per
+layer, a tensor ``[2, num_tokens, num_kv_heads, head_dim]`` (K then V, token-contiguous) in
+the layout's dtype, announced by a header naming ``(transfer_id, layer)``.
 """
 
 from __future__ import annotations
@@ -16,13 +17,8 @@ import torch
 
 from engine.config import DTYPE_BYTES
 
-# Tag = (transfer_id mod 2**20) * 1024 + layer: unique among in-flight transfers of one pair as
-# long as fewer than 2**20 transfers are in flight at once and a model has at most 1024 layers.
-TAG_TRANSFER_MODULUS = 2**20
-MAX_LAYERS = 1024
-# Reserved tag, above every data tag, used only to tear a pair's connection down on purpose.
+# Reserved tag, used only to tear a pair's gloo connection down on purpose (data uses tag 0).
 KILL_TAG = 2**31 - 1
-
 
 
 class KVHandshakeError(ValueError):
@@ -63,8 +59,6 @@ class KVLayout:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
-        if self.num_layers > MAX_LAYERS:
-            raise ValueError(f"KVLayout.num_layers {self.num_layers} exceeds the tag limit {MAX_LAYERS}")
 
     @classmethod
     def from_model_config(cls, cfg: Any) -> KVLayout:
@@ -97,8 +91,8 @@ class KVLayout:
 @dataclass(frozen=True)
 class KVTransferSpec:
     """One request's prompt-KV transfer. The router assigns the request id; the receiving
-    decode worker assigns the transfer id (the message tags), because it alone sees every
-    transfer into it when several routers reserve at once, and ``start_token``: the prompt
+    decode worker assigns the transfer id (named in every layer's header), because it alone
+    sees every transfer into it when several routers reserve at once, and ``start_token``: the prompt
     positions before it are already in its own prefix cache, so the transfer carries
     positions ``[start_token, start_token + num_tokens)`` only (the prefill worker neither
     reads nor sends the rest)."""
@@ -135,13 +129,6 @@ class KVTransferSpec:
         for d in self.layer_shape:
             n *= d
         return n * self.layout.torch_dtype.itemsize
-
-
-def make_tag(transfer_id: int, layer: int) -> int:
-    """Message tag for (transfer_id, layer); unique while < 2**20 transfers are in flight."""
-    if not 0 <= layer < MAX_LAYERS:
-        raise ValueError(f"layer {layer} out of range [0, {MAX_LAYERS})")
-    return (transfer_id % TAG_TRANSFER_MODULUS) * MAX_LAYERS + layer
 
 
 def check_layer_tensor(spec: KVTransferSpec, layer: int, kv: torch.Tensor) -> None:

@@ -96,15 +96,24 @@ class TransferState:
     def __init__(self, spec: KVTransferSpec) -> None:
         self.spec = spec
         self.done = threading.Event()
+        self._lock = threading.Lock()  # orders fail() against complete()
         self.error: BaseException | None = None
         self.aborted = False
         self.num_layers_done = 0
 
     def fail(self, error: BaseException) -> None:
-        """Record the first error and wake waiters."""
-        if self.error is None:
+        """Record the error and wake waiters, unless the transfer already ended (completed
+        or failed): a pair closing after a transfer completed must not fail it after the fact."""
+        with self._lock:
+            if self.done.is_set():
+                return
             self.error = error
-        self.done.set()
+            self.done.set()
+
+    def complete(self) -> None:
+        """Every layer is through: wake waiters (no-op if the transfer already failed)."""
+        with self._lock:
+            self.done.set()
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

@@ -70,9 +70,13 @@ class PrefillWorker:
         args = dataclasses.replace(config.engine_args, detokenize=False)
         self.engine = LLMEngine(args)
         self.layout = KVLayout.from_model_config(self.engine.model_config)
+        # NCCL from the GPU, or gloo (a GPU engine's layers staged through host memory):
+        # the launcher chose (WorkerConfig.kv_transport).
+        self.kv_transport = config.transport_for(self.engine.device.type)
+        kv_device = self.engine.device if self.kv_transport == "nccl" else "cpu"
         self.kv_host = kv_host_for(self.worker_id, config.kv_host, config.kv_interface,
-                                   self.engine.device.type)
-        self.sender = TorchDistSender(self.worker_id, self.layout, device=self.engine.device,
+                                   "cuda" if self.kv_transport == "nccl" else "cpu")
+        self.sender = TorchDistSender(self.worker_id, self.layout, device=kv_device,
                                       timeout_s=config.transfer_timeout_s,
                                       host=self.kv_host.address)
         self._pending: dict[str, _Pending] = {}
@@ -91,7 +95,8 @@ class PrefillWorker:
         stats = self.engine.stats()
         return WorkerInfo(self.worker_id, "prefill", current_node_id(), os.getpid(), self.layout,
                           stats.kv_blocks_total, stats.block_size, self.engine.max_model_len,
-                          None, current_node_ip(), self.kv_host.address, self.incarnation)
+                          None, current_node_ip(), self.kv_host.address, self.incarnation,
+                          self.kv_transport)
 
     def load(self, router_id: str = "") -> WorkerLoad:
         s = self.engine.stats()

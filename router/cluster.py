@@ -4,9 +4,13 @@
 ``cluster = await Cluster.start(ClusterConfig(...))`` then ``cluster.generate(...)``. It owns
 its workers (``router.launcher`` spawns them or re-attaches to a deployment's; ``shutdown``
 ends them unless they are kept for the next router) and, if it started Ray itself, Ray too.
-Placement: CPU workers ask for ``num_cpus``; on GPU nodes ``num_gpus=1``; and each role asks
-for its custom resource (``prefill_slot`` / ``decode_slot``) when the cluster defines it, so
-separate prefill and decode node types each get the right workers.
+Placement: CPU workers ask for ``num_cpus``; with GPUs each asks for one, or a fraction of
+one when there are fewer GPUs than workers (router.placement.plan_gpu_share; KV then moves
+over gloo instead of NCCL); and each role asks for its custom resource (``prefill_slot`` /
+``decode_slot``) when the cluster defines it, so separate prefill and decode node types each
+get the right workers. Everything that cannot work fails start-up with a message naming it
+(PlacementError before spawning, StartupError for a worker that cannot start) instead of
+waiting for workers Ray will never place.
 """
 
 from __future__ import annotations
@@ -38,10 +42,17 @@ from router.launcher import (
     Placement,
     StartupError,
     WorkerLauncher,
+    death_cause,
     join_ray,
 )
 from router.orchestrator import Orchestrator, OrchestratorConfig
-from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE, RoleNeed, check_placement
+from router.placement import (
+    DECODE_RESOURCE,
+    PREFILL_RESOURCE,
+    RoleNeed,
+    check_placement,
+    plan_gpu_share,
+)
 from router.policy import RoutingConfig
 from router.worker_health import is_restarting
 from worker_protocol import (
@@ -68,7 +79,9 @@ class ClusterConfig:
     redis_url: str | None = None
     store_namespace: str = "pdcluster"  # Redis key prefix (several clusters can share a Redis)
     worker_num_cpus: float = 1.0
-    use_gpus: bool | None = None  # None: use GPUs when the cluster has them
+    # None: use GPUs when the cluster has them; True: require them (start-up fails without);
+    # False: CPU workers. Fewer GPUs than workers: each worker gets a share of one.
+    use_gpus: bool | None = None
     transfer_timeout_s: float = 30.0
     lease_s: float = 30.0
     max_inflight_requests: int = 1024
@@ -174,11 +187,16 @@ class Cluster:
                                     DECODE_RESOURCE: cfg.num_decode_workers})
                 self._started_ray = True
         self._progress("ray")
+        # First, before loading anything: a cluster that cannot host the workers fails now.
+        placement = self._plan_placement()
         self.store = make_store(cfg.redis_url, namespace=cfg.store_namespace,
                                 require=cfg.require_redis)
         resolved = resolve_model(cfg.model, cache_dir=cfg.decode_engine.cache_dir)
         self._progress("model")
-        model_cfg = load_model_config(resolved.model_dir, dtype=cfg.decode_engine.dtype,
+        # The KV dtype the workers will really use ("auto" is bfloat16 on GPU, float32 on
+        # CPU): the layout every transfer is checked against must say the same.
+        model_cfg = load_model_config(resolved.model_dir,
+                                      dtype=placement.kv_dtype(cfg.decode_engine.dtype),
                                       model_id=resolved.model_id)
         model_path = str(resolved.model_dir)  # workers load the converted dir: no re-conversion
         tokenizer = load_tokenizer(resolved.model_dir)
@@ -190,7 +208,6 @@ class Cluster:
                       for i in range(cfg.num_prefill_workers)]
         role = "decode" if cfg.mode == "disaggregated" else "colocated"
         specs += [(f"decode-{i}", role, cfg.decode_engine) for i in range(cfg.num_decode_workers)]
-        placement = self._plan_placement()
         wanted = [self.launcher.worker_config(wid, r, dataclasses.replace(args, model=model_path),
                                       placement) for wid, r, args in specs]
         handles = [self.launcher.attach(w) or self.launcher.spawn(w, placement) for w in wanted]
@@ -219,8 +236,8 @@ class Cluster:
         self.orchestrator = orch
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
         for i in infos:  # one line per worker: operators (and the placement test) read these
-            log.info("worker %s role=%s node=%s host=%s kv=%s pid=%d", i.worker_id, i.role,
-                     i.node_id, i.node_ip, i.kv_host, i.pid)
+            log.info("worker %s role=%s node=%s host=%s kv=%s transport=%s pid=%d",
+                     i.worker_id, i.role, i.node_id, i.node_ip, i.kv_host, i.kv_transport, i.pid)
 
     def _kv_event_source(self):
         """With Redis, routers read the workers' KV events from its streams (the workers
@@ -234,19 +251,20 @@ class Cluster:
 
     def _plan_placement(self) -> Placement:
         """Check, before spawning anything, that the Ray cluster can host every worker, and
-        decide what every worker shares: GPUs or not, role resources or not, KV address."""
+        decide what every worker shares: its GPU share and KV transport, role resources or
+        not, KV address. Raises PlacementError naming what is missing."""
         import ray
 
         cfg = self.config
         nodes = ray.nodes()
-        total = ray.cluster_resources()
-        use_gpus = cfg.use_gpus if cfg.use_gpus is not None else total.get("GPU", 0) > 0
-        gpus = 1 if use_gpus else 0
         num_prefill = cfg.num_prefill_workers if cfg.mode == "disaggregated" else 0
+        gpus = plan_gpu_share(nodes, num_prefill + cfg.num_decode_workers, cfg.use_gpus)
         by_role = check_placement(nodes, [
-            RoleNeed("prefill", num_prefill, PREFILL_RESOURCE, cfg.worker_num_cpus, gpus),
+            RoleNeed("prefill", num_prefill, PREFILL_RESOURCE, cfg.worker_num_cpus,
+                     gpus.num_gpus),
             RoleNeed("decode" if cfg.mode == "disaggregated" else "colocated",
-                     cfg.num_decode_workers, DECODE_RESOURCE, cfg.worker_num_cpus, gpus)])
+                     cfg.num_decode_workers, DECODE_RESOURCE, cfg.worker_num_cpus,
+                     gpus.num_gpus)])
         if not by_role:
             log.warning("the Ray cluster defines neither %r nor %r: workers may land on any node",
                         PREFILL_RESOURCE, DECODE_RESOURCE)
@@ -254,9 +272,21 @@ class Cluster:
         kv_host = cfg.kv_host
         if kv_host is None and cfg.kv_interface is None and len(hosts) == 1:
             kv_host = "127.0.0.1"  # every peer shares this host: KV never leaves loopback
-        return Placement(use_gpus, by_role, kv_host, cfg.kv_interface)
+        placement = Placement(gpus, by_role, kv_host, cfg.kv_interface)
+        if gpus.use_gpus:
+            log.info("GPUs: %s; KV over %s%s", gpus.describe(), placement.kv_transport,
+                     "" if gpus.whole_gpus else " through host memory; each worker's "
+                     f"gpu_memory_utilization is 1/{gpus.workers_per_gpu} of the flag's")
+        else:
+            log.info("GPUs: none used; workers run on CPU, KV over gloo")
+        return placement
 
     async def _ready(self, worker_id: str, handle) -> WorkerInfo:
+        """The worker's WorkerInfo once it is up. A constructor that raised (no CUDA, a bad
+        setting, out of memory) kills the actor, and Ray fails this call at once (it does
+        not restart an actor whose constructor raised): StartupError with the cause."""
+        from ray.exceptions import RayActorError
+
         try:
             info = await asyncio.wait_for(handle.info.remote(), self.config.startup_timeout_s)
         except TimeoutError:
@@ -264,6 +294,8 @@ class Cluster:
                 f"worker {worker_id} was not up within {self.config.startup_timeout_s:g} s "
                 f"(still loading its model, or no node can take it: check `ray status`)"
             ) from None
+        except RayActorError as e:
+            raise StartupError(f"worker {worker_id} failed to start: {death_cause(e)}") from e
         self.launcher.starting.pop(worker_id, None)
         self._progress(info.worker_id)
         return info

@@ -14,15 +14,19 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import threading
 from dataclasses import dataclass
 
+import torch
+
+from engine.device import resolve_dtype
 from engine.llm_engine import EngineArgs
-from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE, GpuShare
 from worker_protocol import CONTROL_GROUP, CONTROL_GROUP_THREADS, WorkerConfig, control
 
 __all__ = ["JOIN_TIMEOUT_S", "RAY_NAMESPACE", "Placement", "StartupError", "WorkerLauncher",
-           "join_ray", "stop_deployment"]
+           "death_cause", "join_ray", "stop_deployment"]
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +38,41 @@ class StartupError(RuntimeError):
     """The cluster could not start; the message names the worker or resource at fault."""
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def death_cause(error: BaseException) -> str:
+    """The line of a dead actor's error (a RayActorError) that says why: for a constructor
+    that raised, its exception ("ValueError: device 'cuda' requested but CUDA is not
+    available"), not the coloured traceback Ray wraps it in."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(error)).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 @dataclass(frozen=True)
 class Placement:
     """What every spawned worker shares (decided once, before spawning)."""
 
-    use_gpus: bool
+    gpus: GpuShare  # each worker's GPU request (router.placement.plan_gpu_share)
     by_role: bool  # workers ask for their role's resource (the cluster defines them)
     kv_host: str | None
     kv_interface: str | None
+
+    @property
+    def use_gpus(self) -> bool:
+        return self.gpus.use_gpus
+
+    def kv_dtype(self, dtype: str) -> str:
+        """The dtype workers built with engine ``dtype`` give their KV cache ("auto":
+        bfloat16 on GPU workers, float32 on CPU ones); the router's KVLayout must say it."""
+        return resolve_dtype(dtype, torch.device("cuda" if self.use_gpus else "cpu"))
+
+    @property
+    def kv_transport(self) -> str:
+        """The KV transport of every worker: "nccl" only when each has a GPU of its own (NCCL
+        cannot put two ranks of a group on one device); "gloo" for CPU workers and workers
+        sharing a GPU (the sender stages a GPU engine's layers through host memory)."""
+        return "nccl" if self.gpus.whole_gpus else "gloo"
 
 
 class WorkerLauncher:
@@ -67,10 +98,16 @@ class WorkerLauncher:
                             kv_events_namespace=cfg.store_namespace)
         if worker_id in cfg.worker_overrides:
             wcfg = dataclasses.replace(wcfg, **cfg.worker_overrides[worker_id])
-        if placement.use_gpus:  # Ray gives the actor one GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
-            wcfg = dataclasses.replace(
-                wcfg, engine_args=dataclasses.replace(wcfg.engine_args, device="cuda"))
-        return wcfg
+        args = wcfg.engine_args
+        if placement.use_gpus:
+            # Ray shows the actor its GPU (CUDA_VISIBLE_DEVICES): cuda:0 there. Workers
+            # sharing a GPU split gpu_memory_utilization, so their pools together stay under
+            # it (each counts only its own allocations: engine.device.kv_pool_bytes).
+            share = args.gpu_memory_utilization / placement.gpus.workers_per_gpu
+            args = dataclasses.replace(args, device="cuda", gpu_memory_utilization=share)
+        else:  # Ray gave it no GPU: an "auto" engine must not take one anyway
+            args = dataclasses.replace(args, device="cpu")
+        return dataclasses.replace(wcfg, engine_args=args, kv_transport=placement.kv_transport)
 
     def spawn(self, wcfg: WorkerConfig, placement: Placement):
         import ray
@@ -86,7 +123,7 @@ class WorkerLauncher:
         actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_GROUP_THREADS})(cls).options(
             name=self.actor_name(worker_id), namespace=RAY_NAMESPACE,
             lifetime="detached" if self.detached else None,
-            num_cpus=cfg.worker_num_cpus, num_gpus=1 if placement.use_gpus else 0,
+            num_cpus=cfg.worker_num_cpus, num_gpus=placement.gpus.num_gpus,
             resources={resource: 1} if placement.by_role else {},
             # Ray re-runs the constructor in a new process; the router notices the new
             # incarnation in the next load report and rejoins it (_rejoin). No task is retried

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
 from engine.llm_engine import EngineArgs
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
           "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
 def parse_bytes(value: str | int) -> int:
@@ -43,7 +45,14 @@ class ServeConfig:
     http_port: int = 8000
     ray_address: str | None = None
     redis_url: str | None = None
-    kv_cache_memory: str = "1GiB"  # per worker
+    # The engines' device settings (engine.device resolves every "auto"; docs/deployment.md,
+    # GPUs). device: auto = GPUs when the Ray cluster has them, cuda = require them.
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    cuda_graphs: bool | None = None  # None: on for GPU workers
+    gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
+    kv_cache_memory: str | int | None = None  # per worker; None: 1 GiB on CPU, GPU: from memory
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     prefill_block_size: int = 16
@@ -80,7 +89,8 @@ class ServeConfig:
     max_concurrent_per_key: int = 0
 
     def __post_init__(self) -> None:
-        parse_bytes(self.kv_cache_memory)
+        self.kv_cache_memory_bytes()  # its own check: a size > 0
+        self._check_device_flags()
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("give --tls-cert and --tls-key together")
         if self.tls_client_ca and not self.tls_cert:
@@ -110,6 +120,40 @@ class ServeConfig:
         if self.startup_timeout_s <= 0:
             raise ValueError(f"--startup-timeout-s must be > 0, got {self.startup_timeout_s}")
 
+    def kv_cache_memory_bytes(self) -> int | None:
+        """``--kv-cache-memory`` in bytes; None: engine.device sizes the pool."""
+        if self.kv_cache_memory is None:
+            return None
+        try:
+            size = parse_bytes(self.kv_cache_memory)
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-memory: {e}") from None
+        if size <= 0:
+            raise ValueError(f"--kv-cache-memory must be > 0, got {self.kv_cache_memory!r}")
+        return size
+
+    def _check_device_flags(self) -> None:
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, "
+                             f"got {self.device!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, "
+                             f"got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(f"--attention-backend must be one of "
+                             f"{', '.join(ATTENTION_BACKEND_CHOICES)}, "
+                             f"got {self.attention_backend!r}")
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"--cuda-graphs must be true or false, got {self.cuda_graphs!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {u!r}")
+        if self.device == "cpu":  # would fail in every worker's constructor instead
+            if self.attention_backend == "flashinfer":
+                raise ValueError("--attention-backend flashinfer needs GPUs: not with --device cpu")
+            if self.cuda_graphs:
+                raise ValueError("--cuda-graphs needs GPUs: not with --device cpu")
+
     def security_config(self):
         from router.security import SecurityConfig, TLSConfig
 
@@ -131,7 +175,12 @@ class ServeConfig:
         num_prefill = self.prefill_workers if self.mode == "disaggregated" else 0
         threads = self.threads_per_worker or max(1, (os.cpu_count() or 2) // max(
             1, num_prefill + self.decode_workers))
-        common = dict(dtype="float32", kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory),
+        # The launcher sets each worker's device (cuda or cpu, from the placement) and
+        # divides gpu_memory_utilization among workers sharing a GPU.
+        common = dict(dtype=self.dtype, attention_backend=self.attention_backend,
+                      cuda_graphs=self.cuda_graphs,
+                      gpu_memory_utilization=float(self.gpu_memory_utilization),
+                      kv_cache_memory_bytes=self.kv_cache_memory_bytes(),
                       max_model_len=self.max_model_len, num_threads=threads,
                       max_waiting=self.max_waiting)
         return ClusterConfig(
@@ -142,6 +191,7 @@ class ServeConfig:
             decode_engine=EngineArgs(block_size=self.decode_block_size, max_num_seqs=self.max_num_seqs,
                                      max_num_batched_tokens=self.max_num_batched_tokens, **common),
             ray_address=self.ray_address, redis_url=self.redis_url,
+            use_gpus={"auto": None, "cpu": False, "cuda": True}[self.device],
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
             kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
             migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,

@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+# Spelled here, not imported: engine.device (and router.serve) import torch, which would add a
+# second to every `pdcluster` command. ServeConfig validates against the real lists, and
+# tests/unit/test_config.py keeps these equal to them.
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer")
+
 
 def add_serve_subcommand(sub) -> None:
     p = sub.add_parser("serve", help="start the router, workers and the gRPC + HTTP front door")
@@ -23,7 +30,22 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--require-redis", action="store_true", default=None,
                    help="refuse to start while --redis-url does not answer (default: start "
                         "without it and catch up when it does)")
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache per worker, e.g. 1GiB")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache per worker, e.g. 1GiB (default: 1GiB on CPU; on GPU what the "
+                        "weights leave of --gpu-memory-utilization)")
+    dev = p.add_argument_group("devices (docs/deployment.md, GPUs)")
+    dev.add_argument("--device", choices=list(DEVICE_CHOICES), default=None,
+                     help="auto (default): GPUs when the Ray cluster has them; cuda: require "
+                          "them (fail at start-up without); cpu: never")
+    dev.add_argument("--dtype", choices=list(DTYPE_CHOICES), default=None,
+                     help="weights and KV cache (default auto: bfloat16 on GPU, float32 on CPU)")
+    dev.add_argument("--attention-backend", choices=list(ATTENTION_BACKEND_CHOICES), default=None,
+                     help="auto (default): flashinfer on GPU when installed, else torch")
+    dev.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                     help="replay decode steps from CUDA graphs (default: on for GPU workers)")
+    dev.add_argument("--gpu-memory-utilization", type=float, default=None,
+                     help="fraction of each GPU the workers on it may use, weights and KV "
+                          "together (default 0.9; workers sharing a GPU split it)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="decode batch size cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="per-step token budget (prefill chunk size)")

@@ -19,6 +19,8 @@ from kv_transfer import KVLayout, KVTransferSpec, PeerAddress
 CONTROL_GROUP = "control"
 CONTROL_GROUP_THREADS = 8
 
+KV_TRANSPORTS = ("auto", "nccl", "gloo")
+
 
 def control(method):
     """``method`` of a worker actor handle, to run in the control concurrency group."""
@@ -43,6 +45,7 @@ class WorkerInfo:
     # New for every start of the process: a worker Ray restarted (same id, same handle) has
     # a new incarnation, a new KV port and none of the old sequences.
     incarnation: str = ""
+    kv_transport: str = ""  # "nccl" | "gloo": what its KV transfers run over
 
 
 @dataclass(frozen=True)
@@ -226,3 +229,23 @@ class WorkerConfig:
     fault_exit_after_layers: int | None = None
     fault_delay_per_layer_s: float = 0.0
     fault_delay_per_step_s: float = 0.0
+    # What KV transfers run over: "nccl" (GPU to GPU; the launcher chooses it only when every
+    # worker has a GPU of its own: NCCL cannot put two ranks of a group on one device),
+    # "gloo" (TCP through host memory: CPU workers, or workers sharing a GPU), or "auto"
+    # (follow the engine's device: workers built outside a cluster).
+    kv_transport: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, "
+                             f"got {self.kv_transport!r}")
+
+    def transport_for(self, engine_device_type: str) -> str:
+        """The transport, "nccl" or "gloo", for an engine on ``engine_device_type``;
+        ValueError for NCCL without CUDA (it moves CUDA tensors only)."""
+        if self.kv_transport == "auto":
+            return "nccl" if engine_device_type == "cuda" else "gloo"
+        if self.kv_transport == "nccl" and engine_device_type != "cuda":
+            raise ValueError(f"{self.worker_id}: kv_transport 'nccl' needs a CUDA engine "
+                             f"(this one runs on {engine_device_type})")
+        return self.kv_transport

@@ -2,7 +2,9 @@
 
 Owns ``AttentionMetadata`` (FlashInfer's page-table format, built once per step by
 ``build_metadata``), the ``AttentionBackend`` protocol (``plan`` once per step, ``forward`` once
-per layer) and ``create_backend``, which picks an implementation by name. The model only sees
+per layer), ``AttentionShape`` (what a backend must know of the model) and ``create_backend``,
+which picks an implementation by name: ``"torch"`` (everywhere) or ``"flashinfer"`` (CUDA,
+bf16/fp16, ``pip install 'pdcluster[gpu]'``; its package is imported only when chosen). The model only sees
 the protocol; the runner only builds metadata; each backend turns the metadata into whatever its
 kernels want in ``plan``, so per-layer calls reuse it.
 
@@ -20,9 +22,20 @@ import torch
 
 from engine.config import cdiv
 
-ATTENTION_BACKENDS = ("torch",)
-# Named in errors so a user asking for it learns it is planned, not misspelled.
-_PLANNED_BACKENDS = {"flashinfer": "the GPU backend, not available yet"}
+ATTENTION_BACKENDS = ("torch", "flashinfer")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The model's attention dimensions and KV dtype: what a kernel library plans with.
+
+    The torch backend reads them off the tensors; FlashInfer's ``plan`` needs them up front.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -145,16 +158,23 @@ class AttentionBackend(Protocol):
         ...
 
 
-def create_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend called ``name`` (one of ``ATTENTION_BACKENDS``), running on ``device``."""
+def create_backend(name: str, device: torch.device | str = "cpu",
+                   shape: AttentionShape | None = None) -> AttentionBackend:
+    """The backend called ``name`` (one of ``ATTENTION_BACKENDS``), running on ``device``.
+
+    ``"flashinfer"`` needs ``shape`` and a CUDA device; ValueError otherwise (and for an
+    unknown name).
+    """
+    # Imported here: backends import this module, and a GPU backend's heavy imports
+    # should only happen when it is chosen.
     if name == "torch":
-        # Imported here: backends import this module, and a GPU backend's heavy imports
-        # should only happen when it is chosen.
         from engine.attention.torch_paged import TorchPagedBackend
 
         return TorchPagedBackend(device)
-    if name in _PLANNED_BACKENDS:
-        raise ValueError(f"attention backend {name!r} ({_PLANNED_BACKENDS[name]}) cannot be used; "
-                         f"choose from {list(ATTENTION_BACKENDS)}")
-    raise ValueError(f"unknown attention backend {name!r}; choose from {list(ATTENTION_BACKENDS)} "
-                     f"('flashinfer', {_PLANNED_BACKENDS['flashinfer']})")
+    if name == "flashinfer":
+        if shape is None:
+            raise ValueError("attention backend 'flashinfer' needs the model's AttentionShape")
+        from engine.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(device, shape)
+    raise ValueError(f"unknown attention backend {name!r}; choose from {list(ATTENTION_BACKENDS)}")

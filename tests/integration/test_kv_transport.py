@@ -1,4 +1,9 @@
-"""TorchDistSender/Receiver across two real processes over gloo on 127.0.0.1 (NCCL variant: gpu)."""
+"""TorchDistSender/Receiver across real processes over gloo on 127.0.0.1 (NCCL variant: gpu).
+
+Gloo runs the same ordered, tag-free channel as NCCL (kv_transfer.wire), so these tests
+exercise the GPU path's message order: several requests' layers interleaved as a batched
+prefill step sends them, aborts on either side mid-stream, and a peer lost mid-stream.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 from kv_transfer import (
     KVHandshakeError,
     KVLayout,
+    KVTransferAborted,
     KVTransferError,
     KVTransferSpec,
     PeerAddress,
@@ -28,16 +34,26 @@ def layer_kv(spec: KVTransferSpec, layer: int, device: str = "cpu") -> torch.Ten
 
 
 def _sender_main(addr: PeerAddress, layout: KVLayout, specs: list, device: str,
-                 die_after_layers: int | None, results) -> None:
-    sender = TorchDistSender("prefill-0", layout, device=device, timeout_s=20)
+                 die_after_layers: int | None, results, sender_id: str = "prefill-0",
+                 abort_after: dict[str, int] | None = None) -> None:
+    """Send every spec's layers interleaved (layer 0 of each, then layer 1, ...) like a
+    batched prefill step; ``abort_after[rid] = n`` aborts that transfer after n layers."""
+    abort_after = abort_after or {}
+    sender = TorchDistSender(sender_id, layout, device=device, timeout_s=20)
     try:
-        for layer in range(LAYOUT.num_layers):  # interleaved like a batched prefill
+        for layer in range(LAYOUT.num_layers):
             for spec in specs:
                 if die_after_layers is not None and layer == die_after_layers:
                     os._exit(3)  # a crash: no close, no goodbye
+                cut = abort_after.get(spec.request_id)
+                if cut is not None and layer >= cut:
+                    if layer == cut:
+                        sender.abort(spec)
+                    continue
                 sender.send_layer(addr, spec, layer, layer_kv(spec, layer, device))
         for spec in specs:
-            sender.finish(spec, timeout_s=20)
+            if spec.request_id not in abort_after:
+                sender.finish(spec, timeout_s=20)
         results.put("ok")
     except Exception as e:
         results.put(f"{type(e).__name__}: {e}")
@@ -57,17 +73,19 @@ class Collector:
         return cb
 
 
-def _spawn(addr, layout, specs, device="cpu", die_after_layers=None):
+def _spawn(addr, layout, specs, device="cpu", die_after_layers=None, sender_id="prefill-0",
+           abort_after=None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    p = ctx.Process(target=_sender_main, args=(addr, layout, specs, device, die_after_layers, results))
+    p = ctx.Process(target=_sender_main, args=(addr, layout, specs, device, die_after_layers,
+                                               results, sender_id, abort_after))
     p.start()
     return p, results
 
 
-def _expect_all(rx, specs, col):
+def _expect_all(rx, specs, col, peer="prefill-0"):
     for spec in specs:
-        rx.expect(spec, "prefill-0", col.on_layer(spec.request_id))
+        rx.expect(spec, peer, col.on_layer(spec.request_id))
 
 
 def _check_bit_identical(col, specs):
@@ -79,7 +97,7 @@ def _check_bit_identical(col, specs):
 
 
 def _run_lifecycle(device: str, sender_device: str = "cpu") -> None:
-    rx = TorchDistReceiver("decode-0", LAYOUT, device=device, timeout_s=20, orphan_ttl_s=60)
+    rx = TorchDistReceiver("decode-0", LAYOUT, device=device, timeout_s=20)
     try:
         col = Collector()
         specs = [KVTransferSpec(f"req-{i}", i, n, LAYOUT) for i, n in enumerate((1, 7, 300))]
@@ -123,10 +141,57 @@ def test_the_store_listens_on_the_kv_address_alone():
         rx.close()
 
 
-def test_a_tag_in_flight_is_not_given_twice():
-    """A second transfer from the same peer with a transfer id already in flight would take
-    the first one's layers: the receiver refuses it (another peer may use the id)."""
-    rx = TorchDistReceiver("decode-0", LAYOUT, timeout_s=20, orphan_ttl_s=60)
+def test_interleaved_transfers_from_two_peers_with_aborts_on_both_sides():
+    """Two prefill processes each stream four requests' layers interleaved into one decode
+    worker. One transfer is aborted by its sender after two layers (the receiver learns at
+    once, not at its lease), one by the receiver before any data (its layers are read and
+    dropped). Every other transfer arrives bit-identical, in layer order; a new process with
+    a sender's id is joined afresh."""
+    rx = TorchDistReceiver("decode-0", LAYOUT, timeout_s=20)
+    try:
+        col = Collector()
+        peers = {"prefill-a": [KVTransferSpec(f"a-{i}", 100 + i, n, LAYOUT)
+                               for i, n in enumerate((1, 33, 7, 129))],
+                 "prefill-b": [KVTransferSpec(f"b-{i}", 200 + i, n, LAYOUT)
+                               for i, n in enumerate((16, 2, 64, 5))]}
+        for peer, specs in peers.items():
+            _expect_all(rx, specs, col, peer)
+        rx.abort("b-2")  # the decode side gives up before anything arrived
+        procs = [_spawn(rx.address, LAYOUT, peers["prefill-a"], sender_id="prefill-a",
+                        abort_after={"a-1": 2}),
+                 _spawn(rx.address, LAYOUT, peers["prefill-b"], sender_id="prefill-b")]
+        with pytest.raises(KVTransferError, match="aborted the KV transfer"):
+            rx.wait("a-1", timeout_s=15)
+        with pytest.raises(KVTransferAborted):
+            rx.wait("b-2", timeout_s=1)
+        done = [s for specs in peers.values() for s in specs if s.request_id not in ("a-1", "b-2")]
+        for spec in done:
+            rx.wait(spec.request_id, timeout_s=30)
+        for p, res in procs:
+            assert res.get(timeout=30) == "ok"
+            p.join(30)
+        _check_bit_identical(col, done)
+        # At most what was queued before the abort (the outbox skips the rest), in order.
+        assert [layer for layer, _ in col.layers.get("a-1", [])] in ([], [0], [0, 1])
+        assert "b-2" not in col.layers
+        assert rx.dropped_messages == LAYOUT.num_layers  # b-2's layers, read and dropped
+        assert rx.live_pairs() == {}  # both senders closed their pairs on exit
+
+        later = [KVTransferSpec("a-later", 300, 12, LAYOUT)]
+        _expect_all(rx, later, col, "prefill-a")
+        p, res = _spawn(rx.address, LAYOUT, later, sender_id="prefill-a")
+        rx.wait("a-later", timeout_s=30)
+        assert res.get(timeout=30) == "ok"
+        p.join(30)
+        _check_bit_identical(col, later)
+    finally:
+        rx.close()
+
+
+def test_a_transfer_id_in_flight_is_not_given_twice():
+    """A second transfer from the same peer with a transfer id already in flight could not
+    be told apart by its headers: the receiver refuses it (another peer may use the id)."""
+    rx = TorchDistReceiver("decode-0", LAYOUT, timeout_s=20)
     try:
         rx.expect(KVTransferSpec("first", 7, 5, LAYOUT), "prefill-0", lambda *_: None)
         with pytest.raises(ValueError, match=r"transfer id 7 from 'prefill-0' is already in "

@@ -4,6 +4,10 @@ dense reference, one ``plan`` per engine step, and a clear error for an unknown 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention.backend import (
     ATTENTION_BACKENDS,
+    AttentionShape,
     SeqSlice,
     build_metadata,
     create_backend,
@@ -159,12 +164,46 @@ def test_engine_plans_once_per_step(tiny_llama_dir):
 
 
 def test_unknown_backend_is_refused():
-    assert ATTENTION_BACKENDS == ("torch",)
+    assert ATTENTION_BACKENDS == ("torch", "flashinfer")
     assert create_backend("torch").name == "torch"
-    with pytest.raises(ValueError, match=r"unknown attention backend 'tourch'.*\['torch'\]"):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'tourch'.*'flashinfer'\]"):
         create_backend("tourch")
-    with pytest.raises(ValueError, match="'flashinfer'.*not available yet"):
-        create_backend("flashinfer")
+
+
+def test_flashinfer_refuses_what_it_cannot_run_before_importing_it():
+    bf16 = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs the model's AttentionShape"):
+        create_backend("flashinfer", "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        create_backend("flashinfer", "cpu", bf16)
+    if torch.cuda.is_available():
+        fp32 = AttentionShape(4, 2, 8, torch.float32)
+        with pytest.raises(ValueError, match="float16/bfloat16 only.*'torch'"):
+            create_backend("flashinfer", "cuda", fp32)
+
+
+def test_cpu_engine_never_imports_flashinfer(tiny_llama_dir, tmp_path):
+    # A stand-in `flashinfer` package on the path, so an import would succeed (and show up in
+    # sys.modules) even on machines without the real one. A fresh interpreter: other tests
+    # may have imported anything.
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text("")
+    script = textwrap.dedent(f"""
+        import sys
+        import engine.attention.flashinfer_backend
+        from engine import LLM, SamplingParams
+        llm = LLM({str(tiny_llama_dir)!r}, attention_backend="auto")
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+        assert len(out[0].token_ids) == 2
+        assert llm.engine.runner.attn_backend.name == "torch"
+        print("imported" if "flashinfer" in sys.modules else "clean")
+    """)
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=repo, env={"PYTHONPATH": f"{tmp_path}:{repo}", "PATH": "/usr/bin"},
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "clean"
 
 
 def test_unknown_backend_is_refused_by_the_engine(tiny_llama_dir):

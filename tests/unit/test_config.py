@@ -142,3 +142,81 @@ def test_kv_bytes_and_block_budget():
 def test_sliding_window_caps_max_model_len():
     assert _model(sliding_window=128).max_model_len == 128
     assert _model().max_model_len == 512
+
+
+# ---- `pdcluster serve` device flags -> both engines' EngineArgs ------------------------------
+def _serve(*argv, yaml_text: str | None = None, tmp_path=None):
+    from router.cli import build_parser
+    from router.serve import serve_config_from_args
+
+    if yaml_text is not None:
+        f = tmp_path / "serve.yaml"
+        f.write_text(yaml_text)
+        argv = ("--config", str(f), *argv)
+    return serve_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_device_defaults_leave_every_choice_to_the_engine():
+    cc = _serve().cluster_config()
+    assert cc.use_gpus is None  # GPUs when the Ray cluster has them
+    for args in (cc.prefill_engine, cc.decode_engine):
+        assert (args.dtype, args.attention_backend, args.cuda_graphs) == ("auto", "auto", None)
+        assert args.gpu_memory_utilization == 0.9
+        assert args.kv_cache_memory_bytes is None  # 1 GiB on CPU, from GPU memory on GPU
+
+
+def test_serve_device_flags_reach_both_engines():
+    cc = _serve("--device", "cuda", "--dtype", "float16", "--attention-backend", "torch",
+                "--no-cuda-graphs", "--gpu-memory-utilization", "0.6",
+                "--kv-cache-memory", "2GiB").cluster_config()
+    assert cc.use_gpus is True
+    for args in (cc.prefill_engine, cc.decode_engine):
+        assert (args.dtype, args.attention_backend, args.cuda_graphs) == ("float16", "torch", False)
+        assert (args.gpu_memory_utilization, args.kv_cache_memory_bytes) == (0.6, 2 << 30)
+    assert _serve("--device", "cpu").cluster_config().use_gpus is False
+    assert _serve("--cuda-graphs").cluster_config().decode_engine.cuda_graphs is True
+
+
+def test_serve_device_settings_from_yaml(tmp_path):
+    cfg = _serve("--dtype", "bfloat16", tmp_path=tmp_path, yaml_text=(
+        "device: cuda\ndtype: float32\ngpu-memory-utilization: 0.5\ncuda-graphs: false\n"
+        "attention_backend: flashinfer\nkv-cache-memory: 512MiB\n"))
+    assert (cfg.device, cfg.dtype, cfg.gpu_memory_utilization) == ("cuda", "bfloat16", 0.5)
+    assert cfg.cuda_graphs is False and cfg.attention_backend == "flashinfer"
+    assert cfg.cluster_config().decode_engine.kv_cache_memory_bytes == 512 << 20
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(device="tpu"), "--device"),
+    (dict(dtype="int8"), "--dtype"),
+    (dict(attention_backend="xformers"), "--attention-backend"),
+    (dict(cuda_graphs="yes"), "--cuda-graphs"),
+    (dict(gpu_memory_utilization=0.0), "--gpu-memory-utilization"),
+    (dict(gpu_memory_utilization=1.2), "--gpu-memory-utilization"),
+    (dict(gpu_memory_utilization="most"), "--gpu-memory-utilization"),
+    (dict(kv_cache_memory="0"), "--kv-cache-memory"),
+    (dict(kv_cache_memory="lots"), "--kv-cache-memory"),
+    (dict(device="cpu", attention_backend="flashinfer"), "--attention-backend"),
+    (dict(device="cpu", cuda_graphs=True), "--cuda-graphs"),
+])
+def test_bad_serve_device_settings_name_the_flag(kwargs, flag):
+    from router.serve import ServeConfig
+
+    with pytest.raises(ValueError, match=flag):
+        ServeConfig(**kwargs)
+
+
+def test_serve_gpu_memory_utilization_of_one_is_allowed():
+    from router.serve import ServeConfig
+
+    assert ServeConfig(gpu_memory_utilization=1).cluster_config().decode_engine.gpu_memory_utilization == 1.0
+
+
+def test_serve_flag_choices_are_the_engines():
+    # router/serve_cli.py spells them out (importing engine.device would import torch).
+    from engine.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
+    from router import serve, serve_cli
+
+    assert serve_cli.DTYPE_CHOICES == DTYPE_CHOICES
+    assert serve_cli.ATTENTION_BACKEND_CHOICES == ATTENTION_BACKEND_CHOICES
+    assert serve_cli.DEVICE_CHOICES == serve.DEVICE_CHOICES
