@@ -128,6 +128,14 @@ class PairOwner:
                 pass  # the store may be gone with its host; the closed pair says enough
         kill_pair(pair, self.device)
 
+    def _discard_gen(self, peer_id: str, gen: int | None) -> None:
+        """Discard the pair with ``peer_id`` if it is still generation ``gen`` (a transfer
+        stuck on it: a newer generation is left alone)."""
+        with self._lock:
+            pair = self._pairs.get(peer_id)
+        if pair is not None and pair.gen == gen:
+            self._discard(pair, self._control_store(pair))
+
     def _control_store(self, pair: Pair) -> dist.Store | None:
         return None
 

@@ -86,6 +86,9 @@ class TorchDistReceiver(PairOwner, KVReceiver):
         self._peers: dict[str, _Peer] = {}
         self._aborted: deque[str] = deque(maxlen=_RECENT_ABORTS)
         self._last_gen: dict[str, int] = {}  # newest generation joined (or refused) per peer
+        # (peer, generation) we closed because the sender proposed a newer one: transfers it
+        # has not begun on the old one are still coming (on the new one).
+        self._superseded: set[tuple[str, int]] = set()
         self.dropped_messages = 0  # layers of transfers nobody waits for (aborted, unknown)
         super().__init__(worker_id, layout, device, timeout_s)
 
@@ -170,19 +173,13 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                 del peer.transfers[tr.spec.transfer_id]
 
     def _fail_started(self, peer_id: str, gen: int, error: KVTransferError) -> None:
-        """Fail the transfers whose layers travelled on generation ``gen`` (the rest may still
-        arrive on the next one)."""
+        """Fail the transfers whose layers travelled on generation ``gen`` (the rest arrive
+        on the sender's newer one)."""
         with self._lock:
             peer = self._peers.get(peer_id)
             started = [t for t in peer.transfers.values() if t.pair_gen == gen] if peer else []
         for tr in started:
             tr.fail(error)
-
-    def _discard_gen(self, peer_id: str, gen: int | None) -> None:
-        with self._lock:
-            pair = self._pairs.get(peer_id)
-        if pair is not None and pair.gen == gen:
-            self._discard(pair, self._store)
 
     def _drop_if_superseded(self, peer_id: str) -> None:
         """The sender proposed a newer generation or retired ours (it gave up on the pair):
@@ -194,6 +191,8 @@ class TorchDistReceiver(PairOwner, KVReceiver):
             return
         if (self._sget("add", gen_key(peer_id), 0) != pair.gen
                 or self._sget("check", [store_key(peer_id, pair.gen, "retired")])):
+            with self._lock:
+                self._superseded.add((peer_id, pair.gen))
             self._discard(pair, self._store)
 
     # ---- the reader thread, one per peer -----------------------------------------------------
@@ -217,11 +216,18 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                     self._read_channel(pair, peer)
                 except KVProtocolError as e:
                     self._discard(pair, self._store)
-                    self._fail_started(peer.peer_id, pair.gen, e)
+                    self._fail_waiting(peer, e)
                 except RuntimeError as e:  # the peer died, or the pair was torn down
                     self._discard(pair, self._store)
-                    self._fail_started(peer.peer_id, pair.gen, KVTransferError(
-                        f"KV transfer from {peer.peer_id!r} failed: {str(e).splitlines()[0]}"))
+                    error = KVTransferError(
+                        f"KV transfer from {peer.peer_id!r} failed: {str(e).splitlines()[0]}")
+                    with self._lock:
+                        superseded = (peer.peer_id, pair.gen) in self._superseded
+                        self._superseded.discard((peer.peer_id, pair.gen))
+                    if superseded:  # the sender moved on: what it has not begun comes on the new one
+                        self._fail_started(peer.peer_id, pair.gen, error)
+                    else:  # it died or gave up on the pair: nothing more comes from it
+                        self._fail_waiting(peer, error)
         finally:
             with self._lock:
                 peer.reader = None

@@ -269,12 +269,6 @@ class TorchDistSender(PairOwner, KVSender):
         for tr in hit:
             tr.fail(error)
 
-    def _discard_gen(self, peer_id: str, gen: int | None) -> None:
-        with self._lock:
-            pair = self._pairs.get(peer_id)
-        if pair is not None and pair.gen == gen:
-            self._discard(pair, self._stores.get(peer_id))
-
     # ---- pairs --------------------------------------------------------------------------------
     def _control_store(self, pair: Pair) -> dist.Store | None:
         return self._stores.get(pair.peer_id)

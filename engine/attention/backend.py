@@ -137,6 +137,15 @@ def build_metadata(seqs: Sequence[SeqSlice], block_size: int) -> AttentionMetada
     )
 
 
+def write_kv(kv_cache: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Scatter a step's new K/V (``[num_tokens, kv_heads, head_dim]`` each) into the paged
+    cache at ``kv_cache[page_ids[t], :, offsets[t]]``: every backend's first act per layer.
+    No host sync, so a CUDA graph can capture it with the index tensors fixed."""
+    kv_cache[page_ids, 0, offsets] = k
+    kv_cache[page_ids, 1, offsets] = v
+
+
 class AttentionBackend(Protocol):
     """Paged attention over per-layer KV caches ``[num_blocks, 2, block_size, kv_heads, head_dim]``.
 

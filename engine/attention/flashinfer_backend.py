@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.backend import AttentionMetadata, AttentionShape
+from engine.attention.backend import AttentionMetadata, AttentionShape, write_kv
 
 # FlashInfer's recommended size; one buffer serves every wrapper (see __init__).
 WORKSPACE_BYTES = 128 << 20
@@ -139,8 +139,7 @@ class FlashInferBackend:
         # indices are already in the metadata (append would need per-token batch indices and
         # positions computed on top), it is the same code the CPU tests prove, and with the
         # indices in fixed tensors it is capturable in a CUDA graph as is.
-        kv_cache[p.write_page_ids, 0, p.write_offsets] = k
-        kv_cache[p.write_page_ids, 1, p.write_offsets] = v
+        write_kv(kv_cache, p.write_page_ids, p.write_offsets, k, v)
         num_tokens, num_heads, head_dim = q.shape
         if p.prefill is None:  # decode-only: every CUDA-graph step
             return p.decode.run(q, kv_cache).view(num_tokens, num_heads * head_dim)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, write_kv
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,7 @@ class TorchPagedBackend:
         p = self._plan
         if p is None:
             raise RuntimeError("TorchPagedBackend.forward called before plan()")
-        kv_cache[p.write_page_ids, 0, p.write_offsets] = k
-        kv_cache[p.write_page_ids, 1, p.write_offsets] = v
+        write_kv(kv_cache, p.write_page_ids, p.write_offsets, k, v)
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if p.num_decode:

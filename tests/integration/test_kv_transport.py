@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -238,6 +239,36 @@ def test_sender_death_fails_wait_then_fresh_sender_works():
         assert res.get(timeout=30) == "ok"
         p.join(30)
         _check_bit_identical(col, fresh)
+    finally:
+        rx.close()
+
+
+def _send_one_then_die(addr: PeerAddress, spec: KVTransferSpec) -> None:
+    sender = TorchDistSender("prefill-0", LAYOUT, timeout_s=20)
+    for layer in range(LAYOUT.num_layers):
+        sender.send_layer(addr, spec, layer, layer_kv(spec, layer))
+    sender.finish(spec, timeout_s=20)
+    os._exit(3)  # before the next transfer's first layer: no close, no goodbye
+
+
+def test_a_lost_sender_fails_the_transfers_it_had_not_begun_at_once():
+    """A prefill worker that dies between transfers never sends the next one: the receiver
+    fails it when the pair breaks, not when its wait (or the decode worker's lease) runs out."""
+    rx = TorchDistReceiver("decode-0", LAYOUT, timeout_s=20)
+    try:
+        col = Collector()
+        first, never = KVTransferSpec("first", 1, 9, LAYOUT), KVTransferSpec("never", 2, 9, LAYOUT)
+        _expect_all(rx, [first, never], col)
+        p = mp.get_context("spawn").Process(target=_send_one_then_die, args=(rx.address, first))
+        p.start()
+        rx.wait("first", timeout_s=30)
+        _check_bit_identical(col, [first])
+        started = time.monotonic()
+        with pytest.raises(KVTransferError, match="failed"):
+            rx.wait("never", timeout_s=18)
+        assert time.monotonic() - started < 10  # the broken pair, not the 18 s wait
+        p.join(30)
+        assert p.exitcode == 3
     finally:
         rx.close()
 
