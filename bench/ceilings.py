@@ -2,10 +2,12 @@
 
 - copy bandwidth: ``dst.copy_(src)`` on a tensor far larger than the caches; bytes counted
   are read + written (2 x size), the convention of STREAM's "copy".
-- GEMV bandwidth: one input row through fp32 ``F.linear`` and through the engine's ``linear``
-  (MKL's threaded transposed GEMM; ``F.linear``'s one-row path is single-threaded here), the
-  faster of the two; bytes counted are the weight matrix (what a batch-1 decode step
-  streams). This is the decode floor's denominator, so the floor is the best this torch does.
+- GEMV bandwidth: one input row through fp32 ``F.linear`` and through ``mm(W, x.T)`` (MKL's
+  threaded transposed GEMM), the faster of the two on this host; bytes counted are the weight
+  matrix (what a batch-1 decode step streams). This is the decode floor's denominator, so the
+  floor is the best this torch does.
+- the engine's linear-kernel plan for the default model (``engine.kernels``): which of the
+  two paths it takes per weight shape and batch size on this host, and by how much.
 - matmul rate: a large square fp32 matmul, 2 n^3 FLOPs.
 
 Each figure is the median of ``repeats`` timed runs after one warm-up, so a noisy neighbour
@@ -59,12 +61,12 @@ def _time_gemv(rows: int, cols: int, repeats: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from engine.models.llama import linear
+    from engine.kernels import _mm_t
 
     w = torch.rand(rows, cols)  # [out, in]
     x = torch.rand(1, cols)  # [1, in]: one decode row
     return min(_median_time(lambda: F.linear(x, w), repeats),
-               _median_time(lambda: linear(x, w), repeats))
+               _median_time(lambda: _mm_t(x, w, None), repeats))
 
 
 def _time_matmul(n: int, repeats: int) -> float:
@@ -108,14 +110,37 @@ def format_ceilings(c: Ceilings) -> str:
             f"matmul {c.matmul_flops_per_s / 1e9:.1f} GFLOP/s (fp32, {c.num_threads} threads)")
 
 
+def default_model_linear_plan():
+    """The engine's per-host linear-kernel plan for the default model (cached, or timed now
+    on its weights exactly as an engine starting on this host would: engine.kernels)."""
+    import torch
+
+    from engine.kernels import model_linear_weights, tune_linear
+    from engine.models.llama import LlamaForCausalLM
+    from engine.weights import load_model_config, load_state_dict, resolve_model
+
+    model_dir = resolve_model(None).model_dir
+    model = LlamaForCausalLM(load_model_config(model_dir))
+    model.load_hf_state_dict(load_state_dict(model_dir, torch.float32))
+    return tune_linear(model_linear_weights(model))
+
+
 def run(args: argparse.Namespace) -> dict:
     """Entry point of the ``ceilings`` subcommand; returns the JSON payload it wrote."""
     print("measuring ceilings (copy, GEMV, matmul)...", flush=True)
     c = quick_ceilings() if args.quick else measure_ceilings(repeats=args.repeats)
     print("  " + format_ceilings(c), flush=True)
+    plan = default_model_linear_plan()
+    src = "cached for this host" if plan.from_cache else "timed now"
+    print(f"linear kernels the engine uses on this host (default model, {src}; "
+          "path per batch size, and how much faster than the other):", flush=True)
+    for line in plan.summary():
+        print("  " + line, flush=True)
     payload = {"benchmark": "ceilings", "machine": machine_info(), "ceilings": c,
                "copy_gb_s": c.copy_bytes_per_s / 1e9, "gemv_gb_s": c.gemv_bytes_per_s / 1e9,
-               "matmul_gflop_s": c.matmul_flops_per_s / 1e9}
+               "matmul_gflop_s": c.matmul_flops_per_s / 1e9,
+               "linear_plan": {"host_key": plan.key, "from_cache": plan.from_cache,
+                               "summary": plan.summary(), "timings": plan.timings}}
     path = write_json(args.out, "ceilings", payload)
     print(f"wrote {path}")
     return payload

@@ -2,7 +2,8 @@
 
 ``add_bench_subcommands(subparsers)`` adds ``bench`` with one subcommand per benchmark listed
 in ``_builtin``; each subcommand stores its runner as ``args.func``. A new benchmark module
-provides ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args)`` and is listed there.
+provides ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args)`` and is listed there;
+one that runs nothing (``compare`` reads result files) gets ``--out`` only (``common=False``).
 ``python -m bench.cli <name> ...`` runs a benchmark without the router's CLI.
 """
 
@@ -26,10 +27,21 @@ class Benchmark:
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], Any]
     baseline: bool = False  # accepts --baseline transformers
+    common: bool = True  # --model, --quick, --seed, --num-threads (else only --out)
 
 
 def _builtin() -> list[Benchmark]:
-    from bench import ceilings, chaos, disagg, policies, prefix, serve_load, sweep, ttft_breakdown
+    from bench import (
+        ceilings,
+        chaos,
+        compare,
+        disagg,
+        policies,
+        prefix,
+        serve_load,
+        sweep,
+        ttft_breakdown,
+    )
 
     cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
                for m in (ttft_breakdown, disagg, serve_load, chaos, prefix)]
@@ -41,12 +53,15 @@ def _builtin() -> list[Benchmark]:
         Benchmark("policies", "static vs dynamic vs continuous batching, slot utilization",
                   policies.add_arguments, policies.run, baseline=True),
         *cluster,
+        Benchmark(compare.NAME, compare.HELP, compare.add_arguments, compare.run, common=False),
     ]
 
 
-def _add_common(p: argparse.ArgumentParser, baseline: bool) -> None:
+def _add_common(p: argparse.ArgumentParser, baseline: bool, common: bool) -> None:
     p.add_argument("--out", default=str(DEFAULT_OUT_DIR),
                    help=f"folder for the JSON and PNG results (default {DEFAULT_OUT_DIR}/)")
+    if not common:
+        return
     p.add_argument("--model", default=None,
                    help="model directory or .gguf (default: the default SmolLM2-135M model)")
     p.add_argument("--quick", action="store_true",
@@ -69,7 +84,7 @@ def add_bench_subcommands(subparsers: Any) -> argparse.ArgumentParser:
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for b in _builtin():
         p = sub.add_parser(b.name, help=b.help, description=b.help)
-        _add_common(p, b.baseline)
+        _add_common(p, b.baseline, b.common)
         b.add_arguments(p)
         p.set_defaults(func=b.run)
     return bench

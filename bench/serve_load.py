@@ -12,18 +12,27 @@ and E2E as mean/p50/p90/p99, request and output-token throughput, and goodput un
 (DistServe's definition: requests per second that meet EVERY SLO; also as a fraction).
 Over HTTP, chunks whose text is empty are not sent by the server, so a model without a
 tokenizer shows TTFT = E2E there; gRPC always carries token ids.
+
+``--target URL`` loads any OpenAI-compatible server (``vllm serve``, llama.cpp's server, ours)
+with the same seeded work: the model is the first id of its ``/v1/models`` (or
+``--served-model``), ``--api-key``/``$OPENAI_API_KEY`` goes as a Bearer token, and what the
+server does not report or honour (``max_model_len``, usage, ``ignore_eos``) is listed under
+``warnings`` in the JSON. ``server.label`` names the run for `pdcluster bench compare`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from bench.common import (
     machine_info,
@@ -52,6 +61,7 @@ class RequestResult:
     e2e_s: float = math.nan
     itls_s: list[float] = field(default_factory=list)
     error: str | None = None
+    usage_reported: bool = True  # HTTP: False when the stream carried no usage chunk
 
     @property
     def tpot_s(self) -> float:
@@ -130,10 +140,15 @@ async def _grpc_request(client: Any, prompt: list[int], output_len: int) -> Requ
     return r
 
 
-async def _http_request(client: Any, prompt: list[int], output_len: int) -> RequestResult:
+async def _http_request(client: Any, prompt: list[int], output_len: int,
+                        model: str | None = None) -> RequestResult:
     r = RequestResult(False, len(prompt), time.perf_counter())
+    # ignore_eos is a vLLM / llama.cpp extension; run() checks the token counts for servers
+    # that drop it silently.
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
     last = r.start
     events = 0
     usage_tokens = None
@@ -168,6 +183,7 @@ async def _http_request(client: Any, prompt: list[int], output_len: int) -> Requ
         return r
     r.e2e_s = last - r.start
     r.output_tokens = usage_tokens if usage_tokens is not None else events
+    r.usage_reported = usage_tokens is not None
     r.ok = events > 0
     return r
 
@@ -175,9 +191,19 @@ async def _http_request(client: Any, prompt: list[int], output_len: int) -> Requ
 # ---- the sweep -------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None,
-                   help="server address: host:port of gRPC (default 127.0.0.1:50051) or of "
-                        "HTTP (default 127.0.0.1:8000; an http:// URL also works)")
-    p.add_argument("--api", choices=("grpc", "http"), default="grpc")
+                   help="our server's address: host:port of gRPC (default 127.0.0.1:50051) or "
+                        "of HTTP (default 127.0.0.1:8000; an http:// URL also works)")
+    p.add_argument("--api", choices=("grpc", "http"), default=None,
+                   help="grpc (default) or http; --target implies http")
+    p.add_argument("--target", default=None, metavar="URL",
+                   help="any OpenAI-compatible server's base URL (vllm serve, llama.cpp, ours): "
+                        "http://host:port, with or without /v1")
+    p.add_argument("--served-model", default=None, metavar="NAME",
+                   help="model name to send (default: the first id of the server's /v1/models)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as a Bearer token (default: $OPENAI_API_KEY over HTTP)")
+    p.add_argument("--label", default=None,
+                   help="names this server in `bench compare` (default: its host:port)")
     p.add_argument("--request-rates", default=None,
                    help="comma-separated requests/s, 'inf' = all at once (default 1,2,4)")
     p.add_argument("--num-prompts", type=int, default=None,
@@ -197,39 +223,121 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class _Target:
     api: str
-    address: str  # gRPC host:port, or the HTTP base URL
+    address: str  # gRPC host:port, or the HTTP base URL without /v1
+    label: str  # names the server in `bench compare`
+    api_key: str | None = None
+    served_model: str | None = None
+
+
+def base_url(text: str) -> str:
+    """An OpenAI-compatible server's base URL without ``/v1``: ``http://h:p/v1/`` ->
+    ``http://h:p`` (requests then go to ``/v1/...``); a bare ``h:p`` gets ``http://``.
+    Raises ValueError for another scheme or no host."""
+    url = text.strip()
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http(s)://host:port URL, got {text!r}")
+    path = parts.path.rstrip("/")
+    path = path[:-3] if path.endswith("/v1") else path
+    return f"{parts.scheme}://{parts.netloc}{path}"
 
 
 def _target(args: argparse.Namespace) -> _Target:
-    if args.api == "grpc":
+    if args.target and args.address:
+        raise ValueError("give --target URL or --address, not both")
+    if args.target and args.api == "grpc":
+        raise ValueError("--target is an OpenAI-compatible HTTP server; drop --api grpc")
+    if not args.target and (args.api or "grpc") == "grpc":
         addr = args.address or "127.0.0.1:50051"
         if "://" in addr:
             raise ValueError(f"--address for gRPC is host:port, got {addr!r}")
-        return _Target("grpc", addr)
-    addr = args.address or "127.0.0.1:8000"
-    return _Target("http", addr if "://" in addr else f"http://{addr}")
+        return _Target("grpc", addr, args.label or addr, args.api_key, args.served_model)
+    url = base_url(args.target or args.address or "127.0.0.1:8000")
+    return _Target("http", url, args.label or urlsplit(url).netloc,
+                   args.api_key or os.environ.get("OPENAI_API_KEY") or None, args.served_model)
 
 
-async def _server_facts(t: _Target) -> dict[str, Any]:
-    """Model id, context length and (gRPC) vocab size, asked of the server itself."""
+@dataclass
+class ServerFacts:
+    """What the server says about itself; ``None`` where it does not say (other servers'
+    ``/v1/models`` may lack ``max_model_len``). ``warnings`` go to the result JSON."""
+
+    model_id: str
+    max_model_len: int | None
+    vocab_size: int | None
+    warnings: list[str] = field(default_factory=list)
+
+
+async def _server_facts(t: _Target) -> ServerFacts:
+    """Model id, context length and (gRPC) vocab size, asked of the server itself. Over
+    HTTP, raises ValueError when the server cannot be reached, refuses, or lists no model."""
     if t.api == "grpc":
         from client.sdk import AsyncClient
 
-        async with AsyncClient(t.address, timeout=30) as c:
+        async with AsyncClient(t.address, timeout=30, api_key=t.api_key) as c:
             info = await c.model_info()
-        return {"model_id": info.model_id, "max_model_len": info.max_model_len,
-                "vocab_size": info.vocab_size}
+        return ServerFacts(info.model_id, info.max_model_len, info.vocab_size)
     import httpx
 
-    async with httpx.AsyncClient(base_url=t.address, timeout=30) as c:
-        resp = await c.get("/v1/models")
-        resp.raise_for_status()
-        m = resp.json()["data"][0]
-    return {"model_id": m["id"], "max_model_len": m.get("max_model_len"), "vocab_size": None}
+    where = f"{t.address}/v1/models"
+    async with httpx.AsyncClient(base_url=t.address, timeout=30, headers=_headers(t)) as c:
+        try:
+            resp = await c.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot reach {where}: {type(e).__name__}: {e}") from None
+    if resp.status_code in (401, 403):
+        raise ValueError(f"{where}: HTTP {resp.status_code}: the server wants an API key "
+                         "(--api-key or $OPENAI_API_KEY)")
+    try:
+        listing = resp.json() if resp.status_code == 200 else None
+    except ValueError:  # not JSON
+        listing = None
+    if not isinstance(listing, dict) or not isinstance(listing.get("data"), list):
+        if t.served_model is None:
+            raise ValueError(f"{where}: HTTP {resp.status_code}, no model list; name the model "
+                             "with --served-model")
+        return ServerFacts(t.served_model, None, None, [
+            f"{where} answered HTTP {resp.status_code}: max_model_len unknown, "
+            "--input-len/--output-len used as given"])
+    models = [m for m in listing["data"] if isinstance(m, dict)]
+    ids = [m.get("id") for m in models]
+    if t.served_model is None and not ids:
+        raise ValueError(f"{where} lists no model")
+    model_id = t.served_model or ids[0]
+    entry = next((m for m in models if m.get("id") == model_id), {})
+    warnings = [] if entry else [f"{model_id!r} is not among {where}'s ids {ids}"]
+    max_len = entry.get("max_model_len")
+    if not isinstance(max_len, int):
+        max_len = None
+        warnings.append(f"{where} reports no max_model_len: --input-len/--output-len used as given")
+    return ServerFacts(model_id, max_len, None, warnings)
 
 
-async def _sweep(t: _Target, rates: list[float], prompts_per_rate: list[list[list[int]]],
-                 output_len: int, seed: int, max_concurrency: int | None, progress: bool
+def _headers(t: _Target) -> dict[str, str]:
+    return {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
+
+
+def output_warnings(results: list[RequestResult], output_len: int) -> list[str]:
+    """What the completed requests' token counts say the server did not honour: fewer tokens
+    than asked (``ignore_eos`` dropped, or a stop) or no usage in the stream (then tokens are
+    counted as streamed chunks, which undercounts servers that batch tokens per chunk)."""
+    ok = [r for r in results if r.ok]
+    out = []
+    short = [r.output_tokens for r in ok if r.output_tokens < output_len]
+    if short:
+        out.append(f"{len(short)} of {len(ok)} completed requests produced fewer than "
+                   f"--output-len {output_len} tokens (min {min(short)}): the server did not "
+                   "honour ignore_eos; TPOT and tok/s are over the tokens it did produce")
+    no_usage = sum(not r.usage_reported for r in ok)
+    if no_usage:
+        out.append(f"{no_usage} of {len(ok)} completed requests carried no usage "
+                   "(stream_options.include_usage): output tokens counted as streamed chunks")
+    return out
+
+
+async def _sweep(t: _Target, model: str, rates: list[float],
+                 prompts_per_rate: list[list[list[int]]], output_len: int, seed: int,
+                 max_concurrency: int | None, progress: bool
                  ) -> list[tuple[float, float, list[RequestResult]]]:
     """[(rate, duration_s, results)] per rate, sharing one connection."""
     from tqdm import tqdm
@@ -238,15 +346,16 @@ async def _sweep(t: _Target, rates: list[float], prompts_per_rate: list[list[lis
         from client.sdk import AsyncClient
 
         # One channel for every request: as a real multiplexing client would.
-        client = AsyncClient(t.address, timeout=600)
+        client = AsyncClient(t.address, timeout=600, api_key=t.api_key)
         one = _grpc_request
     else:
         import httpx
 
         client = httpx.AsyncClient(base_url=t.address, timeout=httpx.Timeout(600.0),
+                                   headers=_headers(t),
                                    limits=httpx.Limits(max_connections=None,
                                                        max_keepalive_connections=None))
-        one = _http_request
+        one = functools.partial(_http_request, model=model)
     out = []
     try:
         # Warm-up (not counted): connection set-up and the server's first forward.
@@ -306,7 +415,8 @@ def summarize_rate(rate: float, duration_s: float, results: list[RequestResult],
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Sweep the request rates against ``--address``; write ``serve.json`` + ``serve.png``."""
+    """Sweep the request rates against ``--address`` or ``--target``; write ``serve.json`` +
+    ``serve.png``. Raises ValueError for bad arguments or a server that cannot be asked."""
     q = args.quick
     rates = parse_rates(args.request_rates or ("1,2,4"))
     slo = parse_slo(args.slo)
@@ -319,23 +429,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--max-concurrency must be > 0, got {args.max_concurrency}")
     t = _target(args)
     facts = asyncio.run(_server_facts(t))
-    max_len = facts["max_model_len"]
+    max_len = facts.max_model_len
     if max_len and input_len + output_len > max_len:
         raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds the "
                          f"server's max_model_len {max_len}")
-    vocab = args.vocab_size or facts["vocab_size"] or SAFE_VOCAB
+    vocab = args.vocab_size or facts.vocab_size or SAFE_VOCAB
     prompts = [make_prompts(num, input_len, vocab, seed=args.seed + 1000 * i)
                for i in range(len(rates))]
     t_start = time.perf_counter()
-    raw = asyncio.run(_sweep(t, rates, prompts, output_len, args.seed, args.max_concurrency,
-                             progress=not args.no_progress))
+    raw = asyncio.run(_sweep(t, facts.model_id, rates, prompts, output_len, args.seed,
+                             args.max_concurrency, progress=not args.no_progress))
     rows = [summarize_rate(rate, dur, res, slo) for rate, dur, res in raw]
+    warnings = list(facts.warnings)
+    for row, (_, _, res) in zip(rows, raw, strict=True):
+        row["warnings"] = output_warnings(res, output_len)
+        warnings += [f"rate {row['request_rate']}: {w}" for w in row["warnings"]]
     result = {
         "benchmark": NAME,
         "config": {"api": t.api, "address": t.address, "num_prompts": num, "input_len": input_len,
                    "output_len": output_len, "request_rates": [r["request_rate"] for r in rows],
                    "max_concurrency": args.max_concurrency, "vocab_size": vocab, "seed": args.seed},
-        "server": facts,
+        "server": {"label": t.label, "url": t.address, "model_id": facts.model_id,
+                   "max_model_len": facts.max_model_len, "vocab_size": facts.vocab_size},
+        "warnings": warnings,
         "slo_s": slo,
         "rates": rows,
         "wall_s": time.perf_counter() - t_start,
@@ -352,6 +468,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"({r['goodput_fraction']:.0%})")
         for e in r["errors"]:
             print(f"    error: {e}")
+    for w in warnings:
+        print(f"  warning: {w}")
     print(f"wrote {path}")
     return result
 

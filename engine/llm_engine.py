@@ -20,6 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
 from engine.device import kv_pool_bytes, plan_device
 from engine.input_processor import InputProcessor, Prompt
+from engine.kernels import model_linear_weights, set_linear_plan, tune_linear
 from engine.kv_connector import KVConnector, StepInfo
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
@@ -68,6 +69,9 @@ class EngineArgs:
     attention_backend: str = "auto"
     # Replay decode steps from captured CUDA graphs (None: on for CUDA, off for CPU).
     cuda_graphs: bool | None = None
+    # CPU: time each linear kernel path on this host at start-up (cached per host in
+    # ~/.cache/pdcluster/kernels; engine.kernels). False: F.linear everywhere.
+    tune_kernels: bool = True
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,8 @@ class LLMEngine:
         model = LlamaForCausalLM(cfg, max_len)
         model.load_hf_state_dict(load_state_dict(resolved.model_dir, getattr(torch, cfg.dtype)))
         self.model = model.to(self.device)
+        if self.device.type == "cpu" and args.tune_kernels:
+            set_linear_plan(tune_linear(model_linear_weights(model)))
         # Sized after the weights are on the device: on CUDA the pool takes what they left.
         pool_bytes = kv_pool_bytes(args.kv_cache_memory_bytes, self.device,
                                    args.gpu_memory_utilization)

@@ -3,7 +3,8 @@
 Tokens of all sequences in a step are flattened into one ``[num_tokens]`` batch, so every
 linear layer runs once per step for the whole batch (the batching gain on memory-bound decode).
 Q/K/V and gate/up are fused into single GEMMs: on CPU small-M GEMMs are far below the roof, and
-fewer, wider ones are measurably faster (DESIGN §9).
+fewer, wider ones are measurably faster (DESIGN §9). Every projection goes through
+``engine.kernels.linear``, whose path per weight shape and batch size was timed on this host.
 """
 
 from __future__ import annotations
@@ -16,29 +17,9 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
+from engine.kernels import linear
 
 LayerHook = Callable[[int, torch.Tensor], None]
-
-# Below this many rows, `linear` computes W @ x^T instead of x @ W^T (see its docstring).
-_SMALL_M_ROWS = 128
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x [M, K]``, fast for the small M of decode steps.
-
-    Measured with torch 2.13's MKL on these 2-core CPUs, streaming all 538 MB of the default
-    model's weights once: ``F.linear`` takes 32 ms at M=1 (a single-threaded GEMV path) and
-    50-58 ms at M=2-4, while ``mm(weight, x.T)`` (MKL's threaded transposed-B GEMM) takes
-    16 ms at M=1-4, 34 ms at M=8 and 71 ms (vs 85) at M=32. M=1 goes through the same path as
-    a duplicated row, since MKL sends a one-column product back to the slow GEMV. From a few
-    hundred rows on (prefill), ``F.linear`` is faster again.
-    """
-    m = x.shape[0]
-    if m >= _SMALL_M_ROWS or not x.is_cpu:
-        return F.linear(x, weight, bias)
-    rows = x.repeat(2, 1) if m == 1 else x
-    out = torch.mm(weight, rows.t())[:, :m].t().contiguous()  # [M, N]
-    return out if bias is None else out + bias
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

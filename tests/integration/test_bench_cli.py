@@ -2,17 +2,22 @@
 
 The benchmarks measure speed; these tests check what does not depend on it: the files, the
 keys, token counts, and step counts (which the scheduler fixes exactly for a workload that is
-all queued at once).
+all queued at once). `bench serve --target` runs against our HTTP server and against a fake
+llama.cpp-like server (no max_model_len, an API key, ignore_eos dropped); `bench compare`
+reads the results.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 
 import pytest
 
 from bench.cli import main
 from bench.common import simulate_batching
+from tests.async_util import LoopThread
 
 
 def _read(out_dir, name):
@@ -101,3 +106,200 @@ def test_bad_batch_sizes_are_a_usage_error(tmp_path, capsys):
         main(["sweep", "--batch-sizes", "8,4", "--out", str(tmp_path)])
     assert e.value.code == 2
     assert "strictly increasing" in capsys.readouterr().err
+
+
+# ---- bench serve --target and bench compare ----------------------------------------------------
+SERVE_LOAD = ["--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--no-progress",
+              "--slo", "ttft=1000,tpot=1000"]
+
+
+@pytest.fixture(scope="module")
+def tiny_http(tiny_llama_dir):
+    """Our front door (HTTP port) on the tiny model."""
+    from engine import EngineArgs
+    from router.backend import EngineBackend
+    from router.frontdoor import serve_frontdoor
+
+    loop = LoopThread()
+    backend = EngineBackend(EngineArgs(model=str(tiny_llama_dir), max_num_seqs=8))
+    fd = loop.run(serve_frontdoor(backend, host="127.0.0.1", grpc_port=0, http_port=0,
+                                  drain_grace_s=1))
+    yield fd
+    loop.run(fd.stop(1))
+    loop.run(backend.shutdown())
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def two_serve_results(tiny_http, tmp_path_factory):
+    """Two `bench serve --target` runs at our server: labelled "ours" at rates 50,inf, and
+    unlabelled (so labelled host:port) at rates 20,inf; returns (folder A, folder B)."""
+    out = tmp_path_factory.mktemp("serve-target")
+    url = f"http://127.0.0.1:{tiny_http.http_port}"
+    assert main(["serve", "--target", f"{url}/v1/", "--label", "ours", "--request-rates",
+                 "50,inf", *SERVE_LOAD, "--out", str(out / "a")]) == 0
+    assert main(["serve", "--target", url, "--request-rates", "20,inf", *SERVE_LOAD,
+                 "--out", str(out / "b")]) == 0
+    return out / "a", out / "b"
+
+
+def test_serve_target_loads_our_http_server_and_labels_the_result(tiny_http, two_serve_results):
+    import httpx
+
+    port = tiny_http.http_port
+    model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
+    a, b = (_read(d, "serve") for d in two_serve_results)
+    assert a["server"]["label"] == "ours"
+    assert b["server"]["label"] == f"127.0.0.1:{port}"
+    for data in (a, b):
+        assert data["config"]["api"] == "http"
+        assert data["server"]["url"] == f"http://127.0.0.1:{port}"  # /v1/ stripped
+        assert data["server"]["model_id"] == model["id"]
+        assert data["server"]["max_model_len"] == model["max_model_len"]
+        assert data["warnings"] == []  # ours reports usage and honours ignore_eos
+        for r in data["rates"]:
+            assert r["completed"] == 3, r["errors"]
+            assert r["total_output_tokens"] == 3 * 4
+    assert [r["request_rate"] for r in a["rates"]] == [50.0, "inf"]
+
+
+def test_compare_prints_one_table_per_common_rate(two_serve_results, tiny_http, tmp_path, capsys):
+    a, b = two_serve_results
+    capsys.readouterr()
+    assert main(["compare", str(a / "serve.json"), str(b / "serve.json"),
+                 "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    other = f"127.0.0.1:{tiny_http.http_port}"
+    assert "rate inf req/s" in printed
+    assert "rate 50" not in printed and "rate 20" not in printed  # not in both files
+    header = next(line for line in printed.splitlines() if line.startswith("rate inf"))
+    assert "ours" in header and f"{other} / ours" in header
+    for name in ("TTFT p50 (ms)", "TPOT p99 (ms)", "ITL p99 (ms)", "output throughput (tok/s)",
+                 "request throughput (req/s)", "goodput (req/s)", "goodput (%)"):
+        assert name in printed, name
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    data = _read(tmp_path, "compare")
+    assert [f["label"] for f in data["files"]] == ["ours", other]
+    [table] = data["tables"]
+    assert table["request_rate"] == "inf"
+    rows = {(r["name"], r["unit"]): r for r in table["rows"]}
+    tput = rows[("output throughput", "tok/s")]
+    served = [_read(d, "serve")["rates"][-1]["output_throughput_tok_s"] for d in (a, b)]
+    assert tput["values"] == pytest.approx(served)
+    assert tput["ratios_to_first"] == pytest.approx([served[1] / served[0]])
+    assert rows[("goodput", "%")]["values"] == [100.0, 100.0]
+
+
+def test_compare_refuses_a_file_that_is_not_a_serve_result(tmp_path, capsys):
+    from router.cli import main as pdcluster
+
+    serve = tmp_path / "serve.json"
+    serve.write_text(json.dumps({"benchmark": "serve", "rates": [{"request_rate": 1.0}]}))
+    (tmp_path / "sweep.json").write_text(json.dumps({"points": [], "knee": {}}))
+    assert pdcluster(["bench", "compare", str(serve), str(tmp_path / "sweep.json"),
+                      "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "sweep.json is not a `pdcluster bench serve` result" in err
+    assert not (tmp_path / "compare.json").exists()
+
+
+class FakeLlamaCpp:
+    """A stand-in for llama.cpp's server on 127.0.0.1: /v1/models without max_model_len, a
+    Bearer key required, and every completion ends after 3 tokens (ignore_eos dropped)."""
+
+    KEY = "sk-test"
+
+    def __init__(self) -> None:
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        self.bodies: list[dict] = []
+        app = Starlette(routes=[Route("/v1/models", self._models),
+                                Route("/v1/completions", self._completions, methods=["POST"])])
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self._sock.setblocking(False)
+        self.port = self._sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+        self._loop = LoopThread()
+        self._serving = self._loop.run(self._start())
+
+    async def _start(self):
+        task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
+        while not self._server.started and not task.done():
+            await asyncio.sleep(0.005)
+        return task
+
+    def close(self) -> None:
+        self._server.should_exit = True
+
+        async def stopped():
+            await self._serving
+        self._loop.run(stopped(), 10)
+        self._loop.close()
+        self._sock.close()
+
+    def _refused(self, request):
+        from starlette.responses import JSONResponse
+
+        if request.headers.get("authorization") != f"Bearer {self.KEY}":
+            return JSONResponse({"error": {"message": "Invalid API Key"}}, status_code=401)
+        return None
+
+    async def _models(self, request):
+        from starlette.responses import JSONResponse
+
+        return self._refused(request) or JSONResponse({"object": "list", "data": [
+            {"id": "tiny.gguf", "object": "model", "owned_by": "llamacpp",
+             "meta": {"n_ctx_train": 2048, "n_vocab": 32000}}]})
+
+    async def _completions(self, request):
+        from starlette.responses import StreamingResponse
+
+        if (refused := self._refused(request)) is not None:
+            return refused
+        body = await request.json()
+        self.bodies.append(body)
+
+        async def events():
+            for _ in range(3):
+                yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}) + "\n\n"
+            yield "data: " + json.dumps({"choices": [], "usage": {
+                "prompt_tokens": len(body["prompt"]), "completion_tokens": 3}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture
+def fake_llamacpp():
+    server = FakeLlamaCpp()
+    yield server
+    server.close()
+
+
+def test_serve_target_records_what_another_server_does_not_honour(fake_llamacpp, tmp_path,
+                                                                   monkeypatch, capsys):
+    url = f"http://127.0.0.1:{fake_llamacpp.port}"
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--target", url, *SERVE_LOAD, "--out", str(tmp_path)])
+    assert e.value.code == 2 and "API key" in capsys.readouterr().err
+
+    monkeypatch.setenv("OPENAI_API_KEY", FakeLlamaCpp.KEY)
+    assert main(["serve", "--target", url, "--request-rates", "inf", "--label", "llama.cpp",
+                 *SERVE_LOAD, "--out", str(tmp_path)]) == 0
+    data = _read(tmp_path, "serve")
+    assert data["server"]["label"] == "llama.cpp"
+    assert data["server"]["model_id"] == "tiny.gguf" and data["server"]["max_model_len"] is None
+    [rate] = data["rates"]
+    assert rate["completed"] == 3, rate["errors"]  # the key reached every request
+    assert rate["total_output_tokens"] == 3 * 3
+    warnings = "\n".join(data["warnings"])
+    assert "no max_model_len" in warnings
+    assert "ignore_eos" in warnings and "3 of 3 completed requests" in warnings
+    sent = fake_llamacpp.bodies[-1]
+    assert sent["model"] == "tiny.gguf" and sent["ignore_eos"] is True
+    assert sent["max_tokens"] == 4 and len(sent["prompt"]) == 8
+    assert all(isinstance(t, int) for t in sent["prompt"])

@@ -152,3 +152,78 @@ def test_targets_and_json_conversion():
     assert to_jsonable({"s": sim, "n": float("nan")}) == {
         "s": {"policy": "static", "num_slots": 2, "num_steps": 2, "useful_token_steps": 3,
               "utilization": 0.75}, "n": None}
+
+
+# ---- bench serve --target and bench compare ----------------------------------------------------
+def _serve_json(label, rates, **config):
+    """A minimal `bench serve` result: one record per (rate, ttft_p50_s, output tok/s)."""
+    return {"benchmark": "serve", "server": {"label": label}, "slo_s": {"ttft": 1.0},
+            "config": {"input_len": 8, "output_len": 4, "num_prompts": 3, **config},
+            "rates": [{"request_rate": r, "ttft_p50_s": ttft, "output_throughput_tok_s": tput,
+                       "goodput_fraction": 0.5} for r, ttft, tput in rates]}
+
+
+def test_base_url_strips_v1_and_adds_the_scheme():
+    from bench.serve_load import base_url
+
+    for given in ("http://h:8001", "http://h:8001/", "http://h:8001/v1", "http://h:8001/v1/",
+                  "h:8001"):
+        assert base_url(given) == "http://h:8001", given
+    assert base_url("https://gw.example/llm/v1") == "https://gw.example/llm"
+    for bad in ("grpc://h:1", "http://", "ftp://h/v1"):
+        with pytest.raises(ValueError, match="URL"):
+            base_url(bad)
+
+
+def test_output_warnings_flag_short_outputs_and_missing_usage():
+    from bench.serve_load import RequestResult, output_warnings
+
+    full = RequestResult(True, 8, output_tokens=4)
+    short = RequestResult(True, 8, output_tokens=2)
+    failed = RequestResult(False, 8)  # failures are errors, not ignore_eos evidence
+    assert output_warnings([full, full, failed], 4) == []
+    [w] = output_warnings([full, short, failed], 4)
+    assert "1 of 2 completed" in w and "ignore_eos" in w and "min 2" in w
+    no_usage = RequestResult(True, 8, output_tokens=4, usage_reported=False)
+    [w] = output_warnings([full, no_usage], 4)
+    assert "1 of 2" in w and "usage" in w
+
+
+def test_compare_matches_rates_in_every_file_and_takes_ratios_to_the_first():
+    from bench.compare import build_tables, format_table, parse_run
+
+    a = parse_run("a.json", _serve_json("ours", [(1, 0.1, 100.0), (2.0, 0.2, 150.0),
+                                                 ("inf", 0.4, 200.0)]))
+    b = parse_run("b.json", _serve_json("vllm", [(2, 0.1, 300.0), ("inf", None, 0.0),
+                                                 (4, 0.5, 310.0)]))
+    tables = build_tables([a, b])
+    assert [t.request_rate for t in tables] == [2.0, math.inf]  # 2 == 2.0; 1 and 4 not shared
+    rows = {r.metric: r for r in tables[0].rows}
+    assert rows["ttft_p50_s"].values == pytest.approx([200.0, 100.0])  # ms
+    assert rows["ttft_p50_s"].ratios_to_first == pytest.approx([0.5])
+    assert rows["output_throughput_tok_s"].ratios_to_first == pytest.approx([2.0])
+    assert rows["goodput_fraction"].values == [50.0, 50.0]  # %
+    assert rows["tpot_p50_s"].values == [None, None]  # absent field: n/a, no ratio
+    assert rows["tpot_p50_s"].ratios_to_first == [None]
+    inf = {r.metric: r for r in tables[1].rows}
+    assert inf["ttft_p50_s"].values == [pytest.approx(400.0), None]
+    assert inf["ttft_p50_s"].ratios_to_first == [None]
+    text = format_table(["ours", "vllm"], tables[0])
+    header, *lines = text.splitlines()
+    assert header.split() == ["rate", "2", "req/s", "ours", "vllm", "vllm", "/", "ours"]
+    assert any(line.startswith("TTFT p50 (ms)") and line.endswith("0.50x") for line in lines)
+
+
+def test_compare_refuses_foreign_files_and_disjoint_rates():
+    from bench.compare import build_tables, mismatches, parse_run, unique_labels
+
+    for bad in ({"benchmark": "sweep", "points": []}, [1, 2], {"benchmark": "serve"}):
+        with pytest.raises(ValueError, match="x.json is not a `pdcluster bench serve` result"):
+            parse_run("x.json", bad)
+    a = parse_run("a.json", _serve_json("ours", [(1, 0.1, 1.0)]))
+    b = parse_run("b.json", _serve_json("ours", [(2, 0.1, 1.0)], output_len=64))
+    with pytest.raises(ValueError, match=r"no request rate is in every file \(a.json: 1; b.json: 2\)"):
+        build_tables([a, b])
+    assert unique_labels(["ours", "vllm", "ours", "ours"]) == ["ours", "vllm", "ours (2)", "ours (3)"]
+    [m] = mismatches([a, b])
+    assert "output_len 64 vs 4" in m

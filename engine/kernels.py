@@ -1,0 +1,255 @@
+"""Per-host choice of the linear-layer kernel: timed at start-up, cached per host.
+
+A decode step is a handful of small-M GEMMs (M = batch size) that stream every weight once.
+Which torch call streams them fastest depends on the host: on one 2-core AMD EPYC (AVX2)
+``mm(W, x.T)`` (MKL's threaded transposed GEMM) took 16 ms per pass over the default model's
+538 MB at M=1 and ``F.linear`` 32 ms (a single-threaded GEMV); on an Intel Xeon with AVX-512
+and AMX the same pass took 61 ms and 26 ms, the reverse. So nothing is hard-coded: for every
+weight shape of the model and every decode batch bucket, ``tune_linear`` times both paths on
+the model's own weights in step order (every weight streamed from memory, as in a real step)
+and keeps the faster; ``linear`` then dispatches on the table.
+
+The table is cached in ``{cache_dir}/kernels/linear-<key>.json``, the key naming the CPU model,
+torch version, thread count, dtype and shapes, so a second start on the same host pays
+nothing and a different host (or thread count) tunes afresh. ``pdcluster bench ceilings``
+prints the table and the timings behind it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+PATHS = ("linear", "mm_t")  # F.linear(x, W) | mm(W, x.T).T
+# Decode batch sizes tuned; a batch uses the largest bucket <= its M. From PREFILL_ROWS rows
+# on it is a prefill GEMM, where F.linear (MKL's blocked GEMM) is the right call everywhere.
+M_BUCKETS = (1, 2, 4, 8, 16, 32)
+PREFILL_ROWS = 128
+# Weights smaller than this are not worth a timing (and fit in cache, so timing them lies).
+MIN_TUNED_BYTES = 256 << 10
+DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster")
+_REPEATS = 2
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds per call of each path for one weight shape and one M bucket."""
+
+    n: int
+    k: int
+    m: int
+    seconds: dict[str, float]
+
+    @property
+    def best(self) -> str:
+        return min(self.seconds, key=self.seconds.get)
+
+
+@dataclass
+class LinearPlan:
+    """The chosen path per ``(n, k)`` weight shape and M bucket; anything not in the table
+    (prefill rows, tiny weights, shapes not tuned) takes ``F.linear``."""
+
+    choices: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    timings: list[Timing] = field(default_factory=list)
+    key: str = ""
+    from_cache: bool = False
+
+    def path(self, n: int, k: int, m: int) -> str:
+        if m >= PREFILL_ROWS:
+            return "linear"
+        bucket = max((b for b in M_BUCKETS if b <= m), default=1)
+        return self.choices.get((n, k, bucket), "linear")
+
+    def summary(self) -> list[str]:
+        """One line per weight shape: the path per bucket and the speed-up over the other."""
+        lines = []
+        shapes = sorted({(t.n, t.k) for t in self.timings})
+        for n, k in shapes:
+            parts = []
+            for t in sorted((t for t in self.timings if (t.n, t.k) == (n, k)), key=lambda t: t.m):
+                other = min(v for p, v in t.seconds.items() if p != t.best)
+                parts.append(f"M={t.m}: {t.best} ({other / t.seconds[t.best]:.2f}x)")
+            parts = parts or ["F.linear (not tuned)"]
+            lines.append(f"W[{n}x{k}] " + ", ".join(parts))
+        return lines
+
+    def to_json(self) -> str:
+        return json.dumps({"key": self.key, "timings": [asdict(t) for t in self.timings]})
+
+    @classmethod
+    def from_timings(cls, timings: list[Timing], key: str = "", from_cache: bool = False
+                     ) -> LinearPlan:
+        return cls({(t.n, t.k, t.m): t.best for t in timings}, timings, key, from_cache)
+
+
+_plan = LinearPlan()
+
+
+def set_linear_plan(plan: LinearPlan) -> None:
+    """Make ``plan`` the one ``linear`` follows in this process (one host, one plan)."""
+    global _plan
+    _plan = plan
+
+
+def linear_plan() -> LinearPlan:
+    return _plan
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x [M, K]`` by the path the host's plan chose for this
+    weight shape and M (``F.linear`` when untuned, on GPU, and for prefill rows)."""
+    if not x.is_cpu:
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    m = x.shape[0]
+    if _plan.path(n, k, m) == "linear":
+        return F.linear(x, weight, bias)
+    return _mm_t(x, weight, bias)
+
+
+def _mm_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m = x.shape[0]
+    # MKL sends a one-column product back to its GEMV: give it two columns (the row twice;
+    # cat, not repeat: 1 us instead of 7 at this size, 91 times a step).
+    rows = torch.cat((x, x)) if m == 1 else x
+    out = torch.mm(weight, rows.t())[:, :m].t().contiguous()  # [M, N]
+    return out if bias is None else out + bias
+
+
+# ---- tuning ---------------------------------------------------------------------------------
+def host_key(shapes: Iterable[tuple[int, int]], dtype: torch.dtype) -> str:
+    """Names what the timings depend on: CPU model, torch, threads, dtype, shapes."""
+    parts = [_cpu_model(), torch.__version__, str(torch.get_num_threads()), str(dtype),
+             ",".join(f"{n}x{k}" for n, k in sorted(set(shapes))), ",".join(map(str, M_BUCKETS))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def time_passes(weights: list[torch.Tensor], m: int, choice: dict[tuple[int, int], str],
+                repeats: int = _REPEATS, warm_up: bool = False) -> float:
+    """Seconds for one pass of ``m`` rows through every weight in ``weights``, in that order,
+    each by ``choice[shape]``: the weight traffic of a decode step of batch ``m`` (the best of
+    ``repeats`` passes, after one untimed pass with ``warm_up``: interference only ever adds
+    time)."""
+    dtype = weights[0].dtype
+    xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
+    calls = [(xs[w.shape[1]], w, choice.get(tuple(w.shape), "linear")) for w in weights]
+
+    def one_pass() -> None:
+        for x, w, path in calls:
+            F.linear(x, w) if path == "linear" else _mm_t(x, w, None)
+
+    if warm_up:
+        one_pass()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        one_pass()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_choices(weights: list[torch.Tensor], buckets: Iterable[int] | None = None,
+                 repeats: int = _REPEATS) -> list[Timing]:
+    """Per M bucket, choose each weight shape's path by timing whole passes over the model's
+    own weights (so each call streams its weight from memory as in a real step, and MKL's
+    threading behaves as it does there): start from ``mm_t`` everywhere, flip one shape at a
+    time to ``F.linear``, keep the flip when the pass gets faster. One ``Timing`` per shape
+    and bucket: the pass time with that shape on each path."""
+    size = weights[0].element_size()
+    shapes = sorted({tuple(w.shape) for w in weights if w.numel() * size >= MIN_TUNED_BYTES})
+    out = []
+    for m in M_BUCKETS if buckets is None else buckets:
+        choice = dict.fromkeys(shapes, "mm_t")
+        current = time_passes(weights, m, choice, repeats, warm_up=True)
+        for shape in shapes:
+            trial = {**choice, shape: "linear"}
+            flipped = time_passes(weights, m, trial, repeats)
+            out.append(Timing(shape[0], shape[1], m, {"mm_t": current, "linear": flipped}))
+            if flipped < current:
+                choice, current = trial, flipped
+    return out
+
+
+def tune_linear(weights: list[torch.Tensor], cache_dir: str | Path | None = None) -> LinearPlan:
+    """The plan for a model whose linear weights are ``weights`` (in the order a step calls
+    them: ``model_linear_weights``) on this host: from the cache when this host (CPU, torch,
+    threads, dtype) tuned these shapes before, else timed now (a few seconds for the default
+    model) and cached. Weights under ``MIN_TUNED_BYTES`` are not timed (``F.linear``)."""
+    shapes = sorted({tuple(w.shape) for w in weights})
+    key = host_key(shapes, weights[0].dtype)
+    path = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "kernels" / f"linear-{key}.json"
+    cached = _read_plan(path, key)
+    if cached is not None:
+        return cached
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 (held across the tuning)
+    except OSError as e:
+        log.warning("cannot cache the linear kernel plan in %s: %s", path.parent, e)
+        return _tune(weights, key, None)
+    with lock:
+        # One process tunes at a time: workers starting together on one host would time
+        # each other's memory traffic. The others wait, then read its result.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _read_plan(path, key) or _tune(weights, key, path)
+
+
+def _read_plan(path: Path, key: str) -> LinearPlan | None:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return LinearPlan.from_timings([Timing(**t) for t in data["timings"]], key, True)
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # missing or unreadable: tune again
+    return None
+
+
+def _tune(weights: list[torch.Tensor], key: str, path: Path | None) -> LinearPlan:
+    t0 = time.perf_counter()
+    timings = time_choices(weights)
+    plan = LinearPlan.from_timings(timings, key)
+    log.info("linear kernels tuned for this host in %.2f s: %s", time.perf_counter() - t0,
+             "; ".join(plan.summary()) or "nothing worth tuning")
+    if path is not None:
+        try:
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(plan.to_json())
+            tmp.replace(path)  # atomic: a reader never sees half a file
+        except OSError as e:
+            log.warning("cannot cache the linear kernel plan at %s: %s", path, e)
+    return plan
+
+
+def model_linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's linear weights in the order a step calls them: every layer's fused QKV,
+    output, fused gate/up and down projections, then the LM head (the embedding when tied)."""
+    out = []
+    for layer in getattr(model, "layers", []):
+        out += [layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight]
+    head = getattr(model, "lm_head", None)
+    out.append(head.weight if head is not None else model.embed.weight)
+    return [w.detach() for w in out]

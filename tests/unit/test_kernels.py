@@ -1,0 +1,133 @@
+"""The linear kernel is chosen per host: both paths compute the same product, the choice is
+timed, cached per host key, and followed per weight shape and batch size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.kernels as kernels
+from engine.kernels import (
+    M_BUCKETS,
+    PREFILL_ROWS,
+    LinearPlan,
+    Timing,
+    host_key,
+    linear,
+    model_linear_weights,
+    set_linear_plan,
+    tune_linear,
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_plan():
+    before = kernels.linear_plan()
+    yield
+    set_linear_plan(before)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 33, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_both_paths_compute_the_same_product(m, bias):
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 96, generator=g), torch.randn(160, 96, generator=g)
+    b = torch.randn(160, generator=g) if bias else None
+    want = torch.nn.functional.linear(x, w, b)
+    for path in ("linear", "mm_t"):
+        set_linear_plan(LinearPlan.from_timings(
+            [Timing(160, 96, bk, {path: 0.0, "other": 1.0}) for bk in M_BUCKETS]))
+        got = linear(x, w, b)
+        assert got.shape == (m, 160) and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_follows_the_bucket_and_leaves_prefill_and_unknown_shapes_to_f_linear():
+    t = [Timing(8, 4, 1, {"linear": 2.0, "mm_t": 1.0}), Timing(8, 4, 2, {"linear": 1.0, "mm_t": 2.0}),
+         Timing(8, 4, 4, {"linear": 3.0, "mm_t": 1.0})]
+    plan = LinearPlan.from_timings(t)
+    assert [plan.path(8, 4, m) for m in (1, 2, 3, 4, 7)] == ["mm_t", "linear", "linear", "mm_t", "mm_t"]
+    assert plan.path(8, 4, PREFILL_ROWS) == "linear"
+    assert plan.path(16, 4, 1) == "linear"  # never tuned
+    assert plan.summary() == ["W[8x4] M=1: mm_t (2.00x), M=2: linear (2.00x), M=4: mm_t (3.00x)"]
+
+
+def test_linear_dispatches_on_the_plan(monkeypatch):
+    calls = []
+    real = kernels._mm_t
+    monkeypatch.setattr(kernels, "_mm_t", lambda *a: calls.append("mm_t") or real(*a))
+    set_linear_plan(LinearPlan.from_timings([Timing(32, 16, 1, {"linear": 2.0, "mm_t": 1.0})]))
+    linear(torch.randn(1, 16), torch.randn(32, 16))
+    linear(torch.randn(2, 16), torch.randn(32, 16))  # bucket 2 was not tuned: F.linear
+    assert calls == ["mm_t"]
+
+
+def _weights(*shapes):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, k, generator=g) for n, k in shapes]
+
+
+def test_tuning_times_whole_passes_and_is_cached_per_host_key(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "M_BUCKETS", (1, 4))
+    # two "layers" of two tuned shapes, and one under MIN_TUNED_BYTES
+    weights = _weights((512, 256), (256, 512), (512, 256), (256, 512), (16, 16))
+    plan = tune_linear(weights, cache_dir=tmp_path)
+    assert not plan.from_cache
+    assert {(t.n, t.k, t.m) for t in plan.timings} == {(512, 256, 1), (512, 256, 4),
+                                                       (256, 512, 1), (256, 512, 4)}
+    for t in plan.timings:
+        assert set(t.seconds) == {"linear", "mm_t"} and all(v > 0 for v in t.seconds.values())
+        assert plan.path(t.n, t.k, t.m) == min(t.seconds, key=t.seconds.get)
+    assert plan.path(16, 16, 1) == "linear"  # too small to time
+    again = tune_linear(weights, cache_dir=tmp_path)
+    assert again.from_cache and again.choices == plan.choices
+    files = list((tmp_path / "kernels").glob("linear-*.json"))
+    assert [f.name for f in files] == [f"linear-{plan.key}.json"]
+    # Another thread count is another host key: tuned afresh, in its own file.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert host_key([(512, 256), (256, 512), (16, 16)], torch.float32) != plan.key
+        assert not tune_linear(weights, cache_dir=tmp_path).from_cache
+    finally:
+        torch.set_num_threads(threads)
+    assert len(list((tmp_path / "kernels").glob("linear-*.json"))) == 2
+
+
+def test_a_flip_is_kept_only_when_the_whole_pass_gets_faster(monkeypatch):
+    """Greedy per bucket: from mm_t everywhere, each shape flips to F.linear when that makes
+    the pass faster; the recorded times are the ones the decision was made on."""
+    fast_linear = {(512, 256)}  # pretend F.linear is faster for this shape only
+
+    def fake_pass(weights, m, choice, repeats=3, warm_up=False):
+        return sum(1.0 if choice[s] == "linear" and s in fast_linear else
+                   2.0 if choice[s] == "linear" else 1.5 for s in choice)
+
+    monkeypatch.setattr(kernels, "time_passes", fake_pass)
+    timings = kernels.time_choices(_weights((512, 256), (256, 512)), buckets=(1,))
+    plan = LinearPlan.from_timings(timings)
+    assert plan.path(512, 256, 1) == "linear" and plan.path(256, 512, 1) == "mm_t"
+
+
+def test_a_corrupt_cache_file_is_tuned_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "M_BUCKETS", (1,))
+    weights = _weights((512, 256))
+    key = host_key([(512, 256)], torch.float32)
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / f"linear-{key}.json").write_text("{not json")
+    plan = tune_linear(weights, cache_dir=tmp_path)
+    assert not plan.from_cache and len(plan.timings) == 1
+
+
+def test_model_weights_in_step_order_with_the_lm_head_last(tiny_llama_dir):
+    from engine import LLM
+
+    model = LLM(str(tiny_llama_dir)).engine.model
+    cfg = model.cfg
+    weights = model_linear_weights(model)
+    assert len(weights) == 4 * cfg.num_layers + 1
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    assert [tuple(w.shape) for w in weights[:4]] == [
+        (q + 2 * kv, cfg.hidden_size), (cfg.hidden_size, q),
+        (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
+    assert tuple(weights[-1].shape) == (cfg.vocab_size, cfg.hidden_size)  # lm_head or tied embedding
