@@ -36,6 +36,7 @@ def _builtin() -> list[Benchmark]:
         chaos,
         compare,
         disagg,
+        kernels,
         policies,
         prefix,
         serve_load,
@@ -48,6 +49,7 @@ def _builtin() -> list[Benchmark]:
     return [
         Benchmark("ceilings", "this machine's copy/GEMV bandwidth and fp32 matmul rate",
                   ceilings.add_arguments, ceilings.run),
+        Benchmark(kernels.NAME, kernels.HELP, kernels.add_arguments, kernels.run),
         Benchmark("sweep", "throughput and latency over batch size, against the roofline",
                   sweep.add_arguments, sweep.run, baseline=True),
         Benchmark("policies", "static vs dynamic vs continuous batching, slot utilization",

@@ -40,13 +40,26 @@ class _PrefillPlan:
 
 
 @dataclass(frozen=True)
+class _DecodeGather:
+    """Index tensors that gather ``kv_cache[page, kv, offset, head]`` straight into the
+    ``[2, B, KVH, L, D]`` layout the decode matmuls read (the head index, ``[1, 1, KVH, 1]``,
+    comes from the cache's shape: ``TorchPagedBackend._heads``)."""
+
+    pages: torch.Tensor  # [1, B, 1, L] int64: the page of each token slot (page 0 as padding)
+    kv: torch.Tensor  # [2, 1, 1, 1]: K, V
+    offsets: torch.Tensor  # [1, 1, 1, L]: the slot within its page
+
+
+@dataclass(frozen=True)
 class _StepPlan:
     """What every layer of one step reuses, on the backend's device."""
 
     write_page_ids: torch.Tensor  # [num_tokens] int64
     write_offsets: torch.Tensor  # [num_tokens] int64
     num_decode: int
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_pages] int64, padded with page 0
+    # One gather index per dimension of the cache, broadcasting to [2, num_decode, KVH, L]
+    # (L = max_pages * block_size): K and V of every decode sequence, head-major, in one copy.
+    decode_gather: _DecodeGather | None
     # True past each sequence's KV length (padding rows of the gathered pages).
     decode_pad_mask: torch.Tensor | None  # [num_decode, 1, 1, max_pages * block_size] bool
     prefills: list[_PrefillPlan]
@@ -60,6 +73,14 @@ class TorchPagedBackend:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._plan: _StepPlan | None = None
+        self._head_index: torch.Tensor | None = None
+
+    def _heads(self, num_kv_heads: int) -> torch.Tensor:
+        """``[1, 1, KVH, 1]`` head index of the decode gather (made once: same every layer)."""
+        h = self._head_index
+        if h is None or h.shape[2] != num_kv_heads:
+            h = self._head_index = torch.arange(num_kv_heads, device=self.device)[None, None, :, None]
+        return h
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Build this step's padded decode page tables, padding mask, per-prefill pages and masks.
@@ -72,7 +93,7 @@ class TorchPagedBackend:
         kv_indptr = meta.kv_indptr.tolist()
         last_page_len = meta.kv_last_page_len.tolist()
         nd = meta.num_decode
-        tables = pad_mask = None
+        gather = pad_mask = None
         if nd:
             # Python lists, one tensor each: cheaper than a chain of small tensor ops at batch 1.
             pages = meta.kv_indices[:kv_indptr[nd]].tolist()
@@ -85,7 +106,11 @@ class TorchPagedBackend:
                                     for n, last in zip(num_pages, last_page_len[:nd], strict=True)],
                                    dtype=torch.int64)  # [nd]
             pad_mask = torch.arange(max_pages * bs)[None, :] >= kv_lens[:, None]
-            tables = tables.to(dev, non_blocking=True)
+            length = max_pages * bs
+            gather = _DecodeGather(
+                tables.repeat_interleave(bs, dim=1)[None, :, None, :].to(dev, non_blocking=True),
+                torch.arange(2, device=dev)[:, None, None, None],
+                (torch.arange(length) % bs)[None, None, None, :].to(dev, non_blocking=True))
             pad_mask = pad_mask[:, None, None, :].to(dev, non_blocking=True)
         prefills = []
         if meta.num_seqs > nd:
@@ -103,7 +128,7 @@ class TorchPagedBackend:
                                          kv_indices[kv_indptr[i]:kv_indptr[i + 1]], mask))
         self._plan = _StepPlan(meta.write_page_ids.to(dev, non_blocking=True),
                                meta.write_offsets.to(dev, non_blocking=True),
-                               nd, tables, pad_mask, prefills)
+                               nd, gather, pad_mask, prefills)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor) -> torch.Tensor:
@@ -120,7 +145,8 @@ class TorchPagedBackend:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if p.num_decode:
             nd = p.num_decode
-            out[:nd] = _decode(q[:nd], kv_cache, p.decode_block_tables, p.decode_pad_mask)
+            out[:nd] = _decode(q[:nd], kv_cache, p.decode_gather,
+                               self._heads(kv_cache.shape[3]), p.decode_pad_mask)
         for s in p.prefills:
             rows = slice(s.q_start, s.q_start + s.q_len)
             if s.mask is None:
@@ -151,16 +177,16 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return o.squeeze(0).transpose(0, 1)  # [q_len, H, D]
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather, heads: torch.Tensor,
             pad_mask: torch.Tensor) -> torch.Tensor:
     """One query token per sequence, all sequences in one batched call."""
     b, num_heads, head_dim = q.shape
-    pages = kv_cache[block_tables]  # [B, MB, 2, bs, KVH, D]
-    _, mb, _, bs, kvh, _ = pages.shape
+    kvh = heads.shape[2]
     group = num_heads // kvh
-    # One copy puts K and V head-major ([2, B, KVH, L, D]); the matmuls then read K transposed
-    # in place. (Reshaping K and V separately, then permuting K, cost 2.4x as much at batch 32.)
-    kv = pages.permute(2, 0, 4, 1, 3, 5).reshape(2, b, kvh, mb * bs, head_dim)
+    # One gather writes K and V head-major ([2, B, KVH, L, D]); the matmuls then read K
+    # transposed in place. (Gathering whole pages, then permuting, copied everything twice:
+    # 1.4 -> 1.2 ms per layer at batch 32, measured in one process.)
+    kv = kv_cache[gather.pages, gather.kv, gather.offsets, heads]
     k, v = kv[0], kv[1]
     qg = q.view(b, kvh, group, head_dim)  # [B, KVH, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(head_dim))  # [B, KVH, G, L]

@@ -32,6 +32,21 @@ def test_ceilings_writes_positive_roofs(tmp_path):
     for key in ("copy_gb_s", "gemv_gb_s", "matmul_gflop_s"):
         assert data[key] > 0, key
     assert data["machine"]["num_cpus"] >= 1
+    # the engine's per-host kernel choice for the default model: one line per weight shape
+    # (QKV, O, gate/up, down, LM head), each naming a path per batch bucket
+    plan = data["linear_plan"]
+    assert len(plan["summary"]) == 5 and all("M=1: " in line for line in plan["summary"])
+    assert plan["timings"] and plan["host_key"]
+
+
+def test_kernels_times_the_three_plans(tmp_path, tiny_llama_dir):
+    assert main(["kernels", "--model", str(tiny_llama_dir), "--quick", "--batch-sizes", "1,2",
+                 "--steps", "1", "--out", str(tmp_path)]) == 0
+    data = _read(tmp_path, "kernels")
+    assert [r["batch"] for r in data["rows"]] == [1, 2]
+    for r in data["rows"]:
+        assert set(r["step_ms"]) == {"host plan", "mm_t < 128 rows", "F.linear"}
+        assert all(v > 0 for v in r["step_ms"].values())
 
 
 @pytest.mark.slow

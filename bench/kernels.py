@@ -1,0 +1,109 @@
+"""`pdcluster bench kernels`: does this host's linear-kernel plan pay? Decode steps, one process.
+
+The engine picks, per weight shape and batch size, ``F.linear`` or ``mm(W, x.T)`` by timing
+them on this host at start-up (``engine.kernels``). This benchmark runs real decode steps of
+the model at each batch size under three plans, interleaved round by round in one process so
+drift and noisy neighbours hit all three alike, each round starting with the next plan:
+
+- ``host plan``: what the engine chose on this host (cached per host);
+- ``mm_t < 128 rows``: the rule hard-coded before (tuned on one AMD EPYC);
+- ``F.linear``: torch's default everywhere.
+
+Each figure is the median over rounds of the mean of ``--steps`` consecutive decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from bench.common import machine_info, write_json
+
+NAME = "kernels"
+HELP = "decode step time under this host's linear-kernel plan vs fixed kernel choices"
+PLANS = ("host plan", "mm_t < 128 rows", "F.linear")
+
+
+def _plans(tuned):
+    from engine.kernels import M_BUCKETS, LinearPlan
+
+    shapes = {(t.n, t.k) for t in tuned.timings}
+    return {"host plan": tuned,
+            "mm_t < 128 rows": LinearPlan({(n, k, m): "mm_t" for n, k in shapes for m in M_BUCKETS}),
+            "F.linear": LinearPlan({})}
+
+
+def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
+            prompt_len: int = 64) -> dict[str, float]:
+    """Median ms per decode step at ``batch`` under each plan (see the module docstring)."""
+    import engine.kernels as kernels
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len))
+    eng = llm.engine
+    tuned = kernels.linear_plan()
+    plans = _plans(tuned)
+    rng = random.Random(seed)
+    vocab = eng.model_config.vocab_size
+    budget = (rounds * len(plans) * (steps + 1)) + 4
+    sp = SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request([rng.randrange(3, vocab) for _ in range(prompt_len)], sp)
+    while eng.scheduler.num_waiting:  # prefill everyone: only decode steps are timed
+        eng.step()
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    try:
+        order = list(plans)
+        for r in range(rounds):
+            # Each round starts with the next plan: the plan timed right after another one
+            # runs measurably slower (seen: ~20% at batch 1 with identical plans), so every
+            # plan takes every position equally often.
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                plan = plans[name]
+                kernels.set_linear_plan(plan)
+                eng.step()  # one untimed step: the switch's first calls
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    eng.step()
+                times[name].append((time.perf_counter() - t0) / steps * 1e3)
+    finally:
+        kernels.set_linear_plan(tuned)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Entry point of the ``kernels`` subcommand; returns the JSON payload it wrote."""
+    import torch
+
+    import engine.kernels as kernels
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    sizes = [int(b) for b in (args.batch_sizes or ("1,8" if args.quick else "1,8,32")).split(",")]
+    rounds = args.rounds or (3 if args.quick else 9)
+    rows = []
+    print(f"{'batch':>5} " + " ".join(f"{p:>16}" for p in PLANS) + f" {'fixed/host':>11}")
+    for b in sizes:
+        ms = measure(args.model, b, rounds, args.steps, args.seed)
+        best_fixed = min(ms["mm_t < 128 rows"], ms["F.linear"])
+        rows.append({"batch": b, "step_ms": ms, "best_fixed_over_host": best_fixed / ms["host plan"]})
+        print(f"{b:>5} " + " ".join(f"{ms[p]:>13.1f} ms" for p in PLANS)
+              + f" {best_fixed / ms['host plan']:>10.2f}x", flush=True)
+    plan = kernels.linear_plan()
+    print("host plan (path per batch bucket, and by how much it beat the other in tuning):")
+    for line in plan.summary():
+        print("  " + line)
+    payload = {"benchmark": NAME, "machine": machine_info(), "rounds": rounds,
+               "steps": args.steps, "rows": rows,
+               "plan": {"host_key": plan.key, "summary": plan.summary()}}
+    path = write_json(args.out, NAME, payload)
+    print(f"wrote {path}")
+    return payload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8,32; --quick 1,8)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the three plans (default 9; --quick 3)")
+    p.add_argument("--steps", type=int, default=3, help="timed decode steps per plan and round")
