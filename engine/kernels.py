@@ -24,7 +24,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,9 +86,6 @@ class LinearPlan:
             parts = parts or ["F.linear (not tuned)"]
             lines.append(f"W[{n}x{k}] " + ", ".join(parts))
         return lines
-
-    def to_json(self) -> str:
-        return json.dumps({"key": self.key, "timings": [asdict(t) for t in self.timings]})
 
     @classmethod
     def from_timings(cls, timings: list[Timing], key: str = "", from_cache: bool = False
@@ -201,47 +198,53 @@ def tune_linear(weights: list[torch.Tensor], cache_dir: str | Path | None = None
     model) and cached. Weights under ``MIN_TUNED_BYTES`` are not timed (``F.linear``)."""
     shapes = sorted({tuple(w.shape) for w in weights})
     key = host_key(shapes, weights[0].dtype)
-    path = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "kernels" / f"linear-{key}.json"
-    cached = _read_plan(path, key)
+    timings, from_cache = cached_timings("linear", key, lambda: time_choices(weights), cache_dir)
+    plan = LinearPlan.from_timings(timings, key, from_cache)
+    if not from_cache:
+        log.info("linear kernels tuned for this host: %s",
+                 "; ".join(plan.summary()) or "nothing worth tuning")
+    return plan
+
+
+def cached_timings(kind: str, key: str, measure: Callable[[], list[Timing]],
+                   cache_dir: str | Path | None = None) -> tuple[list[Timing], bool]:
+    """``measure()``'s timings, cached in ``{cache_dir}/kernels/{kind}-{key}.json``, and
+    whether they came from the cache. One process measures at a time (a file lock): workers
+    starting together on one host would time each other's memory traffic; the others wait,
+    then read its result."""
+    path = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "kernels" / f"{kind}-{key}.json"
+    cached = _read_timings(path, key)
     if cached is not None:
-        return cached
+        return cached, True
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 (held across the tuning)
+        lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 (held across the measuring)
     except OSError as e:
-        log.warning("cannot cache the linear kernel plan in %s: %s", path.parent, e)
-        return _tune(weights, key, None)
+        log.warning("cannot cache kernel timings in %s: %s", path.parent, e)
+        return measure(), False
     with lock:
-        # One process tunes at a time: workers starting together on one host would time
-        # each other's memory traffic. The others wait, then read its result.
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _read_plan(path, key) or _tune(weights, key, path)
+        cached = _read_timings(path, key)
+        if cached is not None:
+            return cached, True
+        timings = measure()
+        try:
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"key": key, "timings": [asdict(t) for t in timings]}))
+            tmp.replace(path)  # atomic: a reader never sees half a file
+        except OSError as e:
+            log.warning("cannot cache kernel timings at %s: %s", path, e)
+        return timings, False
 
 
-def _read_plan(path: Path, key: str) -> LinearPlan | None:
+def _read_timings(path: Path, key: str) -> list[Timing] | None:
     try:
         data = json.loads(path.read_text())
         if data.get("key") == key:
-            return LinearPlan.from_timings([Timing(**t) for t in data["timings"]], key, True)
+            return [Timing(**t) for t in data["timings"]]
     except (OSError, ValueError, TypeError, KeyError):
-        pass  # missing or unreadable: tune again
+        pass  # missing or unreadable: measure again
     return None
-
-
-def _tune(weights: list[torch.Tensor], key: str, path: Path | None) -> LinearPlan:
-    t0 = time.perf_counter()
-    timings = time_choices(weights)
-    plan = LinearPlan.from_timings(timings, key)
-    log.info("linear kernels tuned for this host in %.2f s: %s", time.perf_counter() - t0,
-             "; ".join(plan.summary()) or "nothing worth tuning")
-    if path is not None:
-        try:
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(plan.to_json())
-            tmp.replace(path)  # atomic: a reader never sees half a file
-        except OSError as e:
-            log.warning("cannot cache the linear kernel plan at %s: %s", path, e)
-    return plan
 
 
 def model_linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.torch_paged import tune_decode_paths
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
 from engine.device import kv_pool_bytes, plan_device
@@ -69,8 +70,9 @@ class EngineArgs:
     attention_backend: str = "auto"
     # Replay decode steps from captured CUDA graphs (None: on for CUDA, off for CPU).
     cuda_graphs: bool | None = None
-    # CPU: time each linear kernel path on this host at start-up (cached per host in
-    # ~/.cache/pdcluster/kernels; engine.kernels). False: F.linear everywhere.
+    # CPU: time each linear kernel path and each decode-attention path on this host at
+    # start-up (cached per host in ~/.cache/pdcluster/kernels; engine.kernels). False:
+    # F.linear everywhere and the "gather" decode path.
     tune_kernels: bool = True
 
 
@@ -134,6 +136,10 @@ class LLMEngine:
                                   attention_backend=self.plan.attention_backend,
                                   cuda_graphs=self.plan.cuda_graphs,
                                   max_num_seqs=args.max_num_seqs, max_model_len=max_len)
+        if self.device.type == "cpu" and args.tune_kernels and self.plan.attention_backend == "torch":
+            self.runner.attn_backend.decode_paths = tune_decode_paths(
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.block_size,
+                getattr(torch, cfg.dtype))
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
                                      max_kv_tokens=num_blocks * args.block_size)
         self.block_manager = BlockManager(num_blocks, args.block_size,

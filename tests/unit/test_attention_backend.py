@@ -20,7 +20,16 @@ from engine.attention.backend import (
     build_metadata,
     create_backend,
 )
-from engine.attention.torch_paged import TorchPagedBackend, gather_kv
+from engine.attention.torch_paged import (
+    CONTEXT_BUCKETS,
+    DECODE_PATHS,
+    DecodePaths,
+    TorchPagedBackend,
+    gather_kv,
+    tune_decode_paths,
+)
+from engine.config import cdiv
+from engine.kernels import M_BUCKETS
 from engine.llm_engine import EngineArgs, LLMEngine
 
 # One step, decode-first: two decodes (one with 9 cached tokens, one a 1-token prompt), a prefill
@@ -101,8 +110,9 @@ def _dense_reference(q, k, v, cache_before, seqs, block_size):
     return out.reshape(q.shape[0], num_heads * d)
 
 
+@pytest.mark.parametrize("decode_path", ["gather", "rows"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_torch_backend_matches_dense_attention(block_size):
+def test_torch_backend_matches_dense_attention(block_size, decode_path):
     # Mixed batch: the STEP above plus a trailing 1-token chunk after the prefills, which takes
     # the general (masked prefill) path rather than the batched decode one.
     seqs = [*STEP, SeqSlice(block_ids=[10, 11, 12], start_pos=5, num_new_tokens=1)]
@@ -117,7 +127,13 @@ def test_torch_backend_matches_dense_attention(block_size):
     v = torch.randn(t, kv_heads, d, generator=gen)
 
     backend = create_backend("torch")
+    nd = meta.num_decode
+    length = max(cdiv(s.end_pos, block_size) for s in seqs[:nd]) * block_size
+    backend.decode_paths = DecodePaths({(b, c): decode_path for b in M_BUCKETS
+                                        for c in CONTEXT_BUCKETS})
+    assert backend.decode_paths.path(nd, length) == decode_path
     backend.plan(meta)
+    assert backend._plan.decode_gather.path == decode_path
     out = backend.forward(0, q, k, v, cache)
 
     assert out.shape == (t, num_heads * d)
@@ -209,3 +225,15 @@ def test_cpu_engine_never_imports_flashinfer(tiny_llama_dir, tmp_path):
 def test_unknown_backend_is_refused_by_the_engine(tiny_llama_dir):
     with pytest.raises(ValueError, match="unknown attention backend 'bogus'"):
         LLMEngine(EngineArgs(model=str(tiny_llama_dir), attention_backend="bogus"))
+
+
+def test_decode_paths_are_timed_and_cached_per_host(tmp_path):
+    paths = tune_decode_paths(4, 2, 8, 4, torch.float32, cache_dir=tmp_path)
+    assert not paths.from_cache
+    assert {(t.m, t.n) for t in paths.timings} == {(b, c) for b in M_BUCKETS for c in CONTEXT_BUCKETS}
+    for t in paths.timings:
+        assert set(t.seconds) == set(DECODE_PATHS)
+        assert paths.path(t.m, t.n) == min(t.seconds, key=t.seconds.get)
+    again = tune_decode_paths(4, 2, 8, 4, torch.float32, cache_dir=tmp_path)
+    assert again.from_cache and again.choices == paths.choices
+    assert DecodePaths().path(32, 100) == "gather"  # untimed
