@@ -108,3 +108,21 @@ class KVProbe:
 @pytest.fixture(scope="module")
 def kv_probe(backend, server_loop) -> KVProbe:
     return KVProbe(backend, server_loop)
+
+
+@pytest.fixture(scope="module")
+def tiny_frontdoor(tiny_llama_dir):
+    """Our front door (gRPC and HTTP ports) over an in-process engine on the tiny model."""
+    from engine import EngineArgs
+    from router.backend import EngineBackend
+    from router.frontdoor import serve_frontdoor
+    from tests.async_util import LoopThread
+
+    loop = LoopThread()
+    backend = EngineBackend(EngineArgs(model=str(tiny_llama_dir), max_num_seqs=8))
+    fd = loop.run(serve_frontdoor(backend, host="127.0.0.1", grpc_port=0, http_port=0,
+                                  drain_grace_s=1))
+    yield fd
+    loop.run(fd.stop(1))
+    loop.run(backend.shutdown())
+    loop.close()

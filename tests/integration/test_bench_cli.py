@@ -129,28 +129,11 @@ SERVE_LOAD = ["--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--
 
 
 @pytest.fixture(scope="module")
-def tiny_http(tiny_llama_dir):
-    """Our front door (HTTP port) on the tiny model."""
-    from engine import EngineArgs
-    from router.backend import EngineBackend
-    from router.frontdoor import serve_frontdoor
-
-    loop = LoopThread()
-    backend = EngineBackend(EngineArgs(model=str(tiny_llama_dir), max_num_seqs=8))
-    fd = loop.run(serve_frontdoor(backend, host="127.0.0.1", grpc_port=0, http_port=0,
-                                  drain_grace_s=1))
-    yield fd
-    loop.run(fd.stop(1))
-    loop.run(backend.shutdown())
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def two_serve_results(tiny_http, tmp_path_factory):
+def two_serve_results(tiny_frontdoor, tmp_path_factory):
     """Two `bench serve --target` runs at our server: labelled "ours" at rates 50,inf, and
     unlabelled (so labelled host:port) at rates 20,inf; returns (folder A, folder B)."""
     out = tmp_path_factory.mktemp("serve-target")
-    url = f"http://127.0.0.1:{tiny_http.http_port}"
+    url = f"http://127.0.0.1:{tiny_frontdoor.http_port}"
     assert main(["serve", "--target", f"{url}/v1/", "--label", "ours", "--request-rates",
                  "50,inf", *SERVE_LOAD, "--out", str(out / "a")]) == 0
     assert main(["serve", "--target", url, "--request-rates", "20,inf", *SERVE_LOAD,
@@ -158,10 +141,10 @@ def two_serve_results(tiny_http, tmp_path_factory):
     return out / "a", out / "b"
 
 
-def test_serve_target_loads_our_http_server_and_labels_the_result(tiny_http, two_serve_results):
+def test_serve_target_loads_our_http_server_and_labels_the_result(tiny_frontdoor, two_serve_results):
     import httpx
 
-    port = tiny_http.http_port
+    port = tiny_frontdoor.http_port
     model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
     a, b = (_read(d, "serve") for d in two_serve_results)
     assert a["server"]["label"] == "ours"
@@ -178,13 +161,13 @@ def test_serve_target_loads_our_http_server_and_labels_the_result(tiny_http, two
     assert [r["request_rate"] for r in a["rates"]] == [50.0, "inf"]
 
 
-def test_compare_prints_one_table_per_common_rate(two_serve_results, tiny_http, tmp_path, capsys):
+def test_compare_prints_one_table_per_common_rate(two_serve_results, tiny_frontdoor, tmp_path, capsys):
     a, b = two_serve_results
     capsys.readouterr()
     assert main(["compare", str(a / "serve.json"), str(b / "serve.json"),
                  "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    other = f"127.0.0.1:{tiny_http.http_port}"
+    other = f"127.0.0.1:{tiny_frontdoor.http_port}"
     assert "rate inf req/s" in printed
     assert "rate 50" not in printed and "rate 20" not in printed  # not in both files
     header = next(line for line in printed.splitlines() if line.startswith("rate inf"))

@@ -139,23 +139,6 @@ def test_serve_parses_rates_and_slos():
             serve_load.parse_slo(bad)
 
 
-@pytest.fixture(scope="module")
-def tiny_frontdoor(tiny_llama_dir):
-    from engine import EngineArgs
-    from router.backend import EngineBackend
-    from router.frontdoor import serve_frontdoor
-    from tests.async_util import LoopThread
-
-    loop = LoopThread()
-    backend = EngineBackend(EngineArgs(model=str(tiny_llama_dir), max_num_seqs=8))
-    fd = loop.run(serve_frontdoor(backend, host="127.0.0.1", grpc_port=0, http_port=0,
-                                  drain_grace_s=1))
-    yield fd
-    loop.run(fd.stop(1))
-    loop.run(backend.shutdown())
-    loop.close()
-
-
 @pytest.mark.parametrize("api", ["grpc", "http"])
 def test_serve_sweeps_rates_against_a_running_server(tmp_path, tiny_frontdoor, api):
     port = tiny_frontdoor.grpc_port if api == "grpc" else tiny_frontdoor.http_port
