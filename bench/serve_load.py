@@ -27,12 +27,10 @@ import asyncio
 import functools
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from bench.common import (
     machine_info,
@@ -41,6 +39,7 @@ from bench.common import (
     summarize,
     write_json,
 )
+from bench.serve_target import Target, headers, server_facts, target_from_args
 
 NAME = "serve"
 HELP = "load a running server (gRPC or HTTP): Poisson rate sweep, TTFT/TPOT/ITL/E2E, goodput"
@@ -220,103 +219,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
-@dataclass(frozen=True)
-class _Target:
-    api: str
-    address: str  # gRPC host:port, or the HTTP base URL without /v1
-    label: str  # names the server in `bench compare`
-    api_key: str | None = None
-    served_model: str | None = None
-
-
-def base_url(text: str) -> str:
-    """An OpenAI-compatible server's base URL without ``/v1``: ``http://h:p/v1/`` ->
-    ``http://h:p`` (requests then go to ``/v1/...``); a bare ``h:p`` gets ``http://``.
-    Raises ValueError for another scheme or no host."""
-    url = text.strip()
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected an http(s)://host:port URL, got {text!r}")
-    path = parts.path.rstrip("/")
-    path = path[:-3] if path.endswith("/v1") else path
-    return f"{parts.scheme}://{parts.netloc}{path}"
-
-
-def _target(args: argparse.Namespace) -> _Target:
-    if args.target and args.address:
-        raise ValueError("give --target URL or --address, not both")
-    if args.target and args.api == "grpc":
-        raise ValueError("--target is an OpenAI-compatible HTTP server; drop --api grpc")
-    if not args.target and (args.api or "grpc") == "grpc":
-        addr = args.address or "127.0.0.1:50051"
-        if "://" in addr:
-            raise ValueError(f"--address for gRPC is host:port, got {addr!r}")
-        return _Target("grpc", addr, args.label or addr, args.api_key, args.served_model)
-    url = base_url(args.target or args.address or "127.0.0.1:8000")
-    return _Target("http", url, args.label or urlsplit(url).netloc,
-                   args.api_key or os.environ.get("OPENAI_API_KEY") or None, args.served_model)
-
-
-@dataclass
-class ServerFacts:
-    """What the server says about itself; ``None`` where it does not say (other servers'
-    ``/v1/models`` may lack ``max_model_len``). ``warnings`` go to the result JSON."""
-
-    model_id: str
-    max_model_len: int | None
-    vocab_size: int | None
-    warnings: list[str] = field(default_factory=list)
-
-
-async def _server_facts(t: _Target) -> ServerFacts:
-    """Model id, context length and (gRPC) vocab size, asked of the server itself. Over
-    HTTP, raises ValueError when the server cannot be reached, refuses, or lists no model."""
-    if t.api == "grpc":
-        from client.sdk import AsyncClient
-
-        async with AsyncClient(t.address, timeout=30, api_key=t.api_key) as c:
-            info = await c.model_info()
-        return ServerFacts(info.model_id, info.max_model_len, info.vocab_size)
-    import httpx
-
-    where = f"{t.address}/v1/models"
-    async with httpx.AsyncClient(base_url=t.address, timeout=30, headers=_headers(t)) as c:
-        try:
-            resp = await c.get("/v1/models")
-        except httpx.HTTPError as e:
-            raise ValueError(f"cannot reach {where}: {type(e).__name__}: {e}") from None
-    if resp.status_code in (401, 403):
-        raise ValueError(f"{where}: HTTP {resp.status_code}: the server wants an API key "
-                         "(--api-key or $OPENAI_API_KEY)")
-    try:
-        listing = resp.json() if resp.status_code == 200 else None
-    except ValueError:  # not JSON
-        listing = None
-    if not isinstance(listing, dict) or not isinstance(listing.get("data"), list):
-        if t.served_model is None:
-            raise ValueError(f"{where}: HTTP {resp.status_code}, no model list; name the model "
-                             "with --served-model")
-        return ServerFacts(t.served_model, None, None, [
-            f"{where} answered HTTP {resp.status_code}: max_model_len unknown, "
-            "--input-len/--output-len used as given"])
-    models = [m for m in listing["data"] if isinstance(m, dict)]
-    ids = [m.get("id") for m in models]
-    if t.served_model is None and not ids:
-        raise ValueError(f"{where} lists no model")
-    model_id = t.served_model or ids[0]
-    entry = next((m for m in models if m.get("id") == model_id), {})
-    warnings = [] if entry else [f"{model_id!r} is not among {where}'s ids {ids}"]
-    max_len = entry.get("max_model_len")
-    if not isinstance(max_len, int):
-        max_len = None
-        warnings.append(f"{where} reports no max_model_len: --input-len/--output-len used as given")
-    return ServerFacts(model_id, max_len, None, warnings)
-
-
-def _headers(t: _Target) -> dict[str, str]:
-    return {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
-
-
 def output_warnings(results: list[RequestResult], output_len: int) -> list[str]:
     """What the completed requests' token counts say the server did not honour: fewer tokens
     than asked (``ignore_eos`` dropped, or a stop) or no usage in the stream (then tokens are
@@ -335,7 +237,7 @@ def output_warnings(results: list[RequestResult], output_len: int) -> list[str]:
     return out
 
 
-async def _sweep(t: _Target, model: str, rates: list[float],
+async def _sweep(t: Target, model: str, rates: list[float],
                  prompts_per_rate: list[list[list[int]]], output_len: int, seed: int,
                  max_concurrency: int | None, progress: bool
                  ) -> list[tuple[float, float, list[RequestResult]]]:
@@ -352,7 +254,7 @@ async def _sweep(t: _Target, model: str, rates: list[float],
         import httpx
 
         client = httpx.AsyncClient(base_url=t.address, timeout=httpx.Timeout(600.0),
-                                   headers=_headers(t),
+                                   headers=headers(t),
                                    limits=httpx.Limits(max_connections=None,
                                                        max_keepalive_connections=None))
         one = functools.partial(_http_request, model=model)
@@ -427,8 +329,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--num-prompts, --input-len and --output-len must be > 0")
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         raise ValueError(f"--max-concurrency must be > 0, got {args.max_concurrency}")
-    t = _target(args)
-    facts = asyncio.run(_server_facts(t))
+    t = target_from_args(args)
+    facts = asyncio.run(server_facts(t))
     max_len = facts.max_model_len
     if max_len and input_len + output_len > max_len:
         raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds the "

@@ -164,7 +164,7 @@ def _serve_json(label, rates, **config):
 
 
 def test_base_url_strips_v1_and_adds_the_scheme():
-    from bench.serve_load import base_url
+    from bench.serve_target import base_url
 
     for given in ("http://h:8001", "http://h:8001/", "http://h:8001/v1", "http://h:8001/v1/",
                   "h:8001"):
