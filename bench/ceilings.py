@@ -8,6 +8,8 @@
   floor is the best this torch does.
 - the engine's linear-kernel plan for the default model (``engine.kernels``): which of the
   two paths it takes per weight shape and batch size on this host, and by how much.
+- the fused CPU kernels (``engine.cpu_ops``): built for this host or not, and the decode
+  attention path the engine takes per batch and context (timed at start-up, cached).
 - matmul rate: a large square fp32 matmul, 2 n^3 FLOPs.
 
 Each figure is the median of ``repeats`` timed runs after one warm-up, so a noisy neighbour
@@ -125,6 +127,24 @@ def default_model_linear_plan():
     return tune_linear(model_linear_weights(model))
 
 
+def fused_kernels_and_decode_paths():
+    """Where this host's fused-kernel library is (or why not), and the decode paths the
+    engine times for the default model's attention shapes."""
+    import torch
+
+    from engine import cpu_ops
+    from engine.attention.torch_paged import tune_decode_paths
+    from engine.config import CacheConfig
+    from engine.weights import load_model_config, resolve_model
+
+    lib = cpu_ops.library()
+    kernels = lib._name if lib is not None else "not built (torch paths serve; see the log)"
+    cfg = load_model_config(resolve_model(None).model_dir)
+    decode = tune_decode_paths(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                               CacheConfig().block_size, torch.float32)
+    return kernels, decode
+
+
 def run(args: argparse.Namespace) -> dict:
     """Entry point of the ``ceilings`` subcommand; returns the JSON payload it wrote."""
     print("measuring ceilings (copy, GEMV, matmul)...", flush=True)
@@ -136,11 +156,19 @@ def run(args: argparse.Namespace) -> dict:
           "path per batch size, and how much faster than the other):", flush=True)
     for line in plan.summary():
         print("  " + line, flush=True)
+    kernels, decode = fused_kernels_and_decode_paths()
+    print(f"fused CPU kernels (engine.cpu_ops): {kernels}", flush=True)
+    print("decode attention path per batch and context (and how much faster than the "
+          "runner-up):", flush=True)
+    for line in decode.summary():
+        print("  " + line, flush=True)
     payload = {"benchmark": "ceilings", "machine": machine_info(), "ceilings": c,
                "copy_gb_s": c.copy_bytes_per_s / 1e9, "gemv_gb_s": c.gemv_bytes_per_s / 1e9,
                "matmul_gflop_s": c.matmul_flops_per_s / 1e9,
                "linear_plan": {"host_key": plan.key, "from_cache": plan.from_cache,
-                               "summary": plan.summary(), "timings": plan.timings}}
+                               "summary": plan.summary(), "timings": plan.timings},
+               "fused_cpu_kernels": kernels,
+               "decode_paths": {"summary": decode.summary(), "timings": decode.timings}}
     path = write_json(args.out, "ceilings", payload)
     print(f"wrote {path}")
     return payload

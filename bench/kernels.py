@@ -5,9 +5,13 @@ them on this host at start-up (``engine.kernels``). This benchmark runs real dec
 the model at each batch size under three plans, interleaved round by round in one process so
 drift and noisy neighbours hit all three alike, each round starting with the next plan:
 
-- ``host plan``: what the engine chose on this host (cached per host);
+- ``host plan``: what the engine chose on this host (cached per host), with the fused C
+  kernels of ``engine.cpu_ops`` (norms, rotary, SiLU-gate, paged decode attention) where built;
 - ``mm_t < 128 rows``: the rule hard-coded before (tuned on one AMD EPYC);
-- ``F.linear``: torch's default everywhere.
+- ``F.linear``: torch's default everywhere;
+- ``oneDNN``: oneDNN's inner product everywhere (where this torch has it);
+- ``no C kernels``: the host plan with the fused kernels off (their torch twins, and the
+  decode attention path the host timed best among the torch ones).
 
 Each figure is the median over rounds of the mean of ``--steps`` consecutive decode steps.
 """
@@ -23,28 +27,37 @@ from bench.common import machine_info, write_json
 
 NAME = "kernels"
 HELP = "decode step time under this host's linear-kernel plan vs fixed kernel choices"
-PLANS = ("host plan", "mm_t < 128 rows", "F.linear")
+PLANS = ("host plan", "mm_t < 128 rows", "F.linear", "oneDNN", "no C kernels")
 
 
 def _plans(tuned):
-    from engine.kernels import M_BUCKETS, LinearPlan
+    from engine.kernels import LINEAR_BUCKETS, M_BUCKETS, LinearPlan
 
     shapes = {(t.n, t.k) for t in tuned.timings}
     return {"host plan": tuned,
             "mm_t < 128 rows": LinearPlan({(n, k, m): "mm_t" for n, k in shapes for m in M_BUCKETS}),
-            "F.linear": LinearPlan({})}
+            "F.linear": LinearPlan({}),
+            "oneDNN": LinearPlan({(n, k, m): "onednn" for n, k in shapes for m in LINEAR_BUCKETS}),
+            "no C kernels": tuned}
 
 
 def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
             prompt_len: int = 64) -> dict[str, float]:
     """Median ms per decode step at ``batch`` under each plan (see the module docstring)."""
     import engine.kernels as kernels
-    from engine import LLM, SamplingParams
+    from engine import LLM, SamplingParams, cpu_ops
+    from engine.attention.torch_paged import DecodePaths
 
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len))
     eng = llm.engine
     tuned = kernels.linear_plan()
     plans = _plans(tuned)
+    fused_on = cpu_ops.enabled()
+    backend = eng.runner.attn_backend
+    decode_paths = backend.decode_paths
+    # Without the kernels, decode attention takes the torch path the host timed best.
+    torch_paths = DecodePaths({key: min((p for p in t.seconds if p != "fused"), key=t.seconds.get)
+                               for t in decode_paths.timings for key in [(t.m, t.n)]})
     rng = random.Random(seed)
     vocab = eng.model_config.vocab_size
     budget = (rounds * len(plans) * (steps + 1)) + 4
@@ -63,6 +76,8 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
             for name in order[r % len(order):] + order[:r % len(order)]:
                 plan = plans[name]
                 kernels.set_linear_plan(plan)
+                cpu_ops.set_enabled(fused_on and name != "no C kernels")
+                backend.decode_paths = torch_paths if name == "no C kernels" else decode_paths
                 eng.step()  # one untimed step: the switch's first calls
                 t0 = time.perf_counter()
                 for _ in range(steps):
@@ -70,6 +85,8 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
                 times[name].append((time.perf_counter() - t0) / steps * 1e3)
     finally:
         kernels.set_linear_plan(tuned)
+        cpu_ops.set_enabled(fused_on)
+        backend.decode_paths = decode_paths
     return {name: statistics.median(v) for name, v in times.items()}
 
 
@@ -84,13 +101,16 @@ def run(args: argparse.Namespace) -> dict:
     sizes = [int(b) for b in (args.batch_sizes or ("1,8" if args.quick else "1,8,32")).split(",")]
     rounds = args.rounds or (3 if args.quick else 9)
     rows = []
-    print(f"{'batch':>5} " + " ".join(f"{p:>16}" for p in PLANS) + f" {'fixed/host':>11}")
+    print(f"{'batch':>5} " + " ".join(f"{p:>16}" for p in PLANS) + f" {'fixed/host':>11}"
+          + f" {'noC/host':>10}")
     for b in sizes:
         ms = measure(args.model, b, rounds, args.steps, args.seed)
-        best_fixed = min(ms["mm_t < 128 rows"], ms["F.linear"])
-        rows.append({"batch": b, "step_ms": ms, "best_fixed_over_host": best_fixed / ms["host plan"]})
+        best_fixed = min(ms["mm_t < 128 rows"], ms["F.linear"], ms["oneDNN"])
+        rows.append({"batch": b, "step_ms": ms, "best_fixed_over_host": best_fixed / ms["host plan"],
+                     "no_c_kernels_over_host": ms["no C kernels"] / ms["host plan"]})
         print(f"{b:>5} " + " ".join(f"{ms[p]:>13.1f} ms" for p in PLANS)
-              + f" {best_fixed / ms['host plan']:>10.2f}x", flush=True)
+              + f" {best_fixed / ms['host plan']:>10.2f}x"
+              + f" {ms['no C kernels'] / ms['host plan']:>10.2f}x", flush=True)
     plan = kernels.linear_plan()
     print("host plan (path per batch bucket, and by how much it beat the other in tuning):")
     for line in plan.summary():

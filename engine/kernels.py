@@ -1,18 +1,25 @@
 """Per-host choice of the linear-layer kernel: timed at start-up, cached per host.
 
 A decode step is a handful of small-M GEMMs (M = batch size) that stream every weight once.
-Which torch call streams them fastest depends on the host: on one 2-core AMD EPYC (AVX2)
-``mm(W, x.T)`` (MKL's threaded transposed GEMM) took 16 ms per pass over the default model's
-538 MB at M=1 and ``F.linear`` 32 ms (a single-threaded GEMV); on an Intel Xeon with AVX-512
-and AMX the same pass took 61 ms and 26 ms, the reverse. So nothing is hard-coded: for every
-weight shape of the model and every decode batch bucket, ``tune_linear`` times both paths on
-the model's own weights in step order (every weight streamed from memory, as in a real step)
-and keeps the faster; ``linear`` then dispatches on the table.
+Which torch call runs them fastest depends on the host, and by a lot:
+
+- ``F.linear``: MKL's GEMM (a single-threaded GEMV at M=1);
+- ``mm_t``: ``mm(W, x.T)``, MKL's threaded transposed GEMM; on one 2-core AMD EPYC it took
+  16 ms per pass over the default model's 538 MB at M=1 and ``F.linear`` 32 ms, while on an
+  Intel Xeon with AVX-512 and AMX the same pass took 61 ms and 26 ms, the reverse;
+- ``onednn``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) on the same dense
+  weight, no copy. oneDNN picks its kernels by the CPU's instructions, MKL does not on AMD: on
+  a 2-core AMD EPYC with AVX-512 it ran the M=32 LM-head GEMM 2.7x faster than ``F.linear``.
+
+So nothing is hard-coded: for every weight shape of the model and every batch bucket (the
+decode buckets, and ``PREFILL_ROWS`` rows for prefill), ``tune_linear`` times the paths on the
+model's own weights in step order (every weight streamed from memory, as in a real step) and
+keeps the fastest; ``linear`` then dispatches on the table.
 
 The table is cached in ``{cache_dir}/kernels/linear-<key>.json``, the key naming the CPU model,
-torch version, thread count, dtype and shapes, so a second start on the same host pays
-nothing and a different host (or thread count) tunes afresh. ``pdcluster bench ceilings``
-prints the table and the timings behind it.
+torch version, thread count, dtype, shapes and the paths this torch offers, so a second start
+on the same host pays nothing and a different host (or thread count) tunes afresh. ``pdcluster
+bench ceilings`` prints the table and the timings behind it.
 """
 
 from __future__ import annotations
@@ -33,15 +40,19 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-PATHS = ("linear", "mm_t")  # F.linear(x, W) | mm(W, x.T).T
-# Decode batch sizes tuned; a batch uses the largest bucket <= its M. From PREFILL_ROWS rows
-# on it is a prefill GEMM, where F.linear (MKL's blocked GEMM) is the right call everywhere.
+PATHS = ("linear", "mm_t", "onednn")  # F.linear(x, W) | mm(W, x.T).T | oneDNN inner product
+# Decode batch sizes tuned (the attention paths use the same buckets); a batch uses the
+# largest bucket <= its M. From PREFILL_ROWS rows on it is a prefill GEMM: one more bucket.
 M_BUCKETS = (1, 2, 4, 8, 16, 32)
 PREFILL_ROWS = 128
+LINEAR_BUCKETS = (*M_BUCKETS, PREFILL_ROWS)
 # Weights smaller than this are not worth a timing (and fit in cache, so timing them lies).
 MIN_TUNED_BYTES = 256 << 10
 DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster")
 _REPEATS = 2
+# Small-M passes are short (~20 ms for the default model) and the paths differ there by a few
+# percent: more repeats, so the choice is not one noisy sample's.
+_SMALL_M, _SMALL_M_REPEATS = 8, 5
 
 
 @dataclass(frozen=True)
@@ -60,8 +71,8 @@ class Timing:
 
 @dataclass
 class LinearPlan:
-    """The chosen path per ``(n, k)`` weight shape and M bucket; anything not in the table
-    (prefill rows, tiny weights, shapes not tuned) takes ``F.linear``."""
+    """The chosen path per ``(n, k)`` weight shape and M bucket (``LINEAR_BUCKETS``);
+    anything not in the table (tiny weights, shapes or buckets not tuned) takes ``F.linear``."""
 
     choices: dict[tuple[int, int, int], str] = field(default_factory=dict)
     timings: list[Timing] = field(default_factory=list)
@@ -69,9 +80,7 @@ class LinearPlan:
     from_cache: bool = False
 
     def path(self, n: int, k: int, m: int) -> str:
-        if m >= PREFILL_ROWS:
-            return "linear"
-        bucket = max((b for b in M_BUCKETS if b <= m), default=1)
+        bucket = max((b for b in LINEAR_BUCKETS if b <= m), default=1)
         return self.choices.get((n, k, bucket), "linear")
 
     def summary(self) -> list[str]:
@@ -108,14 +117,40 @@ def linear_plan() -> LinearPlan:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [M, K]`` by the path the host's plan chose for this
-    weight shape and M (``F.linear`` when untuned, on GPU, and for prefill rows)."""
+    weight shape and M (``F.linear`` when untuned and on GPU). Returns a contiguous ``[M, N]``."""
     if not x.is_cpu:
         return F.linear(x, weight, bias)
     n, k = weight.shape
-    m = x.shape[0]
-    if _plan.path(n, k, m) == "linear":
+    return _call(_plan.path(n, k, x.shape[0]), x, weight, bias)
+
+
+def _call(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if path == "linear":
         return F.linear(x, weight, bias)
+    if path == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return _mm_t(x, weight, bias)
+
+
+_available: tuple[str, ...] | None = None
+
+
+def available_paths() -> tuple[str, ...]:
+    """The paths this torch build can run here: ``onednn`` only where torch has oneDNN and its
+    inner product gives ``F.linear``'s answer on a probe (checked once per process)."""
+    global _available
+    if _available is None:
+        paths = ["linear", "mm_t"]
+        try:
+            g = torch.Generator().manual_seed(0)
+            x, w, b = torch.randn(3, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+            got = _call("onednn", x, w, b)
+            if torch.backends.mkldnn.is_available() and torch.allclose(got, F.linear(x, w, b), atol=1e-4):
+                paths.append("onednn")
+        except (RuntimeError, AttributeError) as e:  # no such op in this build
+            log.info("oneDNN linear unavailable: %s", e)
+        _available = tuple(paths)
+    return _available
 
 
 def _mm_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -131,7 +166,8 @@ def _mm_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 def host_key(shapes: Iterable[tuple[int, int]], dtype: torch.dtype) -> str:
     """Names what the timings depend on: CPU model, torch, threads, dtype, shapes."""
     parts = [_cpu_model(), torch.__version__, str(torch.get_num_threads()), str(dtype),
-             ",".join(f"{n}x{k}" for n, k in sorted(set(shapes))), ",".join(map(str, M_BUCKETS))]
+             ",".join(f"{n}x{k}" for n, k in sorted(set(shapes))), ",".join(map(str, LINEAR_BUCKETS)),
+             ",".join(available_paths())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -157,7 +193,7 @@ def time_passes(weights: list[torch.Tensor], m: int, choice: dict[tuple[int, int
 
     def one_pass() -> None:
         for x, w, path in calls:
-            F.linear(x, w) if path == "linear" else _mm_t(x, w, None)
+            _call(path, x, w, None)
 
     if warm_up:
         one_pass()
@@ -172,22 +208,31 @@ def time_passes(weights: list[torch.Tensor], m: int, choice: dict[tuple[int, int
 def time_choices(weights: list[torch.Tensor], buckets: Iterable[int] | None = None,
                  repeats: int = _REPEATS) -> list[Timing]:
     """Per M bucket, choose each weight shape's path by timing whole passes over the model's
-    own weights (so each call streams its weight from memory as in a real step, and MKL's
-    threading behaves as it does there): start from ``mm_t`` everywhere, flip one shape at a
-    time to ``F.linear``, keep the flip when the pass gets faster. One ``Timing`` per shape
-    and bucket: the pass time with that shape on each path."""
+    own weights (so each call streams its weight from memory as in a real step, and the
+    libraries' threading behaves as it does there): start from the path whose uniform pass is
+    fastest, then try each shape on each other path, keeping a change when the pass gets
+    faster. One ``Timing`` per shape and bucket: the pass time with that shape on each path.
+    Small-M passes are short and close: the best of more repeats. The prefill bucket's passes
+    are long (and steady): timed once each, ``F.linear`` against ``onednn`` only."""
     size = weights[0].element_size()
     shapes = sorted({tuple(w.shape) for w in weights if w.numel() * size >= MIN_TUNED_BYTES})
     out = []
-    for m in M_BUCKETS if buckets is None else buckets:
-        choice = dict.fromkeys(shapes, "mm_t")
-        current = time_passes(weights, m, choice, repeats, warm_up=True)
+    for m in LINEAR_BUCKETS if buckets is None else buckets:
+        reps = 1 if m >= PREFILL_ROWS else max(repeats, _SMALL_M_REPEATS) if m <= _SMALL_M else repeats
+        # mm_t exists for small M (MKL's GEMV at M=1); on prefill rows it only costs tuning time.
+        paths = [p for p in available_paths() if m < PREFILL_ROWS or p != "mm_t"]
+        uniform = {p: time_passes(weights, m, dict.fromkeys(shapes, p), reps, warm_up=True)
+                   for p in paths}
+        start = min(uniform, key=uniform.get)
+        choice, current = dict.fromkeys(shapes, start), uniform[start]
         for shape in shapes:
-            trial = {**choice, shape: "linear"}
-            flipped = time_passes(weights, m, trial, repeats)
-            out.append(Timing(shape[0], shape[1], m, {"mm_t": current, "linear": flipped}))
-            if flipped < current:
-                choice, current = trial, flipped
+            seconds = {choice[shape]: current}
+            for p in paths:
+                if p != choice[shape]:
+                    seconds[p] = time_passes(weights, m, {**choice, shape: p}, reps)
+            out.append(Timing(shape[0], shape[1], m, seconds))
+            best = min(seconds, key=seconds.get)
+            choice[shape], current = best, seconds[best]
     return out
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_ops
 from engine.attention.backend import AttentionMetadata, write_kv
 from engine.kernels import M_BUCKETS
 
@@ -41,7 +42,7 @@ class _PrefillPlan:
         return self.start_pos + self.q_len
 
 
-DECODE_PATHS = ("gather", "rows")
+DECODE_PATHS = ("gather", "rows", "fused")  # "fused": engine.cpu_ops, where it was built
 CONTEXT_BUCKETS = (128, 512, 2048)  # decode paths are timed at these padded lengths
 
 
@@ -52,9 +53,11 @@ class DecodePaths:
     ``"gather"``: one broadcast gather of ``kv_cache[page, kv, offset, head]`` straight into
     ``[2, B, KVH, L, D]``, then two batched matmuls. ``"rows"``: an ``index_select`` of whole
     ``KVH * D`` rows, then two strided ``bmm`` per KV head (no per-element index arithmetic,
-    but a Python loop over heads). Which wins depends on the host, the batch and the context
-    (on one 2-core EPYC: rows 1.8x faster at batch 32 with 100-token contexts, 1.7x slower at
-    batch 1), so the engine times both at start-up (``tune_decode_paths``); untimed: gather.
+    but a Python loop over heads). ``"fused"``: the C kernel of ``engine.cpu_ops``, reading
+    K/V in place through the page table (fp32 CPU, offered only where the library was built).
+    Which wins depends on the host, the batch and the context (on one 2-core EPYC: rows 1.8x
+    faster than gather at batch 32 with 100-token contexts, 1.7x slower at batch 1), so the
+    engine times them at start-up (``tune_decode_paths``); untimed: gather.
     """
 
     choices: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -66,6 +69,18 @@ class DecodePaths:
         c = next((x for x in CONTEXT_BUCKETS if x >= context), CONTEXT_BUCKETS[-1])
         return self.choices.get((b, c), "gather")
 
+    def summary(self) -> list[str]:
+        """One line per batch bucket: the path per context, and how much faster than the
+        runner-up it timed (``pdcluster bench ceilings`` prints these)."""
+        lines = []
+        for b in sorted({t.m for t in self.timings}):
+            parts = []
+            for t in sorted((t for t in self.timings if t.m == b), key=lambda t: t.n):
+                other = min(v for p, v in t.seconds.items() if p != t.best)
+                parts.append(f"L<={t.n}: {t.best} ({other / t.seconds[t.best]:.2f}x)")
+            lines.append(f"batch {b}: " + ", ".join(parts))
+        return lines
+
 
 @dataclass(frozen=True)
 class _DecodeGather:
@@ -73,7 +88,7 @@ class _DecodeGather:
     tensors that gather ``kv_cache[page, kv, offset, head]`` straight into the
     ``[2, B, KVH, L, D]`` layout the matmuls read (the head index, ``[1, 1, KVH, 1]``, comes
     from the cache's shape: ``TorchPagedBackend._heads``); for ``"rows"``, the flat row of
-    each slot in ``kv_cache.view(-1, KVH * D)``."""
+    each slot in ``kv_cache.view(-1, KVH * D)``; for ``"fused"``, the page table and lengths."""
 
     path: str
     pages: torch.Tensor | None  # [1, B, 1, L] int64: the page of each slot (page 0 as padding)
@@ -81,6 +96,8 @@ class _DecodeGather:
     offsets: torch.Tensor | None  # [1, 1, 1, L]: the slot within its page
     rows: torch.Tensor | None  # [2 * B * L] int64: (page * 2 + kv) * block_size + offset
     shape: tuple[int, int]  # (B, L)
+    tables: torch.Tensor | None = None  # [B, max_pages] int64, padded with page 0
+    kv_lens: torch.Tensor | None = None  # [B] int64
 
 
 @dataclass(frozen=True)
@@ -139,21 +156,7 @@ class TorchPagedBackend:
             kv_lens = torch.tensor([(n - 1) * bs + last
                                     for n, last in zip(num_pages, last_page_len[:nd], strict=True)],
                                    dtype=torch.int64)  # [nd]
-            pad_mask = torch.arange(max_pages * bs)[None, :] >= kv_lens[:, None]
-            length = max_pages * bs
-            slot_pages = tables.repeat_interleave(bs, dim=1)  # [nd, L]
-            offsets = torch.arange(length) % bs  # [L]
-            if self.decode_paths.path(nd, length) == "rows":
-                k_rows = slot_pages * (2 * bs) + offsets  # [nd, L]
-                rows = torch.stack([k_rows, k_rows + bs]).reshape(-1)
-                gather = _DecodeGather("rows", None, None, None,
-                                       rows.to(dev, non_blocking=True), (nd, length))
-            else:
-                gather = _DecodeGather(
-                    "gather", slot_pages[None, :, None, :].to(dev, non_blocking=True),
-                    torch.arange(2, device=dev)[:, None, None, None],
-                    offsets[None, None, None, :].to(dev, non_blocking=True), None, (nd, length))
-            pad_mask = pad_mask[:, None, None, :].to(dev, non_blocking=True)
+            gather, pad_mask = self._decode_gather(tables, kv_lens, bs)
         prefills = []
         if meta.num_seqs > nd:
             kv_indices = meta.kv_indices.to(dev, torch.int64, non_blocking=True)  # [total_pages]
@@ -172,6 +175,33 @@ class TorchPagedBackend:
                                meta.write_offsets.to(dev, non_blocking=True),
                                nd, gather, pad_mask, prefills)
 
+    def _decode_gather(self, tables: torch.Tensor, kv_lens: torch.Tensor, bs: int
+                       ) -> tuple[_DecodeGather, torch.Tensor | None]:
+        """The decode rows' read plan for the path this batch and context take, and the
+        padding mask (``[B, 1, 1, L]``, None for the fused kernel, which stops at each length)."""
+        dev = self.device
+        nd, max_pages = tables.shape
+        length = max_pages * bs
+        path = self.decode_paths.path(nd, length)
+        if path == "fused" and not cpu_ops.enabled():  # turned off since the tuning
+            path = "gather"
+        if path == "fused":  # reads the cache in place: no gather index, no mask
+            return _DecodeGather("fused", None, None, None, None, (nd, length), tables, kv_lens), None
+        pad_mask = torch.arange(length)[None, :] >= kv_lens[:, None]
+        slot_pages = tables.repeat_interleave(bs, dim=1)  # [nd, L]
+        offsets = torch.arange(length) % bs  # [L]
+        if path == "rows":
+            k_rows = slot_pages * (2 * bs) + offsets  # [nd, L]
+            rows = torch.stack([k_rows, k_rows + bs]).reshape(-1)
+            gather = _DecodeGather("rows", None, None, None, rows.to(dev, non_blocking=True),
+                                   (nd, length))
+        else:
+            gather = _DecodeGather(
+                "gather", slot_pages[None, :, None, :].to(dev, non_blocking=True),
+                torch.arange(2, device=dev)[:, None, None, None],
+                offsets[None, None, None, :].to(dev, non_blocking=True), None, (nd, length))
+        return gather, pad_mask[:, None, None, :].to(dev, non_blocking=True)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Write new KV into the cache, then attend (``layer`` is unused: all layers share a plan).
@@ -187,8 +217,8 @@ class TorchPagedBackend:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if p.num_decode:
             nd = p.num_decode
-            out[:nd] = _decode(q[:nd], kv_cache, p.decode_gather,
-                               self._heads(kv_cache.shape[3]), p.decode_pad_mask)
+            _decode(q[:nd], kv_cache, p.decode_gather, self._heads(kv_cache.shape[3]),
+                    p.decode_pad_mask, out[:nd])
         for s in p.prefills:
             rows = slice(s.q_start, s.q_start + s.q_len)
             if s.mask is None:
@@ -220,10 +250,21 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather, heads: torch.Tensor,
-            pad_mask: torch.Tensor) -> torch.Tensor:
-    """One query token per sequence, all sequences in one batched call."""
-    if gather.path == "rows":
-        return _decode_rows(q, kv_cache, gather, pad_mask)
+            pad_mask: torch.Tensor | None, out: torch.Tensor) -> None:
+    """One query token per sequence, all sequences in one batched call, into ``out [B, H, D]``."""
+    if gather.path == "fused":
+        if not cpu_ops.paged_decode(q, kv_cache, gather.tables, gather.kv_lens, out):
+            raise RuntimeError("the fused decode path was planned for a cache or query it does "
+                               "not take (tune_decode_paths offers it only where it applies)")
+    elif gather.path == "rows":
+        out.copy_(_decode_rows(q, kv_cache, gather, pad_mask))
+    else:
+        out.copy_(_decode_gather(q, kv_cache, gather, heads, pad_mask))
+
+
+def _decode_gather(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather,
+                   heads: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+    """The ``"gather"`` path."""
     b, num_heads, head_dim = q.shape
     kvh = heads.shape[2]
     group = num_heads // kvh
@@ -263,13 +304,17 @@ def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather,
 
 def tune_decode_paths(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                       dtype: torch.dtype, cache_dir: str | None = None) -> DecodePaths:
-    """Time both decode paths on this host for every batch bucket and context bucket (cached
-    per host like the linear kernels: ``engine.kernels.cached_timings``; about a second)."""
+    """Time the decode paths on this host for every batch bucket and context bucket (cached
+    per host like the linear kernels: ``engine.kernels.cached_timings``; about a second).
+    ``"fused"`` is offered only where ``engine.cpu_ops`` is built and takes these shapes."""
     from engine.attention.backend import SeqSlice, build_metadata
     from engine.kernels import Timing, cached_timings, host_key
 
+    paths = [p for p in DECODE_PATHS if p != "fused"
+             or cpu_ops.decode_applies(num_heads, num_kv_heads, head_dim, dtype)]
     shape = [(num_heads, num_kv_heads), (head_dim, block_size)]
-    key = host_key(shape + [(c, 0) for c in CONTEXT_BUCKETS], dtype)
+    # The offered paths are part of the key: a host that gains the kernel times again.
+    key = host_key(shape + [(c, 0) for c in CONTEXT_BUCKETS] + [(len(paths), 0)], dtype)
 
     def measure() -> list[Timing]:
         pages_per_seq = CONTEXT_BUCKETS[-1] // block_size
@@ -283,15 +328,16 @@ def tune_decode_paths(num_heads: int, num_kv_heads: int, head_dim: int, block_si
                                  ctx - 1, 1) for i in range(batch)]
                 meta = build_metadata(seqs, block_size)
                 seconds = {}
-                for path in DECODE_PATHS:
+                out_buf = torch.empty_like(q)
+                for path in paths:
                     backend = TorchPagedBackend()
                     backend.decode_paths = DecodePaths({(batch, ctx): path})
                     backend.plan(meta)
                     p = backend._plan
                     heads = backend._heads(num_kv_heads)
 
-                    def call(p=p, heads=heads, q=q):
-                        return _decode(q, cache, p.decode_gather, heads, p.decode_pad_mask)
+                    def call(p=p, heads=heads, q=q, out_buf=out_buf):
+                        _decode(q, cache, p.decode_gather, heads, p.decode_pad_mask, out_buf)
 
                     call()
                     times = []

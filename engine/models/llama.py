@@ -4,7 +4,9 @@ Tokens of all sequences in a step are flattened into one ``[num_tokens]`` batch,
 linear layer runs once per step for the whole batch (the batching gain on memory-bound decode).
 Q/K/V and gate/up are fused into single GEMMs: on CPU small-M GEMMs are far below the roof, and
 fewer, wider ones are measurably faster (DESIGN §9). Every projection goes through
-``engine.kernels.linear``, whose path per weight shape and batch size was timed on this host.
+``engine.kernels.linear``, whose path per weight shape and batch size was timed on this host;
+the norms, rotary embedding and SiLU-gate go through ``engine.cpu_ops`` (fused C kernels on
+fp32 CPU, their torch twins elsewhere).
 """
 
 from __future__ import annotations
@@ -12,21 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_ops
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.kernels import linear
 
 LayerHook = Callable[[int, torch.Tensor], None]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op order as transformers' LlamaRMSNorm: normalize in fp32, cast, then scale.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -58,11 +53,19 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: ``[T, heads, D]``; cos/sin: ``[T, 1, D]``."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def apply_qk(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate Q and K of a fused ``qkv [T, (H + 2 KVH) * D]``; cos/sin: ``[T, D]``.
+        Returns ``q [T, H, D]`` and ``k [T, KVH, D]``: views of ``qkv`` rotated in place when
+        the fused kernel applies (Q and K heads are adjacent: one call), else new tensors."""
+        t = qkv.shape[0]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim)
+        if cpu_ops.rope_(qkv, num_heads + num_kv_heads, head_dim, cos, sin):
+            return q, k
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return cpu_ops.rope_torch(q, cos, sin), cpu_ops.rope_torch(k, cos, sin)
 
 
 class DecoderLayer(nn.Module):
@@ -84,17 +87,16 @@ class DecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         cfg = self.cfg
         t = h.shape[0]
-        x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
+        x = cpu_ops.rms_norm(h, self.input_norm, cfg.rms_norm_eps)
         qkv = linear(x, self.qkv.weight, self.qkv.bias)  # [T, (H + 2 KVH) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope.apply(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = rope.apply(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k = rope.apply_qk(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attn.forward(self.layer_idx, q, k, v, kv_cache)  # [T, H * D]
-        h = h + linear(o, self.o_proj.weight)
-        x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
-        gate, up = linear(x, self.gate_up.weight).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, self.down.weight)
+        # h is this layer's own tensor (the embedding's output or the previous layer's sum),
+        # so the skip connection may add into it in place.
+        h, x = cpu_ops.add_rms_norm(h, linear(o, self.o_proj.weight), self.post_norm,
+                                    cfg.rms_norm_eps)
+        return h + linear(cpu_ops.silu_mul(linear(x, self.gate_up.weight)), self.down.weight)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,13 +123,13 @@ class LlamaForCausalLM(nn.Module):
         ``layer_hook(i, kv_cache_i)`` runs after layer i's KV is written (the prefill worker
         streams that layer out while the next one computes)."""
         h = self.embed(input_ids)  # [T, hidden]
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[positions].unsqueeze(1)
+        cos = self.rope_cos[positions]  # [T, D]
+        sin = self.rope_sin[positions]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, self.rope, kv_caches[i], attn)
             if layer_hook is not None:
                 layer_hook(i, kv_caches[i])
-        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        return cpu_ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` in fp32 (sampling math is fp32 whatever the model dtype)."""

@@ -110,7 +110,7 @@ def _dense_reference(q, k, v, cache_before, seqs, block_size):
     return out.reshape(q.shape[0], num_heads * d)
 
 
-@pytest.mark.parametrize("decode_path", ["gather", "rows"])
+@pytest.mark.parametrize("decode_path", DECODE_PATHS)
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_torch_backend_matches_dense_attention(block_size, decode_path):
     # Mixed batch: the STEP above plus a trailing 1-token chunk after the prefills, which takes

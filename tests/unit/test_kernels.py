@@ -1,4 +1,4 @@
-"""The linear kernel is chosen per host: both paths compute the same product, the choice is
+"""The linear kernel is chosen per host: every path computes the same product, the choice is
 timed, cached per host key, and followed per weight shape and batch size."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 import engine.kernels as kernels
 from engine.kernels import (
-    M_BUCKETS,
+    LINEAR_BUCKETS,
     PREFILL_ROWS,
     LinearPlan,
     Timing,
@@ -29,27 +29,32 @@ def _restore_plan():
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 33, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_both_paths_compute_the_same_product(m, bias):
+def test_every_path_computes_the_same_product(m, bias):
+    assert "onednn" in kernels.available_paths()  # torch's CPU wheels ship oneDNN
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 96, generator=g), torch.randn(160, 96, generator=g)
     b = torch.randn(160, generator=g) if bias else None
     want = torch.nn.functional.linear(x, w, b)
-    for path in ("linear", "mm_t"):
+    for path in kernels.PATHS:
         set_linear_plan(LinearPlan.from_timings(
-            [Timing(160, 96, bk, {path: 0.0, "other": 1.0}) for bk in M_BUCKETS]))
+            [Timing(160, 96, bk, {path: 0.0, "other": 1.0}) for bk in LINEAR_BUCKETS]))
+        assert kernels.linear_plan().path(160, 96, m) == path
         got = linear(x, w, b)
         assert got.shape == (m, 160) and got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_plan_follows_the_bucket_and_leaves_prefill_and_unknown_shapes_to_f_linear():
+def test_plan_follows_the_bucket_and_leaves_untuned_buckets_and_shapes_to_f_linear():
     t = [Timing(8, 4, 1, {"linear": 2.0, "mm_t": 1.0}), Timing(8, 4, 2, {"linear": 1.0, "mm_t": 2.0}),
          Timing(8, 4, 4, {"linear": 3.0, "mm_t": 1.0})]
     plan = LinearPlan.from_timings(t)
-    assert [plan.path(8, 4, m) for m in (1, 2, 3, 4, 7)] == ["mm_t", "linear", "linear", "mm_t", "mm_t"]
-    assert plan.path(8, 4, PREFILL_ROWS) == "linear"
+    assert [plan.path(8, 4, m) for m in (1, 2, 3, 4, 7, 127)] == ["mm_t", "linear", "linear", "mm_t",
+                                                                  "mm_t", "linear"]
+    assert plan.path(8, 4, PREFILL_ROWS) == "linear"  # the prefill bucket was not tuned
     assert plan.path(16, 4, 1) == "linear"  # never tuned
     assert plan.summary() == ["W[8x4] M=1: mm_t (2.00x), M=2: linear (2.00x), M=4: mm_t (3.00x)"]
+    prefill = LinearPlan.from_timings([Timing(8, 4, PREFILL_ROWS, {"linear": 2.0, "onednn": 1.0})])
+    assert prefill.path(8, 4, 500) == "onednn" and prefill.path(8, 4, 127) == "linear"
 
 
 def test_linear_dispatches_on_the_plan(monkeypatch):
@@ -68,7 +73,7 @@ def _weights(*shapes):
 
 
 def test_tuning_times_whole_passes_and_is_cached_per_host_key(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels, "M_BUCKETS", (1, 4))
+    monkeypatch.setattr(kernels, "LINEAR_BUCKETS", (1, 4))
     # two "layers" of two tuned shapes, and one under MIN_TUNED_BYTES
     weights = _weights((512, 256), (256, 512), (512, 256), (256, 512), (16, 16))
     plan = tune_linear(weights, cache_dir=tmp_path)
@@ -76,7 +81,7 @@ def test_tuning_times_whole_passes_and_is_cached_per_host_key(tmp_path, monkeypa
     assert {(t.n, t.k, t.m) for t in plan.timings} == {(512, 256, 1), (512, 256, 4),
                                                        (256, 512, 1), (256, 512, 4)}
     for t in plan.timings:
-        assert set(t.seconds) == {"linear", "mm_t"} and all(v > 0 for v in t.seconds.values())
+        assert set(t.seconds) == set(kernels.PATHS) and all(v > 0 for v in t.seconds.values())
         assert plan.path(t.n, t.k, t.m) == min(t.seconds, key=t.seconds.get)
     assert plan.path(16, 16, 1) == "linear"  # too small to time
     again = tune_linear(weights, cache_dir=tmp_path)
@@ -94,23 +99,27 @@ def test_tuning_times_whole_passes_and_is_cached_per_host_key(tmp_path, monkeypa
     assert len(list((tmp_path / "kernels").glob("linear-*.json"))) == 2
 
 
-def test_a_flip_is_kept_only_when_the_whole_pass_gets_faster(monkeypatch):
-    """Greedy per bucket: from mm_t everywhere, each shape flips to F.linear when that makes
-    the pass faster; the recorded times are the ones the decision was made on."""
-    fast_linear = {(512, 256)}  # pretend F.linear is faster for this shape only
+def test_a_change_is_kept_only_when_the_whole_pass_gets_faster(monkeypatch):
+    """Greedy per bucket: from the fastest uniform pass (mm_t here), each shape moves to
+    another path when that makes the pass faster; the recorded times are the ones the
+    decision was made on."""
+    monkeypatch.setattr(kernels, "_available", ("linear", "mm_t", "onednn"))
+    cost = {(512, 256): {"linear": 1.0, "mm_t": 1.5, "onednn": 3.0},  # F.linear wins here only
+            (256, 512): {"linear": 2.0, "mm_t": 1.4, "onednn": 1.6}}
 
     def fake_pass(weights, m, choice, repeats=3, warm_up=False):
-        return sum(1.0 if choice[s] == "linear" and s in fast_linear else
-                   2.0 if choice[s] == "linear" else 1.5 for s in choice)
+        return sum(cost[s][choice[s]] for s in choice)
 
     monkeypatch.setattr(kernels, "time_passes", fake_pass)
     timings = kernels.time_choices(_weights((512, 256), (256, 512)), buckets=(1,))
     plan = LinearPlan.from_timings(timings)
     assert plan.path(512, 256, 1) == "linear" and plan.path(256, 512, 1) == "mm_t"
+    first = next(t for t in timings if (t.n, t.k) == (512, 256))
+    assert first.seconds == pytest.approx({"mm_t": 2.9, "linear": 2.4, "onednn": 4.4})
 
 
 def test_a_corrupt_cache_file_is_tuned_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels, "M_BUCKETS", (1,))
+    monkeypatch.setattr(kernels, "LINEAR_BUCKETS", (1,))
     weights = _weights((512, 256))
     key = host_key([(512, 256)], torch.float32)
     (tmp_path / "kernels").mkdir()

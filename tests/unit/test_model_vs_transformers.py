@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention.torch_paged import CONTEXT_BUCKETS, DECODE_PATHS, DecodePaths
 from engine.config import CacheConfig, cdiv
+from engine.kernels import M_BUCKETS
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.weights import load_model_config, load_state_dict
@@ -46,8 +48,10 @@ def test_qwen2_has_qkv_bias_and_it_is_used(tiny_qwen2_dir):
     assert not torch.allclose(before, after)
 
 
-def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir):
-    """Chunked prefill (prefix in pages) + single-token decode == one full forward."""
+@pytest.mark.parametrize("decode_path", DECODE_PATHS)
+def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir, decode_path):
+    """Chunked prefill (prefix in pages) + single-token decode == one full forward, by every
+    decode path (the fused C kernel included: it is built on every host that runs the tests)."""
     from engine.attention.backend import SeqSlice, build_metadata, create_backend
 
     runner = _ours(tiny_llama_dir, block_size=4, num_blocks=32)
@@ -56,11 +60,15 @@ def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir):
     blocks = [9, 2, 17, 5, 30, 11]
     model = runner.model
     backend = create_backend("torch")
+    backend.decode_paths = DecodePaths({(b, c): decode_path for b in M_BUCKETS
+                                        for c in CONTEXT_BUCKETS})
 
     def run(tok_slice, start):
         meta = build_metadata([SeqSlice(blocks, start, len(tok_slice))], block_size=4)
         assert meta.num_decode == (len(tok_slice) == 1)  # the decode step takes the batched path
         backend.plan(meta)
+        if meta.num_decode:
+            assert backend._plan.decode_gather.path == decode_path
         with torch.inference_mode():
             hidden = model(torch.tensor(tok_slice), meta.positions, runner.kv_caches, backend)
             return model.compute_logits(hidden)

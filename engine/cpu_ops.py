@@ -1,0 +1,267 @@
+"""Fused CPU kernels (``engine/csrc/cpu_ops.c``), built for this host, with torch twins.
+
+A decode step of a small model on CPU is a few GEMMs wrapped in dozens of small torch ops per
+layer, and the torch paged attention copies every sequence's K/V out of the cache before it
+reads them. ``engine/csrc/cpu_ops.c`` holds four fp32 kernels that read the paged cache in
+place and fuse the elementwise chains: ``paged_decode``, ``rms_norm`` (optionally adding the
+residual first), ``silu_mul`` and ``rope_``. Each wrapper here takes tensors, checks what the
+kernel assumes, and falls back to the torch twin (same math, op for op what the model did
+before) when the library is missing, the tensor is not fp32 on CPU, or its layout does not fit.
+
+Building: the library is compiled by the machine's C compiler (``cc -O3 -march=native
+-ffast-math -fopenmp``, linked without fast-math; under a second) into ``~/.cache/pdcluster/ext/cpu_ops-<key>.so``,
+the key naming the source, the compiler and the CPU's flags, so an image built on one host
+and run on another compiles afresh rather than running another CPU's instructions. ``make
+setup`` builds it at install time; a process that finds no library builds it on first use
+(one process at a time: a file lock). No compiler, or a failed build, logs once and leaves
+the torch twins in charge. ``PDCLUSTER_CPU_OPS=0`` turns the kernels off (A/B and debugging).
+
+Threads: the library links the libgomp that torch loaded (same soname, so the process has one
+OpenMP runtime), and each call passes torch's intra-op thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# Linked in a separate step without -ffast-math: linking with it adds crtfastmath.o, whose
+# constructor turns on flush-to-zero for the whole process when the library loads (seen:
+# hypothesis refusing to run because subnormal floats had vanished).
+LDFLAGS = ("-shared", "-fopenmp")
+DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster/ext")
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the C kernel's stack buffers (MAX_GROUP, MAX_D)
+
+_I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "paged_decode": [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32,
+                     _INT],
+    "rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
+    "silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
+    "rope": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT],
+}
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def enabled() -> bool:
+    """Whether the fused kernels are in use in this process (built, or buildable, and not
+    turned off with ``PDCLUSTER_CPU_OPS=0``)."""
+    return library() is not None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; None when unavailable."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("PDCLUSTER_CPU_OPS", "1") == "0":
+            log.info("fused CPU kernels off (PDCLUSTER_CPU_OPS=0)")
+        else:
+            _lib = _load(build())
+    return _lib
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the kernels on or off in this process (benchmarks' A/B; tests of the twins)."""
+    global _lib, _tried
+    _tried = True
+    _lib = _load(build()) if on else None
+
+
+def build(cache_dir: str | Path | None = None) -> Path | None:
+    """Path of this host's compiled library, compiling it if needed; None when it cannot be
+    built (no compiler, or the compile failed: the reason is logged)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler: fused CPU kernels unavailable, using the torch paths")
+        return None
+    out = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"cpu_ops-{_build_key(cc)}.so"
+    if out.exists():
+        return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if out.exists():  # another process built it while we waited
+                return out
+            obj, tmp = out.with_suffix(f".tmp{os.getpid()}.o"), out.with_suffix(f".tmp{os.getpid()}.so")
+            try:
+                for cmd in ([cc, *CFLAGS, "-c", "-o", str(obj), str(SOURCE)],
+                            [cc, *LDFLAGS, "-o", str(tmp), str(obj), "-lm"]):
+                    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                    if res.returncode != 0:
+                        log.warning("building fused CPU kernels failed (using the torch "
+                                    "paths):\n%s", res.stderr[-2000:])
+                        return None
+                tmp.replace(out)  # atomic: a concurrent loader never sees half a library
+            finally:
+                obj.unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("cannot build fused CPU kernels in %s (using the torch paths): %s",
+                    out.parent, e)
+        return None
+    log.info("fused CPU kernels built for this host: %s", out)
+    return out
+
+
+def _build_key(cc: str) -> str:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        version = []
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    parts = [SOURCE.read_bytes().decode(), " ".join(CFLAGS + LDFLAGS), cc, *version, flags]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _load(path: Path | None) -> ctypes.CDLL | None:
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+    except (OSError, AttributeError) as e:
+        log.warning("cannot load fused CPU kernels %s (using the torch paths): %s", path, e)
+        return None
+    return lib
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
+
+
+# ---- the kernels, each with its torch twin -----------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim of ``x [T, n]``."""
+    lib = library()
+    if lib is None or not _fits(x, weight) or not x.is_contiguous() or x.dim() != 2:
+        return rms_norm_torch(x, weight, eps)
+    out = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                 eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The skip connection then the next norm: ``h + delta`` and its ``rms_norm``. The sum
+    may be written into ``h`` in place: the caller must own ``h`` (no other reader)."""
+    lib = library()
+    if (lib is None or not _fits(h, delta, weight) or not (h.is_contiguous() and delta.is_contiguous())
+            or h.dim() != 2 or h.shape != delta.shape):
+        h = h + delta
+        return h, rms_norm_torch(h, weight, eps)
+    out = torch.empty_like(h)
+    lib.rms_norm(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), h.shape[0],
+                 h.shape[1], eps, torch.get_num_threads())
+    return h, out
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as transformers' LlamaRMSNorm: normalize in fp32, cast, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2I]`` = ``[gate | up]``; returns ``[T, I]``."""
+    lib = library()
+    if lib is None or not _fits(gate_up) or not gate_up.is_contiguous() or gate_up.dim() != 2:
+        return silu_mul_torch(gate_up)
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate the first ``heads`` heads of every row of ``x [T, >= heads * head_dim]`` in
+    place (rotate-half convention; ``cos``/``sin``: ``[T, head_dim]``, halves equal). Returns
+    False, touching nothing, when the kernel does not apply: the caller then uses
+    ``rope_torch``."""
+    lib = library()
+    if (lib is None or not _fits(x, cos, sin) or x.dim() != 2 or x.stride(1) != 1
+            or not (cos.is_contiguous() and sin.is_contiguous())):
+        return False
+    lib.rope(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(),
+             sin.data_ptr(), torch.get_num_threads())
+    return True
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: ``[T, heads, D]``; cos/sin: ``[T, 1, D]`` (as transformers' ``apply_rotary_pos_emb``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def decode_applies(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether ``paged_decode`` runs (rather than declines) for a model of these shapes."""
+    return (library() is not None and dtype == torch.float32
+            and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM)
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                 kv_lens: torch.Tensor, out: torch.Tensor) -> bool:
+    """Decode attention for ``q [B, H, D]`` (rows may be strided: views of a fused QKV) over
+    ``kv_cache [pages, 2, block_size, KVH, D]`` read in place through ``tables [B, max_pages]``
+    (int64) and ``kv_lens [B]`` (int64, each >= 1), into ``out [B, H, D]`` (contiguous).
+    Returns False, touching nothing, when the kernel does not apply (the caller's torch path
+    runs instead)."""
+    lib = library()
+    b, h, d = q.shape
+    kvh = kv_cache.shape[3]
+    if (lib is None or not _fits(q, kv_cache, out) or not kv_cache.is_contiguous()
+            or not out.is_contiguous() or q.stride(2) != 1 or q.stride(1) != d
+            or h // kvh > MAX_GROUP or d > MAX_HEAD_DIM):
+        return False
+    lib.paged_decode(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), tables.data_ptr(),
+                     tables.shape[1], kv_lens.data_ptr(), out.data_ptr(), b, h, kvh, d,
+                     kv_cache.shape[2], d ** -0.5, torch.get_num_threads())
+    return True
+
+
+def main() -> None:
+    """``python -m engine.cpu_ops``: build this host's library now (``make setup`` runs it, so
+    the first engine start does not compile). Never fails: without a compiler the torch twins
+    serve, and the message says so."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    path = build()
+    print(f"fused CPU kernels: {path}" if path else
+          "fused CPU kernels: not built (see above); the torch paths will serve")
+
+
+if __name__ == "__main__":
+    main()
