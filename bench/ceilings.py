@@ -2,15 +2,16 @@
 
 - copy bandwidth: ``dst.copy_(src)`` on a tensor far larger than the caches; bytes counted
   are read + written (2 x size), the convention of STREAM's "copy".
-- GEMV bandwidth: one input row through fp32 ``F.linear`` and through ``mm(W, x.T)`` (MKL's
-  threaded transposed GEMM), the faster of the two on this host; bytes counted are the weight
-  matrix (what a batch-1 decode step streams). This is the decode floor's denominator, so the
-  floor is the best this torch does.
+- GEMV bandwidth: one input row through each linear path the engine can take (``F.linear``,
+  ``mm(W, x.T)``, oneDNN's inner product: ``engine.kernels``), the fastest on this host; bytes
+  counted are the weight matrix (what a batch-1 decode step streams). This is the decode
+  floor's denominator, so the floor is the best this torch does.
 - the engine's linear-kernel plan for the default model (``engine.kernels``): which of the
   two paths it takes per weight shape and batch size on this host, and by how much.
 - the fused CPU kernels (``engine.cpu_ops``): built for this host or not, and the decode
   attention path the engine takes per batch and context (timed at start-up, cached).
-- matmul rate: a large square fp32 matmul, 2 n^3 FLOPs.
+- matmul rate: a large square fp32 matmul, 2 n^3 FLOPs, by MKL (``a @ b``) and by oneDNN,
+  the faster (on an AMD EPYC with AVX-512, oneDNN ran it ~2x faster than MKL).
 
 Each figure is the median of ``repeats`` timed runs after one warm-up, so a noisy neighbour
 moves it less than a mean would.
@@ -61,22 +62,27 @@ def _time_copy(n: int, repeats: int) -> float:
 
 def _time_gemv(rows: int, cols: int, repeats: int) -> float:
     import torch
-    import torch.nn.functional as F
 
-    from engine.kernels import _mm_t
+    from engine.kernels import _call, available_paths
 
     w = torch.rand(rows, cols)  # [out, in]
     x = torch.rand(1, cols)  # [1, in]: one decode row
-    return min(_median_time(lambda: F.linear(x, w), repeats),
-               _median_time(lambda: _mm_t(x, w, None), repeats))
+    return min(_median_time(lambda p=p: _call(p, x, w, None), repeats) for p in available_paths())
 
 
 def _time_matmul(n: int, repeats: int) -> float:
     import torch
 
+    from engine.kernels import available_paths
+
     a = torch.rand(n, n)
     b = torch.rand(n, n)
-    return _median_time(lambda: a @ b, repeats)
+    best = _median_time(lambda: a @ b, repeats)
+    if "onednn" in available_paths():  # oneDNN picks kernels by the CPU's instructions, MKL not on AMD
+        bt = b.t().contiguous()  # [out, in], as a weight
+        best = min(best, _median_time(
+            lambda: torch.ops.mkldnn._linear_pointwise(a, bt, None, "none", [], ""), repeats))
+    return best
 
 
 def measure_ceilings(copy_mib: int = 256, gemv_rows: int = 8192, gemv_cols: int = 8192,

@@ -211,7 +211,7 @@ def time_choices(weights: list[torch.Tensor], buckets: Iterable[int] | None = No
     own weights (so each call streams its weight from memory as in a real step, and the
     libraries' threading behaves as it does there): start from the path whose uniform pass is
     fastest, then try each shape on each other path, keeping a change when the pass gets
-    faster. One ``Timing`` per shape and bucket: the pass time with that shape on each path.
+    faster than the current choice timed just before it. One ``Timing`` per shape and bucket: the pass time with that shape on each path.
     Small-M passes are short and close: the best of more repeats. The prefill bucket's passes
     are long (and steady): timed once each, ``F.linear`` against ``onednn`` only."""
     size = weights[0].element_size()
@@ -223,16 +223,16 @@ def time_choices(weights: list[torch.Tensor], buckets: Iterable[int] | None = No
         paths = [p for p in available_paths() if m < PREFILL_ROWS or p != "mm_t"]
         uniform = {p: time_passes(weights, m, dict.fromkeys(shapes, p), reps, warm_up=True)
                    for p in paths}
-        start = min(uniform, key=uniform.get)
-        choice, current = dict.fromkeys(shapes, start), uniform[start]
+        choice = dict.fromkeys(shapes, min(uniform, key=uniform.get))
         for shape in shapes:
-            seconds = {choice[shape]: current}
+            # The incumbent is timed again beside each trial: compared with a figure from
+            # earlier (a quieter moment), every trial looks faster and noise wins the choice.
+            seconds = {choice[shape]: time_passes(weights, m, choice, reps)}
             for p in paths:
                 if p != choice[shape]:
                     seconds[p] = time_passes(weights, m, {**choice, shape: p}, reps)
             out.append(Timing(shape[0], shape[1], m, seconds))
-            best = min(seconds, key=seconds.get)
-            choice[shape], current = best, seconds[best]
+            choice[shape] = min(seconds, key=seconds.get)
     return out
 
 

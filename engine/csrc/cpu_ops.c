@@ -36,7 +36,9 @@ void paged_decode(const float *q, int64_t q_stride, const float *kv_cache,
     const int64_t G = H / KVH;
     const int64_t row = KVH * D;             /* floats per token slot (all KV heads) */
     const int64_t page = 2 * block_size * row; /* floats per page (K and V) */
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (B * KVH > 1)
+    int64_t work = 0; /* K/V floats read: below ~64K, waking the thread team costs more */
+    for (int64_t b = 0; b < B; b++) work += kv_lens[b] * row * 2;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (work >= 65536)
     for (int64_t task = 0; task < B * KVH; task++) {
         const int64_t b = task / KVH, kvh = task % KVH;
         const int64_t L = kv_lens[b];
