@@ -188,6 +188,23 @@ def roofline_step_time(weight_bytes: int, num_params: int, batch_size: int,
                          batch_size / step)
 
 
+def roofline_workload_throughput(weight_bytes: int, num_params: int, embed_params: int,
+                                 batch_size: int, prompt_len: int, output_len: int,
+                                 bandwidth_bytes_s: float, flops_per_s: float) -> float:
+    """Tokens/s a wave of ``batch_size`` requests cannot beat: the prompts' prefill at the
+    matmul rate (every non-embedding weight per prompt token, the LM head once per request:
+    only the last position is sampled), then ``output_len - 1`` decode steps at
+    ``roofline_step_time``. Prefill is compute-bound at every batch size, so it caps how much
+    a bigger batch can gain over batch 1 on a workload that includes it."""
+    if min(batch_size, prompt_len, output_len) <= 0:
+        raise ValueError("batch_size, prompt_len and output_len must be > 0")
+    prefill_flops = batch_size * (2.0 * (num_params - embed_params) * prompt_len
+                                  + 2.0 * embed_params)
+    step = roofline_step_time(weight_bytes, num_params, batch_size, bandwidth_bytes_s,
+                              flops_per_s).step_s
+    return batch_size * output_len / (prefill_flops / flops_per_s + (output_len - 1) * step)
+
+
 @dataclass(frozen=True)
 class Knee:
     """Where batching stops paying: the last batch size whose next step up still gained enough."""

@@ -14,6 +14,8 @@ drift and noisy neighbours hit all three alike, each round starting with the nex
   decode attention path the host timed best among the torch ones).
 
 Each figure is the median over rounds of the mean of ``--steps`` consecutive decode steps.
+Then, under the host plan, where a step goes (``bench.step_split``): GEMMs, the fused C
+kernels, the rest of the model, and the scheduler and Python outside the model.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import statistics
 import time
 
 from bench.common import machine_info, write_json
+from bench.step_split import StepSplit, measure_step_split
 
 NAME = "kernels"
 HELP = "decode step time under this host's linear-kernel plan vs fixed kernel choices"
+SPLIT_STEPS = 10
 PLANS = ("host plan", "mm_t < 128 rows", "F.linear", "oneDNN", "no C kernels")
 
 
@@ -42,8 +46,9 @@ def _plans(tuned):
 
 
 def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
-            prompt_len: int = 64) -> dict[str, float]:
-    """Median ms per decode step at ``batch`` under each plan (see the module docstring)."""
+            prompt_len: int = 64) -> tuple[dict[str, float], StepSplit]:
+    """Median ms per decode step at ``batch`` under each plan (see the module docstring), and
+    where a step goes under the host plan (``bench.step_split``)."""
     import engine.kernels as kernels
     from engine import LLM, SamplingParams, cpu_ops
     from engine.attention.torch_paged import DecodePaths
@@ -60,7 +65,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
                                for t in decode_paths.timings for key in [(t.m, t.n)]})
     rng = random.Random(seed)
     vocab = eng.model_config.vocab_size
-    budget = (rounds * len(plans) * (steps + 1)) + 4
+    budget = (rounds * len(plans) * (steps + 1)) + 4 + 2 * SPLIT_STEPS
     sp = SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True)
     for _ in range(batch):
         eng.add_request([rng.randrange(3, vocab) for _ in range(prompt_len)], sp)
@@ -87,7 +92,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
         kernels.set_linear_plan(tuned)
         cpu_ops.set_enabled(fused_on)
         backend.decode_paths = decode_paths
-    return {name: statistics.median(v) for name, v in times.items()}
+    return {name: statistics.median(v) for name, v in times.items()}, measure_step_split(eng, SPLIT_STEPS)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -100,17 +105,22 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.num_threads)
     sizes = [int(b) for b in (args.batch_sizes or ("1,8" if args.quick else "1,8,32")).split(",")]
     rounds = args.rounds or (3 if args.quick else 9)
-    rows = []
+    rows, splits = [], []
     print(f"{'batch':>5} " + " ".join(f"{p:>16}" for p in PLANS) + f" {'fixed/host':>11}"
           + f" {'noC/host':>10}")
     for b in sizes:
-        ms = measure(args.model, b, rounds, args.steps, args.seed)
+        ms, split = measure(args.model, b, rounds, args.steps, args.seed)
+        splits.append((b, split))
         best_fixed = min(ms["mm_t < 128 rows"], ms["F.linear"], ms["oneDNN"])
         rows.append({"batch": b, "step_ms": ms, "best_fixed_over_host": best_fixed / ms["host plan"],
-                     "no_c_kernels_over_host": ms["no C kernels"] / ms["host plan"]})
+                     "no_c_kernels_over_host": ms["no C kernels"] / ms["host plan"],
+                     "step_split": split, "outside_model_share": split.outside_model_share})
         print(f"{b:>5} " + " ".join(f"{ms[p]:>13.1f} ms" for p in PLANS)
               + f" {best_fixed / ms['host plan']:>10.2f}x"
               + f" {ms['no C kernels'] / ms['host plan']:>10.2f}x", flush=True)
+    print(f"where a decode step goes under the host plan ({SPLIT_STEPS} steps):")
+    for b, split in splits:
+        print(f"  batch {b}: {split.line()}")
     plan = kernels.linear_plan()
     print("host plan (path per batch bucket, and by how much it beat the other in tuning):")
     for line in plan.summary():
@@ -125,5 +135,5 @@ def run(args: argparse.Namespace) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8,32; --quick 1,8)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of the three plans (default 9; --quick 3)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the set-ups (default 9; --quick 3)")
     p.add_argument("--steps", type=int, default=3, help="timed decode steps per plan and round")

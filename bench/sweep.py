@@ -37,6 +37,7 @@ from bench.common import (
     print_targets,
     ratio,
     roofline_step_time,
+    roofline_workload_throughput,
     summarize,
     target,
     write_json,
@@ -131,8 +132,12 @@ def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, ou
     return point
 
 
-def sweep_targets(points: list[SweepPoint], floor_s: float) -> list[dict[str, Any]]:
-    """The sweep's targets (issue [7/7]'s), as ratios measured within this one run."""
+def sweep_targets(points: list[SweepPoint], floor_s: float,
+                  roof_tok_s: float | None = None) -> list[dict[str, Any]]:
+    """The sweep's targets (issue [7/7]'s), as ratios measured within this one run.
+    ``roof_tok_s``: the throughput this host's roofs allow the last batch size on this
+    workload, prefill included (``roofline_workload_throughput``), quoted beside the
+    batch-scaling target: when it is below what the target asks, the CPU cannot meet it."""
     first, last = points[0], points[-1]
     out = []
     if first.batch_size == 1:
@@ -148,7 +153,11 @@ def sweep_targets(points: list[SweepPoint], floor_s: float) -> list[dict[str, An
                           hf[-1], 1.5))
     if len(points) > 1:
         out.append(target(f"throughput batch {last.batch_size} / batch {first.batch_size}",
-                          ratio(last.throughput_tok_s, first.throughput_tok_s), 10.0))
+                          ratio(last.throughput_tok_s, first.throughput_tok_s), 10.0,
+                          reason="" if roof_tok_s is None else
+                          f"batch {last.batch_size} would need "
+                          f"{10 * first.throughput_tok_s:.0f} tok/s; this host's roofline for "
+                          f"the workload, prefill included, is {roof_tok_s:.0f} tok/s"))
         out.append(target(f"latency per token (ITL) batch {last.batch_size} / batch "
                           f"{first.batch_size}", ratio(last.itl_mean_s, first.itl_mean_s), 4.0,
                           higher_is_better=False))
@@ -244,7 +253,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     floor_copy = size.weight_bytes / ceil.copy_bytes_per_s
     knee = find_knee([p.batch_size for p in points], [p.throughput_tok_s for p in points],
                      [p.itl_mean_s for p in points])
-    targets = sweep_targets(points, floor_gemv)
+    embed_params = cfg.vocab_size * cfg.hidden_size
+    roof_tok_s = [roofline_workload_throughput(
+        size.weight_bytes, size.num_params, embed_params, p.batch_size, args.prompt_len,
+        output_len, ceil.gemv_bytes_per_s, ceil.matmul_flops_per_s) for p in points]
+    targets = sweep_targets(points, floor_gemv, roof_tok_s[-1])
     payload = {
         "benchmark": "sweep", "machine": machine_info(), "model": args.model or "default",
         "quick": args.quick, "prompt_len": args.prompt_len, "output_len": output_len,
@@ -255,6 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch_1_step_over_floor": ratio(points[0].decode_step_s, floor_gemv)
         if points[0].batch_size == 1 else None,
         "knee": knee, "points": points, "targets": targets,
+        "roofline_workload_tok_s": roof_tok_s,
     }
     out_json = write_json(args.out, "sweep", payload)
     plot_sweep(points, knee, out_json.with_name("sweep.png"))

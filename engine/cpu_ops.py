@@ -76,6 +76,12 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def build_id() -> str:
+    """Names the loaded library build ("" when none): timings of these kernels are keyed by it."""
+    lib = library()
+    return Path(lib._name).stem if lib is not None else ""
+
+
 def set_enabled(on: bool) -> None:
     """Turn the kernels on or off in this process (benchmarks' A/B; tests of the twins)."""
     global _lib, _tried

@@ -163,11 +163,12 @@ def _mm_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 
 
 # ---- tuning ---------------------------------------------------------------------------------
-def host_key(shapes: Iterable[tuple[int, int]], dtype: torch.dtype) -> str:
-    """Names what the timings depend on: CPU model, torch, threads, dtype, shapes."""
+def host_key(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, extra: str = "") -> str:
+    """Names what the timings depend on: CPU model, torch, threads, dtype, shapes, the paths
+    on offer, and ``extra`` (e.g. which build of a kernel library was timed)."""
     parts = [_cpu_model(), torch.__version__, str(torch.get_num_threads()), str(dtype),
              ",".join(f"{n}x{k}" for n, k in sorted(set(shapes))), ",".join(map(str, LINEAR_BUCKETS)),
-             ",".join(available_paths())]
+             ",".join(available_paths()), extra]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -211,7 +212,7 @@ def time_choices(weights: list[torch.Tensor], buckets: Iterable[int] | None = No
     own weights (so each call streams its weight from memory as in a real step, and the
     libraries' threading behaves as it does there): start from the path whose uniform pass is
     fastest, then try each shape on each other path, keeping a change when the pass gets
-    faster than the current choice timed just before it. One ``Timing`` per shape and bucket: the pass time with that shape on each path.
+    faster than the current choice timed in the same rounds. One ``Timing`` per shape and bucket: the pass time with that shape on each path.
     Small-M passes are short and close: the best of more repeats. The prefill bucket's passes
     are long (and steady): timed once each, ``F.linear`` against ``onednn`` only."""
     size = weights[0].element_size()
@@ -221,19 +222,30 @@ def time_choices(weights: list[torch.Tensor], buckets: Iterable[int] | None = No
         reps = 1 if m >= PREFILL_ROWS else max(repeats, _SMALL_M_REPEATS) if m <= _SMALL_M else repeats
         # mm_t exists for small M (MKL's GEMV at M=1); on prefill rows it only costs tuning time.
         paths = [p for p in available_paths() if m < PREFILL_ROWS or p != "mm_t"]
-        uniform = {p: time_passes(weights, m, dict.fromkeys(shapes, p), reps, warm_up=True)
-                   for p in paths}
+        uniform = _interleaved(weights, m, {p: dict.fromkeys(shapes, p) for p in paths}, reps,
+                               warm_up=True)
         choice = dict.fromkeys(shapes, min(uniform, key=uniform.get))
         for shape in shapes:
-            # The incumbent is timed again beside each trial: compared with a figure from
-            # earlier (a quieter moment), every trial looks faster and noise wins the choice.
-            seconds = {choice[shape]: time_passes(weights, m, choice, reps)}
-            for p in paths:
-                if p != choice[shape]:
-                    seconds[p] = time_passes(weights, m, {**choice, shape: p}, reps)
+            # The incumbent is timed again beside each trial, interleaved with it: compared
+            # with a figure from earlier (a quieter moment), every trial looked faster and
+            # noise chose the plan.
+            trials = {p: {**choice, shape: p} for p in paths}
+            seconds = _interleaved(weights, m, trials, reps)
             out.append(Timing(shape[0], shape[1], m, seconds))
             choice[shape] = min(seconds, key=seconds.get)
     return out
+
+
+def _interleaved(weights: list[torch.Tensor], m: int, choices: dict[str, dict], repeats: int,
+                 warm_up: bool = False) -> dict[str, float]:
+    """Best pass time of each named choice, timed in rounds (A B C A B C ...) so a noisy
+    spell hits every candidate alike."""
+    best = {}
+    for r in range(repeats):
+        for name, choice in choices.items():
+            t = time_passes(weights, m, choice, 1, warm_up=warm_up and r == 0)
+            best[name] = min(best.get(name, t), t)
+    return best
 
 
 def tune_linear(weights: list[torch.Tensor], cache_dir: str | Path | None = None) -> LinearPlan:

@@ -313,8 +313,10 @@ def tune_decode_paths(num_heads: int, num_kv_heads: int, head_dim: int, block_si
     paths = [p for p in DECODE_PATHS if p != "fused"
              or cpu_ops.decode_applies(num_heads, num_kv_heads, head_dim, dtype)]
     shape = [(num_heads, num_kv_heads), (head_dim, block_size)]
-    # The offered paths are part of the key: a host that gains the kernel times again.
-    key = host_key(shape + [(c, 0) for c in CONTEXT_BUCKETS] + [(len(paths), 0)], dtype)
+    # The offered paths and the kernel library's build are part of the key: a host that gains
+    # the kernel, or a new build of it, times again.
+    key = host_key(shape + [(c, 0) for c in CONTEXT_BUCKETS], dtype,
+                   ",".join(paths) + "|" + cpu_ops.build_id())
 
     def measure() -> list[Timing]:
         pages_per_seq = CONTEXT_BUCKETS[-1] // block_size

@@ -37,16 +37,28 @@ def test_ceilings_writes_positive_roofs(tmp_path):
     plan = data["linear_plan"]
     assert len(plan["summary"]) == 5 and all("M=1: " in line for line in plan["summary"])
     assert plan["timings"] and plan["host_key"]
+    # the fused kernels were built here, and the decode attention choice is printed per bucket
+    assert data["fused_cpu_kernels"].endswith(".so")
+    assert len(data["decode_paths"]["summary"]) == 6 and data["decode_paths"]["timings"]
 
 
-def test_kernels_times_the_three_plans(tmp_path, tiny_llama_dir):
+def test_kernels_times_every_set_up_and_splits_the_step(tmp_path, tiny_llama_dir):
     assert main(["kernels", "--model", str(tiny_llama_dir), "--quick", "--batch-sizes", "1,2",
                  "--steps", "1", "--out", str(tmp_path)]) == 0
     data = _read(tmp_path, "kernels")
     assert [r["batch"] for r in data["rows"]] == [1, 2]
     for r in data["rows"]:
-        assert set(r["step_ms"]) == {"host plan", "mm_t < 128 rows", "F.linear"}
+        assert set(r["step_ms"]) == {"host plan", "mm_t < 128 rows", "F.linear", "oneDNN",
+                                     "no C kernels"}
         assert all(v > 0 for v in r["step_ms"].values())
+        split = r["step_split"]
+        # Every layer of the stack was seen, and the parts add up to the step.
+        assert split["gemm_ms"] > 0 and split["cpu_kernels_ms"] > 0 and split["scheduler_ms"] > 0
+        assert split["outside_model_ms"] > split["scheduler_ms"]
+        parts = (split["gemm_ms"] + split["cpu_kernels_ms"] + split["other_model_ms"]
+                 + split["outside_model_ms"])
+        assert parts == pytest.approx(split["step_ms"])
+        assert 0 < r["outside_model_share"] < 1
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from bench.common import (
     percentile,
     poisson_arrivals,
     roofline_step_time,
+    roofline_workload_throughput,
     simulate_batching,
     slot_utilization,
     summarize,
@@ -127,6 +128,24 @@ def test_roofline_memory_bound_at_batch_1_compute_bound_at_large_batch():
     crossover = wbytes * 100e9 / (2 * params * 13.5e9)
     assert roofline_step_time(wbytes, params, math.floor(crossover), 13.5e9, 100e9).bound == "memory"
     assert roofline_step_time(wbytes, params, math.ceil(crossover), 13.5e9, 100e9).bound == "compute"
+
+
+def test_workload_roofline_counts_prefill_and_caps_the_batching_gain():
+    params, wbytes, embed = 134_515_008, 538_060_032, 49152 * 576  # SmolLM2-135M fp32
+    bw, flops = 38.3e9, 445e9  # a 2-vCPU AVX-512 EPYC's roofs (bench ceilings)
+    one = roofline_workload_throughput(wbytes, params, embed, 1, 64, 32, bw, flops)
+    # By hand: 64 prompt tokens through the non-embedding weights, the LM head once, then
+    # 31 memory-bound decode steps.
+    prefill_s = (2 * (params - embed) * 64 + 2 * embed) / flops
+    assert one == pytest.approx(32 / (prefill_s + 31 * wbytes / bw))
+    b32 = roofline_workload_throughput(wbytes, params, embed, 32, 64, 32, bw, flops)
+    step32 = roofline_step_time(wbytes, params, 32, bw, flops).step_s
+    assert b32 == pytest.approx(32 * 32 / (32 * prefill_s + 31 * step32))
+    # At the roofs, decode steps alone scale ~11x from batch 1 to 32; with the prompts'
+    # compute-bound prefill counted, under 10x.
+    assert 32 * (wbytes / bw) / step32 > 10 > b32 / one > 9
+    with pytest.raises(ValueError):
+        roofline_workload_throughput(wbytes, params, embed, 0, 64, 32, bw, flops)
 
 
 # ---- workloads and output ----------------------------------------------------------------------
