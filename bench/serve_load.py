@@ -9,7 +9,10 @@ server's prefix cache cannot turn a later rate into cache hits.
 
 Per rate: TTFT, TPOT ((e2e - ttft) / (output tokens - 1)), ITL (gaps between streamed chunks)
 and E2E as mean/p50/p90/p99, request and output-token throughput, and goodput under ``--slo``
-(DistServe's definition: requests per second that meet EVERY SLO; also as a fraction).
+(DistServe's definition: requests per second that meet EVERY SLO; also as a fraction). Against
+our own server, also the engines' own decode steps during the rate (per batch size, read from
+``/metrics``) and the serving overhead per output token: TPOT minus the engine's step
+(``bench.serve_engine``).
 Over HTTP, chunks whose text is empty are not sent by the server, so a model without a
 tokenizer shows TTFT = E2E there; gRPC always carries token ids.
 
@@ -39,6 +42,7 @@ from bench.common import (
     summarize,
     write_json,
 )
+from bench.serve_engine import EngineSteps, engine_steps, scrape, serving_overhead
 from bench.serve_target import Target, headers, server_facts, target_from_args
 
 NAME = "serve"
@@ -217,6 +221,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt ids are drawn below this (default: the server's vocab over "
                         f"gRPC; {SAFE_VOCAB} over HTTP)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--metrics-url", default=None, metavar="URL",
+                   help="our server's /metrics, for the engine's own decode steps beside the "
+                        "served TPOT (default: the HTTP target's /metrics; over gRPC, port 8000 "
+                        "of the gRPC host)")
 
 
 def output_warnings(results: list[RequestResult], output_len: int) -> list[str]:
@@ -239,9 +247,11 @@ def output_warnings(results: list[RequestResult], output_len: int) -> list[str]:
 
 async def _sweep(t: Target, model: str, rates: list[float],
                  prompts_per_rate: list[list[list[int]]], output_len: int, seed: int,
-                 max_concurrency: int | None, progress: bool
-                 ) -> list[tuple[float, float, list[RequestResult]]]:
-    """[(rate, duration_s, results)] per rate, sharing one connection."""
+                 max_concurrency: int | None, progress: bool, metrics_url: str | None = None
+                 ) -> list[tuple[float, float, list[RequestResult], EngineSteps | None]]:
+    """[(rate, duration_s, results, engine steps during the rate)] per rate, sharing one
+    connection; the engine steps come from ``metrics_url`` (``bench.serve_engine``)."""
+    import httpx
     from tqdm import tqdm
 
     if t.api == "grpc":
@@ -251,14 +261,13 @@ async def _sweep(t: Target, model: str, rates: list[float],
         client = AsyncClient(t.address, timeout=600, api_key=t.api_key)
         one = _grpc_request
     else:
-        import httpx
-
         client = httpx.AsyncClient(base_url=t.address, timeout=httpx.Timeout(600.0),
                                    headers=headers(t),
                                    limits=httpx.Limits(max_connections=None,
                                                        max_keepalive_connections=None))
         one = functools.partial(_http_request, model=model)
     out = []
+    scraper = httpx.AsyncClient(timeout=httpx.Timeout(30.0))
     try:
         # Warm-up (not counted): connection set-up and the server's first forward.
         await one(client, prompts_per_rate[0][0][: max(1, len(prompts_per_rate[0][0]) // 4)], 2)
@@ -278,12 +287,17 @@ async def _sweep(t: Target, model: str, rates: list[float],
                 bar.update(1)
                 return res
 
+            before = await scrape(scraper, metrics_url, headers(t))
             t0 = time.perf_counter()
             results = await asyncio.gather(*[fire(p, a, t0) for p, a in zip(prompts, arrivals, strict=True)])
             duration = time.perf_counter() - t0
             bar.close()
-            out.append((rate, duration, list(results)))
+            # The router asks every worker for its counters when /metrics is read, and a
+            # step counts itself before it hands out its tokens: nothing to wait for.
+            steps = engine_steps(before, await scrape(scraper, metrics_url, headers(t)))
+            out.append((rate, duration, list(results), steps))
     finally:
+        await scraper.aclose()
         if t.api == "grpc":
             await client.close()
         else:
@@ -292,8 +306,9 @@ async def _sweep(t: Target, model: str, rates: list[float],
 
 
 def summarize_rate(rate: float, duration_s: float, results: list[RequestResult],
-                   slo: dict[str, float]) -> dict[str, Any]:
-    """The per-rate record (vLLM's names, in seconds): stats, throughputs and goodput."""
+                   slo: dict[str, float], steps: EngineSteps | None = None) -> dict[str, Any]:
+    """The per-rate record (vLLM's names, in seconds): stats, throughputs and goodput; with
+    ``steps``, the engine's own decode steps and the serving overhead per output token."""
     ok = [r for r in results if r.ok]
     row: dict[str, Any] = {"request_rate": "inf" if math.isinf(rate) else rate,
                            "num_prompts": len(results), "completed": len(ok),
@@ -312,7 +327,11 @@ def summarize_rate(rate: float, duration_s: float, results: list[RequestResult],
         "output_throughput_tok_s": out_tokens / duration_s,
         "goodput_req_s": good / duration_s, "goodput_fraction": good / len(results),
         "errors": sorted({r.error for r in results if r.error})[:5],
+        "engine_decode_steps": None if steps is None else {
+            "by_batch": {str(b): v for b, v in steps.by_batch.items()}, "steps": steps.steps,
+            "mean_step_s": steps.mean_step_s, "mean_batch": steps.mean_batch},
     })
+    row.update(serving_overhead(row["tpot_mean_s"], steps))
     return row
 
 
@@ -339,11 +358,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [make_prompts(num, input_len, vocab, seed=args.seed + 1000 * i)
                for i in range(len(rates))]
     t_start = time.perf_counter()
+    metrics_url = args.metrics_url or (f"{t.address}/metrics" if t.api == "http" else
+                                       f"http://{t.address.rsplit(':', 1)[0]}:8000/metrics")
     raw = asyncio.run(_sweep(t, facts.model_id, rates, prompts, output_len, args.seed,
-                             args.max_concurrency, progress=not args.no_progress))
-    rows = [summarize_rate(rate, dur, res, slo) for rate, dur, res in raw]
+                             args.max_concurrency, progress=not args.no_progress,
+                             metrics_url=metrics_url))
+    rows = [summarize_rate(rate, dur, res, slo, steps) for rate, dur, res, steps in raw]
     warnings = list(facts.warnings)
-    for row, (_, _, res) in zip(rows, raw, strict=True):
+    if metrics_url and all(r["engine_decode_steps"] is None for r in rows):
+        warnings.append(f"no engine step counters at {metrics_url}: serving overhead not reported")
+    for row, (_, _, res, _) in zip(rows, raw, strict=True):
         row["warnings"] = output_warnings(res, output_len)
         warnings += [f"rate {row['request_rate']}: {w}" for w in row["warnings"]]
     result = {
@@ -368,6 +392,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"TTFT p50 {_ms(r['ttft_p50_s'])} p99 {_ms(r['ttft_p99_s'])}, "
               f"TPOT p50 {_ms(r['tpot_p50_s'])}, goodput {r['goodput_req_s']:.2f} req/s "
               f"({r['goodput_fraction']:.0%})")
+        steps = r["engine_decode_steps"]
+        if steps is not None:
+            per = ", ".join(f"b{b} {v['mean_s'] * 1e3:.0f} ms x{v['steps']}"
+                            for b, v in steps["by_batch"].items())
+            print(f"    engine decode steps: {per}; TPOT mean {_ms(r['tpot_mean_s'])} = engine "
+                  f"step {_ms(r['engine_step_s'])} + serving {_ms(r['serving_overhead_per_token_s'])}"
+                  f" per token ({r['tpot_over_engine_step']:.2f}x)")
         for e in r["errors"]:
             print(f"    error: {e}")
     for w in warnings:

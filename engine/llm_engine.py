@@ -33,6 +33,7 @@ from engine.request import (
     SamplingParams,
 )
 from engine.scheduler import Scheduler, StepUpdate
+from engine.step_times import DecodeStepTimes
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from engine.weights import load_model_config, load_state_dict, resolve_model
 
@@ -91,6 +92,8 @@ class EngineStats:
     # whose KV came from the prefix cache instead (local hits and pinned remote prefixes).
     num_prefill_tokens_computed: int = 0
     num_prefix_hit_tokens: int = 0
+    # Cumulative pure-decode steps per batch size: (batch, steps, seconds) (engine.step_times).
+    decode_steps: tuple = ()
 
 
 class LLMEngine:
@@ -155,6 +158,7 @@ class LLMEngine:
         self.args = args
         self.num_generated_tokens = 0
         self.num_prefill_tokens_computed = 0
+        self.decode_step_times = DecodeStepTimes()
         self.last_step_idle = False  # the last step had nothing to schedule
 
     # ---- input processing ----------------------------------------------------------------
@@ -230,7 +234,8 @@ class LLMEngine:
         return EngineStats(bm.num_used_blocks, bm.num_blocks, bm.block_size,
                            self.kv_connector.num_reserved_blocks, sched.num_running,
                            sched.num_waiting, self.num_generated_tokens,
-                           self.num_prefill_tokens_computed, bm.num_prefix_hit_tokens)
+                           self.num_prefill_tokens_computed, bm.num_prefix_hit_tokens,
+                           self.decode_step_times.rows())
 
     def record_kv_events(self) -> None:
         """Record the prefix cache's changes from now on, for ``take_kv_events`` (a worker
@@ -249,18 +254,23 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns an output per request that got a token or finished."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return []
         # Prefill work: every chunk but a running sequence's one-token decode.
-        self.num_prefill_tokens_computed += sum(
-            c.num_tokens for c in sched.chunks if c.num_output_tokens == 0 or c.num_tokens > 1)
+        prefill = sum(c.num_tokens for c in sched.chunks
+                      if c.num_output_tokens == 0 or c.num_tokens > 1)
+        self.num_prefill_tokens_computed += prefill
         step = StepInfo(self.scheduler.num_steps, self.clock())
         exports = self.kv_connector.begin_step(sched, step)
         result = self.runner.execute(sched, self.kv_connector.layer_saved if exports else None)
         updates = self.scheduler.update_from_output(sched, result)
-        return [self.process_update(u) for u in updates]
+        outs = [self.process_update(u) for u in updates]
+        if not prefill:
+            self.decode_step_times.record(len(sched.chunks), time.perf_counter() - t0)
+        return outs
 
     def process_update(self, u: StepUpdate) -> RequestOutput:
         """Detokenize a step's new tokens, apply stop strings, build the output."""

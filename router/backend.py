@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from engine.request import QueueFullError, SamplingParams
+from engine.step_times import merge_rows
 from worker_protocol import WorkerLoad
 
 __all__ = [
@@ -156,6 +157,8 @@ class BackendStats:
     # (or recomputed) tokens run through a model (router.usage).
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
     prefill_computed_tokens: int = 0
+    # Cumulative pure-decode engine steps, every worker: batch size -> (steps, seconds).
+    decode_steps: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -272,7 +275,8 @@ class EngineBackend:
         return BackendStats([WorkerLoad("embedded-0", "embedded", s.kv_blocks_used,
                                         s.kv_blocks_total, s.num_running, s.num_waiting)],
                             prefix_hit_tokens={"embedded": s.num_prefix_hit_tokens},
-                            prefill_computed_tokens=s.num_prefill_tokens_computed)
+                            prefill_computed_tokens=s.num_prefill_tokens_computed,
+                            decode_steps=merge_rows([s.decode_steps]))
 
     async def cluster_status(self) -> list[WorkerStatus]:
         s = self._async.engine.stats()

@@ -441,7 +441,7 @@ class Cluster:
             orch.usage.note(lo)
         return BackendStats(workers, orch.kv_transfer_bytes_total, dict(orch.migrations),
                             self.store.up, dict(orch.usage.prefix_hit_tokens),
-                            orch.usage.prefill_computed_tokens)
+                            orch.usage.prefill_computed_tokens, dict(orch.usage.decode_steps))
 
     async def worker_loads(self) -> list:
         """Every live worker's full load report (reserved blocks included); tests use this.

@@ -79,6 +79,19 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("pdcluster_prefill_computed_tokens",
                                   "Prompt (and recomputed) tokens run through a model",
                                   value=s.prefill_computed_tokens)
+        # The engine's own pure-decode steps per batch size (engine.step_times): what the
+        # served time per output token is compared with (`pdcluster bench serve`).
+        steps = CounterMetricFamily("pdcluster_engine_decode_steps",
+                                    "Pure-decode engine steps, by the step's batch size",
+                                    labels=["batch"])
+        seconds = CounterMetricFamily("pdcluster_engine_decode_step_seconds",
+                                      "Seconds in pure-decode engine steps (schedule to "
+                                      "outputs), by the step's batch size", labels=["batch"])
+        for b, (n, sec) in sorted(s.decode_steps.items()):
+            steps.add_metric([str(b)], n)
+            seconds.add_metric([str(b)], sec)
+        yield steps
+        yield seconds
 
 
 class Metrics:

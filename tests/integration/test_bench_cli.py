@@ -170,6 +170,17 @@ def test_serve_target_loads_our_http_server_and_labels_the_result(tiny_frontdoor
         for r in data["rates"]:
             assert r["completed"] == 3, r["errors"]
             assert r["total_output_tokens"] == 3 * 4
+            # The engine's own decode steps during the rate, read from our /metrics: at most
+            # 3 tokens per request (4, the first from prefill) came from pure-decode steps
+            # (a step that also prefilled a newcomer is not one).
+            steps = r["engine_decode_steps"]
+            assert 0 < sum(int(b) * v["steps"] for b, v in steps["by_batch"].items()) <= 3 * 3
+            assert all(v["mean_s"] > 0 for v in steps["by_batch"].values())
+            # (the tiny model has no tokenizer: its HTTP chunks are empty and not sent, so the
+            # client sees every token at the end and a TPOT of ~0; the arithmetic still holds)
+            assert r["engine_step_s"] > 0 and r["tpot_over_engine_step"] >= 0
+            assert r["serving_overhead_per_token_s"] == pytest.approx(
+                r["tpot_mean_s"] - r["engine_step_s"])
     assert [r["request_rate"] for r in a["rates"]] == [50.0, "inf"]
 
 
@@ -307,6 +318,8 @@ def test_serve_target_records_what_another_server_does_not_honour(fake_llamacpp,
     assert rate["completed"] == 3, rate["errors"]  # the key reached every request
     assert rate["total_output_tokens"] == 3 * 3
     warnings = "\n".join(data["warnings"])
+    assert rate["engine_decode_steps"] is None and rate["serving_overhead_per_token_s"] is None
+    assert "no engine step counters" in warnings  # another server: no engine figures
     assert "no max_model_len" in warnings
     assert "ignore_eos" in warnings and "3 of 3 completed requests" in warnings
     sent = fake_llamacpp.bodies[-1]

@@ -292,6 +292,23 @@ def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor):
     # 5 + 4 tokens: 4 + 3 gaps between consecutive tokens.
     assert after["pdcluster_inter_token_latency_seconds_count"] - before[
         "pdcluster_inter_token_latency_seconds_count"] == 7
+    # ... and as many pure-decode engine steps (the first token comes from the prefill), each
+    # of batch 1: the engine's own step times, by batch size, beside the served ones.
+    steps = "pdcluster_engine_decode_steps_total"
+    assert after[steps] - before.get(steps, 0.0) == 7
+    assert _scrape_labels(http, steps).get("1", 0.0) >= 7
+    seconds = "pdcluster_engine_decode_step_seconds_total"
+    assert after[seconds] - before.get(seconds, 0.0) > 0
+
+
+def _scrape_labels(http, name: str) -> dict[str, float]:
+    """``name``'s samples by their ``batch`` label."""
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        m = re.match(rf'^{name}\{{batch="(\d+)"\}} (\S+)$', line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
 
 
 def test_store_gauge_says_the_cluster_store_answers(http, backend):

@@ -246,3 +246,56 @@ def test_compare_refuses_foreign_files_and_disjoint_rates():
     assert unique_labels(["ours", "vllm", "ours", "ours"]) == ["ours", "vllm", "ours (2)", "ours (3)"]
     [m] = mismatches([a, b])
     assert "output_len 64 vs 4" in m
+
+
+# ---- bench serve: the engine's own decode steps beside the served TPOT ---------------------------
+METRICS_PAGE = """# HELP pdcluster_engine_decode_steps_total Pure-decode engine steps
+# TYPE pdcluster_engine_decode_steps_total counter
+pdcluster_engine_decode_steps_total{batch="1"} 10.0
+pdcluster_engine_decode_steps_total{batch="4"} 5.0
+pdcluster_engine_decode_step_seconds_total{batch="1"} 0.2
+pdcluster_engine_decode_step_seconds_total{batch="4"} 0.15
+pdcluster_generation_tokens_total 99.0
+"""
+
+
+def test_engine_steps_between_two_scrapes_and_the_serving_overhead():
+    from bench.serve_engine import engine_steps, parse_metrics, serving_overhead
+
+    before = parse_metrics(METRICS_PAGE)
+    assert before == {1: (10.0, 0.2), 4: (5.0, 0.15)}
+    after = {1: (12.0, 0.24), 4: (9.0, 0.27), 8: (1.0, 0.05)}
+    steps = engine_steps(before, after)
+    # batch 1: 2 steps of 20 ms; batch 4: 4 steps of 30 ms; batch 8: 1 step of 50 ms.
+    assert steps.by_batch == {1: {"steps": 2, "mean_s": pytest.approx(0.02)},
+                              4: {"steps": 4, "mean_s": pytest.approx(0.03)},
+                              8: {"steps": 1, "mean_s": pytest.approx(0.05)}}
+    assert steps.steps == 7 and steps.mean_step_s == pytest.approx(0.21 / 7)
+    # Token-weighted: 2 tokens at 20 ms, 16 at 30 ms, 8 at 50 ms.
+    assert steps.token_mean_step_s == pytest.approx((2 * 0.02 + 16 * 0.03 + 8 * 0.05) / 26)
+    assert steps.mean_batch == pytest.approx(26 / 7)
+    over = serving_overhead(0.05, steps)
+    assert over["serving_overhead_per_token_s"] == pytest.approx(0.05 - steps.token_mean_step_s)
+    assert over["tpot_over_engine_step"] == pytest.approx(0.05 / steps.token_mean_step_s)
+    # Another server's page, a missing scrape, a rate without decode steps: no figures.
+    assert parse_metrics("vllm:num_requests_running 0.0\n") is None
+    assert engine_steps(None, after) is None and engine_steps(after, after) is None
+    assert serving_overhead(0.05, None)["engine_step_s"] is None
+    assert serving_overhead(float("nan"), steps)["tpot_over_engine_step"] is None
+
+
+def test_decode_step_counters_survive_worker_restarts():
+    from router.usage import UsageCounters
+    from worker_protocol import WorkerLoad
+
+    def load(inc, rows):
+        return WorkerLoad("d0", "decode", 0, 1, 0, 0, incarnation=inc, decode_steps=rows)
+
+    u = UsageCounters()
+    u.note(load("a", ((1, 3, 0.3),)))
+    u.note(load("a", ((1, 5, 0.5), (2, 1, 0.2))))
+    # Through Redis the rows come back as JSON lists: the same sums.
+    u.note(load("a", [[1, 5, 0.5], [2, 2, 0.4]]))
+    assert u.decode_steps == {1: (5, pytest.approx(0.5)), 2: (2, pytest.approx(0.4))}
+    u.note(load("b", ((1, 1, 0.1),)))  # restarted: counts from zero again, sums keep growing
+    assert u.decode_steps[1] == (6, pytest.approx(0.6))

@@ -152,3 +152,19 @@ def test_unsupported_architecture(tmp_path):
         "n_embd": 8, "n_layer": 1, "n_head": 2}))
     with pytest.raises(ValueError, match="GPT2"):
         LLM(str(tmp_path))
+
+
+def test_engine_counts_its_pure_decode_steps_by_batch_size(tiny_llama_dir):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=4)
+    assert llm.engine.stats().decode_steps == ()
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    llm.generate([[5, 9, 2], [7, 1, 3, 4], [8, 8]], sp)
+    # One step prefills all three and samples their first tokens; tokens 2..5 come from four
+    # decode steps of batch 3 (timed from schedule to outputs).
+    [(batch, steps, seconds)] = llm.engine.stats().decode_steps
+    assert (batch, steps) == (3, 4) and seconds > 0
+    llm.generate([[4, 4, 4]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    rows = {b: n for b, n, _ in llm.engine.stats().decode_steps}
+    assert rows == {1: 2, 3: 4}

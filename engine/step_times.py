@@ -1,0 +1,50 @@
+"""Cumulative decode-step times by batch size: what a serving layer is measured against.
+
+The engine times every step that is pure decode (each scheduled sequence computes one new
+token) from ``schedule`` to its outputs (sampling and detokenization included), and adds it
+to the count and seconds of that step's batch size. Workers report the totals in their load
+reports, the router exports them (``pdcluster_engine_decode_steps_total{batch}``,
+``pdcluster_engine_decode_step_seconds_total{batch}``), and ``pdcluster bench serve`` reads
+them before and after each rate, so the served time per output token can be set beside the
+engine's own step at the batch sizes it actually ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# One row per batch size: (batch size, steps, seconds). Plain tuples: they travel in load
+# reports through Ray and as JSON through Redis (where they come back as lists).
+StepRow = tuple[int, int, float]
+
+
+@dataclass
+class DecodeStepTimes:
+    """Counts and seconds of pure-decode steps per exact batch size (at most
+    ``max_num_seqs`` sizes), cumulative since the engine started."""
+
+    _steps: dict[int, list] = field(default_factory=dict)  # batch -> [count, seconds]
+
+    def record(self, batch: int, seconds: float) -> None:
+        row = self._steps.get(batch)
+        if row is None:
+            self._steps[batch] = [1, seconds]
+        else:
+            row[0] += 1
+            row[1] += seconds
+
+    def rows(self) -> tuple[StepRow, ...]:
+        """A snapshot, by batch size (safe to call from another thread: a step may land in it
+        or not)."""
+        return tuple((b, n, s) for b, (n, s) in sorted(self._steps.copy().items()))
+
+
+def merge_rows(parts: Iterable[Iterable[StepRow]]) -> dict[int, tuple[int, float]]:
+    """Sum rows from several sources by batch size: ``{batch: (steps, seconds)}``."""
+    out: dict[int, tuple[int, float]] = {}
+    for rows in parts:
+        for b, n, s in rows:
+            n0, s0 = out.get(int(b), (0, 0.0))
+            out[int(b)] = (n0 + int(n), s0 + float(s))
+    return out
