@@ -75,6 +75,14 @@ class WorkerLoad:
     # (batch, steps, seconds) rows (engine.step_times); empty for a prefill worker.
     decode_steps: tuple = ()
 
+    def __post_init__(self) -> None:
+        # Through JSON (the Redis registry) the rows come back as lists: made tuples again,
+        # so a report read back equals the one written.
+        if not isinstance(self.decode_steps, tuple) or any(
+                not isinstance(r, tuple) for r in self.decode_steps):
+            object.__setattr__(self, "decode_steps", tuple(
+                (int(b), int(n), float(s)) for b, n, s in self.decode_steps))
+
 
 @dataclass(frozen=True)
 class ReserveRequest:
