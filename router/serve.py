@@ -61,6 +61,10 @@ class ServeConfig:
     max_waiting: int = 1024
     drain_grace_s: float = 30.0
     threads_per_worker: int | None = None  # None: the machine's cores split among workers
+    # Per role, over threads_per_worker: the split of a box's cores between prefill
+    # (compute-bound) and decode (memory-bound) workers is the operator's to measure.
+    prefill_threads: int | None = None
+    decode_threads: int | None = None
     kv_host: str | None = None  # address workers advertise for KV (default: their node's)
     kv_interface: str | None = None  # or: the NIC whose IPv4 they advertise (every node)
     startup_timeout_s: float = 300.0
@@ -109,6 +113,10 @@ class ServeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.kv_host and self.kv_interface:
             raise ValueError("give --kv-host or --kv-interface, not both")
+        for name in ("threads_per_worker", "prefill_threads", "decode_threads"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
         if not self.orphan_after_s > 0:
             raise ValueError(f"--orphan-after-s must be > 0, got {self.orphan_after_s}")
         if self.migration_limit < 0:
@@ -181,15 +189,16 @@ class ServeConfig:
                       cuda_graphs=self.cuda_graphs,
                       gpu_memory_utilization=float(self.gpu_memory_utilization),
                       kv_cache_memory_bytes=self.kv_cache_memory_bytes(),
-                      max_model_len=self.max_model_len, num_threads=threads,
-                      max_waiting=self.max_waiting)
+                      max_model_len=self.max_model_len, max_waiting=self.max_waiting)
         return ClusterConfig(
             model=self.model, mode=self.mode, num_prefill_workers=num_prefill,
             num_decode_workers=self.decode_workers,
             prefill_engine=EngineArgs(block_size=self.prefill_block_size, max_num_seqs=8,
-                                      max_num_batched_tokens=self.max_num_batched_tokens, **common),
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      num_threads=self.prefill_threads or threads, **common),
             decode_engine=EngineArgs(block_size=self.decode_block_size, max_num_seqs=self.max_num_seqs,
-                                     max_num_batched_tokens=self.max_num_batched_tokens, **common),
+                                     max_num_batched_tokens=self.max_num_batched_tokens,
+                                     num_threads=self.decode_threads or threads, **common),
             ray_address=self.ray_address, redis_url=self.redis_url,
             use_gpus={"auto": None, "cpu": False, "cuda": True}[self.device],
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,

@@ -55,7 +55,12 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests in flight before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--drain-grace-s", type=float, default=None)
-    p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--threads-per-worker", type=int, default=None,
+                   help="torch threads of every worker (default: the machine's cores / workers)")
+    p.add_argument("--prefill-threads", type=int, default=None,
+                   help="threads of each prefill worker, over --threads-per-worker")
+    p.add_argument("--decode-threads", type=int, default=None,
+                   help="threads of each decode (or colocated) worker, over --threads-per-worker")
     p.add_argument("--kv-host", default=None,
                    help="address every worker binds and advertises for KV transfer (default: "
                         "$PDCLUSTER_KV_HOST of its node, else its Ray node IP; loopback when "

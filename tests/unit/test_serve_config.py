@@ -30,6 +30,16 @@ def test_yaml_then_flags(tmp_path):
     assert cc.decode_engine.kv_cache_memory_bytes == 256 << 20
 
 
+def test_threads_per_role_over_threads_per_worker():
+    cc = serve_config_from_args(_args("--threads-per-worker", "3", "--decode-threads", "5"))
+    assert cc.cluster_config().prefill_engine.num_threads == 3
+    assert cc.cluster_config().decode_engine.num_threads == 5
+    cc = serve_config_from_args(_args("--prefill-threads", "2")).cluster_config()
+    assert cc.prefill_engine.num_threads == 2 and cc.decode_engine.num_threads >= 1
+    with pytest.raises(ValueError, match="--decode-threads must be >= 1"):
+        serve_config_from_args(_args("--decode-threads", "0"))
+
+
 def test_unknown_yaml_key_is_named(tmp_path):
     f = tmp_path / "serve.yaml"
     f.write_text("decode_wrokers: 2\n")
