@@ -29,6 +29,75 @@
 #define MAX_GROUP 16
 #define MAX_D 256
 
+/* One (sequence, KV head) task. Per tile of TILE tokens: the K/V rows' addresses, walking
+ * the page table (an integer division per token cost as much as all the arithmetic); then
+ * each K row is read once for every query head of the group (scores), the online-softmax
+ * update, and each V row is read once into every head's accumulator. Inlined into copies
+ * with D a compile-time constant (64, 128), so the D loops unroll into vector registers. */
+static inline __attribute__((always_inline)) void decode_task(
+        const float *q_b, const float *kv_cache, const int64_t *tab, int64_t L, float *out_b,
+        int64_t G, int64_t kvh, const int64_t D, int64_t row, int64_t page, int64_t block_size,
+        float scale) {
+    float qs[MAX_GROUP][MAX_D], acc[MAX_GROUP][MAX_D], m[MAX_GROUP], l[MAX_GROUP];
+    float s[MAX_GROUP][TILE];
+    const float *krow[TILE];
+    for (int64_t g = 0; g < G; g++) {
+        const float *qh = q_b + (kvh * G + g) * D;
+        for (int64_t d = 0; d < D; d++) qs[g][d] = qh[d] * scale;
+        for (int64_t d = 0; d < D; d++) acc[g][d] = 0.f;
+        m[g] = l[g] = 0.f; /* m is set by the first tile (no infinities: -ffast-math) */
+    }
+    const int64_t v_off = block_size * row; /* V rows sit block_size rows after K's */
+    int64_t p = 0, off = 0;                 /* page-table index and slot of the next token */
+    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+        const int64_t n = L - t0 < TILE ? L - t0 : TILE;
+        for (int64_t i = 0; i < n; i++) {
+            krow[i] = kv_cache + tab[p] * page + off * row + kvh * D;
+            if (++off == block_size) {
+                off = 0;
+                p++;
+            }
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float *k = krow[i];
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qs[g][d] * k[d];
+                s[g][i] = dot;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float mt = t0 ? m[g] : s[g][0];
+            for (int64_t i = 0; i < n; i++) mt = s[g][i] > mt ? s[g][i] : mt;
+            const float corr = t0 ? expf(m[g] - mt) : 1.f; /* acc and l are 0 on tile 0 */
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < n; i++) {
+                s[g][i] = expf(s[g][i] - mt);
+                sum += s[g][i];
+            }
+            l[g] = l[g] * corr + sum;
+            m[g] = mt;
+            if (corr != 1.f)
+                for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = krow[i] + v_off;
+            for (int64_t g = 0; g < G; g++) {
+                const float w = s[g][i];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) acc[g][d] += w * v[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *o = out_b + (kvh * G + g) * D;
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; d++) o[d] = acc[g][d] * inv;
+    }
+}
+
 void paged_decode(const float *q, int64_t q_stride, const float *kv_cache,
                   const int64_t *tables, int64_t max_pages, const int64_t *kv_lens,
                   float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
@@ -41,63 +110,18 @@ void paged_decode(const float *q, int64_t q_stride, const float *kv_cache,
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (work >= 65536)
     for (int64_t task = 0; task < B * KVH; task++) {
         const int64_t b = task / KVH, kvh = task % KVH;
-        const int64_t L = kv_lens[b];
+        const float *q_b = q + b * q_stride;
         const int64_t *tab = tables + b * max_pages;
-        float qs[MAX_GROUP][MAX_D];
-        float acc[MAX_GROUP][MAX_D];
-        float m[MAX_GROUP], l[MAX_GROUP];
-        float s[MAX_GROUP][TILE];
-        for (int64_t g = 0; g < G; g++) {
-            const float *qh = q + b * q_stride + (kvh * G + g) * D;
-            for (int64_t d = 0; d < D; d++) qs[g][d] = qh[d] * scale;
-            memset(acc[g], 0, sizeof(float) * D);
-            m[g] = 0.f; /* unused before the first tile sets it (no infinities: -ffast-math) */
-            l[g] = 0.f;
-        }
-        for (int64_t t0 = 0; t0 < L; t0 += TILE) {
-            const int64_t n = L - t0 < TILE ? L - t0 : TILE;
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t t = t0 + i;
-                const float *k = kv_cache + tab[t / block_size] * page
-                                 + (t % block_size) * row + kvh * D;
-                for (int64_t g = 0; g < G; g++) {
-                    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qs[g][d] * k[d];
-                    s[g][i] = dot;
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float mt = t0 ? m[g] : s[g][0];
-                for (int64_t i = 0; i < n; i++) mt = s[g][i] > mt ? s[g][i] : mt;
-                const float corr = t0 ? expf(m[g] - mt) : 1.f; /* acc and l are 0 on tile 0 */
-                float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t i = 0; i < n; i++) {
-                    s[g][i] = expf(s[g][i] - mt);
-                    sum += s[g][i];
-                }
-                l[g] = l[g] * corr + sum;
-                m[g] = mt;
-                if (corr != 1.f)
-                    for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;
-            }
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t t = t0 + i;
-                const float *v = kv_cache + tab[t / block_size] * page + block_size * row
-                                 + (t % block_size) * row + kvh * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float p = s[g][i];
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) acc[g][d] += p * v[d];
-                }
-            }
-        }
-        for (int64_t g = 0; g < G; g++) {
-            float *o = out + (b * H + kvh * G + g) * D;
-            const float inv = 1.f / l[g];
-            for (int64_t d = 0; d < D; d++) o[d] = acc[g][d] * inv;
-        }
+        float *out_b = out + b * H * D;
+        if (D == 64)
+            decode_task(q_b, kv_cache, tab, kv_lens[b], out_b, G, kvh, 64, row, page,
+                        block_size, scale);
+        else if (D == 128)
+            decode_task(q_b, kv_cache, tab, kv_lens[b], out_b, G, kvh, 128, row, page,
+                        block_size, scale);
+        else
+            decode_task(q_b, kv_cache, tab, kv_lens[b], out_b, G, kvh, D, row, page,
+                        block_size, scale);
     }
 }
 

@@ -116,11 +116,14 @@ def _dense_decode(q, cache, tables, lens):
     return out
 
 
-@pytest.mark.parametrize("lens,block_size", [([1], 16), ([5, 17, 300], 16), ([129, 128, 256, 3], 4)])
-def test_paged_decode_matches_dense_attention(lens, block_size):
-    # Lengths straddle the kernel's 128-token tiles (running max across tiles), pages are
-    # shuffled and padded with page 0, and query rows are strided views of a fused QKV.
-    h, kvh, d = 9, 3, 64
+@pytest.mark.parametrize("lens,block_size,d", [([1], 16, 64), ([5, 17, 300], 16, 64),
+                                                ([129, 128, 256, 3], 4, 64), ([7, 140], 16, 128),
+                                                ([33, 2], 8, 32)])
+def test_paged_decode_matches_dense_attention(lens, block_size, d):
+    # Lengths straddle the kernel's 128-token tiles (running max across tiles) and page
+    # boundaries, pages are shuffled and padded with page 0, query rows are strided views of a
+    # fused QKV; head sizes 64 and 128 take the kernel's specialized copies, 32 the generic one.
+    h, kvh = 9, 3
     g = _gen(len(lens))
     max_pages = max(math.ceil(n / block_size) for n in lens)
     num_pages = len(lens) * max_pages + 1
