@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -56,6 +57,7 @@ _SIGNATURES = {
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_first_use = threading.Lock()
 
 
 def enabled() -> bool:
@@ -68,11 +70,13 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; None when unavailable."""
     global _lib, _tried
     if not _tried:
-        _tried = True
-        if os.environ.get("PDCLUSTER_CPU_OPS", "1") == "0":
-            log.info("fused CPU kernels off (PDCLUSTER_CPU_OPS=0)")
-        else:
-            _lib = _load(build())
+        with _first_use:  # threads arriving together wait for the one build, then share it
+            if not _tried:
+                if os.environ.get("PDCLUSTER_CPU_OPS", "1") == "0":
+                    log.info("fused CPU kernels off (PDCLUSTER_CPU_OPS=0)")
+                else:
+                    _lib = _load(build())
+                _tried = True
     return _lib
 
 
