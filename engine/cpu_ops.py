@@ -4,7 +4,8 @@ A decode step of a small model on CPU is a few GEMMs wrapped in dozens of small 
 layer, and the torch paged attention copies every sequence's K/V out of the cache before it
 reads them. ``engine/csrc/cpu_ops.c`` holds four fp32 kernels that read the paged cache in
 place and fuse the elementwise chains: ``paged_decode``, ``rms_norm`` (optionally adding the
-residual first), ``silu_mul`` and ``rope_``. Each wrapper here takes tensors, checks what the
+residual first), ``silu_mul`` and ``rope_``; and ``gemv``, a small-M product that streams each
+weight row once (a linear path ``engine.kernels`` times against MKL's and oneDNN's). Each wrapper here takes tensors, checks what the
 kernel assumes, and falls back to the torch twin (same math, op for op what the model did
 before) when the library is missing, the tensor is not fp32 on CPU, or its layout does not fit.
 
@@ -53,6 +54,7 @@ _SIGNATURES = {
     "rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "rope": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT],
+    "gemv": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
 }
 
 _lib: ctypes.CDLL | None = None
@@ -235,6 +237,22 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` for a few rows (``x [M, K]``, M small), each weight row streamed
+    once; None, computing nothing, when the kernel does not apply (the caller runs another
+    path). ``engine.kernels`` offers it as the ``"cgemv"`` linear path, timed like the others."""
+    lib = library()
+    if (lib is None or not _fits(x, weight) or x.dim() != 2 or not x.is_contiguous()
+            or not weight.is_contiguous() or (bias is not None and not _fits(bias))):
+        return None
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype)
+    lib.gemv(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+             out.data_ptr(), m, n, k, torch.get_num_threads())
+    return out
 
 
 def decode_applies(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

@@ -9,7 +9,9 @@ Which torch call runs them fastest depends on the host, and by a lot:
   Intel Xeon with AVX-512 and AMX the same pass took 61 ms and 26 ms, the reverse;
 - ``onednn``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) on the same dense
   weight, no copy. oneDNN picks its kernels by the CPU's instructions, MKL does not on AMD: on
-  a 2-core AMD EPYC with AVX-512 it ran the M=32 LM-head GEMM 2.7x faster than ``F.linear``.
+  a 2-core AMD EPYC with AVX-512 it ran the M=32 LM-head GEMM 2.7x faster than ``F.linear``;
+- ``cgemv``: ``engine.cpu_ops.gemv``, a plain loop streaming each weight row once (M <= 8);
+  on that EPYC it streamed the model's weights at M=1 1.5-2x faster than either library.
 
 So nothing is hard-coded: for every weight shape of the model and every batch bucket (the
 decode buckets, and ``PREFILL_ROWS`` rows for prefill), ``tune_linear`` times the paths on the
@@ -38,9 +40,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_ops
+
 log = logging.getLogger(__name__)
 
-PATHS = ("linear", "mm_t", "onednn")  # F.linear(x, W) | mm(W, x.T).T | oneDNN inner product
+# F.linear(x, W) | mm(W, x.T).T | oneDNN inner product | engine.cpu_ops.gemv (small M only)
+PATHS = ("linear", "mm_t", "onednn", "cgemv")
+CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
 # Decode batch sizes tuned (the attention paths use the same buckets); a batch uses the
 # largest bucket <= its M. From PREFILL_ROWS rows on it is a prefill GEMM: one more bucket.
 M_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -129,6 +135,9 @@ def _call(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return F.linear(x, weight, bias)
     if path == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if path == "cgemv":
+        out = cpu_ops.gemv(x, weight, bias)
+        return out if out is not None else F.linear(x, weight, bias)
     return _mm_t(x, weight, bias)
 
 
@@ -149,6 +158,9 @@ def available_paths() -> tuple[str, ...]:
                 paths.append("onednn")
         except (RuntimeError, AttributeError) as e:  # no such op in this build
             log.info("oneDNN linear unavailable: %s", e)
+        got = cpu_ops.gemv(x, w, b)  # None where the fused kernels are not built
+        if got is not None and torch.allclose(got, F.linear(x, w, b), atol=1e-4):
+            paths.append("cgemv")
         _available = tuple(paths)
     return _available
 
@@ -221,7 +233,8 @@ def time_choices(weights: list[torch.Tensor], buckets: Iterable[int] | None = No
     for m in LINEAR_BUCKETS if buckets is None else buckets:
         reps = 1 if m >= PREFILL_ROWS else max(repeats, _SMALL_M_REPEATS) if m <= _SMALL_M else repeats
         # mm_t exists for small M (MKL's GEMV at M=1); on prefill rows it only costs tuning time.
-        paths = [p for p in available_paths() if m < PREFILL_ROWS or p != "mm_t"]
+        paths = [p for p in available_paths() if (m < PREFILL_ROWS or p != "mm_t")
+                 and (m <= CGEMV_MAX_M or p != "cgemv")]
         uniform = _interleaved(weights, m, {p: dict.fromkeys(shapes, p) for p in paths}, reps,
                                warm_up=True)
         choice = dict.fromkeys(shapes, min(uniform, key=uniform.get))

@@ -180,3 +180,23 @@ void rope(float *x, int64_t stride, int64_t T, int64_t heads, int64_t D,
         }
     }
 }
+
+/* y[m, :] = W x[m, :] (+ bias) for a few rows x (M <= 8): each weight row is streamed from
+ * memory once, by one thread, and dotted with every x (in cache). MKL's and oneDNN's
+ * small-M paths streamed the default model's 576-wide weights at 22-28 GB/s on a 2-core
+ * AVX-512 EPYC; this loop at 36-50 GB/s. x: [M, K] contiguous; W: [N, K]; y: [M, N]. */
+void gemv(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+          int64_t K, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const float *wr = w + n * K;
+        const float b = bias ? bias[n] : 0.f;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xr = x + m * K;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < K; k++) acc += wr[k] * xr[k];
+            y[m * N + n] = acc + b;
+        }
+    }
+}

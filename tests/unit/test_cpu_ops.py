@@ -169,3 +169,15 @@ def test_turned_off_the_twins_run(tiny_llama_dir):
     assert torch.equal(cpu_ops.silu_mul(x), cpu_ops.silu_mul_torch(x))
     twins = [o.token_ids for o in llm.generate(prompts, sp)]  # decode plan falls back to gather
     assert twins == fused
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_f_linear(m, bias):
+    g = _gen(m)
+    x, w = torch.randn(m, 576, generator=g), torch.randn(960, 576, generator=g)
+    b = torch.randn(960, generator=g) if bias else None
+    torch.testing.assert_close(cpu_ops.gemv(x, w, b), torch.nn.functional.linear(x, w, b),
+                               atol=1e-4, rtol=1e-5)
+    assert cpu_ops.gemv(x.bfloat16(), w.bfloat16(), None) is None  # declined: fp32 only
+    assert cpu_ops.gemv(x.t().contiguous().t(), w, b) is None or m == 1  # strided rows declined
