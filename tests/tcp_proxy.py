@@ -57,7 +57,12 @@ class CuttableProxy:
         for s in conns:
             with contextlib.suppress(OSError):  # linger 0: an RST, not a polite FIN
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                s.close()
+            # close() alone does not wake a pipe thread blocked in recv() on this socket,
+            # and the kernel keeps the connection open until that recv returns: an idle
+            # client would never see the cut. shutdown() wakes it, then close() resets.
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
 
     def close(self) -> None:
         self._listener.close()
