@@ -248,7 +248,7 @@ def output_warnings(results: list[RequestResult], output_len: int) -> list[str]:
 async def _sweep(t: Target, model: str, rates: list[float],
                  prompts_per_rate: list[list[list[int]]], output_len: int, seed: int,
                  max_concurrency: int | None, progress: bool, metrics_url: str | None = None
-                 ) -> list[tuple[float, float, list[RequestResult], EngineSteps | None]]:
+                 ) -> list[tuple[float, float, list[RequestResult], RateSteps]]:
     """[(rate, duration_s, results, engine steps during the rate)] per rate, sharing one
     connection; the engine steps come from ``metrics_url`` (``bench.serve_engine``)."""
     import httpx
@@ -294,7 +294,8 @@ async def _sweep(t: Target, model: str, rates: list[float],
             bar.close()
             # The router asks every worker for its counters when /metrics is read, and a
             # step counts itself before it hands out its tokens: nothing to wait for.
-            steps = engine_steps(before, await scrape(scraper, metrics_url, headers(t)))
+            after = await scrape(scraper, metrics_url, headers(t))
+            steps = (engine_steps(before, after, "decode"), engine_steps(before, after, "mixed"))
             out.append((rate, duration, list(results), steps))
     finally:
         await scraper.aclose()
@@ -305,10 +306,16 @@ async def _sweep(t: Target, model: str, rates: list[float],
     return out
 
 
+# The engine's pure-decode and mixed steps during one rate (either None: none ran / no figures).
+RateSteps = tuple[EngineSteps | None, EngineSteps | None]
+
+
 def summarize_rate(rate: float, duration_s: float, results: list[RequestResult],
-                   slo: dict[str, float], steps: EngineSteps | None = None) -> dict[str, Any]:
+                   slo: dict[str, float], steps: RateSteps = (None, None)) -> dict[str, Any]:
     """The per-rate record (vLLM's names, in seconds): stats, throughputs and goodput; with
-    ``steps``, the engine's own decode steps and the serving overhead per output token."""
+    ``steps``, the engine's own decode (and mixed) steps and the split of the served TPOT
+    (``bench.serve_engine.serving_overhead``)."""
+    decode, mixed = steps
     ok = [r for r in results if r.ok]
     row: dict[str, Any] = {"request_rate": "inf" if math.isinf(rate) else rate,
                            "num_prompts": len(results), "completed": len(ok),
@@ -327,12 +334,17 @@ def summarize_rate(rate: float, duration_s: float, results: list[RequestResult],
         "output_throughput_tok_s": out_tokens / duration_s,
         "goodput_req_s": good / duration_s, "goodput_fraction": good / len(results),
         "errors": sorted({r.error for r in results if r.error})[:5],
-        "engine_decode_steps": None if steps is None else {
-            "by_batch": {str(b): v for b, v in steps.by_batch.items()}, "steps": steps.steps,
-            "mean_step_s": steps.mean_step_s, "mean_batch": steps.mean_batch},
+        "engine_decode_steps": _steps_record(decode),
+        "engine_mixed_steps": _steps_record(mixed),
     })
-    row.update(serving_overhead(row["tpot_mean_s"], steps))
+    row.update(serving_overhead(row["tpot_mean_s"], decode, mixed))
     return row
+
+
+def _steps_record(steps: EngineSteps | None) -> dict[str, Any] | None:
+    return None if steps is None else {
+        "by_batch": {str(b): v for b, v in steps.by_batch.items()}, "steps": steps.steps,
+        "mean_step_s": steps.mean_step_s, "mean_batch": steps.mean_batch}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -396,9 +408,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if steps is not None:
             per = ", ".join(f"b{b} {v['mean_s'] * 1e3:.0f} ms x{v['steps']}"
                             for b, v in steps["by_batch"].items())
-            print(f"    engine decode steps: {per}; TPOT mean {_ms(r['tpot_mean_s'])} = engine "
-                  f"step {_ms(r['engine_step_s'])} + serving {_ms(r['serving_overhead_per_token_s'])}"
-                  f" per token ({r['tpot_over_engine_step']:.2f}x)")
+            mixed = r["engine_mixed_steps"]
+            if mixed is not None:
+                per += (f"; mixed with prefill: {mixed['steps']} steps of "
+                        f"{mixed['mean_step_s'] * 1e3:.0f} ms (mean {mixed['mean_batch']:.1f} rows)")
+            print(f"    engine decode steps: {per}")
+            print(f"    TPOT mean {_ms(r['tpot_mean_s'])} = engine step {_ms(r['engine_step_s'])}"
+                  f" + prefill in its steps {_ms(r['prefill_share_per_token_s'])}"
+                  f" + serving {_ms(r['serving_overhead_per_token_s'])} per token"
+                  f" ({r['tpot_over_engine_step']:.2f}x the step,"
+                  f" {r['tpot_over_engine_token']:.2f}x the engine's time per token)")
         for e in r["errors"]:
             print(f"    error: {e}")
     for w in warnings:

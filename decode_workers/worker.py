@@ -131,7 +131,8 @@ class DecodeWorker:
                           self.kv_bytes_received, incarnation=self.incarnation,
                           prefix_hit_tokens=s.num_prefix_hit_tokens,
                           prefill_tokens_computed=s.num_prefill_tokens_computed,
-                          kv_event_seq=self._kv_events.log.seq, decode_steps=s.decode_steps)
+                          kv_event_seq=self._kv_events.log.seq, decode_steps=s.decode_steps,
+                          mixed_steps=s.mixed_steps)
 
     def ping(self) -> str:
         return self.worker_id

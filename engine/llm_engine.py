@@ -94,6 +94,8 @@ class EngineStats:
     num_prefix_hit_tokens: int = 0
     # Cumulative pure-decode steps per batch size: (batch, steps, seconds) (engine.step_times).
     decode_steps: tuple = ()
+    # The same for mixed steps (decode rows beside prefill chunks), by their decode rows.
+    mixed_steps: tuple = ()
 
 
 class LLMEngine:
@@ -158,7 +160,8 @@ class LLMEngine:
         self.args = args
         self.num_generated_tokens = 0
         self.num_prefill_tokens_computed = 0
-        self.decode_step_times = DecodeStepTimes()
+        self.decode_step_times = DecodeStepTimes()  # steps that only decode
+        self.mixed_step_times = DecodeStepTimes()  # decode rows sharing a step with prefill
         self.last_step_idle = False  # the last step had nothing to schedule
 
     # ---- input processing ----------------------------------------------------------------
@@ -235,7 +238,7 @@ class LLMEngine:
                            self.kv_connector.num_reserved_blocks, sched.num_running,
                            sched.num_waiting, self.num_generated_tokens,
                            self.num_prefill_tokens_computed, bm.num_prefix_hit_tokens,
-                           self.decode_step_times.rows())
+                           self.decode_step_times.rows(), self.mixed_step_times.rows())
 
     def record_kv_events(self) -> None:
         """Record the prefix cache's changes from now on, for ``take_kv_events`` (a worker
@@ -262,14 +265,19 @@ class LLMEngine:
         # Prefill work: every chunk but a running sequence's one-token decode.
         prefill = sum(c.num_tokens for c in sched.chunks
                       if c.num_output_tokens == 0 or c.num_tokens > 1)
+        decode_rows = sum(1 for c in sched.chunks if c.num_output_tokens > 0 and c.num_tokens == 1)
         self.num_prefill_tokens_computed += prefill
         step = StepInfo(self.scheduler.num_steps, self.clock())
         exports = self.kv_connector.begin_step(sched, step)
         result = self.runner.execute(sched, self.kv_connector.layer_saved if exports else None)
         updates = self.scheduler.update_from_output(sched, result)
         outs = [self.process_update(u) for u in updates]
+        # Timed by kind, so a served time per token splits into the engine's pure decode
+        # step, what prefill sharing the step adds (colocated), and the serving path.
         if not prefill:
-            self.decode_step_times.record(len(sched.chunks), time.perf_counter() - t0)
+            self.decode_step_times.record(decode_rows, time.perf_counter() - t0)
+        elif decode_rows:
+            self.mixed_step_times.record(decode_rows, time.perf_counter() - t0)
         return outs
 
     def process_update(self, u: StepUpdate) -> RequestOutput:

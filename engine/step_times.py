@@ -7,6 +7,11 @@ reports, the router exports them (``pdcluster_engine_decode_steps_total{batch}``
 ``pdcluster_engine_decode_step_seconds_total{batch}``), and ``pdcluster bench serve`` reads
 them before and after each rate, so the served time per output token can be set beside the
 engine's own step at the batch sizes it actually ran.
+
+Steps that also run prefill chunks (a colocated worker taking in new prompts) are timed
+apart, by their decode rows (``..._mixed_steps_total{batch}``): they produce decode tokens
+too, more slowly, and without them a colocated server's served TPOT could not be split into
+the engine's decode step, what prefill interleaving adds, and what the serving path adds.
 """
 
 from __future__ import annotations

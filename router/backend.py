@@ -157,8 +157,10 @@ class BackendStats:
     # (or recomputed) tokens run through a model (router.usage).
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
     prefill_computed_tokens: int = 0
-    # Cumulative pure-decode engine steps, every worker: batch size -> (steps, seconds).
+    # Cumulative pure-decode engine steps, every worker: batch size -> (steps, seconds); and
+    # mixed steps (decode rows beside prefill chunks) by their decode rows.
     decode_steps: dict[int, tuple[int, float]] = field(default_factory=dict)
+    mixed_steps: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -276,7 +278,8 @@ class EngineBackend:
                                         s.kv_blocks_total, s.num_running, s.num_waiting)],
                             prefix_hit_tokens={"embedded": s.num_prefix_hit_tokens},
                             prefill_computed_tokens=s.num_prefill_tokens_computed,
-                            decode_steps=merge_rows([s.decode_steps]))
+                            decode_steps=merge_rows([s.decode_steps]),
+                            mixed_steps=merge_rows([s.mixed_steps]))
 
     async def cluster_status(self) -> list[WorkerStatus]:
         s = self._async.engine.stats()

@@ -118,6 +118,9 @@ class ClusterConfig:
     kv_event_bus: str = "auto"
     # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
     worker_overrides: dict = field(default_factory=dict)
+    # Environment prefill worker processes start with (router.threads: OMP_WAIT_POLICY when
+    # their threads share the machine's cores with decode workers).
+    prefill_env: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -441,7 +444,8 @@ class Cluster:
             orch.usage.note(lo)
         return BackendStats(workers, orch.kv_transfer_bytes_total, dict(orch.migrations),
                             self.store.up, dict(orch.usage.prefix_hit_tokens),
-                            orch.usage.prefill_computed_tokens, dict(orch.usage.decode_steps))
+                            orch.usage.prefill_computed_tokens, dict(orch.usage.decode_steps),
+                            dict(orch.usage.mixed_steps))
 
     async def worker_loads(self) -> list:
         """Every live worker's full load report (reserved blocks included); tests use this.

@@ -129,6 +129,9 @@ class WorkerLauncher:
             # incarnation in the next load report and rejoins it (_rejoin). No task is retried
             # by Ray: the router decides what a lost call costs the request.
             max_concurrency=64, max_restarts=cfg.worker_restarts, max_task_retries=0,
+            # Read by the OpenMP runtime when torch loads it: only a fresh process takes it.
+            **({"runtime_env": {"env_vars": dict(cfg.prefill_env)}}
+               if role == "prefill" and cfg.prefill_env else {}),
         ).remote(wcfg)
         self.actors.append(actor)
         self.starting[worker_id] = role

@@ -92,6 +92,19 @@ class _StatsCollector(Collector):
             seconds.add_metric([str(b)], sec)
         yield steps
         yield seconds
+        # Steps whose decode rows shared the step with prefill chunks (colocated workers):
+        # served TPOT = pure decode step + what this prefill adds + the serving path.
+        mixed = CounterMetricFamily("pdcluster_engine_mixed_steps",
+                                    "Engine steps running decode rows beside prefill chunks, "
+                                    "by the step's decode rows", labels=["batch"])
+        mixed_s = CounterMetricFamily("pdcluster_engine_mixed_step_seconds",
+                                      "Seconds in mixed engine steps (schedule to outputs), "
+                                      "by the step's decode rows", labels=["batch"])
+        for b, (n, sec) in sorted(s.mixed_steps.items()):
+            mixed.add_metric([str(b)], n)
+            mixed_s.add_metric([str(b)], sec)
+        yield mixed
+        yield mixed_s
 
 
 class Metrics:

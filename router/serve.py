@@ -181,8 +181,7 @@ class ServeConfig:
         from router.cluster import ClusterConfig
 
         num_prefill = self.prefill_workers if self.mode == "disaggregated" else 0
-        threads = self.threads_per_worker or max(1, (os.cpu_count() or 2) // max(
-            1, num_prefill + self.decode_workers))
+        threads = self.thread_plan()
         # The launcher sets each worker's device (cuda or cpu, from the placement) and
         # divides gpu_memory_utilization among workers sharing a GPU.
         common = dict(dtype=self.dtype, attention_backend=self.attention_backend,
@@ -195,10 +194,10 @@ class ServeConfig:
             num_decode_workers=self.decode_workers,
             prefill_engine=EngineArgs(block_size=self.prefill_block_size, max_num_seqs=8,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
-                                      num_threads=self.prefill_threads or threads, **common),
+                                      num_threads=threads.prefill_threads, **common),
             decode_engine=EngineArgs(block_size=self.decode_block_size, max_num_seqs=self.max_num_seqs,
                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                     num_threads=self.decode_threads or threads, **common),
+                                     num_threads=threads.decode_threads, **common),
             ray_address=self.ray_address, redis_url=self.redis_url,
             use_gpus={"auto": None, "cpu": False, "cuda": True}[self.device],
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
@@ -207,7 +206,17 @@ class ServeConfig:
             orphan_after_s=self.orphan_after_s,
             require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
             routing=self.routing_config(), kv_event_bus=self.kv_event_bus,
-            worker_overrides=dict(self.worker_overrides))
+            worker_overrides=dict(self.worker_overrides), prefill_env=threads.prefill_env)
+
+    def thread_plan(self):
+        """Torch threads per worker and the workers' environment (router.threads)."""
+        from router.threads import plan_threads
+
+        num_prefill = self.prefill_workers if self.mode == "disaggregated" else 0
+        return plan_threads(os.cpu_count() or 2, num_prefill, max(1, self.decode_workers),
+                            threads_per_worker=self.threads_per_worker,
+                            prefill_threads=self.prefill_threads,
+                            decode_threads=self.decode_threads)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -273,7 +282,8 @@ async def _serve(config: ServeConfig) -> int:
               f"  gRPC  {config.host}:{fd.grpc_port}\n"
               f"  HTTP  {'https' if gate.config.tls else 'http'}://{config.host}:{fd.http_port}/v1"
               f"  (metrics: /metrics)\n"
-              f"  API keys: {'required' if gate.auth_required else 'off (anyone who reaches the ports may call)'}",
+              f"  API keys: {'required' if gate.auth_required else 'off (anyone who reaches the ports may call)'}\n"
+              f"  threads: {config.thread_plan().summary}",
               flush=True)
         await fd.wait_closed()
     finally:

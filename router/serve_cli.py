@@ -56,7 +56,8 @@ def add_serve_subcommand(sub) -> None:
                    help="requests in flight before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--drain-grace-s", type=float, default=None)
     p.add_argument("--threads-per-worker", type=int, default=None,
-                   help="torch threads of every worker (default: the machine's cores / workers)")
+                   help="torch threads of every worker (default: a split measured per machine "
+                        "size, printed at start-up: router/threads.py)")
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="threads of each prefill worker, over --threads-per-worker")
     p.add_argument("--decode-threads", type=int, default=None,

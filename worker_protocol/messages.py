@@ -72,16 +72,19 @@ class WorkerLoad:
     # router whose index lags it for long pulls the batches itself (see router.kv_sync).
     kv_event_seq: int = 0
     # Cumulative over this incarnation: pure-decode engine steps per batch size, as
-    # (batch, steps, seconds) rows (engine.step_times); empty for a prefill worker.
+    # (batch, steps, seconds) rows (engine.step_times); empty for a prefill worker. And the
+    # same for mixed steps (decode rows beside prefill chunks: colocated), by decode rows.
     decode_steps: tuple = ()
+    mixed_steps: tuple = ()
 
     def __post_init__(self) -> None:
         # Through JSON (the Redis registry) the rows come back as lists: made tuples again,
         # so a report read back equals the one written.
-        if not isinstance(self.decode_steps, tuple) or any(
-                not isinstance(r, tuple) for r in self.decode_steps):
-            object.__setattr__(self, "decode_steps", tuple(
-                (int(b), int(n), float(s)) for b, n, s in self.decode_steps))
+        for name in ("decode_steps", "mixed_steps"):
+            rows = getattr(self, name)
+            if not isinstance(rows, tuple) or any(not isinstance(r, tuple) for r in rows):
+                object.__setattr__(self, name, tuple(
+                    (int(b), int(n), float(s)) for b, n, s in rows))
 
 
 @dataclass(frozen=True)

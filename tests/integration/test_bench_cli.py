@@ -170,17 +170,21 @@ def test_serve_target_loads_our_http_server_and_labels_the_result(tiny_frontdoor
         for r in data["rates"]:
             assert r["completed"] == 3, r["errors"]
             assert r["total_output_tokens"] == 3 * 4
-            # The engine's own decode steps during the rate, read from our /metrics: at most
-            # 3 tokens per request (4, the first from prefill) came from pure-decode steps
-            # (a step that also prefilled a newcomer is not one).
-            steps = r["engine_decode_steps"]
-            assert 0 < sum(int(b) * v["steps"] for b, v in steps["by_batch"].items()) <= 3 * 3
-            assert all(v["mean_s"] > 0 for v in steps["by_batch"].values())
+            # The engine's own steps during the rate, read from our /metrics: 3 tokens per
+            # request (4, the first from prefill) came from decode rows, in pure-decode steps
+            # or in steps that also prefilled a newcomer (mixed), every one counted once.
+            steps, mixed = r["engine_decode_steps"], r["engine_mixed_steps"]
+            rows = [*steps["by_batch"].items(), *(mixed["by_batch"].items() if mixed else ())]
+            assert sum(int(b) * v["steps"] for b, v in rows) == 3 * 3
+            assert all(v["mean_s"] > 0 for _, v in rows)
             # (the tiny model has no tokenizer: its HTTP chunks are empty and not sent, so the
             # client sees every token at the end and a TPOT of ~0; the arithmetic still holds)
             assert r["engine_step_s"] > 0 and r["tpot_over_engine_step"] >= 0
             assert r["serving_overhead_per_token_s"] == pytest.approx(
-                r["tpot_mean_s"] - r["engine_step_s"])
+                r["tpot_mean_s"] - r["engine_token_s"])
+            assert r["engine_token_s"] == pytest.approx(
+                r["engine_step_s"] + r["prefill_share_per_token_s"])
+            assert (r["prefill_share_per_token_s"] == 0) == (mixed is None)
     assert [r["request_rate"] for r in a["rates"]] == [50.0, "inf"]
 
 

@@ -299,6 +299,9 @@ def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor):
     assert _scrape_labels(http, steps).get("1", 0.0) >= 7
     seconds = "pdcluster_engine_decode_step_seconds_total"
     assert after[seconds] - before.get(seconds, 0.0) > 0
+    # One request at a time: no decode row ever shared a step with a prefill.
+    mixed = "pdcluster_engine_mixed_steps_total"
+    assert after.get(mixed, 0.0) - before.get(mixed, 0.0) == 0
 
 
 def _scrape_labels(http, name: str) -> dict[str, float]:

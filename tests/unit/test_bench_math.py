@@ -255,6 +255,8 @@ pdcluster_engine_decode_steps_total{batch="1"} 10.0
 pdcluster_engine_decode_steps_total{batch="4"} 5.0
 pdcluster_engine_decode_step_seconds_total{batch="1"} 0.2
 pdcluster_engine_decode_step_seconds_total{batch="4"} 0.15
+pdcluster_engine_mixed_steps_total{batch="3"} 2.0
+pdcluster_engine_mixed_step_seconds_total{batch="3"} 0.3
 pdcluster_generation_tokens_total 99.0
 """
 
@@ -263,8 +265,9 @@ def test_engine_steps_between_two_scrapes_and_the_serving_overhead():
     from bench.serve_engine import engine_steps, parse_metrics, serving_overhead
 
     before = parse_metrics(METRICS_PAGE)
-    assert before == {1: (10.0, 0.2), 4: (5.0, 0.15)}
-    after = {1: (12.0, 0.24), 4: (9.0, 0.27), 8: (1.0, 0.05)}
+    assert before == {"decode": {1: (10.0, 0.2), 4: (5.0, 0.15)}, "mixed": {3: (2.0, 0.3)}}
+    after = {"decode": {1: (12.0, 0.24), 4: (9.0, 0.27), 8: (1.0, 0.05)},
+             "mixed": {3: (2.0, 0.3)}}
     steps = engine_steps(before, after)
     # batch 1: 2 steps of 20 ms; batch 4: 4 steps of 30 ms; batch 8: 1 step of 50 ms.
     assert steps.by_batch == {1: {"steps": 2, "mean_s": pytest.approx(0.02)},
@@ -274,9 +277,27 @@ def test_engine_steps_between_two_scrapes_and_the_serving_overhead():
     # Token-weighted: 2 tokens at 20 ms, 16 at 30 ms, 8 at 50 ms.
     assert steps.token_mean_step_s == pytest.approx((2 * 0.02 + 16 * 0.03 + 8 * 0.05) / 26)
     assert steps.mean_batch == pytest.approx(26 / 7)
+    assert steps.tokens == 26
+    # No mixed step ran during the rate: the engine's time per token is its decode step.
+    assert engine_steps(before, after, "mixed") is None
     over = serving_overhead(0.05, steps)
     assert over["serving_overhead_per_token_s"] == pytest.approx(0.05 - steps.token_mean_step_s)
     assert over["tpot_over_engine_step"] == pytest.approx(0.05 / steps.token_mean_step_s)
+    assert over["prefill_share_per_token_s"] == 0.0
+    # Mixed steps (decode rows beside prefill chunks): 2 more steps of 3 rows at 100 ms and
+    # 1 of 2 rows at 130 ms; 8 tokens join the 26 at the mixed steps' pace.
+    later = {"decode": after["decode"], "mixed": {3: (4.0, 0.5), 2: (1.0, 0.13)}}
+    mixed = engine_steps(before, later, "mixed")
+    assert mixed.by_batch == {2: {"steps": 1, "mean_s": pytest.approx(0.13)},
+                              3: {"steps": 2, "mean_s": pytest.approx(0.1)}}
+    assert mixed.tokens == 8
+    split = serving_overhead(0.05, steps, mixed)
+    per_token = (steps.token_mean_step_s * 26 + (2 * 0.13 + 6 * 0.1)) / 34
+    assert split["engine_token_s"] == pytest.approx(per_token)
+    assert split["prefill_share_per_token_s"] == pytest.approx(per_token - steps.token_mean_step_s)
+    assert split["serving_overhead_per_token_s"] == pytest.approx(0.05 - per_token)
+    assert split["tpot_over_engine_step"] == over["tpot_over_engine_step"]
+    assert split["tpot_over_engine_token"] == pytest.approx(0.05 / per_token)
     # Another server's page, a missing scrape, a rate without decode steps: no figures.
     assert parse_metrics("vllm:num_requests_running 0.0\n") is None
     assert engine_steps(None, after) is None and engine_steps(after, after) is None
@@ -288,8 +309,9 @@ def test_decode_step_counters_survive_worker_restarts():
     from router.usage import UsageCounters
     from worker_protocol import WorkerLoad
 
-    def load(inc, rows):
-        return WorkerLoad("d0", "decode", 0, 1, 0, 0, incarnation=inc, decode_steps=rows)
+    def load(inc, rows, mixed=()):
+        return WorkerLoad("d0", "decode", 0, 1, 0, 0, incarnation=inc, decode_steps=rows,
+                          mixed_steps=mixed)
 
     u = UsageCounters()
     u.note(load("a", ((1, 3, 0.3),)))
@@ -299,3 +321,9 @@ def test_decode_step_counters_survive_worker_restarts():
     assert u.decode_steps == {1: (5, pytest.approx(0.5)), 2: (2, pytest.approx(0.4))}
     u.note(load("b", ((1, 1, 0.1),)))  # restarted: counts from zero again, sums keep growing
     assert u.decode_steps[1] == (6, pytest.approx(0.6))
+    # Mixed steps are summed the same way, apart from the pure-decode ones.
+    u.note(load("b", ((1, 1, 0.1),), [[3, 2, 0.4]]))
+    u.note(load("c", ((1, 1, 0.1),), ((3, 1, 0.3),)))
+    assert u.mixed_steps == {3: (3, pytest.approx(0.7))}
+    assert u.decode_steps[1] == (7, pytest.approx(0.7))
+    assert load("a", (), [[2, 1, 0.5]]).mixed_steps == ((2, 1, 0.5),)

@@ -168,3 +168,27 @@ def test_engine_counts_its_pure_decode_steps_by_batch_size(tiny_llama_dir):
     llm.generate([[4, 4, 4]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     rows = {b: n for b, n, _ in llm.engine.stats().decode_steps}
     assert rows == {1: 2, 3: 4}
+    assert llm.engine.stats().mixed_steps == ()  # no step ran decode rows beside a prefill
+
+
+def test_engine_times_decode_rows_that_share_a_step_with_prefill_apart(tiny_llama_dir):
+    """A prompt arriving while others decode is prefilled in the same step as their decode
+    rows: that step is counted as mixed, by its decode rows, and not as a decode step."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=4)
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request([5, 9, 2], sp, "a")
+    engine.add_request([7, 1, 3], sp, "b")
+    engine.step()  # prefill a and b (first tokens)
+    engine.step()  # decode a and b
+    engine.add_request([8, 8, 4, 4], sp, "c")
+    engine.step()  # decode a and b beside c's prefill
+    while engine.has_unfinished_requests:
+        engine.step()
+    s = engine.stats()
+    [(rows, steps, seconds)] = s.mixed_steps
+    assert (rows, steps) == (2, 1) and seconds > 0
+    # a and b: 5 decode tokens each, one from the mixed step; c: 5, all in pure steps.
+    assert sum(b * n for b, n, _ in s.decode_steps) == 5 + 5 + 5 - 2
