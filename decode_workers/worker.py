@@ -48,6 +48,7 @@ from worker_protocol import (
     current_node_id,
     current_node_ip,
     exit_on_engine_crash,
+    freeze_startup_heap,
     kv_host_for,
     new_incarnation,
 )
@@ -110,6 +111,9 @@ class DecodeWorker:
         self._lease_thread = threading.Thread(target=self._expire_leases, daemon=True,
                                               name=f"{self.worker_id}-leases")
         self._lease_thread.start()
+        # Last: the model, torch and Ray are loaded; keep full collections off them (their
+        # pauses would be inter-token gaps).
+        freeze_startup_heap()
 
     # ---- introspection --------------------------------------------------------------------
     def info(self) -> WorkerInfo:

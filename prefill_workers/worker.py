@@ -37,6 +37,7 @@ from worker_protocol import (
     current_node_id,
     current_node_ip,
     exit_on_engine_crash,
+    freeze_startup_heap,
     kv_host_for,
     new_incarnation,
     restarted_by_ray,
@@ -90,6 +91,9 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
                                on_crash=exit_on_engine_crash(self.worker_id),
                                after_work=self._kv_events.after_work)
+        # Last: the model, torch and Ray are loaded; keep full collections off them (their
+        # pauses would delay every prefill and layer send running then).
+        freeze_startup_heap()
 
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()

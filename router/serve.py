@@ -276,6 +276,11 @@ async def _serve(config: ServeConfig) -> int:
                                    http_port=config.http_port, drain_grace_s=config.drain_grace_s,
                                    gate=gate)
         install_signal_handlers(fd)
+        # The router's start-up heap (Ray, grpc, the tokenizer: ~340k objects) out of full
+        # collections, which would otherwise stop every stream on this loop for ~200 ms.
+        from worker_protocol import freeze_startup_heap
+
+        freeze_startup_heap()
         info = cluster.model_info()
         print(f"pdcluster serving {info.model_id} ({config.mode}, {cc.num_prefill_workers} prefill + "
               f"{cc.num_decode_workers} decode workers)\n"

@@ -30,6 +30,7 @@ from worker_protocol.runtime import (
     current_node_id,
     current_node_ip,
     exit_on_engine_crash,
+    freeze_startup_heap,
     kv_host_for,
     new_incarnation,
     pin_nccl_to,
@@ -43,6 +44,7 @@ __all__ = [
     "PrefillTimeoutError",
     "RequestTokens", "ReserveRequest", "ReserveResult", "SubmitRequest", "TokenBatch", "TokenUpdate",
     "KVHost", "WorkerConfig", "WorkerInfo", "WorkerLoad", "apply_cpu_affinity",
-    "current_node_id", "current_node_ip", "exit_on_engine_crash", "kv_host_for", "new_incarnation",
+    "current_node_id", "current_node_ip", "exit_on_engine_crash",
+    "freeze_startup_heap", "kv_host_for", "new_incarnation",
     "pin_nccl_to", "resolve_kv_host", "restarted_by_ray",
 ]
