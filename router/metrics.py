@@ -79,32 +79,26 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("pdcluster_prefill_computed_tokens",
                                   "Prompt (and recomputed) tokens run through a model",
                                   value=s.prefill_computed_tokens)
-        # The engine's own pure-decode steps per batch size (engine.step_times): what the
-        # served time per output token is compared with (`pdcluster bench serve`).
-        steps = CounterMetricFamily("pdcluster_engine_decode_steps",
-                                    "Pure-decode engine steps, by the step's batch size",
-                                    labels=["batch"])
-        seconds = CounterMetricFamily("pdcluster_engine_decode_step_seconds",
-                                      "Seconds in pure-decode engine steps (schedule to "
-                                      "outputs), by the step's batch size", labels=["batch"])
-        for b, (n, sec) in sorted(s.decode_steps.items()):
-            steps.add_metric([str(b)], n)
-            seconds.add_metric([str(b)], sec)
-        yield steps
-        yield seconds
-        # Steps whose decode rows shared the step with prefill chunks (colocated workers):
-        # served TPOT = pure decode step + what this prefill adds + the serving path.
-        mixed = CounterMetricFamily("pdcluster_engine_mixed_steps",
-                                    "Engine steps running decode rows beside prefill chunks, "
-                                    "by the step's decode rows", labels=["batch"])
-        mixed_s = CounterMetricFamily("pdcluster_engine_mixed_step_seconds",
-                                      "Seconds in mixed engine steps (schedule to outputs), "
-                                      "by the step's decode rows", labels=["batch"])
-        for b, (n, sec) in sorted(s.mixed_steps.items()):
-            mixed.add_metric([str(b)], n)
-            mixed_s.add_metric([str(b)], sec)
-        yield mixed
-        yield mixed_s
+        # The engine's own steps (engine.step_times), what `pdcluster bench serve` sets the
+        # served time per output token beside: pure-decode steps by batch size, and mixed
+        # steps (decode rows beside prefill chunks: colocated workers) by their decode rows.
+        yield from _step_families("decode", "Pure-decode engine steps", s.decode_steps)
+        yield from _step_families("mixed", "Engine steps running decode rows beside prefill "
+                                  "chunks", s.mixed_steps)
+
+
+def _step_families(kind: str, what: str, rows: dict[int, tuple[int, float]]):
+    """``pdcluster_engine_{kind}_steps`` and ``..._{kind}_step_seconds``, labelled by batch."""
+    steps = CounterMetricFamily(f"pdcluster_engine_{kind}_steps",
+                                f"{what}, by the step's decode rows", labels=["batch"])
+    seconds = CounterMetricFamily(f"pdcluster_engine_{kind}_step_seconds",
+                                  f"Seconds in {what[0].lower()}{what[1:]} (schedule to "
+                                  "outputs), by the step's decode rows", labels=["batch"])
+    for b, (n, sec) in sorted(rows.items()):
+        steps.add_metric([str(b)], n)
+        seconds.add_metric([str(b)], sec)
+    yield steps
+    yield seconds
 
 
 class Metrics:

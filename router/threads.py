@@ -63,7 +63,7 @@ def plan_threads(cores: int, num_prefill: int, num_decode: int, *,
         raise ValueError(f"plan_threads: cores {cores}, prefill {num_prefill}, "
                          f"decode {num_decode}")
     router_core = cores >= ROUTER_CORE_FROM
-    engine_cores = cores - router_core
+    engine_cores = cores - 1 if router_core else cores
     even = max(1, engine_cores // (num_prefill + num_decode))
     d = decode_threads or threads_per_worker or even
     # Prefill runs in bursts: a one-thread decode worker loses only its time slice while a
