@@ -262,10 +262,13 @@ class LLMEngine:
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return []
-        # Prefill work: every chunk but a running sequence's one-token decode.
-        prefill = sum(c.num_tokens for c in sched.chunks
-                      if c.num_output_tokens == 0 or c.num_tokens > 1)
-        decode_rows = sum(1 for c in sched.chunks if c.num_output_tokens > 0 and c.num_tokens == 1)
+        # Decode rows: running sequences' one-token steps; prefill work: every other chunk.
+        prefill = decode_rows = 0
+        for c in sched.chunks:
+            if c.num_output_tokens > 0 and c.num_tokens == 1:
+                decode_rows += 1
+            else:
+                prefill += c.num_tokens
         self.num_prefill_tokens_computed += prefill
         step = StepInfo(self.scheduler.num_steps, self.clock())
         exports = self.kv_connector.begin_step(sched, step)
