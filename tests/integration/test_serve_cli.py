@@ -145,6 +145,33 @@ def test_status_command_shows_every_worker(server):
     assert down.returncode == 1 and "cannot reach" in down.stderr
 
 
+def test_workers_start_with_the_core_splits_environment(server):
+    """`pdcluster serve` plans its core split (router.threads) and the prefill worker's
+    process really starts with the environment the plan gives it (Ray runtime_env), the
+    decode worker without it."""
+    from router.serve import ServeConfig
+
+    _, _, http_port = server
+    res = subprocess.run([sys.executable, "-m", "router.cli", "status", "--http-address",
+                          f"127.0.0.1:{http_port}", "--api-key", KEY],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    pids = {line.split()[0]: int(line.split()[3]) for line in res.stdout.splitlines()[1:]}
+
+    def environ(pid: int) -> dict[str, str]:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = [e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e]
+        return {k.decode(): v.decode() for k, v in pairs}
+
+    plan = ServeConfig(mode="disaggregated").thread_plan()  # this machine, this environment
+    prefill, decode = environ(pids["prefill-0"]), environ(pids["decode-0"])
+    for name, value in plan.prefill_env.items():
+        assert prefill.get(name) == value
+        assert decode.get(name) == os.environ.get(name)  # decode keeps OpenMP's default
+    if not plan.prefill_env:  # e.g. an operator's policy, or enough cores: nothing added
+        assert prefill.get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY")
+
+
 def test_sigterm_drains_and_exits_cleanly(server):
     proc, _, _ = server
     children = _descendants(proc.pid)
