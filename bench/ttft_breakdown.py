@@ -51,13 +51,15 @@ def ray_session(num_workers: int = 4) -> Iterator[None]:
     and shut it down afterwards; a Ray that is already running is used and left running."""
     import ray
 
+    from router.local_ray import start_local_ray
     from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 
     started = False
     if not ray.is_initialized():
         # Logical CPUs only: the workers pin themselves to real cores (cpu_affinity).
-        ray.init(num_cpus=max(4, num_workers + 1), include_dashboard=False, log_to_driver=False,
-                 resources={PREFILL_RESOURCE: num_workers, DECODE_RESOURCE: num_workers})
+        start_local_ray(num_cpus=max(4, num_workers + 1), include_dashboard=False,
+                        log_to_driver=False,
+                        resources={PREFILL_RESOURCE: num_workers, DECODE_RESOURCE: num_workers})
         started = True
     try:
         yield

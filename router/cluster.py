@@ -45,6 +45,7 @@ from router.launcher import (
     death_cause,
     join_ray,
 )
+from router.local_ray import start_local_ray
 from router.orchestrator import Orchestrator, OrchestratorConfig
 from router.placement import (
     DECODE_RESOURCE,
@@ -184,10 +185,11 @@ class Cluster:
                 n = cfg.num_prefill_workers + cfg.num_decode_workers
                 # Logical CPUs: workers are mostly waiting on memory, and one per core would
                 # make a 2-core laptop unable to host a 1+1 cluster plus the router.
-                ray.init(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1), namespace=RAY_NAMESPACE,
-                         include_dashboard=False, log_to_driver=False,
-                         resources={PREFILL_RESOURCE: cfg.num_prefill_workers,
-                                    DECODE_RESOURCE: cfg.num_decode_workers})
+                start_local_ray(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1),
+                                namespace=RAY_NAMESPACE, include_dashboard=False,
+                                log_to_driver=False,
+                                resources={PREFILL_RESOURCE: cfg.num_prefill_workers,
+                                           DECODE_RESOURCE: cfg.num_decode_workers})
                 self._started_ray = True
         self._progress("ray")
         # First, before loading anything: a cluster that cannot host the workers fails now.

@@ -35,11 +35,13 @@ def run_cluster(loop: LoopThread, config, body, timeout_s: float = 300.0):
 
 @contextmanager
 def ray_loop(**ray_init_kw) -> Iterator[LoopThread]:
-    """A local Ray (``ray.init(**ray_init_kw)``, no dashboard, no driver logs) and a
+    """A local Ray (``start_local_ray(**ray_init_kw)``, no dashboard, no driver logs) and a
     ``LoopThread`` for a test module's clusters; both shut down afterwards."""
     import ray
 
-    ray.init(include_dashboard=False, log_to_driver=False, **ray_init_kw)
+    from router.local_ray import start_local_ray
+
+    start_local_ray(include_dashboard=False, log_to_driver=False, **ray_init_kw)
     lt = LoopThread()
     try:
         yield lt

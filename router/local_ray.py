@@ -1,0 +1,68 @@
+"""Starting a local Ray (no cluster address) that survives a slow start.
+
+``ray.init()`` without an address starts a GCS and a raylet, then waits a fixed 30 s (not
+configurable in Ray 2.60) for the raylet to register with the GCS. On a loaded small host
+(a 2-core CI box in the middle of a test suite) that wait runs out now and then, and Ray
+raises a bare ``Exception`` while the half-started node's processes keep running: one
+transient stall would then fail ``pdcluster serve`` or a benchmark outright.
+:func:`start_local_ray` ends that node's processes (the pids Ray itself recorded for them) and
+starts again; any other error is raised at once.
+
+The one owner of local ``ray.init`` calls: the router's embedded cluster, the benchmarks'
+shared Ray session and the tests' Ray fixtures all start Ray here.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Ray's words when its start-up wait runs out (ray/_private/node.py); the only error retried.
+STARTUP_TIMEOUT_TEXT = "timed out during startup"
+DEFAULT_ATTEMPTS = 3
+
+
+def start_local_ray(attempts: int = DEFAULT_ATTEMPTS, **init_kw: Any) -> Any:
+    """``ray.init(**init_kw)`` that retries Ray's start-up timeout up to ``attempts`` times in
+    all; returns what ``ray.init`` returns. Before each retry the half-started node's processes
+    are killed and Ray's driver state is reset, so nothing of the failed try is left running.
+    The caller owns the started Ray (``ray.shutdown()``) exactly as after ``ray.init``."""
+    import ray
+
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    for attempt in range(1, attempts + 1):
+        try:
+            return ray.init(**init_kw)
+        except Exception as e:
+            if STARTUP_TIMEOUT_TEXT not in str(e) or attempt == attempts:
+                raise
+            stopped = stop_half_started_node(e.__traceback__)
+            ray.shutdown()
+            log.warning("local Ray did not start in time (attempt %d of %d: %s); stopped its %d "
+                        "processes, starting again", attempt, attempts, e, stopped)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def stop_half_started_node(tb: types.TracebackType | None) -> int:
+    """Kill the processes of the Ray ``Node`` whose constructor raised ``tb`` (found in the
+    traceback's frames); returns how many processes that node had recorded (0 when the
+    traceback holds no node). Safe on processes that already exited."""
+    from ray._private.node import Node
+
+    node = None
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, Node):
+            node = candidate  # the innermost Node frame is the one that raised
+        tb = tb.tb_next
+    if node is None:
+        return 0
+    count = sum(len(procs) for procs in getattr(node, "all_processes", {}).values())
+    # Not graceful: the node never came up, so there is nothing to drain; wait so the next
+    # attempt does not start beside processes still exiting.
+    node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+    return count
