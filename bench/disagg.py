@@ -20,13 +20,22 @@ together; once all are decoding, ``--num-long`` long prompts (``--long-prompt-le
 chunks of the steady streams at the client, counted while long prompts are in the system
 (first long arrival -> last long request done; ``itl_all_*`` count the whole streams); TTFT
 is that of the long-prompt requests.
+
+``--target LABEL=URL`` (repeatable) sends the same workload to running OpenAI-compatible
+servers instead (``pdcluster serve`` in either mode, ``vllm serve``, ...), one after another,
+over streamed ``/v1/completions`` with token-id prompts: the same ITL and TTFT figures, keyed by
+label, so a user can compare decode ITL under long prompts across servers on one machine. The
+servers must serve ``--model``'s weights (the prompts' token ids are drawn below its vocab).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +102,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between long prompts (default 3.0; --quick 1.5)")
     p.add_argument("--chunk-size", type=int, default=128,
                    help="colocated_chunked: max_num_batched_tokens per step")
+    p.add_argument("--target", action="append", default=None, metavar="LABEL=URL",
+                   help="a running OpenAI-compatible server to load instead of the setups "
+                        "(repeatable; each is run in turn): e.g. vllm=http://127.0.0.1:8001")
+    p.add_argument("--api-key", default=None,
+                   help="--target: sent as a Bearer token (default: $OPENAI_API_KEY)")
+
+
+def parse_targets(values: list[str]) -> list[tuple[str, str]]:
+    """``["vllm=http://h:1", "h:2"]`` -> ``[("vllm", "http://h:1"), ("h:2", "http://h:2")]``
+    (a bare URL is labelled by its host:port). Raises ValueError on a repeated label or a
+    URL that is not http(s)."""
+    from urllib.parse import urlsplit
+
+    from bench.serve_target import base_url
+
+    out: list[tuple[str, str]] = []
+    for value in values:
+        label, sep, url = value.partition("=")
+        if not sep:
+            label, url = "", value
+        url = base_url(url)
+        label = label.strip() or urlsplit(url).netloc
+        if label in (lbl for lbl, _ in out):
+            raise ValueError(f"--target: label {label!r} given twice")
+        out.append((label, url))
+    if not out:
+        raise ValueError("--target: give at least one LABEL=URL")
+    return out
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -139,35 +176,85 @@ def _cluster_config(name: str, model: str | None, w: Workload) -> Any:
                          worker_overrides=pinned_overrides({"decode-0": (0,), "decode-1": (1,)}))
 
 
+# gen(prompt, max_tokens, trace): run one greedy request to its end, appending to ``trace``.
+Generate = Callable[[list[int], int, ClientTrace], Awaitable[Any]]
+
+
+async def _drive(name: str, gen: Generate, w: Workload, stream_prompts, long_prompts,
+                 warm_prompt) -> SetupRun:
+    """The workload against one server: warm it, start the steady streams, and once all are
+    decoding send the long prompts at their interval; wait for everything."""
+    # Warm both workers (first forward, lazy KV groups) with one long and one short prompt.
+    await asyncio.gather(gen(warm_prompt, 2, ClientTrace(f"{name}-warm-0", 0.0)),
+                         gen(stream_prompts[0], 2, ClientTrace(f"{name}-warm-1", 0.0)))
+    t0 = time.perf_counter()
+    streams = [ClientTrace(f"{name}-stream-{i}", 0.0) for i in range(w.num_streams)]
+    stream_tasks = [asyncio.ensure_future(gen(p, w.output_len, tr))
+                    for p, tr in zip(stream_prompts, streams, strict=True)]
+    while not all(tr.chunk_times for tr in streams):  # every stream is decoding
+        if any(t.done() and t.exception() for t in stream_tasks):
+            break
+        await asyncio.sleep(0.005)
+    longs = [ClientTrace(f"{name}-long-{i}", 0.0) for i in range(w.num_long)]
+    long_tasks, arrivals = [], []
+    start = time.perf_counter()
+    for i, (p, tr) in enumerate(zip(long_prompts, longs, strict=True)):
+        await asyncio.sleep(max(0.0, start + i * w.long_interval_s - time.perf_counter()))
+        arrivals.append(time.perf_counter() - t0)
+        long_tasks.append(asyncio.ensure_future(gen(p, w.long_max_tokens, tr)))
+    await asyncio.gather(*stream_tasks, *long_tasks)
+    return SetupRun(name, streams, longs, arrivals, t0)
+
+
 async def _run_setup(name: str, model: str | None, w: Workload, stream_prompts, long_prompts,
                      warm_prompt) -> SetupRun:
     from router.cluster import Cluster
 
     cluster = await Cluster.start(_cluster_config(name, model, w))
+
+    async def gen(prompt: list[int], max_tokens: int, trace: ClientTrace) -> None:
+        await timed_generate(cluster, prompt, max_tokens, trace.request_id, trace)
+
     try:
-        # Warm both workers (first forward, lazy KV groups) with one long and one short prompt.
-        await asyncio.gather(timed_generate(cluster, warm_prompt, 2, f"{name}-warm-0"),
-                             timed_generate(cluster, stream_prompts[0], 2, f"{name}-warm-1"))
-        t0 = time.perf_counter()
-        streams = [ClientTrace(f"{name}-stream-{i}", 0.0) for i in range(w.num_streams)]
-        stream_tasks = [asyncio.ensure_future(timed_generate(cluster, p, w.output_len, tr.request_id, tr))
-                        for p, tr in zip(stream_prompts, streams, strict=True)]
-        while not all(tr.chunk_times for tr in streams):  # every stream is decoding
-            if any(t.done() and t.exception() for t in stream_tasks):
-                break
-            await asyncio.sleep(0.005)
-        longs = [ClientTrace(f"{name}-long-{i}", 0.0) for i in range(w.num_long)]
-        long_tasks, arrivals = [], []
-        start = time.perf_counter()
-        for i, (p, tr) in enumerate(zip(long_prompts, longs, strict=True)):
-            await asyncio.sleep(max(0.0, start + i * w.long_interval_s - time.perf_counter()))
-            arrivals.append(time.perf_counter() - t0)
-            long_tasks.append(asyncio.ensure_future(
-                timed_generate(cluster, p, w.long_max_tokens, tr.request_id, tr)))
-        await asyncio.gather(*stream_tasks, *long_tasks)
+        return await _drive(name, gen, w, stream_prompts, long_prompts, warm_prompt)
     finally:
         await cluster.shutdown()
-    return SetupRun(name, streams, longs, arrivals, t0)
+
+
+async def http_generate(client: Any, model: str, prompt: list[int], max_tokens: int,
+                        trace: ClientTrace) -> ClientTrace:
+    """One greedy streamed ``/v1/completions`` request (``ignore_eos``), every event that
+    carries text timestamped into ``trace`` (one token per event: how our server and vLLM's
+    stream; a server that packs several would show its packing as longer gaps)."""
+    from bench.serve_load import completion_body, completion_events
+
+    trace.start = time.perf_counter()
+    async for msg in completion_events(client, completion_body(prompt, max_tokens, model)):
+        if msg.get("choices"):
+            trace.chunk_times.append(time.perf_counter())
+            trace.chunk_tokens.append(1)
+    if not trace.chunk_times:
+        raise RuntimeError(f"request {trace.request_id} finished without producing a token")
+    return trace
+
+
+async def _run_target(label: str, url: str, api_key: str | None, w: Workload, stream_prompts,
+                      long_prompts, warm_prompt) -> SetupRun:
+    import httpx
+
+    from bench.serve_target import Target, headers, server_facts
+
+    t = Target("http", url, label, api_key or os.environ.get("OPENAI_API_KEY") or None)
+    facts = await server_facts(t)
+    need = max(w.long_prompt_len + w.long_max_tokens, w.stream_prompt_len + w.output_len)
+    if facts.max_model_len is not None and facts.max_model_len < need:
+        raise ValueError(f"{label}: max_model_len {facts.max_model_len} < the {need} tokens "
+                         "a request needs; lower --long-prompt-len or --output-len")
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), headers=headers(t),
+                                 limits=httpx.Limits(max_connections=None,
+                                                     max_keepalive_connections=None)) as client:
+        gen = functools.partial(http_generate, client, facts.model_id)
+        return await _drive(label, gen, w, stream_prompts, long_prompts, warm_prompt)
 
 
 def _window_itls(run_: SetupRun) -> list[float]:
@@ -200,7 +287,10 @@ def _summarize(run_: SetupRun) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the chosen setups on one Ray; write ``disagg.json`` and ``disagg.png``."""
+    """Run the chosen setups on one Ray; write ``disagg.json`` and ``disagg.png``. With
+    ``--target``, load those servers instead (``run_targets``)."""
+    if args.target:
+        return run_targets(args)
     w = _workload(args)
     names = [s.strip() for s in args.setups.split(",") if s.strip()]
     unknown = [n for n in names if n not in SETUPS]
@@ -243,12 +333,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     path = write_json(out, NAME, result)
     _plot(runs, out / f"{NAME}.png")
-    for n, s in setups.items():
-        print(f"  {n:20s} ITL p50 {s['itl_p50_s'] * 1e3:7.1f} ms  p99 {s['itl_p99_s'] * 1e3:7.1f} ms"
-              f"  long-prompt TTFT mean {s['ttft_mean_s']:.2f} s p99 {s['ttft_p99_s']:.2f} s")
+    _print_setups(setups)
     print_targets(targets)
     print(f"wrote {path}")
     return result
+
+
+def run_targets(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload against each ``--target`` server in turn, the same prompts for each (a
+    server sees them once; run again with another ``--seed``, or restart the server, so its
+    prefix cache does not serve the second run); writes ``disagg_servers.json`` / ``.png``."""
+    w = _workload(args)
+    servers = parse_targets(args.target)
+    vocab = model_config(args.model).vocab_size
+    streams = make_prompts(w.num_streams, w.stream_prompt_len, vocab, seed=args.seed)
+    longs = make_prompts(w.num_long + 1, w.long_prompt_len, vocab, seed=args.seed + 1)
+    t_start = time.perf_counter()
+    runs: list[SetupRun] = []
+    for label, url in servers:
+        runs.append(asyncio.run(_run_target(label, url, args.api_key, w, streams, longs[1:],
+                                            longs[0])))
+        print(f"  {label}: done ({time.perf_counter() - t_start:.0f} s)")
+    setups = {r.name: _summarize(r) for r in runs}
+    lowest = min(s["itl_p99_s"] for s in setups.values())
+    result = {
+        "benchmark": f"{NAME}_servers",
+        "config": {"model": args.model or "default", **w.__dict__,
+                   "servers": dict(servers)},
+        "setups": setups,
+        "ratios": {f"itl_p99_{n}_over_lowest": ratio(s["itl_p99_s"], lowest)
+                   for n, s in setups.items()},
+        "wall_s": time.perf_counter() - t_start,
+        "machine": machine_info(),
+    }
+    out = Path(args.out)
+    path = write_json(out, f"{NAME}_servers", result)
+    _plot(runs, out / f"{NAME}_servers.png")
+    _print_setups(setups)
+    print(f"wrote {path}")
+    return result
+
+
+def _print_setups(setups: dict[str, dict[str, Any]]) -> None:
+    for n, s in setups.items():
+        print(f"  {n:20s} ITL p50 {s['itl_p50_s'] * 1e3:7.1f} ms  p99 {s['itl_p99_s'] * 1e3:7.1f} ms"
+              f"  long-prompt TTFT mean {s['ttft_mean_s']:.2f} s p99 {s['ttft_p99_s']:.2f} s"
+              f"  streams {s['stream_decode_tok_s']:.1f} tok/s")
 
 
 def _plot(runs: list[SetupRun], path: Path) -> None:

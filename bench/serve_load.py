@@ -31,6 +31,7 @@ import functools
 import json
 import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,45 +144,63 @@ async def _grpc_request(client: Any, prompt: list[int], output_len: int) -> Requ
     return r
 
 
-async def _http_request(client: Any, prompt: list[int], output_len: int,
-                        model: str | None = None) -> RequestResult:
-    r = RequestResult(False, len(prompt), time.perf_counter())
+class StreamError(Exception):
+    """The server refused a streamed completion (non-200) or sent an error event."""
+
+
+def completion_body(prompt: list[int], output_len: int, model: str | None) -> dict[str, Any]:
+    """A streamed, greedy ``/v1/completions`` request for exactly ``output_len`` tokens."""
     # ignore_eos is a vLLM / llama.cpp extension; run() checks the token counts for servers
     # that drop it silently.
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     if model is not None:
         body["model"] = model
+    return body
+
+
+async def completion_events(client: Any, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The parsed SSE messages of one streamed ``/v1/completions`` request (``client``: an
+    ``httpx.AsyncClient`` on the server's base URL), up to ``[DONE]``. Raises StreamError for
+    a non-200 answer or an ``error`` event; transport errors propagate as httpx raises them."""
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise StreamError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            msg = json.loads(data)
+            if "error" in msg:
+                raise StreamError(str(msg["error"])[:200])
+            yield msg
+
+
+async def _http_request(client: Any, prompt: list[int], output_len: int,
+                        model: str | None = None) -> RequestResult:
+    r = RequestResult(False, len(prompt), time.perf_counter())
     last = r.start
     events = 0
     usage_tokens = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    r.error = str(msg["error"])[:200]
-                    return r
-                if msg.get("usage"):
-                    usage_tokens = msg["usage"]["completion_tokens"]
-                if not msg.get("choices"):
-                    continue
-                now = time.perf_counter()
-                if events == 0:
-                    r.ttft_s = now - r.start
-                else:
-                    r.itls_s.append(now - last)
-                last = now
-                events += 1
-    except Exception as e:
+        async for msg in completion_events(client, completion_body(prompt, output_len, model)):
+            if msg.get("usage"):
+                usage_tokens = msg["usage"]["completion_tokens"]
+            if not msg.get("choices"):
+                continue
+            now = time.perf_counter()
+            if events == 0:
+                r.ttft_s = now - r.start
+            else:
+                r.itls_s.append(now - last)
+            last = now
+            events += 1
+    except StreamError as e:
+        r.error = str(e)
+        return r
+    except Exception as e:  # a failed request is a data point, not the end of the run
         r.error = f"{type(e).__name__}: {e}"
         return r
     r.e2e_s = last - r.start

@@ -128,6 +128,62 @@ def test_disagg_rejects_an_unknown_setup(tmp_path):
         _run(disagg, ["disagg", "--setups", "colocated,bogus", "--out", str(tmp_path)])
 
 
+def test_disagg_parses_targets():
+    assert disagg.parse_targets(["vllm=http://127.0.0.1:8001/v1", "127.0.0.1:8161"]) == [
+        ("vllm", "http://127.0.0.1:8001"), ("127.0.0.1:8161", "http://127.0.0.1:8161")]
+    for bad in (["a=ftp://h:1"], ["a=h:1", "a=h:2"], []):
+        with pytest.raises(ValueError):
+            disagg.parse_targets(bad)
+
+
+@pytest.fixture(scope="module")
+def default_model_frontdoor():
+    """Our front door over an in-process engine on the default model: its tokenizer turns
+    every token into streamed text, as a served model's does (the tiny model's is empty)."""
+    from engine import EngineArgs
+    from router.backend import EngineBackend
+    from router.frontdoor import serve_frontdoor
+    from tests.async_util import LoopThread
+
+    loop = LoopThread()
+    backend = EngineBackend(EngineArgs(max_num_seqs=8, num_threads=1))
+    fd = loop.run(serve_frontdoor(backend, host="127.0.0.1", grpc_port=0, http_port=0,
+                                  drain_grace_s=1))
+    yield fd
+    loop.run(fd.stop(1))
+    loop.run(backend.shutdown())
+    loop.close()
+
+
+def test_disagg_loads_running_servers_over_http(tmp_path, default_model_frontdoor):
+    """`bench disagg --target`: the same streams and long prompts, over streamed
+    /v1/completions, against a running server; one entry per label."""
+    url = f"http://127.0.0.1:{default_model_frontdoor.http_port}"
+    streams, out_len = 2, 6
+    _run(disagg, ["disagg", "--num-streams", str(streams), "--stream-prompt-len", "8",
+                  "--output-len", str(out_len), "--num-long", "2", "--long-prompt-len", "48",
+                  "--long-interval-s", "0.05", "--target", f"ours={url}", "--target",
+                  f"again={url}/v1", "--seed", "3", "--out", str(tmp_path)])
+    data = _read(tmp_path, "disagg_servers")
+    assert list(data["setups"]) == ["ours", "again"]
+    assert data["config"]["servers"] == {"ours": url, "again": url}
+    for name, s in data["setups"].items():
+        # One SSE event per token that has text: at most out_len per stream, one ITL fewer.
+        assert 0 < s["stream_tokens"] <= streams * out_len, name
+        assert s["num_itl_all"] == s["stream_tokens"] - streams, name
+        assert s["itl_p99_s"] >= s["itl_p50_s"] > 0, name
+        assert s["ttft_p99_s"] >= s["ttft_p50_s"] > 0, name
+        assert len(s["long_arrivals_s"]) == 2
+    assert min(data["ratios"].values()) == 1.0
+
+
+def test_disagg_refuses_a_server_too_short_for_its_prompts(tmp_path, default_model_frontdoor):
+    url = f"http://127.0.0.1:{default_model_frontdoor.http_port}"
+    with pytest.raises(ValueError, match="max_model_len"):
+        _run(disagg, ["disagg", "--long-prompt-len", "100000", "--target", url,
+                      "--out", str(tmp_path)])
+
+
 def test_serve_parses_rates_and_slos():
     assert serve_load.parse_rates("1, 2,inf") == [1.0, 2.0, float("inf")]
     assert serve_load.parse_slo("ttft=0.5,tpot=0.1") == {"ttft": 0.5, "tpot": 0.1}
