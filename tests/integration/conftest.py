@@ -10,6 +10,8 @@ have a small queue (``max_num_seqs=4``, ``max_waiting=4``) so that flooding it i
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -110,19 +112,36 @@ def kv_probe(backend, server_loop) -> KVProbe:
     return KVProbe(backend, server_loop)
 
 
-@pytest.fixture(scope="module")
-def tiny_frontdoor(tiny_llama_dir):
-    """Our front door (gRPC and HTTP ports) over an in-process engine on the tiny model."""
-    from engine import EngineArgs
-    from router.backend import EngineBackend
-    from router.frontdoor import serve_frontdoor
-    from tests.async_util import LoopThread
-
+@contextmanager
+def engine_frontdoor(args) -> Iterator[FrontDoor]:
+    """Our front door (gRPC and HTTP ports on 127.0.0.1) over an in-process engine of
+    ``args``, on its own loop; stopped and shut down afterwards."""
     loop = LoopThread()
-    backend = EngineBackend(EngineArgs(model=str(tiny_llama_dir), max_num_seqs=8))
+    backend = EngineBackend(args)
     fd = loop.run(serve_frontdoor(backend, host="127.0.0.1", grpc_port=0, http_port=0,
                                   drain_grace_s=1))
-    yield fd
-    loop.run(fd.stop(1))
-    loop.run(backend.shutdown())
-    loop.close()
+    try:
+        yield fd
+    finally:
+        loop.run(fd.stop(1))
+        loop.run(backend.shutdown())
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_frontdoor(tiny_llama_dir):
+    """The front door over an in-process engine on the tiny model."""
+    from engine import EngineArgs
+
+    with engine_frontdoor(EngineArgs(model=str(tiny_llama_dir), max_num_seqs=8)) as fd:
+        yield fd
+
+
+@pytest.fixture(scope="module")
+def default_model_frontdoor():
+    """The front door over an in-process engine on the default model: its tokenizer turns
+    every token into streamed text, as a served model's does (the tiny model's is empty)."""
+    from engine import EngineArgs
+
+    with engine_frontdoor(EngineArgs(max_num_seqs=8, num_threads=1)) as fd:
+        yield fd

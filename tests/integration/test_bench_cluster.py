@@ -136,25 +136,6 @@ def test_disagg_parses_targets():
             disagg.parse_targets(bad)
 
 
-@pytest.fixture(scope="module")
-def default_model_frontdoor():
-    """Our front door over an in-process engine on the default model: its tokenizer turns
-    every token into streamed text, as a served model's does (the tiny model's is empty)."""
-    from engine import EngineArgs
-    from router.backend import EngineBackend
-    from router.frontdoor import serve_frontdoor
-    from tests.async_util import LoopThread
-
-    loop = LoopThread()
-    backend = EngineBackend(EngineArgs(max_num_seqs=8, num_threads=1))
-    fd = loop.run(serve_frontdoor(backend, host="127.0.0.1", grpc_port=0, http_port=0,
-                                  drain_grace_s=1))
-    yield fd
-    loop.run(fd.stop(1))
-    loop.run(backend.shutdown())
-    loop.close()
-
-
 def test_disagg_loads_running_servers_over_http(tmp_path, default_model_frontdoor):
     """`bench disagg --target`: the same streams and long prompts, over streamed
     /v1/completions, against a running server; one entry per label."""
