@@ -225,12 +225,13 @@ async def http_generate(client: Any, model: str, prompt: list[int], max_tokens: 
                         trace: ClientTrace) -> ClientTrace:
     """One greedy streamed ``/v1/completions`` request (``ignore_eos``), every event that
     carries text timestamped into ``trace`` (one token per event: how our server and vLLM's
-    stream; a server that packs several would show its packing as longer gaps)."""
+    stream; a server that packs several would show its packing as longer gaps). Events
+    without text (a bare finish reason, the usage record) are not tokens."""
     from bench.serve_load import completion_body, completion_events
 
     trace.start = time.perf_counter()
     async for msg in completion_events(client, completion_body(prompt, max_tokens, model)):
-        if msg.get("choices"):
+        if any(c.get("text") for c in msg.get("choices") or ()):
             trace.chunk_times.append(time.perf_counter())
             trace.chunk_tokens.append(1)
     if not trace.chunk_times:

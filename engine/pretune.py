@@ -7,8 +7,9 @@ a 2-vCPU host it took 30 s at 2 threads and 55 s at 1 thread (every batch bucket
 interleaved repeats over the model's 538 MB), paid by the first ``pdcluster serve`` and, on a
 fresh CI machine, by whichever test first starts an engine at each thread count. ``make
 setup`` runs this module so that cost is paid at install time, like the fused kernels'
-compile: for the thread counts ``pdcluster serve`` uses by default on this machine (1, and
-every core), the engine then starts from the cache.
+compile: at 1 thread and at every core (``pdcluster serve``'s default counts on machines of
+fewer than 8 cores, ``router/threads.py``; bigger machines time their other counts at the first
+start, or pass ``--threads``), the engine then starts from the cache.
 
     python -m engine.pretune [--model DIR] [--threads 1,2]
 
@@ -40,8 +41,8 @@ class Pretuned:
 
 
 def default_thread_counts(cores: int | None = None) -> list[int]:
-    """1 (a disaggregated worker's decode share on small machines) and every core (a
-    colocated worker's, and a prefill worker's on small machines)."""
+    """1 (a disaggregated decode worker's share on small machines) and every core (a
+    colocated worker's, and a prefill worker's, below 8 cores)."""
     cores = cores or os.cpu_count() or 1
     return sorted({1, cores})
 
