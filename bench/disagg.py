@@ -241,9 +241,7 @@ async def http_generate(client: Any, model: str, prompt: list[int], max_tokens: 
 
 async def _run_target(label: str, url: str, api_key: str | None, w: Workload, stream_prompts,
                       long_prompts, warm_prompt) -> SetupRun:
-    import httpx
-
-    from bench.serve_target import Target, headers, server_facts
+    from bench.serve_target import Target, http_client, server_facts
 
     t = Target("http", url, label, api_key or os.environ.get("OPENAI_API_KEY") or None)
     facts = await server_facts(t)
@@ -251,9 +249,7 @@ async def _run_target(label: str, url: str, api_key: str | None, w: Workload, st
     if facts.max_model_len is not None and facts.max_model_len < need:
         raise ValueError(f"{label}: max_model_len {facts.max_model_len} < the {need} tokens "
                          "a request needs; lower --long-prompt-len or --output-len")
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), headers=headers(t),
-                                 limits=httpx.Limits(max_connections=None,
-                                                     max_keepalive_connections=None)) as client:
+    async with http_client(t) as client:
         gen = functools.partial(http_generate, client, facts.model_id)
         return await _drive(label, gen, w, stream_prompts, long_prompts, warm_prompt)
 

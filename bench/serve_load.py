@@ -44,7 +44,7 @@ from bench.common import (
     write_json,
 )
 from bench.serve_engine import EngineSteps, engine_steps, scrape, serving_overhead
-from bench.serve_target import Target, headers, server_facts, target_from_args
+from bench.serve_target import Target, headers, http_client, server_facts, target_from_args
 
 NAME = "serve"
 HELP = "load a running server (gRPC or HTTP): Poisson rate sweep, TTFT/TPOT/ITL/E2E, goodput"
@@ -280,10 +280,7 @@ async def _sweep(t: Target, model: str, rates: list[float],
         client = AsyncClient(t.address, timeout=600, api_key=t.api_key)
         one = _grpc_request
     else:
-        client = httpx.AsyncClient(base_url=t.address, timeout=httpx.Timeout(600.0),
-                                   headers=headers(t),
-                                   limits=httpx.Limits(max_connections=None,
-                                                       max_keepalive_connections=None))
+        client = http_client(t)
         one = functools.partial(_http_request, model=model)
     out = []
     scraper = httpx.AsyncClient(timeout=httpx.Timeout(30.0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -108,3 +109,13 @@ async def server_facts(t: Target) -> ServerFacts:
 
 def headers(t: Target) -> dict[str, str]:
     return {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
+
+
+def http_client(t: Target) -> Any:
+    """An ``httpx.AsyncClient`` on ``t``'s base URL, with its API key, a 600 s timeout and no
+    connection cap (every request of a load gets its own stream, as in `vllm bench serve`)."""
+    import httpx
+
+    return httpx.AsyncClient(base_url=t.address, timeout=httpx.Timeout(600.0), headers=headers(t),
+                             limits=httpx.Limits(max_connections=None,
+                                                 max_keepalive_connections=None))
