@@ -11,7 +11,9 @@ compile: at 1 thread and at every core (``pdcluster serve``'s default counts on 
 fewer than 8 cores, ``router/threads.py``; bigger machines time their other counts at the first
 start, or pass ``--threads``), the engine then starts from the cache.
 
-    python -m engine.pretune [--model DIR] [--threads 1,2]
+    python -m engine.pretune [--model DIR] [--threads 1,2] [--cache-dir DIR]
+
+(``--cache-dir`` an empty folder: how long a first start's timing takes on this host.)
 
 Never fails the caller: a model that cannot be loaded, or a timing that fails, is logged and
 the engine times at its first start as before.
@@ -92,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="local HF dir or GGUF (default: the default model)")
     p.add_argument("--threads", type=_thread_list, default=None,
                    help=f"comma-separated torch thread counts (default: {default_thread_counts()})")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the plans are cached (default: the engine's, ~/.cache/pdcluster)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
-        for r in pretune(args.model, args.threads):
+        for r in pretune(args.model, args.threads, args.cache_dir):
             state = ("cached already" if r.linear_from_cache and r.decode_from_cache
                      else f"timed in {r.seconds:.1f} s")
             print(f"kernel plans for {r.threads} thread(s): {state}")
