@@ -118,19 +118,24 @@ def format_ceilings(c: Ceilings) -> str:
             f"matmul {c.matmul_flops_per_s / 1e9:.1f} GFLOP/s (fp32, {c.num_threads} threads)")
 
 
-def default_model_linear_plan():
-    """The engine's per-host linear-kernel plan for the default model (cached, or timed now
-    on its weights exactly as an engine starting on this host would: engine.kernels)."""
+def _default_model():
     import torch
 
-    from engine.kernels import model_linear_weights, tune_linear
     from engine.models.llama import LlamaForCausalLM
     from engine.weights import load_model_config, load_state_dict, resolve_model
 
     model_dir = resolve_model(None).model_dir
     model = LlamaForCausalLM(load_model_config(model_dir))
     model.load_hf_state_dict(load_state_dict(model_dir, torch.float32))
-    return tune_linear(model_linear_weights(model))
+    return model
+
+
+def default_model_linear_plan(model=None):
+    """The engine's per-host linear-kernel plan for the default model (cached, or timed now
+    on its weights exactly as an engine starting on this host would: engine.kernels)."""
+    from engine.kernels import model_linear_weights, tune_linear
+
+    return tune_linear(model_linear_weights(model or _default_model()))
 
 
 def fused_kernels_and_decode_paths():
@@ -151,12 +156,24 @@ def fused_kernels_and_decode_paths():
     return kernels, decode
 
 
+def fused_decode_plan(model, linear_plan, decode_paths):
+    """Per batch bucket, whether the engine runs the default model's pure-decode steps as one
+    fused call on this host (engine.fused_decode; timed against the layers as they run)."""
+    from engine.config import CacheConfig
+    from engine.fused_decode import tune_fused_decode
+    from engine.kernels import set_linear_plan
+
+    set_linear_plan(linear_plan)
+    return tune_fused_decode(model, CacheConfig().block_size, decode_paths)
+
+
 def run(args: argparse.Namespace) -> dict:
     """Entry point of the ``ceilings`` subcommand; returns the JSON payload it wrote."""
     print("measuring ceilings (copy, GEMV, matmul)...", flush=True)
     c = quick_ceilings() if args.quick else measure_ceilings(repeats=args.repeats)
     print("  " + format_ceilings(c), flush=True)
-    plan = default_model_linear_plan()
+    model = _default_model()
+    plan = default_model_linear_plan(model)
     src = "cached for this host" if plan.from_cache else "timed now"
     print(f"linear kernels the engine uses on this host (default model, {src}; "
           "path per batch size, and how much faster than the other):", flush=True)
@@ -168,13 +185,19 @@ def run(args: argparse.Namespace) -> dict:
           "runner-up):", flush=True)
     for line in decode.summary():
         print("  " + line, flush=True)
+    fused = fused_decode_plan(model, plan, decode)
+    print("pure-decode step per batch bucket: layer by layer, or every layer in one fused call "
+          "(engine.fused_decode; the faster is used):", flush=True)
+    for line in fused.summary() or ["not offered (no fused kernels here)"]:
+        print("  " + line, flush=True)
     payload = {"benchmark": "ceilings", "machine": machine_info(), "ceilings": c,
                "copy_gb_s": c.copy_bytes_per_s / 1e9, "gemv_gb_s": c.gemv_bytes_per_s / 1e9,
                "matmul_gflop_s": c.matmul_flops_per_s / 1e9,
                "linear_plan": {"host_key": plan.key, "from_cache": plan.from_cache,
                                "summary": plan.summary(), "timings": plan.timings},
                "fused_cpu_kernels": kernels,
-               "decode_paths": {"summary": decode.summary(), "timings": decode.timings}}
+               "decode_paths": {"summary": decode.summary(), "timings": decode.timings},
+               "fused_decode": {"summary": fused.summary(), "timings": fused.timings}}
     path = write_json(args.out, "ceilings", payload)
     print(f"wrote {path}")
     return payload

@@ -6,8 +6,11 @@ the model at each batch size under three plans, interleaved round by round in on
 drift and noisy neighbours hit all three alike, each round starting with the next plan:
 
 - ``host plan``: what the engine chose on this host (cached per host), with the fused C
-  kernels of ``engine.cpu_ops`` (norms, rotary, SiLU-gate, paged decode attention) where built;
-- ``mm_t < 128 rows``: the rule hard-coded before (tuned on one AMD EPYC);
+  kernels of ``engine.cpu_ops`` (norms, rotary, SiLU-gate, paged decode attention) where built,
+  and the whole-step decode kernel at the batch sizes where it timed faster (``engine.fused_decode``);
+- ``layer by layer``: the host plan without the whole-step kernel;
+- ``mm_t < 128 rows``: the rule hard-coded before (tuned on one AMD EPYC) (this and the two
+  below layer by layer: they compare linear kernels);
 - ``F.linear``: torch's default everywhere;
 - ``oneDNN``: oneDNN's inner product everywhere (where this torch has it);
 - ``no C kernels``: the host plan with the fused kernels off (their torch twins, and the
@@ -31,7 +34,7 @@ from bench.step_split import StepSplit, measure_step_split
 NAME = "kernels"
 HELP = "decode step time under this host's linear-kernel plan vs fixed kernel choices"
 SPLIT_STEPS = 10
-PLANS = ("host plan", "mm_t < 128 rows", "F.linear", "oneDNN", "no C kernels")
+PLANS = ("host plan", "layer by layer", "mm_t < 128 rows", "F.linear", "oneDNN", "no C kernels")
 
 
 def _plans(tuned):
@@ -52,6 +55,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
     import engine.kernels as kernels
     from engine import LLM, SamplingParams, cpu_ops
     from engine.attention.torch_paged import DecodePaths
+    from engine.fused_decode import FusedDecodePlan
 
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len))
     eng = llm.engine
@@ -60,6 +64,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
     fused_on = cpu_ops.enabled()
     backend = eng.runner.attn_backend
     decode_paths = backend.decode_paths
+    fused_plan = eng.runner.fused_decode
     # Without the kernels, decode attention takes the torch path the host timed best.
     torch_paths = DecodePaths({key: min((p for p in t.seconds if p != "fused"), key=t.seconds.get)
                                for t in decode_paths.timings for key in [(t.m, t.n)]})
@@ -83,6 +88,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
                 kernels.set_linear_plan(plan)
                 cpu_ops.set_enabled(fused_on and name != "no C kernels")
                 backend.decode_paths = torch_paths if name == "no C kernels" else decode_paths
+                eng.runner.fused_decode = fused_plan if name == "host plan" else FusedDecodePlan()
                 eng.step()  # one untimed step: the switch's first calls
                 t0 = time.perf_counter()
                 for _ in range(steps):
@@ -92,6 +98,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
         kernels.set_linear_plan(tuned)
         cpu_ops.set_enabled(fused_on)
         backend.decode_paths = decode_paths
+        eng.runner.fused_decode = fused_plan
     return {name: statistics.median(v) for name, v in times.items()}, measure_step_split(eng, SPLIT_STEPS)
 
 
@@ -107,16 +114,18 @@ def run(args: argparse.Namespace) -> dict:
     rounds = args.rounds or (3 if args.quick else 9)
     rows, splits = [], []
     print(f"{'batch':>5} " + " ".join(f"{p:>16}" for p in PLANS) + f" {'fixed/host':>11}"
-          + f" {'noC/host':>10}")
+          + f" {'layers/host':>11} {'noC/host':>10}")
     for b in sizes:
         ms, split = measure(args.model, b, rounds, args.steps, args.seed)
         splits.append((b, split))
         best_fixed = min(ms["mm_t < 128 rows"], ms["F.linear"], ms["oneDNN"])
         rows.append({"batch": b, "step_ms": ms, "best_fixed_over_host": best_fixed / ms["host plan"],
+                     "layers_over_host": ms["layer by layer"] / ms["host plan"],
                      "no_c_kernels_over_host": ms["no C kernels"] / ms["host plan"],
                      "step_split": split, "outside_model_share": split.outside_model_share})
         print(f"{b:>5} " + " ".join(f"{ms[p]:>13.1f} ms" for p in PLANS)
               + f" {best_fixed / ms['host plan']:>10.2f}x"
+              + f" {ms['layer by layer'] / ms['host plan']:>10.2f}x"
               + f" {ms['no C kernels'] / ms['host plan']:>10.2f}x", flush=True)
     print(f"where a decode step goes under the host plan ({SPLIT_STEPS} steps):")
     for b, split in splits:

@@ -3,7 +3,8 @@
 Wraps, for the duration of a measurement only, the calls that bound each layer: the
 scheduler's ``schedule`` and ``update_from_output``, the model runner's ``execute``, the
 model's ``forward`` and ``compute_logits``, every linear-kernel call (``engine.kernels._call``)
-and every fused CPU kernel (``engine.cpu_ops``). What is left of the step outside the model
+and every fused CPU kernel (``engine.cpu_ops``). A step that runs as one whole-step call
+(``engine.fused_decode``) has its GEMMs inside that call: they count as C kernels then. What is left of the step outside the model
 (forward + logits) is the scheduler and the Python around the model: input preparation,
 sampling, output bookkeeping. The wrappers add ~1 us per wrapped call (~250 calls a step).
 """
@@ -14,7 +15,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-CPU_KERNELS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_", "paged_decode")
+CPU_KERNELS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_", "paged_decode", "decode_layers")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ def measure_step_split(engine, steps: int = 10) -> StepSplit:
     wrap(engine.scheduler, "schedule", "scheduler")
     wrap(engine.scheduler, "update_from_output", "scheduler")
     wrap(runner.model, "forward", "model")
+    wrap(runner.model, "decode_fused", "model")
     wrap(runner.model, "compute_logits", "model")
     wrap(kernels, "_call", "gemm")
     for name in CPU_KERNELS:

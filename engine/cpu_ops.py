@@ -4,10 +4,13 @@ A decode step of a small model on CPU is a few GEMMs wrapped in dozens of small 
 layer, and the torch paged attention copies every sequence's K/V out of the cache before it
 reads them. ``engine/csrc/cpu_ops.c`` holds four fp32 kernels that read the paged cache in
 place and fuse the elementwise chains: ``paged_decode``, ``rms_norm`` (optionally adding the
-residual first), ``silu_mul`` and ``rope_``; and ``gemv``, a small-M product that streams each
-weight row once (a linear path ``engine.kernels`` times against MKL's and oneDNN's). Each wrapper here takes tensors, checks what the
-kernel assumes, and falls back to the torch twin (same math, op for op what the model did
-before) when the library is missing, the tensor is not fp32 on CPU, or its layout does not fit.
+residual first), ``silu_mul`` and ``rope_``; ``gemv``, a small-M product that streams each
+weight row once (a linear path ``engine.kernels`` times against MKL's and oneDNN's); and
+``decode_layers``, a whole pure-decode step through every layer in one call (the same math;
+``engine.fused_decode`` decides per host and batch whether it runs). Each wrapper here takes
+tensors, checks what the kernel assumes, and falls back to the torch twin (same math, op for op
+what the model did before) when the library is missing, the tensor is not fp32 on CPU, or its
+layout does not fit (``decode_layers`` declines, and the caller runs the layers one by one).
 
 Building: the library is compiled by the machine's C compiler (``cc -O3 -march=native
 -ffast-math -fopenmp``, linked without fast-math; under a second) into ``~/.cache/pdcluster/ext/cpu_ops-<key>.so``,
@@ -31,6 +34,7 @@ import os
 import shutil
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +59,11 @@ _SIGNATURES = {
     "silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "rope": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "gemv": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "decode_layers": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
+                      _I64, _PTR, _I64, _F32, _F32, _PTR, _INT],
+    "decode_layers_work_floats": [_I64, _I64, _I64, _I64, _I64, _I64, _INT],
 }
+_RESTYPES = {"decode_layers_work_floats": _I64}
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -157,7 +165,7 @@ def _load(path: Path | None) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, None
+            fn.argtypes, fn.restype = args, _RESTYPES.get(name)
     except (OSError, AttributeError) as e:
         log.warning("cannot load fused CPU kernels %s (using the torch paths): %s", path, e)
         return None
@@ -278,6 +286,69 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
     lib.paged_decode(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), tables.data_ptr(),
                      tables.shape[1], kv_lens.data_ptr(), out.data_ptr(), b, h, kvh, d,
                      kv_cache.shape[2], d ** -0.5, torch.get_num_threads())
+    return True
+
+
+@dataclass(frozen=True)
+class DecodeLayerShapes:
+    """What ``decode_layers`` needs to know of the model besides its tensors."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+def decode_layers_applies(shapes: DecodeLayerShapes, dtype: torch.dtype) -> bool:
+    """Whether ``decode_layers`` runs for a model of these shapes and dtype on this host."""
+    return (decode_applies(shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, dtype)
+            and shapes.head_dim % 2 == 0 and shapes.hidden % 2 == 0)
+
+
+def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The address table ``decode_layers`` walks: per layer (input norm, post norm, QKV weight,
+    QKV bias or None, O weight, gate/up weight, down weight, KV cache). Raises ValueError when
+    a tensor is not contiguous fp32 on CPU (the kernel reads them as flat arrays). The caller
+    must keep the tensors alive, unmoved, while the table is in use."""
+    addrs = []
+    for tensors in layers:
+        for t in tensors:
+            if t is None:
+                addrs.append(0)
+                continue
+            if not (_fits(t) and t.is_contiguous()):
+                raise ValueError("decode_layers reads contiguous fp32 CPU tensors only")
+            addrs.append(t.data_ptr())
+    return torch.tensor(addrs, dtype=torch.int64)
+
+
+def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerShapes,
+                  cos: torch.Tensor, sin: torch.Tensor, tables: torch.Tensor,
+                  kv_lens: torch.Tensor, block_size: int) -> bool:
+    """Run a pure-decode step through every layer in one call: ``h [M, hidden]`` (one row per
+    sequence, the embeddings; contiguous fp32, updated in place to the last layer's residual
+    sum), each new token's K/V written into its cache slot (position ``kv_lens - 1`` of its
+    page table). ``pointers``: ``layer_pointers``; ``cos``/``sin``: ``[M, head_dim]``;
+    ``tables [M, max_pages]`` and ``kv_lens [M]`` int64 as for ``paged_decode``. Returns False,
+    touching nothing, when the kernel does not apply (the caller runs the layers itself)."""
+    lib = library()
+    if (lib is None or not _fits(h, cos, sin) or h.dim() != 2 or not h.is_contiguous()
+            or not (cos.is_contiguous() and sin.is_contiguous())
+            or not decode_layers_applies(shapes, h.dtype)
+            or tables.dtype != torch.int64 or kv_lens.dtype != torch.int64
+            or not (tables.is_contiguous() and kv_lens.is_contiguous())):
+        return False
+    m = h.shape[0]
+    s = shapes
+    threads = torch.get_num_threads()
+    work = torch.empty(lib.decode_layers_work_floats(m, s.hidden, s.num_heads, s.num_kv_heads,
+                                                     s.head_dim, s.intermediate, threads))
+    lib.decode_layers(h.data_ptr(), pointers.data_ptr(), pointers.numel() // 8, m, s.hidden,
+                      s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, cos.data_ptr(),
+                      sin.data_ptr(), tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(),
+                      block_size, s.eps, s.head_dim ** -0.5, work.data_ptr(), threads)
     return True
 
 

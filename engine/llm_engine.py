@@ -20,6 +20,7 @@ from engine.attention.torch_paged import tune_decode_paths
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
 from engine.device import kv_pool_bytes, plan_device
+from engine.fused_decode import tune_fused_decode
 from engine.input_processor import InputProcessor, Prompt
 from engine.kernels import model_linear_weights, set_linear_plan, tune_linear
 from engine.kv_connector import KVConnector, StepInfo
@@ -145,6 +146,8 @@ class LLMEngine:
             self.runner.attn_backend.decode_paths = tune_decode_paths(
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.block_size,
                 getattr(torch, cfg.dtype))
+            self.runner.fused_decode = tune_fused_decode(
+                model, args.block_size, self.runner.attn_backend.decode_paths)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
                                      max_kv_tokens=num_blocks * args.block_size)
         self.block_manager = BlockManager(num_blocks, args.block_size,

@@ -24,9 +24,10 @@ from engine.attention.backend import (
     build_metadata,
     create_backend,
 )
-from engine.attention.torch_paged import gather_kv
+from engine.attention.torch_paged import TorchPagedBackend, decode_tables, gather_kv
 from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import PAD_TOKEN_ID, CudaGraphRunner, DecodePadding, decode_buckets
+from engine.fused_decode import FusedDecodePlan
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.sampling import SampleRow, sample
 from engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
@@ -102,6 +103,9 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
                           for _ in range(cfg.num_layers)]
         self.eos_token_ids = cfg.eos_token_ids
+        # Where pure-decode steps run as one C call (the engine sets the host's timed choice:
+        # engine.fused_decode.tune_fused_decode); untuned: never.
+        self.fused_decode = FusedDecodePlan()
         self.graph_runner: CudaGraphRunner | None = None
         if cuda_graphs:
             assert self.decode_padding is not None
@@ -143,9 +147,17 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                  layer_hook: LayerHook | None = None) -> torch.Tensor:
-        """Plan the backend once for the step, then run every layer: ``[T, hidden]``."""
-        self.attn_backend.plan(meta)
+        """Plan the backend once for the step, then run every layer: ``[T, hidden]``. A
+        pure-decode step at a batch where the host timed it faster runs as one fused call."""
         dev = self.device
+        if (layer_hook is None and meta.num_decode == meta.num_seqs
+                and self.fused_decode.use(meta.num_seqs)
+                and isinstance(self.attn_backend, TorchPagedBackend)):
+            hidden = self.model.decode_fused(input_ids, meta.positions, self.kv_caches,
+                                             *decode_tables(meta), self.block_size)
+            if hidden is not None:
+                return hidden
+        self.attn_backend.plan(meta)
         return self.model(input_ids.to(dev, non_blocking=True),
                           meta.positions.to(dev, non_blocking=True), self.kv_caches, self.attn_backend,
                           layer_hook)

@@ -1,7 +1,8 @@
 """Time this host's kernel choices for a model ahead of its first start (``make setup``).
 
 An engine on CPU times its linear-kernel paths (``engine.kernels.tune_linear``) and its decode
-attention paths (``tune_decode_paths``) at start-up, once per host, model shapes and torch
+attention paths (``tune_decode_paths``), then whether its whole-step decode kernel beats them
+(``engine.fused_decode``), at start-up, once per host, model shapes and torch
 thread count, and caches the result. For the default model that first timing is not small: on
 a 2-vCPU host it took 30 s at 2 threads and 55 s at 1 thread (every batch bucket, every path,
 interleaved repeats over the model's 538 MB), paid by the first ``pdcluster serve`` and, on a
@@ -39,6 +40,7 @@ class Pretuned:
     threads: int
     linear_from_cache: bool
     decode_from_cache: bool
+    fused_from_cache: bool
     seconds: float
 
 
@@ -56,7 +58,8 @@ def pretune(model: str | None = None, thread_counts: list[int] | None = None,
     torch's thread count afterwards."""
     from engine.attention.torch_paged import tune_decode_paths
     from engine.config import CacheConfig
-    from engine.kernels import model_linear_weights, tune_linear
+    from engine.fused_decode import tune_fused_decode
+    from engine.kernels import linear_plan, model_linear_weights, set_linear_plan, tune_linear
     from engine.models.llama import LlamaForCausalLM
     from engine.weights import load_model_config, load_state_dict, resolve_model
 
@@ -66,19 +69,23 @@ def pretune(model: str | None = None, thread_counts: list[int] | None = None,
     net = LlamaForCausalLM(cfg)
     net.load_hf_state_dict(load_state_dict(model_dir, dtype))
     weights = model_linear_weights(net)
-    before = torch.get_num_threads()
+    before, plan_before = torch.get_num_threads(), linear_plan()
     done = []
     try:
         for n in thread_counts or default_thread_counts():
             torch.set_num_threads(n)
             t0 = time.perf_counter()
             linear = tune_linear(weights, cache_dir=cache_dir)
+            block_size = CacheConfig().block_size
             decode = tune_decode_paths(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                       CacheConfig().block_size, dtype, cache_dir=cache_dir)
-            done.append(Pretuned(n, linear.from_cache, decode.from_cache,
+                                       block_size, dtype, cache_dir=cache_dir)
+            set_linear_plan(linear)  # the fused step is timed against the layers as they run
+            fused = tune_fused_decode(net, block_size, decode, cache_dir=cache_dir)
+            done.append(Pretuned(n, linear.from_cache, decode.from_cache, fused.from_cache,
                                  time.perf_counter() - t0))
     finally:
         torch.set_num_threads(before)
+        set_linear_plan(plan_before)
     return done
 
 
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in pretune(args.model, args.threads, args.cache_dir):
             state = ("cached already" if r.linear_from_cache and r.decode_from_cache
+                     and r.fused_from_cache
                      else f"timed in {r.seconds:.1f} s")
             print(f"kernel plans for {r.threads} thread(s): {state}")
     except Exception as e:  # install must not fail here: the engine times at start instead

@@ -146,17 +146,7 @@ class TorchPagedBackend:
         nd = meta.num_decode
         gather = pad_mask = None
         if nd:
-            # Python lists, one tensor each: cheaper than a chain of small tensor ops at batch 1.
-            pages = meta.kv_indices[:kv_indptr[nd]].tolist()
-            num_pages = [kv_indptr[i + 1] - kv_indptr[i] for i in range(nd)]
-            max_pages = max(num_pages)
-            rows = [pages[kv_indptr[i]:kv_indptr[i + 1]] + [0] * (max_pages - num_pages[i])
-                    for i in range(nd)]
-            tables = torch.tensor(rows, dtype=torch.int64)  # [nd, max_pages], padded with page 0
-            kv_lens = torch.tensor([(n - 1) * bs + last
-                                    for n, last in zip(num_pages, last_page_len[:nd], strict=True)],
-                                   dtype=torch.int64)  # [nd]
-            gather, pad_mask = self._decode_gather(tables, kv_lens, bs)
+            gather, pad_mask = self._decode_gather(*decode_tables(meta), bs)
         prefills = []
         if meta.num_seqs > nd:
             kv_indices = meta.kv_indices.to(dev, torch.int64, non_blocking=True)  # [total_pages]
@@ -228,6 +218,22 @@ class TorchPagedBackend:
                 ks, vs = gather_kv(kv_cache, s.block_ids, s.end_pos)
                 out[rows] = _prefill(q[rows], ks, vs, s.mask)
         return out.view(num_tokens, num_heads * head_dim)
+
+
+def decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' page tables ``[num_decode, max_pages]`` (padded with page 0) and KV
+    lengths ``[num_decode]`` (the new token included), int64 on the host; ``meta`` on the host."""
+    bs, nd = meta.block_size, meta.num_decode
+    kv_indptr = meta.kv_indptr[:nd + 1].tolist()
+    last_page_len = meta.kv_last_page_len[:nd].tolist()
+    # Python lists, one tensor each: cheaper than a chain of small tensor ops at batch 1.
+    pages = meta.kv_indices[:kv_indptr[nd]].tolist()
+    num_pages = [kv_indptr[i + 1] - kv_indptr[i] for i in range(nd)]
+    max_pages = max(num_pages)
+    rows = [pages[kv_indptr[i]:kv_indptr[i + 1]] + [0] * (max_pages - num_pages[i])
+            for i in range(nd)]
+    kv_lens = [(n - 1) * bs + last for n, last in zip(num_pages, last_page_len, strict=True)]
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(kv_lens, dtype=torch.int64)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int

@@ -116,6 +116,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", self.rope.cos, persistent=False)
         self.register_buffer("rope_sin", self.rope.sin, persistent=False)
         self.requires_grad_(False)
+        self._pointers: tuple[tuple[int, ...], torch.Tensor] | None = None  # decode_layers' table
+        self.layer_shapes = cpu_ops.DecodeLayerShapes(cfg.hidden_size, cfg.num_heads,
+                                                      cfg.num_kv_heads, cfg.head_dim,
+                                                      cfg.intermediate_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn: AttentionBackend, layer_hook: LayerHook | None = None) -> torch.Tensor:
@@ -130,6 +134,33 @@ class LlamaForCausalLM(nn.Module):
             if layer_hook is not None:
                 layer_hook(i, kv_caches[i])
         return cpu_ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def decode_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: list[torch.Tensor], tables: torch.Tensor, kv_lens: torch.Tensor,
+                     block_size: int) -> torch.Tensor | None:
+        """``forward`` for a pure-decode step (one new token per sequence, ``input_ids [M]``)
+        as one call of ``engine.cpu_ops.decode_layers``: every layer in one OpenMP region,
+        the new K/V written into each sequence's slot (``tables [M, max_pages]``, ``kv_lens
+        [M]`` including the new token, int64). Same math as ``forward``; None, computing
+        nothing, where the kernel does not apply (the caller then runs ``forward``)."""
+        if not cpu_ops.decode_layers_applies(self.layer_shapes, self.embed.weight.dtype):
+            return None
+        h = self.embed(input_ids)  # [M, hidden], a new tensor the kernel updates in place
+        ok = cpu_ops.decode_layers(h, self._layer_pointers(kv_caches), self.layer_shapes,
+                                   self.rope_cos[positions], self.rope_sin[positions], tables,
+                                   kv_lens, block_size)
+        return cpu_ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if ok else None
+
+    def _layer_pointers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """``decode_layers``' address table, made once per set of KV caches (the weights never
+        move after loading: ``load_hf_state_dict`` copies into them in place)."""
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._pointers is None or self._pointers[0] != key:
+            rows = [(lay.input_norm, lay.post_norm, lay.qkv.weight, lay.qkv.bias,
+                     lay.o_proj.weight, lay.gate_up.weight, lay.down.weight, cache)
+                    for lay, cache in zip(self.layers, kv_caches, strict=True)]
+            self._pointers = (key, cpu_ops.layer_pointers(rows))
+        return self._pointers[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` in fp32 (sampling math is fp32 whatever the model dtype)."""

@@ -40,6 +40,11 @@ def test_ceilings_writes_positive_roofs(tmp_path):
     # the fused kernels were built here, and the decode attention choice is printed per bucket
     assert data["fused_cpu_kernels"].endswith(".so")
     assert len(data["decode_paths"]["summary"]) == 6 and data["decode_paths"]["timings"]
+    # and whether a pure-decode step runs fused, per bucket, with both timings behind it
+    fused = data["fused_decode"]
+    assert [t["m"] for t in fused["timings"]] == [1, 2, 4, 8, 16, 32]
+    assert all(line.startswith(f"batch {t['m']}: ") for line, t in
+               zip(fused["summary"], fused["timings"], strict=True))
 
 
 def test_kernels_times_every_set_up_and_splits_the_step(tmp_path, tiny_llama_dir):
@@ -48,7 +53,7 @@ def test_kernels_times_every_set_up_and_splits_the_step(tmp_path, tiny_llama_dir
     data = _read(tmp_path, "kernels")
     assert [r["batch"] for r in data["rows"]] == [1, 2]
     for r in data["rows"]:
-        assert set(r["step_ms"]) == {"host plan", "mm_t < 128 rows", "F.linear", "oneDNN",
+        assert set(r["step_ms"]) == {"host plan", "layer by layer", "mm_t < 128 rows", "F.linear", "oneDNN",
                                      "no C kernels"}
         assert all(v > 0 for v in r["step_ms"].values())
         split = r["step_split"]

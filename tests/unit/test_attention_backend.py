@@ -29,6 +29,7 @@ from engine.attention.torch_paged import (
     tune_decode_paths,
 )
 from engine.config import cdiv
+from engine.fused_decode import FusedDecodePlan
 from engine.kernels import M_BUCKETS
 from engine.llm_engine import EngineArgs, LLMEngine
 
@@ -158,6 +159,9 @@ def test_forward_before_plan_is_an_error():
 def test_engine_plans_once_per_step(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), max_num_seqs=3, max_num_batched_tokens=16, block_size=4)
     runner = llm.engine.runner
+    # Layer by layer at every step (pure-decode steps the host timed faster fused skip the
+    # backend altogether: tests/unit/test_fused_decode.py).
+    runner.fused_decode = FusedDecodePlan()
     backend = runner.attn_backend
     calls = {"plan": 0, "forward": 0, "model": 0}
 

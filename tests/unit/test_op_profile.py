@@ -9,8 +9,10 @@ from bench import op_profile
 
 
 def test_op_profile_splits_the_step_and_times_both_passes(tiny_llama_dir, capsys):
-    assert op_profile.main(["--model", str(tiny_llama_dir), "--batch", "2", "--steps", "2"]) == 0
+    assert op_profile.main(["--model", str(tiny_llama_dir), "--batch", "2", "--steps", "2",
+                            "--layer-by-layer"]) == 0
     out = capsys.readouterr().out
+    assert "decode step: layer by layer" in out
     assert "aten::mm" in out
     step = re.search(r"batch 2: step ([\d.]+) ms .* torch ops ([\d.]+) ms, of which aten::mm "
                      r"([\d.]+) ms \(([\d.]+) GB/s", out)

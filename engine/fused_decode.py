@@ -1,0 +1,121 @@
+"""Per-host choice of the whole-step decode kernel (``engine.cpu_ops.decode_layers``).
+
+At small batches a decode step streams the weights in ~20 ms on two cores, and the
+layer-by-layer path adds a Python call, an allocation and an OpenMP wake-up per op, about ten
+per layer. ``decode_layers`` runs every layer of a pure-decode step in one C call and one
+OpenMP region instead. Whether that wins depends on the host: its GEMV is a plain loop, while
+the layer-by-layer path may run a library GEMM the host does better (``engine.kernels`` times
+those per shape). So the engine times both on whole decode steps of the model at start-up,
+per batch bucket up to ``FUSED_BUCKETS[-1]``, and keeps the faster (cached per host like the
+linear kernels); the runner then takes the fused step where it won.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine import cpu_ops
+from engine.attention.backend import SeqSlice, build_metadata
+from engine.attention.torch_paged import DecodePaths, TorchPagedBackend, decode_tables
+from engine.kernels import Timing, cached_timings, host_key, linear_plan
+
+log = logging.getLogger(__name__)
+
+FUSED_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets timed; larger batches run layer by layer
+TUNE_CONTEXT = 128  # tokens each timed sequence attends to
+_ROUNDS = 7  # interleaved; the best of each (noise only ever adds time)
+
+
+@dataclass
+class FusedDecodePlan:
+    """Per batch bucket, whether pure-decode steps take ``decode_layers``. Empty (untuned):
+    never. ``timings``: one ``Timing`` per bucket, ``m`` the bucket, seconds per step of
+    ``"layers"`` and ``"fused"``."""
+
+    choices: dict[int, bool] = field(default_factory=dict)
+    timings: list[Timing] = field(default_factory=list)
+    from_cache: bool = False
+
+    @classmethod
+    def everywhere(cls) -> FusedDecodePlan:
+        """Fused at every bucket, untimed (tests of the kernel, A/B in benchmarks)."""
+        return cls(dict.fromkeys(FUSED_BUCKETS, True))
+
+    def use(self, batch: int) -> bool:
+        if batch < 1 or batch > FUSED_BUCKETS[-1]:
+            return False
+        return self.choices.get(max(b for b in FUSED_BUCKETS if b <= batch), False)
+
+    def summary(self) -> list[str]:
+        """One line per bucket: the choice and its margin (``pdcluster bench ceilings``)."""
+        lines = []
+        for t in sorted(self.timings, key=lambda t: t.m):
+            s = t.seconds
+            lines.append(f"batch {t.m}: {t.best} step ({s['layers'] * 1e3:.1f} ms layer by layer, "
+                         f"{s['fused'] * 1e3:.1f} ms fused: {s['layers'] / s['fused']:.2f}x)")
+        return lines
+
+
+def tune_fused_decode(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths,
+                      cache_dir: str | Path | None = None) -> FusedDecodePlan:
+    """Time a pure-decode step of ``model`` layer by layer (attention by ``decode_paths``, the
+    linear layers by the plan in force) against ``decode_layers``, at each bucket, interleaved
+    in rounds (the linear layers by ``engine.kernels.linear_plan()``: set the host's plan
+    first); cached per host, thread count, model shapes and kernel build. Runs on scratch
+    KV caches of its own (a few MB). Returns an empty plan where the kernel does not apply."""
+    cfg = model.cfg
+    dtype = model.embed.weight.dtype
+    if not cpu_ops.decode_layers_applies(model.layer_shapes, dtype):
+        return FusedDecodePlan()
+    shapes = [(cfg.num_layers, cfg.hidden_size), (cfg.intermediate_size, cfg.head_dim),
+              (cfg.num_heads, cfg.num_kv_heads), (block_size, TUNE_CONTEXT)]
+    # The layer-by-layer side runs the linear and attention plans in force: part of the key.
+    key = host_key(shapes, dtype, f"fused-decode|{cpu_ops.build_id()}|{linear_plan().key}|"
+                                  f"{sorted(decode_paths.choices.items())}")
+    timings, from_cache = cached_timings(
+        "fused-decode", key, lambda: _measure(model, block_size, decode_paths), cache_dir)
+    plan = FusedDecodePlan({t.m: t.best == "fused" for t in timings}, timings, from_cache)
+    if not from_cache:
+        log.info("whole-step decode kernel timed for this host: %s", "; ".join(plan.summary()))
+    return plan
+
+
+@torch.inference_mode()
+def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths) -> list[Timing]:
+    cfg = model.cfg
+    dtype = model.embed.weight.dtype
+    pages_per_seq = -(-TUNE_CONTEXT // block_size)
+    num_pages = FUSED_BUCKETS[-1] * pages_per_seq
+    caches = [torch.randn(num_pages, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+              for _ in range(cfg.num_layers)]
+    backend = TorchPagedBackend()
+    backend.decode_paths = decode_paths
+    out = []
+    for m in FUSED_BUCKETS:
+        seqs = [SeqSlice(range(i * pages_per_seq, (i + 1) * pages_per_seq), TUNE_CONTEXT - 1, 1)
+                for i in range(m)]
+        meta = build_metadata(seqs, block_size)
+        ids = torch.randint(cfg.vocab_size, (m,))
+
+        def layers(meta=meta, ids=ids) -> None:
+            backend.plan(meta)
+            model(ids, meta.positions, caches, backend)
+
+        def fused(meta=meta, ids=ids) -> None:
+            tables, kv_lens = decode_tables(meta)
+            model.decode_fused(ids, meta.positions, caches, tables, kv_lens, block_size)
+
+        best = {"layers": float("inf"), "fused": float("inf")}
+        for r in range(_ROUNDS + 1):  # round 0 warms both up, untimed
+            for name, step in (("layers", layers), ("fused", fused)):
+                t0 = time.perf_counter()
+                step()
+                if r:
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        out.append(Timing(TUNE_CONTEXT, 0, m, best))
+    return out
