@@ -42,6 +42,7 @@ def _plans(tuned):
 
     shapes = {(t.n, t.k) for t in tuned.timings}
     return {"host plan": tuned,
+            "layer by layer": tuned,
             "mm_t < 128 rows": LinearPlan({(n, k, m): "mm_t" for n, k in shapes for m in M_BUCKETS}),
             "F.linear": LinearPlan({}),
             "oneDNN": LinearPlan({(n, k, m): "onednn" for n, k in shapes for m in LINEAR_BUCKETS}),

@@ -55,10 +55,23 @@ def _decode_meta(seqs_ids, blocks):
 @pytest.mark.parametrize("lengths", [[9], [4, 1, 13, 8, 30], [3, 17, 5, 8, 1, 22, 12, 4, 9, 40,
                                                                  2, 16, 7]],
                          ids=["batch1", "batch5", "batch13"])
-def test_fused_steps_match_transformers(arch, lengths, request):
+@pytest.mark.parametrize("threads", [None, 3], ids=["threads-default", "threads-3"])
+def test_fused_steps_match_transformers(arch, lengths, threads, request):
     """Prefill layer by layer, then three decode steps through ``decode_fused``: every
-    sequence's logits equal transformers' full forward over its tokens so far (batch 13: a
-    tile of 8 rows and a tile of 5; Qwen2: the QKV bias; contexts straddling pages)."""
+    sequence's logits equal transformers' full forward over its tokens so far (batch 5 and
+    13: tiles of 4 input rows and a remainder; batch 1: the 2-row path; 3 threads: work blocks
+    of an odd number of row pairs, so the 4-row kernel's leftover pair runs; Qwen2: the QKV
+    bias; contexts straddling pages)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        _fused_steps_match_transformers(arch, lengths, request)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _fused_steps_match_transformers(arch, lengths, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     runner = ModelRunner(_model(model_dir), CacheConfig(block_size=BLOCK), 256)
     model = runner.model
