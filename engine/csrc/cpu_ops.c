@@ -28,6 +28,7 @@
  * Built with -ffast-math (vectorized expf), so no infinities are used as sentinels.
  */
 #define TILE 128
+#define PF_AHEAD 8
 #define MAX_GROUP 16
 #define MAX_D 256
 
@@ -62,6 +63,14 @@ static inline __attribute__((always_inline)) void decode_task(
         }
         for (int64_t i = 0; i < n; i++) {
             const float *k = krow[i];
+            /* Pages are scattered, so the hardware prefetcher loses the stream at every page
+             * boundary: ask for the K row PF_AHEAD tokens on, and for this token's V row
+             * (read after the tile's scores). Batch 32, contexts of 600-2000 tokens (K/V
+             * beyond L3), 2-core AVX-512 EPYC: 14-21 -> 22-33 GB/s, 1.55x per call; with
+             * the K/V cache-resident (batch 1) ~8% slower per call. */
+            if (i + PF_AHEAD < n)
+                for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(krow[i + PF_AHEAD] + d);
+            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(k + v_off + d);
             for (int64_t g = 0; g < G; g++) {
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
