@@ -13,6 +13,7 @@ linear kernels); the runner then takes the fused step where it won.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,14 +29,18 @@ log = logging.getLogger(__name__)
 
 FUSED_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets timed; larger batches run layer by layer
 TUNE_CONTEXT = 128  # tokens each timed sequence attends to
-_ROUNDS = 7  # interleaved; the best of each (noise only ever adds time)
+# Interleaved rounds; the median of each. The best of 7 chose the layer-by-layer step at
+# batch 1 once (13.4 vs 13.9 ms) where steps measured 14.5 fused vs 18 ms layer by layer:
+# a single quiet sample says little about a step's usual time (on 2 vCPUs one preempted
+# thread stalls a whole fused step at its barriers), so the median of more rounds decides.
+_ROUNDS = 15
 
 
 @dataclass
 class FusedDecodePlan:
     """Per batch bucket, whether pure-decode steps take ``decode_layers``. Empty (untuned):
-    never. ``timings``: one ``Timing`` per bucket, ``m`` the bucket, seconds per step of
-    ``"layers"`` and ``"fused"``."""
+    never. ``timings``: one ``Timing`` per bucket, ``m`` the bucket, median seconds per step
+    of ``"layers"`` and ``"fused"``."""
 
     choices: dict[int, bool] = field(default_factory=dict)
     timings: list[Timing] = field(default_factory=list)
@@ -110,12 +115,12 @@ def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths)
             tables, kv_lens = decode_tables(meta)
             model.decode_fused(ids, meta.positions, caches, tables, kv_lens, block_size)
 
-        best = {"layers": float("inf"), "fused": float("inf")}
+        times: dict[str, list[float]] = {"layers": [], "fused": []}
         for r in range(_ROUNDS + 1):  # round 0 warms both up, untimed
             for name, step in (("layers", layers), ("fused", fused)):
                 t0 = time.perf_counter()
                 step()
                 if r:
-                    best[name] = min(best[name], time.perf_counter() - t0)
-        out.append(Timing(TUNE_CONTEXT, 0, m, best))
+                    times[name].append(time.perf_counter() - t0)
+        out.append(Timing(TUNE_CONTEXT, 0, m, {k: statistics.median(v) for k, v in times.items()}))
     return out
