@@ -28,7 +28,7 @@ from engine.kernels import Timing, cached_timings, host_key, linear_plan
 log = logging.getLogger(__name__)
 
 FUSED_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets timed; larger batches run layer by layer
-TUNE_CONTEXT = 128  # tokens each timed sequence attends to
+TUNE_CONTEXT = 128  # tokens each timed sequence attends to (fewer if the model's context is shorter)
 # Interleaved rounds; the median of each. The best of 7 chose the layer-by-layer step at
 # batch 1 once (13.4 vs 13.9 ms) where steps measured 14.5 fused vs 18 ms layer by layer:
 # a single quiet sample says little about a step's usual time (on 2 vCPUs one preempted
@@ -78,7 +78,7 @@ def tune_fused_decode(model: torch.nn.Module, block_size: int, decode_paths: Dec
     if not cpu_ops.decode_layers_applies(model.layer_shapes, dtype):
         return FusedDecodePlan()
     shapes = [(cfg.num_layers, cfg.hidden_size), (cfg.intermediate_size, cfg.head_dim),
-              (cfg.num_heads, cfg.num_kv_heads), (block_size, TUNE_CONTEXT)]
+              (cfg.num_heads, cfg.num_kv_heads), (block_size, _context(model))]
     # The layer-by-layer side runs the linear and attention plans in force: part of the key.
     key = host_key(shapes, dtype, f"fused-decode|{cpu_ops.build_id()}|{linear_plan().key}|"
                                   f"{sorted(decode_paths.choices.items())}")
@@ -90,11 +90,18 @@ def tune_fused_decode(model: torch.nn.Module, block_size: int, decode_paths: Dec
     return plan
 
 
+def _context(model: torch.nn.Module) -> int:
+    """Tokens each timed sequence attends to: ``TUNE_CONTEXT``, or the model's whole context
+    (its rotary table's length) where that is shorter."""
+    return min(TUNE_CONTEXT, model.rope_cos.shape[0])
+
+
 @torch.inference_mode()
 def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths) -> list[Timing]:
     cfg = model.cfg
     dtype = model.embed.weight.dtype
-    pages_per_seq = -(-TUNE_CONTEXT // block_size)
+    context = _context(model)
+    pages_per_seq = -(-context // block_size)
     num_pages = FUSED_BUCKETS[-1] * pages_per_seq
     caches = [torch.randn(num_pages, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
               for _ in range(cfg.num_layers)]
@@ -102,7 +109,7 @@ def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths)
     backend.decode_paths = decode_paths
     out = []
     for m in FUSED_BUCKETS:
-        seqs = [SeqSlice(range(i * pages_per_seq, (i + 1) * pages_per_seq), TUNE_CONTEXT - 1, 1)
+        seqs = [SeqSlice(range(i * pages_per_seq, (i + 1) * pages_per_seq), context - 1, 1)
                 for i in range(m)]
         meta = build_metadata(seqs, block_size)
         ids = torch.randint(cfg.vocab_size, (m,))
@@ -122,5 +129,5 @@ def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths)
                 step()
                 if r:
                     times[name].append(time.perf_counter() - t0)
-        out.append(Timing(TUNE_CONTEXT, 0, m, {k: statistics.median(v) for k, v in times.items()}))
+        out.append(Timing(context, 0, m, {k: statistics.median(v) for k, v in times.items()}))
     return out

@@ -109,6 +109,18 @@ static inline __attribute__((always_inline)) void decode_task(
     }
 }
 
+/* decode_task with D a compile-time constant for the common head sizes. */
+static void decode_task_d(const float *q_b, const float *kv_cache, const int64_t *tab, int64_t L,
+                          float *out_b, int64_t G, int64_t kvh, int64_t D, int64_t row,
+                          int64_t page, int64_t block_size, float scale) {
+    if (D == 64)
+        decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, 64, row, page, block_size, scale);
+    else if (D == 128)
+        decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, 128, row, page, block_size, scale);
+    else
+        decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, D, row, page, block_size, scale);
+}
+
 void paged_decode(const float *q, int64_t q_stride, const float *kv_cache,
                   const int64_t *tables, int64_t max_pages, const int64_t *kv_lens,
                   float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
@@ -124,15 +136,30 @@ void paged_decode(const float *q, int64_t q_stride, const float *kv_cache,
         const float *q_b = q + b * q_stride;
         const int64_t *tab = tables + b * max_pages;
         float *out_b = out + b * H * D;
-        if (D == 64)
-            decode_task(q_b, kv_cache, tab, kv_lens[b], out_b, G, kvh, 64, row, page,
-                        block_size, scale);
-        else if (D == 128)
-            decode_task(q_b, kv_cache, tab, kv_lens[b], out_b, G, kvh, 128, row, page,
-                        block_size, scale);
-        else
-            decode_task(q_b, kv_cache, tab, kv_lens[b], out_b, G, kvh, D, row, page,
-                        block_size, scale);
+        decode_task_d(q_b, kv_cache, tab, kv_lens[b], out_b, G, kvh, D, row, page, block_size,
+                      scale);
+    }
+}
+
+/* o = weight * (x * rsqrt(mean(x^2) + eps)) for one row of n floats. */
+static inline void norm_row_(const float *xr, const float *weight, float *o, int64_t n,
+                             float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (xr[i] * r);
+}
+
+/* Rotary embedding of one head of D floats in place (rotate-half; c/s rows of D, halves equal). */
+static inline void rope_head_(float *x, const float *c, const float *s, int64_t D) {
+    const int64_t half = D / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[half + i];
+        x[i] = a * c[i] - b * s[i];
+        x[half + i] = b * c[half + i] + a * s[half + i];
     }
 }
 
@@ -149,13 +176,7 @@ void rms_norm(float *x, const float *residual, const float *weight, float *out,
 #pragma omp simd
             for (int64_t i = 0; i < n; i++) xr[i] += rr[i];
         }
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
-        const float r = 1.f / sqrtf(ss / (float)n + eps);
-        float *o = out + t * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (xr[i] * r);
+        norm_row_(xr, weight, out + t * n, n, eps);
     }
 }
 
@@ -176,20 +197,10 @@ void silu_mul(const float *gu, float *out, int64_t T, int64_t I, int nthreads) {
  * (halves equal, as the tables are cat(freqs, freqs)). x rows are `stride` floats apart. */
 void rope(float *x, int64_t stride, int64_t T, int64_t heads, int64_t D,
           const float *cos_, const float *sin_, int nthreads) {
-    const int64_t half = D / 2;
 #pragma omp parallel for num_threads(nthreads) if (T * heads * D >= 65536)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_ + t * D, *s = sin_ + t * D;
-        for (int64_t h = 0; h < heads; h++) {
-            float *x1 = x + t * stride + h * D, *x2 = x1 + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[half + i] + a * s[half + i];
-            }
-        }
-    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++)
+            rope_head_(x + t * stride + h * D, cos_ + t * D, sin_ + t * D, D);
 }
 
 /* y[m, :] = W x[m, :] (+ bias) for a few rows x (M <= 8): each weight row is streamed from
@@ -212,108 +223,60 @@ void gemv(const float *x, const float *w, const float *bias, float *y, int64_t M
     }
 }
 
-/* A whole pure-decode step through every decoder layer, in one parallel region.
- *
- * At batch 1-8 the layers' weights stream in ~20 ms on two cores, but the layer-by-layer path
- * pays a Python call, a tensor allocation and an OpenMP team wake-up per op (about ten per
- * layer, 300 a step): 5-12 ms of a 25-35 ms step on the hosts measured. Here the threads stay
- * in one team for all layers and meet at four barriers per layer; the math is the kernels'
- * above, op for op (the same dot-product loops as gemv, rms_norm, rope, paged_decode and
- * silu_mul), and the new K/V are written into the cache in place.
- *
- * h:      [M, E] residual stream in, the last layer's sum out (before the final norm)
- * ptrs:   per layer 8 addresses: input norm, post norm, QKV weight [(H + 2 KVH) D, E], QKV
- *         bias (0: none), O weight [E, H D], gate/up weight [2 I, E], down weight [E, I],
- *         KV cache [pages, 2, block_size, KVH, D]
- * cos/sin:[M, D] rows at each sequence's new position; tables [M, max_pages];
- * kv_lens [M]: tokens to attend including the new one (its slot: position kv_lens - 1)
- * work:   scratch of decode_layers_work_floats(...) floats
- */
-/* y0[m * ys] = dot(w0, x[m * K:]) and y1[m * ys] = dot(w1, x[m * K:]) for m < M (M <= 8):
- * two weight rows of K floats against M input rows. Each 16-float chunk of the weight rows
- * is loaded once and multiplied into 2 M accumulators (registers), where one dot product at
- * a time does 1 FMA per 2 loads. Inlined with M constant (row_dots' switch), so the
- * accumulators unroll into vector registers. */
+/* y[r * M + m] = dot(w[r], x[m * K:]) for R weight rows of K floats and M input rows
+ * (R x M <= 16): each 16-float chunk of a weight row is loaded once and multiplied into M
+ * accumulators, all R x M of them in vector registers (where one dot product at a time
+ * does 1 FMA per 2 loads: R = 2, M = 8 does 16 FMAs per 10 loads, R = 4, M = 4 per 8).
+ * Always inlined with R and M constants (the switches below), so the loops unroll. */
 #define CHUNK 16
-static inline __attribute__((always_inline)) void row_dots_(
-        const float *w0, const float *w1, const float *x, const int64_t M, int64_t K,
-        float *y0, float *y1, int64_t ys) {
-    float a0[8][CHUNK] = {{0.f}}, a1[8][CHUNK] = {{0.f}};
+static inline __attribute__((always_inline)) void dots_(
+        const float *const *w, const int64_t R, const float *x, const int64_t M, int64_t K,
+        float *y) {
+    float a[16][CHUNK] = {{0.f}}; /* a[r * M + m] */
     int64_t k = 0;
     for (; k + CHUNK <= K; k += CHUNK)
         for (int64_t m = 0; m < M; m++) {
             const float *xm = x + m * K + k;
+            for (int64_t r = 0; r < R; r++) {
+                const float *wr = w[r] + k;
 #pragma omp simd
-            for (int64_t j = 0; j < CHUNK; j++) {
-                a0[m][j] += w0[k + j] * xm[j];
-                a1[m][j] += w1[k + j] * xm[j];
+                for (int64_t j = 0; j < CHUNK; j++) a[r * M + m][j] += wr[j] * xm[j];
             }
         }
-    for (int64_t m = 0; m < M; m++) {
-        float s0 = 0.f, s1 = 0.f;
-        for (int64_t j = 0; j < CHUNK; j++) {
-            s0 += a0[m][j];
-            s1 += a1[m][j];
-        }
-        for (int64_t r = k; r < K; r++) {
-            s0 += w0[r] * x[m * K + r];
-            s1 += w1[r] * x[m * K + r];
-        }
-        y0[m * ys] = s0;
-        y1[m * ys] = s1;
-    }
-}
-
-/* row_dots_ with M (<= 8) a compile-time constant. */
-static void row_dots(const float *w0, const float *w1, const float *x, int64_t M, int64_t K,
-                     float *y0, float *y1, int64_t ys) {
-    switch (M) {
-    case 1: row_dots_(w0, w1, x, 1, K, y0, y1, ys); break;
-    case 2: row_dots_(w0, w1, x, 2, K, y0, y1, ys); break;
-    case 3: row_dots_(w0, w1, x, 3, K, y0, y1, ys); break;
-    case 4: row_dots_(w0, w1, x, 4, K, y0, y1, ys); break;
-    case 5: row_dots_(w0, w1, x, 5, K, y0, y1, ys); break;
-    case 6: row_dots_(w0, w1, x, 6, K, y0, y1, ys); break;
-    case 7: row_dots_(w0, w1, x, 7, K, y0, y1, ys); break;
-    default: row_dots_(w0, w1, x, 8, K, y0, y1, ys); break;
-    }
-}
-
-/* y[r * M + m] = dot(w_r, x[m * K:]) for four weight rows r and m < M (M <= 4): 16
- * accumulators, 16 FMAs per 8 loads (row_dots_'s 2 x 8 tile: per 10). */
-static inline __attribute__((always_inline)) void quad_dots_(
-        const float *w0, const float *w1, const float *w2, const float *w3, const float *x,
-        const int64_t M, int64_t K, float *y) {
-    float a[4][4][CHUNK] = {{{0.f}}};
-    int64_t k = 0;
-    for (; k + CHUNK <= K; k += CHUNK)
-        for (int64_t m = 0; m < M; m++) {
-            const float *xm = x + m * K + k;
-#pragma omp simd
-            for (int64_t j = 0; j < CHUNK; j++) {
-                a[0][m][j] += w0[k + j] * xm[j];
-                a[1][m][j] += w1[k + j] * xm[j];
-                a[2][m][j] += w2[k + j] * xm[j];
-                a[3][m][j] += w3[k + j] * xm[j];
-            }
-        }
-    const float *w[4] = {w0, w1, w2, w3};
-    for (int64_t r = 0; r < 4; r++)
+    for (int64_t r = 0; r < R; r++)
         for (int64_t m = 0; m < M; m++) {
             float s = 0.f;
-            for (int64_t j = 0; j < CHUNK; j++) s += a[r][m][j];
+            for (int64_t j = 0; j < CHUNK; j++) s += a[r * M + m][j];
             for (int64_t q = k; q < K; q++) s += w[r][q] * x[m * K + q];
             y[r * M + m] = s;
         }
 }
 
+/* Two weight rows against M <= 8 input rows: y[r * M + m]. */
+static void row_dots(const float *w0, const float *w1, const float *x, int64_t M, int64_t K,
+                     float *y) {
+    const float *w[2] = {w0, w1};
+    switch (M) {
+    case 1: dots_(w, 2, x, 1, K, y); break;
+    case 2: dots_(w, 2, x, 2, K, y); break;
+    case 3: dots_(w, 2, x, 3, K, y); break;
+    case 4: dots_(w, 2, x, 4, K, y); break;
+    case 5: dots_(w, 2, x, 5, K, y); break;
+    case 6: dots_(w, 2, x, 6, K, y); break;
+    case 7: dots_(w, 2, x, 7, K, y); break;
+    default: dots_(w, 2, x, 8, K, y); break;
+    }
+}
+
+/* Four weight rows against M <= 4 input rows: y[r * M + m]. */
 static void quad_dots(const float *w0, const float *w1, const float *w2, const float *w3,
                       const float *x, int64_t M, int64_t K, float *y) {
+    const float *w[4] = {w0, w1, w2, w3};
     switch (M) {
-    case 1: quad_dots_(w0, w1, w2, w3, x, 1, K, y); break;
-    case 2: quad_dots_(w0, w1, w2, w3, x, 2, K, y); break;
-    case 3: quad_dots_(w0, w1, w2, w3, x, 3, K, y); break;
-    default: quad_dots_(w0, w1, w2, w3, x, 4, K, y); break;
+    case 1: dots_(w, 4, x, 1, K, y); break;
+    case 2: dots_(w, 4, x, 2, K, y); break;
+    case 3: dots_(w, 4, x, 3, K, y); break;
+    default: dots_(w, 4, x, 4, K, y); break;
     }
 }
 
@@ -322,8 +285,8 @@ static void quad_dots(const float *w0, const float *w1, const float *w2, const f
  * y0[m * ys + i * os] and y1[m * ys + i * os], assigned or (accumulate) added. Input rows in
  * tiles outside, weight rows inside: the first tile reads the block's weights from memory,
  * the other tiles find them in L2 while their input rows stay in L1. Up to 3 rows: one pair
- * at a time against all of them (row_dots_); from 4 rows: two pairs against tiles of 4
- * (quad_dots_: 16 FMAs per 8 loads; on a 2-core AVX-512 EPYC a 32-row step went from 48-53
+ * at a time against all of them (row_dots); from 4 rows: two pairs against tiles of 4
+ * (quad_dots: 16 FMAs per 8 loads; on a 2-core AVX-512 EPYC a 32-row step went from 48-53
  * to 42-44 ms, and tiles of 6 were slower again). */
 static void pair_block(const float *w0, const float *w1, int64_t ws, const float *x, int64_t M,
                        int64_t K, int64_t i0, int64_t i1, float *y0, float *y1, int64_t os,
@@ -332,14 +295,12 @@ static void pair_block(const float *w0, const float *w1, int64_t ws, const float
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t mt = M - m0 < 4 ? M - m0 : 4;
             for (int64_t i = i0; i < i1; i += 2) {
-                float a[16], b[8];
-                if (i + 1 < i1) {
+                float a[16];
+                if (i + 1 < i1)
                     quad_dots(w0 + i * ws, w1 + i * ws, w0 + (i + 1) * ws, w1 + (i + 1) * ws,
                               x + m0 * K, mt, K, a);
-                } else {
-                    row_dots(w0 + i * ws, w1 + i * ws, x + m0 * K, mt, K, a, b, 1);
-                    for (int64_t m = 0; m < mt; m++) a[mt + m] = b[m];
-                }
+                else
+                    row_dots(w0 + i * ws, w1 + i * ws, x + m0 * K, mt, K, a);
                 const int64_t np = i + 1 < i1 ? 2 : 1;
                 for (int64_t p = 0; p < np; p++)
                     for (int64_t m = 0; m < mt; m++) {
@@ -355,12 +316,12 @@ static void pair_block(const float *w0, const float *w1, int64_t ws, const float
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t mt = M - m0 < 8 ? M - m0 : 8;
         for (int64_t i = i0; i < i1; i++) {
-            float a[8], b[8];
-            row_dots(w0 + i * ws, w1 + i * ws, x + m0 * K, mt, K, a, b, 1);
+            float a[16];
+            row_dots(w0 + i * ws, w1 + i * ws, x + m0 * K, mt, K, a);
             for (int64_t m = 0; m < mt; m++) {
                 const int64_t at = (m0 + m) * ys + i * os;
                 y0[at] = accumulate ? y0[at] + a[m] : a[m];
-                y1[at] = accumulate ? y1[at] + b[m] : b[m];
+                y1[at] = accumulate ? y1[at] + a[mt + m] : a[mt + m];
             }
         }
     }
@@ -373,30 +334,24 @@ static int64_t pairs_per_block(int64_t pairs, int nthreads) {
     return pb < 1 ? 1 : pb > 16 ? 16 : pb;
 }
 
-static void norm_rows_(const float *x, const float *weight, float *out, int64_t M, int64_t n,
-                       float eps) {
-    for (int64_t t = 0; t < M; t++) {
-        const float *xr = x + t * n;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
-        const float r = 1.f / sqrtf(ss / (float)n + eps);
-        float *o = out + t * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (xr[i] * r);
-    }
-}
-
-static void rope_head_(float *x, const float *c, const float *s, int64_t D) {
-    const int64_t half = D / 2;
-#pragma omp simd
-    for (int64_t i = 0; i < half; i++) {
-        const float a = x[i], b = x[half + i];
-        x[i] = a * c[i] - b * s[i];
-        x[half + i] = b * c[half + i] + a * s[half + i];
-    }
-}
-
+/* A whole pure-decode step through every decoder layer, in one parallel region.
+ *
+ * At batch 1-8 the layers' weights stream in ~20 ms on two cores, but the layer-by-layer path
+ * pays a Python call, a tensor allocation and an OpenMP team wake-up per op (about ten per
+ * layer, 300 a step): 5-12 ms of a 25-35 ms step on the hosts measured. Here the threads stay
+ * in one team for all layers and meet at four barriers per layer. The math is the kernels'
+ * above (the same row helpers as rms_norm and rope, the same decode_task as paged_decode,
+ * silu_mul's formula), the projections dots_ tiles (weights read from memory once per
+ * step), and the new K/V are written into the cache in place.
+ *
+ * h:      [M, E] residual stream in, the last layer's sum out (before the final norm)
+ * ptrs:   per layer 8 addresses: input norm, post norm, QKV weight [(H + 2 KVH) D, E], QKV
+ *         bias (0: none), O weight [E, H D], gate/up weight [2 I, E], down weight [E, I],
+ *         KV cache [pages, 2, block_size, KVH, D]
+ * cos/sin:[M, D] rows at each sequence's new position; tables [M, max_pages];
+ * kv_lens [M]: tokens to attend including the new one (its slot: position kv_lens - 1)
+ * work:   scratch of decode_layers_work_floats(...) floats
+ */
 int64_t decode_layers_work_floats(int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D,
                                   int64_t I, int nthreads) {
     /* per thread: its normed copy of the rows; shared: qkv, attention out, gate (then the
@@ -427,7 +382,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
             const float *wdown = (const float *)p[6];
             float *cache = (float *)p[7];
             /* Every thread normalizes the rows itself (M x E floats: cheaper than a barrier). */
-            norm_rows_(h, in_norm, x, M, E, eps);
+            for (int64_t m = 0; m < M; m++) norm_row_(h + m * E, in_norm, x + m * E, E, eps);
 #pragma omp for schedule(static)
             for (int64_t i0 = 0; i0 < NQKV / 2; i0 += pb_qkv) {
                 const int64_t i1 = i0 + pb_qkv < NQKV / 2 ? i0 + pb_qkv : NQKV / 2;
@@ -452,21 +407,14 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 memcpy(slot, k, D * sizeof(float));
                 memcpy(slot + block_size * row, k + KVH * D, D * sizeof(float));
                 float *out_b = att + b * H * D;
-                if (D == 64)
-                    decode_task(qb, cache, tab, kv_lens[b], out_b, G, kvh, 64, row, page,
-                                block_size, scale);
-                else if (D == 128)
-                    decode_task(qb, cache, tab, kv_lens[b], out_b, G, kvh, 128, row, page,
-                                block_size, scale);
-                else
-                    decode_task(qb, cache, tab, kv_lens[b], out_b, G, kvh, D, row, page,
-                                block_size, scale);
+                decode_task_d(qb, cache, tab, kv_lens[b], out_b, G, kvh, D, row, page,
+                              block_size, scale);
             }
 #pragma omp for schedule(static)
             for (int64_t i0 = 0; i0 < E / 2; i0 += pb_e)
                 pair_block(wo, wo + HD, 2 * HD, att, M, HD, i0,
                            i0 + pb_e < E / 2 ? i0 + pb_e : E / 2, h, h + 1, 2, E, 1);
-            norm_rows_(h, post_norm, x, M, E, eps);
+            for (int64_t m = 0; m < M; m++) norm_row_(h + m * E, post_norm, x + m * E, E, eps);
 #pragma omp for schedule(static)
             for (int64_t i0 = 0; i0 < I; i0 += pb_i) {
                 const int64_t i1 = i0 + pb_i < I ? i0 + pb_i : I;

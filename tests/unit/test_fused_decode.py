@@ -192,6 +192,12 @@ def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path):
     # Another attention plan is another key: timed afresh.
     other = tune_fused_decode(model, BLOCK, DecodePaths({(1, 128): "rows"}), cache_dir=tmp_path)
     assert not other.from_cache
+    # A model whose context is shorter than the timed one (an engine's max_model_len) is timed
+    # within it (seen: a worker with max_model_len=66 failed to start on position 127).
+    short = LlamaForCausalLM(model.cfg, max_len=20)
+    short.load_hf_state_dict(load_state_dict(tiny_llama_dir, torch.float32))
+    plan = tune_fused_decode(short, BLOCK, DecodePaths(), cache_dir=tmp_path)
+    assert not plan.from_cache and {t.n for t in plan.timings} == {20}
 
 
 def test_the_kernel_declines_what_it_does_not_take(tiny_llama_dir):
