@@ -171,7 +171,8 @@ def test_grpc_needs_a_key_and_health_stays_open(secure, pki):
         async with AsyncClient(f"127.0.0.1:{secure.grpc_port}", api_key=key, ca_file=ca.ca_file,
                                client_cert=clients["team-b"].cert,
                                client_key=clients["team-b"].key, timeout=60) as ac:
-            return (await ac.generate(prompt_token_ids=PROMPT, max_tokens=3)).token_ids
+            return (await ac.generate(prompt_token_ids=PROMPT, max_tokens=3,
+                                      ignore_eos=True)).token_ids
     assert len(asyncio.run(with_async_client(KEY_B))) == 3
     with pytest.raises(Unauthenticated):
         asyncio.run(with_async_client(None))
@@ -223,14 +224,18 @@ def test_limits_per_key_and_on_size(secure, pki, engine):
             with _http(secure, pki, KEY_A) as h:
                 r = h.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
                 assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
-            assert len(b.generate(prompt_token_ids=PROMPT, max_tokens=3).token_ids) == 3
+            # ignore_eos: these sample at the default temperature, and a sampled EOS would end
+            # the generation early (seen once in CI: one token, finish_reason "stop").
+            assert len(b.generate(prompt_token_ids=PROMPT, max_tokens=3,
+                                  ignore_eos=True).token_ids) == 3
         finally:
             for s in streams:
                 s.close()
         deadline = time.monotonic() + 20  # the closed streams give their places back
         while True:
             try:
-                assert len(a.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids) == 2
+                assert len(a.generate(prompt_token_ids=PROMPT, max_tokens=2,
+                                      ignore_eos=True).token_ids) == 2
                 break
             except ResourceExhausted:
                 assert time.monotonic() < deadline
