@@ -323,20 +323,22 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     import signal
 
     prompts = random_prompts(seed=21, count=4, max_len=40, min_len=8)
-    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
-    refs = hf_greedy(tiny_llama_dir, "llama", prompts, 300)
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    refs = hf_greedy(tiny_llama_dir, "llama", prompts, 400)
     config = _config(tiny_llama_dir, mode=mode, num_prefill_workers=2 if mode == "disaggregated"
                      else 0, worker_restarts=restarts)
 
     async def body(cluster):
+        status = {w.id: w for w in await cluster.cluster_status()}  # the pids, before any stream
         streams = [cluster.generate(GenerateInput(long, token_ids=p, request_id=f"m{i}"))
                    for i, p in enumerate(prompts)]
         got = [[] for _ in prompts]
-        # everyone has streamed a few tokens, so every stream is committed somewhere
+        # Every stream has its first token, so it is committed somewhere; kill at once: the
+        # tiny model decodes a step in about a millisecond (one fused call), and a stream whose
+        # worker had already produced all its tokens would have nothing left to migrate.
         for i, s in enumerate(streams):
-            while len(got[i]) < 5:
+            while not got[i]:
                 got[i] += (await anext(s)).token_ids
-        status = {w.id: w for w in await cluster.cluster_status()}
         victim = "decode-0"
         on_victim = [i for i in range(len(prompts))
                      if cluster.orchestrator._streams[f"m{i}"].decode_id == victim]
