@@ -7,11 +7,16 @@ OpenMP region instead. Whether that wins depends on the host: its GEMV is a plai
 the layer-by-layer path may run a library GEMM the host does better (``engine.kernels`` times
 those per shape). So the engine times both on whole decode steps of the model at start-up,
 per batch bucket up to ``FUSED_BUCKETS[-1]``, and keeps the faster (cached per host like the
-linear kernels); the runner then takes the fused step where it won.
+linear kernels); the runner then takes the fused step where it won. The fused call has two
+sets of projection tiles, timed as two steps: dot products (a few weight rows against a few
+input rows, summed across the vector at the end) and wide tiles (the batch's rows in vector
+lanes, each weight scalar broadcast against them: no horizontal sums, ~2x the FMA rate from
+~8 rows on a 2-core AVX-512 EPYC, where a 32-row step went from 40-44 to 24-27 ms).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -36,34 +41,55 @@ TUNE_CONTEXT = 128  # tokens each timed sequence attends to (fewer if the model'
 _ROUNDS = 15
 
 
+# How a pure-decode step runs: the layers one by one, or one decode_layers call with its
+# projections on the dot-product tiles ("fused") or on the wide tiles ("wide": the batch's rows
+# in vector lanes, weights broadcast; ~1.6x the dot tiles' speed at 32 rows on a 2-core EPYC).
+STEPS = ("layers", "fused", "wide")
+
+
 @dataclass
 class FusedDecodePlan:
-    """Per batch bucket, whether pure-decode steps take ``decode_layers``. Empty (untuned):
-    never. ``timings``: one ``Timing`` per bucket, ``m`` the bucket, median seconds per step
-    of ``"layers"`` and ``"fused"``."""
+    """Per batch bucket, how pure-decode steps run (one of ``STEPS``). Empty (untuned): layer
+    by layer. ``timings``: one ``Timing`` per bucket, ``m`` the bucket, median seconds per step
+    of each of ``STEPS``."""
 
-    choices: dict[int, bool] = field(default_factory=dict)
+    choices: dict[int, str] = field(default_factory=dict)
     timings: list[Timing] = field(default_factory=list)
     from_cache: bool = False
 
     @classmethod
-    def everywhere(cls) -> FusedDecodePlan:
-        """Fused at every bucket, untimed (tests of the kernel, A/B in benchmarks)."""
-        return cls(dict.fromkeys(FUSED_BUCKETS, True))
+    def everywhere(cls, step: str = "fused") -> FusedDecodePlan:
+        """``step`` (``"fused"`` or ``"wide"``) at every bucket, untimed (tests of the kernel,
+        A/B in benchmarks)."""
+        return cls(dict.fromkeys(FUSED_BUCKETS, step))
+
+    def step(self, batch: int) -> str:
+        """How a pure-decode step of ``batch`` sequences runs: its bucket's choice (the largest
+        bucket <= batch); ``"layers"`` past the last bucket or where untuned."""
+        if batch < 1 or batch > FUSED_BUCKETS[-1]:
+            return "layers"
+        return self.choices.get(max(b for b in FUSED_BUCKETS if b <= batch), "layers")
 
     def use(self, batch: int) -> bool:
-        if batch < 1 or batch > FUSED_BUCKETS[-1]:
-            return False
-        return self.choices.get(max(b for b in FUSED_BUCKETS if b <= batch), False)
+        """Whether a pure-decode step of ``batch`` sequences is one ``decode_layers`` call."""
+        return self.step(batch) != "layers"
+
+    def wide_from(self, batch: int) -> int:
+        """``decode_layers``' ``wide_from`` for a step of ``batch`` sequences."""
+        return 1 if self.step(batch) == "wide" else cpu_ops.NEVER_WIDE
 
     def summary(self) -> list[str]:
-        """One line per bucket: the choice and its margin (``pdcluster bench ceilings``)."""
+        """One line per bucket: the choice and each step's time (``pdcluster bench ceilings``)."""
         lines = []
         for t in sorted(self.timings, key=lambda t: t.m):
             s = t.seconds
-            lines.append(f"batch {t.m}: {t.best} step ({s['layers'] * 1e3:.1f} ms layer by layer, "
-                         f"{s['fused'] * 1e3:.1f} ms fused: {s['layers'] / s['fused']:.2f}x)")
+            times = ", ".join(f"{s[k] * 1e3:.1f} ms {_LABELS[k]}" for k in STEPS if k in s)
+            lines.append(f"batch {t.m}: {t.best} step ({times}: "
+                         f"{s['layers'] / s[t.best]:.2f}x the layers)")
         return lines
+
+
+_LABELS = {"layers": "layer by layer", "fused": "fused, dot tiles", "wide": "fused, wide tiles"}
 
 
 def tune_fused_decode(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths,
@@ -84,7 +110,7 @@ def tune_fused_decode(model: torch.nn.Module, block_size: int, decode_paths: Dec
                                   f"{sorted(decode_paths.choices.items())}")
     timings, from_cache = cached_timings(
         "fused-decode", key, lambda: _measure(model, block_size, decode_paths), cache_dir)
-    plan = FusedDecodePlan({t.m: t.best == "fused" for t in timings}, timings, from_cache)
+    plan = FusedDecodePlan({t.m: t.best for t in timings}, timings, from_cache)
     if not from_cache:
         log.info("whole-step decode kernel timed for this host: %s", "; ".join(plan.summary()))
     return plan
@@ -118,13 +144,16 @@ def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths)
             backend.plan(meta)
             model(ids, meta.positions, caches, backend)
 
-        def fused(meta=meta, ids=ids) -> None:
+        def fused(meta=meta, ids=ids, wide_from=cpu_ops.NEVER_WIDE) -> None:
             tables, kv_lens = decode_tables(meta)
-            model.decode_fused(ids, meta.positions, caches, tables, kv_lens, block_size)
+            model.decode_fused(ids, meta.positions, caches, tables, kv_lens, block_size,
+                               wide_from)
 
-        times: dict[str, list[float]] = {"layers": [], "fused": []}
-        for r in range(_ROUNDS + 1):  # round 0 warms both up, untimed
-            for name, step in (("layers", layers), ("fused", fused)):
+        steps = {"layers": layers, "fused": fused, "wide": functools.partial(fused, wide_from=1)}
+        times: dict[str, list[float]] = {name: [] for name in STEPS}
+        for r in range(_ROUNDS + 1):  # round 0 warms every step up, untimed
+            for name in STEPS:
+                step = steps[name]
                 t0 = time.perf_counter()
                 step()
                 if r:

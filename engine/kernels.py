@@ -11,7 +11,10 @@ Which torch call runs them fastest depends on the host, and by a lot:
   weight, no copy. oneDNN picks its kernels by the CPU's instructions, MKL does not on AMD: on
   a 2-core AMD EPYC with AVX-512 it ran the M=32 LM-head GEMM 2.7x faster than ``F.linear``;
 - ``cgemv``: ``engine.cpu_ops.gemv``, a plain loop streaming each weight row once (M <= 8);
-  on that EPYC it streamed the model's weights at M=1 1.5-2x faster than either library.
+  on that EPYC it streamed the model's weights at M=1 1.5-2x faster than either library;
+- ``cwide``: ``engine.cpu_ops.wide_linear``, the whole-step decode kernel's wide tiles (the
+  rows of x in vector lanes, each weight scalar broadcast against all of them; decode buckets
+  only); on that EPYC the LM head at M=32 took 8.1 ms against oneDNN's 12.9.
 
 So nothing is hard-coded: for every weight shape of the model and every batch bucket (the
 decode buckets, and ``PREFILL_ROWS`` rows for prefill), ``tune_linear`` times the paths on the
@@ -44,8 +47,9 @@ from engine import cpu_ops
 
 log = logging.getLogger(__name__)
 
-# F.linear(x, W) | mm(W, x.T).T | oneDNN inner product | engine.cpu_ops.gemv (small M only)
-PATHS = ("linear", "mm_t", "onednn", "cgemv")
+# F.linear(x, W) | mm(W, x.T).T | oneDNN inner product | engine.cpu_ops.gemv (small M only) |
+# engine.cpu_ops.wide_linear (decode buckets only)
+PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
 CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
 # Decode batch sizes tuned (the attention paths use the same buckets); a batch uses the
 # largest bucket <= its M. From PREFILL_ROWS rows on it is a prefill GEMM: one more bucket.
@@ -135,8 +139,8 @@ def _call(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return F.linear(x, weight, bias)
     if path == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if path == "cgemv":
-        out = cpu_ops.gemv(x, weight, bias)
+    if path in ("cgemv", "cwide"):
+        out = (cpu_ops.gemv if path == "cgemv" else cpu_ops.wide_linear)(x, weight, bias)
         return out if out is not None else F.linear(x, weight, bias)
     return _mm_t(x, weight, bias)
 
@@ -158,9 +162,10 @@ def available_paths() -> tuple[str, ...]:
                 paths.append("onednn")
         except (RuntimeError, AttributeError) as e:  # no such op in this build
             log.info("oneDNN linear unavailable: %s", e)
-        got = cpu_ops.gemv(x, w, b)  # None where the fused kernels are not built
-        if got is not None and torch.allclose(got, F.linear(x, w, b), atol=1e-4):
-            paths.append("cgemv")
+        for path, kernel in (("cgemv", cpu_ops.gemv), ("cwide", cpu_ops.wide_linear)):
+            got = kernel(x, w, b)  # None where the fused kernels are not built
+            if got is not None and torch.allclose(got, F.linear(x, w, b), atol=1e-4):
+                paths.append(path)
         _available = tuple(paths)
     return _available
 
@@ -233,7 +238,7 @@ def time_choices(weights: list[torch.Tensor], buckets: Iterable[int] | None = No
     for m in LINEAR_BUCKETS if buckets is None else buckets:
         reps = 1 if m >= PREFILL_ROWS else max(repeats, _SMALL_M_REPEATS) if m <= _SMALL_M else repeats
         # mm_t exists for small M (MKL's GEMV at M=1); on prefill rows it only costs tuning time.
-        paths = [p for p in available_paths() if (m < PREFILL_ROWS or p != "mm_t")
+        paths = [p for p in available_paths() if (m < PREFILL_ROWS or p not in ("mm_t", "cwide"))
                  and (m <= CGEMV_MAX_M or p != "cgemv")]
         uniform = _interleaved(weights, m, {p: dict.fromkeys(shapes, p) for p in paths}, reps,
                                warm_up=True)
@@ -268,7 +273,8 @@ def tune_linear(weights: list[torch.Tensor], cache_dir: str | Path | None = None
     model 30 s at 2 threads and 55 s at 1 on a 2-vCPU host: ``make setup`` times the default
     thread counts ahead, ``engine.pretune``). Weights under ``MIN_TUNED_BYTES`` are not timed (``F.linear``)."""
     shapes = sorted({tuple(w.shape) for w in weights})
-    key = host_key(shapes, weights[0].dtype)
+    # The kernel library's build is part of the key: its paths' speed is that build's.
+    key = host_key(shapes, weights[0].dtype, f"cpu_ops {cpu_ops.build_id()}")
     timings, from_cache = cached_timings("linear", key, lambda: time_choices(weights), cache_dir)
     plan = LinearPlan.from_timings(timings, key, from_cache)
     if not from_cache:

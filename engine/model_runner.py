@@ -154,7 +154,8 @@ class ModelRunner:
                 and self.fused_decode.use(meta.num_seqs)
                 and isinstance(self.attn_backend, TorchPagedBackend)):
             hidden = self.model.decode_fused(input_ids, meta.positions, self.kv_caches,
-                                             *decode_tables(meta), self.block_size)
+                                             *decode_tables(meta), self.block_size,
+                                             self.fused_decode.wide_from(meta.num_seqs))
             if hidden is not None:
                 return hidden
         self.attn_backend.plan(meta)

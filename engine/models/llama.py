@@ -137,18 +137,19 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[torch.Tensor], tables: torch.Tensor, kv_lens: torch.Tensor,
-                     block_size: int) -> torch.Tensor | None:
+                     block_size: int, wide_from: int = cpu_ops.NEVER_WIDE) -> torch.Tensor | None:
         """``forward`` for a pure-decode step (one new token per sequence, ``input_ids [M]``)
         as one call of ``engine.cpu_ops.decode_layers``: every layer in one OpenMP region,
         the new K/V written into each sequence's slot (``tables [M, max_pages]``, ``kv_lens
-        [M]`` including the new token, int64). Same math as ``forward``; None, computing
+        [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles).
+        Same math as ``forward``; None, computing
         nothing, where the kernel does not apply (the caller then runs ``forward``)."""
         if not cpu_ops.decode_layers_applies(self.layer_shapes, self.embed.weight.dtype):
             return None
         h = self.embed(input_ids)  # [M, hidden], a new tensor the kernel updates in place
         ok = cpu_ops.decode_layers(h, self._layer_pointers(kv_caches), self.layer_shapes,
                                    self.rope_cos[positions], self.rope_sin[positions], tables,
-                                   kv_lens, block_size)
+                                   kv_lens, block_size, wide_from)
         return cpu_ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if ok else None
 
     def _layer_pointers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:

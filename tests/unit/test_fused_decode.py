@@ -1,7 +1,8 @@
 """The whole-step decode kernel (engine/csrc/cpu_ops.c ``decode_layers``, driven by
-``LlamaForCausalLM.decode_fused``): its logits equal transformers' forward pass, it writes the
-K/V the layer-by-layer path writes and nothing else, the runner takes it exactly where the
-host's plan says, and the plan is timed per bucket and cached."""
+``LlamaForCausalLM.decode_fused``), on both sets of projection tiles (dot products and wide):
+its logits equal transformers' forward pass, it writes the K/V the layer-by-layer path writes
+and nothing else, the runner takes it exactly where the host's plan says, and the plan is
+timed per bucket and cached."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from engine import cpu_ops
 from engine.attention.backend import SeqSlice, build_metadata
 from engine.attention.torch_paged import DecodePaths, TorchPagedBackend, decode_tables
 from engine.config import CacheConfig, cdiv
-from engine.fused_decode import FUSED_BUCKETS, FusedDecodePlan, tune_fused_decode
+from engine.fused_decode import FUSED_BUCKETS, STEPS, FusedDecodePlan, tune_fused_decode
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.weights import load_model_config, load_state_dict
 from tests.tiny_models import VOCAB, hf_greedy, load_hf, random_prompts
 
 BLOCK = 4
+# decode_layers' wide_from per set of tiles: "wide" from the first row, "dot" never
+WIDE_FROM = {"dot": cpu_ops.NEVER_WIDE, "wide": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -53,25 +56,29 @@ def _decode_meta(seqs_ids, blocks):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("lengths", [[9], [4, 1, 13, 8, 30], [3, 17, 5, 8, 1, 22, 12, 4, 9, 40,
-                                                                 2, 16, 7]],
-                         ids=["batch1", "batch5", "batch13"])
+                                                                 2, 16, 7],
+                                     [(7 * i) % 23 + 1 for i in range(37)]],
+                         ids=["batch1", "batch5", "batch13", "batch37"])
 @pytest.mark.parametrize("threads", [None, 3], ids=["threads-default", "threads-3"])
-def test_fused_steps_match_transformers(arch, lengths, threads, request):
+@pytest.mark.parametrize("tiles", ["dot", "wide"])
+def test_fused_steps_match_transformers(arch, lengths, threads, tiles, request):
     """Prefill layer by layer, then three decode steps through ``decode_fused``: every
-    sequence's logits equal transformers' full forward over its tokens so far (batch 5 and
-    13: tiles of 4 input rows and a remainder; batch 1: the 2-row path; 3 threads: work blocks
-    of an odd number of row pairs, so the 4-row kernel's leftover pair runs; Qwen2: the QKV
-    bias; contexts straddling pages)."""
+    sequence's logits equal transformers' full forward over its tokens so far. Dot tiles:
+    batch 5, 13 and 37 run tiles of 4 input rows and a remainder, batch 1 the 2-row path, 3
+    threads work blocks of an odd number of row pairs (the 4-row kernel's leftover pair). Wide
+    tiles: one lane vector (batch 1-13, padding lanes), two, and two then one (batch 37: 48
+    lanes); the tiny model's 128 / 64 / 128 output rows end in tiles of 4 after the 12-row
+    ones. Qwen2: the QKV bias; contexts straddling pages."""
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        _fused_steps_match_transformers(arch, lengths, request)
+        _fused_steps_match_transformers(arch, lengths, WIDE_FROM[tiles], request)
     finally:
         torch.set_num_threads(before)
 
 
-def _fused_steps_match_transformers(arch, lengths, request):
+def _fused_steps_match_transformers(arch, lengths, wide_from, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     runner = ModelRunner(_model(model_dir), CacheConfig(block_size=BLOCK), 256)
     model = runner.model
@@ -88,7 +95,7 @@ def _fused_steps_match_transformers(arch, lengths, request):
         meta = _decode_meta(seqs, blocks)
         with torch.inference_mode():
             hidden = model.decode_fused(torch.tensor(new), meta.positions, runner.kv_caches,
-                                        *decode_tables(meta), BLOCK)
+                                        *decode_tables(meta), BLOCK, wide_from)
             assert hidden is not None, "the kernel declined an fp32 CPU model"
             ours = model.compute_logits(hidden)
             for i, s in enumerate(seqs):
@@ -97,7 +104,8 @@ def _fused_steps_match_transformers(arch, lengths, request):
                 assert rel < 1e-4, f"{arch} seq {i} (len {len(s)}): relative error {rel:.2e}"
 
 
-def test_fused_step_writes_the_layers_kv_and_nothing_else(tiny_llama_dir):
+@pytest.mark.parametrize("tiles", ["dot", "wide"])
+def test_fused_step_writes_the_layers_kv_and_nothing_else(tiny_llama_dir, tiles):
     """The same decode step, layer by layer and fused, from the same caches: the new tokens'
     slots hold the same K/V, and every other slot is untouched (bit for bit)."""
     model = _model(tiny_llama_dir)
@@ -114,7 +122,8 @@ def test_fused_step_writes_the_layers_kv_and_nothing_else(tiny_llama_dir):
     with torch.inference_mode():
         backend.plan(meta)
         ref = model(ids, meta.positions, caches, backend)
-        got = model.decode_fused(ids, meta.positions, fused_caches, *decode_tables(meta), BLOCK)
+        got = model.decode_fused(ids, meta.positions, fused_caches, *decode_tables(meta), BLOCK,
+                                 WIDE_FROM[tiles])
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     written = torch.zeros(64, BLOCK, dtype=torch.bool)
     for s in seqs:  # the new token's slot: position start_pos
@@ -131,11 +140,11 @@ def test_fused_step_writes_the_layers_kv_and_nothing_else(tiny_llama_dir):
 MAX_TOKENS = 10
 
 
-@pytest.mark.parametrize("max_num_seqs", [8, 32])
-def test_engine_with_fused_steps_matches_transformers_greedy(tiny_llama_dir, max_num_seqs):
-    """A whole engine run with the fused step planned at every bucket: greedy tokens equal
-    transformers' ``generate``, the fused step really ran (pure-decode steps only), and every
-    KV block comes back."""
+@pytest.mark.parametrize("max_num_seqs,step", [(8, "fused"), (32, "fused"), (32, "wide")])
+def test_engine_with_fused_steps_matches_transformers_greedy(tiny_llama_dir, max_num_seqs, step):
+    """A whole engine run with the fused step (``step``'s tiles) planned at every bucket:
+    greedy tokens equal transformers' ``generate``, the fused step really ran (pure-decode
+    steps only) on the planned tiles, and every KV block comes back."""
     from engine import LLM, SamplingParams
 
     prompts = random_prompts(seed=4, count=20, max_len=40)
@@ -143,7 +152,7 @@ def test_engine_with_fused_steps_matches_transformers_greedy(tiny_llama_dir, max
     llm = LLM(str(tiny_llama_dir), max_num_seqs=max_num_seqs, block_size=BLOCK,
               tune_kernels=False)
     runner = llm.engine.runner
-    runner.fused_decode = FusedDecodePlan.everywhere()
+    runner.fused_decode = FusedDecodePlan.everywhere(step)
     model = runner.model
     real = model.decode_fused
     calls = []
@@ -151,6 +160,7 @@ def test_engine_with_fused_steps_matches_transformers_greedy(tiny_llama_dir, max
     def counted(input_ids, *args):
         out = real(input_ids, *args)
         calls.append((len(input_ids), out is not None))
+        assert args[-1] == WIDE_FROM["wide" if step == "wide" else "dot"]
         return out
 
     model.decode_fused = counted
@@ -170,12 +180,18 @@ def test_engine_with_fused_steps_matches_transformers_greedy(tiny_llama_dir, max
 
 
 def test_plan_buckets():
-    plan = FusedDecodePlan({1: True, 2: False, 4: True, 8: True, 16: False, 32: True})
-    assert [plan.use(b) for b in (1, 2, 3, 4, 7, 8, 15, 16, 31, 32)] == [
-        True, False, False, True, True, True, True, False, False, True]
-    assert not plan.use(0) and not plan.use(33)
+    plan = FusedDecodePlan({1: "fused", 2: "layers", 4: "fused", 8: "wide", 16: "layers",
+                            32: "wide"})
+    batches = (1, 2, 3, 4, 7, 8, 15, 16, 31, 32)
+    assert [plan.step(b) for b in batches] == [
+        "fused", "layers", "layers", "fused", "fused", "wide", "wide", "layers", "layers", "wide"]
+    assert [plan.use(b) for b in batches] == [plan.step(b) != "layers" for b in batches]
+    assert [plan.wide_from(b) for b in (1, 8, 15, 32)] == [cpu_ops.NEVER_WIDE, 1, 1, 1]
+    assert plan.step(0) == plan.step(33) == "layers" and not plan.use(33)
     assert not FusedDecodePlan().use(1)  # untuned: never
-    assert all(FusedDecodePlan.everywhere().use(b) for b in range(1, FUSED_BUCKETS[-1] + 1))
+    for step in ("fused", "wide"):
+        assert {FusedDecodePlan.everywhere(step).step(b)
+                for b in range(1, FUSED_BUCKETS[-1] + 1)} == {step}
 
 
 def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path):
@@ -183,10 +199,13 @@ def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path):
     plan = tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path)
     assert not plan.from_cache
     assert sorted(t.m for t in plan.timings) == list(FUSED_BUCKETS)
-    assert all(set(t.seconds) == {"layers", "fused"} and min(t.seconds.values()) > 0
+    assert all(set(t.seconds) == set(STEPS) and min(t.seconds.values()) > 0
                for t in plan.timings)
-    assert plan.choices == {t.m: t.seconds["fused"] < t.seconds["layers"] for t in plan.timings}
+    assert plan.choices == {t.m: min(t.seconds, key=t.seconds.get) for t in plan.timings}
     assert len(plan.summary()) == len(FUSED_BUCKETS)
+    assert all(line.startswith(f"batch {t.m}: {t.best} step") and "wide tiles" in line
+               for line, t in zip(plan.summary(), sorted(plan.timings, key=lambda t: t.m),
+                                  strict=True))
     again = tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path)
     assert again.from_cache and again.choices == plan.choices
     # Another attention plan is another key: timed afresh.

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import engine.kernels as kernels
+from engine import cpu_ops
 from engine.kernels import (
     LINEAR_BUCKETS,
     PREFILL_ROWS,
@@ -42,6 +43,18 @@ def test_every_path_computes_the_same_product(m, bias):
         got = linear(x, w, b)
         assert got.shape == (m, 160) and got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 70])
+def test_wide_linear_matches_f_linear_on_ragged_shapes(m):
+    """The wide tiles with every remainder: 29 output rows (two 12-row tiles, then 4, then
+    1), 37 inputs, lanes padded to 16 and taken 32 then 16 at a time."""
+    g = torch.Generator().manual_seed(m)
+    x, w, b = torch.randn(m, 37, generator=g), torch.randn(29, 37, generator=g), torch.randn(29, generator=g)
+    got = cpu_ops.wide_linear(x, w, b)
+    assert got is not None and got.shape == (m, 29)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert cpu_ops.wide_linear(torch.randn(m, 74)[:, ::2], w, b) is None  # strided: declined
 
 
 def test_plan_follows_the_bucket_and_leaves_untuned_buckets_and_shapes_to_f_linear():
