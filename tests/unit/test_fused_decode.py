@@ -240,3 +240,26 @@ def test_the_kernel_declines_what_it_does_not_take(tiny_llama_dir):
     cpu_ops.set_enabled(False)  # no library: declined, and the model says so
     assert _model(tiny_llama_dir).decode_fused(torch.tensor([5]), meta.positions, caches,
                                                tables, lens, BLOCK) is None
+
+
+def test_fused_step_follows_weights_replaced_after_its_first_call(tiny_llama_dir):
+    """The kernel's address table is cached; a weight replaced by a new tensor (not copied
+    into) after a fused step must not leave the kernel reading the old one: the next fused
+    step equals the layer-by-layer step on the new weights."""
+    model = _model(tiny_llama_dir)
+    cfg = model.cfg
+    caches = [torch.zeros(16, 2, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+              for _ in range(cfg.num_layers)]
+    seqs = [SeqSlice([3, 5], 5, 1), SeqSlice([9], 2, 1)]
+    meta = build_metadata(seqs, BLOCK)
+    ids = torch.tensor([11, 12])
+    with torch.inference_mode():
+        before = model.decode_fused(ids, meta.positions, caches, *decode_tables(meta), BLOCK)
+        last = model.layers[-1]
+        last.down.weight = torch.nn.Parameter(last.down.weight.detach() * 3)
+        after = model.decode_fused(ids, meta.positions, caches, *decode_tables(meta), BLOCK)
+        backend = TorchPagedBackend()
+        backend.plan(meta)
+        ref = model(ids, meta.positions, caches, backend)
+    assert not torch.allclose(after, before, atol=1e-3)
+    torch.testing.assert_close(after, ref, atol=1e-4, rtol=1e-4)
