@@ -155,11 +155,29 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torc
 # GGUF -> HF directory conversion
 
 
+_SAMPLE_EDGE, _SAMPLE_CHUNK, _SAMPLE_COUNT = 1 << 20, 64 << 10, 32
+
+
+def gguf_content_key(gguf_path: Path) -> str:
+    """What the converted directory depends on: the converter's version, the file's size and a
+    hash of its first and last MiB and 32 chunks of 64 KiB spread evenly between (~4 MB read
+    whatever the file's size). Not its path or mtime: every venv installs the default model's
+    package at its own path, with the install time as mtime, and keying on those wrote a new
+    538 MB conversion per venv (every clean clone's ``make setup``) that nothing removed."""
+    size = gguf_path.stat().st_size
+    h = hashlib.sha256(f"{_CONVERTER_VERSION}:{size}".encode())
+    step = max(1, (size - 2 * _SAMPLE_EDGE) // (_SAMPLE_COUNT + 1))
+    spans = [(0, _SAMPLE_EDGE), (max(0, size - _SAMPLE_EDGE), _SAMPLE_EDGE)]
+    spans += [(_SAMPLE_EDGE + i * step, _SAMPLE_CHUNK) for i in range(1, _SAMPLE_COUNT + 1)]
+    with open(gguf_path, "rb") as f:
+        for offset, length in spans:
+            f.seek(min(offset, size))
+            h.update(f.read(length))
+    return h.hexdigest()[:12]
+
+
 def _convert_gguf_cached(gguf_path: Path, cache_dir: Path) -> Path:
-    st = gguf_path.stat()
-    key = f"{_CONVERTER_VERSION}:{gguf_path}:{st.st_size}:{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    out_dir = cache_dir / f"{gguf_path.stem}-{digest}"
+    out_dir = cache_dir / f"{gguf_path.stem}-{gguf_content_key(gguf_path)}"
     if (out_dir / "config.json").is_file():
         return out_dir  # complete: directories only appear via an atomic rename
     cache_dir.mkdir(parents=True, exist_ok=True)

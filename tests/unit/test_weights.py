@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -26,6 +27,7 @@ from transformers import (
 
 from engine.weights import (
     default_gguf_path,
+    gguf_content_key,
     load_model_config,
     load_state_dict,
     resolve_model,
@@ -103,6 +105,25 @@ def test_conversion_cache_is_reused(default_model, tmp_path_factory):
     assert weights.stat().st_mtime_ns == mtime
     # No temp dirs are left behind next to the converted model.
     assert [p.name for p in again.model_dir.parent.iterdir()] == [again.model_dir.name]
+
+
+def test_conversion_is_keyed_by_content_not_path_or_mtime(tmp_path):
+    """Each venv installs the default model at its own path with its own mtime: the same bytes
+    must map to the same converted directory (else every clean clone writes another 538 MB
+    copy), and a changed byte in the weights to another."""
+    original = default_gguf_path()
+    copy = tmp_path / "elsewhere" / original.name
+    copy.parent.mkdir()
+    shutil.copyfile(original, copy)
+    os.utime(copy, ns=(1, 1))
+    assert gguf_content_key(copy) == gguf_content_key(original)
+    size = copy.stat().st_size
+    with open(copy, "r+b") as f:  # one byte of the last tensor's data
+        f.seek(size - 100)
+        byte = f.read(1)
+        f.seek(size - 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert gguf_content_key(copy) != gguf_content_key(original)
 
 
 def _tiny(family: str):
