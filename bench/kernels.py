@@ -9,6 +9,9 @@ drift and noisy neighbours hit all three alike, each round starting with the nex
   kernels of ``engine.cpu_ops`` (norms, rotary, SiLU-gate, paged decode attention) where built,
   and the whole-step decode kernel at the batch sizes where it timed faster (``engine.fused_decode``);
 - ``layer by layer``: the host plan without the whole-step kernel;
+- ``no wide tiles``: the host plan without the wide tiles (``engine.cpu_ops.wide_linear`` and
+  ``decode_layers``' wide projections): each weight shape and bucket that chose ``cwide`` takes
+  its runner-up from the same tuning, each fused bucket on wide tiles the dot tiles;
 - ``mm_t < 128 rows``: the rule hard-coded before (tuned on one AMD EPYC) (this and the two
   below layer by layer: they compare linear kernels);
 - ``F.linear``: torch's default everywhere;
@@ -34,19 +37,32 @@ from bench.step_split import StepSplit, measure_step_split
 NAME = "kernels"
 HELP = "decode step time under this host's linear-kernel plan vs fixed kernel choices"
 SPLIT_STEPS = 10
-PLANS = ("host plan", "layer by layer", "mm_t < 128 rows", "F.linear", "oneDNN", "no C kernels")
+PLANS = ("host plan", "layer by layer", "no wide tiles", "mm_t < 128 rows", "F.linear", "oneDNN",
+         "no C kernels")
 
 
 def _plans(tuned):
     from engine.kernels import LINEAR_BUCKETS, M_BUCKETS, LinearPlan
 
     shapes = {(t.n, t.k) for t in tuned.timings}
+    no_wide = LinearPlan({(t.n, t.k, t.m): min((p for p in t.seconds if p != "cwide"),
+                                               key=t.seconds.get) for t in tuned.timings})
     return {"host plan": tuned,
             "layer by layer": tuned,
+            "no wide tiles": no_wide,
             "mm_t < 128 rows": LinearPlan({(n, k, m): "mm_t" for n, k in shapes for m in M_BUCKETS}),
             "F.linear": LinearPlan({}),
             "oneDNN": LinearPlan({(n, k, m): "onednn" for n, k in shapes for m in LINEAR_BUCKETS}),
             "no C kernels": tuned}
+
+
+def _without_wide(fused):
+    """``fused`` with each bucket on wide tiles moved to the dot tiles. (Not to the layers
+    where those timed faster than the dot tiles: the layers were timed under a linear plan
+    with ``cwide`` in it, which this set-up takes away.)"""
+    from engine.fused_decode import FusedDecodePlan
+
+    return FusedDecodePlan({m: "fused" if c == "wide" else c for m, c in fused.choices.items()})
 
 
 def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
@@ -66,6 +82,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
     backend = eng.runner.attn_backend
     decode_paths = backend.decode_paths
     fused_plan = eng.runner.fused_decode
+    fused_plans = {"host plan": fused_plan, "no wide tiles": _without_wide(fused_plan)}
     # Without the kernels, decode attention takes the torch path the host timed best.
     torch_paths = DecodePaths({key: min((p for p in t.seconds if p != "fused"), key=t.seconds.get)
                                for t in decode_paths.timings for key in [(t.m, t.n)]})
@@ -89,7 +106,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
                 kernels.set_linear_plan(plan)
                 cpu_ops.set_enabled(fused_on and name != "no C kernels")
                 backend.decode_paths = torch_paths if name == "no C kernels" else decode_paths
-                eng.runner.fused_decode = fused_plan if name == "host plan" else FusedDecodePlan()
+                eng.runner.fused_decode = fused_plans.get(name, FusedDecodePlan())
                 eng.step()  # one untimed step: the switch's first calls
                 t0 = time.perf_counter()
                 for _ in range(steps):
@@ -115,18 +132,20 @@ def run(args: argparse.Namespace) -> dict:
     rounds = args.rounds or (3 if args.quick else 9)
     rows, splits = [], []
     print(f"{'batch':>5} " + " ".join(f"{p:>16}" for p in PLANS) + f" {'fixed/host':>11}"
-          + f" {'layers/host':>11} {'noC/host':>10}")
+          + f" {'layers/host':>11} {'nowide/host':>11} {'noC/host':>10}")
     for b in sizes:
         ms, split = measure(args.model, b, rounds, args.steps, args.seed)
         splits.append((b, split))
         best_fixed = min(ms["mm_t < 128 rows"], ms["F.linear"], ms["oneDNN"])
         rows.append({"batch": b, "step_ms": ms, "best_fixed_over_host": best_fixed / ms["host plan"],
                      "layers_over_host": ms["layer by layer"] / ms["host plan"],
+                     "no_wide_over_host": ms["no wide tiles"] / ms["host plan"],
                      "no_c_kernels_over_host": ms["no C kernels"] / ms["host plan"],
                      "step_split": split, "outside_model_share": split.outside_model_share})
         print(f"{b:>5} " + " ".join(f"{ms[p]:>13.1f} ms" for p in PLANS)
               + f" {best_fixed / ms['host plan']:>10.2f}x"
               + f" {ms['layer by layer'] / ms['host plan']:>10.2f}x"
+              + f" {ms['no wide tiles'] / ms['host plan']:>10.2f}x"
               + f" {ms['no C kernels'] / ms['host plan']:>10.2f}x", flush=True)
     print(f"where a decode step goes under the host plan ({SPLIT_STEPS} steps):")
     for b, split in splits:

@@ -14,7 +14,7 @@ Which torch call runs them fastest depends on the host, and by a lot:
   on that EPYC it streamed the model's weights at M=1 1.5-2x faster than either library;
 - ``cwide``: ``engine.cpu_ops.wide_linear``, the whole-step decode kernel's wide tiles (the
   rows of x in vector lanes, each weight scalar broadcast against all of them; decode buckets
-  only); on that EPYC the LM head at M=32 took 8.1 ms against oneDNN's 12.9.
+  only); on that EPYC the LM head streamed from memory took 5.0 ms at M=32 against oneDNN's 8.1.
 
 So nothing is hard-coded: for every weight shape of the model and every batch bucket (the
 decode buckets, and ``PREFILL_ROWS`` rows for prefill), ``tune_linear`` times the paths on the

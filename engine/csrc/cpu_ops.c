@@ -352,7 +352,7 @@ static int64_t pairs_per_block(int64_t pairs, int nthreads) {
  * tile runs, the next tile's rows are prefetched into L2 (12 row streams are more than the
  * hardware prefetcher follows). 2-core AVX-512 EPYC, whole 32-row decode step: 40-44 ms on the
  * dot tiles, 28-31 on these without the prefetch, 24-27 with it (8 rows: 1.4x from the
- * prefetch); the LM head (49152 x 576) at 32 rows ~420 GFLOP/s, the matmul peak. Tried and
+ * prefetch); the LM head (49152 x 576) at 32 rows 360-420 GFLOP/s, near the matmul peak. Tried and
  * dropped: 8 or 16 rows per tile (0.86-1.0x), prefetching two or four tiles ahead or into L1
  * (within 3%). */
 #define WIDE_NR 12 /* weight rows per tile: 12 x 2 lane vectors = 24 accumulators */

@@ -53,8 +53,9 @@ def test_kernels_times_every_set_up_and_splits_the_step(tmp_path, tiny_llama_dir
     data = _read(tmp_path, "kernels")
     assert [r["batch"] for r in data["rows"]] == [1, 2]
     for r in data["rows"]:
-        assert set(r["step_ms"]) == {"host plan", "layer by layer", "mm_t < 128 rows", "F.linear", "oneDNN",
-                                     "no C kernels"}
+        assert set(r["step_ms"]) == {"host plan", "layer by layer", "no wide tiles", "mm_t < 128 rows",
+                                     "F.linear", "oneDNN", "no C kernels"}
+        assert r["no_wide_over_host"] > 0
         assert all(v > 0 for v in r["step_ms"].values())
         split = r["step_split"]
         # Every layer of the stack was seen, and the parts add up to the step.
@@ -64,6 +65,24 @@ def test_kernels_times_every_set_up_and_splits_the_step(tmp_path, tiny_llama_dir
                  + split["outside_model_ms"])
         assert parts == pytest.approx(split["step_ms"])
         assert 0 < r["outside_model_share"] < 1
+
+
+def test_kernels_no_wide_set_up_takes_each_runner_up():
+    """``no wide tiles``: a shape/bucket that chose ``cwide`` takes its runner-up, a fused
+    bucket on wide tiles the dot tiles."""
+    from bench.kernels import _plans, _without_wide
+    from engine.fused_decode import FusedDecodePlan
+    from engine.kernels import LinearPlan, Timing
+
+    tuned = LinearPlan.from_timings([
+        Timing(64, 32, 8, {"cwide": 1.0, "onednn": 2.0, "linear": 3.0}),
+        Timing(64, 32, 1, {"cgemv": 1.0, "cwide": 1.5, "linear": 3.0})])
+    no_wide = _plans(tuned)["no wide tiles"]
+    assert no_wide.path(64, 32, 8) == "onednn" and no_wide.path(64, 32, 1) == "cgemv"
+    fused = FusedDecodePlan({1: "fused", 2: "layers", 8: "wide", 32: "wide"})
+    assert _without_wide(fused).choices == {1: "fused", 2: "layers", 8: "fused", 32: "fused"}
+    assert _without_wide(FusedDecodePlan.everywhere("wide")).choices == dict.fromkeys(
+        FusedDecodePlan.everywhere().choices, "fused")
 
 
 @pytest.mark.slow
