@@ -139,12 +139,12 @@ def default_model_linear_plan(model=None):
 
 
 def fused_kernels_and_decode_paths():
-    """Where this host's fused-kernel library is (or why not), and the decode paths the
-    engine times for the default model's attention shapes."""
+    """Where this host's fused-kernel library is (or why not), and the decode and prefill
+    attention paths the engine times for the default model's attention shapes."""
     import torch
 
     from engine import cpu_ops
-    from engine.attention.torch_paged import tune_decode_paths
+    from engine.attention.torch_paged import tune_decode_paths, tune_prefill_paths
     from engine.config import CacheConfig
     from engine.weights import load_model_config, resolve_model
 
@@ -153,7 +153,8 @@ def fused_kernels_and_decode_paths():
     cfg = load_model_config(resolve_model(None).model_dir)
     decode = tune_decode_paths(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                CacheConfig().block_size, torch.float32)
-    return kernels, decode
+    prefill = tune_prefill_paths(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    return kernels, decode, prefill
 
 
 def fused_decode_plan(model, linear_plan, decode_paths):
@@ -179,11 +180,15 @@ def run(args: argparse.Namespace) -> dict:
           "path per batch size, and how much faster than the other):", flush=True)
     for line in plan.summary():
         print("  " + line, flush=True)
-    kernels, decode = fused_kernels_and_decode_paths()
+    kernels, decode, prefill = fused_kernels_and_decode_paths()
     print(f"fused CPU kernels (engine.cpu_ops): {kernels}", flush=True)
     print("decode attention path per batch and context (and how much faster than the "
           "runner-up):", flush=True)
     for line in decode.summary():
+        print("  " + line, flush=True)
+    print("prefill attention path per KV length (and how much faster than the other):",
+          flush=True)
+    for line in prefill.summary() or ["torch's scaled_dot_product_attention (no fused kernels here)"]:
         print("  " + line, flush=True)
     fused = fused_decode_plan(model, plan, decode)
     print("pure-decode step per batch bucket: layer by layer, or every layer in one fused call "
@@ -197,6 +202,7 @@ def run(args: argparse.Namespace) -> dict:
                                "summary": plan.summary(), "timings": plan.timings},
                "fused_cpu_kernels": kernels,
                "decode_paths": {"summary": decode.summary(), "timings": decode.timings},
+               "prefill_paths": {"summary": prefill.summary(), "timings": prefill.timings},
                "fused_decode": {"summary": fused.summary(), "timings": fused.timings}}
     path = write_json(args.out, "ceilings", payload)
     print(f"wrote {path}")

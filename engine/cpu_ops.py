@@ -65,6 +65,8 @@ _SIGNATURES = {
     "decode_layers_work_floats": [_I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "wide_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "wide_linear_work_floats": [_I64, _I64, _INT],
+    "prefill_attention": [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
+                          _I64, _F32, _INT],
 }
 _RESTYPES = {"decode_layers_work_floats": _I64, "wide_linear_work_floats": _I64}
 
@@ -285,6 +287,29 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     lib.wide_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                     out.data_ptr(), m, n, k, work.data_ptr(), threads)
     return out
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
+                      out: torch.Tensor) -> bool:
+    """Causal attention of a prefill chunk into ``out``: ``q [Lq, H, D]``, ``k``/``v``
+    ``[start_pos + Lq, KVH, D]`` (the tokens before the chunk, then the chunk's), query row
+    ``i`` at position ``start_pos + i`` attending keys ``0 .. start_pos + i``; ``out [Lq, H,
+    D]``. Each row of the three may sit any number of floats apart (views into the fused QKV
+    projection), the heads and dims contiguous. Returns False, writing nothing, when the
+    kernel does not apply (the caller runs ``scaled_dot_product_attention``)."""
+    lib = library()
+    if lib is None or not _fits(q, k, v, out) or q.dim() != 3 or k.dim() != 3:
+        return False
+    lq, h, d = q.shape
+    kvh = k.shape[1]
+    if (d > MAX_HEAD_DIM or h % kvh or k.shape != v.shape or k.shape[0] != start_pos + lq
+            or k.shape[2] != d or out.shape != q.shape or k.stride() != v.stride()
+            or any(t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v, out))):
+        return False
+    lib.prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
+                          out.data_ptr(), out.stride(0), lq, start_pos, h, kvh, d, d ** -0.5,
+                          torch.get_num_threads())
+    return True
 
 
 def decode_applies(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.torch_paged import tune_decode_paths
+from engine.attention.torch_paged import tune_decode_paths, tune_prefill_paths
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
 from engine.device import kv_pool_bytes, plan_device
@@ -146,6 +146,8 @@ class LLMEngine:
             self.runner.attn_backend.decode_paths = tune_decode_paths(
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.block_size,
                 getattr(torch, cfg.dtype))
+            self.runner.attn_backend.prefill_paths = tune_prefill_paths(
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, getattr(torch, cfg.dtype))
             self.runner.fused_decode = tune_fused_decode(
                 model, args.block_size, self.runner.attn_backend.decode_paths)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,

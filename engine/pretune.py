@@ -42,6 +42,7 @@ class Pretuned:
     decode_from_cache: bool
     fused_from_cache: bool
     seconds: float
+    prefill_from_cache: bool = True
 
 
 def default_thread_counts(cores: int | None = None) -> list[int]:
@@ -56,7 +57,7 @@ def pretune(model: str | None = None, thread_counts: list[int] | None = None,
     """Time (or find cached) the linear and decode-attention plans of ``model`` (default: the
     default model) at each thread count, exactly as ``LLMEngine`` does at start-up; restores
     torch's thread count afterwards."""
-    from engine.attention.torch_paged import tune_decode_paths
+    from engine.attention.torch_paged import tune_decode_paths, tune_prefill_paths
     from engine.config import CacheConfig
     from engine.fused_decode import tune_fused_decode
     from engine.kernels import linear_plan, model_linear_weights, set_linear_plan, tune_linear
@@ -79,10 +80,12 @@ def pretune(model: str | None = None, thread_counts: list[int] | None = None,
             block_size = CacheConfig().block_size
             decode = tune_decode_paths(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                        block_size, dtype, cache_dir=cache_dir)
+            prefill = tune_prefill_paths(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype,
+                                         cache_dir=cache_dir)
             set_linear_plan(linear)  # the fused step is timed against the layers as they run
             fused = tune_fused_decode(net, block_size, decode, cache_dir=cache_dir)
             done.append(Pretuned(n, linear.from_cache, decode.from_cache, fused.from_cache,
-                                 time.perf_counter() - t0))
+                                 time.perf_counter() - t0, prefill.from_cache))
     finally:
         torch.set_num_threads(before)
         set_linear_plan(plan_before)
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in pretune(args.model, args.threads, args.cache_dir):
             state = ("cached already" if r.linear_from_cache and r.decode_from_cache
-                     and r.fused_from_cache
+                     and r.fused_from_cache and r.prefill_from_cache
                      else f"timed in {r.seconds:.1f} s")
             print(f"kernel plans for {r.threads} thread(s): {state}")
     except Exception as e:  # install must not fail here: the engine times at start instead

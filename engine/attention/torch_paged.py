@@ -14,6 +14,7 @@ A step's sequences are laid out decode-first: the first ``num_decode`` are singl
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -82,6 +83,41 @@ class DecodePaths:
         return lines
 
 
+PREFILL_PATHS = ("sdpa", "fused")  # "fused": engine.cpu_ops.prefill_attention, where built
+PREFILL_BUCKETS = (128, 512, 2048)  # prefill attention is timed at these KV lengths
+
+
+@dataclass
+class PrefillPaths:
+    """Which causal prefill attention to run, per KV-length bucket (the chunk's tokens plus
+    the ones cached before it). ``"sdpa"``: torch's ``scaled_dot_product_attention`` (its CPU
+    flash kernel; 100-130 GFLOP/s on a 2-core AVX-512 EPYC). ``"fused"``:
+    ``engine.cpu_ops.prefill_attention``, 32 query rows in vector lanes, keys and values read
+    as broadcast scalars, lane-wise online softmax (fp32 CPU, offered where the library was
+    built). Timed per host at start-up (``tune_prefill_paths``); untimed: sdpa."""
+
+    choices: dict[int, str] = field(default_factory=dict)
+    timings: list = field(default_factory=list)  # engine.kernels.Timing (n=KV length, m=1)
+    from_cache: bool = False
+
+    @classmethod
+    def everywhere(cls, path: str) -> PrefillPaths:
+        return cls(dict.fromkeys(PREFILL_BUCKETS, path))
+
+    def path(self, kv_len: int) -> str:
+        bucket = next((x for x in PREFILL_BUCKETS if x >= kv_len), PREFILL_BUCKETS[-1])
+        return self.choices.get(bucket, "sdpa")
+
+    def summary(self) -> list[str]:
+        """One line: the path per KV length and how much faster than the other it timed."""
+        parts = []
+        for t in sorted(self.timings, key=lambda t: t.n):
+            other = min(v for p, v in t.seconds.items() if p != t.best)
+            parts.append(f"L<={t.n}: {t.best} ({other / t.seconds[t.best]:.2f}x, "
+                         f"{t.seconds[t.best] * 1e3:.1f} ms)")
+        return [", ".join(parts)] if parts else []
+
+
 @dataclass(frozen=True)
 class _DecodeGather:
     """What the step's decode rows read, for the path chosen: for ``"gather"``, index
@@ -125,6 +161,7 @@ class TorchPagedBackend:
         self._plan: _StepPlan | None = None
         self._head_index: torch.Tensor | None = None
         self.decode_paths = DecodePaths()  # the engine sets the host's (tune_decode_paths)
+        self.prefill_paths = PrefillPaths()  # likewise (tune_prefill_paths)
 
     def _heads(self, num_kv_heads: int) -> torch.Tensor:
         """``[1, 1, KVH, 1]`` head index of the decode gather (made once: same every layer)."""
@@ -213,9 +250,11 @@ class TorchPagedBackend:
             rows = slice(s.q_start, s.q_start + s.q_len)
             if s.mask is None:
                 # Nothing cached before this chunk: attend to the fresh K/V directly.
-                out[rows] = _prefill(q[rows], k[rows], v[rows], None)
+                ks, vs = k[rows], v[rows]
             else:
                 ks, vs = gather_kv(kv_cache, s.block_ids, s.end_pos)
+            if not (self.prefill_paths.path(s.end_pos) == "fused"
+                    and cpu_ops.prefill_attention(q[rows], ks, vs, s.start_pos, out[rows])):
                 out[rows] = _prefill(q[rows], ks, vs, s.mask)
         return out.view(num_tokens, num_heads * head_dim)
 
@@ -306,6 +345,45 @@ def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather,
         probs = torch.softmax(scores, dim=-1).to(kv.dtype)
         out[:, h] = torch.bmm(probs, kv[1, :, :, h])
     return out.view(b, num_heads, head_dim)
+
+
+def tune_prefill_paths(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       cache_dir: str | None = None) -> PrefillPaths:
+    """Time causal prefill attention, torch's SDPA against ``cpu_ops.prefill_attention``, on
+    fresh prompts of each ``PREFILL_BUCKETS`` length for these head shapes (interleaved,
+    median of 5; cached per host like the other plans, under a second here). Only SDPA where
+    the kernel is not built: an empty plan."""
+    from engine.kernels import Timing, cached_timings, host_key
+
+    probe = torch.zeros(1, num_heads, head_dim, dtype=dtype)
+    kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype)
+    if not cpu_ops.prefill_attention(probe, kv, kv, 0, torch.empty_like(probe)):
+        return PrefillPaths()
+    key = host_key([(num_heads, num_kv_heads), (head_dim, 0)]
+                   + [(n, 0) for n in PREFILL_BUCKETS], dtype,
+                   "prefill|" + ",".join(PREFILL_PATHS) + "|" + cpu_ops.build_id())
+
+    def measure() -> list[Timing]:
+        out = []
+        for length in PREFILL_BUCKETS:
+            q = torch.randn(length, num_heads, head_dim, dtype=dtype)
+            k = torch.randn(length, num_kv_heads, head_dim, dtype=dtype)
+            v = torch.randn(length, num_kv_heads, head_dim, dtype=dtype)
+            o = torch.empty_like(q)
+            calls = {"sdpa": lambda q=q, k=k, v=v: _prefill(q, k, v, None),
+                     "fused": lambda q=q, k=k, v=v, o=o: cpu_ops.prefill_attention(q, k, v, 0, o)}
+            times: dict[str, list[float]] = {p: [] for p in PREFILL_PATHS}
+            for r in range(6):  # round 0 warms up, untimed
+                for path in PREFILL_PATHS:
+                    t0 = time.perf_counter()
+                    calls[path]()
+                    if r:
+                        times[path].append(time.perf_counter() - t0)
+            out.append(Timing(length, 0, 1, {p: statistics.median(t) for p, t in times.items()}))
+        return out
+
+    timings, from_cache = cached_timings("prefill-attention", key, measure, cache_dir)
+    return PrefillPaths({t.n: t.best for t in timings}, timings, from_cache)
 
 
 def tune_decode_paths(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,

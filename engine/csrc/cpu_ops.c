@@ -442,6 +442,131 @@ void wide_linear(const float *x, const float *w, const float *bias, float *y, in
     }
 }
 
+/* Causal prefill attention, the wide tiles' way: 32 query rows of one head in the vector
+ * lanes (QB), keys and values read in place as broadcast scalars, so neither the scores nor
+ * the output need a horizontal sum and the online softmax's row max and sum are lane-wise.
+ *
+ * q:   [Lq, H, D] rows q_stride floats apart; k, v: [Lkv, KVH, D] rows kv_stride apart
+ * out: [Lq, H, D] rows o_stride apart. Query row i sits at position q_start + i and attends
+ *      keys 0 .. q_start + i (q_start = Lkv - Lq: the tokens cached before this chunk).
+ * Tasks: (head, block of 32 query rows), the longest (last) blocks first. Per task, keys in
+ * blocks of KB: scores S^T[key][lane] (12 keys x 32 lanes per tile, over d), the causal mask
+ * on the diagonal block, the online softmax (max, correction, exp, sum) lane-wise, then
+ * O^T[d][lane] += P[key][lane] * V[key][d] (12 d x 32 lanes per tile, over the keys).
+ * Scratch on the stack: QB x (2 D + KB) floats (D <= 256: 72 KB at most). */
+#define QB 32
+#define KB 64
+#define ATT_T 12 /* keys (scores) or head dims (values) per register tile */
+
+static inline __attribute__((always_inline)) void att_scores_(
+        const float *qT, const float *k, int64_t kv_stride, const int NT, int64_t D,
+        float *sT) {
+    v16 a[ATT_T][2];
+    for (int t = 0; t < NT; t++) a[t][0] = a[t][1] = (v16){0};
+    for (int64_t d = 0; d < D; d++) {
+        const v16 x0 = *(const v16 *)(qT + d * QB), x1 = *(const v16 *)(qT + d * QB + LANES);
+        for (int t = 0; t < NT; t++) {
+            const float s = k[t * kv_stride + d];
+            a[t][0] += s * x0;
+            a[t][1] += s * x1;
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        *(v16 *)(sT + t * QB) = a[t][0];
+        *(v16 *)(sT + t * QB + LANES) = a[t][1];
+    }
+}
+
+static inline __attribute__((always_inline)) void att_values_(
+        const float *pT, int64_t nk, const float *v, int64_t kv_stride, const int NT,
+        float *oT) {
+    v16 a[ATT_T][2];
+    for (int t = 0; t < NT; t++) {
+        a[t][0] = *(v16 *)(oT + t * QB);
+        a[t][1] = *(v16 *)(oT + t * QB + LANES);
+    }
+    for (int64_t j = 0; j < nk; j++) {
+        const v16 p0 = *(const v16 *)(pT + j * QB), p1 = *(const v16 *)(pT + j * QB + LANES);
+        const float *vj = v + j * kv_stride;
+        for (int t = 0; t < NT; t++) {
+            a[t][0] += vj[t] * p0;
+            a[t][1] += vj[t] * p1;
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        *(v16 *)(oT + t * QB) = a[t][0];
+        *(v16 *)(oT + t * QB + LANES) = a[t][1];
+    }
+}
+
+void prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                       int64_t kv_stride, float *out, int64_t o_stride, int64_t Lq,
+                       int64_t q_start, int64_t H, int64_t KVH, int64_t D, float scale,
+                       int nthreads) {
+    const int64_t G = H / KVH, blocks = (Lq + QB - 1) / QB;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (Lq * (q_start + Lq) * H * D >= 1 << 20)
+    for (int64_t task = 0; task < blocks * H; task++) {
+        const int64_t r0 = (blocks - 1 - task / H) * QB, h = task % H, kh = h / G;
+        const int64_t rows = Lq - r0 < QB ? Lq - r0 : QB;
+        float qT[MAX_D * QB] __attribute__((aligned(64)));
+        float oT[MAX_D * QB] __attribute__((aligned(64)));
+        float sT[KB * QB] __attribute__((aligned(64)));
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t i = 0; i < QB; i++) {
+                qT[d * QB + i] = i < rows ? q[(r0 + i) * q_stride + h * D + d] * scale : 0.f;
+                oT[d * QB + i] = 0.f;
+            }
+        float m[QB] __attribute__((aligned(64))), l[QB] __attribute__((aligned(64)));
+        float c[QB] __attribute__((aligned(64)));
+        for (int64_t i = 0; i < QB; i++) m[i] = -1e30f, l[i] = 0.f;
+        const float *kh_k = k + kh * D, *kh_v = v + kh * D;
+        const int64_t first = q_start + r0; /* the block's first row's position */
+        const int64_t nkeys = first + rows; /* keys the block's last row sees */
+        for (int64_t j0 = 0; j0 < nkeys; j0 += KB) {
+            const int64_t nk = nkeys - j0 < KB ? nkeys - j0 : KB;
+            int64_t t = 0;
+            for (; t + ATT_T <= nk; t += ATT_T)
+                att_scores_(qT, kh_k + (j0 + t) * kv_stride, kv_stride, ATT_T, D, sT + t * QB);
+            for (; t < nk; t++)
+                att_scores_(qT, kh_k + (j0 + t) * kv_stride, kv_stride, 1, D, sT + t * QB);
+            if (j0 + nk - 1 > first) /* keys past some row's position: masked in that lane */
+                for (int64_t j = 0; j < nk; j++)
+                    for (int64_t i = 0; i < QB; i++)
+                        if (j0 + j > first + i) sT[j * QB + i] = -1e30f;
+            /* Online softmax, lane by lane: the new max, the old sums' correction, exp. */
+            for (int64_t i = 0; i < QB; i++) c[i] = m[i];
+            for (int64_t j = 0; j < nk; j++)
+#pragma omp simd
+                for (int64_t i = 0; i < QB; i++) m[i] = fmaxf(m[i], sT[j * QB + i]);
+#pragma omp simd
+            for (int64_t i = 0; i < QB; i++) c[i] = expf(c[i] - m[i]);
+            float sum[QB] __attribute__((aligned(64))) = {0.f};
+            for (int64_t j = 0; j < nk; j++)
+#pragma omp simd
+                for (int64_t i = 0; i < QB; i++) {
+                    const float e = expf(sT[j * QB + i] - m[i]);
+                    sT[j * QB + i] = e;
+                    sum[i] += e;
+                }
+#pragma omp simd
+            for (int64_t i = 0; i < QB; i++) l[i] = l[i] * c[i] + sum[i];
+            for (int64_t d = 0; d < D; d++)
+#pragma omp simd
+                for (int64_t i = 0; i < QB; i++) oT[d * QB + i] *= c[i];
+            int64_t d0 = 0;
+            for (; d0 + ATT_T <= D; d0 += ATT_T)
+                att_values_(sT, nk, kh_v + j0 * kv_stride + d0, kv_stride, ATT_T, oT + d0 * QB);
+            for (; d0 < D; d0++)
+                att_values_(sT, nk, kh_v + j0 * kv_stride + d0, kv_stride, 1, oT + d0 * QB);
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            const float inv = 1.f / l[i];
+            for (int64_t d = 0; d < D; d++)
+                out[(r0 + i) * o_stride + h * D + d] = oT[d * QB + i] * inv;
+        }
+    }
+}
+
 /* A whole pure-decode step through every decoder layer, in one parallel region.
  *
  * At batch 1-8 the layers' weights stream in ~20 ms on two cores, but the layer-by-layer path

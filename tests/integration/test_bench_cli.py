@@ -40,6 +40,11 @@ def test_ceilings_writes_positive_roofs(tmp_path):
     # the fused kernels were built here, and the decode attention choice is printed per bucket
     assert data["fused_cpu_kernels"].endswith(".so")
     assert len(data["decode_paths"]["summary"]) == 6 and data["decode_paths"]["timings"]
+    # the prefill attention choice per KV length, SDPA against the fused kernel
+    prefill = data["prefill_paths"]
+    assert [t["n"] for t in prefill["timings"]] == [128, 512, 2048]
+    assert all(set(t["seconds"]) == {"sdpa", "fused"} for t in prefill["timings"])
+    assert prefill["summary"][0].startswith("L<=128: ")
     # and whether a pure-decode step runs fused, per bucket, with both timings behind it
     fused = data["fused_decode"]
     assert [t["m"] for t in fused["timings"]] == [1, 2, 4, 8, 16, 32]

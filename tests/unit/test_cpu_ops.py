@@ -181,3 +181,44 @@ def test_gemv_matches_f_linear(m, bias):
                                atol=1e-4, rtol=1e-5)
     assert cpu_ops.gemv(x.bfloat16(), w.bfloat16(), None) is None  # declined: fp32 only
     assert cpu_ops.gemv(x.t().contiguous().t(), w, b) is None or m == 1  # strided rows declined
+
+
+@pytest.mark.parametrize("q_len,start,heads,kv_heads,d", [
+    (1, 0, 9, 3, 64),      # one row: 31 padding lanes
+    (33, 0, 9, 3, 64),     # a full block of 32 rows, then one
+    (70, 13, 9, 3, 64),    # a chunk after 13 cached tokens: the diagonal moves
+    (100, 200, 8, 8, 128), # MHA, head size 128, keys beyond one block of 64 before the chunk
+    (31, 1, 2, 1, 40),     # head size not a multiple of the 12-dim tile (3 x 12 + 4 x 1)
+    (200, 0, 4, 2, 16),    # keys in many blocks, tiles of 12 keys then single keys
+])
+def test_prefill_attention_matches_float64_causal_attention(q_len, start, heads, kv_heads, d):
+    """Query rows read from a strided view (as they sit in the fused QKV output), query row i at
+    position start + i attending keys 0..start + i, grouped heads: equal to a float64
+    reference of the same masked softmax."""
+    g = _gen(q_len + start)
+    qkv = torch.randn(q_len, (heads + 2 * kv_heads) * d, generator=g)
+    q = qkv[:, :heads * d].view(q_len, heads, d)
+    k = torch.randn(start + q_len, kv_heads, d, generator=g)
+    v = torch.randn(start + q_len, kv_heads, d, generator=g)
+    out = torch.full((q_len, heads, d), float("nan"))
+    assert cpu_ops.prefill_attention(q, k, v, start, out)
+    group = heads // kv_heads
+    kk = k.double().repeat_interleave(group, 1).transpose(0, 1)  # [H, L, D]
+    vv = v.double().repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ kk.transpose(1, 2) / math.sqrt(d)  # [H, Lq, L]
+    visible = torch.arange(start + q_len)[None, :] <= torch.arange(start, start + q_len)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    want = (torch.softmax(scores, -1) @ vv).transpose(0, 1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_declines_what_it_does_not_take():
+    q, k = torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+    out = torch.empty(4, 2, 8)
+    assert not cpu_ops.prefill_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), 0,
+                                         out.bfloat16())
+    assert not cpu_ops.prefill_attention(q, k, k, 1, out)  # K/V length != start + rows
+    assert not cpu_ops.prefill_attention(q[:, :, ::2], k[:, :, ::2], k[:, :, ::2], 0,
+                                         out[:, :, ::2])  # head dims not contiguous
+    k2 = torch.randn(4, 2, 8)  # 3 query heads over 2 KV heads: no whole group
+    assert not cpu_ops.prefill_attention(torch.randn(4, 3, 8), k2, k2, 0, torch.empty(4, 3, 8))

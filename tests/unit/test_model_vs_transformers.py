@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.torch_paged import CONTEXT_BUCKETS, DECODE_PATHS, DecodePaths
+from engine.attention.torch_paged import (
+    CONTEXT_BUCKETS,
+    DECODE_PATHS,
+    PREFILL_PATHS,
+    DecodePaths,
+    PrefillPaths,
+)
 from engine.config import CacheConfig, cdiv
 from engine.kernels import M_BUCKETS
 from engine.model_runner import ModelRunner
@@ -22,9 +28,11 @@ def _ours(model_dir, block_size=8, num_blocks=64):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_prompt_logits_match_transformers(arch, request):
+@pytest.mark.parametrize("prefill_path", PREFILL_PATHS)
+def test_prompt_logits_match_transformers(arch, prefill_path, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     runner = _ours(model_dir)
+    runner.attn_backend.prefill_paths = PrefillPaths.everywhere(prefill_path)
     hf = load_hf(model_dir, arch)
     gen = torch.Generator().manual_seed(1)
     for length in (1, 7, 8, 37, 100):
@@ -49,9 +57,11 @@ def test_qwen2_has_qkv_bias_and_it_is_used(tiny_qwen2_dir):
 
 
 @pytest.mark.parametrize("decode_path", DECODE_PATHS)
-def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir, decode_path):
+@pytest.mark.parametrize("prefill_path", PREFILL_PATHS)
+def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir, decode_path, prefill_path):
     """Chunked prefill (prefix in pages) + single-token decode == one full forward, by every
-    decode path (the fused C kernel included: it is built on every host that runs the tests)."""
+    decode path and prefill path (the fused C kernels included: they are built on every host
+    that runs the tests)."""
     from engine.attention.backend import SeqSlice, build_metadata, create_backend
 
     runner = _ours(tiny_llama_dir, block_size=4, num_blocks=32)
@@ -62,6 +72,7 @@ def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir, decode_p
     backend = create_backend("torch")
     backend.decode_paths = DecodePaths({(b, c): decode_path for b in M_BUCKETS
                                         for c in CONTEXT_BUCKETS})
+    backend.prefill_paths = PrefillPaths.everywhere(prefill_path)
 
     def run(tok_slice, start):
         meta = build_metadata([SeqSlice(blocks, start, len(tok_slice))], block_size=4)

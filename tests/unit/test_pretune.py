@@ -21,10 +21,12 @@ def test_pretuned_plans_are_the_ones_an_engine_starts_from(tiny_llama_dir, tmp_p
     before = torch.get_num_threads()
     # Into a fresh cache: timed now; a second time: found.
     first = pretune.pretune(str(tiny_llama_dir), [1, 2], cache_dir=str(tmp_path))
-    assert [(r.threads, r.linear_from_cache, r.decode_from_cache, r.fused_from_cache)
-            for r in first] == [(1, False, False, False), (2, False, False, False)]
+    assert [(r.threads, r.linear_from_cache, r.decode_from_cache, r.fused_from_cache,
+             r.prefill_from_cache) for r in first] == [(1, False, False, False, False),
+                                                       (2, False, False, False, False)]
     again = pretune.pretune(str(tiny_llama_dir), [2], cache_dir=str(tmp_path))
     assert again[0].linear_from_cache and again[0].decode_from_cache and again[0].fused_from_cache
+    assert again[0].prefill_from_cache
     assert torch.get_num_threads() == before
 
     # Into the engine's own cache, then an engine at that thread count finds both plans.
@@ -33,6 +35,7 @@ def test_pretuned_plans_are_the_ones_an_engine_starts_from(tiny_llama_dir, tmp_p
         engine = LLMEngine(EngineArgs(model=str(tiny_llama_dir), num_threads=1))
         assert linear_plan().from_cache
         assert engine.runner.attn_backend.decode_paths.from_cache
+        assert engine.runner.attn_backend.prefill_paths.from_cache
         assert engine.runner.fused_decode.from_cache  # timed against the same plans
     finally:
         torch.set_num_threads(before)
