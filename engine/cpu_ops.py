@@ -252,13 +252,22 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _linear_library(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> ctypes.CDLL | None:
+    """The library, where a linear kernel takes these tensors (contiguous fp32 CPU, x 2-D)."""
+    lib = library()
+    if (lib is None or not _fits(x, weight) or x.dim() != 2 or not x.is_contiguous()
+            or not weight.is_contiguous() or (bias is not None and not _fits(bias))):
+        return None
+    return lib
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ weight.T + bias`` for a few rows (``x [M, K]``, M small), each weight row streamed
     once; None, computing nothing, when the kernel does not apply (the caller runs another
     path). ``engine.kernels`` offers it as the ``"cgemv"`` linear path, timed like the others."""
-    lib = library()
-    if (lib is None or not _fits(x, weight) or x.dim() != 2 or not x.is_contiguous()
-            or not weight.is_contiguous() or (bias is not None and not _fits(bias))):
+    lib = _linear_library(x, weight, bias)
+    if lib is None:
         return None
     m, k = x.shape
     n = weight.shape[0]
@@ -275,9 +284,8 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     streamed once (from a few rows up, no horizontal sums: ~2x the FMA rate of a dot-product
     loop at 32 rows). None, computing nothing, when the kernel does not apply.
     ``engine.kernels`` offers it as the ``"cwide"`` linear path, timed like the others."""
-    lib = library()
-    if (lib is None or not _fits(x, weight) or x.dim() != 2 or not x.is_contiguous()
-            or not weight.is_contiguous() or (bias is not None and not _fits(bias))):
+    lib = _linear_library(x, weight, bias)
+    if lib is None:
         return None
     m, k = x.shape
     n = weight.shape[0]

@@ -412,6 +412,20 @@ static inline void norm_row_t_(const float *xr, const float *weight, float *xT, 
 
 static inline int64_t lanes_for(int64_t M) { return (M + LANES - 1) / LANES * LANES; }
 
+/* h[m * E + n] += dot(W[n], lane m of xT) for the E rows of W (K floats each) and m < M: a
+ * projection into the residual stream on the wide tiles, its rows shared among the team (an
+ * orphaned omp for: called inside decode_layers' parallel region; tile: this thread's). */
+static void wide_residual_(const float *w, int64_t K, const float *xT, int64_t MP, int64_t M,
+                           int64_t E, float *tile, float *h) {
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < E; n0 += WIDE_NR) {
+        const int64_t nr = E - n0 < WIDE_NR ? E - n0 : WIDE_NR;
+        wide_rows(w + n0 * K, K, nr, xT, MP, K, tile);
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t m = 0; m < M; m++) h[m * E + n0 + r] += tile[r * MP + m];
+    }
+}
+
 /* y [M, N] = x [M, K] W^T (+ bias) by the wide tiles, for a linear layer outside the fused
  * step (the LM head: 49152 x 576 for the default model). x is transposed into work
  * (wide_linear_work_floats: MP x K floats, the padding lanes zero, plus a tile per thread),
@@ -677,13 +691,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 }
             }
             if (wide) {
-#pragma omp for schedule(static)
-                for (int64_t n0 = 0; n0 < E; n0 += WIDE_NR) {
-                    const int64_t nr = E - n0 < WIDE_NR ? E - n0 : WIDE_NR;
-                    wide_rows(wo + n0 * HD, HD, nr, att, MP, HD, tile);
-                    for (int64_t r = 0; r < nr; r++)
-                        for (int64_t m = 0; m < M; m++) h[m * E + n0 + r] += tile[r * MP + m];
-                }
+                wide_residual_(wo, HD, att, MP, M, E, tile, h);
             } else {
 #pragma omp for schedule(static)
                 for (int64_t i0 = 0; i0 < E / 2; i0 += pb_e)
@@ -709,13 +717,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                         }
                     }
                 }
-#pragma omp for schedule(static)
-                for (int64_t n0 = 0; n0 < E; n0 += WIDE_NR) {
-                    const int64_t nr = E - n0 < WIDE_NR ? E - n0 : WIDE_NR;
-                    wide_rows(wdown + n0 * I, I, nr, act, MP, I, tile);
-                    for (int64_t r = 0; r < nr; r++)
-                        for (int64_t m = 0; m < M; m++) h[m * E + n0 + r] += tile[r * MP + m];
-                }
+                wide_residual_(wdown, I, act, MP, M, E, tile, h);
                 continue;
             }
 #pragma omp for schedule(static)
