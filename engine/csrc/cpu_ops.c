@@ -467,7 +467,8 @@ void wide_linear(const float *x, const float *w, const float *bias, float *y, in
  * blocks of KB: scores S^T[key][lane] (12 keys x 32 lanes per tile, over d), the causal mask
  * on the diagonal block, the online softmax (max, correction, exp, sum) lane-wise, then
  * O^T[d][lane] += P[key][lane] * V[key][d] (12 d x 32 lanes per tile, over the keys).
- * Scratch on the stack: QB x (2 D + KB) floats (D <= 256: 72 KB at most). */
+ * Scratch on the stack per task: QB x (2 MAX_D + KB) floats, 72 KB (the Q and output tiles
+ * sized for the largest head). */
 #define QB 32
 #define KB 64
 #define ATT_T 12 /* keys (scores) or head dims (values) per register tile */
