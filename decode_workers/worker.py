@@ -52,7 +52,8 @@ from worker_protocol import (
     kv_host_for,
     new_incarnation,
 )
-from worker_protocol.kv_events import KVEventFeed, KVSnapshot, WorkerKVEvents
+from worker_protocol.kv_events import KVEventFeed, KVSnapshot
+from worker_protocol.kv_publisher import WorkerKVEvents
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from engine.attention.backend import (
     AttentionShape,
     SeqSlice,
     build_metadata,
-    create_backend,
 )
+from engine.attention.factory import create_backend
 from engine.attention.torch_paged import TorchPagedBackend, decode_tables, gather_kv
 from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import PAD_TOKEN_ID, CudaGraphRunner, DecodePadding, decode_buckets

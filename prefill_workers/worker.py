@@ -42,7 +42,8 @@ from worker_protocol import (
     new_incarnation,
     restarted_by_ray,
 )
-from worker_protocol.kv_events import KVEventFeed, KVSnapshot, WorkerKVEvents
+from worker_protocol.kv_events import KVEventFeed, KVSnapshot
+from worker_protocol.kv_publisher import WorkerKVEvents
 
 log = logging.getLogger(__name__)
 

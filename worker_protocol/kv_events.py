@@ -128,43 +128,6 @@ class KVEventLog:
                                tuple(b for b in self._batches if b.seq > seq), True)
 
 
-class WorkerKVEvents:
-    """A worker's side of KV events, the same for both kinds: publishes its engine's events
-    after every step (``after_work``, the engine loop's hook), answers routers' pulls
-    (``since``) and snapshots (``snapshot``, on the engine thread), and publishes to Redis
-    Streams as well when ``redis_url`` is set."""
-
-    def __init__(self, engine, worker_id: str, incarnation: str,
-                 redis_url: str | None = None, namespace: str = "pdcluster") -> None:
-        """``engine``: the worker's LLMEngine, before its loop starts (its events are
-        recorded from here on)."""
-        engine.record_kv_events()
-        block_size = engine.stats().block_size
-        self._close: Callable[[], None] = lambda: None
-        sink = None
-        if redis_url is not None:
-            from worker_protocol.kv_stream import RedisKVEventSink
-
-            sink = RedisKVEventSink(redis_url, namespace, worker_id)
-            self._close = sink.close
-        self.log = KVEventLog(worker_id, incarnation, block_size, sink=sink)
-
-    def after_work(self, engine) -> None:
-        """Publish what the engine's prefix cache did since the last call (engine thread)."""
-        self.log.publish(engine.take_kv_events())
-
-    def snapshot(self, engine) -> KVSnapshot:
-        """The engine's prefix cache now, with the seq it follows (engine thread)."""
-        self.after_work(engine)
-        return self.log.snapshot(engine.cached_block_hashes())
-
-    def since(self, seq: int, incarnation: str) -> KVEventFeed:
-        return self.log.since(seq, incarnation)
-
-    def close(self) -> None:
-        self._close()
-
-
 def _event_to_list(e: KVEvent) -> list:
     if isinstance(e, BlockStored):
         return ["s", list(e.block_hashes)]

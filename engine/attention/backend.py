@@ -2,9 +2,8 @@
 
 Owns ``AttentionMetadata`` (FlashInfer's page-table format, built once per step by
 ``build_metadata``), the ``AttentionBackend`` protocol (``plan`` once per step, ``forward`` once
-per layer), ``AttentionShape`` (what a backend must know of the model) and ``create_backend``,
-which picks an implementation by name: ``"torch"`` (everywhere) or ``"flashinfer"`` (CUDA,
-bf16/fp16, ``pip install 'pdcluster[gpu]'``; its package is imported only when chosen). The model only sees
+per layer), ``AttentionShape`` (what a backend must know of the model) and the names of the implementations
+(``ATTENTION_BACKENDS``); ``engine/attention/factory.py`` picks one by name. The model only sees
 the protocol; the runner only builds metadata; each backend turns the metadata into whatever its
 kernels want in ``plan``, so per-layer calls reuse it.
 
@@ -165,25 +164,3 @@ class AttentionBackend(Protocol):
         Returns ``[num_tokens, num_heads * head_dim]``.
         """
         ...
-
-
-def create_backend(name: str, device: torch.device | str = "cpu",
-                   shape: AttentionShape | None = None) -> AttentionBackend:
-    """The backend called ``name`` (one of ``ATTENTION_BACKENDS``), running on ``device``.
-
-    ``"flashinfer"`` needs ``shape`` and a CUDA device; ValueError otherwise (and for an
-    unknown name).
-    """
-    # Imported here: backends import this module, and a GPU backend's heavy imports
-    # should only happen when it is chosen.
-    if name == "torch":
-        from engine.attention.torch_paged import TorchPagedBackend
-
-        return TorchPagedBackend(device)
-    if name == "flashinfer":
-        if shape is None:
-            raise ValueError("attention backend 'flashinfer' needs the model's AttentionShape")
-        from engine.attention.flashinfer_backend import FlashInferBackend
-
-        return FlashInferBackend(device, shape)
-    raise ValueError(f"unknown attention backend {name!r}; choose from {list(ATTENTION_BACKENDS)}")

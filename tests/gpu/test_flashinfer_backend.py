@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.backend import AttentionShape, SeqSlice, build_metadata, create_backend
+from engine.attention.backend import AttentionShape, SeqSlice, build_metadata
+from engine.attention.factory import create_backend
 from engine.cuda_graphs import DecodePadding, decode_buckets
 from tests.gpu.marks import needs_flashinfer
 

@@ -18,8 +18,8 @@ from engine.attention.backend import (
     AttentionShape,
     SeqSlice,
     build_metadata,
-    create_backend,
 )
+from engine.attention.factory import create_backend
 from engine.attention.torch_paged import (
     CONTEXT_BUCKETS,
     DECODE_PATHS,

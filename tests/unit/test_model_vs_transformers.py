@@ -62,7 +62,8 @@ def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir, decode_p
     """Chunked prefill (prefix in pages) + single-token decode == one full forward, by every
     decode path and prefill path (the fused C kernels included: they are built on every host
     that runs the tests)."""
-    from engine.attention.backend import SeqSlice, build_metadata, create_backend
+    from engine.attention.backend import SeqSlice, build_metadata
+    from engine.attention.factory import create_backend
 
     runner = _ours(tiny_llama_dir, block_size=4, num_blocks=32)
     hf = load_hf(tiny_llama_dir, "llama")
