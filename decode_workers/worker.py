@@ -1,6 +1,6 @@
 """Decode worker: reserves KV blocks, receives prompt KV, runs the continuous-batching loop.
 
-A thin Ray adapter (``router.cluster`` wraps it as a threaded actor, ``max_concurrency`` > 1
+A thin Ray adapter (``router.cluster.ray_cluster`` wraps it as a threaded actor, ``max_concurrency`` > 1
 so ``subscribe`` streams while ``reserve`` / ``commit`` / ``abort`` run) over three parts:
 - the ``EngineLoop`` thread owns the engine; every engine call is posted to it;
 - the KV receiver's threads import arriving layers through the engine's ``KVConnector``

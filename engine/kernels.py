@@ -131,10 +131,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not x.is_cpu:
         return F.linear(x, weight, bias)
     n, k = weight.shape
-    return _call(_plan.path(n, k, x.shape[0]), x, weight, bias)
+    return linear_by_path(_plan.path(n, k, x.shape[0]), x, weight, bias)
 
 
-def _call(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_by_path(path: str, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` by the named path (one of ``available_paths()``), whatever the plan says:
+    what the tuning and the benchmarks time."""
     if path == "linear":
         return F.linear(x, weight, bias)
     if path == "onednn":
@@ -157,7 +160,7 @@ def available_paths() -> tuple[str, ...]:
         try:
             g = torch.Generator().manual_seed(0)
             x, w, b = torch.randn(3, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
-            got = _call("onednn", x, w, b)
+            got = linear_by_path("onednn", x, w, b)
             if torch.backends.mkldnn.is_available() and torch.allclose(got, F.linear(x, w, b), atol=1e-4):
                 paths.append("onednn")
         except (RuntimeError, AttributeError) as e:  # no such op in this build
@@ -211,7 +214,7 @@ def time_passes(weights: list[torch.Tensor], m: int, choice: dict[tuple[int, int
 
     def one_pass() -> None:
         for x, w, path in calls:
-            _call(path, x, w, None)
+            linear_by_path(path, x, w, None)
 
     if warm_up:
         one_pass()

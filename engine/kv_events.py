@@ -8,7 +8,7 @@ the cluster's seed and the worker's block size), so "worker W holds blocks h0..h
 "how many leading blocks of this prompt would W not recompute".
 
 Pure dataclasses, no I/O: workers batch them per engine step and publish them
-(``worker_protocol.kv_events``); the router applies them (``router.kv_index``).
+(``worker_protocol.kv_events``); the router applies them (``router.routing.kv_index``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ interleaved repeats over the model's 538 MB), paid by the first ``pdcluster serv
 fresh CI machine, by whichever test first starts an engine at each thread count. ``make
 setup`` runs this module so that cost is paid at install time, like the fused kernels'
 compile: at 1 thread and at every core (``pdcluster serve``'s default counts on machines of
-fewer than 8 cores, ``router/threads.py``; bigger machines time their other counts at the first
+fewer than 8 cores, ``router/cluster/threads.py``; bigger machines time their other counts at the first
 start, or pass ``--threads``), the engine then starts from the cache.
 
     python -m engine.pretune [--model DIR] [--threads 1,2] [--cache-dir DIR]

@@ -1,6 +1,6 @@
 """Prefill worker: batched, chunked prefill that streams each layer's KV to a decode worker.
 
-A thin Ray adapter (``router.cluster`` wraps it as a threaded actor so many ``prefill`` calls
+A thin Ray adapter (``router.cluster.ray_cluster`` wraps it as a threaded actor so many ``prefill`` calls
 wait concurrently while one ``EngineLoop`` thread batches their prompts by token budget).
 Each prompt is a ``max_tokens=1`` request with ``export_kv``: in the step that computes its
 last chunk, the engine's ``KVConnector`` hands this worker each layer's K/V for the whole

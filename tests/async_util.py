@@ -20,9 +20,9 @@ def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "c
 
 
 def run_cluster(loop: LoopThread, config, body, timeout_s: float = 300.0):
-    """Start a ``router.cluster.Cluster`` of ``config`` on ``loop``, return ``await
+    """Start a ``router.cluster.ray_cluster.Cluster`` of ``config`` on ``loop``, return ``await
     body(cluster)``, and shut the cluster down on every path."""
-    from router.cluster import Cluster
+    from router.cluster.ray_cluster import Cluster
 
     async def go():
         cluster = await Cluster.start(config)
@@ -39,7 +39,7 @@ def ray_loop(**ray_init_kw) -> Iterator[LoopThread]:
     ``LoopThread`` for a test module's clusters; both shut down afterwards."""
     import ray
 
-    from router.local_ray import start_local_ray
+    from router.cluster.local_ray import start_local_ray
 
     start_local_ray(include_dashboard=False, log_to_driver=False, **ray_init_kw)
     lt = LoopThread()

@@ -69,7 +69,7 @@ class WorkerLoad:
     prefix_hit_tokens: int = 0
     prefill_tokens_computed: int = 0
     # The newest KV event batch this incarnation published (worker_protocol.kv_events): a
-    # router whose index lags it for long pulls the batches itself (see router.kv_sync).
+    # router whose index lags it for long pulls the batches itself (see router.routing.kv_sync).
     kv_event_seq: int = 0
     # Cumulative over this incarnation: pure-decode engine steps per batch size, as
     # (batch, steps, seconds) rows (engine.step_times); empty for a prefill worker. And the

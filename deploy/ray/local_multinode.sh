@@ -3,7 +3,7 @@
 #   head    : the router's node        resources {"router": 1}
 #   prefill : a prefill worker node    resources {"prefill_slot": 2}
 #   decode  : a decode worker node     resources {"decode_slot": 2}
-# The resource names are router/placement.py's PREFILL_RESOURCE / DECODE_RESOURCE.
+# The resource names are router/cluster/placement.py's PREFILL_RESOURCE / DECODE_RESOURCE.
 #
 # Usage:  deploy/ray/local_multinode.sh up [--netns] | down | status
 #   up     start the three nodes (about 10 s, about 0.7 GB each); prints RAY_ADDRESS=...

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from router.backend import BackendStats, EngineBackend, GenerationBackend
-from router.frontdoor import FrontDoor, serve_frontdoor
+from router.contract import BackendStats, GenerationBackend
+from router.embedded import EngineBackend
+from router.frontdoor.lifecycle import FrontDoor, serve_frontdoor
 from tests.async_util import LoopThread
 
 # Queue limits the flood tests rely on: more than MAX_NUM_SEQS + MAX_WAITING concurrent
@@ -52,7 +53,7 @@ def backend(request, server_loop) -> GenerationBackend:
     if request.param == "embedded":
         b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING))
     else:
-        from router.cluster import Cluster, ClusterConfig
+        from router.cluster.ray_cluster import Cluster, ClusterConfig
 
         engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1)
         b = server_loop.run(Cluster.start(ClusterConfig(

@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine import EngineArgs, SamplingParams  # noqa: E402
-from router.backend import GenerateInput  # noqa: E402
-from router.cluster import Cluster, ClusterConfig  # noqa: E402
-from router.policy import RoutingConfig  # noqa: E402
+from router.cluster.ray_cluster import Cluster, ClusterConfig  # noqa: E402
+from router.contract import GenerateInput  # noqa: E402
+from router.routing.policy import RoutingConfig  # noqa: E402
 
 MiB = 1 << 20
 

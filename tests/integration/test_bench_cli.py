@@ -145,7 +145,7 @@ def test_policies_counts_steps_like_the_arithmetic(tmp_path, tiny_llama_dir):
 
 
 def test_every_benchmark_is_a_pdcluster_bench_subcommand():
-    from router.cli import build_parser
+    from router.cli.main import build_parser
 
     parser = build_parser()
     for name in ("ceilings", "sweep", "policies", "ttft_breakdown", "disagg", "serve",
@@ -245,7 +245,7 @@ def test_compare_prints_one_table_per_common_rate(two_serve_results, tiny_frontd
 
 
 def test_compare_refuses_a_file_that_is_not_a_serve_result(tmp_path, capsys):
-    from router.cli import main as pdcluster
+    from router.cli.main import main as pdcluster
 
     serve = tmp_path / "serve.json"
     serve.write_text(json.dumps({"benchmark": "serve", "rates": [{"request_rate": 1.0}]}))

@@ -14,7 +14,7 @@ import pytest
 
 from bench import disagg, serve_load, ttft_breakdown
 from engine.weights import load_model_config
-from router.cli import build_parser
+from router.cli.main import build_parser
 
 
 def _run(module, argv: list[str]) -> dict:

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from engine import EngineArgs, SamplingParams
-from router.backend import GenerateInput
-from router.cluster import ClusterConfig
+from router.cluster.ray_cluster import ClusterConfig
+from router.contract import GenerateInput
 from tests.async_util import ray_loop, run_cluster
 from tests.tiny_models import hf_greedy, random_prompts
 
@@ -246,7 +246,7 @@ def test_redis_store_holds_the_registry_and_journal(loop, tiny_llama_dir, worklo
     their load reports and every request's journal."""
     import uuid
 
-    from router.redis_store import RedisStore
+    from router.state.redis_store import RedisStore
 
     prompts, refs = workload
     ns = f"pdtest-{uuid.uuid4().hex[:8]}"

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 from tests.async_util import ray_loop, run_cluster
 
 pytestmark = [pytest.mark.slow,
@@ -56,10 +56,10 @@ async def _must_not_start(cluster) -> None:
 
 
 def test_workers_that_cannot_initialise_cuda_fail_start_up_with_the_cause(tiny_llama_dir, caplog):
-    from router.cluster import ClusterConfig
-    from router.launcher import StartupError
+    from router.cluster.launcher import StartupError
+    from router.cluster.ray_cluster import ClusterConfig
 
-    caplog.set_level(logging.INFO, logger="router.cluster")
+    caplog.set_level(logging.INFO, logger="router.cluster.ray_cluster")
     config = ClusterConfig(model=str(tiny_llama_dir), startup_timeout_s=300.0)
     started = time.monotonic()
     with (ray_loop(num_cpus=4, num_gpus=1,

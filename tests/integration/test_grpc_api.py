@@ -25,7 +25,7 @@ from client import (
 )
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
-from router.frontdoor import serve_frontdoor
+from router.frontdoor.lifecycle import serve_frontdoor
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
@@ -293,8 +293,8 @@ def test_stop_with_zero_grace_cancels_in_flight_and_frees_kv(backend, server_loo
 _SIGTERM_SERVER = """
 import asyncio, sys
 from engine.llm_engine import EngineArgs
-from router.backend import EngineBackend
-from router.frontdoor import install_signal_handlers, serve_frontdoor
+from router.embedded import EngineBackend
+from router.frontdoor.lifecycle import install_signal_handlers, serve_frontdoor
 
 async def main():
     backend = EngineBackend(EngineArgs(model=sys.argv[1]))

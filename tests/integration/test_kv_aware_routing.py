@@ -12,11 +12,11 @@ import uuid
 import pytest
 
 from engine import EngineArgs, SamplingParams
-from router.backend import GenerateInput
-from router.cluster import ClusterConfig
-from router.kv_index import KVIndex
-from router.kv_sync import KVEventSync
-from router.policy import RoutingConfig
+from router.cluster.ray_cluster import ClusterConfig
+from router.contract import GenerateInput
+from router.routing.kv_index import KVIndex
+from router.routing.kv_sync import KVEventSync
+from router.routing.policy import RoutingConfig
 from tests.async_util import ray_loop, run_cluster
 from tests.redis_server import OwnRedis
 from tests.tiny_models import hf_greedy, random_prompts

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "deploy" / "ray" / "local_multinode.sh"

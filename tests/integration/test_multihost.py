@@ -25,7 +25,7 @@ import pytest
 
 from bench.simhosts import HostSpec, SimCluster, unavailable_reason
 from engine import LLM, SamplingParams
-from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 from tests.tiny_models import random_prompts
 
 pytestmark = pytest.mark.slow

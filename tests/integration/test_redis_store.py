@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from router.redis_store import RedisStore
-from router.store import JournalEvent, StoreUnavailableError, make_store
+from router.state.factory import make_store
+from router.state.redis_store import RedisStore
+from router.state.store import JournalEvent, StoreUnavailableError
 from tests.unit.test_store import Harness, StoreContract, load, worker
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -121,7 +122,7 @@ def test_unreachable_redis_fails_fast_with_a_clear_error():
 
 
 def test_make_store_with_url_is_redis_behind_the_outage_guard(namespace):
-    from router.resilient_store import ResilientStore
+    from router.state.resilient import ResilientStore
 
     store = make_store(REDIS_URL, namespace=namespace)
     assert isinstance(store, ResilientStore) and store.up

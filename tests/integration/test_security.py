@@ -28,9 +28,9 @@ from client import (
 from engine.llm_engine import EngineArgs
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
-from router.backend import EngineBackend
-from router.frontdoor import serve_frontdoor
-from router.security import Gate, SecurityConfig, TLSConfig
+from router.embedded import EngineBackend
+from router.frontdoor.lifecycle import serve_frontdoor
+from router.frontdoor.security import Gate, SecurityConfig, TLSConfig
 from tests.tls_certs import TestCA
 
 KEY_A = "sk-team-a-0123456789abcdef"
@@ -316,7 +316,7 @@ def test_bad_key_files_are_refused_naming_the_line(tmp_path):
 
 
 def test_gate_token_bucket_and_concurrency_with_a_fake_clock():
-    from router.security import RateLimitedError, Tenant
+    from router.frontdoor.security import RateLimitedError, Tenant
 
     now = [0.0]
     gate = Gate(SecurityConfig(rate_limit=2.0, max_concurrent_per_key=3), {},

@@ -146,10 +146,10 @@ def test_status_command_shows_every_worker(server):
 
 
 def test_workers_start_with_the_core_splits_environment(server):
-    """`pdcluster serve` plans its core split (router.threads) and the prefill worker's
+    """`pdcluster serve` plans its core split (router.cluster.threads) and the prefill worker's
     process really starts with the environment the plan gives it (Ray runtime_env), the
     decode worker without it."""
-    from router.serve import ServeConfig
+    from router.cli.serve_config import ServeConfig
 
     _, _, http_port = server
     res = subprocess.run([sys.executable, "-m", "router.cli", "status", "--http-address",

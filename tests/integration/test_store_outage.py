@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from router.redis_store import RedisStore
-from router.store import JournalEvent, StoreUnavailableError, StreamRecord, make_store
+from router.state.factory import make_store
+from router.state.redis_store import RedisStore
+from router.state.store import JournalEvent, StoreUnavailableError, StreamRecord
 from tests.async_util import wait_until
 from tests.redis_server import OwnRedis
 from tests.unit.test_store import load, worker
@@ -146,8 +147,8 @@ def test_cluster_serves_through_a_redis_outage(own_redis, tiny_llama_dir):
     outage are in the restarted Redis."""
 
     from engine import EngineArgs, SamplingParams
-    from router.backend import GenerateInput
-    from router.cluster import ClusterConfig
+    from router.cluster.ray_cluster import ClusterConfig
+    from router.contract import GenerateInput
     from tests.async_util import ray_loop, run_cluster
     from tests.tiny_models import hf_greedy, random_prompts
 

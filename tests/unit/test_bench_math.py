@@ -306,7 +306,7 @@ def test_engine_steps_between_two_scrapes_and_the_serving_overhead():
 
 
 def test_decode_step_counters_survive_worker_restarts():
-    from router.usage import UsageCounters
+    from router.control.usage import UsageCounters
     from worker_protocol import WorkerLoad
 
     def load(inc, rows, mixed=()):

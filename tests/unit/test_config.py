@@ -146,8 +146,8 @@ def test_sliding_window_caps_max_model_len():
 
 # ---- `pdcluster serve` device flags -> both engines' EngineArgs ------------------------------
 def _serve(*argv, yaml_text: str | None = None, tmp_path=None):
-    from router.cli import build_parser
-    from router.serve import serve_config_from_args
+    from router.cli.main import build_parser
+    from router.cli.serve_config import serve_config_from_args
 
     if yaml_text is not None:
         f = tmp_path / "serve.yaml"
@@ -200,22 +200,23 @@ def test_serve_device_settings_from_yaml(tmp_path):
     (dict(device="cpu", cuda_graphs=True), "--cuda-graphs"),
 ])
 def test_bad_serve_device_settings_name_the_flag(kwargs, flag):
-    from router.serve import ServeConfig
+    from router.cli.serve_config import ServeConfig
 
     with pytest.raises(ValueError, match=flag):
         ServeConfig(**kwargs)
 
 
 def test_serve_gpu_memory_utilization_of_one_is_allowed():
-    from router.serve import ServeConfig
+    from router.cli.serve_config import ServeConfig
 
     assert ServeConfig(gpu_memory_utilization=1).cluster_config().decode_engine.gpu_memory_utilization == 1.0
 
 
 def test_serve_flag_choices_are_the_engines():
-    # router/serve_cli.py spells them out (importing engine.device would import torch).
+    # router/cli/serve.py spells them out (importing engine.device would import torch).
     from engine.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
-    from router import serve, serve_cli
+    from router.cli import serve as serve_cli  # the flags
+    from router.cli import serve_config as serve  # ServeConfig's own lists
 
     assert serve_cli.DTYPE_CHOICES == DTYPE_CHOICES
     assert serve_cli.ATTENTION_BACKEND_CHOICES == ATTENTION_BACKEND_CHOICES

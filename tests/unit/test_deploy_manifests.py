@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 from tests.k8s_manifests import (
     DASHBOARD_PORT,
     EPHEMERAL_PORT,

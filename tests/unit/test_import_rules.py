@@ -3,7 +3,9 @@
 ``router -> {prefill_workers, decode_workers} -> {worker_protocol, kv_transfer} -> engine``;
 the engine imports neither Ray nor gRPC; workers use the engine's seams (``kv_connector``, the
 engine's public methods), never its scheduler, block manager or model runner; neither worker
-kind imports the other.
+kind imports the other. Inside the router, one direction (router/__init__.py):
+``cli -> cluster -> control -> {routing, state} -> contract``, ``frontdoor -> contract``.
+Across the project: no import cycles, and no module imports another's private names.
 """
 
 from __future__ import annotations
@@ -68,6 +70,148 @@ def test_workers_do_not_reach_into_the_engine(package):
             if isinstance(node, ast.Attribute) and node.attr in ("scheduler", "block_manager",
                                                                  "runner"):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses .{node.attr}")
+    assert found == []
+
+
+# Each router package and the router modules it may import (besides its own package's).
+ROUTER_RULES = {
+    "router.contract": (),
+    "router.frontdoor": ("router.contract",),
+    "router.routing": (),
+    "router.state": ("router.contract",),
+    "router.control": ("router.contract", "router.routing", "router.state"),
+    "router.embedded": ("router.contract", "router.state"),
+    "router.cluster": ("router.contract", "router.control", "router.routing", "router.state"),
+    "router.cli": ("router.contract", "router.embedded", "router.frontdoor", "router.cluster",
+                   "router.control", "router.routing", "router.state"),
+}
+PRODUCT_PACKAGES = ("engine", "kv_transfer", "worker_protocol", "prefill_workers",
+                    "decode_workers", "router", "client", "bench", "proto")
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _project_modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PRODUCT_PACKAGES for p in _modules(pkg)
+            if "_pb2" not in p.name}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module an imported name lives in (``a.b.C`` -> ``a.b``), or None."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _owner(module: str) -> str:
+    """The ROUTER_RULES key a router module falls under."""
+    return next(k for k in ROUTER_RULES if module == k or module.startswith(k + "."))
+
+
+def test_every_router_module_has_a_rule():
+    modules = [m for m in _project_modules() if m.startswith("router.") and m != "router"]
+    assert modules
+    assert [m for m in modules if not any(m == k or m.startswith(k + ".")
+                                          for k in ROUTER_RULES)] == []
+
+
+def test_router_imports_go_one_way():
+    """The front doors see only the contract; routing sees no other router package; nothing
+    below the CLI imports the CLI, the cluster or the embedded engine; ..."""
+    modules = _project_modules()
+    found = []
+    for name, path in modules.items():
+        if not name.startswith("router.") or name == "router":
+            continue
+        own = _owner(name)
+        allowed = (own, *ROUTER_RULES[own])
+        for imported in sorted(_imports(path)):
+            target = _resolve(imported, modules)
+            if target is None or not target.startswith("router"):
+                continue
+            if target == "router" or not any(target == a or target.startswith(a + ".")
+                                             for a in allowed):
+                found.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert sorted(set(found)) == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports. ``from pkg import name`` is an edge to
+    ``pkg.name`` when that is a module, else to ``pkg`` (the way the names are looked up)."""
+    modules = _project_modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(_resolve(a.name, modules) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.update(_resolve(f"{node.module}.{a.name}", modules)
+                               for a in node.names)
+        graph[name] = {t for t in targets if t and t != name}
+    return graph
+
+
+def test_no_import_cycles():
+    """A cycle is a factory inside the contract it implements, or a module reaching into
+    another's state: the factory goes beside its contract, the reach becomes a small protocol.
+    Imports inside functions count too: deferring an import hides a cycle, it does not end it."""
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    modules = _project_modules()
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and _resolve(node.module, modules) not in (None, name):
+                found += [f"{path.relative_to(ROOT)}: from {node.module} import {a.name}"
+                          for a in node.names if a.name.startswith("_")
+                          and not a.name.startswith("__")]
     assert found == []
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.kv_events import AllCleared, BlockRemoved, BlockStored
-from router.kv_index import KVIndex
-from router.policy import Routing, RoutingConfig, WorkerView
+from router.routing.kv_index import KVIndex
+from router.routing.policy import Routing, RoutingConfig, WorkerView
 from worker_protocol import WorkerLoad
 from worker_protocol.kv_events import KVEventBatch, KVEventLog
 

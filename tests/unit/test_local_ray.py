@@ -1,4 +1,4 @@
-"""router/local_ray.py: a local Ray start that times out is retried, and the half-started
+"""router/cluster/local_ray.py: a local Ray start that times out is retried, and the half-started
 node's processes are stopped first. Ray's start-up wait is a fixed 30 s, so the timeout itself
 is raised here by a stand-in for ``ray.init``'s first call; the node that is stopped is a real
 one, started by the real ``ray.init``."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.local_ray import STARTUP_TIMEOUT_TEXT, start_local_ray, stop_half_started_node
+from router.cluster.local_ray import STARTUP_TIMEOUT_TEXT, start_local_ray, stop_half_started_node
 
 ROOT = Path(__file__).resolve().parents[2]
 # Ray's exact words (ray/_private/node.py), as a CI run met them.
@@ -45,7 +45,7 @@ def test_a_timed_out_start_is_retried_and_the_half_started_node_is_stopped(monke
         return real_init(**kw)
 
     monkeypatch.setattr(ray, "init", init_that_times_out_once)
-    with caplog.at_level(logging.WARNING, logger="router.local_ray"):
+    with caplog.at_level(logging.WARNING, logger="router.cluster.local_ray"):
         start_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         assert ray.is_initialized()
@@ -97,7 +97,7 @@ def test_only_local_ray_starts_a_local_ray():
     offenders = []
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in (".venv", "build") or rel == Path("router/local_ray.py"):
+        if rel.parts[0] in (".venv", "build") or rel == Path("router/cluster/local_ray.py"):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]

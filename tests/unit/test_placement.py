@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement import (
+from router.cli.serve_config import ServeConfig
+from router.cluster.placement import (
     GpuShare,
     PlacementError,
     RoleNeed,
     check_placement,
     plan_gpu_share,
 )
-from router.serve import ServeConfig
 from worker_protocol.runtime import KV_HOST_ENV, interface_ipv4, resolve_kv_host
 
 

@@ -1,5 +1,5 @@
 """deploy/ray/cluster.yaml (the `ray up` config) names the node pools the router expects and
-gives them the custom resources that router/placement.py's constants name; and what the
+gives them the custom resources that router/cluster/placement.py's constants name; and what the
 launcher builds each worker with from the placement plan (GPU share, memory cap, transport)."""
 
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE, GpuShare, plan_gpu_share
+from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE, GpuShare, plan_gpu_share
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO_ROOT / "deploy" / "ray" / "cluster.yaml"
@@ -69,8 +69,8 @@ def test_local_script_uses_the_same_resource_names():
 # ---- what each worker is built with, from the placement plan ------------------------------
 def _worker_configs(share: GpuShare, num_prefill: int = 1, num_decode: int = 1):
     from engine.llm_engine import EngineArgs
-    from router.cluster import ClusterConfig
-    from router.launcher import Placement, WorkerLauncher
+    from router.cluster.launcher import Placement, WorkerLauncher
+    from router.cluster.ray_cluster import ClusterConfig
 
     launcher = WorkerLauncher(ClusterConfig(num_prefill_workers=num_prefill,
                                             num_decode_workers=num_decode), tag="t")
@@ -123,7 +123,7 @@ def test_worker_transport_setting():
 
 
 def test_a_dead_workers_error_is_reduced_to_its_cause():
-    from router.launcher import death_cause
+    from router.cluster.launcher import death_cause
 
     ray_text = ("The actor died because of an error raised in its creation task, \x1b[36mray::"
                 "DecodeWorker.__init__()\x1b[39m (pid=1, ip=10.0.0.1)\n  File \"decode_workers/"

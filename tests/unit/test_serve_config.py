@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.cli import build_parser
-from router.serve import parse_bytes, serve_config_from_args
+from router.cli.main import build_parser
+from router.cli.serve_config import parse_bytes, serve_config_from_args
 
 
 def _args(*argv):

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.store import (
+from router.state.factory import make_store
+from router.state.memory import InMemoryStore
+from router.state.store import (
     ClusterStore,
-    InMemoryStore,
     JournalEvent,
     StreamLog,
     StreamRecord,
     UnknownWorkerError,
     WorkerLoad,
     WorkerRecord,
-    make_store,
 )
 
 

@@ -1,8 +1,8 @@
-"""The default split of a machine's cores among workers (router.threads), and the flags over it."""
+"""The default split of a machine's cores among workers (router.cluster.threads), and the flags over it."""
 
 import pytest
 
-from router.threads import ROUTER_CORE_FROM, plan_threads
+from router.cluster.threads import ROUTER_CORE_FROM, plan_threads
 
 
 def test_small_machines_give_every_core_to_the_engines():
@@ -51,7 +51,7 @@ def test_flags_win_and_the_operators_environment_is_kept():
 
 
 def test_serve_passes_the_plan_to_the_cluster():
-    from router.serve import ServeConfig
+    from router.cli.serve_config import ServeConfig
 
     cfg = ServeConfig(mode="colocated", decode_workers=1, threads_per_worker=2)
     assert cfg.cluster_config().decode_engine.num_threads == 2

@@ -1,0 +1,214 @@
+"""`pdcluster` command line: serve | status | stop | generate | chat | bench.
+
+Config is read here once (flags, optionally a YAML file whose keys are the flag names) and
+passed down as frozen dataclasses; nothing deeper reads flags or the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.request import SamplingParams
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None,
+                   help="the server's API key (default: $PDCLUSTER_API_KEY)")
+    p.add_argument("--tls", action="store_true", help="connect over TLS (HTTPS for status)")
+    p.add_argument("--ca-file", default=None,
+                   help="PEM CA that signed the server's certificate (implies --tls)")
+
+
+def _client(args: argparse.Namespace):
+    from client import Client
+
+    return Client(args.address, api_key=args.api_key, tls=args.tls, ca_file=args.ca_file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from router.cli.serve import add_serve_subcommand
+    add_serve_subcommand(sub)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    where = gen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", action="store_true", help="run the model in this process")
+    where.add_argument("--address", help="HOST:PORT of a running `pdcluster serve` (gRPC)")
+    gen.add_argument("--model", default=None, help="local HF dir or GGUF (with --local)")
+    gen.add_argument("--raw", action="store_true", help="complete the text as is, no chat template")
+    _add_sampling_args(gen)
+    _add_connection_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    status = sub.add_parser("status", help="the workers of a running server and their state")
+    status.add_argument("--http-address", default="127.0.0.1:8000",
+                        help="HOST:PORT of the server's HTTP front door")
+    status.add_argument("--json", action="store_true", help="print GET /v1/cluster as is")
+    _add_connection_args(status)
+    status.set_defaults(func=cmd_status)
+
+    stop = sub.add_parser("stop", help="end a deployment's workers on a Ray cluster (they "
+                                       "outlive their routers)")
+    stop.add_argument("--ray-address", required=True, help="the Ray cluster (HOST:PORT)")
+    stop.add_argument("--name", default="pdcluster", help="the deployment (serve --name)")
+    stop.set_defaults(func=cmd_stop)
+
+    chat = sub.add_parser("chat", help="interactive chat with a running server")
+    chat.add_argument("--address", default="127.0.0.1:50051")
+    chat.add_argument("--system", default=None)
+    _add_sampling_args(chat)
+    _add_connection_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    try:
+        from bench.cli import add_bench_subcommands
+    except ImportError:  # bench is part of the package; absent only in stripped installs
+        pass
+    else:
+        add_bench_subcommands(sub)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    if args.local:
+        from engine import LLM
+
+        llm = LLM(args.model)
+        prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+        for out in llm.stream([prompt], params):
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    with _client(args) as client:
+        if args.raw:
+            chunks = client.stream(prompt=args.prompt, **_sampling_kwargs(params))
+        else:
+            chunks = client.stream(messages=[{"role": "user", "content": args.prompt}],
+                                   **_sampling_kwargs(params))
+        for chunk in chunks:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _sampling_kwargs(params: SamplingParams) -> dict:
+    kw = dict(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+              top_k=params.top_k)
+    if params.seed is not None:
+        kw["seed"] = params.seed
+    return kw
+
+
+_STATUS_COLUMNS = ("id", "role", "host", "pid", "state", "kv_blocks_used", "kv_blocks_total",
+                   "running", "waiting", "restarts")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """GET /v1/cluster and print one row per worker; exit 1 when the server cannot be reached
+    or a worker is not ready."""
+    import json
+    import os
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    tls = args.tls or args.ca_file
+    url = f"{'https' if tls else 'http'}://{args.http_address}/v1/cluster"
+    key = args.api_key or os.environ.get("PDCLUSTER_API_KEY")
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    context = ssl.create_default_context(cafile=args.ca_file) if tls else None
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=context) as resp:
+            body = json.load(resp)
+    except (urllib.error.URLError, OSError) as e:
+        print(f"error: cannot reach {url}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(body, indent=2))
+    else:
+        rows = [[str(w.get(c, "")) for c in _STATUS_COLUMNS] for w in body["workers"]]
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_STATUS_COLUMNS)]
+        for r in [list(_STATUS_COLUMNS), *rows]:
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    return 0 if all(w["state"] == "ready" for w in body["workers"]) else 1
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router.cluster.launcher import stop_deployment
+
+    names = asyncio.run(stop_deployment(args.ray_address, args.name))
+    print(f"stopped {len(names)} workers of {args.name!r}: {', '.join(names) or 'none'}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    params = _sampling(args)
+    with _client(args) as client:
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                break
+            if line.strip() in ("/exit", "/quit"):
+                break
+            messages.append({"role": "user", "content": line})
+            sys.stdout.write("assistant> ")
+            reply = []
+            for chunk in client.stream(messages=messages, **_sampling_kwargs(params)):
+                reply.append(chunk.text)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        result = args.func(args)
+        # Commands return an exit code; benchmarks return their result dict (already written).
+        return result if isinstance(result, int) else 0
+    except ValueError as e:  # bad input: a clear message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # start-up failures that name what is missing
+        from router.cluster.placement import PlacementError
+        from router.cluster.ray_cluster import StartupError
+        from router.state.store import StoreUnavailableError
+
+        if not isinstance(e, StartupError | PlacementError | StoreUnavailableError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+

@@ -1,0 +1,245 @@
+"""`pdcluster serve`'s configuration: a ServeConfig built from flags over YAML over defaults,
+validated once, and the configurations of the cluster, routing, security and threads derived
+from it. Running it is router/cli/serve.py's job."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
+from engine.llm_engine import EngineArgs
+
+log = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def parse_bytes(value: str | int) -> int:
+    """'1GiB', '512MB', '1073741824' -> bytes. ValueError on anything else."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    mode: str = "disaggregated"
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    ray_address: str | None = None
+    redis_url: str | None = None
+    # The engines' device settings (engine.device resolves every "auto"; docs/deployment.md,
+    # GPUs). device: auto = GPUs when the Ray cluster has them, cuda = require them.
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    cuda_graphs: bool | None = None  # None: on for GPU workers
+    gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
+    kv_cache_memory: str | int | None = None  # per worker; None: 1 GiB on CPU, GPU: from memory
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    prefill_block_size: int = 16
+    decode_block_size: int = 16
+    max_model_len: int | None = None
+    max_waiting: int = 1024
+    drain_grace_s: float = 30.0
+    threads_per_worker: int | None = None  # None: the machine's cores split among workers
+    # Per role, over threads_per_worker: the split of a box's cores between prefill
+    # (compute-bound) and decode (memory-bound) workers is the operator's to measure.
+    prefill_threads: int | None = None
+    decode_threads: int | None = None
+    kv_host: str | None = None  # address workers advertise for KV (default: their node's)
+    kv_interface: str | None = None  # or: the NIC whose IPv4 they advertise (every node)
+    startup_timeout_s: float = 300.0
+    migration_limit: int = 3
+    orphan_after_s: float = 20.0
+    worker_restarts: int = 3
+    require_redis: bool = False
+    name: str = "pdcluster"
+    keep_workers: bool = False
+    # How requests are spread (router.routing.policy.RoutingConfig: the cost and its defaults).
+    routing: str = "kv_aware"
+    prefix_weight: float = 1.0
+    queue_weight: float = 1.0
+    kv_usage_weight: float = 1.0
+    kv_event_bus: str = "auto"
+    # Fault injection for failure tests only: worker id -> {fault_* WorkerConfig field: value}.
+    worker_overrides: dict = field(default_factory=dict)
+    # The front doors' security (router/frontdoor/security.py).
+    api_keys: str | None = None  # key file (or $PDCLUSTER_API_KEYS_FILE)
+    metrics_public: bool | None = None  # None: public exactly when there are no keys
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    max_request_bytes: str | int = "1MiB"
+    rate_limit: float = 0.0
+    max_concurrent_per_key: int = 0
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory_bytes()  # its own check: a size > 0
+        self._check_device_flags()
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("give --tls-cert and --tls-key together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        self.security_config()  # its own checks: limits in range
+        self.routing_config()  # its own checks: a known policy, weights >= 0
+        for wid, over in self.worker_overrides.items():
+            bad = [k for k in (over if isinstance(over, dict) else {"?": 0})
+                   if not str(k).startswith("fault_")]
+            if bad:
+                raise ValueError(f"--worker-overrides[{wid!r}]: only fault_* fields, got {bad}")
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"--mode must be disaggregated or colocated, got {self.mode!r}")
+        for name in ("prefill_workers", "decode_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.kv_host and self.kv_interface:
+            raise ValueError("give --kv-host or --kv-interface, not both")
+        for name in ("threads_per_worker", "prefill_threads", "decode_threads"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if not self.orphan_after_s > 0:
+            raise ValueError(f"--orphan-after-s must be > 0, got {self.orphan_after_s}")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.worker_restarts < 0:
+            raise ValueError(f"--worker-restarts must be >= 0, got {self.worker_restarts}")
+        if self.kv_event_bus not in ("auto", "memory"):
+            raise ValueError(f"--kv-event-bus must be auto or memory, got {self.kv_event_bus!r}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"--startup-timeout-s must be > 0, got {self.startup_timeout_s}")
+
+    def kv_cache_memory_bytes(self) -> int | None:
+        """``--kv-cache-memory`` in bytes; None: engine.device sizes the pool."""
+        if self.kv_cache_memory is None:
+            return None
+        try:
+            size = parse_bytes(self.kv_cache_memory)
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-memory: {e}") from None
+        if size <= 0:
+            raise ValueError(f"--kv-cache-memory must be > 0, got {self.kv_cache_memory!r}")
+        return size
+
+    def _check_device_flags(self) -> None:
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, "
+                             f"got {self.device!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, "
+                             f"got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(f"--attention-backend must be one of "
+                             f"{', '.join(ATTENTION_BACKEND_CHOICES)}, "
+                             f"got {self.attention_backend!r}")
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"--cuda-graphs must be true or false, got {self.cuda_graphs!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {u!r}")
+        if self.device == "cpu":  # would fail in every worker's constructor instead
+            if self.attention_backend == "flashinfer":
+                raise ValueError("--attention-backend flashinfer needs GPUs: not with --device cpu")
+            if self.cuda_graphs:
+                raise ValueError("--cuda-graphs needs GPUs: not with --device cpu")
+
+    def security_config(self):
+        from router.frontdoor.security import SecurityConfig, TLSConfig
+
+        tls = (TLSConfig(self.tls_cert, self.tls_key, self.tls_client_ca)
+               if self.tls_cert and self.tls_key else None)
+        return SecurityConfig(self.api_keys, self.metrics_public,
+                              parse_bytes(self.max_request_bytes), float(self.rate_limit),
+                              int(self.max_concurrent_per_key), tls)
+
+    def routing_config(self):
+        from router.routing.policy import RoutingConfig
+
+        return RoutingConfig(self.routing, float(self.prefix_weight), float(self.queue_weight),
+                             float(self.kv_usage_weight))
+
+    def cluster_config(self):
+        from router.cluster.ray_cluster import ClusterConfig
+
+        num_prefill = self.prefill_workers if self.mode == "disaggregated" else 0
+        threads = self.thread_plan()
+        # The launcher sets each worker's device (cuda or cpu, from the placement) and
+        # divides gpu_memory_utilization among workers sharing a GPU.
+        common = dict(dtype=self.dtype, attention_backend=self.attention_backend,
+                      cuda_graphs=self.cuda_graphs,
+                      gpu_memory_utilization=float(self.gpu_memory_utilization),
+                      kv_cache_memory_bytes=self.kv_cache_memory_bytes(),
+                      max_model_len=self.max_model_len, max_waiting=self.max_waiting)
+        return ClusterConfig(
+            model=self.model, mode=self.mode, num_prefill_workers=num_prefill,
+            num_decode_workers=self.decode_workers,
+            prefill_engine=EngineArgs(block_size=self.prefill_block_size, max_num_seqs=8,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      num_threads=threads.prefill_threads, **common),
+            decode_engine=EngineArgs(block_size=self.decode_block_size, max_num_seqs=self.max_num_seqs,
+                                     max_num_batched_tokens=self.max_num_batched_tokens,
+                                     num_threads=threads.decode_threads, **common),
+            ray_address=self.ray_address, redis_url=self.redis_url,
+            use_gpus={"auto": None, "cpu": False, "cuda": True}[self.device],
+            max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
+            kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
+            migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
+            orphan_after_s=self.orphan_after_s,
+            require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
+            routing=self.routing_config(), kv_event_bus=self.kv_event_bus,
+            worker_overrides=dict(self.worker_overrides), prefill_env=threads.prefill_env)
+
+    def thread_plan(self):
+        """Torch threads per worker and the workers' environment (router.cluster.threads)."""
+        from router.cluster.threads import plan_threads
+
+        num_prefill = self.prefill_workers if self.mode == "disaggregated" else 0
+        return plan_threads(os.cpu_count() or 2, num_prefill, max(1, self.decode_workers),
+                            threads_per_worker=self.threads_per_worker,
+                            prefill_threads=self.prefill_threads,
+                            decode_threads=self.decode_threads)
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Defaults < YAML file (--config; keys are flag names) < flags given on the command line."""
+    values: dict = {}
+    if args.config:
+        import yaml
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: expected a mapping of flag names to values")
+        values.update({k.replace("-", "_"): v for k, v in data.items()})
+    known = {f.name for f in dataclasses.fields(ServeConfig)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"{args.config}: unknown keys {sorted(unknown)}")
+    for name in known:
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    # Secrets may come from the environment (a Kubernetes Secret), never needed on a command
+    # line where `ps` shows them; a flag or YAML key wins.
+    for name, env in (("api_keys", "PDCLUSTER_API_KEYS_FILE"), ("redis_url", "PDCLUSTER_REDIS_URL")):
+        if values.get(name) is None and os.environ.get(env):
+            values[name] = os.environ[env]
+    return ServeConfig(**values)

@@ -1,0 +1,498 @@
+"""Start or join Ray, spawn prefill and decode workers, and serve the backend contract over them.
+
+``Cluster`` is the Python entry point (``router.cluster.ray_cluster.Cluster``) that ``pdcluster serve`` wraps:
+``cluster = await Cluster.start(ClusterConfig(...))`` then ``cluster.generate(...)``. It owns
+its workers (``router.cluster.launcher`` spawns them or re-attaches to a deployment's; ``shutdown``
+ends them unless they are kept for the next router) and, if it started Ray itself, Ray too.
+Placement: CPU workers ask for ``num_cpus``; with GPUs each asks for one, or a fraction of
+one when there are fewer GPUs than workers (router.cluster.placement.plan_gpu_share; KV then moves
+over gloo instead of NCCL); and each role asks for its custom resource (``prefill_slot`` /
+``decode_slot``) when the cluster defines it, so separate prefill and decode node types each
+get the right workers. Everything that cannot work fails start-up with a message naming it
+(PlacementError before spawning, StartupError for a worker that cannot start) instead of
+waiting for workers Ray will never place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.input_processor import InputProcessor
+from engine.llm_engine import EngineArgs
+from engine.tokenizer import load_tokenizer
+from engine.weights import load_model_config, resolve_model
+from kv_transfer import KVLayout
+from router.cluster.launcher import (
+    JOIN_TIMEOUT_S,
+    RAY_NAMESPACE,
+    Placement,
+    StartupError,
+    WorkerLauncher,
+    death_cause,
+    join_ray,
+)
+from router.cluster.local_ray import start_local_ray
+from router.cluster.placement import (
+    DECODE_RESOURCE,
+    PREFILL_RESOURCE,
+    RoleNeed,
+    check_placement,
+    plan_gpu_share,
+)
+from router.contract import (
+    BackendStats,
+    GenerateInput,
+    GenerationChunk,
+    InvalidRequestError,
+    ModelInfo,
+    WorkerStatus,
+)
+from router.control.orchestrator import Orchestrator, OrchestratorConfig
+from router.control.worker_health import is_restarting
+from router.routing.policy import RoutingConfig
+from worker_protocol import (
+    WorkerInfo,
+    WorkerLoad,
+    control,
+)
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything ``pdcluster serve`` decides. Engine args are per role (block sizes may differ)."""
+
+    model: str | None = None
+    mode: str = "disaggregated"  # or "colocated"
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    prefill_engine: EngineArgs = field(default_factory=lambda: EngineArgs(max_num_seqs=8))
+    decode_engine: EngineArgs = field(default_factory=EngineArgs)
+    ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join
+    redis_url: str | None = None
+    store_namespace: str = "pdcluster"  # Redis key prefix (several clusters can share a Redis)
+    worker_num_cpus: float = 1.0
+    # None: use GPUs when the cluster has them; True: require them (start-up fails without);
+    # False: CPU workers. Fewer GPUs than workers: each worker gets a share of one.
+    use_gpus: bool | None = None
+    transfer_timeout_s: float = 30.0
+    lease_s: float = 30.0
+    max_inflight_requests: int = 1024
+    capacity_wait_s: float = 30.0
+    stream_layers: bool = True
+    # Where workers bind and advertise KV endpoints (worker_protocol.runtime.resolve_kv_host).
+    # Neither set: loopback when every Ray node is on one host, else each node's own address.
+    kv_host: str | None = None
+    kv_interface: str | None = None
+    # Every start-up wait (each worker loading its model) fails after this, naming the worker.
+    startup_timeout_s: float = 300.0
+    call_timeout_s: float = 10.0  # deadline of a reserve / abort / load call to one worker
+    migration_limit: int = 3  # moves per request when its decode worker is lost
+    orphan_after_s: float = 20.0  # see OrchestratorConfig.orphan_after_s
+    # How often Ray restarts a worker whose process died (each comes back, loads its model
+    # and rejoins under the same id); past it the worker stays dead. 0: never restart.
+    worker_restarts: int = 3
+    # With redis_url: refuse to start while Redis is unreachable (default: start without it
+    # and catch up once it answers).
+    require_redis: bool = False
+    # The deployment's name. Joining an existing Ray cluster (ray_address), workers are
+    # detached Ray actors named "{name}-{worker id}": they outlive this router's death, and a
+    # router started later with the same name re-attaches to them instead of starting new
+    # ones (if they run the configuration it wants). A graceful shutdown stops them, unless
+    # keep_workers (a router upgrade: the next router takes them over).
+    name: str = "pdcluster"
+    keep_workers: bool = False
+    # How requests are spread over workers (router.routing.policy.RoutingConfig: kv_aware by default).
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # How workers' KV events reach routers (router.routing.kv_sync): "auto" = Redis Streams when
+    # redis_url is set (workers then get its URL and publish there), else pulled through
+    # Ray; "memory" = always pulled (workers never talk to Redis: the shipped Kubernetes
+    # and `ray up` set-ups, whose workers cannot reach it).
+    kv_event_bus: str = "auto"
+    # worker_id -> WorkerConfig field overrides (fault injection in failure tests)
+    worker_overrides: dict = field(default_factory=dict)
+    # Environment prefill worker processes start with (router.cluster.threads: OMP_WAIT_POLICY when
+    # their threads share the machine's cores with decode workers).
+    prefill_env: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {self.mode!r}")
+        if self.num_decode_workers < 1:
+            raise ValueError("at least one decode worker is needed")
+        if self.mode == "disaggregated" and self.num_prefill_workers < 1:
+            raise ValueError("disaggregated mode needs at least one prefill worker")
+        if self.worker_restarts < 0:
+            raise ValueError(f"worker_restarts must be >= 0, got {self.worker_restarts}")
+        if self.kv_event_bus not in ("auto", "memory"):
+            raise ValueError(f"kv_event_bus must be 'auto' or 'memory', got {self.kv_event_bus!r}")
+
+    @property
+    def kv_events_redis_url(self) -> str | None:
+        """Where workers publish KV events besides their own log (None: nowhere else)."""
+        return self.redis_url if self.kv_event_bus == "auto" else None
+
+
+class Cluster:
+    """A running cluster; implements ``router.contract.GenerationBackend``."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.launcher = WorkerLauncher(config, tag=f"{id(self):x}")
+        self._started_ray = False  # we called ray.init (local start or join): we call ray.shutdown
+        self.orchestrator: Orchestrator | None = None
+        self.store = None
+        self._info: ModelInfo | None = None
+        self._refresh_task: asyncio.Task | None = None
+        self._rejoining: dict[str, asyncio.Task] = {}  # worker id -> its rejoin after a restart
+        self._progress: Callable[[str], None] = lambda step: None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, config: ClusterConfig,
+                    on_progress: Callable[[str], None] | None = None) -> Cluster:
+        """Start (or join) Ray and every worker. ``on_progress(step)`` is called as each
+        start-up step completes ("model", "ray", then one call per worker id)."""
+        cluster = cls(config)
+        cluster._progress = on_progress or (lambda step: None)
+        try:
+            await cluster._start()
+        except BaseException:
+            await cluster.shutdown(keep=set(cluster.launcher.attached))  # what it found stays
+            raise
+        return cluster
+
+    async def _start(self) -> None:
+        import ray
+
+        from router.state.factory import make_store
+
+        cfg = self.config
+        if not ray.is_initialized():
+            if cfg.ray_address:
+                await join_ray(cfg.ray_address, min(JOIN_TIMEOUT_S, cfg.startup_timeout_s))
+                # We connected, so we disconnect on shutdown (the cluster itself keeps running).
+                self._started_ray = True
+            else:
+                n = cfg.num_prefill_workers + cfg.num_decode_workers
+                # Logical CPUs: workers are mostly waiting on memory, and one per core would
+                # make a 2-core laptop unable to host a 1+1 cluster plus the router.
+                start_local_ray(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1),
+                                namespace=RAY_NAMESPACE, include_dashboard=False,
+                                log_to_driver=False,
+                                resources={PREFILL_RESOURCE: cfg.num_prefill_workers,
+                                           DECODE_RESOURCE: cfg.num_decode_workers})
+                self._started_ray = True
+        self._progress("ray")
+        # First, before loading anything: a cluster that cannot host the workers fails now.
+        placement = self._plan_placement()
+        self.store = make_store(cfg.redis_url, namespace=cfg.store_namespace,
+                                require=cfg.require_redis)
+        resolved = resolve_model(cfg.model, cache_dir=cfg.decode_engine.cache_dir)
+        self._progress("model")
+        # The KV dtype the workers will really use ("auto" is bfloat16 on GPU, float32 on
+        # CPU): the layout every transfer is checked against must say the same.
+        model_cfg = load_model_config(resolved.model_dir,
+                                      dtype=placement.kv_dtype(cfg.decode_engine.dtype),
+                                      model_id=resolved.model_id)
+        model_path = str(resolved.model_dir)  # workers load the converted dir: no re-conversion
+        tokenizer = load_tokenizer(resolved.model_dir)
+        layout = KVLayout.from_model_config(model_cfg)
+
+        specs: list[tuple[str, str, EngineArgs]] = []
+        if cfg.mode == "disaggregated":
+            specs += [(f"prefill-{i}", "prefill", cfg.prefill_engine)
+                      for i in range(cfg.num_prefill_workers)]
+        role = "decode" if cfg.mode == "disaggregated" else "colocated"
+        specs += [(f"decode-{i}", role, cfg.decode_engine) for i in range(cfg.num_decode_workers)]
+        wanted = [self.launcher.worker_config(wid, r, dataclasses.replace(args, model=model_path),
+                                      placement) for wid, r, args in specs]
+        handles = [self.launcher.attach(w) or self.launcher.spawn(w, placement) for w in wanted]
+        infos: list[WorkerInfo] = await asyncio.gather(
+            *[self._ready(wid, h) for (wid, _, _), h in zip(specs, handles, strict=True)])
+
+        decode_infos = [i for i in infos if i.role != "prefill"]
+        max_len = min(i.max_model_len for i in infos)
+        max_kv_tokens = min(i.num_kv_blocks * i.block_size for i in decode_infos)
+        self._info = ModelInfo(model_cfg.model_id, max_len, model_cfg.vocab_size,
+                               model_cfg.eos_token_ids, cfg.mode)
+        orch = Orchestrator(
+            OrchestratorConfig(model_cfg.model_id, cfg.mode, transfer_timeout_s=cfg.transfer_timeout_s,
+                               capacity_wait_s=cfg.capacity_wait_s,
+                               call_timeout_s=cfg.call_timeout_s,
+                               migration_limit=cfg.migration_limit,
+                               orphan_after_s=cfg.orphan_after_s,
+                               max_inflight_requests=cfg.max_inflight_requests,
+                               prefix_hash_seed=cfg.decode_engine.prefix_hash_seed,
+                               routing=cfg.routing),
+            tokenizer, InputProcessor(tokenizer, model_cfg.vocab_size, max_len, max_kv_tokens),
+            layout, self.store, self._kv_event_source())
+        for info, handle in zip(infos, handles, strict=True):
+            orch.add_worker(info, handle)
+            self.store.register_worker(_worker_record(info, model_cfg.model_id), ttl_s=15.0)
+        self.orchestrator = orch
+        self._refresh_task = asyncio.ensure_future(self._refresh_loads())
+        for i in infos:  # one line per worker: operators (and the placement test) read these
+            log.info("worker %s role=%s node=%s host=%s kv=%s transport=%s pid=%d",
+                     i.worker_id, i.role, i.node_id, i.node_ip, i.kv_host, i.kv_transport, i.pid)
+
+    def _kv_event_source(self):
+        """With Redis, routers read the workers' KV events from its streams (the workers
+        publish there too); without it they pull them from the workers (router.routing.kv_sync)."""
+        url = self.config.kv_events_redis_url
+        if url is None:
+            return None
+        from worker_protocol.kv_stream import RedisKVEventSource
+
+        return RedisKVEventSource(url, self.config.store_namespace)
+
+    def _plan_placement(self) -> Placement:
+        """Check, before spawning anything, that the Ray cluster can host every worker, and
+        decide what every worker shares: its GPU share and KV transport, role resources or
+        not, KV address. Raises PlacementError naming what is missing."""
+        import ray
+
+        cfg = self.config
+        nodes = ray.nodes()
+        num_prefill = cfg.num_prefill_workers if cfg.mode == "disaggregated" else 0
+        gpus = plan_gpu_share(nodes, num_prefill + cfg.num_decode_workers, cfg.use_gpus)
+        by_role = check_placement(nodes, [
+            RoleNeed("prefill", num_prefill, PREFILL_RESOURCE, cfg.worker_num_cpus,
+                     gpus.num_gpus),
+            RoleNeed("decode" if cfg.mode == "disaggregated" else "colocated",
+                     cfg.num_decode_workers, DECODE_RESOURCE, cfg.worker_num_cpus,
+                     gpus.num_gpus)])
+        if not by_role:
+            log.warning("the Ray cluster defines neither %r nor %r: workers may land on any node",
+                        PREFILL_RESOURCE, DECODE_RESOURCE)
+        hosts = {n["NodeManagerAddress"] for n in nodes if n["Alive"]}
+        kv_host = cfg.kv_host
+        if kv_host is None and cfg.kv_interface is None and len(hosts) == 1:
+            kv_host = "127.0.0.1"  # every peer shares this host: KV never leaves loopback
+        placement = Placement(gpus, by_role, kv_host, cfg.kv_interface)
+        if gpus.use_gpus:
+            log.info("GPUs: %s; KV over %s%s", gpus.describe(), placement.kv_transport,
+                     "" if gpus.whole_gpus else " through host memory; each worker's "
+                     f"gpu_memory_utilization is 1/{gpus.workers_per_gpu} of the flag's")
+        else:
+            log.info("GPUs: none used; workers run on CPU, KV over gloo")
+        return placement
+
+    async def _ready(self, worker_id: str, handle) -> WorkerInfo:
+        """The worker's WorkerInfo once it is up. A constructor that raised (no CUDA, a bad
+        setting, out of memory) kills the actor, and Ray fails this call at once (it does
+        not restart an actor whose constructor raised): StartupError with the cause."""
+        from ray.exceptions import RayActorError
+
+        try:
+            info = await asyncio.wait_for(handle.info.remote(), self.config.startup_timeout_s)
+        except TimeoutError:
+            raise StartupError(
+                f"worker {worker_id} was not up within {self.config.startup_timeout_s:g} s "
+                f"(still loading its model, or no node can take it: check `ray status`)"
+            ) from None
+        except RayActorError as e:
+            raise StartupError(f"worker {worker_id} failed to start: {death_cause(e)}") from e
+        self.launcher.starting.pop(worker_id, None)
+        self._progress(info.worker_id)
+        return info
+
+    async def _refresh_loads(self) -> None:
+        """Keep the router's view of each worker's KV use fresh; heartbeat the registry.
+
+        Each report has a deadline: a worker whose host went silent is marked unreachable
+        (no new requests) instead of stalling every other worker's refresh. A report from a
+        new incarnation (Ray restarted the process) makes the worker rejoin first."""
+        timeout = min(2.0, self.config.call_timeout_s)
+        while True:
+            orch = self.orchestrator
+            # Dead ones too while restarts are on: a call to an actor gone for good fails at
+            # once, and one that Ray brought back answers with its new incarnation.
+            slots = [s for s in (*orch.prefill.values(), *orch.decode.values())
+                     if s.view.alive or self.config.worker_restarts]
+            results = await asyncio.gather(
+                *[asyncio.wait_for(control(s.handle.load).remote(orch.router_id), timeout)
+                  for s in slots],
+                return_exceptions=True)
+            for slot, load in zip(slots, results, strict=True):
+                if isinstance(load, TimeoutError):
+                    orch.health.unreachable(slot, f"no load report within {timeout:g} s")
+                    continue
+                if isinstance(load, BaseException):
+                    orch.health.on_error(slot, load)
+                    continue
+                if load.incarnation != slot.info.incarnation:
+                    self._start_rejoin(slot)
+                    continue
+                orch.health.reachable(slot)
+                slot.view.load = load
+                orch.usage.note(load)
+                self._heartbeat(slot, load)
+            orch.health.check_silent(orch.decode.values())
+            orch.kv_sync.kick([s for s in slots if s.view.alive and s.view.reachable])
+            await asyncio.sleep(0.25)
+
+    def _start_rejoin(self, slot) -> None:
+        wid = slot.info.worker_id
+        if wid not in self._rejoining:
+            self._rejoining[wid] = asyncio.ensure_future(self._rejoin(slot))
+
+    async def _rejoin(self, slot) -> None:
+        """Re-read a restarted worker's WorkerInfo (new pid, new KV port), hand it to the
+        orchestrator and register it again. A failure leaves it for the next report."""
+        wid = slot.info.worker_id
+        try:
+            info = await asyncio.wait_for(control(slot.handle.info).remote(),
+                                          self.config.call_timeout_s)
+            self.orchestrator.rejoin(slot, info)
+            self._register_again(info)
+        except Exception as e:
+            log.warning("worker %s restarted but could not rejoin yet: %r", wid, e)
+        finally:
+            self._rejoining.pop(wid, None)
+
+    def _register_again(self, info: WorkerInfo) -> None:
+        """The registry record of a restarted worker: its new KV address; its prefix entries
+        are dropped (the new process caches nothing yet)."""
+        from router.state.store import StoreError
+
+        try:
+            self.store.deregister_worker(info.worker_id)
+            self.store.register_worker(_worker_record(info, self._info.model_id), ttl_s=15.0)
+        except StoreError as e:
+            log.warning("cluster store unavailable, %s not re-registered: %s", info.worker_id, e)
+
+    def _heartbeat(self, slot, load: WorkerLoad) -> None:
+        """Registry heartbeat with the worker's load; a store outage must not stop serving."""
+        from router.state.store import StoreError, UnknownWorkerError
+
+        report = dataclasses.replace(load, reported_at=time.time())
+        try:
+            try:
+                self.store.heartbeat(slot.info.worker_id, ttl_s=15.0, load=report)
+            except UnknownWorkerError:  # our record lapsed (e.g. a long pause): register again
+                self.store.register_worker(_worker_record(slot.info, self._info.model_id), ttl_s=15.0)
+        except StoreError as e:
+            log.warning("cluster store unavailable, registry not updated: %s", e)
+
+    async def shutdown(self, keep: set | None = None) -> None:
+        """Stop serving, and the workers too, except the handles in ``keep`` (default: all
+        of them when ``keep_workers``, for the next router of the deployment to re-attach)."""
+        import ray
+
+        if keep is None:
+            keep_all = self.launcher.detached and self.config.keep_workers
+            keep = set(self.launcher.actors) if keep_all else set()
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+        for t in list(self._rejoining.values()):
+            t.cancel()
+        if self.orchestrator is not None:
+            await self.orchestrator.close()
+            if self.store is not None and not keep:  # other routers must stop using them
+                for wid in (*self.orchestrator.prefill, *self.orchestrator.decode):
+                    with contextlib.suppress(Exception):
+                        self.store.deregister_worker(wid)
+        for a in self.launcher.actors:
+            if a in keep:
+                continue
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(a.shutdown.remote(), timeout=5)
+            ray.kill(a, no_restart=True)
+        self.launcher.actors.clear()
+        if self.store is not None:
+            self.store.close()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    # ---- GenerationBackend ----------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        try:
+            return self.orchestrator.inputs.encode(messages).token_ids
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        return self.orchestrator.streams.keep(inp, self.orchestrator.generate(inp))
+
+    def resume(self, request_id: str, from_index: int = 0) -> AsyncIterator[GenerationChunk]:
+        return self.orchestrator.streams.resume(request_id, from_index)
+
+    async def stream_kind(self, request_id: str) -> str | None:
+        return await self.orchestrator.streams.kind(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.orchestrator.abort(request_id)
+
+    async def stats(self) -> BackendStats:
+        orch = self.orchestrator
+        slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
+        loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
+                                     return_exceptions=True)
+        workers = [lo for lo in loads if not isinstance(lo, BaseException)]
+        for lo in workers:
+            orch.usage.note(lo)
+        return BackendStats(workers, orch.kv_transfer_bytes_total, dict(orch.migrations),
+                            self.store.up, dict(orch.usage.prefix_hit_tokens),
+                            orch.usage.prefill_computed_tokens, dict(orch.usage.decode_steps),
+                            dict(orch.usage.mixed_steps))
+
+    async def worker_loads(self) -> list:
+        """Every live worker's full load report (reserved blocks included); tests use this.
+        A worker Ray is restarting has no report (its new process holds nothing yet)."""
+        orch = self.orchestrator
+        slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
+        loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
+                                     return_exceptions=True)
+        for lo in loads:
+            if isinstance(lo, BaseException) and not is_restarting(lo):
+                raise lo
+        return [lo for lo in loads if not isinstance(lo, BaseException)]
+
+    async def cluster_status(self) -> list[WorkerStatus]:
+        """Every worker this cluster started, with its state and last load report."""
+        orch = self.orchestrator
+        now = time.monotonic()
+        out = [WorkerStatus(wid, role, "", 0, "starting") for wid, role in self.launcher.starting.items()]
+        for slot in (*orch.prefill.values(), *orch.decode.values()):
+            i, v, lo = slot.info, slot.view, slot.view.load
+            state = ("dead" if not v.alive else "unreachable" if not v.routable(now)
+                     else "ready")
+            addr = i.kv_address
+            out.append(WorkerStatus(
+                i.worker_id, i.role, i.node_ip, i.pid, state,
+                lo.kv_blocks_used if lo else 0, i.num_kv_blocks,
+                lo.requests_running if lo else 0, lo.requests_waiting if lo else 0,
+                lo.kv_transfer_bytes if lo else 0, f"{addr.host}:{addr.port}" if addr else "",
+                v.restarts))
+        return out
+
+    def worker_handle(self, worker_id: str):
+        """The Ray actor handle of one worker (tests, operators' scripts)."""
+        orch = self.orchestrator
+        return (orch.prefill.get(worker_id) or orch.decode[worker_id]).handle
+
+    async def worker_ready(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is up, reachable and takes new requests now."""
+        return any(w.id == worker_id and w.state == "ready" for w in await self.cluster_status())
+
+
+def _worker_record(info: WorkerInfo, model_id: str):
+    from router.state.store import WorkerRecord
+
+    addr = info.kv_address
+    return WorkerRecord(info.worker_id, info.role, info.node_id, addr.host if addr else "",
+                        addr.port if addr else 0, info.num_kv_blocks, info.block_size, model_id,
+                        time.time())

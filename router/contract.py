@@ -1,0 +1,200 @@
+"""The contract between the front door (gRPC / HTTP servers) and whatever generates tokens.
+
+``router.cluster.ray_cluster.Cluster`` (Ray prefill + decode workers) implements
+``GenerationBackend``; so does ``router.embedded.EngineBackend`` (one in-process engine, for
+embedded use and the front door's own tests). The front doors (``router/frontdoor/``) import only
+this module of the router: they only ever see these types, and map the typed errors below to
+status codes once (``router/frontdoor/errors.py``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from engine.request import QueueFullError, SamplingParams
+from worker_protocol import WorkerLoad
+
+__all__ = [
+    "BackendStats", "GenerateInput", "GenerationBackend", "GenerationChunk",
+    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "StreamNotFoundError", "Usage",
+    "WORKER_STATES", "WorkerLoad", "WorkerStatus", "WorkerTimeoutError", "WorkerUnavailableError",
+]
+
+
+class InvalidRequestError(ValueError):
+    """Bad input (empty prompt, bad sampling params, too long): gRPC INVALID_ARGUMENT / HTTP 400."""
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this cluster does not serve: gRPC NOT_FOUND / HTTP 404."""
+
+
+class StreamNotFoundError(LookupError):
+    """Resume names a request whose stream log is unknown or expired: NOT_FOUND / 404."""
+
+
+class WorkerUnavailableError(RuntimeError):
+    """No live worker can take the request: gRPC UNAVAILABLE / HTTP 503 (clients may retry)."""
+
+
+class WorkerTimeoutError(WorkerUnavailableError, TimeoutError):
+    """A worker did not answer a call within its deadline (its host may be cut off)."""
+
+
+# QueueFullError (engine.request) -> gRPC RESOURCE_EXHAUSTED / HTTP 429.
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str  # the name clients pass as "model"
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    mode: str = "disaggregated"  # or "colocated" / "embedded"
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One generation request as the front door hands it over (already parsed, not validated).
+
+    Exactly one of ``text``, ``token_ids``, ``messages`` is set. ``model`` (optional) must match
+    ``ModelInfo.model_id`` or the backend raises ModelNotFoundError.
+    """
+
+    sampling: SamplingParams
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    request_id: str | None = None
+    model: str | None = None
+    # The client may reconnect and resume: if it goes away, the request runs on into its
+    # stream log instead of being aborted (router/state/stream_log.py).
+    resumable: bool = False
+    # The id the client knows the request by: request_id without its tenant's scope
+    # (router/frontdoor/security.py). None: request_id itself.
+    public_id: str | None = None
+    # The tenant's concurrency permit (router/security.Permit), released when the generation
+    # ends, however it ends (StreamLogger.keep); None: no cap.
+    permit: Any = None
+
+    @property
+    def prompt(self) -> str | list[int] | list[dict]:
+        if self.messages is not None:
+            return self.messages
+        if self.token_ids is not None:
+            return self.token_ids
+        return self.text if self.text is not None else ""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One streamed update: new token ids and the text they added.
+
+    The last chunk has ``finished=True``, a ``finish_reason`` ("stop" | "length" | "abort")
+    and ``usage``; ``ttft_s`` is set from the first chunk on (seconds since the backend
+    accepted the request).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+
+
+WORKER_STATES = ("starting", "ready", "unreachable", "draining", "dead")
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker as an operator sees it (``GET /v1/cluster``, ``pdcluster status``).
+
+    ``state``: starting (spawned, not up yet) | ready | unreachable (alive for Ray, but its
+    last load report or KV address did not answer in time: no new requests are routed to it)
+    | draining (the front door is draining) | dead (gone for good: out of restarts, or
+    restarts disabled). A worker Ray is restarting is unreachable until it rejoins, then
+    ready with ``restarts`` one higher. The load fields are the last report.
+    """
+
+    id: str
+    role: str
+    host: str  # the host it runs on (Ray node IP)
+    pid: int
+    state: str
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_transfer_bytes: int = 0  # sent (prefill) or received (decode)
+    kv_address: str = ""  # decode workers: HOST:PORT of their KV store
+    restarts: int = 0  # how often Ray restarted it and it rejoined (a new pid, new KV port)
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    workers: list[WorkerLoad] = field(default_factory=list)
+    kv_transfer_bytes_total: int = 0
+    migrations: dict[str, int] = field(default_factory=dict)  # reason -> streams moved
+    store_up: bool | None = None  # the cluster store answers (None: no store, embedded)
+    # Cumulative: prompt tokens served from a prefix cache, per worker role, and prompt
+    # (or recomputed) tokens run through a model (router.control.usage).
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
+    prefill_computed_tokens: int = 0
+    # Cumulative pure-decode engine steps, every worker: batch size -> (steps, seconds); and
+    # mixed steps (decode rows beside prefill chunks) by their decode rows.
+    decode_steps: dict[int, tuple[int, float]] = field(default_factory=dict)
+    mixed_steps: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What the servers call. Implementations are safe to call from one asyncio loop."""
+
+    def model_info(self) -> ModelInfo: ...
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        """Stream chunks. Raises InvalidRequestError / ModelNotFoundError / QueueFullError
+        before the first chunk. Closing the iterator early aborts the request (frees its KV)."""
+        ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    def resume(self, request_id: str, from_index: int = 0) -> AsyncIterator[GenerationChunk]:
+        """The request's stream from token ``from_index`` on, followed until it ends.
+        Raises StreamNotFoundError for an unknown or expired id."""
+        ...
+
+    async def stream_kind(self, request_id: str) -> str | None:
+        """"chat" or "completion" (how it was asked for), None for an unknown stream."""
+        ...
+
+    async def stats(self) -> BackendStats: ...
+
+    async def cluster_status(self) -> list[WorkerStatus]:
+        """Every worker the backend started (dead ones included), for operators."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+
+    async def shutdown(self) -> None: ...
+
+
+def new_request_id() -> str:
+    """The one global id a request carries through router, workers and KV transfer."""
+    return f"req-{uuid.uuid4().hex}"

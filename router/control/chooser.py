@@ -1,0 +1,76 @@
+"""Which workers one request goes to: the routing policy (``router.routing.policy``) over the router's
+live view of each worker, with the KV index's answer for this prompt (``router.routing.kv_index``).
+
+Owned by the orchestrator; runs on its event loop. Waiting for decode capacity is bounded
+(``capacity_wait_s``); nothing here calls a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from engine.request import QueueFullError
+from router.contract import WorkerUnavailableError
+from router.control.request_state import Aborted, WorkerSlot
+from router.routing.kv_index import KVIndex
+from router.routing.policy import Routing
+
+
+class WorkerChooser:
+    def __init__(self, routing: Routing, index: KVIndex, capacity_wait_s: float) -> None:
+        self.routing = routing
+        self.index = index
+        self.capacity_wait_s = capacity_wait_s
+
+    async def decode(self, slots: dict[str, WorkerSlot], num_tokens: int, exclude: set[str],
+                     prompt_ids: list[int], aborted: Callable[[], bool]) -> WorkerSlot:
+        """A decode worker with room for ``num_tokens``, chosen for this prompt, waiting
+        (bounded) for capacity to free up. Raises Aborted (``aborted()`` turned true),
+        WorkerUnavailableError (none live or reachable) or QueueFullError (no room in time)."""
+        deadline = time.monotonic() + self.capacity_wait_s
+        delay = 0.01
+        while True:
+            if aborted():
+                raise Aborted
+            live = [s for s in slots.values() if s.view.alive]
+            if not live:
+                raise WorkerUnavailableError("no live decode worker")
+            hits = self.index.match(prompt_ids, [s.info.worker_id for s in live])
+            self._note_cached(live)
+            view = self.routing.pick_decode([s.view for s in live], len(prompt_ids), num_tokens,
+                                            exclude, hits)
+            if view is not None:
+                return slots[view.worker_id]
+            if all(s.info.worker_id in exclude for s in live):
+                exclude.clear()  # every worker refused once: let them try again after a wait
+            if time.monotonic() > deadline:
+                now = time.monotonic()
+                if not any(s.view.routable(now) for s in live):
+                    raise WorkerUnavailableError(
+                        "no reachable decode worker: " + ", ".join(
+                            f"{s.info.worker_id} unreachable" for s in live))
+                raise QueueFullError(f"no decode worker had KV room for {num_tokens} tokens "
+                                     f"within {self.capacity_wait_s:.0f} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def prefill(self, slots: dict[str, WorkerSlot], prompt_ids: list[int],
+                exclude: set[str]) -> tuple[WorkerSlot, int]:
+        """The prefill worker for this prompt, and the prompt tokens it will compute there
+        (what its cache does not hold: counted as queued on it meanwhile). Raises
+        WorkerUnavailableError when none is live."""
+        hits = self.index.match(prompt_ids, list(slots))
+        self._note_cached(slots.values())
+        view = self.routing.pick_prefill([s.view for s in slots.values()], len(prompt_ids),
+                                         exclude, hits)
+        if view is None:
+            raise WorkerUnavailableError("no live prefill worker")
+        work = max(1, len(prompt_ids) - hits.get(view.worker_id, 0) * view.block_size)
+        return slots[view.worker_id], work
+
+    def _note_cached(self, slots) -> None:
+        """Give the policy its candidates' cache footprints (from the KV index)."""
+        for s in slots:
+            s.view.cached_blocks = self.index.num_cached_blocks(s.info.worker_id)

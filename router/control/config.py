@@ -1,0 +1,45 @@
+"""The orchestrator's tunables (deadlines, retry and migration limits), set by the Cluster
+from ClusterConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.routing.policy import RoutingConfig
+
+__all__ = ["MIGRATED_PRIORITY", "OrchestratorConfig"]
+
+MIGRATED_PRIORITY = 1  # a migrated stream's re-prefill is queued ahead of new prompts
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    model_id: str
+    mode: str = "disaggregated"  # or "colocated"
+    max_attempts: int = 3  # reserve/prefill/transfer tries before giving up on a request
+    transfer_timeout_s: float = 30.0
+    capacity_wait_s: float = 30.0  # how long a request may wait for KV capacity
+    max_inflight_requests: int = 1024  # beyond it: QueueFullError (RESOURCE_EXHAUSTED)
+    prefix_hash_seed: int = 0  # the workers' (KV-aware routing hashes prompts the same way)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # Deadlines on worker calls, so a host that went silent (link down) costs a retry, not a
+    # hung request: reserve / abort get call_timeout_s; commit waits for the transfer too;
+    # a prefill may queue behind other prompts first (the prefill worker gives up on it at
+    # prefill_timeout_s; the router waits call_timeout_s longer for that answer).
+    call_timeout_s: float = 10.0
+    prefill_timeout_s: float = 300.0
+    # A committed stream that gets no token update for this long has lost its decode worker
+    # (a step takes milliseconds to a second): it ends with UNAVAILABLE instead of hanging.
+    token_timeout_s: float = 120.0
+    # How many times one request may move to another decode worker when its own dies.
+    migration_limit: int = 3
+    # A decode worker that misses its load reports this long (hung, SIGSTOP'd, host cut off)
+    # has its streams migrated; it gets no new work until it reports again.
+    worker_silent_s: float = 5.0
+    # A decode worker whose KV address a prefill worker could not reach gets no new requests
+    # for this long (then it is tried again: the address may have come back).
+    kv_unreachable_quarantine_s: float = 30.0
+    # A resumed stream's log that grows no more for this long, with no live decode worker
+    # holding its request, is continued by this router: its router and its decode worker
+    # both died (router/control/orphans.py).
+    orphan_after_s: float = 20.0

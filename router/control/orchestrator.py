@@ -1,0 +1,480 @@
+"""The request lifecycle (DESIGN §2): reserve -> prefill -> transfer -> commit -> decode -> stream.
+
+Runs on the router's asyncio loop. Owns, per request, the global request id, the stream of
+token updates from its decode worker, the incremental detokenizer (stop strings are decided
+here), and the duty to free the request's KV on every path: finish, client cancel, error,
+worker death. Failed reserve / prefill / transfer steps are retried on other workers; a
+request either completes or ends with an error the client sees, never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from engine.config import cdiv
+from engine.input_processor import InputProcessor
+from engine.request import QueueFullError, RequestFailedError, SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kv_transfer import (
+    KVHandshakeError,
+    KVLayout,
+    KVPeerUnreachableError,
+)
+from router.contract import (
+    GenerateInput,
+    GenerationChunk,
+    InvalidRequestError,
+    ModelNotFoundError,
+    Usage,
+    WorkerTimeoutError,
+    WorkerUnavailableError,
+    new_request_id,
+)
+from router.control.chooser import WorkerChooser
+from router.control.config import MIGRATED_PRIORITY, OrchestratorConfig
+from router.control.fanout import TokenFanout
+from router.control.orphans import OrphanRescue
+from router.control.request_state import (
+    Aborted,
+    ClusterMisconfiguredError,
+    FirstToken,
+    RequestTiming,
+    RetryElsewhere,
+    StreamState,
+    WorkerLost,
+    WorkerSlot,
+    cause_of,
+)
+from router.control.usage import UsageCounters
+from router.control.worker_health import WorkerHealth
+from router.routing.kv_index import KVIndex
+from router.routing.kv_sync import KVEventSync
+from router.routing.policy import Routing, WorkerView
+from router.state.memory import InMemoryStore
+from router.state.stream_log import StreamLogger
+from worker_protocol import (
+    AbortRequest,
+    CommitRequest,
+    PrefillRequest,
+    PrefillResult,
+    ReserveRequest,
+    SubmitRequest,
+    TokenUpdate,
+    WorkerInfo,
+    control,
+)
+
+log = logging.getLogger(__name__)
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig, tokenizer: Tokenizer | None,
+                 inputs: InputProcessor, layout: KVLayout, store=None,
+                 kv_event_source=None) -> None:
+        """``kv_event_source``: where workers' KV events are read (Redis Streams), or None:
+        pulled from the workers (see router.routing.kv_sync)."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.inputs = inputs
+        self.layout = layout
+        self.store = store
+        # This router's name towards the workers (they send it the tokens of the requests it
+        # reserved or submitted, and hand it those of routers that stopped reporting) and
+        # in the store (the owner of its requests' stream logs).
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
+        self.streams = StreamLogger(store if store is not None else InMemoryStore(),
+                                    config.model_id, tokenizer,
+                                    orphan_after_s=config.orphan_after_s,
+                                    owner=self.router_id)
+        # Which worker caches which blocks, from the workers' own KV events (kv_sync feeds it).
+        self.kv_index = KVIndex(config.prefix_hash_seed)
+        self.kv_sync = KVEventSync(self.kv_index, config.call_timeout_s, kv_event_source)
+        self.choose = WorkerChooser(Routing(config.routing), self.kv_index,
+                                    config.capacity_wait_s)
+        self.usage = UsageCounters()
+        self._streams: dict[str, StreamState] = {}
+        self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s,
+                                  self.router_id)
+        self.health = WorkerHealth(store, config.kv_unreachable_quarantine_s,
+                                   config.worker_silent_s, self.fanout.fail_committed_streams)
+        self.fanout.health = self.health
+        self.orphans = OrphanRescue(self)
+        self.fanout.on_lost = self.orphans.lost
+        self.streams.on_stall = self.orphans.stalled
+        self.prefill: dict[str, WorkerSlot] = {}
+        self.decode: dict[str, WorkerSlot] = {}
+        self.kv_transfer_bytes_total = 0
+        self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
+        self.timings: dict[str, RequestTiming] = {}  # kept for the last requests (bounded)
+
+    # ---- membership -----------------------------------------------------------------------
+    def add_worker(self, info: WorkerInfo, handle) -> None:
+        view = WorkerView(info.worker_id, info.role, info.num_kv_blocks, info.block_size)
+        slot = WorkerSlot(info, handle, view)
+        self.kv_sync.track(info.worker_id, info.block_size)
+        if info.role == "prefill":
+            self.prefill[info.worker_id] = slot
+        else:
+            self.decode[info.worker_id] = slot
+            self.fanout.start(slot)
+
+    def rejoin(self, slot: WorkerSlot, info: WorkerInfo) -> None:
+        """``slot``'s worker was restarted by Ray (same id and handle, new process): take its
+        new ``info`` (KV port, pid), move the streams its old process held, and route to it
+        again. Its KV pool starts empty; the router's in-flight counters stay, owned by the
+        attempts that raised them."""
+        old = slot.info
+        wid = info.worker_id
+        if old.role != "prefill":
+            self.fanout.fail_committed_streams(
+                wid, f"decode worker {wid} restarted (pid {old.pid} -> {info.pid})",
+                "worker_restarted", keep_incarnation=info.incarnation)
+        slot.info = info
+        view = slot.view
+        view.alive, view.load, view.kv_unreachable_until = True, None, 0.0
+        view.kv_blocks_total = info.num_kv_blocks
+        view.restarts += 1
+        self.kv_sync.track(wid, info.block_size)  # its cache is new: stale until a snapshot
+        self.health.reachable(slot)
+        if old.role != "prefill":
+            self.fanout.start(slot)
+        log.warning("worker %s rejoined after a restart: pid %d -> %d, KV address %s",
+                    wid, old.pid, info.pid, info.kv_address)
+
+    async def close(self) -> None:
+        await self.kv_sync.close()
+        await self.orphans.close()
+        await self.streams.close()
+        await self.fanout.close()
+
+    # ---- the lifecycle --------------------------------------------------------------------
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        if inp.model is not None and inp.model != self.config.model_id:
+            raise ModelNotFoundError(f"model {inp.model!r} is not served here "
+                                     f"(serving {self.config.model_id!r})")
+        try:
+            enc = self.inputs.process(inp.prompt, inp.sampling)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        if len(self._streams) >= self.config.max_inflight_requests:
+            raise QueueFullError(f"too many requests in flight ({self.config.max_inflight_requests})")
+        rid = inp.request_id or new_request_id()
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight")
+        prompt_ids = enc.token_ids
+        params = inp.sampling
+        stream = StreamState(rid)
+        t0 = time.monotonic()
+        finished = False
+        # From here every path ends in the finally below, which drops the stream's entry:
+        # a leaked entry would count against max_inflight_requests forever.
+        self.add_stream(stream)
+        try:
+            self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
+            self.streams.open(rid, prompt_ids, params, inp.messages is not None)
+            first: FirstToken | None = None
+            try:
+                if self.config.mode == "colocated":
+                    await self._submit_colocated(stream, prompt_ids, params)
+                else:
+                    first = await self._prefill(stream, prompt_ids, params)
+            except Aborted:  # aborted by id: the queue already holds the final "abort" update
+                first = None
+            pending: list[TokenUpdate | WorkerLost] = []
+            if first is not None:
+                pending.append(TokenUpdate(rid, [first.token_id],
+                                           first.finish_reason if first.finished else None))
+            async for chunk in self.follow(stream, prompt_ids, params, [], pending, t0):
+                finished = chunk.finished
+                yield chunk
+        finally:
+            await self.end_stream(stream, finished)
+
+    # ---- what the orphan rescue needs (router/control/orphans.py: RescueHost) -------------
+    @property
+    def call_timeout_s(self) -> float:
+        return self.config.call_timeout_s
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def live_decode_slots(self) -> list[WorkerSlot]:
+        return [s for s in self.decode.values() if s.view.alive]
+
+    def add_stream(self, stream: StreamState) -> None:
+        self._streams[stream.request_id] = stream
+
+    async def end_stream(self, stream: StreamState, finished: bool) -> None:
+        """Drop the stream's entry; unfinished, end its log and journal with "abort" and free
+        whatever its workers hold."""
+        self._streams.pop(stream.request_id, None)
+        if not finished:
+            self.streams.append(stream.request_id, [], "abort")
+            self._journal(stream.request_id, "aborted", stream.decode_id, "")
+            await asyncio.shield(self._abort_on_workers(stream))
+
+    async def follow(self, stream: StreamState, prompt_ids: list[int], params: SamplingParams,
+                     generated: list[int], pending: list, t0: float
+                     ) -> AsyncIterator[GenerationChunk]:
+        """The stream's chunks from its worker's token updates (``pending`` first), after
+        the tokens ``generated`` already (a continued request's log holds them): each is
+        logged before it is yielded; a lost worker migrates the stream (up to
+        ``migration_limit`` times); a stop string ends it. Ends after the finished chunk."""
+        rid = stream.request_id
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output)
+            if generated:
+                detok.update(generated)  # the text so far, so stop strings span the seam
+        generated = list(generated)  # every token streamed so far, in order
+        ttft = None
+        while True:
+            upd = pending.pop(0) if pending else await self._next_update(stream)
+            if isinstance(upd, WorkerLost) and stream.migrations < self.config.migration_limit:
+                self.migrations[upd.reason] = self.migrations.get(upd.reason, 0) + 1
+                resumed = await self._migrate(stream, prompt_ids, params, generated, str(upd))
+                if resumed is not None:
+                    pending.append(resumed)
+                continue
+            if isinstance(upd, BaseException):
+                raise upd
+            if upd.finish_reason == "error":  # the worker failed this request alone
+                raise RequestFailedError(f"request {rid} failed: {upd.error}")
+            generated += upd.new_token_ids
+            if ttft is None and upd.new_token_ids:
+                ttft = time.monotonic() - t0
+            reason = upd.finish_reason
+            text = ""
+            if detok is not None:
+                d = detok.update(upd.new_token_ids)
+                text = d.delta_text
+                if d.stopped and reason is None:
+                    reason = "stop"
+                    await self._abort_on_workers(stream)
+                if reason is not None:
+                    text += detok.flush()
+            finished = reason is not None
+            # Logged before the client sees it: a client resuming after token n finds it.
+            self.streams.append(rid, list(upd.new_token_ids), reason)
+            yield GenerationChunk(rid, list(upd.new_token_ids), text, finished, reason,
+                                  Usage(len(prompt_ids), len(generated)) if finished else None,
+                                  ttft, len(prompt_ids))
+            if finished:
+                self._journal(rid, "finished", stream.decode_id, reason)
+                return
+
+    async def _migrate(self, stream: StreamState, prompt_ids: list[int], params: SamplingParams,
+                       generated: list[int], why: str) -> TokenUpdate | None:
+        """Continue a stream whose decode worker was lost: prefill prompt + every token
+        already streamed on another pair and commit there. Returns the next token's update,
+        so the client sees one stream with no token missing or repeated. Greedy streams equal
+        an undisturbed run; seeded ones too (the sampler resumes at the same position)."""
+        old = stream.decode_id
+        stream.migrations += 1
+        stream.priority = MIGRATED_PRIORITY
+        self._journal(stream.request_id, "migrated", old,
+                      f"after {len(generated)} tokens: {why}"[:200])
+        log.warning("migrating %s off %s after %d tokens (%s)", stream.request_id,
+                    old or "its lost worker", len(generated), why)
+        if old in self.decode:  # best effort: a silent worker that comes back frees the KV
+            asyncio.ensure_future(self._safe_abort(self.decode[old], stream.request_id))
+        if len(generated) >= params.max_tokens:  # every token arrived; only the end was lost
+            return TokenUpdate(stream.request_id, [], "length")
+        rest = dataclasses.replace(
+            params, max_tokens=params.max_tokens - len(generated),
+            min_tokens=max(0, params.min_tokens - len(generated)),
+            sample_index_offset=params.sample_index_offset + len(generated))
+        if self.config.mode == "colocated":  # the new worker prefills, then streams via the queue
+            await self._submit_colocated(stream, prompt_ids + generated, rest, avoid={old})
+            return None
+        first = await self._prefill(stream, prompt_ids + generated, rest, avoid_decode={old})
+        return TokenUpdate(stream.request_id, [first.token_id],
+                           first.finish_reason if first.finished else None)
+
+    async def _next_update(self, stream: StreamState) -> TokenUpdate | BaseException:
+        try:
+            return await asyncio.wait_for(stream.queue.get(), self.config.token_timeout_s)
+        except TimeoutError:
+            return WorkerLost(f"decode worker {stream.decode_id} sent no token for "
+                               f"{stream.request_id} in {self.config.token_timeout_s:g} s",
+                               "token_timeout")
+
+    async def abort(self, request_id: str) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.aborted = True
+        await self._abort_on_workers(stream)
+        stream.queue.put_nowait(TokenUpdate(request_id, [], "abort"))
+        return True
+
+    async def _abort_on_workers(self, stream: StreamState) -> None:
+        calls = []
+        msg = AbortRequest(stream.request_id)
+        if stream.prefill_id and stream.prefill_id in self.prefill:
+            calls.append(control(self.prefill[stream.prefill_id].handle.abort).remote(msg))
+        if stream.decode_id and stream.decode_id in self.decode:
+            calls.append(control(self.decode[stream.decode_id].handle.abort).remote(msg))
+        for c in calls:
+            try:
+                await asyncio.wait_for(c, self.config.call_timeout_s)
+            except Exception as e:  # a dead worker holds nothing; an unreachable one, a lease
+                log.info("abort of %s: %r", stream.request_id, e)
+
+    async def _submit_colocated(self, stream: StreamState, prompt_ids: list[int], params,
+                                avoid: set[str] = frozenset()) -> None:
+        num_tokens = len(prompt_ids) + params.max_tokens
+        slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
+                                        lambda: stream.aborted)
+        stream.decode_id, stream.committed = slot.info.worker_id, True
+        slot.view.inflight_requests += 1
+        try:
+            stream.decode_incarnation = await slot.handle.submit.remote(
+                SubmitRequest(stream.request_id, prompt_ids, params, stream.priority,
+                              self.router_id))
+        finally:
+            slot.view.inflight_requests -= 1
+
+    async def _prefill(self, stream: StreamState, prompt_ids: list[int], params,
+                       avoid_decode: set[str] = frozenset()) -> FirstToken:
+        """Reserve, prefill, transfer, commit; each failed attempt is retried on other
+        workers, up to ``max_attempts``."""
+        rid = stream.request_id
+        excluded: dict[str, set[str]] = {"prefill": set(), "decode": set(avoid_decode)}
+        last_error: BaseException | None = None
+        for attempt in range(self.config.max_attempts):
+            if stream.aborted:
+                raise Aborted
+            # Route only to a worker whose free blocks cover the prompt AND the whole output
+            # now. That makes decode-side preemption rare, not impossible: the reservation
+            # holds prompt + 1 token, and outputs of requests routed concurrently grow into
+            # the same free blocks; a preempted request is recomputed on its decode worker.
+            decode = await self.choose.decode(self.decode, len(prompt_ids) + params.max_tokens,
+                                              excluded["decode"], prompt_ids,
+                                              lambda: stream.aborted)
+            pslot, work = self.choose.prefill(self.prefill, prompt_ids, excluded["prefill"])
+            try:
+                return await self._attempt(stream, pslot, decode, prompt_ids, params, attempt,
+                                           work)
+            except RetryElsewhere as retry:
+                for slot in retry.exclude:
+                    excluded["prefill" if slot.info.role == "prefill" else "decode"].add(
+                        slot.info.worker_id)
+                last_error = retry.error
+                self._journal(rid, "retried", retry.worker_id, repr(retry.error)[:200])
+        raise WorkerUnavailableError(f"request {rid} failed after {self.config.max_attempts} "
+                                     f"attempts; last error: {cause_of(last_error)!r}")
+
+    async def _attempt(self, stream: StreamState, pslot: WorkerSlot, decode: WorkerSlot,
+                       prompt_ids: list[int], params, attempt: int, work: int) -> FirstToken:
+        """One try on one (prefill, decode) pair; ``work``: the prompt tokens it will cost
+        the prefill worker (counted as queued there meanwhile). Raises RetryElsewhere with
+        the reservation already released, Aborted, or ClusterMisconfiguredError."""
+        rid = stream.request_id
+        cfg = self.config
+        need = cdiv(len(prompt_ids) + 1, decode.view.block_size)
+        decode.view.inflight_blocks += need
+        # Counted from the pick, not from the reserve's answer: requests routed in one burst
+        # must see each other's prompts, or they all pick the same prefill worker.
+        pslot.view.inflight_prefill_tokens += work
+        prefill_counted = True
+        stream.decode_id, stream.committed = decode.info.worker_id, False
+        try:
+            res = await self._call(stream, decode, decode.handle.reserve.remote(
+                ReserveRequest(rid, prompt_ids, params, self.layout, pslot.info.worker_id,
+                               self.router_id)),
+                cfg.call_timeout_s)
+            if not res.ok:
+                raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
+            cached = res.transfer.start_token if res.transfer is not None else 0
+            self._journal(rid, "reserved", decode.info.worker_id,
+                          f"{res.num_blocks} blocks for KV from {pslot.info.worker_id}"
+                          + (f"; {cached} prompt tokens cached here" if cached else ""))
+            stream.prefill_id = pslot.info.worker_id
+            # The reserving process's own address: a just-restarted worker has a new port.
+            destination = res.kv_address or decode.info.kv_address
+            try:
+                result: PrefillResult = await self._call(
+                    stream, pslot, pslot.handle.prefill.remote(PrefillRequest(
+                        rid, prompt_ids, params, res.transfer, destination, cfg.prefill_timeout_s,
+                        stream.priority)),
+                    cfg.prefill_timeout_s + cfg.call_timeout_s, release=decode, peer=decode)
+            finally:
+                # On cancellation prefill_id stays set, so the caller aborts the prefill too.
+                pslot.view.inflight_prefill_tokens -= work
+                prefill_counted = False
+            stream.prefill_id = None
+            self._journal(rid, "prefilled", pslot.info.worker_id, "")
+            commit = await self._call(stream, decode, decode.handle.commit.remote(
+                CommitRequest(rid, result.first_token_id, cfg.transfer_timeout_s)),
+                cfg.transfer_timeout_s + cfg.call_timeout_s, release=decode)
+        finally:
+            decode.view.inflight_blocks -= need
+            if prefill_counted:  # the reserve failed: no prefill was sent
+                pslot.view.inflight_prefill_tokens -= work
+        stream.committed, stream.decode_incarnation = True, res.incarnation
+        self.kv_transfer_bytes_total += result.kv_bytes
+        self.timings[rid] = RequestTiming(result.queue_s, result.compute_s,
+                                          result.transfer_tail_s, attempt + 1)
+        if len(self.timings) > 10_000:
+            self.timings.pop(next(iter(self.timings)))
+        self._journal(rid, "committed", decode.info.worker_id, "")
+        return FirstToken(result.first_token_id, commit.finished, commit.finish_reason)
+
+    async def _call(self, stream: StreamState, worker: WorkerSlot, call, timeout_s: float,
+                    release: WorkerSlot | None = None, peer: WorkerSlot | None = None):
+        """Await one worker call of an attempt, at most ``timeout_s``.
+
+        On failure: free the reservation held on ``release``, then raise Aborted (we aborted
+        it), ClusterMisconfiguredError (the KV handshake refused), or RetryElsewhere without
+        the workers to blame: ``peer`` alone when it was its KV address that could not be
+        reached (it is quarantined), else ``worker`` (and ``peer``, whose transfer it was)."""
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except KVHandshakeError as e:
+            raise ClusterMisconfiguredError(str(cause_of(e))) from None
+        except RequestFailedError as e:  # the request itself is at fault: no other worker
+            if release is not None:      # would do better, so it is not retried
+                await self._safe_abort(release, stream.request_id)
+            raise RequestFailedError(str(cause_of(e))) from None
+        except Exception as e:
+            if worker.info.worker_id == stream.prefill_id:
+                stream.prefill_id = None  # the failed prefill holds nothing to abort
+            if release is not None:
+                await self._safe_abort(release, stream.request_id)
+            if stream.aborted:  # it failed because we aborted it: no retry
+                raise Aborted from None
+            if peer is not None and isinstance(e, KVPeerUnreachableError):
+                self.health.quarantine(peer, str(cause_of(e)))
+                raise RetryElsewhere(cause_of(e), [peer], peer.info.worker_id) from None
+            if isinstance(e, TimeoutError):
+                e = WorkerTimeoutError(f"worker {worker.info.worker_id} did not answer within "
+                                       f"{timeout_s:g}s")
+                self.health.unreachable(worker, str(e))
+            else:
+                self.health.on_error(worker, e)
+            blamed = [worker] if peer is None else [worker, peer]
+            raise RetryElsewhere(e, blamed, worker.info.worker_id) from None
+
+    async def _safe_abort(self, slot: WorkerSlot, rid: str) -> None:
+        """Best effort: a worker that cannot be reached frees the reservation by its lease."""
+        try:
+            await asyncio.wait_for(control(slot.handle.abort).remote(AbortRequest(rid)),
+                                   self.config.call_timeout_s)
+        except TimeoutError:
+            self.health.unreachable(slot, f"abort of {rid} timed out")
+        except Exception as e:
+            self.health.on_error(slot, e)
+
+    def _journal(self, rid: str, kind: str, worker_id: str | None, detail: str | None) -> None:
+        if self.store is None:
+            return
+        from router.state.store import JournalEvent
+
+        self.store.journal_append(rid, JournalEvent(time.time(), kind, worker_id, detail or ""))

@@ -1,0 +1,90 @@
+"""What the orchestrator keeps per request and per worker, and the exceptions its lifecycle
+uses to steer a request (retry elsewhere, migrate, abort). Plain data; the orchestrator owns
+every instance."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from router.contract import WorkerUnavailableError
+from router.routing.policy import WorkerView
+from worker_protocol import WorkerInfo
+
+
+class ClusterMisconfiguredError(RuntimeError):
+    """Workers that cannot work together (KV handshake refused): an operator error (INTERNAL)."""
+
+
+def cause_of(e: BaseException) -> BaseException:
+    """A Ray task error's original exception (its str() is a remote traceback)."""
+    return getattr(e, "cause", None) or e
+
+
+@dataclass
+class WorkerSlot:
+    info: WorkerInfo
+    handle: object  # Ray actor handle
+    view: WorkerView
+
+
+@dataclass
+class StreamState:
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    decode_id: str | None = None
+    committed: bool = False  # the sequence lives on decode_id (its KV arrived, or submitted)
+    decode_incarnation: str = ""  # ... in that process (Ray may restart a worker under its id)
+    migrations: int = 0
+    # Engine queue priority of its prefills: raised once it migrated (the client is waiting
+    # mid-stream, so its re-prefill goes ahead of new prompts).
+    priority: int = 0
+    prefill_id: str | None = None
+    aborted: bool = False  # Abort RPC: stop retrying, end with finish_reason "abort"
+
+
+class Aborted(Exception):
+    """Raised inside the lifecycle once the request was aborted by id."""
+
+
+class WorkerLost(WorkerUnavailableError):
+    """Queued on a stream whose decode worker died or went silent: the stream migrates (or,
+    past the migration limit, ends with UNAVAILABLE). ``reason`` labels the migration."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        # worker_died | worker_silent | worker_restarted | stream_lost | token_timeout |
+        # router_lost (continued for a router that died: router/control/orphans.py)
+        self.reason = reason
+
+
+class RetryElsewhere(Exception):
+    """One attempt failed: try the request again without the workers in ``exclude``.
+
+    Every failure of an attempt (a worker died, refused, or lost the transfer) becomes this
+    one shape, so the retry policy lives in ``_prefill`` alone."""
+
+    def __init__(self, error: BaseException, exclude: list[WorkerSlot], worker_id: str) -> None:
+        super().__init__(repr(error))
+        self.error = error
+        self.exclude = exclude
+        self.worker_id = worker_id  # the worker that failed (journal)
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """What a successful attempt hands the stream: the first token, and whether it ended it."""
+
+    token_id: int
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class RequestTiming:
+    """Router-side timings of one request, for metrics and the TTFT breakdown benchmark."""
+
+    queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    transfer_tail_s: float = 0.0
+    attempts: int = 0

@@ -1,0 +1,114 @@
+"""One in-process engine behind the backend contract: ``pdcluster generate --local``, the
+embedded use, and the front doors' own tests (no Ray, no workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+from engine.step_times import merge_rows
+from router.contract import (
+    BackendStats,
+    GenerateInput,
+    GenerationChunk,
+    InvalidRequestError,
+    ModelInfo,
+    ModelNotFoundError,
+    Usage,
+    WorkerLoad,
+    WorkerStatus,
+    new_request_id,
+)
+
+__all__ = ["EngineBackend"]
+
+
+class EngineBackend:
+    """One in-process engine behind the backend contract (embedded mode, front-door tests)."""
+
+    def __init__(self, engine_args=None) -> None:
+        from engine.async_engine import AsyncEngine
+        from engine.llm_engine import EngineArgs
+        from router.state.memory import InMemoryStore
+        from router.state.stream_log import StreamLogger
+
+        self._async = AsyncEngine(engine_args or EngineArgs())
+        eng = self._async.engine
+        self._info = ModelInfo(eng.model_config.model_id, eng.max_model_len,
+                               eng.model_config.vocab_size, eng.eos_token_ids, mode="embedded")
+        self.streams = StreamLogger(InMemoryStore(), self._info.model_id, eng.tokenizer)
+
+    @property
+    def engine(self):
+        return self._async.engine
+
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        try:
+            return self._async.engine.encode_prompt(messages)[0]
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        return self.streams.keep(inp, self._generate(inp))
+
+    def resume(self, request_id: str, from_index: int = 0) -> AsyncIterator[GenerationChunk]:
+        return self.streams.resume(request_id, from_index)
+
+    async def stream_kind(self, request_id: str) -> str | None:
+        return await self.streams.kind(request_id)
+
+    async def _generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        if inp.model is not None and inp.model != self._info.model_id:
+            raise ModelNotFoundError(f"model {inp.model!r} is not served here "
+                                     f"(serving {self._info.model_id!r})")
+        rid = inp.request_id or new_request_id()
+        t0 = asyncio.get_running_loop().time()
+        ttft = None
+        gen = self._async.generate(inp.prompt, inp.sampling, rid)
+        opened = finished = False
+        try:
+            async for out in gen:
+                if not opened:
+                    self.streams.open(rid, out.prompt_token_ids, inp.sampling,
+                                      inp.messages is not None)
+                    opened = True
+                self.streams.append(rid, out.new_token_ids,
+                                    out.finish_reason if out.finished else None)
+                finished = out.finished
+                if ttft is None and out.token_ids:
+                    ttft = asyncio.get_running_loop().time() - t0
+                usage = (Usage(len(out.prompt_token_ids), len(out.token_ids))
+                         if out.finished else None)
+                yield GenerationChunk(rid, out.new_token_ids, out.delta_text, out.finished,
+                                      out.finish_reason, usage, ttft, len(out.prompt_token_ids))
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        finally:
+            if opened and not finished:
+                self.streams.append(rid, [], "abort")
+            await gen.aclose()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._async.abort(request_id)
+
+    async def stats(self) -> BackendStats:
+        s = self._async.engine.stats()
+        return BackendStats([WorkerLoad("embedded-0", "embedded", s.kv_blocks_used,
+                                        s.kv_blocks_total, s.num_running, s.num_waiting)],
+                            prefix_hit_tokens={"embedded": s.num_prefix_hit_tokens},
+                            prefill_computed_tokens=s.num_prefill_tokens_computed,
+                            decode_steps=merge_rows([s.decode_steps]),
+                            mixed_steps=merge_rows([s.mixed_steps]))
+
+    async def cluster_status(self) -> list[WorkerStatus]:
+        s = self._async.engine.stats()
+        return [WorkerStatus("embedded-0", "embedded", "127.0.0.1", os.getpid(), "ready",
+                             s.kv_blocks_used, s.kv_blocks_total, s.num_running, s.num_waiting)]
+
+    async def shutdown(self) -> None:
+        await self.streams.close()
+        self._async.shutdown()

@@ -1,0 +1,160 @@
+"""The OpenAI-compatible HTTP front door (FastAPI): ``/v1/completions``, ``/v1/chat/completions``
+(both with SSE streaming), ``/v1/models``, ``/v1/cluster`` (every worker and its state),
+``/health`` and ``/metrics``.
+
+Accepts vLLM's extension fields (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``). Every error, malformed JSON included, is answered in OpenAI's
+error shape with 400 / 404 / 429 / 500 (``router.frontdoor.errors.map_error``), never FastAPI's 422.
+A client that disconnects (streaming or not) aborts its request, which frees its KV.
+
+This module owns the routes only: request bodies live in ``router.frontdoor.openai.schema``, response
+JSON in ``router.frontdoor.openai.render``, and running a generation into a (streamed) response in
+``router.frontdoor.openai.responder``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import asdict
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.contract import (
+    GenerationBackend,
+    InvalidRequestError,
+    StreamNotFoundError,
+    new_request_id,
+)
+from router.frontdoor.http_guard import GuardMiddleware
+from router.frontdoor.metrics import CONTENT_TYPE, Metrics
+from router.frontdoor.openai.render import ChatRenderer, CompletionRenderer
+from router.frontdoor.openai.responder import OpenAIResponder, error_response, stream_position
+from router.frontdoor.openai.schema import ChatCompletionRequest, CompletionRequest
+from router.frontdoor.security import Gate, RateLimitedError
+
+__all__ = ["create_app"]
+
+
+def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None = None
+               ) -> FastAPI:
+    """The FastAPI app over ``backend``, behind ``gate`` (API keys, tenants, limits; default:
+    open); set ``app.state.draining = True`` to fail /health."""
+    gate = gate or Gate()
+    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
+    app.state.draining = False
+    app.add_exception_handler(RequestValidationError, _bad_request)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(GuardMiddleware, gate=gate)
+    _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate)
+    _add_info_routes(app, backend, metrics)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
+                           responder: OpenAIResponder, gate: Gate) -> None:
+    # Handlers carry no docstrings: FastAPI would publish them in /openapi.json.
+    async def respond(request: Request, body, make_input, renderer) -> Response:
+        """Admit the caller's generation (its tenant's limits), run it, and free its permit
+        if the generation never started (once started, the generation frees it)."""
+        tenant, rid = request.state.tenant, _request_id(request)
+        try:
+            inp = make_input(gate.scoped(tenant, rid))
+            permit = gate.admit(tenant)
+        except (ValueError, RateLimitedError) as e:
+            return error_response(e)
+        inp = dataclasses.replace(inp, public_id=rid, permit=permit)
+        try:
+            return await responder.respond(request, inp, renderer(rid), stream=body.stream,
+                                           include_usage=body.include_usage)
+        finally:
+            if not permit.adopted:
+                permit.release()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        model_id = backend.model_info().model_id
+        return await respond(request, body, body.to_input,
+                             lambda rid: CompletionRenderer(f"cmpl-{rid}", int(time.time()),
+                                                            model_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        info = backend.model_info()
+        return await respond(
+            request, body,
+            lambda rid: body.to_input(rid, info.max_model_len, backend.apply_chat_template),
+            lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id))
+
+
+    @app.get("/v1/streams/{request_id}")
+    async def resume_stream(request_id: str, request: Request):
+        try:
+            from_index = stream_position(request.headers.get("last-event-id"), request_id)
+        except ValueError as e:
+            return error_response(e)
+        backend_id = gate.scoped(request.state.tenant, request_id)
+        kind = await backend.stream_kind(backend_id)
+        if kind is None:
+            return error_response(StreamNotFoundError(f"no stream {request_id!r} here "
+                                                      f"(unknown, or expired)"))
+        make = ChatRenderer if kind == "chat" else CompletionRenderer
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        renderer = make(f"{prefix}-{request_id}", int(time.time()), backend.model_info().model_id)
+        return await responder.respond_resumed(backend_id, request_id, from_index, renderer)
+
+
+def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics) -> None:
+    @app.get("/v1/models")
+    async def models():
+        info = backend.model_info()
+        return {"object": "list", "data": [{
+            "id": info.model_id, "object": "model", "created": 0, "owned_by": "pdcluster",
+            "max_model_len": info.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(await metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/cluster")
+    async def cluster():
+        draining = app.state.draining
+        return {"workers": [
+            {**asdict(w), "state": "draining" if draining and w.state == "ready" else w.state}
+            for w in await backend.cluster_status()]}
+
+
+def _request_id(request: Request) -> str:
+    return request.headers.get("x-request-id") or new_request_id()
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown path, a wrong method, a body FastAPI could not
+    even parse, e.g. JSON nested too deep) in OpenAI's error shape too."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None,
+                                   "code": None}},
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """Pydantic's validation errors (malformed JSON included) as OpenAI's 400, not FastAPI's
+    422: the first error names the field (``param``) and says what is wrong with it."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        msg = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}"
+    elif loc:
+        msg = f"{loc}: {msg}"
+    return error_response(InvalidRequestError(msg), param=loc)

@@ -1,0 +1,165 @@
+"""Prometheus metrics for the front door, shared by the gRPC and HTTP servers.
+
+Request-path metrics (TTFT, inter-token latency, end-to-end latency, token counters) are fed by
+``Metrics.track``, which wraps every backend stream either server opens. Cluster-state metrics
+(KV blocks, running/waiting requests per worker, KV transfer bytes) come from
+``backend.stats()`` at scrape time (``await Metrics.render()``), so they are never stale.
+Each ``Metrics`` owns its own ``CollectorRegistry`` (never the global one): two front doors in
+one process, as in the tests, do not collide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.contract import BackendStats, GenerationBackend, GenerationChunk
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds. TTFT spans a prefill on CPU (tens of ms to seconds); ITL a decode step.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _StatsCollector(Collector):
+    """Emits the last ``BackendStats`` snapshot taken by ``Metrics.render``."""
+
+    def __init__(self) -> None:
+        self.snapshot = BackendStats()
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.snapshot
+        labels = ["worker", "role"]
+        fams = {
+            "kv_blocks_used": GaugeMetricFamily(
+                "pdcluster_kv_blocks_used", "KV cache blocks in use", labels=labels),
+            "kv_blocks_total": GaugeMetricFamily(
+                "pdcluster_kv_blocks_total", "KV cache blocks in the pool", labels=labels),
+            "requests_running": GaugeMetricFamily(
+                "pdcluster_requests_running", "Requests in the running batch", labels=labels),
+            "requests_waiting": GaugeMetricFamily(
+                "pdcluster_requests_waiting", "Requests queued, not yet running", labels=labels),
+        }
+        for w in s.workers:
+            lv = [w.worker_id, w.role]
+            fams["kv_blocks_used"].add_metric(lv, w.kv_blocks_used)
+            fams["kv_blocks_total"].add_metric(lv, w.kv_blocks_total)
+            fams["requests_running"].add_metric(lv, w.requests_running)
+            fams["requests_waiting"].add_metric(lv, w.requests_waiting)
+        yield from fams.values()
+        moved = CounterMetricFamily("pdcluster_migrations",
+                                    "Streams moved to another decode worker after theirs was lost",
+                                    labels=["reason"])
+        for reason in ("worker_died", "worker_silent", "worker_restarted", "stream_lost",
+                       "token_timeout"):
+            moved.add_metric([reason], s.migrations.get(reason, 0))
+        yield moved
+        if s.store_up is not None:
+            yield GaugeMetricFamily("pdcluster_store_up",
+                                    "1 while the cluster store (Redis) answers, 0 while the "
+                                    "router serves without it", value=int(s.store_up))
+        yield CounterMetricFamily("pdcluster_kv_transfer_bytes",
+                                  "Bytes of KV cache moved from prefill to decode workers",
+                                  value=s.kv_transfer_bytes_total)
+        hits = CounterMetricFamily(
+            "pdcluster_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV a worker's prefix cache already held (decode: not "
+            "transferred; prefill, colocated: not computed)", labels=["role"])
+        for role, n in sorted(s.prefix_hit_tokens.items()):
+            hits.add_metric([role], n)
+        yield hits
+        yield CounterMetricFamily("pdcluster_prefill_computed_tokens",
+                                  "Prompt (and recomputed) tokens run through a model",
+                                  value=s.prefill_computed_tokens)
+        # The engine's own steps (engine.step_times), what `pdcluster bench serve` sets the
+        # served time per output token beside: pure-decode steps by batch size, and mixed
+        # steps (decode rows beside prefill chunks: colocated workers) by their decode rows.
+        yield from _step_families("decode", "Pure-decode engine steps", s.decode_steps)
+        yield from _step_families("mixed", "Engine steps running decode rows beside prefill "
+                                  "chunks", s.mixed_steps)
+
+
+def _step_families(kind: str, what: str, rows: dict[int, tuple[int, float]]):
+    """``pdcluster_engine_{kind}_steps`` and ``..._{kind}_step_seconds``, labelled by batch."""
+    steps = CounterMetricFamily(f"pdcluster_engine_{kind}_steps",
+                                f"{what}, by the step's decode rows", labels=["batch"])
+    seconds = CounterMetricFamily(f"pdcluster_engine_{kind}_step_seconds",
+                                  f"Seconds in {what[0].lower()}{what[1:]} (schedule to "
+                                  "outputs), by the step's decode rows", labels=["batch"])
+    for b, (n, sec) in sorted(rows.items()):
+        steps.add_metric([str(b)], n)
+        seconds.add_metric([str(b)], sec)
+    yield steps
+    yield seconds
+
+
+class Metrics:
+    """One registry of front-door metrics over one backend."""
+
+    def __init__(self, backend: GenerationBackend) -> None:
+        self.backend = backend
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft_s = Histogram("pdcluster_time_to_first_token_seconds",
+                                "Time from request arrival to its first token",
+                                ["api"], buckets=_TTFT_BUCKETS, registry=r)
+        self.itl_s = Histogram("pdcluster_inter_token_latency_seconds",
+                               "Time between consecutive output tokens of one request",
+                               ["api"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e_s = Histogram("pdcluster_e2e_request_latency_seconds",
+                               "Time from request arrival to its last token",
+                               ["api", "finish_reason"], buckets=_E2E_BUCKETS, registry=r)
+        self.generation_tokens = Counter("pdcluster_generation_tokens",
+                                         "Output tokens streamed to clients", ["api"], registry=r)
+        self.prompt_tokens = Counter("pdcluster_prompt_tokens",
+                                     "Prompt tokens of accepted requests", ["api"], registry=r)
+        self._stats = _StatsCollector()
+        r.register(self._stats)
+
+    async def track(self, chunks: AsyncIterator[GenerationChunk], api: str
+                    ) -> AsyncIterator[GenerationChunk]:
+        """Re-yield ``chunks`` unchanged while recording latency and token metrics.
+
+        ``api`` ("grpc" | "http") labels the series. Closing this iterator closes ``chunks``
+        (which aborts the request in the backend).
+        """
+        t0 = time.monotonic()
+        last_token_t: float | None = None
+        counted_prompt = False
+        try:
+            async for c in chunks:
+                now = time.monotonic()
+                if not counted_prompt and c.prompt_tokens:
+                    self.prompt_tokens.labels(api).inc(c.prompt_tokens)
+                    counted_prompt = True
+                if c.token_ids:
+                    n = len(c.token_ids)
+                    if last_token_t is None:
+                        self.ttft_s.labels(api).observe(c.ttft_s if c.ttft_s is not None
+                                                        else now - t0)
+                    else:
+                        # A chunk may carry several tokens (one decode step can emit more
+                        # than one after a stall): spread the gap over them.
+                        gap = (now - last_token_t) / n
+                        for _ in range(n):
+                            self.itl_s.labels(api).observe(gap)
+                    last_token_t = now
+                    self.generation_tokens.labels(api).inc(n)
+                if c.finished:
+                    self.e2e_s.labels(api, c.finish_reason or "unknown").observe(now - t0)
+                yield c
+        finally:
+            await chunks.aclose()
+
+    async def render(self) -> bytes:
+        """Snapshot ``backend.stats()`` and return the Prometheus text exposition."""
+        self._stats.snapshot = await self.backend.stats()
+        return generate_latest(self.registry)

@@ -1,0 +1,111 @@
+"""OpenAI's response JSON for one generation: the whole body of a non-streamed response and the
+payload of each streamed (SSE) chunk, for ``/v1/completions`` and ``/v1/chat/completions``.
+
+Pure: no I/O and no backend. A ``Renderer`` is made per request (it carries the response id,
+creation time and model id every payload repeats); the two endpoints differ only in how one
+choice looks, so each subclass supplies just that. Key order is part of the wire format (clients
+diff responses and tests compare bytes), so dicts are built in OpenAI's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from router.contract import GenerationChunk, Usage
+
+__all__ = ["ChatRenderer", "Collected", "CompletionRenderer", "Renderer", "usage_json"]
+
+
+@dataclass
+class Collected:
+    """A whole (non-streamed) generation."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class Renderer:
+    """The envelope every payload shares; subclasses say what one choice looks like."""
+
+    response_id: str
+    created: int  # unix seconds
+    model_id: str
+
+    whole_object: ClassVar[str]  # OpenAI's "object" of a non-streamed response
+    chunk_object: ClassVar[str]  # ... and of each streamed chunk
+
+    def whole(self, out: Collected) -> dict:
+        """The non-streamed response body."""
+        return self._envelope(self.whole_object, [self._whole_choice(out)],
+                              usage=usage_json(out.prompt_tokens, out.completion_tokens))
+
+    def chunk(self, c: GenerationChunk) -> dict | None:
+        """One SSE payload, or None for a chunk that adds nothing a client sees (no text, not
+        the last)."""
+        if not c.text and not c.finished:
+            return None
+        return self._envelope(self.chunk_object, [self._chunk_choice(c)])
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The trailing choice-less chunk of ``stream_options.include_usage``."""
+        return self._envelope(self.chunk_object, [],
+                              usage=usage_json(usage.prompt_tokens, usage.completion_tokens))
+
+    def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.response_id, "object": obj, "created": self.created,
+                "model": self.model_id, "choices": choices, **extra}
+
+    def _whole_choice(self, out: Collected) -> dict:
+        raise NotImplementedError
+
+    def _chunk_choice(self, c: GenerationChunk) -> dict:
+        raise NotImplementedError
+
+
+@dataclass
+class CompletionRenderer(Renderer):
+    whole_object: ClassVar[str] = "text_completion"
+    chunk_object: ClassVar[str] = "text_completion"
+
+    def _whole_choice(self, out: Collected) -> dict:
+        return {"index": 0, "text": out.text, "logprobs": None,
+                "finish_reason": out.finish_reason}
+
+    def _chunk_choice(self, c: GenerationChunk) -> dict:
+        return {"index": 0, "text": c.text, "logprobs": None,
+                "finish_reason": c.finish_reason if c.finished else None}
+
+
+@dataclass
+class ChatRenderer(Renderer):
+    whole_object: ClassVar[str] = "chat.completion"
+    chunk_object: ClassVar[str] = "chat.completion.chunk"
+
+    # OpenAI names the role once, in the first delta a client sees.
+    _sent_role: bool = field(default=False, init=False)
+
+    def _whole_choice(self, out: Collected) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": out.text},
+                "logprobs": None, "finish_reason": out.finish_reason}
+
+    def _chunk_choice(self, c: GenerationChunk) -> dict:
+        delta: dict[str, str] = {}
+        if not self._sent_role:
+            delta["role"] = "assistant"
+            self._sent_role = True
+        # The final chunk carries only the finish_reason unless it also brought text.
+        if c.text or not c.finished:
+            delta["content"] = c.text
+        return {"index": 0, "delta": delta, "logprobs": None,
+                "finish_reason": c.finish_reason if c.finished else None}

@@ -1,0 +1,228 @@
+"""How one ``GenerateInput`` becomes the HTTP response of an OpenAI endpoint, streamed or not.
+
+``OpenAIResponder`` owns the backend stream's lifecycle: it opens it through ``Metrics.track``
+(so both endpoints feed the same metrics) and closes it however the response ends, which aborts
+the request in the backend and frees its KV. Errors raised before anything was sent become a
+status code (``router.frontdoor.errors.map_error``); errors after a stream's 200 went out are reported
+in-band, as OpenAI does. What the JSON looks like is the ``Renderer``'s business
+(``router.frontdoor.openai.render``), so both endpoints share one non-streamed and one streamed path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.contract import GenerateInput, GenerationBackend, GenerationChunk
+from router.frontdoor.errors import map_error, openai_error_body
+from router.frontdoor.metrics import Metrics
+from router.frontdoor.openai.render import Collected, Renderer
+
+__all__ = ["OpenAIResponder", "error_response", "stream_position"]
+
+log = logging.getLogger(__name__)
+
+# Nginx's "client closed request": nobody reads it, but logs show why the request ended.
+_CLIENT_CLOSED = 499
+
+_DISCONNECTED = object()
+
+
+def error_response(exc: BaseException, param: str | None = None) -> JSONResponse:
+    """``exc`` as OpenAI's error JSON with its mapped status; server faults are logged."""
+    err = map_error(exc)
+    if err.http_status >= 500:
+        log.error("request failed: %s", err.message, exc_info=exc)
+    headers = ({"retry-after": str(max(1, math.ceil(err.retry_after_s)))}
+               if err.retry_after_s is not None else None)
+    return JSONResponse(openai_error_body(err, param), status_code=err.http_status,
+                        headers=headers)
+
+
+class _PrimedStream:
+    """A backend stream whose first chunk was already awaited (``first`` is None when the
+    stream ended without any): iterating yields that chunk first, then the rest."""
+
+    def __init__(self, first: GenerationChunk | None,
+                 rest: AsyncIterator[GenerationChunk]) -> None:
+        self._first = first
+        self._rest = rest
+
+    def __aiter__(self) -> _PrimedStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()
+
+
+class OpenAIResponder:
+    """Runs generations for the OpenAI endpoints over one backend, recording metrics."""
+
+    def __init__(self, backend: GenerationBackend, metrics: Metrics) -> None:
+        self.backend = backend
+        self.metrics = metrics
+
+    async def respond(self, request: Request, inp: GenerateInput, renderer: Renderer, *,
+                      stream: bool, include_usage: bool) -> Response:
+        """The whole response for ``inp``: JSON, or SSE when ``stream`` (ending with a usage
+        chunk when ``include_usage``). Both carry ``x-request-id``."""
+        if stream:
+            return await self._respond_stream(inp, renderer, include_usage)
+        return await self._respond_whole(request, inp, renderer)
+
+    async def _respond_whole(self, request: Request, inp: GenerateInput,
+                             renderer: Renderer) -> Response:
+        try:
+            out = await _run_until_disconnect(request, self._collect(inp))
+        except Exception as e:
+            return error_response(e)
+        if out is _DISCONNECTED:
+            return Response(status_code=_CLIENT_CLOSED)
+        return JSONResponse(renderer.whole(out), headers=_request_id_header(inp))
+
+    async def _respond_stream(self, inp: GenerateInput, renderer: Renderer,
+                              include_usage: bool) -> Response:
+        try:
+            stream = await self._start_stream(inp)
+        except Exception as e:
+            return error_response(e)
+        return StreamingResponse(_sse_events(stream, renderer, include_usage, _public_id(inp)),
+                                 media_type="text/event-stream",
+                                 headers=_request_id_header(inp))
+
+    async def respond_resumed(self, backend_id: str, request_id: str, from_index: int,
+                              renderer: Renderer) -> Response:
+        """SSE of a request's stream from token ``from_index`` on, in the format of its
+        original endpoint (404 when unknown or expired). ``backend_id``: the id the backend
+        knows it by (the tenant's scope + ``request_id``). Not metered: counted once."""
+        stream = self.backend.resume(backend_id, from_index)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:
+            await stream.aclose()
+            return error_response(e)
+        return StreamingResponse(_sse_events(_PrimedStream(first, stream), renderer, False,
+                                             request_id, from_index),
+                                 media_type="text/event-stream",
+                                 headers={"x-request-id": request_id})
+
+    def _open(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        return self.metrics.track(self.backend.generate(inp), api="http")
+
+    async def _collect(self, inp: GenerateInput) -> Collected:
+        out = Collected(_public_id(inp))
+        stream = self._open(inp)
+        try:
+            async for c in stream:
+                out.text += c.text
+                out.token_ids.extend(c.token_ids)
+                if c.finished:
+                    out.finish_reason = c.finish_reason
+                    if c.usage is not None:
+                        out.prompt_tokens = c.usage.prompt_tokens
+                        out.completion_tokens = c.usage.completion_tokens
+        finally:
+            await stream.aclose()
+        return out
+
+    async def _start_stream(self, inp: GenerateInput) -> _PrimedStream:
+        """Wait for the first chunk so errors become a status code, not a broken stream."""
+        stream = self._open(inp)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            return _PrimedStream(None, stream)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return _PrimedStream(first, stream)
+
+
+def _public_id(inp: GenerateInput) -> str:
+    """The id the client knows the request by (without its tenant's scope)."""
+    return inp.public_id or inp.request_id or ""
+
+
+def _request_id_header(inp: GenerateInput) -> dict[str, str]:
+    return {"x-request-id": _public_id(inp)}
+
+
+def _sse(payload: dict | str, event_id: str | None = None) -> str:
+    data = f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+    return f"id: {event_id}\n{data}" if event_id else data
+
+
+def stream_position(last_event_id: str | None, request_id: str) -> int:
+    """The token index a client resumes from, out of the SSE ``Last-Event-ID`` it last saw
+    (``<request_id>:<tokens so far>``); 0 without one. Raises ValueError for another
+    request's id or a malformed one."""
+    if not last_event_id:
+        return 0
+    rid, _, index = last_event_id.rpartition(":")
+    if rid != request_id or not index.isdigit():
+        raise ValueError(f"Last-Event-ID {last_event_id!r} is not an event of {request_id!r} "
+                         f"(expected {request_id}:<tokens received>)")
+    return int(index)
+
+
+async def _sse_events(stream: _PrimedStream, renderer: Renderer, include_usage: bool,
+                      request_id: str, index: int = 0) -> AsyncIterator[str]:
+    """SSE body: one event per chunk the renderer shows, each with the id
+    ``<request_id>:<tokens so far>`` (what a client resumes from), the usage chunk if asked,
+    then ``[DONE]``; the stream is closed (aborting the request unless it is resumable)
+    however this ends."""
+    try:
+        try:
+            usage = None  # the finished chunk's; its usage chunk trails the last choice
+            async for c in stream:
+                if usage is None and c.finished:
+                    usage = c.usage
+                index += len(c.token_ids)
+                payload = renderer.chunk(c)
+                if payload is not None:
+                    yield _sse(payload, f"{request_id}:{index}")
+            if include_usage and usage is not None:
+                yield _sse(renderer.usage_chunk(usage))
+        except Exception as e:  # after the 200 went out: report in-band, OpenAI-style
+            err = map_error(e)
+            log.error("stream failed: %s", err.message, exc_info=e)
+            yield _sse(openai_error_body(err))
+        yield _sse("[DONE]")
+    finally:
+        await stream.aclose()
+
+
+async def _run_until_disconnect(request: Request, coro: Coroutine[Any, Any, Collected]) -> Any:
+    """Await ``coro``; if the client disconnects first, cancel it (which aborts the request)
+    and return ``_DISCONNECTED``. The body was already read, so ``receive`` only reports the
+    disconnect."""
+    work = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    return _DISCONNECTED if work.cancelled() else work.result()
