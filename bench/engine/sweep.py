@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench import baseline_hf
-from bench.ceilings import format_ceilings, measure_ceilings, quick_ceilings
 from bench.common import (
     Knee,
     ModelSize,
@@ -42,6 +40,8 @@ from bench.common import (
     target,
     write_json,
 )
+from bench.engine import baseline_hf
+from bench.engine.ceilings import format_ceilings, measure_ceilings, quick_ceilings
 
 PROFILE_ROWS = 12
 

@@ -44,7 +44,7 @@ TAIL_TARGET = 0.20  # streaming: transfer tail < 20% of prefill compute
 SEGMENTS = ("queue_s", "prefill_compute_s", "transfer_tail_s", "other_s")
 
 
-# ---- shared with bench.disagg ----------------------------------------------------------------
+# ---- shared with bench.cluster.disagg --------------------------------------------------------
 @contextlib.contextmanager
 def ray_session(num_workers: int = 4) -> Iterator[None]:
     """Start a local Ray for several clusters in a row (one ~10 s start, not one per setup)
@@ -294,7 +294,7 @@ def _two_hosts(args: argparse.Namespace) -> dict[str, Any]:
     import sys
     import tempfile
 
-    from bench.simhosts import HostSpec, SimCluster, unavailable_reason
+    from bench.cluster.simhosts import HostSpec, SimCluster, unavailable_reason
     from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 
     reason = unavailable_reason()
@@ -314,7 +314,7 @@ def _two_hosts(args: argparse.Namespace) -> dict[str, Any]:
                 argv += [flag, str(value)]
         if args.quick:
             argv.append("--quick")
-        res = sim.run("prefill", argv, timeout_s=900, cwd=str(Path(__file__).parents[1]))
+        res = sim.run("prefill", argv, timeout_s=900, cwd=str(Path(__file__).parents[2]))
         if res.returncode != 0:
             raise RuntimeError(f"two-host run failed: {res.stderr[-3000:]}")
         inner = json.loads((Path(tmp) / f"{NAME}.json").read_text())

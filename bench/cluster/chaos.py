@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.cluster.ttft_breakdown import ray_session
 from bench.common import (
     machine_info,
     make_prompts,
@@ -33,7 +34,6 @@ from bench.common import (
     write_json,
 )
 from bench.common import target as make_target
-from bench.ttft_breakdown import ray_session
 
 NAME = "chaos"
 HELP = "kill / stop decode and prefill workers mid-stream, abort at random: is anything lost?"

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench import baseline_hf
 from bench.common import (
     BatchingSimulation,
     heavy_tailed_lengths,
@@ -37,6 +36,7 @@ from bench.common import (
     target,
     write_json,
 )
+from bench.engine import baseline_hf
 
 POLICIES = ("static", "dynamic", "continuous")
 HOL_OUTPUT_LENS = (10, 50, 1000)
