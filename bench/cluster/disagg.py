@@ -46,16 +46,11 @@ from bench.cluster.ttft_breakdown import (
     ray_session,
     timed_generate,
 )
-from bench.common import (
-    machine_info,
-    make_prompts,
-    model_config,
-    print_targets,
-    ratio,
-    summarize,
-    write_json,
-)
-from bench.common import target as make_target
+from bench.harness import model_config
+from bench.report import machine_info, print_targets, ratio, write_json
+from bench.report import target as make_target
+from bench.stats import summarize
+from bench.workload import make_prompts
 
 NAME = "disagg"
 HELP = "decode ITL under long-prompt arrivals: colocated (chunked or not) vs disaggregated"

@@ -28,15 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    machine_info,
-    make_prompts,
-    model_config,
-    print_targets,
-    summarize,
-    write_json,
-)
-from bench.common import target as make_target
+from bench.harness import model_config
+from bench.report import machine_info, print_targets, write_json
+from bench.report import target as make_target
+from bench.stats import summarize
+from bench.workload import make_prompts
 
 NAME = "ttft_breakdown"
 HELP = "TTFT split into queueing, prefill compute and KV transfer tail (streamed vs at end)"

@@ -31,8 +31,8 @@ import random
 import statistics
 import time
 
-from bench.common import machine_info, write_json
 from bench.engine.step_split import StepSplit, measure_step_split
+from bench.report import machine_info, write_json
 
 NAME = "kernels"
 HELP = "decode step time under this host's linear-kernel plan vs fixed kernel choices"

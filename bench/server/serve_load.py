@@ -36,15 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    machine_info,
-    make_prompts,
-    poisson_arrivals,
-    summarize,
-    write_json,
-)
+from bench.report import machine_info, write_json
 from bench.server.serve_engine import EngineSteps, engine_steps, scrape, serving_overhead
 from bench.server.serve_target import Target, headers, http_client, server_facts, target_from_args
+from bench.stats import summarize
+from bench.workload import make_prompts, poisson_arrivals
 
 NAME = "serve"
 HELP = "load a running server (gRPC or HTTP): Poisson rate sweep, TTFT/TPOT/ITL/E2E, goodput"

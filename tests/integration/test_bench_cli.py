@@ -15,8 +15,8 @@ import socket
 
 import pytest
 
+from bench.batching import simulate_batching
 from bench.cli import main
-from bench.common import simulate_batching
 from tests.async_util import LoopThread
 
 

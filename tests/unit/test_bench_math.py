@@ -6,20 +6,11 @@ import math
 
 import pytest
 
-from bench.common import (
-    find_knee,
-    heavy_tailed_lengths,
-    make_prompts,
-    percentile,
-    poisson_arrivals,
-    roofline_step_time,
-    roofline_workload_throughput,
-    simulate_batching,
-    slot_utilization,
-    summarize,
-    target,
-    to_jsonable,
-)
+from bench.batching import simulate_batching, slot_utilization
+from bench.report import target, to_jsonable
+from bench.roofline import find_knee, roofline_step_time, roofline_workload_throughput
+from bench.stats import percentile, summarize
+from bench.workload import heavy_tailed_lengths, make_prompts, poisson_arrivals
 
 
 # ---- slot utilization ------------------------------------------------------------------------
