@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.common import DEFAULT_OUT_DIR
+from bench.report import DEFAULT_OUT_DIR
 
 
 @dataclass(frozen=True)
@@ -31,18 +31,9 @@ class Benchmark:
 
 
 def _builtin() -> list[Benchmark]:
-    from bench import (
-        ceilings,
-        chaos,
-        compare,
-        disagg,
-        kernels,
-        policies,
-        prefix,
-        serve_load,
-        sweep,
-        ttft_breakdown,
-    )
+    from bench.cluster import chaos, disagg, prefix, ttft_breakdown
+    from bench.engine import ceilings, kernels, policies, sweep
+    from bench.server import compare, serve_load
 
     cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
                for m in (ttft_breakdown, disagg, serve_load, chaos, prefix)]

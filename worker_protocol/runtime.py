@@ -29,7 +29,7 @@ def freeze_startup_heap() -> int:
     are frozen. Call once, at the end of start-up (workers, the router).
 
     A process with torch, Ray and a model holds ~300k objects after start-up, and Python's
-    full (generation 2) collection walks them all: ~190 ms here (``python -m bench.gc_pause``),
+    full (generation 2) collection walks them all: ~190 ms here (``python -m bench.studies.gc_pause``),
     on whichever thread happens to allocate, so an engine step (an inter-token gap for every
     sequence in the batch) or the router's event loop (every stream) stops that long. Frozen
     objects are never walked again; what requests allocate later is collected as before."""

@@ -9,7 +9,7 @@
 #   up     start the three nodes (about 10 s, about 0.7 GB each); prints RAY_ADDRESS=...
 #   up --netns  the same three nodes as three simulated HOSTS: Linux network namespaces on a
 #          private bridge, each with its own IP (10.231.N.1-3), so KV really crosses a
-#          network between hosts (needs root and iproute2; python -m bench.simhosts does it).
+#          network between hosts (needs root and iproute2; python -m bench.cluster.simhosts does it).
 #          Run the router on the head host:  ip netns exec <head netns> pdcluster serve ...
 #   down   stop exactly the processes of this cluster (never a blanket `ray stop`/`pkill`);
 #          with --netns: every process inside its namespaces, then the namespaces
@@ -192,13 +192,13 @@ cmd_status() {
   echo "running at $(cat "${STATE_DIR}/address" 2>/dev/null || echo "${ADDRESS}"); PIDs: ${pids}"
 }
 
-# ---- simulated hosts (network namespaces): bench/simhosts.py owns them -----------------------
+# ---- simulated hosts (network namespaces): bench/cluster/simhosts.py owns them ---------------
 SIM_STATE="${STATE_DIR}/state.json"
 
 simhosts() {  # simhosts up|down|status
   local py="${PDC_PYTHON:-$(dirname "${RAY_BIN}")/python}"
   [[ -x "${py}" ]] || py="$(command -v python3)"
-  (cd "${REPO_ROOT}" && "${py}" -m bench.simhosts "$1" --state-dir "${STATE_DIR}" \
+  (cd "${REPO_ROOT}" && "${py}" -m bench.cluster.simhosts "$1" --state-dir "${STATE_DIR}" \
      --num-cpus "${CPUS}" --hosts "head:router=1" "prefill:prefill_slot=2" "decode:decode_slot=2")
 }
 

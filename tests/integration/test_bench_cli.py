@@ -15,8 +15,8 @@ import socket
 
 import pytest
 
+from bench.batching import simulate_batching
 from bench.cli import main
-from bench.common import simulate_batching
 from tests.async_util import LoopThread
 
 
@@ -75,7 +75,7 @@ def test_kernels_times_every_set_up_and_splits_the_step(tmp_path, tiny_llama_dir
 def test_kernels_no_wide_set_up_takes_each_runner_up():
     """``no wide tiles``: a shape/bucket that chose ``cwide`` takes its runner-up, a fused
     bucket on wide tiles the dot tiles."""
-    from bench.kernels import _plans, _without_wide
+    from bench.engine.kernels import _plans, _without_wide
     from engine.fused_decode import FusedDecodePlan
     from engine.kernels import LinearPlan, Timing
 

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from bench import disagg, serve_load, ttft_breakdown
+from bench.cluster import disagg, ttft_breakdown
+from bench.server import serve_load
 from engine.weights import load_model_config
 from router.cli.main import build_parser
 
@@ -90,7 +91,7 @@ def test_disagg_measures_every_setup(tmp_path, tiny_llama_dir):
 
 @pytest.mark.slow
 def test_prefix_runs_each_policy_on_the_same_requests(tmp_path, tiny_llama_dir):
-    from bench import prefix
+    from bench.cluster import prefix
 
     convs, turns, out_len = 3, 3, 4
     _run(prefix, ["prefix", "--model", str(tiny_llama_dir), "--quick", "--workloads",
@@ -117,7 +118,7 @@ def test_prefix_runs_each_policy_on_the_same_requests(tmp_path, tiny_llama_dir):
 
 
 def test_prefix_rejects_an_unknown_policy(tmp_path):
-    from bench import prefix
+    from bench.cluster import prefix
 
     with pytest.raises(ValueError, match="unknown"):
         _run(prefix, ["prefix", "--policies", "kv_aware,random", "--out", str(tmp_path)])
@@ -220,7 +221,7 @@ def test_chaos_loses_nothing_when_workers_die(tmp_path, tiny_llama_dir):
     stream completes with the undisturbed run's tokens, nothing leaks, and the killed
     workers are restarted and ready again. (The SIGSTOP round's detection is the same code
     test_disaggregation.py tests with SIGSTOP; CI runs one round to save 30 s.)"""
-    from bench import chaos
+    from bench.cluster import chaos
 
     _run(chaos, ["chaos", "--model", str(tiny_llama_dir), "--quick", "--streams", "4",
                  "--max-tokens", "300", "--aborts", "20", "--prompt-len", "24",

@@ -139,7 +139,7 @@ def test_netns_mode_builds_three_hosts_and_down_removes_them(tmp_path):
     """`up --netns`: three simulated hosts (own network namespace and IP each), one Ray node
     on each; a driver on the head host sees three nodes on three addresses and places a
     prefill actor on the prefill host; `down` ends every process and deletes the namespaces."""
-    from bench.simhosts import unavailable_reason
+    from bench.cluster.simhosts import unavailable_reason
 
     reason = unavailable_reason()
     if reason:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.simhosts import HostSpec, SimCluster, unavailable_reason
+from bench.cluster.simhosts import HostSpec, SimCluster, unavailable_reason
 from engine import LLM, SamplingParams
 from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 from tests.tiny_models import random_prompts

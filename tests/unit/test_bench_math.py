@@ -6,20 +6,11 @@ import math
 
 import pytest
 
-from bench.common import (
-    find_knee,
-    heavy_tailed_lengths,
-    make_prompts,
-    percentile,
-    poisson_arrivals,
-    roofline_step_time,
-    roofline_workload_throughput,
-    simulate_batching,
-    slot_utilization,
-    summarize,
-    target,
-    to_jsonable,
-)
+from bench.batching import simulate_batching, slot_utilization
+from bench.report import target, to_jsonable
+from bench.roofline import find_knee, roofline_step_time, roofline_workload_throughput
+from bench.stats import percentile, summarize
+from bench.workload import heavy_tailed_lengths, make_prompts, poisson_arrivals
 
 
 # ---- slot utilization ------------------------------------------------------------------------
@@ -183,7 +174,7 @@ def _serve_json(label, rates, **config):
 
 
 def test_base_url_strips_v1_and_adds_the_scheme():
-    from bench.serve_target import base_url
+    from bench.server.serve_target import base_url
 
     for given in ("http://h:8001", "http://h:8001/", "http://h:8001/v1", "http://h:8001/v1/",
                   "h:8001"):
@@ -195,7 +186,7 @@ def test_base_url_strips_v1_and_adds_the_scheme():
 
 
 def test_output_warnings_flag_short_outputs_and_missing_usage():
-    from bench.serve_load import RequestResult, output_warnings
+    from bench.server.serve_load import RequestResult, output_warnings
 
     full = RequestResult(True, 8, output_tokens=4)
     short = RequestResult(True, 8, output_tokens=2)
@@ -209,7 +200,7 @@ def test_output_warnings_flag_short_outputs_and_missing_usage():
 
 
 def test_compare_matches_rates_in_every_file_and_takes_ratios_to_the_first():
-    from bench.compare import build_tables, format_table, parse_run
+    from bench.server.compare import build_tables, format_table, parse_run
 
     a = parse_run("a.json", _serve_json("ours", [(1, 0.1, 100.0), (2.0, 0.2, 150.0),
                                                  ("inf", 0.4, 200.0)]))
@@ -234,7 +225,7 @@ def test_compare_matches_rates_in_every_file_and_takes_ratios_to_the_first():
 
 
 def test_compare_refuses_foreign_files_and_disjoint_rates():
-    from bench.compare import build_tables, mismatches, parse_run, unique_labels
+    from bench.server.compare import build_tables, mismatches, parse_run, unique_labels
 
     for bad in ({"benchmark": "sweep", "points": []}, [1, 2], {"benchmark": "serve"}):
         with pytest.raises(ValueError, match="x.json is not a `pdcluster bench serve` result"):
@@ -262,7 +253,7 @@ pdcluster_generation_tokens_total 99.0
 
 
 def test_engine_steps_between_two_scrapes_and_the_serving_overhead():
-    from bench.serve_engine import engine_steps, parse_metrics, serving_overhead
+    from bench.server.serve_engine import engine_steps, parse_metrics, serving_overhead
 
     before = parse_metrics(METRICS_PAGE)
     assert before == {"decode": {1: (10.0, 0.2), 4: (5.0, 0.15)}, "mixed": {3: (2.0, 0.3)}}

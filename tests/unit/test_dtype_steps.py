@@ -1,4 +1,4 @@
-"""bench/dtype_steps.py end to end on the tiny model: every (dtype, batch) runs in its own
+"""bench/studies/dtype_steps.py end to end on the tiny model: every (dtype, batch) runs in its own
 process in each round, the order alternates, and the ratios are the medians' ratios."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import dtype_steps
+from bench.studies import dtype_steps
 
 
 def test_dtype_steps_times_both_dtypes_in_fresh_processes(tiny_llama_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""bench/kernel_ab.py: two builds of the kernel source timed call by call, same answers."""
+"""bench/studies/kernel_ab.py: two builds of the kernel source timed call by call, same answers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from bench import kernel_ab
+from bench.studies import kernel_ab
 
 
 def test_ab_against_a_revision_prints_both_timings(capsys):

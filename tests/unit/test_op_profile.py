@@ -1,11 +1,11 @@
-"""bench/op_profile.py on the tiny model: the op table, the matmul share with its bandwidth,
+"""bench/studies/op_profile.py on the tiny model: the op table, the matmul share with its bandwidth,
 and both one-row passes are printed."""
 
 from __future__ import annotations
 
 import re
 
-from bench import op_profile
+from bench.studies import op_profile
 
 
 def test_op_profile_splits_the_step_and_times_both_passes(tiny_llama_dir, capsys):

@@ -1,10 +1,10 @@
-"""bench/prefill_ab.py: both prefill attention paths timed on whole prefills, same engine."""
+"""bench/studies/prefill_ab.py: both prefill attention paths timed on whole prefills, same engine."""
 
 from __future__ import annotations
 
 import re
 
-from bench import prefill_ab
+from bench.studies import prefill_ab
 from engine import cpu_ops
 
 

@@ -59,7 +59,7 @@ def test_start_commands_bring_up_ray_and_the_router():
 def test_local_script_uses_the_same_resource_names():
     script = LOCAL_SCRIPT.read_text()
     assert f'"{PREFILL_RESOURCE}": 2' in script and f'"{DECODE_RESOURCE}": 2' in script
-    # ... in its simulated-hosts mode too (python -m bench.simhosts --hosts name:res=n)
+    # ... in its simulated-hosts mode too (python -m bench.cluster.simhosts --hosts name:res=n)
     assert f'"prefill:{PREFILL_RESOURCE}=2"' in script and f'"decode:{DECODE_RESOURCE}=2"' in script
     # Stops only its own processes: no command line runs a blanket stop.
     code = [ln for ln in script.splitlines() if not ln.lstrip().startswith("#")]

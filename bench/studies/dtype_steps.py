@@ -1,6 +1,6 @@
 """Engine steps in fp32 and in bf16 on this CPU: what the opt-in ``--dtype bfloat16`` buys.
 
-    python -m bench.dtype_steps [--batches 1,32] [--rounds 2] [--model DIR] [--out DIR]
+    python -m bench.studies.dtype_steps [--batches 1,32] [--rounds 2] [--model DIR] [--out DIR]
 
 Per round, per batch size, each dtype in turn (the order alternating round by round), a fresh
 process starts the engine (``LLM(model, dtype=...)``, the host's kernel plans for that dtype),
@@ -24,7 +24,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16")
 PROMPT_LEN, WARM_STEPS, TIMED_STEPS = 64, 3, 12
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(model: str | None, dtype: str, batch: int, seed: int) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def child(model: str | None, dtype: str, batch: int, seed: int) -> dict[str, Any
 
 
 def _run_child(model: str | None, dtype: str, batch: int, seed: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.dtype_steps", "--child", dtype, str(batch),
+    cmd = [sys.executable, "-m", "bench.studies.dtype_steps", "--child", dtype, str(batch),
            "--seed", str(seed)] + (["--model", model] if model else [])
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
@@ -89,7 +89,7 @@ def run(model: str | None, batches: list[int], rounds: int, seed: int = 0) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.dtype_steps",
+    p = argparse.ArgumentParser(prog="python -m bench.studies.dtype_steps",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--batches", default="1,32")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     if not batches or min(batches) < 1 or args.rounds < 1:
         raise SystemExit("--batches: positive integers; --rounds >= 1")
-    from bench.common import machine_info, write_json
+    from bench.report import machine_info, write_json
 
     result = {**run(args.model, batches, args.rounds, args.seed), "machine": machine_info()}
     for b, r in result["bf16_over_fp32"].items():

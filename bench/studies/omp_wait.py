@@ -1,7 +1,7 @@
 """An engine's decode step with OpenMP's default wait policy against ``OMP_WAIT_POLICY=PASSIVE``
 (``router/threads.py`` sets PASSIVE for prefill workers only; this is why not for decode).
 
-    python -m bench.omp_wait [--rounds 3] [--threads 2]
+    python -m bench.studies.omp_wait [--rounds 3] [--threads 2]
 
 Each measurement runs in a fresh process (the OpenMP runtime reads the policy when torch
 loads it), alternating policies round by round, on an idle box and beside a process that uses
@@ -70,7 +70,7 @@ def main() -> None:
                 env["OMP_WAIT_POLICY"] = "PASSIVE"
             for load in ("quiet", "noise"):
                 line = subprocess.run(
-                    [sys.executable, "-m", "bench.omp_wait", "--child", load,
+                    [sys.executable, "-m", "bench.studies.omp_wait", "--child", load,
                      "--threads", str(args.threads)], env=env, check=True,
                     capture_output=True, text=True).stdout.strip().splitlines()[-1]
                 r = json.loads(line)

@@ -28,15 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    machine_info,
-    make_prompts,
-    model_config,
-    print_targets,
-    summarize,
-    write_json,
-)
-from bench.common import target as make_target
+from bench.harness import model_config
+from bench.report import machine_info, print_targets, write_json
+from bench.report import target as make_target
+from bench.stats import summarize
+from bench.workload import make_prompts
 
 NAME = "ttft_breakdown"
 HELP = "TTFT split into queueing, prefill compute and KV transfer tail (streamed vs at end)"
@@ -44,7 +40,7 @@ TAIL_TARGET = 0.20  # streaming: transfer tail < 20% of prefill compute
 SEGMENTS = ("queue_s", "prefill_compute_s", "transfer_tail_s", "other_s")
 
 
-# ---- shared with bench.disagg ----------------------------------------------------------------
+# ---- shared with bench.cluster.disagg --------------------------------------------------------
 @contextlib.contextmanager
 def ray_session(num_workers: int = 4) -> Iterator[None]:
     """Start a local Ray for several clusters in a row (one ~10 s start, not one per setup)
@@ -294,7 +290,7 @@ def _two_hosts(args: argparse.Namespace) -> dict[str, Any]:
     import sys
     import tempfile
 
-    from bench.simhosts import HostSpec, SimCluster, unavailable_reason
+    from bench.cluster.simhosts import HostSpec, SimCluster, unavailable_reason
     from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 
     reason = unavailable_reason()
@@ -314,7 +310,7 @@ def _two_hosts(args: argparse.Namespace) -> dict[str, Any]:
                 argv += [flag, str(value)]
         if args.quick:
             argv.append("--quick")
-        res = sim.run("prefill", argv, timeout_s=900, cwd=str(Path(__file__).parents[1]))
+        res = sim.run("prefill", argv, timeout_s=900, cwd=str(Path(__file__).parents[2]))
         if res.returncode != 0:
             raise RuntimeError(f"two-host run failed: {res.stderr[-3000:]}")
         inner = json.loads((Path(tmp) / f"{NAME}.json").read_text())

@@ -38,9 +38,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_info, model_config, print_targets, ratio, summarize, write_json
-from bench.common import target as make_target
-from bench.ttft_breakdown import pinned_overrides, ray_session
+from bench.cluster.ttft_breakdown import pinned_overrides, ray_session
+from bench.harness import model_config
+from bench.report import machine_info, print_targets, ratio, write_json
+from bench.report import target as make_target
+from bench.stats import summarize
 
 NAME = "prefix"
 HELP = "KV-aware vs load vs round-robin routing on multi-turn and shared-prefix chat (2P+2D)"

@@ -24,16 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    machine_info,
-    make_prompts,
-    model_config,
-    percentile,
-    print_targets,
-    write_json,
-)
-from bench.common import target as make_target
-from bench.ttft_breakdown import ray_session
+from bench.cluster.ttft_breakdown import ray_session
+from bench.harness import model_config
+from bench.report import machine_info, print_targets, write_json
+from bench.report import target as make_target
+from bench.stats import percentile
+from bench.workload import make_prompts
 
 NAME = "chaos"
 HELP = "kill / stop decode and prefill workers mid-stream, abort at random: is anything lost?"

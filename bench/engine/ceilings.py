@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.common import machine_info, write_json
+from bench.report import machine_info, write_json
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ construction, including Ray's daemons and the workers they fork), then deletes t
 namespaces, which removes the veths and the bridge with them.
 
 Used by the multi-host tests, by ``bench ttft_breakdown --hosts 2`` and by
-``deploy/ray/local_multinode.sh up --netns`` (``python -m bench.simhosts up|down|status``).
+``deploy/ray/local_multinode.sh up --netns`` (``python -m bench.cluster.simhosts up|down|status``).
 Needs root (CAP_NET_ADMIN) and ``ip`` (iproute2); ``unavailable_reason()`` says why not.
 """
 
@@ -298,7 +298,7 @@ def parse_host(text: str) -> HostSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.simhosts", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cluster.simhosts", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=("up", "down", "status"))
     p.add_argument("--state-dir", type=Path, required=True)
     p.add_argument("--hosts", nargs="+", type=parse_host,

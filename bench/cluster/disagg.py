@@ -40,22 +40,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    machine_info,
-    make_prompts,
-    model_config,
-    print_targets,
-    ratio,
-    summarize,
-    write_json,
-)
-from bench.common import target as make_target
-from bench.ttft_breakdown import (
+from bench.cluster.ttft_breakdown import (
     ClientTrace,
     pinned_overrides,
     ray_session,
     timed_generate,
 )
+from bench.harness import model_config
+from bench.report import machine_info, print_targets, ratio, write_json
+from bench.report import target as make_target
+from bench.stats import summarize
+from bench.workload import make_prompts
 
 NAME = "disagg"
 HELP = "decode ITL under long-prompt arrivals: colocated (chunked or not) vs disaggregated"
@@ -115,7 +110,7 @@ def parse_targets(values: list[str]) -> list[tuple[str, str]]:
     URL that is not http(s)."""
     from urllib.parse import urlsplit
 
-    from bench.serve_target import base_url
+    from bench.server.serve_target import base_url
 
     out: list[tuple[str, str]] = []
     for value in values:
@@ -227,7 +222,7 @@ async def http_generate(client: Any, model: str, prompt: list[int], max_tokens: 
     carries text timestamped into ``trace`` (one token per event: how our server and vLLM's
     stream; a server that packs several would show its packing as longer gaps). Events
     without text (a bare finish reason, the usage record) are not tokens."""
-    from bench.serve_load import completion_body, completion_events
+    from bench.server.serve_load import completion_body, completion_events
 
     trace.start = time.perf_counter()
     async for msg in completion_events(client, completion_body(prompt, max_tokens, model)):
@@ -241,7 +236,7 @@ async def http_generate(client: Any, model: str, prompt: list[int], max_tokens: 
 
 async def _run_target(label: str, url: str, api_key: str | None, w: Workload, stream_prompts,
                       long_prompts, warm_prompt) -> SetupRun:
-    from bench.serve_target import Target, http_client, server_facts
+    from bench.server.serve_target import Target, http_client, server_facts
 
     t = Target("http", url, label, api_key or os.environ.get("OPENAI_API_KEY") or None)
     facts = await server_facts(t)

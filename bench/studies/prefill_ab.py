@@ -1,6 +1,6 @@
 """A/B the prefill attention paths on whole prefills, interleaved in one engine.
 
-    python -m bench.prefill_ab [--model DIR] [--lengths 64,256,1024,1900] [--rounds 5]
+    python -m bench.studies.prefill_ab [--model DIR] [--lengths 64,256,1024,1900] [--rounds 5]
 
 One ``LLM`` (the host's kernel plans, as an engine starts), one prompt at a time with
 ``max_tokens=1`` (its prefill, the first token sampled), the torch backend's prefill attention
@@ -68,7 +68,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.prefill_ab", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.studies.prefill_ab", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the default model)")
     p.add_argument("--lengths", type=_ints, default=[64, 256, 1024, 1900])
     p.add_argument("--rounds", type=int, default=5, help="timed prefills of each path per length")

@@ -1,7 +1,7 @@
 """How long Python's full garbage collection stops a worker-like process, before and after
 ``worker_protocol.freeze_startup_heap`` (what workers and the router call after start-up).
 
-    python -m bench.gc_pause [--repeats 3]
+    python -m bench.studies.gc_pause [--repeats 3]
 
 Loads what a decode worker loads (Ray, the default model's engine), runs one request, then
 times ``gc.collect()`` (a generation-2 pass, as Python runs one on its own once enough

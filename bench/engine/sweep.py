@@ -21,27 +21,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench import baseline_hf
-from bench.ceilings import format_ceilings, measure_ceilings, quick_ceilings
-from bench.common import (
+from bench.engine import baseline_hf
+from bench.engine.ceilings import format_ceilings, measure_ceilings, quick_ceilings
+from bench.harness import ModelSize, StepRecorder, load_llm, model_config, model_size
+from bench.report import machine_info, print_targets, ratio, target, write_json
+from bench.roofline import (
     Knee,
-    ModelSize,
     RooflinePoint,
-    StepRecorder,
     find_knee,
-    load_llm,
-    machine_info,
-    make_prompts,
-    model_config,
-    model_size,
-    print_targets,
-    ratio,
     roofline_step_time,
     roofline_workload_throughput,
-    summarize,
-    target,
-    write_json,
 )
+from bench.stats import summarize
+from bench.workload import make_prompts
 
 PROFILE_ROWS = 12
 

@@ -20,7 +20,7 @@ drift and noisy neighbours hit all three alike, each round starting with the nex
   decode attention path the host timed best among the torch ones).
 
 Each figure is the median over rounds of the mean of ``--steps`` consecutive decode steps.
-Then, under the host plan, where a step goes (``bench.step_split``): GEMMs, the fused C
+Then, under the host plan, where a step goes (``bench.engine.step_split``): GEMMs, the fused C
 kernels, the rest of the model, and the scheduler and Python outside the model.
 """
 
@@ -31,8 +31,8 @@ import random
 import statistics
 import time
 
-from bench.common import machine_info, write_json
-from bench.step_split import StepSplit, measure_step_split
+from bench.engine.step_split import StepSplit, measure_step_split
+from bench.report import machine_info, write_json
 
 NAME = "kernels"
 HELP = "decode step time under this host's linear-kernel plan vs fixed kernel choices"
@@ -68,7 +68,7 @@ def _without_wide(fused):
 def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
             prompt_len: int = 64) -> tuple[dict[str, float], StepSplit]:
     """Median ms per decode step at ``batch`` under each plan (see the module docstring), and
-    where a step goes under the host plan (``bench.step_split``)."""
+    where a step goes under the host plan (``bench.engine.step_split``)."""
     import engine.kernels as kernels
     from engine import LLM, SamplingParams, cpu_ops
     from engine.attention.torch_paged import DecodePaths

@@ -1,6 +1,6 @@
 """Where a decode step's CPU time goes by torch op, and whether the weights stay in cache.
 
-    python -m bench.op_profile [--batch 1] [--steps 10] [--model DIR] [--layer-by-layer]
+    python -m bench.studies.op_profile [--batch 1] [--steps 10] [--model DIR] [--layer-by-layer]
 
 1. ``torch.profiler`` over ``--steps`` engine decode steps of ``--batch`` sequences (64-token
    seeded prompts, after warm-up): the top ops by self CPU time, the step's wall time, and
@@ -25,7 +25,7 @@ PROMPT_LEN, WARM_STEPS = 64, 5
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.op_profile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.studies.op_profile", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=10)

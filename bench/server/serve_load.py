@@ -12,7 +12,7 @@ and E2E as mean/p50/p90/p99, request and output-token throughput, and goodput un
 (DistServe's definition: requests per second that meet EVERY SLO; also as a fraction). Against
 our own server, also the engines' own decode steps during the rate (per batch size, read from
 ``/metrics``) and the serving overhead per output token: TPOT minus the engine's step
-(``bench.serve_engine``).
+(``bench.server.serve_engine``).
 Over HTTP, chunks whose text is empty are not sent by the server, so a model without a
 tokenizer shows TTFT = E2E there; gRPC always carries token ids.
 
@@ -36,15 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    machine_info,
-    make_prompts,
-    poisson_arrivals,
-    summarize,
-    write_json,
-)
-from bench.serve_engine import EngineSteps, engine_steps, scrape, serving_overhead
-from bench.serve_target import Target, headers, http_client, server_facts, target_from_args
+from bench.report import machine_info, write_json
+from bench.server.serve_engine import EngineSteps, engine_steps, scrape, serving_overhead
+from bench.server.serve_target import Target, headers, http_client, server_facts, target_from_args
+from bench.stats import summarize
+from bench.workload import make_prompts, poisson_arrivals
 
 NAME = "serve"
 HELP = "load a running server (gRPC or HTTP): Poisson rate sweep, TTFT/TPOT/ITL/E2E, goodput"
@@ -269,7 +265,7 @@ async def _sweep(t: Target, model: str, rates: list[float],
                  max_concurrency: int | None, progress: bool, metrics_url: str | None = None
                  ) -> list[tuple[float, float, list[RequestResult], RateSteps]]:
     """[(rate, duration_s, results, engine steps during the rate)] per rate, sharing one
-    connection; the engine steps come from ``metrics_url`` (``bench.serve_engine``)."""
+    connection; the engine steps come from ``metrics_url`` (``bench.server.serve_engine``)."""
     import httpx
     from tqdm import tqdm
 
@@ -330,7 +326,7 @@ def summarize_rate(rate: float, duration_s: float, results: list[RequestResult],
                    slo: dict[str, float], steps: RateSteps = (None, None)) -> dict[str, Any]:
     """The per-rate record (vLLM's names, in seconds): stats, throughputs and goodput; with
     ``steps``, the engine's own decode (and mixed) steps and the split of the served TPOT
-    (``bench.serve_engine.serving_overhead``)."""
+    (``bench.server.serve_engine.serving_overhead``)."""
     decode, mixed = steps
     ok = [r for r in results if r.ok]
     row: dict[str, Any] = {"request_rate": "inf" if math.isinf(rate) else rate,

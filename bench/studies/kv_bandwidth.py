@@ -1,6 +1,6 @@
 """Micro-benchmark: KV bandwidth over a TorchDist (gloo) pair vs a raw TCP socket, two processes.
 
-    python bench/kv_bandwidth.py --out kv_bw.json [--sizes-mb 8 32 128 256]
+    python bench/studies/kv_bandwidth.py --out kv_bw.json [--sizes-mb 8 32 128 256]
 
 Each size is one transfer of 4 layer messages (size/4 bytes each) over loopback; the socket
 baseline copies the same bytes with sendall/recv_into. Prints a table and writes JSON.

