@@ -134,7 +134,8 @@ def check_flashinfer_vs_torch() -> dict[str, Any]:
     over a cached prefix, a fresh prompt): max abs output difference."""
     import torch
 
-    from engine.attention.backend import AttentionShape, SeqSlice, build_metadata, create_backend
+    from engine.attention.backend import AttentionShape, SeqSlice, build_metadata
+    from engine.attention.factory import create_backend
 
     dev = torch.device("cuda")
     bs, heads, kv_heads, d = 16, 9, 3, 64  # the default model's attention shape

@@ -67,7 +67,7 @@ class StreamRun:
 async def _stream(cluster: Any, rid: str, prompt: list[int], max_tokens: int,
                   first_token: asyncio.Semaphore | None = None) -> StreamRun:
     from engine import SamplingParams
-    from router.backend import GenerateInput
+    from router.contract import GenerateInput
 
     run = StreamRun(rid)
     t0 = time.perf_counter()
@@ -122,7 +122,7 @@ async def _all_ready(cluster: Any, timeout_s: float = 120.0) -> list:
 async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: int,
                  max_tokens: int, n_aborts: int) -> dict[str, Any]:
     from engine import EngineArgs
-    from router.cluster import Cluster, ClusterConfig
+    from router.cluster.ray_cluster import Cluster, ClusterConfig
 
     cfg = ClusterConfig(model=args.model, num_prefill_workers=2, num_decode_workers=2,
                         prefill_engine=EngineArgs(num_threads=1, max_num_seqs=8),

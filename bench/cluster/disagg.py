@@ -146,7 +146,7 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 def _cluster_config(name: str, model: str | None, w: Workload) -> Any:
     from engine import EngineArgs
-    from router.cluster import ClusterConfig
+    from router.cluster.ray_cluster import ClusterConfig
 
     max_len = max(w.long_prompt_len + w.long_max_tokens, w.stream_prompt_len + w.output_len) + 16
     common = dict(block_size=16, num_threads=1, max_model_len=max_len)
@@ -203,7 +203,7 @@ async def _drive(name: str, gen: Generate, w: Workload, stream_prompts, long_pro
 
 async def _run_setup(name: str, model: str | None, w: Workload, stream_prompts, long_prompts,
                      warm_prompt) -> SetupRun:
-    from router.cluster import Cluster
+    from router.cluster.ray_cluster import Cluster
 
     cluster = await Cluster.start(_cluster_config(name, model, w))
 

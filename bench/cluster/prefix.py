@@ -152,7 +152,7 @@ def _working_set(workload: str, s: Shape) -> tuple[int, int]:
 async def _generate(cluster, prompt: list[int], max_tokens: int, rid: str, turn: int
                     ) -> tuple[Request, list[int]]:
     from engine import SamplingParams
-    from router.backend import GenerateInput
+    from router.contract import GenerateInput
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
@@ -204,8 +204,8 @@ async def _shared_prefix(cluster, s: Shape, vocab: int, seed: int, tag: str) -> 
 # ---- one run ------------------------------------------------------------------------------------
 def _cluster_config(model: str | None, policy: str, pool_bytes: int, max_len: int) -> Any:
     from engine import EngineArgs
-    from router.cluster import ClusterConfig
-    from router.policy import RoutingConfig
+    from router.cluster.ray_cluster import ClusterConfig
+    from router.routing.policy import RoutingConfig
 
     common = dict(block_size=16, num_threads=1, max_model_len=max_len,
                   kv_cache_memory_bytes=pool_bytes)
@@ -220,7 +220,7 @@ def _cluster_config(model: str | None, policy: str, pool_bytes: int, max_len: in
 
 async def _run_policy(model: str | None, workload: str, policy: str, s: Shape, vocab: int,
                       seed: int, pool_bytes: int, max_len: int) -> PolicyRun:
-    from router.cluster import Cluster
+    from router.cluster.ray_cluster import Cluster
 
     cluster = await Cluster.start(_cluster_config(model, policy, pool_bytes, max_len))
     run_ = PolicyRun(workload, policy)

@@ -47,8 +47,8 @@ def ray_session(num_workers: int = 4) -> Iterator[None]:
     and shut it down afterwards; a Ray that is already running is used and left running."""
     import ray
 
-    from router.local_ray import start_local_ray
-    from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+    from router.cluster.local_ray import start_local_ray
+    from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 
     started = False
     if not ray.is_initialized():
@@ -91,7 +91,7 @@ async def timed_generate(cluster: Any, prompt: list[int], max_tokens: int,
     """Run one greedy request to its end (``ignore_eos``) and timestamp every chunk. Pass
     ``trace`` to watch the chunks arrive from another task; its ``start`` is reset here."""
     from engine import SamplingParams
-    from router.backend import GenerateInput
+    from router.contract import GenerateInput
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     trace = trace or ClientTrace(request_id, 0.0)
@@ -191,7 +191,7 @@ async def _phase(cluster: Any, prompts: list[list[int]], max_tokens: int, concur
 async def _run_mode(args: argparse.Namespace, stream_layers: bool, seq_prompts, conc_prompts,
                     warm_prompts) -> list[PhaseResult]:
     from engine import EngineArgs
-    from router.cluster import Cluster, ClusterConfig
+    from router.cluster.ray_cluster import Cluster, ClusterConfig
 
     max_len = args.prompt_len + args.max_tokens + 16
     cfg = ClusterConfig(
@@ -291,7 +291,7 @@ def _two_hosts(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     from bench.cluster.simhosts import HostSpec, SimCluster, unavailable_reason
-    from router.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+    from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 
     reason = unavailable_reason()
     if reason:

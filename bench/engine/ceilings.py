@@ -63,11 +63,11 @@ def _time_copy(n: int, repeats: int) -> float:
 def _time_gemv(rows: int, cols: int, repeats: int) -> float:
     import torch
 
-    from engine.kernels import _call, available_paths
+    from engine.kernels import available_paths, linear_by_path
 
     w = torch.rand(rows, cols)  # [out, in]
     x = torch.rand(1, cols)  # [1, in]: one decode row
-    return min(_median_time(lambda p=p: _call(p, x, w, None), repeats) for p in available_paths())
+    return min(_median_time(lambda p=p: linear_by_path(p, x, w, None), repeats) for p in available_paths())
 
 
 def _time_matmul(n: int, repeats: int) -> float:

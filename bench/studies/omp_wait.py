@@ -1,5 +1,5 @@
 """An engine's decode step with OpenMP's default wait policy against ``OMP_WAIT_POLICY=PASSIVE``
-(``router/threads.py`` sets PASSIVE for prefill workers only; this is why not for decode).
+(``router/cluster/threads.py`` sets PASSIVE for prefill workers only; this is why not for decode).
 
     python -m bench.studies.omp_wait [--rounds 3] [--threads 2]
 
