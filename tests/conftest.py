@@ -1,6 +1,13 @@
-"""Shared fixtures: tiny random Llama-family models saved to disk with transformers."""
+"""Shared fixtures (tiny random Llama-family models saved to disk with transformers), and the
+hooks that give back what finished tests held (see "Memory" in docs/testing.md)."""
 
 from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+import sys
 
 import pytest
 
@@ -20,3 +27,70 @@ def tiny_qwen2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory):
     return save_tiny_model("mistral", tmp_path_factory.mktemp("tiny-mistral"))
+
+
+# ---- memory: engines must not outlive the tests that built them ------------------------------
+# Each engine holds its weights and a KV pool (1 GiB by default on CPU), and this one process
+# builds dozens. Two things kept finished ones alive, so the process grew to ~19 GB:
+#  * workers built in-process (tests of decode/prefill workers) call freeze_startup_heap(), i.e.
+#    gc.freeze(): every object alive then, later garbage included, is out of the collector's
+#    reach for good, and engines sit in reference cycles (engine loop <-> its owner's bound
+#    methods), so they were never freed;
+#  * FastAPI keeps an lru_cache (4096 entries) of every endpoint function it has classified:
+#    our HTTP routes are closures over their backend, so every HTTP front door's engine stayed.
+# After each test (once pytest has dropped its fixture values): drop FastAPI's caches (they only
+# classify callables, and refill), and when a fixture wider than one test was torn down, a test
+# module ended or the heap was frozen: unfreeze, collect, and hand freed heap back to the OS
+# (glibc keeps ~240 MB of a default-model engine's heap otherwise). ~100 collections a run.
+_wide_fixture_finalized = False
+
+
+def pytest_fixture_post_finalizer(fixturedef, request):
+    global _wide_fixture_finalized
+    if fixturedef.scope != "function":
+        _wide_fixture_finalized = True
+
+
+def _clear_fastapi_caches() -> None:
+    models = sys.modules.get("fastapi.dependencies.models")
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached",
+                 "_is_coroutine_callable_cached"):
+        cache_clear = getattr(getattr(models, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+
+
+def _malloc_trim() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _rss_mb() -> tuple[int, int]:
+    """This process's resident set now and at its peak (VmRSS, VmHWM), in MiB."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) // 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _wide_fixture_finalized
+    yield  # the test ran and was torn down, and pytest dropped its fixture values
+    _clear_fastapi_caches()
+    last_of_module = nextitem is None or nextitem.path != item.path
+    released = _wide_fixture_finalized or last_of_module or gc.get_freeze_count() > 0
+    if released:
+        _wide_fixture_finalized = False
+        gc.unfreeze()
+        gc.collect()
+        _malloc_trim()
+    # Opt-in: PDCLUSTER_TEST_RSS_LOG=path appends "test id, RSS MiB, peak RSS MiB" per test.
+    log_path = os.environ.get("PDCLUSTER_TEST_RSS_LOG")
+    if log_path:
+        rss, hwm = _rss_mb()
+        with open(log_path, "a") as f:
+            f.write(f"{item.nodeid}\t{rss}\t{hwm}\t{'released' if released else ''}\n")
