@@ -57,6 +57,10 @@ class InputProcessor:
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, but the model's context is "
                              f"{self.max_model_len} tokens")

@@ -155,6 +155,8 @@ async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         msg = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}"
+    elif first.get("type") == "extra_forbidden":
+        msg = f"{loc}: this server does not support this field (refused, not ignored)"
     elif loc:
         msg = f"{loc}: {msg}"
     return error_response(InvalidRequestError(msg), param=loc)

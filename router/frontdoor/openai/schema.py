@@ -1,9 +1,11 @@
 """The OpenAI request bodies the HTTP front door accepts, and their translation to ``GenerateInput``.
 
 Pydantic models for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields plus vLLM's
-extensions (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``), and pdcluster's ``resumable``. Shape errors are pydantic's (the app maps them to 400);
-semantic ones (unsupported field, batch prompt, bad sampling value) raise ValueError /
+extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``), and pdcluster's ``resumable``. A field
+that is not declared here is refused (``extra="forbid"``: a 400 naming it), never accepted and
+ignored. Shape errors are pydantic's (the app maps them to 400); semantic ones (a declared field
+this server does not implement yet, batch prompt, bad sampling value) raise ValueError /
 InvalidRequestError from ``to_input``.
 
 The request models carry no docstrings on purpose: FastAPI publishes a model's docstring as its
@@ -24,13 +26,14 @@ __all__ = ["ChatCompletionRequest", "CompletionRequest"]
 
 
 class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """OpenAI sampling fields plus vLLM's extensions; None means "server default"."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -44,8 +47,11 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
     # vLLM extensions
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
@@ -60,16 +66,18 @@ class _SamplingFields(BaseModel):
 
     def to_sampling(self, default_max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming an unsupported or bad field."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options: only allowed with stream=true")
         if self.n != 1:
             raise InvalidRequestError(f"n must be 1 (got {self.n}): one choice per request")
         if self.logprobs:
             raise InvalidRequestError("logprobs are not supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"{name} is not supported (must be 0 or unset)")
         kw: dict[str, Any] = {k: getattr(self, k) for k in (
             "max_tokens", "temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos",
-            "include_stop_str_in_output") if getattr(self, k) is not None}
+            "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "min_p",
+            "repetition_penalty") if getattr(self, k) is not None}
+        if self.logit_bias:
+            kw["logit_bias"] = dict(self.logit_bias)  # SamplingParams checks the keys are ids
         if "max_tokens" not in kw and default_max_tokens is not None:
             kw["max_tokens"] = default_max_tokens
         if self.stop is not None:
@@ -107,13 +115,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class _ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: str
     text: str | None = None
 
 
 class _ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[_ContentPart] | None = None
 

@@ -1,0 +1,152 @@
+"""Every field of OpenAI's request schemas is honoured or refused with a 400 naming it, never
+accepted and ignored; the logit adjustments (logit_bias, penalties, min_p) reach the sampler,
+in the embedded engine and through a disaggregated cluster (the prefill worker samples the
+first token), over HTTP with the real ``openai`` client and over gRPC with the SDK."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+
+from client import Client
+from engine.tokenizer import load_tokenizer
+from engine.weights import resolve_model
+
+PROMPT = "The capital of France is"
+PARIS = [{"role": "user", "content": "Name three things to see in Paris."}]
+
+# A value of each OpenAI request field that differs from its default. A field OpenAI adds that
+# is missing here fails the walk below: decide whether it is honoured or refused.
+VALUES = {
+    "audio": {"voice": "alloy", "format": "wav"}, "best_of": 2, "echo": True,
+    "frequency_penalty": 0.5, "function_call": "auto",
+    "functions": [{"name": "f", "parameters": {"type": "object"}}], "logit_bias": {"5": 1.0},
+    "logprobs": 2, "max_completion_tokens": 3, "max_tokens": 3, "metadata": {"k": "v"},
+    "modalities": ["text"], "moderation": {"enabled": True}, "n": 2,
+    "parallel_tool_calls": False, "prediction": {"type": "content", "content": "Paris"},
+    "presence_penalty": 0.5, "prompt_cache_key": "k", "prompt_cache_options": {},
+    "prompt_cache_retention": "24h", "reasoning_effort": "low",
+    "response_format": {"type": "json_object"}, "safety_identifier": "s", "seed": 3,
+    "service_tier": "auto", "stop": ["\n\n"], "store": True,
+    "stream_options": {"include_usage": True}, "suffix": " and more", "temperature": 0.5,
+    "tool_choice": "required",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "top_logprobs": 2, "top_p": 0.9, "user": "u", "verbosity": "low", "web_search_options": {},
+}
+# Fields this server implements, with the value above. Everything else must be a 400.
+HONOURED = {"frequency_penalty", "logit_bias", "max_completion_tokens", "max_tokens",
+            "presence_penalty", "seed", "stop", "temperature", "top_p"}
+BASE = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 3},
+        "/v1/chat/completions": {"messages": PARIS, "max_tokens": 3}}
+SCHEMAS = {"/v1/completions": completion_create_params.CompletionCreateParamsBase,
+           "/v1/chat/completions": chat_create_params.CompletionCreateParamsBase}
+
+
+def _fields(endpoint: str) -> list[str]:
+    return sorted(set(SCHEMAS[endpoint].__annotations__) - {"model", "prompt", "messages"})
+
+
+@pytest.fixture(scope="module")
+def base_url(frontdoor) -> str:
+    return f"http://127.0.0.1:{frontdoor.http_port}"
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_id(backend) -> str:
+    return backend.model_info().model_id
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model(None).model_dir)
+
+
+@pytest.mark.parametrize("endpoint", list(SCHEMAS))
+def test_every_openai_request_field_is_honoured_or_refused_by_name(http, endpoint):
+    fields = _fields(endpoint)
+    assert {"n", "logit_bias", "stop"} <= set(fields)  # the walk really reads the schema
+    outcomes = {}
+    for name in fields:
+        body = {**BASE[endpoint], name: VALUES[name]}
+        r = http.post(endpoint, json=body)
+        if r.status_code == 200:
+            outcomes[name] = "honoured"
+        else:
+            err = r.json()["error"]
+            named = err.get("param") == name or err["message"].startswith(name)
+            outcomes[name] = f"{r.status_code} naming it" if named else f"{r.status_code}: {err}"
+    expected = {n: "honoured" if n in HONOURED else "400 naming it" for n in fields}
+    assert outcomes == expected
+
+
+def test_stream_options_are_honoured_with_a_stream(http):
+    body = {**BASE["/v1/completions"], "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 200 and '"usage": {' in lines[-1].replace('"usage":{', '"usage": {')
+
+
+def test_logit_bias_forces_a_token(oai, model_id, tokenizer):
+    tok = tokenizer.encode(" Lyon")[-1]
+    out = oai.completions.create(model=model_id, prompt=PROMPT, max_tokens=4, temperature=0,
+                                 logit_bias={str(tok): 100})
+    assert out.choices[0].text == tokenizer.decode([tok] * 4)
+
+
+def test_min_p_of_one_keeps_only_the_most_likely_token(oai, model_id):
+    greedy = oai.chat.completions.create(model=model_id, messages=PARIS, max_tokens=24,
+                                         temperature=0)
+    hot = oai.chat.completions.create(model=model_id, messages=PARIS, max_tokens=24,
+                                      temperature=1.5, seed=11, extra_body={"min_p": 1.0})
+    assert hot.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_penalties_change_a_repetitive_answer(oai, model_id, tokenizer):
+    def ids(**kw) -> list[int]:
+        out = oai.chat.completions.create(model=model_id, messages=PARIS, max_tokens=48,
+                                          temperature=0, **kw)
+        return tokenizer.encode(out.choices[0].message.content)
+
+    plain = ids()
+    assert len(plain) > len(set(plain))  # greedy repeats itself: there is something to penalize
+    assert ids(frequency_penalty=2.0) != plain
+    assert ids(presence_penalty=2.0) != plain
+    assert ids(extra_body={"repetition_penalty": 2.0}) != plain
+
+
+def test_bad_adjustments_are_400_naming_the_field(http):
+    for body, field in [({"presence_penalty": 3}, "presence_penalty"),
+                        ({"logit_bias": {"999999999": 1}}, "logit_bias"),
+                        ({"logit_bias": {"7": 500}}, "logit_bias"),
+                        ({"min_p": -0.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty")]:
+        r = http.post("/v1/completions", json={**BASE["/v1/completions"], **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"].startswith(field), (body, r.text)
+
+
+def test_grpc_sdk_carries_the_logit_adjustments(frontdoor, tokenizer):
+    tok = tokenizer.encode(" Lyon")[-1]
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}") as c:
+        forced = c.generate(PROMPT, max_tokens=3, temperature=0, logit_bias={tok: 100.0})
+        assert forced.token_ids == [tok] * 3
+        plain = c.generate(PROMPT, max_tokens=24, temperature=0)
+        hot = c.generate(PROMPT, max_tokens=24, temperature=1.5, seed=3, min_p=1.0)
+        assert hot.token_ids == plain.token_ids
+        penalized = c.generate(PROMPT, max_tokens=24, temperature=0, repetition_penalty=3.0,
+                               frequency_penalty=1.0, presence_penalty=1.0)
+        assert penalized.token_ids != plain.token_ids
