@@ -50,6 +50,17 @@ class InputProcessor:
             return EncodedPrompt(list(prompt), None)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids -> text, special tokens kept (the inverse of ``encode`` for text).
+        ValueError for an id outside the vocabulary or a model without a tokenizer."""
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError("tokens must be a list of token ids")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"tokens: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return self._require_tokenizer().decode(token_ids, skip_special_tokens=False)
+
     def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError when the request cannot fit the model's context or KV pool."""
         params.validate()

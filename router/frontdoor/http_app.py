@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.contract import (
     GenerationBackend,
     InvalidRequestError,
+    ModelNotFoundError,
     StreamNotFoundError,
     new_request_id,
 )
@@ -33,7 +34,12 @@ from router.frontdoor.http_guard import GuardMiddleware
 from router.frontdoor.metrics import CONTENT_TYPE, Metrics
 from router.frontdoor.openai.render import ChatRenderer, CompletionRenderer
 from router.frontdoor.openai.responder import OpenAIResponder, error_response, stream_position
-from router.frontdoor.openai.schema import ChatCompletionRequest, CompletionRequest
+from router.frontdoor.openai.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from router.frontdoor.security import Gate, RateLimitedError
 
 __all__ = ["create_app"]
@@ -51,6 +57,7 @@ def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None =
     app.add_middleware(GuardMiddleware, gate=gate)
     _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate)
     _add_info_routes(app, backend, metrics)
+    _add_token_routes(app, backend)
     return app
 
 
@@ -86,7 +93,7 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         info = backend.model_info()
         return await respond(
             request, body,
-            lambda rid: body.to_input(rid, info.max_model_len, backend.apply_chat_template),
+            lambda rid: body.to_input(rid, info.max_model_len, backend.tokenize),
             lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id))
 
 
@@ -131,6 +138,34 @@ def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics)
         return {"workers": [
             {**asdict(w), "state": "draining" if draining and w.state == "ready" else w.state}
             for w in await backend.cluster_status()]}
+
+
+def _add_token_routes(app: FastAPI, backend: GenerationBackend) -> None:
+    """vLLM's /tokenize and /detokenize: the ids a generation of a prompt runs on (chat
+    messages through the chat template), and back."""
+
+    def check_model(model: str | None) -> None:
+        served = backend.model_info().model_id
+        if model is not None and model != served:
+            raise ModelNotFoundError(f"model {model!r} is not served here (serving {served!r})")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        try:
+            check_model(body.model)
+            ids = backend.tokenize(body.to_prompt())
+        except (ValueError, LookupError) as e:
+            return error_response(e)
+        return {"count": len(ids), "max_model_len": backend.model_info().max_model_len,
+                "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        try:
+            check_model(body.model)
+            return {"prompt": backend.detokenize(body.tokens)}
+        except (ValueError, LookupError) as e:
+            return error_response(e)
 
 
 def _request_id(request: Request) -> str:

@@ -150,3 +150,32 @@ def test_grpc_sdk_carries_the_logit_adjustments(frontdoor, tokenizer):
         penalized = c.generate(PROMPT, max_tokens=24, temperature=0, repetition_penalty=3.0,
                                frequency_penalty=1.0, presence_penalty=1.0)
         assert penalized.token_ids != plain.token_ids
+
+
+def test_tokenize_counts_what_a_generation_runs_on_and_detokenize_inverts_it(http, oai, model_id,
+                                                                            tokenizer):
+    text = http.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert text["tokens"] == tokenizer.encode(PROMPT) and text["count"] == len(text["tokens"])
+    assert text["max_model_len"] == http.get("/v1/models").json()["data"][0]["max_model_len"]
+    back = http.post("/detokenize", json={"tokens": text["tokens"], "model": model_id}).json()
+    assert back == {"prompt": tokenizer.decode(text["tokens"], skip_special_tokens=False)}
+    chat = http.post("/tokenize", json={"messages": PARIS}).json()
+    used = oai.chat.completions.create(model=model_id, messages=PARIS, max_tokens=1).usage
+    assert chat["count"] == used.prompt_tokens
+
+
+@pytest.mark.parametrize("path,body,status,field", [
+    ("/tokenize", {"prompt": PROMPT, "messages": PARIS}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": ""}, 400, "prompt"),
+    ("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": PROMPT, "model": "other"}, 404, None),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+], ids=["both", "neither", "empty", "unsupported-flag", "other-model", "outside-vocab", "not-ids"])
+def test_bad_tokenize_requests(http, path, body, status, field):
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    if field is not None:
+        err = r.json()["error"]
+        assert err.get("param") == field or err["message"].startswith(field), err

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from engine.request import SamplingParams
 from router.contract import GenerateInput, InvalidRequestError
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest"]
 
 
 class _StreamOptions(BaseModel):
@@ -153,3 +153,28 @@ class ChatCompletionRequest(_SamplingFields):
         sampling = self.to_sampling(default_max_tokens=default_max)
         return GenerateInput(sampling, messages=messages, request_id=request_id, model=self.model,
                              resumable=self.resumable)
+
+
+# ---- vLLM's /tokenize and /detokenize ------------------------------------------------------
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[_ChatMessage] | None = None
+
+    def to_prompt(self) -> str | list[dict]:
+        """The text, or the messages as the chat template takes them; exactly one is given."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("prompt / messages: give exactly one")
+        if self.messages is not None:
+            if not self.messages:
+                raise InvalidRequestError("messages: at least one message is required")
+            return [m.to_dict() for m in self.messages]
+        return self.prompt
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
