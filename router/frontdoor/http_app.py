@@ -40,6 +40,7 @@ from router.frontdoor.openai.schema import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from router.frontdoor.openapi import publish_openapi
 from router.frontdoor.security import Gate, RateLimitedError
 
 __all__ = ["create_app"]
@@ -58,6 +59,7 @@ def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None =
     _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate)
     _add_info_routes(app, backend, metrics)
     _add_token_routes(app, backend)
+    publish_openapi(app, CONTENT_TYPE)
     return app
 
 

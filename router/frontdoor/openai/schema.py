@@ -15,14 +15,29 @@ description in ``/openapi.json``, which would change what that endpoint serves.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from engine.request import SamplingParams
+from engine.request import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 from router.contract import GenerateInput, InvalidRequestError
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest"]
+
+# The published schema (/openapi.json) states the ranges SamplingParams enforces, so a
+# schema-valid body is one the server takes (checked by a schema fuzzer in the tests).
+_TokenId = Annotated[int, Field(ge=0)]
+_StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+_Penalty = Annotated[float, Field(ge=-2, le=2)]
+_MaxTokens = Annotated[int, Field(ge=1)]
 
 
 class _StreamOptions(BaseModel):
@@ -36,25 +51,27 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: _MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Literal[1] = 1  # more choices: planned
     stream: bool = False
     stream_options: _StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: Any = None
-    logit_bias: dict[str, float] | None = None
+    stop: _StopString | Annotated[list[_StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    logprobs: Literal[False] | None = None  # logprobs: planned
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
+                               Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[_TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool | None = None
     # pdcluster: keep generating if the client goes away; resume with GET /v1/streams/{id}
     resumable: bool = False
@@ -68,10 +85,6 @@ class _SamplingFields(BaseModel):
         """Raises ValueError naming an unsupported or bad field."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed with stream=true")
-        if self.n != 1:
-            raise InvalidRequestError(f"n must be 1 (got {self.n}): one choice per request")
-        if self.logprobs:
-            raise InvalidRequestError("logprobs are not supported")
         kw: dict[str, Any] = {k: getattr(self, k) for k in (
             "max_tokens", "temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos",
             "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "min_p",
@@ -88,13 +101,13 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
+    # A list of several strings (a batch): planned.
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[_TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)])
+    echo: Literal[False] = False  # echo: planned
 
     def to_input(self, request_id: str) -> GenerateInput:
         """Raises ValueError naming an unsupported or bad field."""
-        if self.echo:
-            raise InvalidRequestError("echo is not supported")
         prompt = self._single_prompt()
         sampling = self.to_sampling(default_max_tokens=None)
         common = dict(request_id=request_id, model=self.model, resumable=self.resumable)
@@ -103,20 +116,17 @@ class CompletionRequest(_SamplingFields):
         return GenerateInput(sampling, token_ids=list(prompt), **common)
 
     def _single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids. A list of strings is OpenAI's batch form, of
-        which only a batch of one is accepted (one choice per request)."""
+        """The one prompt: text or token ids (a list of strings is OpenAI's batch form, of
+        which the schema admits a batch of one)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise InvalidRequestError("prompt: one prompt per request (got a batch of "
-                                          f"{len(prompt)})")
             return prompt[0]
         return prompt
 
 
 class _ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: str
+    type: Literal["text"]  # images and audio: not served by a text model
     text: str | None = None
 
 
@@ -128,15 +138,13 @@ class _ChatMessage(BaseModel):
     def to_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
-            if any(p.type != "text" for p in content):
-                raise InvalidRequestError("only text content parts are supported")
             content = "\n".join(p.text or "" for p in content)
         return {"role": self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[_ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[_ChatMessage], Field(min_length=1)]
+    max_completion_tokens: _MaxTokens | None = None
 
     def to_input(self, request_id: str, max_model_len: int,
                  chat_template: Callable[[list[dict]], list[int]]) -> GenerateInput:
@@ -160,8 +168,8 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str | None = None
-    messages: list[_ChatMessage] | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[_ChatMessage], Field(min_length=1)] | None = None
 
     def to_prompt(self) -> str | list[dict]:
         """The text, or the messages as the chat template takes them; exactly one is given."""
@@ -177,4 +185,4 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[_TokenId]
