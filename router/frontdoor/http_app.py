@@ -78,7 +78,8 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         inp = dataclasses.replace(inp, public_id=rid, permit=permit)
         try:
             return await responder.respond(request, inp, renderer(rid), stream=body.stream,
-                                           include_usage=body.include_usage)
+                                           include_usage=body.include_usage,
+                                           continuous_usage=body.continuous_usage)
         finally:
             if not permit.adopted:
                 permit.release()

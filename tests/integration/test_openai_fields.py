@@ -5,6 +5,8 @@ first token), over HTTP with the real ``openai`` client and over gRPC with the S
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -179,3 +181,21 @@ def test_bad_tokenize_requests(http, path, body, status, field):
     if field is not None:
         err = r.json()["error"]
         assert err.get("param") == field or err["message"].startswith(field), err
+
+
+def test_continuous_usage_stats_count_every_chunk(http):
+    body = {**BASE["/v1/completions"], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        payloads = [json.loads(line[6:]) for line in r.iter_lines()
+                    if line.startswith("data: {")]
+    usage = [p["usage"] for p in payloads]
+    prompt = usage[-1]["prompt_tokens"]
+    assert prompt > 0 and all(u["prompt_tokens"] == prompt for u in usage)
+    counts = [u["completion_tokens"] for u in usage]
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] >= 1
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usage)
+    r = http.post("/v1/completions", json={**body, "stream_options": {
+        "continuous_usage_stats": True}})
+    assert r.status_code == 400 and "continuous_usage_stats" in r.json()["error"]["message"]

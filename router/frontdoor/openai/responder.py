@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from router.contract import GenerateInput, GenerationBackend, GenerationChunk
 from router.frontdoor.errors import map_error, openai_error_body
 from router.frontdoor.metrics import Metrics
-from router.frontdoor.openai.render import Collected, Renderer
+from router.frontdoor.openai.render import Collected, Renderer, usage_json
 
 __all__ = ["OpenAIResponder", "error_response", "stream_position"]
 
@@ -76,11 +76,13 @@ class OpenAIResponder:
         self.metrics = metrics
 
     async def respond(self, request: Request, inp: GenerateInput, renderer: Renderer, *,
-                      stream: bool, include_usage: bool) -> Response:
+                      stream: bool, include_usage: bool, continuous_usage: bool = False
+                      ) -> Response:
         """The whole response for ``inp``: JSON, or SSE when ``stream`` (ending with a usage
-        chunk when ``include_usage``). Both carry ``x-request-id``."""
+        chunk when ``include_usage``; every chunk with the usage so far when
+        ``continuous_usage``). Both carry ``x-request-id``."""
         if stream:
-            return await self._respond_stream(inp, renderer, include_usage)
+            return await self._respond_stream(inp, renderer, include_usage, continuous_usage)
         return await self._respond_whole(request, inp, renderer)
 
     async def _respond_whole(self, request: Request, inp: GenerateInput,
@@ -94,12 +96,13 @@ class OpenAIResponder:
         return JSONResponse(renderer.whole(out), headers=_request_id_header(inp))
 
     async def _respond_stream(self, inp: GenerateInput, renderer: Renderer,
-                              include_usage: bool) -> Response:
+                              include_usage: bool, continuous_usage: bool) -> Response:
         try:
             stream = await self._start_stream(inp)
         except Exception as e:
             return error_response(e)
-        return StreamingResponse(_sse_events(stream, renderer, include_usage, _public_id(inp)),
+        return StreamingResponse(_sse_events(stream, renderer, include_usage, _public_id(inp),
+                                             continuous_usage=continuous_usage),
                                  media_type="text/event-stream",
                                  headers=_request_id_header(inp))
 
@@ -181,11 +184,12 @@ def stream_position(last_event_id: str | None, request_id: str) -> int:
 
 
 async def _sse_events(stream: _PrimedStream, renderer: Renderer, include_usage: bool,
-                      request_id: str, index: int = 0) -> AsyncIterator[str]:
+                      request_id: str, index: int = 0, continuous_usage: bool = False
+                      ) -> AsyncIterator[str]:
     """SSE body: one event per chunk the renderer shows, each with the id
-    ``<request_id>:<tokens so far>`` (what a client resumes from), the usage chunk if asked,
-    then ``[DONE]``; the stream is closed (aborting the request unless it is resumable)
-    however this ends."""
+    ``<request_id>:<tokens so far>`` (what a client resumes from) and, when
+    ``continuous_usage``, the usage so far; the usage chunk if asked, then ``[DONE]``; the
+    stream is closed (aborting the request unless it is resumable) however this ends."""
     try:
         try:
             usage = None  # the finished chunk's; its usage chunk trails the last choice
@@ -195,6 +199,8 @@ async def _sse_events(stream: _PrimedStream, renderer: Renderer, include_usage: 
                 index += len(c.token_ids)
                 payload = renderer.chunk(c)
                 if payload is not None:
+                    if continuous_usage:
+                        payload["usage"] = usage_json(c.prompt_tokens, index)
                     yield _sse(payload, f"{request_id}:{index}")
             if include_usage and usage is not None:
                 yield _sse(renderer.usage_chunk(usage))

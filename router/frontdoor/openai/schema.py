@@ -43,6 +43,7 @@ _MaxTokens = Annotated[int, Field(ge=1)]
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _SamplingFields(BaseModel):
@@ -81,10 +82,20 @@ class _SamplingFields(BaseModel):
         """Whether a stream ends with a usage-only chunk (``stream_options.include_usage``)."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``, with ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def to_sampling(self, default_max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming an unsupported or bad field."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed with stream=true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:
+            raise InvalidRequestError("stream_options.continuous_usage_stats: needs "
+                                      "include_usage=true")
         kw: dict[str, Any] = {k: getattr(self, k) for k in (
             "max_tokens", "temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos",
             "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "min_p",
