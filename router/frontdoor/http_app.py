@@ -66,28 +66,36 @@ def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None =
 def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
                            responder: OpenAIResponder, gate: Gate) -> None:
     # Handlers carry no docstrings: FastAPI would publish them in /openapi.json.
-    async def respond(request: Request, body, make_input, renderer) -> Response:
-        """Admit the caller's generation (its tenant's limits), run it, and free its permit
-        if the generation never started (once started, the generation frees it)."""
+    async def respond(request: Request, body, make_inputs, renderer) -> Response:
+        """Admit the caller's generations, one per choice (its tenant's limits count each),
+        run them, and free the permits of those that never started (a started generation
+        frees its own)."""
         tenant, rid = request.state.tenant, _request_id(request)
+        permits = []
         try:
-            inp = make_input(gate.scoped(tenant, rid))
-            permit = gate.admit(tenant)
+            inputs = make_inputs(gate.scoped(tenant, rid))
+            for _ in inputs:
+                permits.append(gate.admit(tenant))
         except (ValueError, RateLimitedError) as e:
+            for p in permits:
+                p.release()
             return error_response(e)
-        inp = dataclasses.replace(inp, public_id=rid, permit=permit)
+        # The id a client knows each choice by: the request's, suffixed like the backend's.
+        inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p)
+                  for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]
         try:
-            return await responder.respond(request, inp, renderer(rid), stream=body.stream,
-                                           include_usage=body.include_usage,
+            return await responder.respond(request, inputs, renderer(rid), n=body.n,
+                                           stream=body.stream, include_usage=body.include_usage,
                                            continuous_usage=body.continuous_usage)
         finally:
-            if not permit.adopted:
-                permit.release()
+            for p in permits:
+                if not p.adopted:
+                    p.release()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         model_id = backend.model_info().model_id
-        return await respond(request, body, body.to_input,
+        return await respond(request, body, body.to_inputs,
                              lambda rid: CompletionRenderer(f"cmpl-{rid}", int(time.time()),
                                                             model_id))
 
@@ -96,7 +104,7 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         info = backend.model_info()
         return await respond(
             request, body,
-            lambda rid: body.to_input(rid, info.max_model_len, backend.tokenize),
+            lambda rid: body.to_inputs(rid, info.max_model_len, backend.tokenize),
             lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id))
 
 

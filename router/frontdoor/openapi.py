@@ -36,6 +36,10 @@ _ERRORS = {
     "/health": ("503",),
 }
 _SSE_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/streams/{request_id}")
+# One server-sent event: a JSON chunk (or "[DONE]") in ``data``, and ``id`` = "<request
+# id>:<tokens so far>" on the events a one-choice stream resumes from.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "id": {"type": "string"}, "event": {"type": "string"}}}
 
 
 def publish_openapi(app: FastAPI, metrics_content_type: str) -> None:
@@ -67,6 +71,6 @@ def _correct(path: str, op: dict, metrics_content_type: str) -> None:
     if path == "/metrics":
         ok["content"] = {metrics_content_type.split(";")[0]: {"schema": {"type": "string"}}}
     elif path in _SSE_ROUTES:
-        ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+        ok.setdefault("content", {})["text/event-stream"] = {"schema": _SSE_EVENT}
     if path == "/health":
         responses["503"]["description"] = "draining"

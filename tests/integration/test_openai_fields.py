@@ -39,7 +39,7 @@ VALUES = {
     "top_logprobs": 2, "top_p": 0.9, "user": "u", "verbosity": "low", "web_search_options": {},
 }
 # Fields this server implements, with the value above. Everything else must be a 400.
-HONOURED = {"frequency_penalty", "logit_bias", "max_completion_tokens", "max_tokens",
+HONOURED = {"frequency_penalty", "logit_bias", "max_completion_tokens", "max_tokens", "n",
             "presence_penalty", "seed", "stop", "temperature", "top_p"}
 BASE = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 3},
         "/v1/chat/completions": {"messages": PARIS, "max_tokens": 3}}
@@ -199,3 +199,93 @@ def test_continuous_usage_stats_count_every_chunk(http):
     r = http.post("/v1/completions", json={**body, "stream_options": {
         "continuous_usage_stats": True}})
     assert r.status_code == 400 and "continuous_usage_stats" in r.json()["error"]["message"]
+
+
+# ---- several choices: n, and a batch of prompts -------------------------------------------
+
+def _complete(http, **body) -> dict:
+    r = http.post("/v1/completions", json={"max_tokens": 6, "ignore_eos": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_n_greedy_choices_are_equal_and_usage_counts_the_prompt_once(http):
+    one = _complete(http, prompt=PROMPT, temperature=0)
+    three = _complete(http, prompt=PROMPT, temperature=0, n=3)
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert {c["text"] for c in three["choices"]} == {one["choices"][0]["text"]}
+    assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert three["usage"]["completion_tokens"] == 3 * 6
+
+
+def test_seeded_choices_differ_and_choice_j_is_seed_plus_j(http):
+    many = _complete(http, prompt=PROMPT, temperature=1.0, seed=40, n=3, max_tokens=12)
+    texts = [c["text"] for c in many["choices"]]
+    assert len(set(texts)) == 3
+    for j in range(3):
+        alone = _complete(http, prompt=PROMPT, temperature=1.0, seed=40 + j, max_tokens=12)
+        assert alone["choices"][0]["text"] == texts[j]
+
+
+def test_a_batch_of_prompts_answers_each_in_order(http, tokenizer):
+    prompts = [PROMPT, "Water boils at", "The largest planet is"]
+    batch = _complete(http, prompt=prompts, temperature=0, n=2)
+    assert [c["index"] for c in batch["choices"]] == list(range(6))
+    singles = [_complete(http, prompt=p, temperature=0) for p in prompts]
+    assert [c["text"] for c in batch["choices"]] == [
+        s["choices"][0]["text"] for s in singles for _ in range(2)]
+    assert batch["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    as_ids = _complete(http, prompt=[tokenizer.encode(p) for p in prompts], temperature=0)
+    assert [c["text"] for c in as_ids["choices"]] == [s["choices"][0]["text"] for s in singles]
+
+
+def test_n_choices_share_the_prompts_kv_instead_of_computing_it_n_times(http, backend,
+                                                                        server_loop, tokenizer):
+    prompt = " ".join(f"item {i} is on shelf {i * 7 % 13};" for i in range(40))
+    prompt_tokens = len(tokenizer.encode(prompt))
+    before = server_loop.run(backend.stats())
+    _complete(http, prompt=prompt, temperature=0, n=4, max_tokens=2)
+    after = server_loop.run(backend.stats())
+    computed = after.prefill_computed_tokens - before.prefill_computed_tokens
+    assert prompt_tokens < computed < 1.5 * prompt_tokens  # once, plus three partial blocks
+
+
+def test_streamed_choices_each_name_their_index_and_add_up(http, model_id):
+    body = {"messages": PARIS, "max_tokens": 8, "temperature": 0, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and not any(line.startswith("id: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    payloads = [json.loads(line[6:]) for line in lines[:-1]]
+    text = {0: "", 1: ""}
+    roles = {0: 0, 1: 0}
+    for p in payloads[:-1]:
+        (choice,) = p["choices"]
+        roles[choice["index"]] += choice["delta"].get("role") == "assistant"
+        text[choice["index"]] += choice["delta"].get("content", "")
+    whole = http.post("/v1/chat/completions", json={**body, "stream": False,
+                                                    "stream_options": None}).json()
+    assert roles == {0: 1, 1: 1}
+    assert [text[0], text[1]] == [c["message"]["content"] for c in whole["choices"]]
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"] == whole["usage"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_bad_prompt_in_a_batch_fails_the_whole_request_and_frees_everything(http, kv_probe,
+                                                                              stream):
+    r = http.post("/v1/completions", json={"prompt": [[5, 6, 7], [1, 10**9]], "n": 2,
+                                           "max_tokens": 4, "stream": stream})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt"), r.text
+    kv_probe.wait_until_free()
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"n": 65}, "n"), ({"n": 8, "prompt": [PROMPT] * 9}, "n"), ({"n": 2, "resumable": True},
+                                                                "resumable"),
+], ids=["n-too-many", "choices-too-many", "resumable"])
+def test_choice_limits_are_400_naming_the_field(http, body, field):
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err.get("param") == field or err["message"].startswith(field), err

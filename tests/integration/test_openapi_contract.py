@@ -56,7 +56,7 @@ def test_a_schema_fuzzer_finds_the_server_true_to_its_document(base_url):
         op = result.ok()
         labels.append(op.label)
 
-        @settings(max_examples=12, deadline=None, database=None,
+        @settings(max_examples=30, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(case=op.as_strategy())
         def run(case):

@@ -6,7 +6,8 @@ extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``igno
 that is not declared here is refused (``extra="forbid"``: a 400 naming it), never accepted and
 ignored. Shape errors are pydantic's (the app maps them to 400); semantic ones (a declared field
 this server does not implement yet, batch prompt, bad sampling value) raise ValueError /
-InvalidRequestError from ``to_input``.
+InvalidRequestError from ``to_inputs``, which makes one ``GenerateInput`` per choice (``n`` for
+each prompt of a batch).
 
 The request models carry no docstrings on purpose: FastAPI publishes a model's docstring as its
 description in ``/openapi.json``, which would change what that endpoint serves.
@@ -14,6 +15,7 @@ description in ``/openapi.json``, which would change what that endpoint serves.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -38,6 +40,8 @@ _TokenId = Annotated[int, Field(ge=0)]
 _StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 _Penalty = Annotated[float, Field(ge=-2, le=2)]
 _MaxTokens = Annotated[int, Field(ge=1)]
+# Choices one request may ask for (n x prompts): each is a generation of its own.
+MAX_CHOICES = 64
 
 
 class _StreamOptions(BaseModel):
@@ -55,7 +59,7 @@ class _SamplingFields(BaseModel):
     max_tokens: _MaxTokens | None = None
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Literal[1] = 1  # more choices: planned
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: _StreamOptions | None = None
     stop: _StopString | Annotated[list[_StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
@@ -88,6 +92,28 @@ class _SamplingFields(BaseModel):
         ``stream_options.continuous_usage_stats``, with ``include_usage``)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
 
+    def expand(self, prompts: list[dict], request_id: str, sampling: SamplingParams
+               ) -> list[GenerateInput]:
+        """One GenerateInput per choice, in OpenAI's order (prompt by prompt, ``n`` each):
+        ``prompts`` are GenerateInput's prompt fields. Choice 0 keeps ``request_id``, choice
+        k is ``{request_id}-{k}``; a seeded request's choice j of a prompt samples with
+        ``seed + j``, so the ``n`` choices differ and each is reproducible."""
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise InvalidRequestError(f"n: {self.n} choices of {len(prompts)} prompts is more "
+                                      f"than {MAX_CHOICES} generations")
+        if self.resumable and len(prompts) * self.n > 1:
+            raise InvalidRequestError("resumable: only for one choice of one prompt")
+        out = []
+        for p, prompt in enumerate(prompts):
+            for j in range(self.n):
+                k = p * self.n + j
+                params = sampling if sampling.seed is None or j == 0 else dataclasses.replace(
+                    sampling, seed=(sampling.seed + j) % (MAX_SEED + 1))
+                out.append(GenerateInput(params, request_id=request_id if k == 0
+                                         else f"{request_id}-{k}", model=self.model,
+                                         resumable=self.resumable, **prompt))
+        return out
+
     def to_sampling(self, default_max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming an unsupported or bad field."""
         if self.stream_options is not None and not self.stream:
@@ -112,27 +138,27 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    # A list of several strings (a batch): planned.
+    # A text, token ids, or a batch: several texts or several token-id lists.
     prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[_TokenId], Field(min_length=1)]
-             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)])
+             | Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_CHOICES)]
+             | Annotated[list[Annotated[list[_TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_CHOICES)])
     echo: Literal[False] = False  # echo: planned
 
-    def to_input(self, request_id: str) -> GenerateInput:
-        """Raises ValueError naming an unsupported or bad field."""
-        prompt = self._single_prompt()
+    def to_inputs(self, request_id: str) -> list[GenerateInput]:
+        """One input per choice (``expand``). Raises ValueError naming a bad field."""
         sampling = self.to_sampling(default_max_tokens=None)
-        common = dict(request_id=request_id, model=self.model, resumable=self.resumable)
-        if isinstance(prompt, str):
-            return GenerateInput(sampling, text=prompt, **common)
-        return GenerateInput(sampling, token_ids=list(prompt), **common)
+        return self.expand(self._prompts(), request_id, sampling)
 
-    def _single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids (a list of strings is OpenAI's batch form, of
-        which the schema admits a batch of one)."""
+    def _prompts(self) -> list[dict]:
+        """The batch as GenerateInput prompt fields (one prompt is a batch of one)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            return prompt[0]
-        return prompt
+        if isinstance(prompt, str):
+            return [{"text": prompt}]
+        if isinstance(prompt[0], int):
+            return [{"token_ids": list(prompt)}]
+        return [{"text": p} if isinstance(p, str) else {"token_ids": list(p)} for p in prompt]
 
 
 class _ContentPart(BaseModel):
@@ -157,10 +183,11 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[_ChatMessage], Field(min_length=1)]
     max_completion_tokens: _MaxTokens | None = None
 
-    def to_input(self, request_id: str, max_model_len: int,
-                 chat_template: Callable[[list[dict]], list[int]]) -> GenerateInput:
-        """Raises ValueError naming an unsupported or bad field. ``chat_template`` (the
-        backend's) is only called when no max_tokens is given, to size the default."""
+    def to_inputs(self, request_id: str, max_model_len: int,
+                  chat_template: Callable[[list[dict]], list[int]]) -> list[GenerateInput]:
+        """One input per choice (``expand``). Raises ValueError naming a bad field.
+        ``chat_template`` (the backend's) is only called when no max_tokens is given, to size
+        the default."""
         messages = [m.to_dict() for m in self.messages]
         if not messages:
             raise InvalidRequestError("messages: at least one message is required")
@@ -170,8 +197,7 @@ class ChatCompletionRequest(_SamplingFields):
             # OpenAI's default: generate until the context is full (or a stop).
             default_max = max(1, max_model_len - len(chat_template(messages)))
         sampling = self.to_sampling(default_max_tokens=default_max)
-        return GenerateInput(sampling, messages=messages, request_id=request_id, model=self.model,
-                             resumable=self.resumable)
+        return self.expand([{"messages": messages}], request_id, sampling)
 
 
 # ---- vLLM's /tokenize and /detokenize ------------------------------------------------------
