@@ -95,9 +95,19 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         model_id = backend.model_info().model_id
-        return await respond(request, body, body.to_inputs,
+        echo: dict[int, str] = {}
+
+        def make_inputs(scoped_id: str) -> list:
+            inputs = body.to_inputs(scoped_id)
+            if body.echo:  # a token-id prompt echoes as its text
+                echo.update({k: inp.text if inp.text is not None
+                             else backend.detokenize(inp.token_ids)
+                             for k, inp in enumerate(inputs)})
+            return inputs
+
+        return await respond(request, body, make_inputs,
                              lambda rid: CompletionRenderer(f"cmpl-{rid}", int(time.time()),
-                                                            model_id))
+                                                            model_id, echo=echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

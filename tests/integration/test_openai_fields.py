@@ -39,7 +39,7 @@ VALUES = {
     "top_logprobs": 2, "top_p": 0.9, "user": "u", "verbosity": "low", "web_search_options": {},
 }
 # Fields this server implements, with the value above. Everything else must be a 400.
-HONOURED = {"frequency_penalty", "logit_bias", "max_completion_tokens", "max_tokens", "n",
+HONOURED = {"echo", "frequency_penalty", "logit_bias", "max_completion_tokens", "max_tokens", "n",
             "presence_penalty", "seed", "stop", "temperature", "top_p"}
 BASE = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 3},
         "/v1/chat/completions": {"messages": PARIS, "max_tokens": 3}}
@@ -289,3 +289,18 @@ def test_choice_limits_are_400_naming_the_field(http, body, field):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err.get("param") == field or err["message"].startswith(field), err
+
+
+def test_echo_starts_each_choice_with_its_prompt(http, tokenizer):
+    plain = _complete(http, prompt=PROMPT, temperature=0)["choices"][0]["text"]
+    echoed = _complete(http, prompt=PROMPT, temperature=0, echo=True, n=2)
+    assert [c["text"] for c in echoed["choices"]] == [PROMPT + plain] * 2
+    ids = tokenizer.encode(PROMPT)
+    by_ids = _complete(http, prompt=ids, temperature=0, echo=True)["choices"][0]["text"]
+    assert by_ids == tokenizer.decode(ids, skip_special_tokens=False) + plain
+    body = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "temperature": 0,
+            "echo": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + plain

@@ -56,9 +56,13 @@ class Renderer:
     def chunk(self, c: GenerationChunk, index: int = 0) -> dict | None:
         """One SSE payload of choice ``index``, or None for a chunk that adds nothing a client
         sees (no text, not the last)."""
-        if not c.text and not c.finished:
+        if not c.text and not c.finished and not self._has_more(index):
             return None
         return self._envelope(self.chunk_object, [self._chunk_choice(c, index)])
+
+    def _has_more(self, index: int) -> bool:
+        """Whether choice ``index`` has text of the renderer's own to send (an echo)."""
+        return False
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The trailing choice-less chunk of ``stream_options.include_usage``."""
@@ -81,12 +85,24 @@ class CompletionRenderer(Renderer):
     whole_object: ClassVar[str] = "text_completion"
     chunk_object: ClassVar[str] = "text_completion"
 
+    # ``echo``: choice index -> its prompt's text, which that choice's text starts with (sent
+    # with its first streamed chunk).
+    echo: dict[int, str] = field(default_factory=dict)
+    _echoed: set[int] = field(default_factory=set, init=False)
+
     def _whole_choice(self, out: Collected) -> dict:
-        return {"index": out.index, "text": out.text, "logprobs": None,
-                "finish_reason": out.finish_reason}
+        return {"index": out.index, "text": self.echo.get(out.index, "") + out.text,
+                "logprobs": None, "finish_reason": out.finish_reason}
+
+    def _has_more(self, index: int) -> bool:
+        return index in self.echo and index not in self._echoed
 
     def _chunk_choice(self, c: GenerationChunk, index: int) -> dict:
-        return {"index": index, "text": c.text, "logprobs": None,
+        text = c.text
+        if self._has_more(index):
+            text = self.echo[index] + text
+            self._echoed.add(index)
+        return {"index": index, "text": text, "logprobs": None,
                 "finish_reason": c.finish_reason if c.finished else None}
 
 

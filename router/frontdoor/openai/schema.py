@@ -144,7 +144,7 @@ class CompletionRequest(_SamplingFields):
                          Field(min_length=1, max_length=MAX_CHOICES)]
              | Annotated[list[Annotated[list[_TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_CHOICES)])
-    echo: Literal[False] = False  # echo: planned
+    echo: bool = False  # each choice's text starts with its prompt
 
     def to_inputs(self, request_id: str) -> list[GenerateInput]:
         """One input per choice (``expand``). Raises ValueError naming a bad field."""
