@@ -263,7 +263,9 @@ class Client:
                resume: bool = False, **sampling) -> GenerateStream:
         """Stream one request. Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``;
         ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-        ignore_eos, min_tokens, include_stop_str_in_output (unset: server defaults).
+        ignore_eos, min_tokens, include_stop_str_in_output, presence_penalty,
+        frequency_penalty, repetition_penalty, min_p, logit_bias ({token id: bias}) (unset:
+        server defaults).
         ``resume``: the request survives a broken call (router restarted, connection cut)
         and this stream resumes it by itself from the last token received (UNAVAILABLE is
         retried up to ``RetryPolicy.max_resumes`` times); without it, a broken call after

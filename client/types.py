@@ -19,7 +19,9 @@ __all__ = [
 
 REQUEST_ID_METADATA_KEY = "x-request-id"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                   "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output")
+                   "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                   "logit_bias")
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -214,6 +216,9 @@ def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
             s.stop.extend([value] if isinstance(value, str) else value)
         elif name == "stop_token_ids":
             s.stop_token_ids.extend(value)
+        elif name == "logit_bias":  # {token id: bias}
+            for tok, bias in value.items():
+                s.logit_bias[int(tok)] = bias
         else:
             setattr(s, name, value)
     return req

@@ -50,12 +50,27 @@ class InputProcessor:
             return EncodedPrompt(list(prompt), None)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids -> text, special tokens kept (the inverse of ``encode`` for text).
+        ValueError for an id outside the vocabulary or a model without a tokenizer."""
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError("tokens must be a list of token ids")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"tokens: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return self._require_tokenizer().decode(token_ids, skip_special_tokens=False)
+
     def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError when the request cannot fit the model's context or KV pool."""
         params.validate()
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, but the model's context is "

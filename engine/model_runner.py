@@ -177,7 +177,8 @@ class ModelRunner:
         if not inp.sample_rows:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inp.sample_rows])
-        rows = [SampleRow(c.sampling_params, c.num_output_tokens, self.eos_token_ids)
+        rows = [SampleRow(c.sampling_params, c.num_output_tokens, self.eos_token_ids,
+                          c.prompt_token_ids, c.output_token_ids)
                 for c in inp.sample_chunks]
         try:
             tokens = sample(logits, rows)

@@ -50,10 +50,19 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _token_id_key(k: object) -> object:
+    """A logit_bias key as an int when it spells one ("42" -> 42); anything else as it is, for
+    validate() to refuse by name."""
+    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+        return int(k)
+    return k
 
 
 def _is_number(v: object) -> bool:
@@ -69,6 +78,15 @@ class SamplingParams:
     ``stop`` strings end generation when they appear in the detokenized text (the stop string is
     removed from ``text`` unless ``include_stop_str_in_output``). ``min_tokens`` suppresses EOS and
     stop token ids until that many tokens were generated.
+
+    Logit adjustments, in the order the sampler applies them (vLLM's), before temperature:
+    ``logit_bias`` (token id -> value added to its logit, in [-100, 100]; ids as ints, or as
+    the decimal strings JSON makes of them), then ``repetition_penalty`` (> 0; 1 = off: a
+    token seen in the prompt or the output has a positive logit divided by it, a negative one
+    multiplied), ``frequency_penalty`` and ``presence_penalty`` (in [-2, 2]; OpenAI's:
+    subtract ``frequency * count + presence * (count > 0)`` over the generated tokens). They
+    apply to greedy requests too. ``min_p`` (in [0, 1]) drops tokens whose probability after
+    temperature is below ``min_p`` times the most likely one's.
     """
 
     max_tokens: int = 16
@@ -81,6 +99,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # Set by the router when a request migrates: how many tokens it generated elsewhere
     # before. Seeded sampling continues from that position, so the stream stays the one an
     # undisturbed run would have produced. Clients leave it 0.
@@ -89,6 +112,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.logit_bias, dict):  # JSON (stream logs, HTTP) keys ids as strings
+            self.logit_bias = {_token_id_key(k): v for k, v in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -129,6 +154,27 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not math.isfinite(rp) or not rp > 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                             f"got {len(bias)}")
+        for tok, v in bias.items():
+            if not _is_int(tok) or tok < 0:
+                raise ValueError(f"logit_bias: keys must be token ids >= 0, got {tok!r}")
+            if not _is_number(v) or not -100 <= v <= 100:
+                raise ValueError(f"logit_bias: values must be numbers in [-100, 100], "
+                                 f"got {v!r} for token {tok}")
         if not _is_int(self.sample_index_offset) or self.sample_index_offset < 0:
             raise ValueError(f"sample_index_offset must be an integer >= 0, "
                              f"got {self.sample_index_offset!r}")
@@ -136,6 +182,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Any of logit_bias / the three penalties is set (the sampler skips the rest)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1 \
+            or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
 @dataclass(eq=False)  # identity equality: `req in running` must not compare token lists

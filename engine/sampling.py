@@ -1,4 +1,13 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds,
+min_tokens, and the logit adjustments (logit_bias, repetition / frequency / presence penalties).
+
+The order is vLLM's: stop tokens suppressed (min_tokens), logit_bias, penalties, then greedy
+argmax or temperature -> min_p -> top-k -> top-p -> the draw. Rows that set none of the
+adjustments pay nothing for them (one attribute test per row and step).
+
+Penalties count a request's *generated* tokens. A request that migrated carries the tokens it
+generated elsewhere at the end of its prompt (``SamplingParams.sample_index_offset`` of them),
+and they count as generated, so its stream stays the one an undisturbed run would produce.
 
 Seeded requests draw each token from a generator seeded by ``(seed, output index)``, so a
 request's samples do not depend on what it was batched with, on preemption, or on which worker
@@ -7,6 +16,7 @@ request's samples do not depend on what it was batched with, on preemption, or o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +33,23 @@ class SampleRow:
     params: SamplingParams
     num_output_tokens: int
     eos_token_ids: tuple[int, ...]
+    # References into the request (never mutated here); read only when a penalty is set.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+    def generated_token_ids(self) -> list[int]:
+        """Every token this request generated, here and (before a migration) elsewhere."""
+        moved = self.params.sample_index_offset
+        earlier = list(self.prompt_token_ids[len(self.prompt_token_ids) - moved:]) if moved else []
+        return earlier + list(self.output_token_ids)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     """``logits [N, vocab]`` (fp32) -> one token id per row."""
     _suppress_stop_tokens(logits, rows)
+    for i, r in enumerate(rows):
+        if r.params.adjusts_logits:
+            _adjust_logits(logits[i], r)
     if all(r.params.greedy for r in rows):
         return logits.argmax(dim=-1).tolist()
     out = [0] * len(rows)
@@ -68,6 +90,31 @@ def _suppress_stop_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
                 logits[i, banned] = float("-inf")
 
 
+def _adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
+    """logit_bias, then the repetition, frequency and presence penalties, on one row
+    ``logits [vocab]`` in place."""
+    sp = row.params
+    dev = logits.device
+    if sp.logit_bias:
+        ids = torch.tensor(list(sp.logit_bias), dtype=torch.int64, device=dev)
+        logits.index_add_(0, ids, torch.tensor(list(sp.logit_bias.values()),
+                                                dtype=logits.dtype, device=dev))
+    if sp.repetition_penalty == 1 and sp.frequency_penalty == 0 and sp.presence_penalty == 0:
+        return
+    generated = torch.tensor(row.generated_token_ids(), dtype=torch.int64, device=dev)
+    if sp.repetition_penalty != 1:
+        seen = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
+        seen[generated] = True
+        moved = sp.sample_index_offset
+        prompt = row.prompt_token_ids[:len(row.prompt_token_ids) - moved]
+        seen[torch.tensor(prompt, dtype=torch.int64, device=dev)] = True
+        rp = sp.repetition_penalty
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / rp, logits[seen] * rp)
+    if sp.frequency_penalty != 0 or sp.presence_penalty != 0:
+        counts = torch.bincount(generated, minlength=logits.shape[0]).to(logits.dtype)
+        logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+
+
 def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
@@ -83,6 +130,11 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         keep_all = torch.tensor([k <= 0 for k in top_ks], device=dev).unsqueeze(1)
         logits = logits.masked_fill(~keep_all & (logits < thresh), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    min_ps = [p.min_p for p in params]
+    if any(m > 0 for m in min_ps):
+        mp = torch.tensor(min_ps, dtype=probs.dtype, device=dev).unsqueeze(1)
+        probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     top_ps = [p.top_p for p in params]
     if any(p < 1.0 for p in top_ps):
         sorted_p, order = probs.sort(dim=-1, descending=True)

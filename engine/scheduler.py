@@ -40,6 +40,7 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     num_output_tokens: int  # tokens generated before this step (seeds per-token sampling)
     output_token_ids: list[int]  # generated so far (for min_tokens / penalties); do not mutate
+    prompt_token_ids: list[int] = field(default_factory=list)  # (repetition penalty); do not mutate
     export_kv: bool = False
     export_from: int = 0  # first prompt position whose KV leaves (Request.export_from)
 
@@ -290,6 +291,7 @@ class Scheduler:
             sampling_params=req.sampling_params,
             num_output_tokens=len(req.output_token_ids),
             output_token_ids=req.output_token_ids,
+            prompt_token_ids=req.prompt_token_ids,
             export_kv=req.export_kv,
             export_from=req.export_from,
         )

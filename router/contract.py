@@ -190,7 +190,16 @@ class GenerationBackend(Protocol):
         """Every worker the backend started (dead ones included), for operators."""
         ...
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+    def tokenize(self, prompt: str | list[dict]) -> list[int]:
+        """The token ids a generation of ``prompt`` runs on: a text, or chat messages through
+        the model's chat template (generation prompt included). InvalidRequestError for an
+        empty or malformed prompt."""
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens kept). InvalidRequestError for an id
+        outside the vocabulary."""
+        ...
 
     async def shutdown(self) -> None: ...
 

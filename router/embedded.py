@@ -46,9 +46,15 @@ class EngineBackend:
     def model_info(self) -> ModelInfo:
         return self._info
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def tokenize(self, prompt: str | list[dict]) -> list[int]:
         try:
-            return self._async.engine.encode_prompt(messages)[0]
+            return self._async.engine.inputs.encode(prompt).token_ids
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        try:
+            return self._async.engine.inputs.decode(token_ids)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
 

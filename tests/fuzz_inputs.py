@@ -14,7 +14,8 @@ from collections.abc import Callable
 from hypothesis import strategies as st
 
 SAMPLING_FIELDS = ("seed", "temperature", "top_p", "top_k", "min_tokens", "max_tokens", "stop",
-                   "stop_token_ids", "ignore_eos")
+                   "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_p", "logit_bias")
 
 _ints = st.one_of(st.integers(-3, 40), st.sampled_from([2**31, 2**32, 2**62, -2**62, 10**30]))
 _floats = st.one_of(st.floats(-2, 3), st.floats(-1e6, 1e6), st.sampled_from([0.0, 1.0, 1e30]))
@@ -42,6 +43,10 @@ def json_bodies(vocab: int):
         "stop_token_ids": st.lists(_token_ids(vocab), max_size=4)
         | st.just(list(range(300))) | anything,
         "ignore_eos": st.booleans() | anything,
+        **{name: _floats | anything for name in ("presence_penalty", "frequency_penalty",
+                                                   "repetition_penalty", "min_p")},
+        "logit_bias": st.dictionaries(_token_ids(vocab).map(str) | st.text(max_size=3),
+                                      _floats | anything, max_size=3) | anything,
     }
     prompt = st.one_of(st.text(max_size=24), st.lists(_token_ids(vocab), max_size=6),
                        st.just([1] * 20_000))
@@ -66,6 +71,10 @@ def proto_fields(vocab: int):
         "stop_token_ids": st.lists(st.integers(0, vocab + 5) | st.just(2**32 - 1), max_size=4)
         | st.just(list(range(300))),
         "ignore_eos": st.booleans(),
+        **{name: float32 for name in ("presence_penalty", "frequency_penalty",
+                                      "repetition_penalty", "min_p")},
+        "logit_bias": st.dictionaries(st.integers(0, vocab + 5) | st.just(2**32 - 1), float32,
+                                      max_size=3),
     }
     prompt = st.one_of(st.text(max_size=24), st.lists(st.integers(0, vocab + 5), max_size=6))
     fields = st.lists(st.sampled_from(SAMPLING_FIELDS), max_size=4, unique=True).flatmap(

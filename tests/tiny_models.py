@@ -59,14 +59,15 @@ def random_prompts(seed: int, count: int, max_len: int, min_len: int = 2) -> lis
             for _ in range(count)]
 
 
-def hf_greedy(model_dir: Path, arch: str, prompts: list[list[int]], max_new_tokens: int
-              ) -> list[list[int]]:
-    """transformers' own greedy ``generate`` per prompt (no EOS stop): the reference tokens."""
+def hf_greedy(model_dir: Path, arch: str, prompts: list[list[int]], max_new_tokens: int,
+              **generate_kwargs) -> list[list[int]]:
+    """transformers' own greedy ``generate`` per prompt (no EOS stop): the reference tokens.
+    ``generate_kwargs``: its logits processors' arguments (``repetition_penalty``, ...)."""
     hf = load_hf(model_dir, arch)
     refs = []
     for p in prompts:
         with torch.no_grad():
             out = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
+                              eos_token_id=None, pad_token_id=0, **generate_kwargs)
         refs.append(out[0, len(p):].tolist())
     return refs

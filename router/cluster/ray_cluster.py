@@ -418,9 +418,15 @@ class Cluster:
     def model_info(self) -> ModelInfo:
         return self._info
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def tokenize(self, prompt: str | list[dict]) -> list[int]:
         try:
-            return self.orchestrator.inputs.encode(messages).token_ids
+            return self.orchestrator.inputs.encode(prompt).token_ids
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        try:
+            return self.orchestrator.inputs.decode(token_ids)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
 

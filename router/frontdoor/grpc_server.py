@@ -41,17 +41,22 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdclus
 REQUEST_ID_METADATA_KEY = "x-request-id"
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
-                             "min_tokens", "include_stop_str_in_output")
+                             "min_tokens", "include_stop_str_in_output", "presence_penalty",
+                             "frequency_penalty", "repetition_penalty", "min_p")
+# float32 on the wire: 0.7 arrives as 0.699999988; these are rounded back to what the caller wrote.
+_FLOAT_SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                          "repetition_penalty", "min_p")
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults. Raises ValueError for bad values."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
-    # float32 on the wire: 0.7 arrives as 0.699999988; round back to what the caller wrote.
-    for name in ("temperature", "top_p"):
+    for name in _FLOAT_SAMPLING_FIELDS:
         if name in kwargs:
             kwargs[name] = round(kwargs[name], 6)
-    return SamplingParams(**kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids))
+    bias = {int(t): round(v, 6) for t, v in msg.logit_bias.items()}
+    return SamplingParams(**kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
+                          logit_bias=bias)
 
 
 def request_to_input(req: pb.GenerateRequest, request_id: str) -> GenerateInput:

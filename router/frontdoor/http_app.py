@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.contract import (
     GenerationBackend,
     InvalidRequestError,
+    ModelNotFoundError,
     StreamNotFoundError,
     new_request_id,
 )
@@ -33,7 +34,13 @@ from router.frontdoor.http_guard import GuardMiddleware
 from router.frontdoor.metrics import CONTENT_TYPE, Metrics
 from router.frontdoor.openai.render import ChatRenderer, CompletionRenderer
 from router.frontdoor.openai.responder import OpenAIResponder, error_response, stream_position
-from router.frontdoor.openai.schema import ChatCompletionRequest, CompletionRequest
+from router.frontdoor.openai.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from router.frontdoor.openapi import publish_openapi
 from router.frontdoor.security import Gate, RateLimitedError
 
 __all__ = ["create_app"]
@@ -51,42 +58,63 @@ def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None =
     app.add_middleware(GuardMiddleware, gate=gate)
     _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate)
     _add_info_routes(app, backend, metrics)
+    _add_token_routes(app, backend)
+    publish_openapi(app, CONTENT_TYPE)
     return app
 
 
 def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
                            responder: OpenAIResponder, gate: Gate) -> None:
     # Handlers carry no docstrings: FastAPI would publish them in /openapi.json.
-    async def respond(request: Request, body, make_input, renderer) -> Response:
-        """Admit the caller's generation (its tenant's limits), run it, and free its permit
-        if the generation never started (once started, the generation frees it)."""
+    async def respond(request: Request, body, make_inputs, renderer) -> Response:
+        """Admit the caller's generations, one per choice (its tenant's limits count each),
+        run them, and free the permits of those that never started (a started generation
+        frees its own)."""
         tenant, rid = request.state.tenant, _request_id(request)
+        permits = []
         try:
-            inp = make_input(gate.scoped(tenant, rid))
-            permit = gate.admit(tenant)
+            inputs = make_inputs(gate.scoped(tenant, rid))
+            for _ in inputs:
+                permits.append(gate.admit(tenant))
         except (ValueError, RateLimitedError) as e:
+            for p in permits:
+                p.release()
             return error_response(e)
-        inp = dataclasses.replace(inp, public_id=rid, permit=permit)
+        # The id a client knows each choice by: the request's, suffixed like the backend's.
+        inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p)
+                  for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]
         try:
-            return await responder.respond(request, inp, renderer(rid), stream=body.stream,
-                                           include_usage=body.include_usage)
+            return await responder.respond(request, inputs, renderer(rid), n=body.n,
+                                           stream=body.stream, include_usage=body.include_usage,
+                                           continuous_usage=body.continuous_usage)
         finally:
-            if not permit.adopted:
-                permit.release()
+            for p in permits:
+                if not p.adopted:
+                    p.release()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         model_id = backend.model_info().model_id
-        return await respond(request, body, body.to_input,
+        echo: dict[int, str] = {}
+
+        def make_inputs(scoped_id: str) -> list:
+            inputs = body.to_inputs(scoped_id)
+            if body.echo:  # a token-id prompt echoes as its text
+                echo.update({k: inp.text if inp.text is not None
+                             else backend.detokenize(inp.token_ids)
+                             for k, inp in enumerate(inputs)})
+            return inputs
+
+        return await respond(request, body, make_inputs,
                              lambda rid: CompletionRenderer(f"cmpl-{rid}", int(time.time()),
-                                                            model_id))
+                                                            model_id, echo=echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         info = backend.model_info()
         return await respond(
             request, body,
-            lambda rid: body.to_input(rid, info.max_model_len, backend.apply_chat_template),
+            lambda rid: body.to_inputs(rid, info.max_model_len, backend.tokenize),
             lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id))
 
 
@@ -133,6 +161,34 @@ def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics)
             for w in await backend.cluster_status()]}
 
 
+def _add_token_routes(app: FastAPI, backend: GenerationBackend) -> None:
+    """vLLM's /tokenize and /detokenize: the ids a generation of a prompt runs on (chat
+    messages through the chat template), and back."""
+
+    def check_model(model: str | None) -> None:
+        served = backend.model_info().model_id
+        if model is not None and model != served:
+            raise ModelNotFoundError(f"model {model!r} is not served here (serving {served!r})")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        try:
+            check_model(body.model)
+            ids = backend.tokenize(body.to_prompt())
+        except (ValueError, LookupError) as e:
+            return error_response(e)
+        return {"count": len(ids), "max_model_len": backend.model_info().max_model_len,
+                "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        try:
+            check_model(body.model)
+            return {"prompt": backend.detokenize(body.tokens)}
+        except (ValueError, LookupError) as e:
+            return error_response(e)
+
+
 def _request_id(request: Request) -> str:
     return request.headers.get("x-request-id") or new_request_id()
 
@@ -155,6 +211,8 @@ async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         msg = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}"
+    elif first.get("type") == "extra_forbidden":
+        msg = f"{loc}: this server does not support this field (refused, not ignored)"
     elif loc:
         msg = f"{loc}: {msg}"
     return error_response(InvalidRequestError(msg), param=loc)

@@ -138,14 +138,14 @@ def test_sse_framing_and_usage_chunk(http):
     {"prompt": PROMPT, "temperature": -1},
     {"prompt": PROMPT, "max_tokens": 0},
     {"prompt": PROMPT, "max_tokens": 10_000_000},
-    {"prompt": PROMPT, "n": 2},
+    {"prompt": PROMPT, "n": 65},
     {"prompt": PROMPT, "max_tokens": "many"},
     {"max_tokens": 4},  # no prompt at all
     # Poison values that once raised inside a worker's engine step (killing its loop):
     {"prompt": PROMPT, "seed": 2**62, "temperature": 0.7},
     {"prompt": PROMPT, "stop_token_ids": [1_000_000], "min_tokens": 1},
     {"prompt": PROMPT, "stop": ["x"] * 100},
-], ids=["empty-prompt", "top_p-2", "temperature-neg", "max_tokens-0", "max_tokens-huge", "n-2",
+], ids=["empty-prompt", "top_p-2", "temperature-neg", "max_tokens-0", "max_tokens-huge", "n-65",
         "max_tokens-str", "no-prompt", "seed-huge", "stop_token_id-outside-vocab", "stop-many"])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_bad_input_is_400_and_server_keeps_serving(http, body, stream):

@@ -192,3 +192,35 @@ def test_engine_times_decode_rows_that_share_a_step_with_prefill_apart(tiny_llam
     assert (rows, steps) == (2, 1) and seconds > 0
     # a and b: 5 decode tokens each, one from the mixed step; c: 5, all in pure steps.
     assert sum(b * n for b, n, _ in s.decode_steps) == 5 + 5 + 5 - 2
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    (dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
+    (dict(logit_bias={5: 4.0, 9: -100.0}), dict(sequence_bias={(5,): 4.0, (9,): -100.0})),
+], ids=["repetition_penalty", "logit_bias"])
+def test_logit_adjustments_match_transformers(tiny_llama_dir, ours, theirs):
+    """repetition_penalty and logit_bias are transformers' RepetitionPenalty and SequenceBias
+    processors: greedy tokens equal, and different from plain greedy (the test can fail)."""
+    prompts = random_prompts(seed=1, count=6, max_len=40)
+    refs = hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS, **theirs)
+    assert refs != hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True, **ours))
+    assert [o.token_ids for o in outs] == refs
+
+
+def test_penalized_request_continues_identically_after_a_migration(tiny_llama_dir):
+    """What the router does when a decode worker dies: re-prefill prompt + generated tokens
+    with ``sample_index_offset``; penalties and seeds must give the rest of the same stream."""
+    prompt = random_prompts(seed=2, count=1, max_len=30)[0]
+    kw = dict(temperature=0.8, seed=7, frequency_penalty=1.2, presence_penalty=0.6,
+              repetition_penalty=1.3, ignore_eos=True)
+    llm = LLM(str(tiny_llama_dir))
+    whole = llm.generate([prompt], SamplingParams(max_tokens=16, **kw))[0].token_ids
+    k = 6
+    rest = llm.generate([prompt + whole[:k]], SamplingParams(max_tokens=16 - k,
+                                                             sample_index_offset=k, **kw))[0]
+    assert rest.token_ids == whole[k:]
+    plain = llm.generate([prompt + whole[:k]], SamplingParams(max_tokens=16 - k, **kw))[0]
+    assert plain.token_ids != whole[k:]  # without the offset it is another stream

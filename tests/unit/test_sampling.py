@@ -136,3 +136,82 @@ def test_min_tokens_ban_applies_to_random_sampling_too(temperature):
     for s in range(20):
         rows = [_row(temperature=temperature, seed=s, min_tokens=1)]
         assert sample(logits.clone(), rows) != [EOS]
+
+
+# ---- logit adjustments: logit_bias, repetition / frequency / presence penalties, min_p ----
+
+def _adjusted_row(prompt=(), output=(), **sp) -> SampleRow:
+    return SampleRow(SamplingParams(**sp), len(output), (EOS,), list(prompt), list(output))
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    logits = _logits(1)
+    top = logits[0].argmax().item()
+    other = (top + 5) % VOCAB
+    assert sample(logits.clone(), [_adjusted_row(temperature=0, logit_bias={other: 100})]) == [other]
+    banned = sample(logits.clone(), [_adjusted_row(temperature=0, logit_bias={top: -100})])
+    assert banned != [top] and banned == [logits[0].clone().index_fill_(0, torch.tensor([top]),
+                                                                       float("-inf")).argmax().item()]
+    # JSON keys (stream logs, HTTP bodies) are strings: the same request.
+    assert SamplingParams(logit_bias={str(other): 100}).logit_bias == {other: 100}
+
+
+def test_frequency_and_presence_penalties_are_openais_formula():
+    logits = _logits(1, seed=3)
+    output = [7, 7, 7, 9]
+    rows = [_adjusted_row(output=output, temperature=0, frequency_penalty=0.5, presence_penalty=1.25)]
+    ref = logits[0].clone()
+    for tok in set(output):
+        ref[tok] -= 0.5 * output.count(tok) + 1.25
+    # Push a penalized token to the top by a margin the penalty (2.75 for 7) must undo.
+    base = logits.clone()
+    base[0, 7] = base[0].max() + 2.0
+    ref[7] = base[0, 7] - 2.75
+    assert sample(base.clone(), rows) == [ref.argmax().item()] and ref.argmax().item() != 7
+    # Without output tokens nothing changes.
+    assert sample(base.clone(), [_adjusted_row(temperature=0, frequency_penalty=2.0)]) == [7]
+
+
+def test_repetition_penalty_divides_seen_positive_and_multiplies_seen_negative_logits():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 4], logits[0, 5], logits[0, 6] = 3.0, 2.9, -1.0
+    # 4 is in the prompt: 3.0 / 2 = 1.5 < 2.9, so 5 wins; unseen 5 is left alone.
+    assert sample(logits.clone(), [_adjusted_row(prompt=[4, 6], temperature=0,
+                                                 repetition_penalty=2.0)]) == [5]
+    # A seen negative logit goes further down, never up past the unseen zeros.
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, 6] = -1.0
+    assert sample(logits.clone(), [_adjusted_row(output=[6], temperature=0,
+                                                 repetition_penalty=10.0)]) != [6]
+
+
+def test_penalties_count_tokens_generated_before_a_migration():
+    """A migrated request carries its earlier output at the end of its prompt
+    (sample_index_offset of them): it must be penalized exactly as if it had stayed."""
+    logits = _logits(2, seed=5)
+    logits[:, 8] = logits.max(dim=-1).values + 1.0  # on top unless its two earlier uses count
+    kw = dict(temperature=0, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
+    stayed = _adjusted_row(prompt=[1, 2, 3], output=[8, 8, 11, 2], **kw)
+    moved = _adjusted_row(prompt=[1, 2, 3, 8, 8, 11], output=[2], sample_index_offset=3, **kw)
+    for i in range(2):
+        picked = sample(logits[i:i + 1].clone(), [stayed])
+        assert picked != [8] and picked == sample(logits[i:i + 1].clone(), [moved])
+
+
+def test_min_p_never_samples_below_the_threshold():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08] + [0.0] * (VOCAB - 4)]) + 1e-30)
+    rows = [_adjusted_row(temperature=1.0, min_p=0.2, seed=s) for s in range(400)]
+    picked = sample(logits.repeat(400, 1), rows)
+    # 0.5 * 0.2 = 0.1: tokens 0, 1 and 2 stay, 3 and the zeros go; all survivors are drawn.
+    assert set(picked) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias={-1: 1}), "logit_bias"), (dict(presence_penalty=float("nan")), "presence_penalty"),
+])
+def test_bad_logit_adjustments_are_refused_by_name(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

@@ -1,5 +1,6 @@
-"""OpenAI's response JSON for one generation: the whole body of a non-streamed response and the
-payload of each streamed (SSE) chunk, for ``/v1/completions`` and ``/v1/chat/completions``.
+"""OpenAI's response JSON for one request's choices: the whole body of a non-streamed response
+and the payload of each streamed (SSE) chunk, for ``/v1/completions`` and
+``/v1/chat/completions``. A choice is one generation; a request has ``n`` per prompt.
 
 Pure: no I/O and no backend. A ``Renderer`` is made per request (it carries the response id,
 creation time and model id every payload repeats); the two endpoints differ only in how one
@@ -19,9 +20,10 @@ __all__ = ["ChatRenderer", "Collected", "CompletionRenderer", "Renderer", "usage
 
 @dataclass
 class Collected:
-    """A whole (non-streamed) generation."""
+    """A whole (non-streamed) generation: one choice."""
 
     request_id: str
+    index: int = 0  # the choice's place in OpenAI's order
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -45,17 +47,22 @@ class Renderer:
     whole_object: ClassVar[str]  # OpenAI's "object" of a non-streamed response
     chunk_object: ClassVar[str]  # ... and of each streamed chunk
 
-    def whole(self, out: Collected) -> dict:
-        """The non-streamed response body."""
-        return self._envelope(self.whole_object, [self._whole_choice(out)],
-                              usage=usage_json(out.prompt_tokens, out.completion_tokens))
+    def whole(self, outs: list[Collected], usage: Usage) -> dict:
+        """The non-streamed response body: every choice, by index."""
+        return self._envelope(self.whole_object,
+                              [self._whole_choice(o) for o in sorted(outs, key=lambda o: o.index)],
+                              usage=usage_json(usage.prompt_tokens, usage.completion_tokens))
 
-    def chunk(self, c: GenerationChunk) -> dict | None:
-        """One SSE payload, or None for a chunk that adds nothing a client sees (no text, not
-        the last)."""
-        if not c.text and not c.finished:
+    def chunk(self, c: GenerationChunk, index: int = 0) -> dict | None:
+        """One SSE payload of choice ``index``, or None for a chunk that adds nothing a client
+        sees (no text, not the last)."""
+        if not c.text and not c.finished and not self._has_more(index):
             return None
-        return self._envelope(self.chunk_object, [self._chunk_choice(c)])
+        return self._envelope(self.chunk_object, [self._chunk_choice(c, index)])
+
+    def _has_more(self, index: int) -> bool:
+        """Whether choice ``index`` has text of the renderer's own to send (an echo)."""
+        return False
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The trailing choice-less chunk of ``stream_options.include_usage``."""
@@ -69,7 +76,7 @@ class Renderer:
     def _whole_choice(self, out: Collected) -> dict:
         raise NotImplementedError
 
-    def _chunk_choice(self, c: GenerationChunk) -> dict:
+    def _chunk_choice(self, c: GenerationChunk, index: int) -> dict:
         raise NotImplementedError
 
 
@@ -78,12 +85,24 @@ class CompletionRenderer(Renderer):
     whole_object: ClassVar[str] = "text_completion"
     chunk_object: ClassVar[str] = "text_completion"
 
-    def _whole_choice(self, out: Collected) -> dict:
-        return {"index": 0, "text": out.text, "logprobs": None,
-                "finish_reason": out.finish_reason}
+    # ``echo``: choice index -> its prompt's text, which that choice's text starts with (sent
+    # with its first streamed chunk).
+    echo: dict[int, str] = field(default_factory=dict)
+    _echoed: set[int] = field(default_factory=set, init=False)
 
-    def _chunk_choice(self, c: GenerationChunk) -> dict:
-        return {"index": 0, "text": c.text, "logprobs": None,
+    def _whole_choice(self, out: Collected) -> dict:
+        return {"index": out.index, "text": self.echo.get(out.index, "") + out.text,
+                "logprobs": None, "finish_reason": out.finish_reason}
+
+    def _has_more(self, index: int) -> bool:
+        return index in self.echo and index not in self._echoed
+
+    def _chunk_choice(self, c: GenerationChunk, index: int) -> dict:
+        text = c.text
+        if self._has_more(index):
+            text = self.echo[index] + text
+            self._echoed.add(index)
+        return {"index": index, "text": text, "logprobs": None,
                 "finish_reason": c.finish_reason if c.finished else None}
 
 
@@ -92,20 +111,20 @@ class ChatRenderer(Renderer):
     whole_object: ClassVar[str] = "chat.completion"
     chunk_object: ClassVar[str] = "chat.completion.chunk"
 
-    # OpenAI names the role once, in the first delta a client sees.
-    _sent_role: bool = field(default=False, init=False)
+    # OpenAI names the role once per choice, in the first delta a client sees of it.
+    _sent_role: set[int] = field(default_factory=set, init=False)
 
     def _whole_choice(self, out: Collected) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": out.text},
+        return {"index": out.index, "message": {"role": "assistant", "content": out.text},
                 "logprobs": None, "finish_reason": out.finish_reason}
 
-    def _chunk_choice(self, c: GenerationChunk) -> dict:
+    def _chunk_choice(self, c: GenerationChunk, index: int) -> dict:
         delta: dict[str, str] = {}
-        if not self._sent_role:
+        if index not in self._sent_role:
             delta["role"] = "assistant"
-            self._sent_role = True
+            self._sent_role.add(index)
         # The final chunk carries only the finish_reason unless it also brought text.
         if c.text or not c.finished:
             delta["content"] = c.text
-        return {"index": 0, "delta": delta, "logprobs": None,
+        return {"index": index, "delta": delta, "logprobs": None,
                 "finish_reason": c.finish_reason if c.finished else None}

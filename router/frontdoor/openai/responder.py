@@ -1,4 +1,5 @@
-"""How one ``GenerateInput`` becomes the HTTP response of an OpenAI endpoint, streamed or not.
+"""How a request's ``GenerateInput``s (one per choice) become the HTTP response of an OpenAI
+endpoint, streamed or not.
 
 ``OpenAIResponder`` owns the backend stream's lifecycle: it opens it through ``Metrics.track``
 (so both endpoints feed the same metrics) and closes it however the response ends, which aborts
@@ -20,10 +21,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from router.contract import GenerateInput, GenerationBackend, GenerationChunk
+from router.contract import GenerateInput, GenerationBackend, GenerationChunk, Usage
 from router.frontdoor.errors import map_error, openai_error_body
 from router.frontdoor.metrics import Metrics
-from router.frontdoor.openai.render import Collected, Renderer
+from router.frontdoor.openai.choices import ChoiceStreams
+from router.frontdoor.openai.render import Collected, Renderer, usage_json
 
 __all__ = ["OpenAIResponder", "error_response", "stream_position"]
 
@@ -75,12 +77,23 @@ class OpenAIResponder:
         self.backend = backend
         self.metrics = metrics
 
-    async def respond(self, request: Request, inp: GenerateInput, renderer: Renderer, *,
-                      stream: bool, include_usage: bool) -> Response:
-        """The whole response for ``inp``: JSON, or SSE when ``stream`` (ending with a usage
-        chunk when ``include_usage``). Both carry ``x-request-id``."""
+    async def respond(self, request: Request, inputs: list[GenerateInput], renderer: Renderer,
+                      *, n: int = 1, stream: bool, include_usage: bool,
+                      continuous_usage: bool = False) -> Response:
+        """The whole response for a request's choices (``inputs``, ``n`` per prompt, in
+        OpenAI's order): JSON, or SSE when ``stream`` (ending with a usage chunk when
+        ``include_usage``; every chunk with the usage so far when ``continuous_usage``). Both
+        carry ``x-request-id`` (choice 0's id). One choice streams with resumable event ids;
+        several stream merged, without ids."""
+        if len(inputs) > 1:
+            choices = ChoiceStreams(self._open, inputs, n)
+            if stream:
+                return await self._respond_choices_stream(inputs, choices, renderer,
+                                                          include_usage, continuous_usage)
+            return await self._respond_choices_whole(request, inputs[0], choices, renderer)
+        inp = inputs[0]
         if stream:
-            return await self._respond_stream(inp, renderer, include_usage)
+            return await self._respond_stream(inp, renderer, include_usage, continuous_usage)
         return await self._respond_whole(request, inp, renderer)
 
     async def _respond_whole(self, request: Request, inp: GenerateInput,
@@ -91,15 +104,47 @@ class OpenAIResponder:
             return error_response(e)
         if out is _DISCONNECTED:
             return Response(status_code=_CLIENT_CLOSED)
-        return JSONResponse(renderer.whole(out), headers=_request_id_header(inp))
+        return JSONResponse(renderer.whole([out], Usage(out.prompt_tokens, out.completion_tokens)),
+                            headers=_request_id_header(inp))
+
+    async def _respond_choices_whole(self, request: Request, first: GenerateInput,
+                                     choices: ChoiceStreams, renderer: Renderer) -> Response:
+        try:
+            outs = await _run_until_disconnect(request, _collect_choices(first, choices))
+        except Exception as e:
+            return error_response(e)
+        if outs is _DISCONNECTED:
+            return Response(status_code=_CLIENT_CLOSED)
+        return JSONResponse(renderer.whole(outs, choices.usage()),
+                            headers=_request_id_header(first))
+
+    async def _respond_choices_stream(self, inputs: list[GenerateInput], choices: ChoiceStreams,
+                                      renderer: Renderer, include_usage: bool,
+                                      continuous_usage: bool) -> Response:
+        choices.start()
+        try:
+            await choices.prime()
+        except BaseException as e:
+            await choices.aclose()
+            if isinstance(e, Exception):
+                return error_response(e)
+            raise
+        # Choices that start later than this response (a prompt's followers) hold their
+        # permits from now until the stream ends, not from their own start.
+        permits = [inp.permit.adopt() for inp in inputs if inp.permit is not None]
+        return StreamingResponse(_sse_choice_events(choices, renderer, include_usage,
+                                                    continuous_usage, permits),
+                                 media_type="text/event-stream",
+                                 headers=_request_id_header(inputs[0]))
 
     async def _respond_stream(self, inp: GenerateInput, renderer: Renderer,
-                              include_usage: bool) -> Response:
+                              include_usage: bool, continuous_usage: bool) -> Response:
         try:
             stream = await self._start_stream(inp)
         except Exception as e:
             return error_response(e)
-        return StreamingResponse(_sse_events(stream, renderer, include_usage, _public_id(inp)),
+        return StreamingResponse(_sse_events(stream, renderer, include_usage, _public_id(inp),
+                                             continuous_usage=continuous_usage),
                                  media_type="text/event-stream",
                                  headers=_request_id_header(inp))
 
@@ -181,11 +226,12 @@ def stream_position(last_event_id: str | None, request_id: str) -> int:
 
 
 async def _sse_events(stream: _PrimedStream, renderer: Renderer, include_usage: bool,
-                      request_id: str, index: int = 0) -> AsyncIterator[str]:
+                      request_id: str, index: int = 0, continuous_usage: bool = False
+                      ) -> AsyncIterator[str]:
     """SSE body: one event per chunk the renderer shows, each with the id
-    ``<request_id>:<tokens so far>`` (what a client resumes from), the usage chunk if asked,
-    then ``[DONE]``; the stream is closed (aborting the request unless it is resumable)
-    however this ends."""
+    ``<request_id>:<tokens so far>`` (what a client resumes from) and, when
+    ``continuous_usage``, the usage so far; the usage chunk if asked, then ``[DONE]``; the
+    stream is closed (aborting the request unless it is resumable) however this ends."""
     try:
         try:
             usage = None  # the finished chunk's; its usage chunk trails the last choice
@@ -195,6 +241,8 @@ async def _sse_events(stream: _PrimedStream, renderer: Renderer, include_usage: 
                 index += len(c.token_ids)
                 payload = renderer.chunk(c)
                 if payload is not None:
+                    if continuous_usage:
+                        payload["usage"] = usage_json(c.prompt_tokens, index)
                     yield _sse(payload, f"{request_id}:{index}")
             if include_usage and usage is not None:
                 yield _sse(renderer.usage_chunk(usage))
@@ -205,6 +253,52 @@ async def _sse_events(stream: _PrimedStream, renderer: Renderer, include_usage: 
         yield _sse("[DONE]")
     finally:
         await stream.aclose()
+
+
+async def _collect_choices(first: GenerateInput, choices: ChoiceStreams) -> list[Collected]:
+    outs: dict[int, Collected] = {}
+    choices.start()
+    try:
+        async for item in choices.events():
+            out = outs.setdefault(item.index, Collected(_public_id(first), item.index))
+            c = item.chunk
+            out.text += c.text
+            out.token_ids.extend(c.token_ids)
+            if c.finished:
+                out.finish_reason = c.finish_reason
+    finally:
+        await choices.aclose()
+    return list(outs.values())
+
+
+async def _sse_choice_events(choices: ChoiceStreams, renderer: Renderer, include_usage: bool,
+                             continuous_usage: bool, permits: list) -> AsyncIterator[str]:
+    """SSE body of several choices: their chunks as they come, each naming its choice's
+    index, then the usage chunk if asked (every prompt once, every choice's completion), then
+    ``[DONE]``. No event ids: a merged stream is not resumable."""
+    try:
+        counts: dict[int, int] = {}
+        try:
+            async for item in choices.events():
+                c = item.chunk
+                counts[item.index] = counts.get(item.index, 0) + len(c.token_ids)
+                payload = renderer.chunk(c, item.index)
+                if payload is not None:
+                    if continuous_usage:
+                        payload["usage"] = usage_json(c.prompt_tokens, counts[item.index])
+                    yield _sse(payload)
+            if include_usage:
+                usage = choices.usage()
+                yield _sse(renderer.usage_chunk(usage))
+        except Exception as e:  # after the 200 went out: report in-band, OpenAI-style
+            err = map_error(e)
+            log.error("stream failed: %s", err.message, exc_info=e)
+            yield _sse(openai_error_body(err))
+        yield _sse("[DONE]")
+    finally:
+        await choices.aclose()
+        for p in permits:  # idempotent: a choice that ended released its own already
+            p.release()
 
 
 async def _run_until_disconnect(request: Request, coro: Coroutine[Any, Any, Collected]) -> Any:

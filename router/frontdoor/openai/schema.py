@@ -1,10 +1,13 @@
 """The OpenAI request bodies the HTTP front door accepts, and their translation to ``GenerateInput``.
 
 Pydantic models for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields plus vLLM's
-extensions (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``), and pdcluster's ``resumable``. Shape errors are pydantic's (the app maps them to 400);
-semantic ones (unsupported field, batch prompt, bad sampling value) raise ValueError /
-InvalidRequestError from ``to_input``.
+extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``), and pdcluster's ``resumable``. A field
+that is not declared here is refused (``extra="forbid"``: a 400 naming it), never accepted and
+ignored. Shape errors are pydantic's (the app maps them to 400); semantic ones (a declared field
+this server does not implement yet, batch prompt, bad sampling value) raise ValueError /
+InvalidRequestError from ``to_inputs``, which makes one ``GenerateInput`` per choice (``n`` for
+each prompt of a batch).
 
 The request models carry no docstrings on purpose: FastAPI publishes a model's docstring as its
 description in ``/openapi.json``, which would change what that endpoint serves.
@@ -12,43 +15,68 @@ description in ``/openapi.json``, which would change what that endpoint serves.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from engine.request import SamplingParams
+from engine.request import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 from router.contract import GenerateInput, InvalidRequestError
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest"]
+
+# The published schema (/openapi.json) states the ranges SamplingParams enforces, so a
+# schema-valid body is one the server takes (checked by a schema fuzzer in the tests).
+_TokenId = Annotated[int, Field(ge=0)]
+_StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+_Penalty = Annotated[float, Field(ge=-2, le=2)]
+_MaxTokens = Annotated[int, Field(ge=1)]
+# Choices one request may ask for (n x prompts): each is a generation of its own.
+MAX_CHOICES = 64
 
 
 class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _SamplingFields(BaseModel):
     """OpenAI sampling fields plus vLLM's extensions; None means "server default"."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: _MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: _StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: Any = None
+    stop: _StopString | Annotated[list[_StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    logprobs: Literal[False] | None = None  # logprobs: planned
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
+                               Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_tokens: int | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[_TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool | None = None
     # pdcluster: keep generating if the client goes away; resume with GET /v1/streams/{id}
     resumable: bool = False
@@ -58,18 +86,48 @@ class _SamplingFields(BaseModel):
         """Whether a stream ends with a usage-only chunk (``stream_options.include_usage``)."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``, with ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def expand(self, prompts: list[dict], request_id: str, sampling: SamplingParams
+               ) -> list[GenerateInput]:
+        """One GenerateInput per choice, in OpenAI's order (prompt by prompt, ``n`` each):
+        ``prompts`` are GenerateInput's prompt fields. Choice 0 keeps ``request_id``, choice
+        k is ``{request_id}-{k}``; a seeded request's choice j of a prompt samples with
+        ``seed + j``, so the ``n`` choices differ and each is reproducible."""
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise InvalidRequestError(f"n: {self.n} choices of {len(prompts)} prompts is more "
+                                      f"than {MAX_CHOICES} generations")
+        if self.resumable and len(prompts) * self.n > 1:
+            raise InvalidRequestError("resumable: only for one choice of one prompt")
+        out = []
+        for p, prompt in enumerate(prompts):
+            for j in range(self.n):
+                k = p * self.n + j
+                params = sampling if sampling.seed is None or j == 0 else dataclasses.replace(
+                    sampling, seed=(sampling.seed + j) % (MAX_SEED + 1))
+                out.append(GenerateInput(params, request_id=request_id if k == 0
+                                         else f"{request_id}-{k}", model=self.model,
+                                         resumable=self.resumable, **prompt))
+        return out
+
     def to_sampling(self, default_max_tokens: int | None) -> SamplingParams:
         """Raises ValueError naming an unsupported or bad field."""
-        if self.n != 1:
-            raise InvalidRequestError(f"n must be 1 (got {self.n}): one choice per request")
-        if self.logprobs:
-            raise InvalidRequestError("logprobs are not supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"{name} is not supported (must be 0 or unset)")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options: only allowed with stream=true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:
+            raise InvalidRequestError("stream_options.continuous_usage_stats: needs "
+                                      "include_usage=true")
         kw: dict[str, Any] = {k: getattr(self, k) for k in (
             "max_tokens", "temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos",
-            "include_stop_str_in_output") if getattr(self, k) is not None}
+            "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "min_p",
+            "repetition_penalty") if getattr(self, k) is not None}
+        if self.logit_bias:
+            kw["logit_bias"] = dict(self.logit_bias)  # SamplingParams checks the keys are ids
         if "max_tokens" not in kw and default_max_tokens is not None:
             kw["max_tokens"] = default_max_tokens
         if self.stop is not None:
@@ -80,60 +138,56 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
+    # A text, token ids, or a batch: several texts or several token-id lists.
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[_TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_CHOICES)]
+             | Annotated[list[Annotated[list[_TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_CHOICES)])
+    echo: bool = False  # each choice's text starts with its prompt
 
-    def to_input(self, request_id: str) -> GenerateInput:
-        """Raises ValueError naming an unsupported or bad field."""
-        if self.echo:
-            raise InvalidRequestError("echo is not supported")
-        prompt = self._single_prompt()
+    def to_inputs(self, request_id: str) -> list[GenerateInput]:
+        """One input per choice (``expand``). Raises ValueError naming a bad field."""
         sampling = self.to_sampling(default_max_tokens=None)
-        common = dict(request_id=request_id, model=self.model, resumable=self.resumable)
-        if isinstance(prompt, str):
-            return GenerateInput(sampling, text=prompt, **common)
-        return GenerateInput(sampling, token_ids=list(prompt), **common)
+        return self.expand(self._prompts(), request_id, sampling)
 
-    def _single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids. A list of strings is OpenAI's batch form, of
-        which only a batch of one is accepted (one choice per request)."""
+    def _prompts(self) -> list[dict]:
+        """The batch as GenerateInput prompt fields (one prompt is a batch of one)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise InvalidRequestError("prompt: one prompt per request (got a batch of "
-                                          f"{len(prompt)})")
-            return prompt[0]
-        return prompt
+        if isinstance(prompt, str):
+            return [{"text": prompt}]
+        if isinstance(prompt[0], int):
+            return [{"token_ids": list(prompt)}]
+        return [{"text": p} if isinstance(p, str) else {"token_ids": list(p)} for p in prompt]
 
 
 class _ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]  # images and audio: not served by a text model
     text: str | None = None
 
 
 class _ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[_ContentPart] | None = None
 
     def to_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
-            if any(p.type != "text" for p in content):
-                raise InvalidRequestError("only text content parts are supported")
             content = "\n".join(p.text or "" for p in content)
         return {"role": self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[_ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[_ChatMessage], Field(min_length=1)]
+    max_completion_tokens: _MaxTokens | None = None
 
-    def to_input(self, request_id: str, max_model_len: int,
-                 chat_template: Callable[[list[dict]], list[int]]) -> GenerateInput:
-        """Raises ValueError naming an unsupported or bad field. ``chat_template`` (the
-        backend's) is only called when no max_tokens is given, to size the default."""
+    def to_inputs(self, request_id: str, max_model_len: int,
+                  chat_template: Callable[[list[dict]], list[int]]) -> list[GenerateInput]:
+        """One input per choice (``expand``). Raises ValueError naming a bad field.
+        ``chat_template`` (the backend's) is only called when no max_tokens is given, to size
+        the default."""
         messages = [m.to_dict() for m in self.messages]
         if not messages:
             raise InvalidRequestError("messages: at least one message is required")
@@ -143,5 +197,29 @@ class ChatCompletionRequest(_SamplingFields):
             # OpenAI's default: generate until the context is full (or a stop).
             default_max = max(1, max_model_len - len(chat_template(messages)))
         sampling = self.to_sampling(default_max_tokens=default_max)
-        return GenerateInput(sampling, messages=messages, request_id=request_id, model=self.model,
-                             resumable=self.resumable)
+        return self.expand([{"messages": messages}], request_id, sampling)
+
+
+# ---- vLLM's /tokenize and /detokenize ------------------------------------------------------
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[_ChatMessage], Field(min_length=1)] | None = None
+
+    def to_prompt(self) -> str | list[dict]:
+        """The text, or the messages as the chat template takes them; exactly one is given."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("prompt / messages: give exactly one")
+        if self.messages is not None:
+            if not self.messages:
+                raise InvalidRequestError("messages: at least one message is required")
+            return [m.to_dict() for m in self.messages]
+        return self.prompt
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[_TokenId]
