@@ -43,10 +43,7 @@ class InputProcessor:
                 raise ValueError("prompt is empty")
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise ValueError("prompt must be a string, a list of token ids, or chat messages")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+            self._check_in_vocabulary("prompt", prompt)
             return EncodedPrompt(list(prompt), None)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
@@ -55,23 +52,21 @@ class InputProcessor:
         ValueError for an id outside the vocabulary or a model without a tokenizer."""
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
             raise ValueError("tokens must be a list of token ids")
+        self._check_in_vocabulary("tokens", token_ids)
+        return self._require_tokenizer().decode(token_ids, skip_special_tokens=False)
+
+    def _check_in_vocabulary(self, name: str, token_ids) -> None:
+        """ValueError naming ``name`` and the first id outside [0, vocab_size)."""
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"tokens: token id {bad[0]} is outside the vocabulary "
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
-        return self._require_tokenizer().decode(token_ids, skip_special_tokens=False)
 
     def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError when the request cannot fit the model's context or KV pool."""
         params.validate()
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        bad = [t for t in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        self._check_in_vocabulary("stop_token_ids", params.stop_token_ids)
+        self._check_in_vocabulary("logit_bias", params.logit_bias)
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, but the model's context is "
                              f"{self.max_model_len} tokens")

@@ -232,27 +232,42 @@ async def _sse_events(stream: _PrimedStream, renderer: Renderer, include_usage: 
     ``<request_id>:<tokens so far>`` (what a client resumes from) and, when
     ``continuous_usage``, the usage so far; the usage chunk if asked, then ``[DONE]``; the
     stream is closed (aborting the request unless it is resumable) however this ends."""
+
+    async def events() -> AsyncIterator[str]:
+        nonlocal index
+        usage = None  # the finished chunk's; its usage chunk trails the last choice
+        async for c in stream:
+            if usage is None and c.finished:
+                usage = c.usage
+            index += len(c.token_ids)
+            payload = renderer.chunk(c)
+            if payload is not None:
+                if continuous_usage:
+                    payload["usage"] = usage_json(c.prompt_tokens, index)
+                yield _sse(payload, f"{request_id}:{index}")
+        if include_usage and usage is not None:
+            yield _sse(renderer.usage_chunk(usage))
+
     try:
-        try:
-            usage = None  # the finished chunk's; its usage chunk trails the last choice
-            async for c in stream:
-                if usage is None and c.finished:
-                    usage = c.usage
-                index += len(c.token_ids)
-                payload = renderer.chunk(c)
-                if payload is not None:
-                    if continuous_usage:
-                        payload["usage"] = usage_json(c.prompt_tokens, index)
-                    yield _sse(payload, f"{request_id}:{index}")
-            if include_usage and usage is not None:
-                yield _sse(renderer.usage_chunk(usage))
-        except Exception as e:  # after the 200 went out: report in-band, OpenAI-style
-            err = map_error(e)
-            log.error("stream failed: %s", err.message, exc_info=e)
-            yield _sse(openai_error_body(err))
-        yield _sse("[DONE]")
+        async for event in _ending_with_done(events()):
+            yield event
     finally:
         await stream.aclose()
+
+
+async def _ending_with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``events``, then ``[DONE]``; an error raised once the 200 went out is reported
+    in-band, OpenAI-style, before it."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:
+        err = map_error(e)
+        log.error("stream failed: %s", err.message, exc_info=e)
+        yield _sse(openai_error_body(err))
+    finally:
+        await events.aclose()
+    yield _sse("[DONE]")
 
 
 async def _collect_choices(first: GenerateInput, choices: ChoiceStreams) -> list[Collected]:
@@ -276,25 +291,23 @@ async def _sse_choice_events(choices: ChoiceStreams, renderer: Renderer, include
     """SSE body of several choices: their chunks as they come, each naming its choice's
     index, then the usage chunk if asked (every prompt once, every choice's completion), then
     ``[DONE]``. No event ids: a merged stream is not resumable."""
-    try:
+
+    async def events() -> AsyncIterator[str]:
         counts: dict[int, int] = {}
-        try:
-            async for item in choices.events():
-                c = item.chunk
-                counts[item.index] = counts.get(item.index, 0) + len(c.token_ids)
-                payload = renderer.chunk(c, item.index)
-                if payload is not None:
-                    if continuous_usage:
-                        payload["usage"] = usage_json(c.prompt_tokens, counts[item.index])
-                    yield _sse(payload)
-            if include_usage:
-                usage = choices.usage()
-                yield _sse(renderer.usage_chunk(usage))
-        except Exception as e:  # after the 200 went out: report in-band, OpenAI-style
-            err = map_error(e)
-            log.error("stream failed: %s", err.message, exc_info=e)
-            yield _sse(openai_error_body(err))
-        yield _sse("[DONE]")
+        async for item in choices.events():
+            c = item.chunk
+            counts[item.index] = counts.get(item.index, 0) + len(c.token_ids)
+            payload = renderer.chunk(c, item.index)
+            if payload is not None:
+                if continuous_usage:
+                    payload["usage"] = usage_json(c.prompt_tokens, counts[item.index])
+                yield _sse(payload)
+        if include_usage:
+            yield _sse(renderer.usage_chunk(choices.usage()))
+
+    try:
+        async for event in _ending_with_done(events()):
+            yield event
     finally:
         await choices.aclose()
         for p in permits:  # idempotent: a choice that ended released its own already
