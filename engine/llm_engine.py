@@ -322,6 +322,10 @@ class LLMEngine:
             prompt=self._prompts.get(req.request_id),
             error=req.error,
         )
+        if req.sampling_params.logprobs is not None:
+            out.logprobs = list(req.output_logprobs)
+            out.new_logprobs = out.logprobs[max(0, len(out.logprobs) - len(new_ids)):] \
+                if new_ids else []
         if finished:
             self._detok.pop(req.request_id, None)
             self._prompts.pop(req.request_id, None)

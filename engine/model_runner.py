@@ -29,7 +29,7 @@ from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import PAD_TOKEN_ID, CudaGraphRunner, DecodePadding, decode_buckets
 from engine.fused_decode import FusedDecodePlan
 from engine.models.llama import LayerHook, LlamaForCausalLM
-from engine.sampling import SampleRow, sample
+from engine.sampling import SampleRow, sample, token_logprobs
 from engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,11 @@ def _sample_rows_apart(logits: torch.Tensor, rows: list[SampleRow],
     out = ModelRunnerOutput()
     for i, (row, chunk) in enumerate(zip(rows, chunks, strict=True)):
         try:
-            out.sampled_token_ids[chunk.request_id] = sample(logits[i:i + 1].clone(), [row])[0]
+            token = sample(logits[i:i + 1].clone(), [row])[0]
+            out.sampled_token_ids[chunk.request_id] = token
+            lp = token_logprobs(logits[i:i + 1], [row], [token])[0]
+            if lp is not None:
+                out.logprobs[chunk.request_id] = lp
         except Exception as e:
             out.failed[chunk.request_id] = f"sampling failed: {type(e).__name__}: {e}"
     return out
@@ -180,11 +184,19 @@ class ModelRunner:
         rows = [SampleRow(c.sampling_params, c.num_output_tokens, self.eos_token_ids,
                           c.prompt_token_ids, c.output_token_ids)
                 for c in inp.sample_chunks]
+        # The sampler adjusts logits in place; logprobs describe the model's own.
+        raw = logits.clone() if any(r.params.logprobs is not None for r in rows) else None
         try:
             tokens = sample(logits, rows)
         except Exception:  # one row's parameters broke the batch: find it, fail it alone
-            return _sample_rows_apart(logits, rows, inp.sample_chunks)
-        return ModelRunnerOutput({c.request_id: t for c, t in zip(inp.sample_chunks, tokens, strict=True)})
+            return _sample_rows_apart(logits if raw is None else raw, rows, inp.sample_chunks)
+        out = ModelRunnerOutput({c.request_id: t
+                                 for c, t in zip(inp.sample_chunks, tokens, strict=True)})
+        if raw is not None:
+            for c, lp in zip(inp.sample_chunks, token_logprobs(raw, rows, tokens), strict=True):
+                if lp is not None:
+                    out.logprobs[c.request_id] = lp
+        return out
 
     @torch.inference_mode()
     def compute_logits_for_prompt(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:

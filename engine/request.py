@@ -51,6 +51,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
 
 
 def _is_int(v: object) -> bool:
@@ -87,6 +88,10 @@ class SamplingParams:
     subtract ``frequency * count + presence * (count > 0)`` over the generated tokens). They
     apply to greedy requests too. ``min_p`` (in [0, 1]) drops tokens whose probability after
     temperature is below ``min_p`` times the most likely one's.
+
+    ``logprobs``: None (off) or how many top alternatives (0-20) to report with each
+    generated token's log-probability; taken from the model's raw logits, before any of the
+    adjustments above (vLLM's default), so they describe the model, not the sampler.
     """
 
     max_tokens: int = 16
@@ -104,6 +109,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
     # Set by the router when a request migrates: how many tokens it generated elsewhere
     # before. Seeded sampling continues from that position, so the stream stays the one an
     # undisturbed run would have produced. Clients leave it 0.
@@ -175,6 +181,10 @@ class SamplingParams:
             if not _is_number(v) or not -100 <= v <= 100:
                 raise ValueError(f"logit_bias: values must be numbers in [-100, 100], "
                                  f"got {v!r} for token {tok}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or unset, "
+                             f"got {self.logprobs!r}")
         if not _is_int(self.sample_index_offset) or self.sample_index_offset < 0:
             raise ValueError(f"sample_index_offset must be an integer >= 0, "
                              f"got {self.sample_index_offset!r}")
@@ -218,6 +228,9 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None  # why it failed (status FINISHED_ERROR)
+    # One per sampled output token when SamplingParams.logprobs is set (a token that arrived
+    # from elsewhere, a prefill worker's first token, has none here).
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -282,6 +295,18 @@ class RequestMetrics:
         return self.finished_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of the raw logits),
+    its rank in the vocabulary (1 = most likely), and the ``SamplingParams.logprobs`` most
+    likely tokens with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """What ``LLM.generate`` returns per prompt (and each streaming update carries).
@@ -301,6 +326,9 @@ class RequestOutput:
     delta_text: str = ""
     prompt: str | None = None
     error: str | None = None  # finish_reason "error": why this request failed
+    # With SamplingParams.logprobs: every generated token's so far, and this update's.
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TokenLogprob
 
 _SEED_STRIDE = 1_000_003
 
@@ -146,3 +146,25 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def token_logprobs(raw_logits: torch.Tensor, rows: list[SampleRow], tokens: list[int]
+                   ) -> list[TokenLogprob | None]:
+    """Each row's sampled token's log-probability under the model, from ``raw_logits [N,
+    vocab]`` (before any adjustment), with its rank and the row's ``logprobs`` most likely
+    tokens; None for rows that did not ask. One log-softmax over the rows that asked."""
+    asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if not asked:
+        return out
+    logp = torch.log_softmax(raw_logits[asked].float(), dim=-1)  # [A, vocab]
+    chosen = torch.tensor([tokens[i] for i in asked], device=logp.device).unsqueeze(1)
+    chosen_lp = logp.gather(1, chosen)  # [A, 1]
+    ranks = ((logp > chosen_lp).sum(dim=-1) + 1).tolist()
+    k_max = max(rows[i].params.logprobs for i in asked)
+    top_lp, top_ids = (logp.topk(k_max, dim=-1) if k_max else (logp[:, :0], logp[:, :0]))
+    for j, i in enumerate(asked):
+        k = rows[i].params.logprobs
+        top = tuple(zip(top_ids[j, :k].tolist(), top_lp[j, :k].tolist(), strict=True))
+        out[i] = TokenLogprob(tokens[i], chosen_lp[j, 0].item(), ranks[j], top)
+    return out

@@ -21,7 +21,7 @@ from itertools import islice
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import QueueFullError, Request, RequestStatus, SamplingParams
+from engine.request import QueueFullError, Request, RequestStatus, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # Requests whose row raised (request id -> why): they fail alone, the batch goes on.
     failed: dict[str, str] = field(default_factory=dict)
+    # The sampled token's log-probability, for requests that asked (SamplingParams.logprobs).
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -329,6 +331,8 @@ class Scheduler:
                 continue
             token = result.sampled_token_ids[chunk.request_id]
             req.output_token_ids.append(token)
+            if chunk.request_id in result.logprobs:
+                req.output_logprobs.append(result.logprobs[chunk.request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
             req.token_times.append(now)

@@ -224,3 +224,42 @@ def test_penalized_request_continues_identically_after_a_migration(tiny_llama_di
     assert rest.token_ids == whole[k:]
     plain = llm.generate([prompt + whole[:k]], SamplingParams(max_tokens=16 - k, **kw))[0]
     assert plain.token_ids != whole[k:]  # without the offset it is another stream
+
+
+def test_logprobs_are_transformers_log_softmax_of_each_generated_token(tiny_llama_dir):
+    """SamplingParams.logprobs: each generated token's log-probability, its rank and the top-k
+    equal transformers' own forward over the same sequence, for greedy and for a penalized,
+    temperature-sampled request (logprobs describe the model's raw logits, not the sampler)."""
+    import torch
+
+    from tests.tiny_models import load_hf
+
+    hf = load_hf(tiny_llama_dir, "llama")
+    prompts = random_prompts(seed=3, count=3, max_len=20)
+    llm = LLM(str(tiny_llama_dir))
+    for params in (SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=4),
+                   SamplingParams(max_tokens=8, temperature=1.3, seed=5, ignore_eos=True,
+                                  logprobs=2, repetition_penalty=1.5, logit_bias={7: 3.0}),
+                   SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)):
+        for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+            assert len(out.logprobs) == len(out.token_ids) == 8
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
+            ref = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)  # [8, vocab]
+            for step, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+                assert lp.token_id == tok
+                assert abs(lp.logprob - ref[step, tok].item()) < 1e-4
+                assert lp.rank == int((ref[step] > ref[step, tok]).sum()) + 1
+                top_ids = torch.topk(ref[step], params.logprobs).indices.tolist()
+                assert [t for t, _ in lp.top] == top_ids
+                assert all(abs(v - ref[step, t].item()) < 1e-4 for t, v in lp.top)
+            if params.temperature == 0:
+                assert all(lp.rank == 1 for lp in out.logprobs)
+    plain = llm.generate(prompts[:1], SamplingParams(max_tokens=2))[0]
+    assert plain.logprobs is None  # nothing computed unless asked
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.5, True])
+def test_bad_logprobs_are_refused(value):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=value)
