@@ -10,9 +10,9 @@ status codes once (``router/frontdoor/errors.py``).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from engine.request import QueueFullError, SamplingParams
 from worker_protocol import WorkerLoad
@@ -22,6 +22,9 @@ __all__ = [
     "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "StreamNotFoundError", "Usage",
     "WORKER_STATES", "WorkerLoad", "WorkerStatus", "WorkerTimeoutError", "WorkerUnavailableError",
 ]
+
+
+_T = TypeVar("_T")
 
 
 class InvalidRequestError(ValueError):
@@ -207,3 +210,13 @@ class GenerationBackend(Protocol):
 def new_request_id() -> str:
     """The one global id a request carries through router, workers and KV transfer."""
     return f"req-{uuid.uuid4().hex}"
+
+
+def as_invalid_request(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)``, its ValueError raised as InvalidRequestError (a 400 at the doors)."""
+    try:
+        return fn(*args)
+    except InvalidRequestError:
+        raise
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from e

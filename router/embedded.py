@@ -18,6 +18,7 @@ from router.contract import (
     Usage,
     WorkerLoad,
     WorkerStatus,
+    as_invalid_request,
     new_request_id,
 )
 
@@ -47,16 +48,10 @@ class EngineBackend:
         return self._info
 
     def tokenize(self, prompt: str | list[dict]) -> list[int]:
-        try:
-            return self._async.engine.inputs.encode(prompt).token_ids
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
+        return as_invalid_request(self._async.engine.inputs.encode, prompt).token_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
-        try:
-            return self._async.engine.inputs.decode(token_ids)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
+        return as_invalid_request(self._async.engine.inputs.decode, token_ids)
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
         return self.streams.keep(inp, self._generate(inp))

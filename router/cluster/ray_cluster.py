@@ -49,9 +49,9 @@ from router.contract import (
     BackendStats,
     GenerateInput,
     GenerationChunk,
-    InvalidRequestError,
     ModelInfo,
     WorkerStatus,
+    as_invalid_request,
 )
 from router.control.orchestrator import Orchestrator, OrchestratorConfig
 from router.control.worker_health import is_restarting
@@ -419,16 +419,10 @@ class Cluster:
         return self._info
 
     def tokenize(self, prompt: str | list[dict]) -> list[int]:
-        try:
-            return self.orchestrator.inputs.encode(prompt).token_ids
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
+        return as_invalid_request(self.orchestrator.inputs.encode, prompt).token_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
-        try:
-            return self.orchestrator.inputs.decode(token_ids)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
+        return as_invalid_request(self.orchestrator.inputs.decode, token_ids)
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
         return self.orchestrator.streams.keep(inp, self.orchestrator.generate(inp))
