@@ -315,6 +315,7 @@ class Orchestrator:
         return True
 
     async def _abort_on_workers(self, stream: StreamState) -> None:
+        await stream.settle(self.config.call_timeout_s)  # an abort must not overtake a reserve
         calls = []
         msg = AbortRequest(stream.request_id)
         if stream.prefill_id and stream.prefill_id in self.prefill:
@@ -335,9 +336,9 @@ class Orchestrator:
         stream.decode_id, stream.committed = slot.info.worker_id, True
         slot.view.inflight_requests += 1
         try:
-            stream.decode_incarnation = await slot.handle.submit.remote(
+            stream.decode_incarnation = await stream.open_call(slot.handle.submit.remote(
                 SubmitRequest(stream.request_id, prompt_ids, params, stream.priority,
-                              self.router_id))
+                              self.router_id)))
         finally:
             slot.view.inflight_requests -= 1
 
@@ -386,9 +387,9 @@ class Orchestrator:
         prefill_counted = True
         stream.decode_id, stream.committed = decode.info.worker_id, False
         try:
-            res = await self._call(stream, decode, decode.handle.reserve.remote(
+            res = await self._call(stream, decode, stream.open_call(decode.handle.reserve.remote(
                 ReserveRequest(rid, prompt_ids, params, self.layout, pslot.info.worker_id,
-                               self.router_id)),
+                               self.router_id))),
                 cfg.call_timeout_s)
             if not res.ok:
                 raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)

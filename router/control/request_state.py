@@ -41,6 +41,28 @@ class StreamState:
     priority: int = 0
     prefill_id: str | None = None
     aborted: bool = False  # Abort RPC: stop retrying, end with finish_reason "abort"
+    # Calls that create the request on a worker (reserve, submit) and may still run there
+    # after the router stopped waiting (a cancelled await does not cancel the Ray call). An
+    # abort sent meanwhile can overtake them (it runs in the control concurrency group) and
+    # find nothing, leaving what they create behind: the abort waits for them first.
+    opening: list[asyncio.Future] = field(default_factory=list)
+
+    def open_call(self, ref) -> asyncio.Future:
+        """Track ``ref`` (a call creating the request on a worker) until it completes; the
+        returned future is shielded, so a cancelled caller leaves it running for the abort
+        to wait on."""
+        fut = asyncio.ensure_future(ref)
+        self.opening = [f for f in self.opening if not f.done()] + [fut]
+        return asyncio.shield(fut)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for every call still creating the request."""
+        running = [f for f in self.opening if not f.done()]
+        if running:
+            await asyncio.wait(running, timeout=timeout_s)
+        for f in self.opening:  # their results or errors are the caller's business, if any
+            if f.done() and not f.cancelled():
+                f.exception()
 
 
 class Aborted(Exception):
