@@ -13,6 +13,7 @@ from client.types import (
     ResourceExhausted,
     RetryPolicy,
     StreamChunk,
+    TokenLogprob,
     Unauthenticated,
     Unavailable,
     Usage,
@@ -21,6 +22,6 @@ from client.types import (
 __all__ = [
     "AsyncClient", "AsyncGenerateStream", "Cancelled", "Client", "DeadlineExceeded",
     "GenerateResult", "GenerateStream", "Internal", "InvalidArgument", "ModelInfo", "NotFound",
-    "PdclusterError", "ResourceExhausted", "RetryPolicy", "StreamChunk", "Unauthenticated",
-    "Unavailable", "Usage",
+    "PdclusterError", "ResourceExhausted", "RetryPolicy", "StreamChunk", "TokenLogprob",
+    "Unauthenticated", "Unavailable", "Usage",
 ]

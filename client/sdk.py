@@ -264,8 +264,9 @@ class Client:
         """Stream one request. Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``;
         ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, min_tokens, include_stop_str_in_output, presence_penalty,
-        frequency_penalty, repetition_penalty, min_p, logit_bias ({token id: bias}) (unset:
-        server defaults).
+        frequency_penalty, repetition_penalty, min_p, logit_bias ({token id: bias}),
+        logprobs (0-20: each chunk's ``logprobs`` then gives every token's log-probability and
+        that many alternatives; not with ``resume``) (unset: server defaults).
         ``resume``: the request survives a broken call (router restarted, connection cut)
         and this stream resumes it by itself from the last token received (UNAVAILABLE is
         retried up to ``RetryPolicy.max_resumes`` times); without it, a broken call after

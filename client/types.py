@@ -13,15 +13,15 @@ from proto.pdcluster.v1 import generation_pb2 as pb
 
 __all__ = [
     "Cancelled", "DeadlineExceeded", "GenerateResult", "Internal", "InvalidArgument", "ModelInfo",
-    "NotFound", "PdclusterError", "ResourceExhausted", "RetryPolicy", "StreamChunk", "Unavailable",
-    "Usage",
+    "NotFound", "PdclusterError", "ResourceExhausted", "RetryPolicy", "StreamChunk",
+    "TokenLogprob", "Unavailable", "Usage",
 ]
 
 REQUEST_ID_METADATA_KEY = "x-request-id"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                   "logit_bias")
+                   "logit_bias", "logprobs")
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -98,6 +98,18 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's raw logits, its rank in the
+    vocabulary (1 = most likely) and the ``logprobs`` most likely (token id, logprob) pairs,
+    most likely first. Sent when the request set ``logprobs``."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StreamChunk:
     """One streamed update. The last one has ``finished=True``, ``finish_reason``
     ("stop" | "length" | "abort"), ``usage`` and ``ttft_s``, and usually no tokens."""
@@ -109,6 +121,7 @@ class StreamChunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     ttft_s: float | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 @dataclass
@@ -121,10 +134,13 @@ class GenerateResult:
     finish_reason: str | None = None
     usage: Usage | None = None
     ttft_s: float | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
     def add(self, chunk: StreamChunk) -> None:
         self.request_id = chunk.request_id or self.request_id
         self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + chunk.logprobs
         self.text += chunk.text
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
@@ -229,7 +245,11 @@ def chunk_from_response(resp: pb.GenerateResponse) -> StreamChunk:
     in-band error message."""
     kind = resp.WhichOneof("response")
     if kind == "chunk":
-        return StreamChunk(resp.request_id, list(resp.chunk.token_ids), resp.chunk.text)
+        lps = [TokenLogprob(lp.token_id, lp.logprob, lp.rank,
+                            tuple((t.token_id, t.logprob) for t in lp.top))
+               for lp in resp.chunk.logprobs]
+        return StreamChunk(resp.request_id, list(resp.chunk.token_ids), resp.chunk.text,
+                           logprobs=lps or None)
     if kind == "complete":
         c = resp.complete
         usage = (Usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)

@@ -211,7 +211,7 @@ class DecodeWorker:
         self.kv_bytes_received += lease.num_bytes
         try:
             admitted = self.loop.call(lambda e: e.kv_connector.admit(
-                rid, req.first_token_id)).result(_CALL_TIMEOUT_S)
+                rid, req.first_token_id, req.first_logprob)).result(_CALL_TIMEOUT_S)
         except KeyError:  # aborted between the wait and the admission
             raise KVTransferError(f"{rid} was aborted before commit") from None
         return CommitResult(admitted.finished, admitted.finish_reason)
@@ -274,7 +274,8 @@ class DecodeWorker:
                 offset = self._offsets.get(o.request_id, 0)
                 reason = o.finish_reason if o.finished else None
                 updates.append(TokenUpdate(o.request_id, o.new_token_ids, reason, o.error,
-                                           offset + len(o.token_ids) - len(o.new_token_ids)))
+                                           offset + len(o.token_ids) - len(o.new_token_ids),
+                                           o.new_logprobs))
                 # o.token_ids is this output's own copy already: kept as is, not copied
                 # again (this runs every step for every sequence).
                 self._outputs[o.request_id] = RequestTokens(o.request_id, offset,

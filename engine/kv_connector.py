@@ -24,7 +24,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 
 
@@ -115,13 +115,15 @@ class KVConnector:
             self._reserved[request_id] = (block_ids, req.num_cached_tokens)
         return Reservation(True, num_blocks=len(block_ids), num_cached_tokens=req.num_cached_tokens)
 
-    def admit(self, request_id: str, first_token_id: int) -> Admission:
+    def admit(self, request_id: str, first_token_id: int,
+              first_logprob: TokenLogprob | None = None) -> Admission:
         """Every layer is in the reserved pages: the request joins the batch with its first
-        token. Raises KeyError when the reservation is gone (released or aborted)."""
+        token (and its log-probability, computed where it was sampled, when the request asked
+        for logprobs). Raises KeyError when the reservation is gone (released or aborted)."""
         with self._lock:
             if self._reserved.pop(request_id, None) is None:
                 raise KeyError(request_id)
-        update = self._scheduler.finish_remote_kv(request_id, first_token_id)
+        update = self._scheduler.finish_remote_kv(request_id, first_token_id, first_logprob)
         return Admission(update.request.is_finished, update.request.status.finish_reason)
 
     def release(self, request_id: str) -> bool:

@@ -148,9 +148,11 @@ class Scheduler:
         self.remote[request.request_id] = request
         return True
 
-    def finish_remote_kv(self, request_id: str, first_token_id: int) -> StepUpdate:
+    def finish_remote_kv(self, request_id: str, first_token_id: int,
+                         first_logprob: TokenLogprob | None = None) -> StepUpdate:
         """The prompt's KV is in our pages: the request joins the batch with its first token
-        (ahead of new arrivals), or finishes at once if that token already stops it."""
+        (ahead of new arrivals), or finishes at once if that token already stops it.
+        ``first_logprob`` keeps ``output_logprobs`` one per output token."""
         req = self.remote.pop(request_id)
         req.num_computed_tokens = req.num_prompt_tokens
         # The arrived prompt is a prefix like any computed one: the next turn of this
@@ -158,6 +160,8 @@ class Scheduler:
         self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
         now = self.clock()
         req.output_token_ids.append(first_token_id)
+        if first_logprob is not None:
+            req.output_logprobs.append(first_logprob)
         req.first_token_time = req.first_token_time or now
         req.token_times.append(now)
         req.status = RequestStatus.WAITING

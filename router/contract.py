@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from engine.request import QueueFullError, SamplingParams
+from engine.request import QueueFullError, SamplingParams, TokenLogprob
 from worker_protocol import WorkerLoad
 
 __all__ = [
@@ -119,6 +119,8 @@ class GenerationChunk:
     usage: Usage | None = None
     ttft_s: float | None = None
     prompt_tokens: int = 0
+    # One per token in ``token_ids`` when the request asked (SamplingParams.logprobs).
+    logprobs: list[TokenLogprob] | None = None
 
 
 WORKER_STATES = ("starting", "ready", "unreachable", "draining", "dead")

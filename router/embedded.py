@@ -85,7 +85,8 @@ class EngineBackend:
                 usage = (Usage(len(out.prompt_token_ids), len(out.token_ids))
                          if out.finished else None)
                 yield GenerationChunk(rid, out.new_token_ids, out.delta_text, out.finished,
-                                      out.finish_reason, usage, ttft, len(out.prompt_token_ids))
+                                      out.finish_reason, usage, ttft, len(out.prompt_token_ids),
+                                      out.new_logprobs)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TokenLogprob
 from kv_transfer import KVLayout, KVTransferSpec, PeerAddress
 
 # The Ray concurrency group of every worker's control calls (load, abort, ping): its own
@@ -122,6 +122,7 @@ class CommitRequest:
     request_id: str
     first_token_id: int
     timeout_s: float | None = None  # None: the worker's transfer timeout
+    first_logprob: TokenLogprob | None = None  # the prefill's, when the request asked
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ class TokenUpdate:
     # Position of new_token_ids[0] in the client's whole stream (a migrated request's
     # earlier tokens counted): lets a router that adopts the request write its log exactly.
     index: int = -1
+    # One per new token when the request asked for logprobs (SamplingParams.logprobs).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,7 @@ class PrefillResult:
     compute_s: float  # first scheduled step -> end of the step that finished the prompt
     transfer_tail_s: float  # end of that step -> all KV sends completed
     kv_bytes: int
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass(frozen=True)

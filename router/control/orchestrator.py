@@ -186,8 +186,7 @@ class Orchestrator:
                 first = None
             pending: list[TokenUpdate | WorkerLost] = []
             if first is not None:
-                pending.append(TokenUpdate(rid, [first.token_id],
-                                           first.finish_reason if first.finished else None))
+                pending.append(first_update(rid, first))
             async for chunk in self.follow(stream, prompt_ids, params, [], pending, t0):
                 finished = chunk.finished
                 yield chunk
@@ -264,7 +263,7 @@ class Orchestrator:
             self.streams.append(rid, list(upd.new_token_ids), reason)
             yield GenerationChunk(rid, list(upd.new_token_ids), text, finished, reason,
                                   Usage(len(prompt_ids), len(generated)) if finished else None,
-                                  ttft, len(prompt_ids))
+                                  ttft, len(prompt_ids), upd.logprobs)
             if finished:
                 self._journal(rid, "finished", stream.decode_id, reason)
                 return
@@ -294,8 +293,7 @@ class Orchestrator:
             await self._submit_colocated(stream, prompt_ids + generated, rest, avoid={old})
             return None
         first = await self._prefill(stream, prompt_ids + generated, rest, avoid_decode={old})
-        return TokenUpdate(stream.request_id, [first.token_id],
-                           first.finish_reason if first.finished else None)
+        return first_update(stream.request_id, first)
 
     async def _next_update(self, stream: StreamState) -> TokenUpdate | BaseException:
         try:
@@ -413,7 +411,8 @@ class Orchestrator:
             stream.prefill_id = None
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
             commit = await self._call(stream, decode, decode.handle.commit.remote(
-                CommitRequest(rid, result.first_token_id, cfg.transfer_timeout_s)),
+                CommitRequest(rid, result.first_token_id, cfg.transfer_timeout_s,
+                              result.first_logprob)),
                 cfg.transfer_timeout_s + cfg.call_timeout_s, release=decode)
         finally:
             decode.view.inflight_blocks -= need
@@ -426,7 +425,8 @@ class Orchestrator:
         if len(self.timings) > 10_000:
             self.timings.pop(next(iter(self.timings)))
         self._journal(rid, "committed", decode.info.worker_id, "")
-        return FirstToken(result.first_token_id, commit.finished, commit.finish_reason)
+        return FirstToken(result.first_token_id, commit.finished, commit.finish_reason,
+                          result.first_logprob)
 
     async def _call(self, stream: StreamState, worker: WorkerSlot, call, timeout_s: float,
                     release: WorkerSlot | None = None, peer: WorkerSlot | None = None):
@@ -479,3 +479,10 @@ class Orchestrator:
         from router.state.store import JournalEvent
 
         self.store.journal_append(rid, JournalEvent(time.time(), kind, worker_id, detail or ""))
+
+
+def first_update(request_id: str, first: FirstToken) -> TokenUpdate:
+    """The stream's update for the token a prefill worker sampled."""
+    return TokenUpdate(request_id, [first.token_id],
+                       first.finish_reason if first.finished else None,
+                       logprobs=None if first.logprob is None else [first.logprob])

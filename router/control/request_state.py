@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from engine.request import TokenLogprob
 from router.contract import WorkerUnavailableError
 from router.routing.policy import WorkerView
 from worker_protocol import WorkerInfo
@@ -100,6 +101,7 @@ class FirstToken:
     token_id: int
     finished: bool
     finish_reason: str | None
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass

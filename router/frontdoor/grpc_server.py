@@ -42,7 +42,7 @@ REQUEST_ID_METADATA_KEY = "x-request-id"
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
                              "min_tokens", "include_stop_str_in_output", "presence_penalty",
-                             "frequency_penalty", "repetition_penalty", "min_p")
+                             "frequency_penalty", "repetition_penalty", "min_p", "logprobs")
 # float32 on the wire: 0.7 arrives as 0.699999988; these are rounded back to what the caller wrote.
 _FLOAT_SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                           "repetition_penalty", "min_p")
@@ -65,6 +65,9 @@ def request_to_input(req: pb.GenerateRequest, request_id: str) -> GenerateInput:
     if kind is None:
         raise InvalidRequestError("request has no prompt: set text, token_ids or messages")
     sampling = sampling_from_proto(req.sampling)
+    if sampling.logprobs is not None and req.resumable:
+        # A resumed stream is replayed from its log, which keeps token ids only.
+        raise InvalidRequestError("logprobs: not available on a resumable request")
     model = req.model if req.HasField("model") and req.model else None
     common = dict(request_id=request_id, model=model, resumable=req.resumable)
     if kind == "text":
@@ -85,7 +88,11 @@ def chunk_to_responses(chunk: GenerationChunk, request_id: str | None = None
     out = []
     if chunk.token_ids or chunk.text:
         out.append(pb.GenerateResponse(request_id=rid, chunk=pb.GenerateChunk(
-            token_ids=chunk.token_ids, text=chunk.text)))
+            token_ids=chunk.token_ids, text=chunk.text,
+            logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                                      top=[pb.TopLogprob(token_id=t, logprob=x)
+                                           for t, x in lp.top])
+                      for lp in chunk.logprobs or ()])))
     if chunk.finished:
         usage = chunk.usage
         complete = pb.GenerateComplete(finish_reason=chunk.finish_reason or "stop")

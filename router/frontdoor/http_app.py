@@ -32,6 +32,7 @@ from router.contract import (
 )
 from router.frontdoor.http_guard import GuardMiddleware
 from router.frontdoor.metrics import CONTENT_TYPE, Metrics
+from router.frontdoor.openai.logprobs import TokenNames
 from router.frontdoor.openai.render import ChatRenderer, CompletionRenderer
 from router.frontdoor.openai.responder import OpenAIResponder, error_response, stream_position
 from router.frontdoor.openai.schema import (
@@ -107,7 +108,7 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
 
         return await respond(request, body, make_inputs,
                              lambda rid: CompletionRenderer(f"cmpl-{rid}", int(time.time()),
-                                                            model_id, echo=echo))
+                                                            model_id, _names(body), echo=echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -115,7 +116,14 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         return await respond(
             request, body,
             lambda rid: body.to_inputs(rid, info.max_model_len, backend.tokenize),
-            lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id))
+            lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id,
+                                     _names(body)))
+
+    def _names(body) -> TokenNames | None:
+        """How the response's logprobs name tokens (None: it asked for none)."""
+        if body.top_logprobs_k() is None:
+            return None
+        return TokenNames(backend.detokenize, body.return_tokens_as_token_ids)
 
 
     @app.get("/v1/streams/{request_id}")

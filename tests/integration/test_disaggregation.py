@@ -318,13 +318,25 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     re-prefilled) and the client's stream equals an undisturbed run, token for token; the
     journal records the move; no block is left held (a stopped worker, once continued,
     frees what it held). Without restarts Ray reports the killed worker dead; with them its
-    token stream breaks and it comes back later (test_restarted_workers_rejoin_and_serve)."""
+    token stream breaks and it comes back later (test_restarted_workers_rejoin_and_serve).
+    The streams ask for logprobs: the one of the first token after the seam comes from the
+    new pair's prefill, and every one equals transformers' log-softmax."""
     import os
     import signal
 
+    import torch
+
+    from tests.tiny_models import load_hf
+
     prompts = random_prompts(seed=21, count=4, max_len=40, min_len=8)
-    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, logprobs=1)
     refs = hf_greedy(tiny_llama_dir, "llama", prompts, 400)
+    hf = load_hf(tiny_llama_dir, "llama")
+    with torch.no_grad():
+        ref_lps = [torch.log_softmax(hf(torch.tensor([p + r])).logits[0, len(p) - 1:-1], -1)
+                   .gather(1, torch.tensor(r)[:, None])[:, 0].tolist()
+                   for p, r in zip(prompts, refs, strict=True)]
+    del hf
     config = _config(tiny_llama_dir, mode=mode, num_prefill_workers=2 if mode == "disaggregated"
                      else 0, worker_restarts=restarts)
 
@@ -333,12 +345,15 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
         streams = [cluster.generate(GenerateInput(long, token_ids=p, request_id=f"m{i}"))
                    for i, p in enumerate(prompts)]
         got = [[] for _ in prompts]
+        lps = [[] for _ in prompts]
         # Every stream has its first token, so it is committed somewhere; kill at once: the
         # tiny model decodes a step in about a millisecond (one fused call), and a stream whose
         # worker had already produced all its tokens would have nothing left to migrate.
         for i, s in enumerate(streams):
             while not got[i]:
-                got[i] += (await anext(s)).token_ids
+                ch = await anext(s)
+                got[i] += ch.token_ids
+                lps[i] += ch.logprobs or []
         victim = "decode-0"
         on_victim = [i for i in range(len(prompts))
                      if cluster.orchestrator._streams[f"m{i}"].decode_id == victim]
@@ -347,6 +362,7 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
         async def drain(i, s):
             async for ch in s:
                 got[i] += ch.token_ids
+                lps[i] += ch.logprobs or []
         try:
             await asyncio.wait_for(asyncio.gather(*[drain(i, s) for i, s in enumerate(streams)]),
                                    120)
@@ -355,11 +371,14 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
                 os.kill(status[victim].pid, signal.SIGCONT)
         journals = {i: [e.kind for e in cluster.store.journal_get(f"m{i}")] for i in on_victim}
         await _assert_no_blocks_held(cluster, timeout_s=30)
-        return got, on_victim, journals, (await cluster.stats()).migrations
+        return got, lps, on_victim, journals, (await cluster.stats()).migrations
 
-    got, on_victim, journals, migrations = _run_cluster(loop, config, body)
+    got, lps, on_victim, journals, migrations = _run_cluster(loop, config, body)
     assert on_victim, "no stream was on the lost worker"
     assert got == refs
+    assert [[lp.token_id for lp in x] for x in lps] == refs
+    for x, want in zip(lps, ref_lps, strict=True):
+        assert max(abs(lp.logprob - w) for lp, w in zip(x, want, strict=True)) < 1e-3
     assert all(j.count("migrated") == 1 and j[-1] == "finished" for j in journals.values())
     if sig == "SIGSTOP" or restarts == 0:
         reason = "worker_silent" if sig == "SIGSTOP" else "worker_died"

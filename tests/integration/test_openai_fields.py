@@ -39,8 +39,12 @@ VALUES = {
     "top_logprobs": 2, "top_p": 0.9, "user": "u", "verbosity": "low", "web_search_options": {},
 }
 # Fields this server implements, with the value above. Everything else must be a 400.
-HONOURED = {"echo", "frequency_penalty", "logit_bias", "max_completion_tokens", "max_tokens", "n",
-            "presence_penalty", "seed", "stop", "temperature", "top_p"}
+HONOURED = {"echo", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
+            "max_tokens", "n", "presence_penalty", "seed", "stop", "temperature", "top_logprobs",
+            "top_p"}
+# Where an endpoint spells a field's value its own way, and what a field needs beside it.
+ENDPOINT_VALUES = {"/v1/chat/completions": {"logprobs": True}}
+NEEDS = {"top_logprobs": {"logprobs": True}}
 BASE = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 3},
         "/v1/chat/completions": {"messages": PARIS, "max_tokens": 3}}
 SCHEMAS = {"/v1/completions": completion_create_params.CompletionCreateParamsBase,
@@ -84,7 +88,8 @@ def test_every_openai_request_field_is_honoured_or_refused_by_name(http, endpoin
     assert {"n", "logit_bias", "stop"} <= set(fields)  # the walk really reads the schema
     outcomes = {}
     for name in fields:
-        body = {**BASE[endpoint], name: VALUES[name]}
+        value = ENDPOINT_VALUES.get(endpoint, {}).get(name, VALUES[name])
+        body = {**BASE[endpoint], **NEEDS.get(name, {}), name: value}
         r = http.post(endpoint, json=body)
         if r.status_code == 200:
             outcomes[name] = "honoured"
@@ -308,3 +313,146 @@ def test_echo_starts_each_choice_with_its_prompt(http, tokenizer):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
     assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + plain
+
+
+# ---- logprobs ------------------------------------------------------------------------------
+LOGPROB_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer):
+    """transformers' own forward on the served weights: the greedy continuation of PROMPT
+    and, per generated token, its log-softmax value and the 5 most likely (ids, values). The
+    model is freed before the tests run (the suite keeps its memory lean)."""
+    import gc
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.weights import load_state_dict
+
+    model_dir = resolve_model(None).model_dir
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    missing, unexpected = hf.load_state_dict(load_state_dict(model_dir, torch.float32),
+                                             strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    hf.tie_weights()
+    hf.eval()
+    prompt = tokenizer.encode(PROMPT)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(LOGPROB_TOKENS):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float(),
+                                dim=-1)
+    tokens = ids[len(prompt):]
+    top = torch.topk(ref, 5)
+    out = {"prompt": prompt, "tokens": tokens,
+           "logprobs": [ref[i, t].item() for i, t in enumerate(tokens)],
+           "top_ids": top.indices.tolist(), "top_values": top.values.tolist()}
+    del hf, ref, top
+    gc.collect()
+    return out
+
+
+def _name(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _merged_completion_logprobs(http, body) -> tuple[str, dict]:
+    """A streamed completion's text and its chunks' logprobs joined list by list."""
+    merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    text = ""
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            if choice["logprobs"] is not None:
+                for k in merged:
+                    merged[k] += choice["logprobs"][k]
+    return text, merged
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_completion_logprobs_are_transformers_log_softmax(http, tokenizer, reference, stream):
+    """In a cluster the first token's logprob comes from the prefill worker, the rest from the
+    decode worker: every one equals transformers' log-softmax of the same sequence."""
+    body = {"prompt": reference["prompt"], "max_tokens": LOGPROB_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 3}
+    if stream:
+        pairs = [_merged_completion_logprobs(http, body)]
+    else:
+        choices = _complete(http, **body, n=2)["choices"]
+        pairs = [(c["text"], c["logprobs"]) for c in choices]
+        assert len(pairs) == 2
+    names = [_name(tokenizer, t) for t in reference["tokens"]]
+    for text, lp in pairs:
+        assert lp["tokens"] == names and "".join(names) == text
+        for step, (got, want) in enumerate(zip(lp["token_logprobs"], reference["logprobs"],
+                                               strict=True)):
+            assert abs(got - want) < 1e-3, (step, got, want)
+            top = lp["top_logprobs"][step]  # the sampled token, then the 3 most likely
+            want_top = [_name(tokenizer, t) for t in reference["top_ids"][step][:3]]
+            assert list(top) == list(dict.fromkeys([names[step], *want_top]))
+            for name, value in zip(want_top, reference["top_values"][step], strict=False):
+                assert abs(top[name] - value) < 1e-3
+        assert lp["text_offset"] == [sum(map(len, names[:i])) for i in range(len(names))]
+
+
+def test_chat_logprobs_through_the_openai_client_streamed_and_not(oai, model_id):
+    kw = dict(model=model_id, messages=PARIS, max_tokens=6, temperature=0, logprobs=True,
+              top_logprobs=2)
+    whole = oai.chat.completions.create(**kw).choices[0]
+    content = whole.logprobs.content
+    assert len(content) == 6 and "".join(e.token for e in content) == whole.message.content
+    for e in content:
+        assert e.bytes == list(e.token.encode("utf-8", errors="replace"))
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token  # greedy
+        assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
+    streamed = []
+    for chunk in oai.chat.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(streamed, content, strict=True))
+    plain = oai.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(http, reference):
+    lp = _complete(http, prompt=reference["prompt"], max_tokens=LOGPROB_TOKENS, temperature=0,
+                   logprobs=0, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in reference["tokens"]]
+    assert [list(d) for d in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+
+
+@pytest.mark.parametrize("endpoint,body,field", [
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": 1, "resumable": True}, "logprobs"),
+    ("/v1/completions", {"logprobs": 1, "echo": True}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+], ids=["too-many", "resumable", "echo", "top-without-logprobs", "top-too-many"])
+def test_logprobs_it_cannot_serve_are_400_naming_the_field(http, endpoint, body, field):
+    r = http.post(endpoint, json={**BASE[endpoint], **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err.get("param") == field or err["message"].startswith(field), err
+
+
+def test_grpc_logprobs_are_the_same_numbers(frontdoor, reference):
+    from client import InvalidArgument
+
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}") as c:
+        res = c.generate(prompt_token_ids=reference["prompt"], max_tokens=LOGPROB_TOKENS,
+                         temperature=0, ignore_eos=True, logprobs=2)
+        assert [lp.token_id for lp in res.logprobs] == res.token_ids == reference["tokens"]
+        for step, lp in enumerate(res.logprobs):
+            assert abs(lp.logprob - reference["logprobs"][step]) < 1e-3 and lp.rank == 1
+            assert [t for t, _ in lp.top] == reference["top_ids"][step][:2]
+        assert c.generate(PROMPT, max_tokens=2).logprobs is None
+        with pytest.raises(InvalidArgument, match="logprobs"):
+            c.generate(PROMPT, max_tokens=2, logprobs=1, resume=True)

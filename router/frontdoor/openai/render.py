@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from engine.request import TokenLogprob
 from router.contract import GenerationChunk, Usage
+from router.frontdoor.openai.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
 
 __all__ = ["ChatRenderer", "Collected", "CompletionRenderer", "Renderer", "usage_json"]
 
@@ -29,6 +31,19 @@ class Collected:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+
+    def add(self, c: GenerationChunk) -> None:
+        """Append one chunk of this choice's stream."""
+        self.text += c.text
+        self.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(c.logprobs)
+        if c.finished:
+            self.finish_reason = c.finish_reason
+            if c.usage is not None:
+                self.prompt_tokens = c.usage.prompt_tokens
+                self.completion_tokens = c.usage.completion_tokens
 
 
 def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -43,6 +58,8 @@ class Renderer:
     response_id: str
     created: int  # unix seconds
     model_id: str
+    # How logprobs name tokens; None when the request asked for no logprobs.
+    names: TokenNames | None = None
 
     whole_object: ClassVar[str]  # OpenAI's "object" of a non-streamed response
     chunk_object: ClassVar[str]  # ... and of each streamed chunk
@@ -55,8 +72,9 @@ class Renderer:
 
     def chunk(self, c: GenerationChunk, index: int = 0) -> dict | None:
         """One SSE payload of choice ``index``, or None for a chunk that adds nothing a client
-        sees (no text, not the last)."""
-        if not c.text and not c.finished and not self._has_more(index):
+        sees (no text, no logprobs, not the last)."""
+        if not c.text and not c.finished and not self._has_more(index) \
+                and not (self.names is not None and c.token_ids):
             return None
         return self._envelope(self.chunk_object, [self._chunk_choice(c, index)])
 
@@ -89,10 +107,19 @@ class CompletionRenderer(Renderer):
     # with its first streamed chunk).
     echo: dict[int, str] = field(default_factory=dict)
     _echoed: set[int] = field(default_factory=set, init=False)
+    _logprobs: dict[int, CompletionLogprobs] = field(default_factory=dict, init=False)
+
+    def _logprobs_json(self, index: int, lps: list[TokenLogprob] | None) -> dict | None:
+        if self.names is None or lps is None:
+            return None
+        if index not in self._logprobs:  # offsets count from the choice's first character
+            self._logprobs[index] = CompletionLogprobs(self.names, len(self.echo.get(index, "")))
+        return self._logprobs[index].render(lps)
 
     def _whole_choice(self, out: Collected) -> dict:
         return {"index": out.index, "text": self.echo.get(out.index, "") + out.text,
-                "logprobs": None, "finish_reason": out.finish_reason}
+                "logprobs": self._logprobs_json(out.index, out.logprobs or []),
+                "finish_reason": out.finish_reason}
 
     def _has_more(self, index: int) -> bool:
         return index in self.echo and index not in self._echoed
@@ -102,7 +129,7 @@ class CompletionRenderer(Renderer):
         if self._has_more(index):
             text = self.echo[index] + text
             self._echoed.add(index)
-        return {"index": index, "text": text, "logprobs": None,
+        return {"index": index, "text": text, "logprobs": self._logprobs_json(index, c.logprobs),
                 "finish_reason": c.finish_reason if c.finished else None}
 
 
@@ -116,7 +143,13 @@ class ChatRenderer(Renderer):
 
     def _whole_choice(self, out: Collected) -> dict:
         return {"index": out.index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": None, "finish_reason": out.finish_reason}
+                "logprobs": self._logprobs_json(out.logprobs or []),
+                "finish_reason": out.finish_reason}
+
+    def _logprobs_json(self, lps: list[TokenLogprob] | None) -> dict | None:
+        if self.names is None or lps is None:
+            return None
+        return chat_logprobs(lps, self.names)
 
     def _chunk_choice(self, c: GenerationChunk, index: int) -> dict:
         delta: dict[str, str] = {}
@@ -126,5 +159,5 @@ class ChatRenderer(Renderer):
         # The final chunk carries only the finish_reason unless it also brought text.
         if c.text or not c.finished:
             delta["content"] = c.text
-        return {"index": index, "delta": delta, "logprobs": None,
+        return {"index": index, "delta": delta, "logprobs": self._logprobs_json(c.logprobs),
                 "finish_reason": c.finish_reason if c.finished else None}

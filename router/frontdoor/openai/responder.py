@@ -174,13 +174,7 @@ class OpenAIResponder:
         stream = self._open(inp)
         try:
             async for c in stream:
-                out.text += c.text
-                out.token_ids.extend(c.token_ids)
-                if c.finished:
-                    out.finish_reason = c.finish_reason
-                    if c.usage is not None:
-                        out.prompt_tokens = c.usage.prompt_tokens
-                        out.completion_tokens = c.usage.completion_tokens
+                out.add(c)
         finally:
             await stream.aclose()
         return out
@@ -275,12 +269,7 @@ async def _collect_choices(first: GenerateInput, choices: ChoiceStreams) -> list
     choices.start()
     try:
         async for item in choices.events():
-            out = outs.setdefault(item.index, Collected(_public_id(first), item.index))
-            c = item.chunk
-            out.text += c.text
-            out.token_ids.extend(c.token_ids)
-            if c.finished:
-                out.finish_reason = c.finish_reason
+            outs.setdefault(item.index, Collected(_public_id(first), item.index)).add(item.chunk)
     finally:
         await choices.aclose()
     return list(outs.values())

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.request import (
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -66,7 +67,6 @@ class _SamplingFields(BaseModel):
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
-    logprobs: Literal[False] | None = None  # logprobs: planned
     logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
                                Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
@@ -78,8 +78,15 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[_TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool | None = None
+    # vLLM's: each token in logprobs as "token_id:<id>" rather than its text
+    return_tokens_as_token_ids: bool = False
     # pdcluster: keep generating if the client goes away; resume with GET /v1/streams/{id}
     resumable: bool = False
+
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives each token's logprobs list (0: the token alone), or None
+        when the request asked for no logprobs; each endpoint spells it its own way."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -122,12 +129,18 @@ class _SamplingFields(BaseModel):
                 and not self.stream_options.include_usage:
             raise InvalidRequestError("stream_options.continuous_usage_stats: needs "
                                       "include_usage=true")
+        k = self.top_logprobs_k()
+        if k is not None and self.resumable:
+            # A resumed stream is replayed from its log, which keeps token ids only.
+            raise InvalidRequestError("logprobs: not available on a resumable request")
         kw: dict[str, Any] = {k: getattr(self, k) for k in (
             "max_tokens", "temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos",
             "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "min_p",
             "repetition_penalty") if getattr(self, k) is not None}
         if self.logit_bias:
             kw["logit_bias"] = dict(self.logit_bias)  # SamplingParams checks the keys are ids
+        if k is not None:
+            kw["logprobs"] = k
         if "max_tokens" not in kw and default_max_tokens is not None:
             kw["max_tokens"] = default_max_tokens
         if self.stop is not None:
@@ -145,9 +158,17 @@ class CompletionRequest(_SamplingFields):
              | Annotated[list[Annotated[list[_TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_CHOICES)])
     echo: bool = False  # each choice's text starts with its prompt
+    # OpenAI's legacy shape: an int, the alternatives per token (OpenAI allows 5, vLLM 20)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
 
     def to_inputs(self, request_id: str) -> list[GenerateInput]:
         """One input per choice (``expand``). Raises ValueError naming a bad field."""
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("logprobs: with echo this asks for the prompt's "
+                                      "logprobs, which are not served yet")
         sampling = self.to_sampling(default_max_tokens=None)
         return self.expand(self._prompts(), request_id, sampling)
 
@@ -182,6 +203,13 @@ class _ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[_ChatMessage], Field(min_length=1)]
     max_completion_tokens: _MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def top_logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs: needs logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_inputs(self, request_id: str, max_model_len: int,
                   chat_template: Callable[[list[dict]], list[int]]) -> list[GenerateInput]:
