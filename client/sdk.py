@@ -266,7 +266,9 @@ class Client:
         ignore_eos, min_tokens, include_stop_str_in_output, presence_penalty,
         frequency_penalty, repetition_penalty, min_p, logit_bias ({token id: bias}),
         logprobs (0-20: each chunk's ``logprobs`` then gives every token's log-probability and
-        that many alternatives; not with ``resume``) (unset: server defaults).
+        that many alternatives; not with ``resume``), structured (the output matches one of
+        ``{"json": schema}``, ``{"json_object": True}``, ``{"regex": str}``,
+        ``{"choice": [str, ...]}``, ``{"grammar": lark_or_gbnf}``) (unset: server defaults).
         ``resume``: the request survives a broken call (router restarted, connection cut)
         and this stream resumes it by itself from the last token received (UNAVAILABLE is
         retried up to ``RetryPolicy.max_resumes`` times); without it, a broken call after

@@ -4,6 +4,7 @@ conversions between them and the wire messages. Shared by ``Client`` and ``Async
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ REQUEST_ID_METADATA_KEY = "x-request-id"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                   "logit_bias", "logprobs")
+                   "logit_bias", "logprobs", "structured")
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -235,9 +236,32 @@ def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
         elif name == "logit_bias":  # {token id: bias}
             for tok, bias in value.items():
                 s.logit_bias[int(tok)] = bias
+        elif name == "structured":
+            kind, spec = structured_spec(value)
+            s.structured.kind, s.structured.spec = kind, spec
         else:
             setattr(s, name, value)
     return req
+
+
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def structured_spec(value: dict) -> tuple[str, str]:
+    """The SDK's ``structured`` argument (one of ``{"json": schema}``, ``{"json_object":
+    True}``, ``{"regex": str}``, ``{"choice": [str, ...]}``, ``{"grammar": lark_or_gbnf}``:
+    vLLM's ``structured_outputs`` keys) as the wire's (kind, spec). Raises ValueError."""
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _STRUCTURED_KEYS:
+        raise ValueError(f"structured: one of {', '.join(_STRUCTURED_KEYS)} as a one-key dict, "
+                         f"got {value!r}")
+    (key, v), = value.items()
+    if key == "json":
+        return "json_schema", v if isinstance(v, str) else json.dumps(v)
+    if key == "json_object":
+        return "json_object", ""
+    if key == "choice":
+        return "choice", json.dumps(list(v))
+    return key, v
 
 
 def chunk_from_response(resp: pb.GenerateResponse) -> StreamChunk:

@@ -67,6 +67,7 @@ _SIGNATURES = {
     "wide_linear_work_floats": [_I64, _I64, _INT],
     "prefill_attention": [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
                           _I64, _F32, _INT],
+    "apply_bitmask": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
 }
 _RESTYPES = {"decode_layers_work_floats": _I64, "wide_linear_work_floats": _I64}
 
@@ -318,6 +319,29 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_p
                           out.data_ptr(), out.stride(0), lq, start_pos, h, kvh, d, d ** -0.5,
                           torch.get_num_threads())
     return True
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """In each row ``rows[r]`` of ``logits [N, vocab]`` (fp32), the tokens whose bit in
+    ``bitmask[r]`` (int32 words, token i in bit i % 32 of word i // 32) is 0 become -inf, in
+    place."""
+    lib = library()
+    if lib is None or not _fits(logits) or logits.dim() != 2 or logits.stride(1) != 1 \
+            or bitmask.dtype != torch.int32 or not bitmask.is_contiguous():
+        apply_bitmask_torch(logits, rows, bitmask)
+        return
+    index = torch.tensor(rows, dtype=torch.int64)
+    lib.apply_bitmask(logits.data_ptr(), logits.stride(0), index.data_ptr(), len(rows),
+                      bitmask.data_ptr(), bitmask.shape[1], logits.shape[1])
+
+
+def apply_bitmask_torch(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    bitmask = bitmask.to(logits.device)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:len(rows), :, None] >> bits) & 1).reshape(len(rows), -1)
+    allowed = allowed[:, :logits.shape[1]].bool()
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def decode_applies(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

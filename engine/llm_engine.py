@@ -35,6 +35,7 @@ from engine.request import (
 )
 from engine.scheduler import Scheduler, StepUpdate
 from engine.step_times import DecodeStepTimes
+from engine.structured import Grammars
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from engine.weights import load_model_config, load_state_dict, resolve_model
 
@@ -155,7 +156,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, args.block_size,
                                           enable_prefix_caching=args.enable_prefix_caching,
                                           hash_seed=args.prefix_hash_seed)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock)
+        grammars = (Grammars(self.tokenizer.hf_tokenizer, cfg.vocab_size, eos)
+                    if self.tokenizer is not None else None)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock, grammars)
         self.kv_connector = KVConnector(self.scheduler, self.block_manager, self.runner,
                                         self.eos_token_ids, clock)
         self.clock = clock

@@ -31,6 +31,7 @@ from engine.fused_decode import FusedDecodePlan
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.sampling import SampleRow, sample, token_logprobs
 from engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.structured import mask_logits
 
 log = logging.getLogger(__name__)
 _logged_torch_graphs_off = False  # log that once per process, not once per engine
@@ -47,16 +48,17 @@ class StepInputs:
     bucket: int | None = None
 
 
-def _sample_rows_apart(logits: torch.Tensor, rows: list[SampleRow],
+def _sample_rows_apart(logits: torch.Tensor, raw: torch.Tensor, rows: list[SampleRow],
                        chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
     """Sample each row on its own: the rows that raise fail their request only (validation
-    should have refused them; this keeps a missed case from stopping the whole batch)."""
+    should have refused them; this keeps a missed case from stopping the whole batch).
+    ``logits``: as the sampler takes them (grammar masks applied); ``raw``: the model's."""
     out = ModelRunnerOutput()
     for i, (row, chunk) in enumerate(zip(rows, chunks, strict=True)):
         try:
             token = sample(logits[i:i + 1].clone(), [row])[0]
             out.sampled_token_ids[chunk.request_id] = token
-            lp = token_logprobs(logits[i:i + 1], [row], [token])[0]
+            lp = token_logprobs(raw[i:i + 1], [row], [token])[0]
             if lp is not None:
                 out.logprobs[chunk.request_id] = lp
         except Exception as e:
@@ -186,10 +188,19 @@ class ModelRunner:
                 for c in inp.sample_chunks]
         # The sampler adjusts logits in place; logprobs describe the model's own.
         raw = logits.clone() if any(r.params.logprobs is not None for r in rows) else None
+        constrained = [i for i, c in enumerate(inp.sample_chunks) if c.grammar is not None]
+        states = [inp.sample_chunks[i].grammar for i in constrained]
+        if constrained:
+            mask_logits(logits, constrained, states)
         try:
             tokens = sample(logits, rows)
         except Exception:  # one row's parameters broke the batch: find it, fail it alone
-            return _sample_rows_apart(logits if raw is None else raw, rows, inp.sample_chunks)
+            if raw is None:  # what the sampler left (masked tokens stay -inf through it)
+                return _sample_rows_apart(logits, logits, rows, inp.sample_chunks)
+            base = raw.clone()
+            if constrained:  # the states did not move: the same masks again
+                mask_logits(base, constrained, states)
+            return _sample_rows_apart(base, raw, rows, inp.sample_chunks)
         out = ModelRunnerOutput({c.request_id: t
                                  for c, t in zip(inp.sample_chunks, tokens, strict=True)})
         if raw is not None:

@@ -10,6 +10,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -92,6 +98,12 @@ class SamplingParams:
     ``logprobs``: None (off) or how many top alternatives (0-20) to report with each
     generated token's log-probability; taken from the model's raw logits, before any of the
     adjustments above (vLLM's default), so they describe the model, not the sampler.
+
+    ``structured``: the output must match a grammar (``engine.structured.StructuredOutput``:
+    a JSON schema, any JSON object, a regex, a choice of strings, a Lark / GBNF grammar);
+    tokens the grammar does not allow next are masked before every adjustment above, and the
+    request ends (finish reason "stop") as soon as the grammar is complete. A spec that does
+    not compile is a ValueError here.
     """
 
     max_tokens: int = 16
@@ -110,6 +122,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
     # Set by the router when a request migrates: how many tokens it generated elsewhere
     # before. Seeded sampling continues from that position, so the stream stays the one an
     # undisturbed run would have produced. Clients leave it 0.
@@ -120,6 +133,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.logit_bias, dict):  # JSON (stream logs, HTTP) keys ids as strings
             self.logit_bias = {_token_id_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.structured, dict):  # as JSON (stream logs) spells it
+            self.structured = StructuredOutput(**self.structured)
         self.validate()
 
     def validate(self) -> None:
@@ -185,6 +200,8 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or unset, "
                              f"got {self.logprobs!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
         if not _is_int(self.sample_index_offset) or self.sample_index_offset < 0:
             raise ValueError(f"sample_index_offset must be an integer >= 0, "
                              f"got {self.sample_index_offset!r}")
@@ -228,9 +245,12 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None  # why it failed (status FINISHED_ERROR)
-    # One per sampled output token when SamplingParams.logprobs is set (a token that arrived
-    # from elsewhere, a prefill worker's first token, has none here).
+    # One per sampled output token when SamplingParams.logprobs is set (a prefill worker's
+    # first token brings its own along).
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Where the output stands in its grammar (SamplingParams.structured); set by the
+    # scheduler when the request enters, fed every token the request outputs.
+    grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,6 +22,7 @@ from itertools import islice
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import QueueFullError, Request, RequestStatus, SamplingParams, TokenLogprob
+from engine.structured import Grammars, GrammarState
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class ScheduledChunk:
     prompt_token_ids: list[int] = field(default_factory=list)  # (repetition penalty); do not mutate
     export_kv: bool = False
     export_from: int = 0  # first prompt position whose KV leaves (Request.export_from)
+    grammar: GrammarState | None = None  # the request's (SamplingParams.structured)
 
     @property
     def num_tokens(self) -> int:
@@ -94,8 +96,12 @@ class Scheduler:
     """Owns the waiting queue, the running batch and (through BlockManager) their KV blocks."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 grammars: Grammars | None = None) -> None:
         self.config = config
+        # Grammar states for requests with SamplingParams.structured (None: a model without
+        # a tokenizer, which refuses them).
+        self.grammars = grammars
         self.blocks = block_manager
         self.clock = clock
         self.waiting: deque[Request] = deque()
@@ -117,6 +123,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        self._start_grammar(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         ahead = next((i for i, r in enumerate(self.waiting) if r.priority < request.priority),
@@ -135,6 +142,7 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        self._start_grammar(request)
         # The leading blocks our own prefix cache already holds are pinned, not received:
         # the prefill worker sends only the tokens after them (``num_cached_tokens``).
         computed = self.blocks.get_computed_blocks(request.prompt_token_ids)
@@ -165,7 +173,11 @@ class Scheduler:
         req.first_token_time = req.first_token_time or now
         req.token_times.append(now)
         req.status = RequestStatus.WAITING
-        self._check_stop(req, first_token_id)
+        if req.grammar is not None and not req.grammar.accept(first_token_id):
+            req.error = f"structured output: {req.grammar.error}"
+            req.status = RequestStatus.FINISHED_ERROR
+        else:
+            self._check_stop(req, first_token_id)
         if req.is_finished:
             self._free(req)
         else:
@@ -300,6 +312,7 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             export_kv=req.export_kv,
             export_from=req.export_from,
+            grammar=req.grammar,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -334,6 +347,12 @@ class Scheduler:
                 updates.append(StepUpdate(req, []))
                 continue
             token = result.sampled_token_ids[chunk.request_id]
+            if req.grammar is not None and not req.grammar.accept(token):
+                # The mask allowed only what the grammar allows: this is the grammar's fault.
+                req.error = f"structured output: {req.grammar.error}"
+                self.finish_request(req, RequestStatus.FINISHED_ERROR)
+                updates.append(StepUpdate(req, []))
+                continue
             req.output_token_ids.append(token)
             if chunk.request_id in result.logprobs:
                 req.output_logprobs.append(result.logprobs[chunk.request_id])
@@ -347,9 +366,26 @@ class Scheduler:
             updates.append(StepUpdate(req, [token]))
         return updates
 
+    def _start_grammar(self, req: Request) -> None:
+        """Give a constrained request its grammar state, after the tokens it generated
+        elsewhere (the last ``sample_index_offset`` of its prompt). Raises ValueError."""
+        structured = req.sampling_params.structured
+        if structured is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured output: this model has no tokenizer to build "
+                             "a grammar for")
+        moved = req.sampling_params.sample_index_offset
+        req.grammar = self.grammars.start(
+            structured, req.prompt_token_ids[len(req.prompt_token_ids) - moved:] if moved else ())
+
     def _check_stop(self, req: Request, token: int) -> None:
         sp = req.sampling_params
         n = len(req.output_token_ids)
+        if req.grammar is not None and req.grammar.stopped:  # complete: nothing may follow
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token
+            return
         is_stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
         if is_stop and n >= sp.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED

@@ -738,3 +738,28 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
         }
     }
 }
+
+/* Grammar masks: in logits row rows[r] (rows `stride` floats apart) every token i whose bit
+ * (mask[r * words + i / 32] >> i % 32) & 1 is 0 becomes -inf. A word of all ones (the common
+ * case in a permissive state) is skipped whole, one of all zeros filled whole. -inf is
+ * written as its bit pattern: -ffast-math assumes no infinities in arithmetic. */
+void apply_bitmask(float *logits, int64_t stride, const int64_t *rows, int64_t nrows,
+                   const int32_t *mask, int64_t words, int64_t vocab) {
+    const uint32_t neg_inf = 0xFF800000u;
+    for (int64_t r = 0; r < nrows; r++) {
+        uint32_t *row = (uint32_t *)(logits + rows[r] * stride);
+        const uint32_t *m = (const uint32_t *)(mask + r * words);
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            int64_t base = w * 32, end = base + 32 < vocab ? base + 32 : vocab;
+            if (bits == 0) {
+#pragma omp simd
+                for (int64_t i = base; i < end; i++) row[i] = neg_inf;
+                continue;
+            }
+            for (int64_t i = base; i < end; i++)
+                if (!((bits >> (i - base)) & 1u)) row[i] = neg_inf;
+        }
+    }
+}

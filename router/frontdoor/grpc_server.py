@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.request import SamplingParams
+from engine.structured import StructuredOutput
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
 from router.contract import (
@@ -55,6 +56,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         if name in kwargs:
             kwargs[name] = round(kwargs[name], 6)
     bias = {int(t): round(v, 6) for t, v in msg.logit_bias.items()}
+    if msg.HasField("structured"):
+        kwargs["structured"] = StructuredOutput(msg.structured.kind, msg.structured.spec)
     return SamplingParams(**kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                           logit_bias=bias)
 

@@ -16,6 +16,7 @@ description in ``/openapi.json``, which would change what that endpoint serves.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -31,6 +32,7 @@ from engine.request import (
     MAX_TEMPERATURE,
     SamplingParams,
 )
+from engine.structured import StructuredOutput, choice_spec
 from router.contract import GenerateInput, InvalidRequestError
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest"]
@@ -49,6 +51,57 @@ class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+
+
+class _JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    # OpenAI's field is "schema"; pydantic reserves the name, hence the alias.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always matches the schema, strict or not
+
+
+class _ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaFormat | None = None
+
+    def to_structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.json_schema is None:
+            raise InvalidRequestError("response_format: type json_schema needs json_schema")
+        return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_ or {}))
+
+
+class _StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+
+    def to_structured(self) -> StructuredOutput:
+        given = [k for k in ("json_", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs: give exactly one of json, "
+                                      "json_object, regex, choice, grammar")
+        kind = given[0]
+        if kind == "json_":
+            spec = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return StructuredOutput("json_schema", spec)
+        if kind == "json_object":
+            return StructuredOutput("json_object")
+        if kind == "choice":
+            return StructuredOutput("choice", choice_spec(self.choice))
+        return StructuredOutput(kind, getattr(self, kind))
 
 
 class _SamplingFields(BaseModel):
@@ -80,6 +133,10 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = None
     # vLLM's: each token in logprobs as "token_id:<id>" rather than its text
     return_tokens_as_token_ids: bool = False
+    # The output matches a JSON schema / any JSON object (OpenAI's; vLLM takes it on
+    # completions too), or vLLM's structured_outputs (json, regex, choice, grammar)
+    response_format: _ResponseFormat | None = None
+    structured_outputs: _StructuredOutputs | None = None
     # pdcluster: keep generating if the client goes away; resume with GET /v1/streams/{id}
     resumable: bool = False
 
@@ -87,6 +144,28 @@ class _SamplingFields(BaseModel):
         """How many alternatives each token's logprobs list (0: the token alone), or None
         when the request asked for no logprobs; each endpoint spells it its own way."""
         raise NotImplementedError
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match (``response_format`` or ``structured_outputs``, not
+        both). Raises InvalidRequestError naming the field and the problem."""
+        fmt = self.response_format.to_structured if self.response_format is not None else None
+        so = self.structured_outputs.to_structured if self.structured_outputs is not None \
+            else None
+        if fmt is not None and so is not None and self.response_format.type != "text":
+            raise InvalidRequestError("structured_outputs: not together with a "
+                                      "response_format other than text")
+        for name, make in (("response_format", fmt), ("structured_outputs", so)):
+            if make is None:
+                continue
+            try:
+                out = make()
+            except InvalidRequestError:
+                raise
+            except ValueError as e:  # the spec does not compile: say which field and why
+                raise InvalidRequestError(f"{name}: {e}") from None
+            if out is not None:
+                return out
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -141,6 +220,9 @@ class _SamplingFields(BaseModel):
             kw["logit_bias"] = dict(self.logit_bias)  # SamplingParams checks the keys are ids
         if k is not None:
             kw["logprobs"] = k
+        structured = self.structured_output()
+        if structured is not None:
+            kw["structured"] = structured
         if "max_tokens" not in kw and default_max_tokens is not None:
             kw["max_tokens"] = default_max_tokens
         if self.stop is not None:
