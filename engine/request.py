@@ -100,7 +100,7 @@ class SamplingParams:
     adjustments above (vLLM's default), so they describe the model, not the sampler.
 
     ``structured``: the output must match a grammar (``engine.structured.StructuredOutput``:
-    a JSON schema, any JSON object, a regex, a choice of strings, a Lark / GBNF grammar);
+    a JSON schema, any JSON object, a regex, a choice of strings, an EBNF / GBNF grammar);
     tokens the grammar does not allow next are masked before every adjustment above, and the
     request ends (finish reason "stop") as soon as the grammar is complete. A spec that does
     not compile is a ValueError here.

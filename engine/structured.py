@@ -1,25 +1,27 @@
 """Structured outputs: a request's generated text constrained to a grammar (a JSON schema, any
-JSON object, a regex, one of a list of strings, or a Lark / GBNF grammar).
+JSON object, a regex, one of a list of strings, or an EBNF / GBNF grammar).
 
 At every sampling step a constrained row's logits keep only the tokens its grammar allows next
-(a bitmask from llguidance, applied before the sampler's own adjustments); after the token is
+(a bitmask from xgrammar, applied before the sampler's own adjustments); after the token is
 sampled, the grammar state consumes it. Whichever engine samples does this: the prefill worker
 for a request's first token, the decode worker for the rest, the colocated engine for all.
 
-Why llguidance (``python -m bench.studies.grammar_mask``, docs/benchmarks.md): on this CPU and
-the default model's 49k-token vocabulary its mask costs 3-5 us per token (xgrammar's 2-4 us),
-applying it to a logits row 29 us (xgrammar's CPU path 200 us on a sparse mask), compiling a
-schema 1-2 ms (xgrammar 6-7 ms, outlines-core 72 ms, and 6.7 s for "any JSON object"); it is
-one wheel with no dependencies (xgrammar brings triton and a TVM runtime), and it takes Lark
-grammars with regex lexemes and converts GBNF.
+Why xgrammar (``python -m bench.studies.grammar_mask``, docs/benchmarks.md): on this CPU and
+the default model's 49k-token vocabulary, walking JSON documents token by token, its mask
+costs 4-16 us per token inside strings as well as between them; llguidance's is as cheap
+between strings but up to 120-230 us inside bounded (``maxLength``) strings, 5-7 ms a step at
+32 constrained rows; outlines-core needs seconds to index "any JSON object".
+xgrammar's own CPU apply is slow on sparse masks (~200 us a row), so the mask is applied by
+our C loop (``engine.cpu_ops.apply_bitmask``).
 
 Who owns what: ``StructuredOutput`` is the request's spec (a frozen value in
 ``SamplingParams``; validated where the request is built, so a grammar that does not compile
 is refused at the door, naming the problem). ``Grammars`` belongs to one engine (its tokenizer
-as llguidance sees it); it makes one ``GrammarState`` per constrained request, which the
-request owns. A request that migrates or resumes elsewhere arrives with the tokens it already
-generated at the end of its prompt (``SamplingParams.sample_index_offset`` of them): its new
-state consumes them first, so the grammar continues where it was.
+as xgrammar sees it, and a compiler with a cache); it makes one ``GrammarState`` per
+constrained request, which the request owns. A request that migrates or resumes elsewhere
+arrives with the tokens it already generated at the end of its prompt
+(``SamplingParams.sample_index_offset`` of them): its new state consumes them first, so the
+grammar continues where it was.
 """
 
 from __future__ import annotations
@@ -38,19 +40,19 @@ __all__ = ["STRUCTURED_KINDS", "GrammarState", "Grammars", "StructuredOutput", "
 
 # json_object: any JSON object; json_schema: ``spec`` is the schema (JSON text); regex: a
 # regular expression the whole output matches; choice: ``spec`` is a JSON list of strings, the
-# output is one of them; grammar: a Lark grammar (llguidance's dialect), or GBNF (``::=``).
+# output is one of them; grammar: EBNF in xgrammar's dialect (GBNF's: ``root ::= ...``).
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024  # what a request may send; a bigger grammar is refused at the door
-# JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): llguidance's default allows any run of
+# JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): xgrammar's default allows any run of
 # whitespace between tokens, and a sampled model then fills documents with newlines until
-# max_tokens. A schema may choose otherwise in its "x-guidance" (applied after these).
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# max_tokens.
+_JSON_LAYOUT = {"any_whitespace": False, "separators": (", ", ": ")}
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must match. Raises ValueError naming the problem when the
-    kind is unknown or the spec does not compile (llguidance's own message)."""
+    kind is unknown or the spec does not compile (xgrammar's own message)."""
 
     kind: str
     spec: str = ""
@@ -68,8 +70,8 @@ class StructuredOutput:
             raise ValueError(f"structured output: {self.kind} needs a spec")
         _grammar(self.kind, self.spec)  # compiles (cached) or raises ValueError
 
-    def grammar(self) -> str:
-        """The llguidance grammar (cached per spec)."""
+    def grammar(self):
+        """The xgrammar ``Grammar`` (cached per spec)."""
         return _grammar(self.kind, self.spec)
 
 
@@ -78,27 +80,34 @@ def choice_spec(choices: Sequence[str]) -> str:
     return json.dumps(list(choices))
 
 
+def _clean(e: Exception) -> str:
+    """xgrammar's error message without its "[time] /path/file.cc:line: " prefix."""
+    text = str(e).strip()
+    return text.split(": ", 1)[1].strip() if text.startswith("[") and ": " in text else text
+
+
+def _ebnf_string(s: str) -> str:
+    """``s`` as an EBNF string literal (JSON's escapes, which xgrammar's parser reads)."""
+    return json.dumps(s, ensure_ascii=False)
+
+
 @functools.lru_cache(maxsize=256)
-def _grammar(kind: str, spec: str) -> str:
-    """``kind`` + ``spec`` as an llguidance grammar, checked to compile (ValueError if not)."""
+def _grammar(kind: str, spec: str):
+    """``kind`` + ``spec`` as an xgrammar ``Grammar`` (tokenizer-free), checked to build
+    (ValueError naming the problem if not)."""
     try:
-        import llguidance
+        import xgrammar as xgr
     except ImportError as e:  # a declared dependency; only a broken install lacks it
-        raise ValueError(f"structured output needs the llguidance package: {e}") from None
-    M = llguidance.LLMatcher
-    if kind == "json_object":
-        grammar = M.grammar_from_json_schema({"type": "object"}, defaults=_JSON_LAYOUT)
-    elif kind == "json_schema":
+        raise ValueError(f"structured output needs the xgrammar package: {e}") from None
+    what = kind.replace("_", " ")
+    if kind == "json_schema":
         try:
             schema = json.loads(spec)
         except json.JSONDecodeError as e:
             raise ValueError(f"structured output: the JSON schema is not JSON: {e}") from None
-        if not isinstance(schema, dict | bool):
+        if not isinstance(schema, dict):
             raise ValueError("structured output: a JSON schema must be an object")
-        grammar = M.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
-    elif kind == "regex":
-        grammar = M.grammar_from_regex(spec)
-    elif kind == "choice":
+    if kind == "choice":
         try:
             choices = json.loads(spec)
         except json.JSONDecodeError:
@@ -107,82 +116,96 @@ def _grammar(kind: str, spec: str) -> str:
                 or not all(isinstance(c, str) and c for c in choices):
             raise ValueError("structured output: choice must be a non-empty list of "
                              "non-empty strings")
-        lark = "start: " + " | ".join(json.dumps(c) for c in choices)
-        grammar = M.grammar_from_lark(lark)
-    else:
-        from llguidance.gbnf_to_lark import any_to_lark
-
-        try:  # Lark as it is; GBNF (llama.cpp's, xgrammar's EBNF) converted
-            lark = any_to_lark(spec)
-        except Exception as e:
-            raise ValueError(f"structured output: the grammar is neither Lark nor GBNF: "
-                             f"{e}") from None
-        grammar = M.grammar_from_lark(lark)
-    err = M.validate_grammar(grammar)
-    if err:
-        raise ValueError(f"structured output: the {kind.replace('_', ' ')} does not compile: "
-                         f"{err.strip()}")
-    return grammar
+    try:
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), **_JSON_LAYOUT)
+        if kind == "json_schema":
+            return xgr.Grammar.from_json_schema(spec, **_JSON_LAYOUT)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(map(_ebnf_string, choices)))
+        return xgr.Grammar.from_ebnf(spec)
+    except RuntimeError as e:
+        raise ValueError(f"structured output: the {what} does not compile: {_clean(e)}") from None
 
 
 class GrammarState:
     """One request's position in its grammar. Owned by the request; the engine loop alone
     touches it (sampling fills its mask, the scheduler feeds it each sampled token)."""
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._m = matcher
+        self._vocab = vocab_size
+        self._stops = list(stop_token_ids)
+        self._stopped = False
+        self.error = ""
 
     def accept(self, token_id: int) -> bool:
         """Consume a sampled token; False (and ``error`` set) when the grammar refuses it."""
-        return self._m.consume_token(token_id)
+        if not self._m.accept_token(token_id):
+            self.error = f"token {token_id} does not continue the grammar"
+            return False
+        # Complete, and nothing but a stop token could follow: the request ends here rather
+        # than spending a step on the one token left (a complete "[0-9]+" can still grow).
+        self._stopped = self._m.is_terminated() or (self._m.is_completed()
+                                                    and self._only_stops_left())
+        return True
 
     @property
     def stopped(self) -> bool:
         """The grammar is complete and admits no further token (the request ends)."""
-        return self._m.is_stopped()
-
-    @property
-    def error(self) -> str:
-        return self._m.get_error()
+        return self._stopped
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (one bit per token)."""
-        import llguidance.torch as lt
+        self._m.fill_next_token_bitmask(bitmask, row)
 
-        lt.fill_next_token_bitmask(self._m, bitmask, row)
+    def _only_stops_left(self) -> bool:
+        import torch
+
+        words = torch.full((1, (self._vocab + 31) // 32), -1, dtype=torch.int32)
+        self._m.fill_next_token_bitmask(words, 0)
+        for t in self._stops:  # clear the stop tokens' bits: is anything else allowed?
+            words[0, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
+        return not bool(words.any())
 
 
 class Grammars:
-    """One engine's grammar machinery: its tokenizer as llguidance sees it (built on first
-    use: engines that never see a constrained request pay nothing)."""
+    """One engine's grammar machinery: its tokenizer as xgrammar sees it and a compiler that
+    caches compiled grammars (built on first use: engines that never see a constrained
+    request pay nothing)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._hf = hf_tokenizer
         self._vocab = vocab_size
         self._eos = list(eos_token_ids)
-        self._tok = None
+        self._compiler = None
 
-    def _tokenizer(self):
-        if self._tok is None:
-            import llguidance.hf
+    def _compile(self, structured: StructuredOutput):
+        import xgrammar as xgr
 
-            self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab,
-                                                     eos_token=self._eos[0] if self._eos else None)
-        return self._tok
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self._vocab,
+                                                      stop_token_ids=self._eos or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        return self._compiler.compile_grammar(structured.grammar())
 
     def start(self, structured: StructuredOutput, generated: Sequence[int] = ()) -> GrammarState:
         """A state at the grammar's start, after ``generated`` (tokens this request generated
-        before, elsewhere). Raises ValueError when the grammar does not build for this
-        tokenizer or refuses those tokens."""
-        import llguidance
+        before, elsewhere). Raises ValueError when the grammar refuses those tokens."""
+        import xgrammar as xgr
 
-        m = llguidance.LLMatcher(self._tokenizer(), structured.grammar(), log_level=0)
-        if m.is_error():
-            raise ValueError(f"structured output: {m.get_error()}")
-        if generated and not m.consume_tokens(list(generated)):
-            raise ValueError(f"structured output: the tokens generated so far do not match "
-                             f"the grammar: {m.get_error()}")
-        return GrammarState(m)
+        try:
+            compiled = self._compile(structured)
+        except RuntimeError as e:
+            raise ValueError(f"structured output: {_clean(e)}") from None
+        state = GrammarState(xgr.GrammarMatcher(compiled), self._vocab, self._eos)
+        for t in generated:
+            if not state.accept(t):
+                raise ValueError(f"structured output: the tokens generated so far do not "
+                                 f"match the grammar ({state.error})")
+        return state
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
@@ -192,8 +215,8 @@ def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState
 
     from engine import cpu_ops
 
-    # Our own apply: llguidance's is a torch.compile'd function (seconds of compiling on the
-    # first constrained request; 29 us a row after), ours a C loop that skips all-ones words.
+    # Our own apply: xgrammar's CPU apply takes ~200 us a row on a sparse mask, ours ~13 us
+    # (a C loop that skips all-ones words and fills all-zeros ones).
     bitmask = torch.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
     for i, s in enumerate(states):
         s.fill_mask(bitmask, i)

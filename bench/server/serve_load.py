@@ -16,6 +16,12 @@ our own server, also the engines' own decode steps during the rate (per batch si
 Over HTTP, chunks whose text is empty are not sent by the server, so a model without a
 tokenizer shows TTFT = E2E there; gRPC always carries token ids.
 
+``--structured json_schema`` runs every rate twice, unconstrained then with the output held
+to a JSON schema (vLLM's ``structured_outputs``, which both our APIs and vLLM's server take),
+each on fresh prompts, in one run: the rows' TPOT ratio is the cost of the grammar mask. The
+schema (an object holding an array of at least ``--output-len`` strings) cannot complete
+before ``--output-len`` tokens, so both variants generate the same number of tokens.
+
 ``--target URL`` loads any OpenAI-compatible server (``vllm serve``, llama.cpp's server, ours)
 with the same seeded work: the model is the first id of its ``/v1/models`` (or
 ``--served-model``), ``--api-key``/``$OPENAI_API_KEY`` goes as a Bearer token, and what the
@@ -115,13 +121,25 @@ def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
     return all(math.isnan(got[k]) or got[k] <= v for k, v in slo.items())
 
 
+STRUCTURED_VARIANTS = ("json_schema",)
+
+
+def long_schema(output_len: int) -> dict[str, Any]:
+    """A JSON schema no document of which fits in fewer than ``output_len`` tokens."""
+    return {"type": "object", "required": ["items"], "additionalProperties": False,
+            "properties": {"items": {"type": "array", "minItems": output_len,
+                                     "items": {"type": "string", "maxLength": 12}}}}
+
+
 # ---- the two clients -------------------------------------------------------------------------
-async def _grpc_request(client: Any, prompt: list[int], output_len: int) -> RequestResult:
+async def _grpc_request(client: Any, prompt: list[int], output_len: int,
+                        structured: dict[str, Any] | None = None) -> RequestResult:
     r = RequestResult(False, len(prompt), time.perf_counter())
     last = r.start
+    extra = {"structured": structured} if structured is not None else {}
     try:
         async with client.stream(prompt_token_ids=prompt, max_tokens=output_len,
-                                 ignore_eos=True, temperature=0) as s:
+                                 ignore_eos=True, temperature=0, **extra) as s:
             async for chunk in s:
                 if not chunk.token_ids:
                     continue
@@ -144,14 +162,18 @@ class StreamError(Exception):
     """The server refused a streamed completion (non-200) or sent an error event."""
 
 
-def completion_body(prompt: list[int], output_len: int, model: str | None) -> dict[str, Any]:
-    """A streamed, greedy ``/v1/completions`` request for exactly ``output_len`` tokens."""
+def completion_body(prompt: list[int], output_len: int, model: str | None,
+                    structured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A streamed, greedy ``/v1/completions`` request for exactly ``output_len`` tokens
+    (``structured``: vLLM's ``structured_outputs``)."""
     # ignore_eos is a vLLM / llama.cpp extension; run() checks the token counts for servers
     # that drop it silently.
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     if model is not None:
         body["model"] = model
+    if structured is not None:
+        body["structured_outputs"] = structured
     return body
 
 
@@ -175,13 +197,15 @@ async def completion_events(client: Any, body: dict[str, Any]) -> AsyncIterator[
 
 
 async def _http_request(client: Any, prompt: list[int], output_len: int,
+                        structured: dict[str, Any] | None = None,
                         model: str | None = None) -> RequestResult:
     r = RequestResult(False, len(prompt), time.perf_counter())
     last = r.start
     events = 0
     usage_tokens = None
+    body = completion_body(prompt, output_len, model, structured)
     try:
-        async for msg in completion_events(client, completion_body(prompt, output_len, model)):
+        async for msg in completion_events(client, body):
             if msg.get("usage"):
                 usage_tokens = msg["usage"]["completion_tokens"]
             if not msg.get("choices"):
@@ -235,6 +259,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="prompt ids are drawn below this (default: the server's vocab over "
                         f"gRPC; {SAFE_VOCAB} over HTTP)")
+    p.add_argument("--structured", choices=STRUCTURED_VARIANTS, default=None,
+                   help="also run every rate with the output held to a JSON schema, beside "
+                        "the unconstrained run: the TPOT cost of the grammar mask")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--metrics-url", default=None, metavar="URL",
                    help="our server's /metrics, for the engine's own decode steps beside the "
@@ -262,10 +289,13 @@ def output_warnings(results: list[RequestResult], output_len: int) -> list[str]:
 
 async def _sweep(t: Target, model: str, rates: list[float],
                  prompts_per_rate: list[list[list[int]]], output_len: int, seed: int,
-                 max_concurrency: int | None, progress: bool, metrics_url: str | None = None
+                 max_concurrency: int | None, progress: bool, metrics_url: str | None = None,
+                 structured: list[dict[str, Any] | None] | None = None
                  ) -> list[tuple[float, float, list[RequestResult], RateSteps]]:
     """[(rate, duration_s, results, engine steps during the rate)] per rate, sharing one
-    connection; the engine steps come from ``metrics_url`` (``bench.server.serve_engine``)."""
+    connection; the engine steps come from ``metrics_url`` (``bench.server.serve_engine``).
+    ``structured``: per rate, the ``structured_outputs`` its requests carry (None: free)."""
+    structured = structured or [None] * len(rates)
     import httpx
     from tqdm import tqdm
 
@@ -284,18 +314,18 @@ async def _sweep(t: Target, model: str, rates: list[float],
         # Warm-up (not counted): connection set-up and the server's first forward.
         await one(client, prompts_per_rate[0][0][: max(1, len(prompts_per_rate[0][0]) // 4)], 2)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        for rate, prompts in zip(rates, prompts_per_rate, strict=True):
+        for rate, prompts, so in zip(rates, prompts_per_rate, structured, strict=True):
             arrivals = poisson_arrivals(len(prompts), None if math.isinf(rate) else rate, seed)
             bar = tqdm(total=len(prompts), desc=f"rate {rate:g}/s", disable=not progress,
                        leave=False)
 
-            async def fire(prompt, offset, t0, bar=bar):
+            async def fire(prompt, offset, t0, bar=bar, so=so):
                 await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
                 if sem is None:
-                    res = await one(client, prompt, output_len)
+                    res = await one(client, prompt, output_len, so)
                 else:
                     async with sem:
-                        res = await one(client, prompt, output_len)
+                        res = await one(client, prompt, output_len, so)
                 bar.update(1)
                 return res
 
@@ -379,15 +409,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--input-len + --output-len = {input_len + output_len} exceeds the "
                          f"server's max_model_len {max_len}")
     vocab = args.vocab_size or facts.vocab_size or SAFE_VOCAB
+    # Each rate once per variant, the variants back to back (one spell of the machine each).
+    variants = [None] + ([args.structured] if getattr(args, "structured", None) else [])
+    cells = [(rate, v) for rate in rates for v in variants]
+    rates = [rate for rate, _ in cells]
+    constraint = {"json": long_schema(output_len)}
     prompts = [make_prompts(num, input_len, vocab, seed=args.seed + 1000 * i)
-               for i in range(len(rates))]
+               for i in range(len(cells))]
     t_start = time.perf_counter()
     metrics_url = args.metrics_url or (f"{t.address}/metrics" if t.api == "http" else
                                        f"http://{t.address.rsplit(':', 1)[0]}:8000/metrics")
     raw = asyncio.run(_sweep(t, facts.model_id, rates, prompts, output_len, args.seed,
                              args.max_concurrency, progress=not args.no_progress,
-                             metrics_url=metrics_url))
+                             metrics_url=metrics_url,
+                             structured=[constraint if v else None for _, v in cells]))
     rows = [summarize_rate(rate, dur, res, slo, steps) for rate, dur, res, steps in raw]
+    for row, (_, v) in zip(rows, cells, strict=True):
+        row["structured"] = v or "none"
+    if len(variants) > 1:
+        for free, bound in zip(rows[::2], rows[1::2], strict=True):
+            bound["tpot_p50_over_free"] = _ratio(bound["tpot_p50_s"], free["tpot_p50_s"])
+            bound["tpot_mean_over_free"] = _ratio(bound["tpot_mean_s"], free["tpot_mean_s"])
     warnings = list(facts.warnings)
     if metrics_url and all(r["engine_decode_steps"] is None for r in rows):
         warnings.append(f"no engine step counters at {metrics_url}: serving overhead not reported")
@@ -398,6 +440,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": NAME,
         "config": {"api": t.api, "address": t.address, "num_prompts": num, "input_len": input_len,
                    "output_len": output_len, "request_rates": [r["request_rate"] for r in rows],
+                   "structured": getattr(args, "structured", None),
                    "max_concurrency": args.max_concurrency, "vocab_size": vocab, "seed": args.seed},
         "server": {"label": t.label, "url": t.address, "model_id": facts.model_id,
                    "max_model_len": facts.max_model_len, "vocab_size": facts.vocab_size},
@@ -411,6 +454,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path = write_json(out, NAME, result)
     _plot(rows, slo, out / f"{NAME}.png")
     for r in rows:
+        if len(variants) > 1:
+            cost = (f" (TPOT p50 {r['tpot_p50_over_free']:.3f}x, mean "
+                    f"{r['tpot_mean_over_free']:.3f}x the unconstrained)"
+                    if "tpot_p50_over_free" in r else "")
+            print(f"  [{r['structured']}]{cost}")
         print(f"  rate {r['request_rate']}/s: {r['completed']}/{r['num_prompts']} ok, "
               f"{r['request_throughput_req_s']:.2f} req/s, {r['output_throughput_tok_s']:.1f} tok/s, "
               f"TTFT p50 {_ms(r['ttft_p50_s'])} p99 {_ms(r['ttft_p99_s'])}, "
@@ -436,6 +484,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  warning: {w}")
     print(f"wrote {path}")
     return result
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return math.nan if not a or not b or math.isnan(a) or math.isnan(b) else a / b
 
 
 def _ms(x: float) -> str:

@@ -8,8 +8,8 @@ grammar, tokenized, walked token by token (what a decode step does per constrain
 
     python -m bench.studies.grammar_mask [--model DIR] [--repeats 5] [--out FILE.json]
 
-Prints one row per (library, grammar): compile ms, mask us/token (median over the walk, each
-token timed ``--repeats`` times, best of them), apply us/token (the library's own, and the
+Prints one row per (library, grammar): compile ms, mask us/token (median and mean over
+``--repeats`` walks, each from a fresh state timing every position once, as decoding does), apply us/token (the library's own, and the
 engine's ``cpu_ops.apply_bitmask`` on the same bitmask), advance us/token.
 """
 
@@ -35,8 +35,18 @@ SCHEMA = {
     "required": ["name", "age", "city", "tags"],
     "additionalProperties": False,
 }
-DOCUMENT = json.dumps({"name": "Marie Curie", "age": 66, "city": "Paris",
-                       "tags": ["physics", "chemistry", "radium"]})
+# Strings hold most of a generated document's tokens, and a library's mask can cost far more
+# inside a string than between them: the walk's document is mostly string, like real output.
+DOCUMENT = json.dumps({"name": "Marie Salomea Sklodowska-Curie", "age": 66, "city": "Paris",
+                       "tags": ["physics and chemistry", "radioactivity research",
+                                "two Nobel prizes", "Sorbonne professor"]})
+# The same document under a schema that bounds its strings (maxLength): bounded repetition is
+# where lexer-based masks get expensive.
+BOUNDED = {**SCHEMA, "properties": {
+    "name": {"type": "string", "maxLength": 40},
+    "age": {"type": "integer", "minimum": 0},
+    "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 4}}}
 REGEX = r"[0-9]{3}-[0-9]{4} \((home|work)\)"
 REGEX_TEXT = "555-0142 (work)"
 
@@ -47,35 +57,39 @@ class Row:
     grammar: str
     compile_ms: float
     mask_us: float
+    mask_mean_us: float  # the mean: a few slow positions can dominate a step
     apply_us: float  # the library's own apply (outlines-core has none: a torch index fill)
     advance_us: float
     tokens: int
     our_apply_us: float | None = None  # engine.cpu_ops.apply_bitmask on the same bitmask
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _walk(make: Callable[[], object], mask: Callable, apply: Callable, advance: Callable,
-          tokens: list[int], vocab: int, repeats: int) -> tuple[float, float, float]:
-    """Per-token medians (us) of mask / apply / advance over ``tokens``."""
-    state = make()
+          tokens: list[int], vocab: int, repeats: int) -> tuple[float, float, float, float]:
+    """Per-token medians (us) of mask (and its mean) / apply / advance over ``tokens``.
+
+    Each walk starts a fresh state and times every position's mask once, as decoding does (a
+    library may cache what a position computed: timing it again there would hide the first
+    time's cost); ``repeats`` walks."""
     logits = torch.zeros(1, vocab)
-    m_t, a_t, s_t = [], [], []
-    for tok in tokens:
-        m_t.append(_timed(lambda: mask(state), repeats))
-        a_t.append(_timed(lambda: apply(logits, state), repeats))
-        t0 = time.perf_counter()
-        advance(state, tok)
-        s_t.append(time.perf_counter() - t0)
+    m_t: list[float] = []
+    a_t: list[float] = []
+    s_t: list[float] = []
+    for _ in range(repeats):
+        state = make()
+        for tok in tokens:
+            t0 = time.perf_counter()
+            mask(state)
+            t1 = time.perf_counter()
+            apply(logits, state)
+            t2 = time.perf_counter()
+            advance(state, tok)
+            t3 = time.perf_counter()
+            m_t.append(t1 - t0)
+            a_t.append(t2 - t1)
+            s_t.append(t3 - t2)
     med = statistics.median
-    return med(m_t) * 1e6, med(a_t) * 1e6, med(s_t) * 1e6
+    return (med(m_t) * 1e6, statistics.mean(m_t) * 1e6, med(a_t) * 1e6, med(s_t) * 1e6)
 
 
 def _our_apply(make, mask, advance, tokens, bitmask, vocab: int, repeats: int) -> float:
@@ -87,7 +101,9 @@ def _our_apply(make, mask, advance, tokens, bitmask, vocab: int, repeats: int) -
     times = []
     for tok in tokens:
         mask(state)
-        times.append(_timed(lambda: cpu_ops.apply_bitmask(logits, [0], bitmask), repeats))
+        t0 = time.perf_counter()
+        cpu_ops.apply_bitmask(logits, [0], bitmask)
+        times.append(time.perf_counter() - t0)
         advance(state, tok)
     return statistics.median(times) * 1e6
 
@@ -100,8 +116,9 @@ def bench_xgrammar(hf_tok, vocab: int, cases, repeats: int) -> list[Row]:
     for name, kind, spec, tokens in cases:
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         t0 = time.perf_counter()
-        cg = (compiler.compile_json_schema(spec) if kind == "schema"
-              else compiler.compile_builtin_json_grammar() if kind == "json"
+        layout = {"any_whitespace": False, "separators": (", ", ": ")}  # as the engine's
+        cg = (compiler.compile_json_schema(spec, **layout) if kind == "schema"
+              else compiler.compile_json_schema('{"type": "object"}', **layout) if kind == "json"
               else compiler.compile_regex(spec))
         compile_ms = (time.perf_counter() - t0) * 1e3
         bitmask = xgr.allocate_token_bitmask(1, vocab)
@@ -133,8 +150,11 @@ def bench_llguidance(hf_tok, vocab: int, cases, repeats: int) -> list[Row]:
     rows = []
     for name, kind, spec, tokens in cases:
         t0 = time.perf_counter()
-        grm = (llguidance.LLMatcher.grammar_from_json_schema(spec) if kind == "schema"
-               else llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        grm = (llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=layout)
+               if kind == "schema"
+               else llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                                  defaults=layout)
                if kind == "json" else llguidance.LLMatcher.grammar_from_regex(spec))
         probe = llguidance.LLMatcher(tok, grm)
         assert not probe.is_error(), probe.get_error()
@@ -226,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(f"{model.model_dir}/config.json") as f:
         vocab = json.load(f)["vocab_size"]
     cases = [("json_schema", "schema", json.dumps(SCHEMA), tok.encode(DOCUMENT)),
+             ("json_bounded", "schema", json.dumps(BOUNDED), tok.encode(DOCUMENT)),
              ("json_object", "json", None, tok.encode(DOCUMENT)),
              ("regex", "regex", REGEX, tok.encode(REGEX_TEXT))]
     rows: list[Row] = []
@@ -234,12 +255,13 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench(hf_tok, vocab, cases, args.repeats)
         except ImportError as e:
             print(f"{bench.__name__[6:]}: not installed ({e})")
-    print(f"{'library':<14} {'grammar':<12} {'compile ms':>10} {'mask us':>8} {'apply us':>9} "
-          f"{'ours us':>8} {'advance us':>10} {'tokens':>6}")
+    print(f"{'library':<14} {'grammar':<12} {'compile ms':>10} {'mask p50':>8} {'mask mean':>9} "
+          f"{'apply us':>9} {'ours us':>8} {'advance us':>10} {'tokens':>6}")
     for r in rows:
         ours = "-" if r.our_apply_us is None else f"{r.our_apply_us:.1f}"
         print(f"{r.library:<14} {r.grammar:<12} {r.compile_ms:>10.1f} {r.mask_us:>8.1f} "
-              f"{r.apply_us:>9.1f} {ours:>8} {r.advance_us:>10.1f} {r.tokens:>6}")
+              f"{r.mask_mean_us:>9.1f} {r.apply_us:>9.1f} {ours:>8} {r.advance_us:>10.1f} "
+              f"{r.tokens:>6}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"vocab": vocab, "model": model.model_id,
