@@ -31,13 +31,16 @@ class InputProcessor:
         # The most tokens one request may hold in a worker's KV pool (None: unchecked).
         self.max_kv_tokens = max_kv_tokens
 
-    def encode(self, prompt: Prompt) -> EncodedPrompt:
+    def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> EncodedPrompt:
+        """``prompt`` as token ids; chat messages through the template, which also sees
+        ``tools`` (OpenAI's tool definitions). Raises ValueError for a bad prompt."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             return EncodedPrompt(self._require_tokenizer().encode(prompt), prompt)
         if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
-            return EncodedPrompt(self._require_tokenizer().apply_chat_template(list(prompt)), None)
+            return EncodedPrompt(self._require_tokenizer().apply_chat_template(
+                list(prompt), tools=tools), None)
         if isinstance(prompt, list | tuple):
             if not prompt:
                 raise ValueError("prompt is empty")

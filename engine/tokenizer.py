@@ -85,8 +85,22 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def tool_call_format(self) -> str | None:
+        """The tool-call format the chat template teaches its model: "hermes"
+        (``<tool_call>{...}</tool_call>``), "llama3_json" (a bare ``{"name", "parameters"}``
+        after ``<|python_tag|>``), or None (the template knows no tools)."""
+        template = self.hf_tokenizer.chat_template if self.has_chat_template else None
+        if not isinstance(template, str):
+            return None
+        if "<tool_call>" in template:
+            return "hermes"
+        if "<|python_tag|>" in template:
+            return "llama3_json"
+        return None
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render ``messages`` ([{"role": str, "content": str}, ...]) with the model's template.
 
         The rendered text already holds any BOS the template wants, so it is encoded without
@@ -98,7 +112,8 @@ class Tokenizer:
         _validate_messages(messages)
         try:
             text = self.hf_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                tools=tools)
         except Exception as e:  # jinja2 TemplateError from raise_exception() in the template
             raise ValueError(f"chat template rejected the messages: {e}") from e
         return self.encode(text, add_special_tokens=False)

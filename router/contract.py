@@ -57,6 +57,9 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     mode: str = "disaggregated"  # or "colocated" / "embedded"
+    # The model's tool-call format, read off its chat template (engine.tokenizer
+    # Tokenizer.tool_call_format): "hermes" | "llama3_json" | None.
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -195,10 +198,11 @@ class GenerationBackend(Protocol):
         """Every worker the backend started (dead ones included), for operators."""
         ...
 
-    def tokenize(self, prompt: str | list[dict]) -> list[int]:
+    def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
         """The token ids a generation of ``prompt`` runs on: a text, or chat messages through
-        the model's chat template (generation prompt included). InvalidRequestError for an
-        empty or malformed prompt."""
+        the model's chat template (generation prompt included; the template also sees
+        ``tools``, OpenAI's tool definitions). InvalidRequestError for an empty or malformed
+        prompt."""
         ...
 
     def detokenize(self, token_ids: list[int]) -> str:

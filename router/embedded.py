@@ -37,7 +37,9 @@ class EngineBackend:
         self._async = AsyncEngine(engine_args or EngineArgs())
         eng = self._async.engine
         self._info = ModelInfo(eng.model_config.model_id, eng.max_model_len,
-                               eng.model_config.vocab_size, eng.eos_token_ids, mode="embedded")
+                               eng.model_config.vocab_size, eng.eos_token_ids, mode="embedded",
+                               tool_call_parser=eng.tokenizer.tool_call_format()
+                               if eng.tokenizer is not None else None)
         self.streams = StreamLogger(InMemoryStore(), self._info.model_id, eng.tokenizer)
 
     @property
@@ -47,8 +49,8 @@ class EngineBackend:
     def model_info(self) -> ModelInfo:
         return self._info
 
-    def tokenize(self, prompt: str | list[dict]) -> list[int]:
-        return as_invalid_request(self._async.engine.inputs.encode, prompt).token_ids
+    def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
+        return as_invalid_request(self._async.engine.inputs.encode, prompt, tools).token_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
         return as_invalid_request(self._async.engine.inputs.decode, token_ids)

@@ -78,6 +78,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests in flight before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--drain-grace-s", type=float, default=None)
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="how the model writes tool calls, for tool_choice auto (default: read "
+                        "off its chat template; none there: auto is refused)")
     p.add_argument("--threads-per-worker", type=int, default=None,
                    help="torch threads of every worker (default: a split measured per machine "
                         "size, printed at start-up: router/cluster/threads.py)")
@@ -190,7 +193,7 @@ async def _serve(config) -> int:
     try:
         fd = await serve_frontdoor(cluster, host=config.host, grpc_port=config.grpc_port,
                                    http_port=config.http_port, drain_grace_s=config.drain_grace_s,
-                                   gate=gate)
+                                   gate=gate, tool_call_parser=config.tool_call_parser)
         install_signal_handlers(fd)
         # The router's start-up heap (Ray, grpc, the tokenizer: ~340k objects) out of full
         # collections, which would otherwise stop every stream on this loop for ~200 ms.

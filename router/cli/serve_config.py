@@ -60,6 +60,8 @@ class ServeConfig:
     max_model_len: int | None = None
     max_waiting: int = 1024
     drain_grace_s: float = 30.0
+    # tool_choice "auto": how the model writes tool calls (None: read off its chat template).
+    tool_call_parser: str | None = None
     threads_per_worker: int | None = None  # None: the machine's cores split among workers
     # Per role, over threads_per_worker: the split of a box's cores between prefill
     # (compute-bound) and decode (memory-bound) workers is the operator's to measure.
@@ -106,6 +108,9 @@ class ServeConfig:
                    if not str(k).startswith("fault_")]
             if bad:
                 raise ValueError(f"--worker-overrides[{wid!r}]: only fault_* fields, got {bad}")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ValueError(f"--tool-call-parser must be hermes or llama3_json, "
+                             f"got {self.tool_call_parser!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"--mode must be disaggregated or colocated, got {self.mode!r}")
         for name in ("prefill_workers", "decode_workers"):

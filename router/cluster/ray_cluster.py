@@ -223,7 +223,8 @@ class Cluster:
         max_len = min(i.max_model_len for i in infos)
         max_kv_tokens = min(i.num_kv_blocks * i.block_size for i in decode_infos)
         self._info = ModelInfo(model_cfg.model_id, max_len, model_cfg.vocab_size,
-                               model_cfg.eos_token_ids, cfg.mode)
+                               model_cfg.eos_token_ids, cfg.mode,
+                               tokenizer.tool_call_format() if tokenizer is not None else None)
         orch = Orchestrator(
             OrchestratorConfig(model_cfg.model_id, cfg.mode, transfer_timeout_s=cfg.transfer_timeout_s,
                                capacity_wait_s=cfg.capacity_wait_s,
@@ -418,8 +419,8 @@ class Cluster:
     def model_info(self) -> ModelInfo:
         return self._info
 
-    def tokenize(self, prompt: str | list[dict]) -> list[int]:
-        return as_invalid_request(self.orchestrator.inputs.encode, prompt).token_ids
+    def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
+        return as_invalid_request(self.orchestrator.inputs.encode, prompt, tools).token_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
         return as_invalid_request(self.orchestrator.inputs.decode, token_ids)

@@ -47,17 +47,19 @@ from router.frontdoor.security import Gate, RateLimitedError
 __all__ = ["create_app"]
 
 
-def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None = None
-               ) -> FastAPI:
+def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app over ``backend``, behind ``gate`` (API keys, tenants, limits; default:
-    open); set ``app.state.draining = True`` to fail /health."""
+    open); set ``app.state.draining = True`` to fail /health. ``tool_call_parser`` overrides
+    the format read off the model's chat template (``ModelInfo.tool_call_parser``)."""
     gate = gate or Gate()
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     app.state.draining = False
     app.add_exception_handler(RequestValidationError, _bad_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(GuardMiddleware, gate=gate)
-    _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate)
+    _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate,
+                           tool_call_parser)
     _add_info_routes(app, backend, metrics)
     _add_token_routes(app, backend)
     publish_openapi(app, CONTENT_TYPE)
@@ -65,7 +67,8 @@ def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None =
 
 
 def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
-                           responder: OpenAIResponder, gate: Gate) -> None:
+                           responder: OpenAIResponder, gate: Gate,
+                           tool_call_parser: str | None) -> None:
     # Handlers carry no docstrings: FastAPI would publish them in /openapi.json.
     async def respond(request: Request, body, make_inputs, renderer) -> Response:
         """Admit the caller's generations, one per choice (its tenant's limits count each),
@@ -113,11 +116,18 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         info = backend.model_info()
+        plan: list = [None]
+
+        def make_inputs(scoped_id: str) -> list:
+            plan[0] = body.tool_plan(tool_call_parser or info.tool_call_parser)
+            if plan[0] is not None and body.logprobs:
+                raise InvalidRequestError("logprobs: not with tool calls")
+            return body.to_inputs(scoped_id, info.max_model_len, backend.tokenize, plan[0])
+
         return await respond(
-            request, body,
-            lambda rid: body.to_inputs(rid, info.max_model_len, backend.tokenize),
+            request, body, make_inputs,
             lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id,
-                                     _names(body)))
+                                     _names(body), tools=plan[0]))
 
     def _names(body) -> TokenNames | None:
         """How the response's logprobs name tokens (None: it asked for none)."""

@@ -40,11 +40,15 @@ VALUES = {
 }
 # Fields this server implements, with the value above. Everything else must be a 400.
 HONOURED = {"echo", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
-            "max_tokens", "n", "presence_penalty", "seed", "stop", "temperature", "top_logprobs",
-            "top_p"}
+            "max_tokens", "n", "parallel_tool_calls", "presence_penalty", "response_format",
+            "seed", "stop", "temperature", "tool_choice", "tools", "top_logprobs", "top_p"}
 # Where an endpoint spells a field's value its own way, and what a field needs beside it.
 ENDPOINT_VALUES = {"/v1/chat/completions": {"logprobs": True}}
-NEEDS = {"top_logprobs": {"logprobs": True}}
+# (The default model's chat template has no tool-call format, so tool_choice "auto", the
+# default once tools are given, is refused: the walk asks for "required".)
+NEEDS = {"top_logprobs": {"logprobs": True}, "tools": {"tool_choice": "required"},
+         "tool_choice": {"tools": VALUES["tools"]},
+         "parallel_tool_calls": {"tools": VALUES["tools"], "tool_choice": "required"}}
 BASE = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 3},
         "/v1/chat/completions": {"messages": PARIS, "max_tokens": 3}}
 SCHEMAS = {"/v1/completions": completion_create_params.CompletionCreateParamsBase,

@@ -137,3 +137,133 @@ def test_grpc_structured_output_with_the_sdk(frontdoor):
                           structured={"choice": ["red", "blue"]}).text in {"red", "blue"}
         with pytest.raises(InvalidArgument, match="objekt"):
             c.generate("x", max_tokens=2, structured={"json": {"type": "objekt"}})
+
+
+# ---- tools -----------------------------------------------------------------------------------
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS,
+                                           "description": "The weather in a city"}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time"}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCED_CALL = ('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+               '"unit": "celsius"}}\n</tool_call>')
+
+
+def _streamed_tool_calls(chunks) -> tuple[str, dict[int, dict], str | None]:
+    """A streamed chat's content, its tool calls assembled from the deltas, and its finish."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = d.id or call["id"]
+            if d.function is not None:
+                call["name"] = d.function.name or call["name"]
+                call["arguments"] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_a_named_tool_choice_is_a_call_with_schema_valid_arguments(oai, model_id):
+    kw = dict(model=model_id, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = oai.chat.completions.create(**kw).choices[0]
+    (call,) = whole.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    assert whole.message.content is None and whole.finish_reason == "stop"  # OpenAI's, forced
+    content, calls, finish = _streamed_tool_calls(oai.chat.completions.create(**kw, stream=True))
+    assert content == "" and finish == "stop"
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert calls[0]["arguments"] == call.function.arguments  # streamed as they were generated
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_tool_choice_calls_one_of_the_tools(oai, model_id, parallel):
+    kw = dict(model=model_id, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+              tool_choice="required", parallel_tool_calls=parallel)
+    whole = oai.chat.completions.create(**kw).choices[0]
+    calls = whole.message.tool_calls
+    assert whole.finish_reason == "tool_calls" and calls and (parallel or len(calls) == 1)
+    for c in calls:
+        assert c.function.name in {"get_weather", "get_time"}
+        if c.function.name == "get_weather":
+            jsonschema.validate(json.loads(c.function.arguments), WEATHER_PARAMS)
+    content, streamed, finish = _streamed_tool_calls(oai.chat.completions.create(**kw,
+                                                                                 stream=True))
+    assert finish == "tool_calls" and not content
+    assert [(s["name"], s["arguments"]) for s in streamed.values()] == [
+        (c.function.name, c.function.arguments) for c in calls]
+
+
+def test_auto_is_refused_for_a_model_without_a_tool_call_format(http):
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 5})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("tool_choice: auto needs")
+
+
+@pytest.fixture(scope="module")
+def hermes_oai(backend, server_loop):
+    """A second front door over the same backend, told the model writes Hermes tool calls."""
+    from router.frontdoor.lifecycle import serve_frontdoor
+
+    fd = server_loop.run(serve_frontdoor(backend, grpc_port=0, http_port=0, drain_grace_s=5,
+                                         tool_call_parser="hermes"))
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{fd.http_port}/v1", api_key="x",
+                       max_retries=0, timeout=120) as c:
+        yield c
+    server_loop.run(fd.stop(1))
+
+
+def test_auto_parses_the_models_own_tool_calls(hermes_oai, model_id):
+    """The model's output is pinned (a one-string choice) to a Hermes call after some prose:
+    the parser, not luck, must turn it into tool_calls, whole and streamed."""
+    kw = dict(model=model_id, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+              extra_body={"structured_outputs": {"choice": [FORCED_CALL]}})
+    whole = hermes_oai.chat.completions.create(**kw).choices[0]
+    assert whole.message.content == "Sure." and whole.finish_reason == "tool_calls"
+    (call,) = whole.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Paris", "unit": "celsius"})
+    content, calls, finish = _streamed_tool_calls(
+        hermes_oai.chat.completions.create(**kw, stream=True))
+    assert content.strip() == "Sure." and finish == "tool_calls"
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    prose = hermes_oai.chat.completions.create(model=model_id, messages=ASK, tools=TOOLS,
+                                               max_tokens=8, temperature=0).choices[0]
+    assert prose.message.tool_calls is None and prose.message.content  # no call: plain text
+
+
+def test_a_conversation_with_earlier_calls_renders(oai, model_id):
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    out = oai.chat.completions.create(model=model_id, messages=history, tools=TOOLS,
+                                      tool_choice="none", max_tokens=8, temperature=0)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "logprobs": True}, "logprobs"),
+    ({"tools": TOOLS, "tool_choice": "required", "resumable": True}, "tools"),
+    ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": "required"}, "tools"),
+], ids=["unknown-name", "with-response-format", "no-tools", "logprobs", "resumable",
+        "duplicate-names", "bad-parameters"])
+def test_tool_requests_it_cannot_serve_are_400_naming_the_field(http, body, field):
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err.get("param") == field or err["message"].startswith(field), err

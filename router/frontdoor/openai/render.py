@@ -16,6 +16,7 @@ from typing import ClassVar
 from engine.request import TokenLogprob
 from router.contract import GenerationChunk, Usage
 from router.frontdoor.openai.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
+from router.frontdoor.openai.tools import ToolCall, ToolCallStream, ToolPlan, parse_calls
 
 __all__ = ["ChatRenderer", "Collected", "CompletionRenderer", "Renderer", "usage_json"]
 
@@ -76,7 +77,10 @@ class Renderer:
         if not c.text and not c.finished and not self._has_more(index) \
                 and not (self.names is not None and c.token_ids):
             return None
-        return self._envelope(self.chunk_object, [self._chunk_choice(c, index)])
+        choice = self._chunk_choice(c, index)
+        if choice is None:  # held back (a tool call being assembled)
+            return None
+        return self._envelope(self.chunk_object, [choice])
 
     def _has_more(self, index: int) -> bool:
         """Whether choice ``index`` has text of the renderer's own to send (an echo)."""
@@ -94,7 +98,7 @@ class Renderer:
     def _whole_choice(self, out: Collected) -> dict:
         raise NotImplementedError
 
-    def _chunk_choice(self, c: GenerationChunk, index: int) -> dict:
+    def _chunk_choice(self, c: GenerationChunk, index: int) -> dict | None:
         raise NotImplementedError
 
 
@@ -138,26 +142,60 @@ class ChatRenderer(Renderer):
     whole_object: ClassVar[str] = "chat.completion"
     chunk_object: ClassVar[str] = "chat.completion.chunk"
 
+    # How tool calls come out of the text (None: the request produces none).
+    tools: ToolPlan | None = None
     # OpenAI names the role once per choice, in the first delta a client sees of it.
     _sent_role: set[int] = field(default_factory=set, init=False)
+    _calls: dict[int, ToolCallStream] = field(default_factory=dict, init=False)
+    _named_ids: dict[int, str] = field(default_factory=dict, init=False)
 
     def _whole_choice(self, out: Collected) -> dict:
-        return {"index": out.index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._logprobs_json(out.logprobs or []),
-                "finish_reason": out.finish_reason}
+        message: dict = {"role": "assistant", "content": out.text}
+        reason = out.finish_reason
+        if self.tools is not None:
+            content, calls = parse_calls(self.tools, out.text)
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [c.to_json() for c in calls]}
+                reason = self.tools.finish_reason if reason == "stop" else reason
+        return {"index": out.index, "message": message,
+                "logprobs": self._logprobs_json(out.logprobs or []), "finish_reason": reason}
 
     def _logprobs_json(self, lps: list[TokenLogprob] | None) -> dict | None:
         if self.names is None or lps is None:
             return None
         return chat_logprobs(lps, self.names)
 
-    def _chunk_choice(self, c: GenerationChunk, index: int) -> dict:
-        delta: dict[str, str] = {}
+    def _chunk_choice(self, c: GenerationChunk, index: int) -> dict | None:
+        reason = c.finish_reason if c.finished else None
+        delta: dict = {}
+        if self.tools is None:
+            # The final chunk carries only the finish_reason unless it also brought text.
+            if c.text or not c.finished:
+                delta["content"] = c.text
+        elif self.tools.mode == "named":  # the text is the arguments: stream it as such
+            call: dict = {"index": 0, "function": {"arguments": c.text}}
+            if index not in self._named_ids:
+                self._named_ids[index] = ToolCall(self.tools.name, "").id
+                call = ToolCall(self.tools.name, c.text, self._named_ids[index]).to_json(0)
+            delta["tool_calls"] = [call]
+        else:  # required / auto: content streams, calls go out whole once complete
+            stream = self._calls.setdefault(index, ToolCallStream(self.tools))
+            text = stream.feed(c.text)
+            calls: list[ToolCall] = []
+            if c.finished:
+                rest, calls = stream.finish()
+                text += rest
+                if calls and reason == "stop":
+                    reason = self.tools.finish_reason
+            if text or (c.finished and not calls):
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [call.to_json(i) for i, call in enumerate(calls)]
+            if not delta and not c.finished:
+                return None
         if index not in self._sent_role:
-            delta["role"] = "assistant"
+            delta = {"role": "assistant", **delta}
             self._sent_role.add(index)
-        # The final chunk carries only the finish_reason unless it also brought text.
-        if c.text or not c.finished:
-            delta["content"] = c.text
         return {"index": index, "delta": delta, "logprobs": self._logprobs_json(c.logprobs),
-                "finish_reason": c.finish_reason if c.finished else None}
+                "finish_reason": reason}

@@ -34,6 +34,7 @@ from engine.request import (
 )
 from engine.structured import StructuredOutput, choice_spec
 from router.contract import GenerateInput, InvalidRequestError
+from router.frontdoor.openai.tools import PARSERS, ToolPlan, named_schema, required_schema
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest"]
 
@@ -270,16 +271,78 @@ class _ContentPart(BaseModel):
     text: str | None = None
 
 
+class _CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class _MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: _CalledFunction
+
+    def to_dict(self) -> dict:
+        # Chat templates index the arguments as a mapping (Hermes / Qwen / Llama render them
+        # with tojson), so they get the parsed object where the text is JSON.
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            args = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": args}}
+
+
 class _ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[_ContentPart] | None = None
+    tool_calls: list[_MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def to_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "\n".join(p.text or "" for p in content)
-        return {"role": self.role, "content": content or ""}
+        out = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise InvalidRequestError("messages: tool_calls only on an assistant message")
+            out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            if self.role != "tool":
+                raise InvalidRequestError("messages: tool_call_id only on a tool message")
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+_FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class _FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: _FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # the arguments always match the schema when it is enforced
+
+
+class _Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _FunctionDef
+
+
+class _ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: _FunctionName
+
+
+class _NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _ChosenFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -287,6 +350,57 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: _MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[_Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self, parser: str | None) -> ToolPlan | None:
+        """How ``tool_choice`` is served (None: no tool calls to produce). ``parser``: the
+        model's tool-call format, for ``auto``. Raises InvalidRequestError naming the field."""
+        if self.tools is None:
+            if self.tool_choice not in (None, "none"):
+                raise InvalidRequestError("tool_choice: needs tools")
+            if self.parallel_tool_calls is not None:
+                raise InvalidRequestError("parallel_tool_calls: needs tools")
+            return None
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("tools: function names must be unique")
+        choice = self.tool_choice or "auto"  # OpenAI's default once tools are given
+        if choice == "none":
+            return None
+        if self.resumable:
+            raise InvalidRequestError("tools: not with a resumable request")
+        if choice == "auto":
+            if parser is None:
+                raise InvalidRequestError(
+                    "tool_choice: auto needs the model's tool-call format, and this model's "
+                    "chat template has none; ask for tool_choice \"required\" or a named "
+                    "function (enforced for any model), or start the server with "
+                    f"--tool-call-parser ({' / '.join(PARSERS)})")
+            return ToolPlan("auto", parser=parser)
+        if self.response_format is not None and self.response_format.type != "text" \
+                or self.structured_outputs is not None:
+            raise InvalidRequestError("tool_choice: a required or named tool call is itself "
+                                      "a structured output; not with response_format / "
+                                      "structured_outputs")
+        if choice == "required":
+            return ToolPlan("required")
+        if choice.function.name not in names:
+            raise InvalidRequestError(f"tool_choice: no tool named {choice.function.name!r}")
+        return ToolPlan("named", name=choice.function.name)
+
+    def _tool_constraint(self, plan: ToolPlan | None) -> StructuredOutput | None:
+        if plan is None or plan.mode == "auto":
+            return None
+        tools = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        schema = (required_schema(tools, self.parallel_tool_calls is not False)
+                  if plan.mode == "required"
+                  else named_schema(next(t for t in tools if t["name"] == plan.name)))
+        try:
+            return StructuredOutput("json_schema", json.dumps(schema))
+        except ValueError as e:  # a tool's parameters schema does not compile
+            raise InvalidRequestError(f"tools: {e}") from None
 
     def top_logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -294,20 +408,31 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_inputs(self, request_id: str, max_model_len: int,
-                  chat_template: Callable[[list[dict]], list[int]]) -> list[GenerateInput]:
+                  chat_template: Callable[..., list[int]],
+                  plan: ToolPlan | None = None) -> list[GenerateInput]:
         """One input per choice (``expand``). Raises ValueError naming a bad field.
-        ``chat_template`` (the backend's) is only called when no max_tokens is given, to size
-        the default."""
+        ``chat_template(messages, tools=...)`` (the backend's tokenize) renders the prompt
+        when tools are given (the template must see them) and sizes the default max_tokens;
+        ``plan``: ``tool_plan``'s answer."""
         messages = [m.to_dict() for m in self.messages]
         if not messages:
             raise InvalidRequestError("messages: at least one message is required")
+        tools = ([{"type": "function", "function": t.function.model_dump(exclude_none=True)}
+                  for t in self.tools] if self.tools else None)
+        ids = chat_template(messages, tools=tools) if tools or (
+            self.max_tokens is None and self.max_completion_tokens is None) else None
         # max_completion_tokens is OpenAI's newer name; max_tokens wins when both are given.
         default_max = self.max_completion_tokens
         if self.max_tokens is None and default_max is None:
             # OpenAI's default: generate until the context is full (or a stop).
-            default_max = max(1, max_model_len - len(chat_template(messages)))
+            default_max = max(1, max_model_len - len(ids))
         sampling = self.to_sampling(default_max_tokens=default_max)
-        return self.expand([{"messages": messages}], request_id, sampling)
+        constraint = self._tool_constraint(plan)
+        if constraint is not None:
+            sampling = dataclasses.replace(sampling, structured=constraint)
+        # With tools the prompt goes as the ids the template made of messages + tools.
+        prompt = {"token_ids": ids} if tools else {"messages": messages}
+        return self.expand([prompt], request_id, sampling)
 
 
 # ---- vLLM's /tokenize and /detokenize ------------------------------------------------------
