@@ -472,3 +472,55 @@ def test_restarted_workers_rejoin_and_serve(loop, tiny_llama_dir, workload):
     from_p1 = loads["prefill-1"].kv_transfer_bytes - sent_mid["prefill-1"]
     assert loads["prefill-0"].kv_transfer_bytes > 0 and from_p1 > 0
     assert loads["decode-0"].kv_transfer_bytes == loads["prefill-0"].kv_transfer_bytes + from_p1
+
+
+@pytest.mark.slow
+def test_a_constrained_stream_migrates_and_stays_valid_for_its_schema(loop):
+    """A JSON-schema-constrained generation on the default model (the grammar needs a real
+    tokenizer) whose decode worker is SIGKILLed mid-document: it continues on the other
+    decode worker, whose grammar state replays the tokens streamed so far, and the client's
+    document equals an undisturbed run's and is valid for its schema."""
+    import json
+    import os
+    import signal
+
+    import jsonschema
+
+    from engine.structured import StructuredOutput
+    from engine.weights import resolve_model
+
+    schema = {"type": "object", "required": ["cities"], "additionalProperties": False,
+              "properties": {"cities": {"type": "array", "minItems": 40, "maxItems": 40,
+                                        "items": {"type": "string", "maxLength": 12}}}}
+    params = SamplingParams(max_tokens=400, temperature=0,
+                            structured=StructuredOutput("json_schema", json.dumps(schema)))
+    messages = [{"role": "user", "content": "List forty cities."}]
+    config = _config(resolve_model(None).model_dir, num_prefill_workers=1,
+                     prefill_engine=EngineArgs(num_threads=1, max_num_seqs=4),
+                     decode_engine=EngineArgs(num_threads=1, max_num_seqs=4),
+                     worker_restarts=0)
+
+    async def body(cluster):
+        async def run(rid, kill_after=None):
+            toks, text, pid = [], "", None
+            async for ch in cluster.generate(GenerateInput(params, messages=messages,
+                                                           request_id=rid)):
+                toks += ch.token_ids
+                text += ch.text
+                if kill_after is not None and pid is None and len(toks) >= kill_after:
+                    victim = cluster.orchestrator._streams[rid].decode_id
+                    pid = {w.id: w.pid for w in await cluster.cluster_status()}[victim]
+                    os.kill(pid, signal.SIGKILL)
+            return toks, text, ch.finish_reason
+        undisturbed = await run("calm")
+        moved = await run("moved", kill_after=20)
+        journal = [e.kind for e in cluster.store.journal_get("moved")]
+        await _assert_no_blocks_held(cluster, timeout_s=30)
+        return undisturbed, moved, journal
+
+    (calm_toks, calm_text, calm_reason), (toks, text, reason), journal = _run_cluster(
+        loop, config, body)
+    assert journal.count("migrated") == 1
+    assert calm_reason == reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    assert toks == calm_toks and text == calm_text
