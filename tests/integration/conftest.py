@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
+import openai
 import pytest
 
 from router.contract import BackendStats, GenerationBackend
@@ -146,3 +148,27 @@ def default_model_frontdoor():
 
     with engine_frontdoor(EngineArgs(max_num_seqs=8, num_threads=1)) as fd:
         yield fd
+
+
+# ---- clients of the module's front door ------------------------------------------------------
+@pytest.fixture(scope="module")
+def base_url(frontdoor) -> str:
+    return f"http://127.0.0.1:{frontdoor.http_port}"
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    """The real ``openai`` client on the front door (no retries: a failure shows as one)."""
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_id(backend) -> str:
+    return backend.model_info().model_id

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from client import Client
+from tests.sse import sse_events_with_ids
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
@@ -23,29 +24,6 @@ METRIC_NAMES = [
     "pdcluster_kv_transfer_bytes_total", "pdcluster_generation_tokens_total",
     "pdcluster_prompt_tokens_total", "pdcluster_migrations_total",
 ]
-
-
-@pytest.fixture(scope="module")
-def base_url(frontdoor) -> str:
-    return f"http://127.0.0.1:{frontdoor.http_port}"
-
-
-@pytest.fixture(scope="module")
-def oai(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0,
-                       timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(base_url):
-    with httpx.Client(base_url=base_url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model_id(backend) -> str:
-    return backend.model_info().model_id
 
 
 def _sse_payloads(lines) -> list:
@@ -390,18 +368,6 @@ def test_fuzzed_requests_get_an_answer_or_a_400_naming_the_field(base_url, http,
     kv_probe.wait_until_free()
 
 
-def _sse_events_with_ids(lines) -> list[tuple[str | None, str]]:
-    """(id, data) of each SSE event."""
-    events, event_id = [], None
-    for line in lines:
-        if line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: "):
-            events.append((event_id, line[6:]))
-            event_id = None
-    return events
-
-
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_a_resumable_sse_stream_resumes_from_its_last_event_id(base_url, http, kv_probe,
                                                                endpoint):
@@ -418,13 +384,13 @@ def test_a_resumable_sse_stream_resumes_from_its_last_event_id(base_url, http, k
 
     with httpx.Client(base_url=base_url, timeout=60) as c, c.stream("POST", endpoint,
                                                                      json=body) as r:
-        alone = "".join(text_of(d) for _, d in _sse_events_with_ids(r.iter_lines())
+        alone = "".join(text_of(d) for _, d in sse_events_with_ids(r.iter_lines())
                         if d != "[DONE]")
     got, last_id = "", None
     with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
             "POST", endpoint, json=body | {"resumable": True}) as r:
         rid = r.headers["x-request-id"]
-        for event_id, data in _sse_events_with_ids(r.iter_lines()):
+        for event_id, data in sse_events_with_ids(r.iter_lines()):
             assert event_id.startswith(f"{rid}:")
             got += text_of(data)
             last_id = event_id
@@ -433,7 +399,7 @@ def test_a_resumable_sse_stream_resumes_from_its_last_event_id(base_url, http, k
     with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
             "GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": last_id}) as r:
         assert r.status_code == 200
-        events = _sse_events_with_ids(r.iter_lines())
+        events = sse_events_with_ids(r.iter_lines())
     assert events[-1] == (None, "[DONE]")
     objects = {json.loads(d)["object"] for _, d in events[:-1]}
     assert objects == {"chat.completion.chunk" if chat else "text_completion"}

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import openai
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
@@ -57,28 +55,6 @@ SCHEMAS = {"/v1/completions": completion_create_params.CompletionCreateParamsBas
 
 def _fields(endpoint: str) -> list[str]:
     return sorted(set(SCHEMAS[endpoint].__annotations__) - {"model", "prompt", "messages"})
-
-
-@pytest.fixture(scope="module")
-def base_url(frontdoor) -> str:
-    return f"http://127.0.0.1:{frontdoor.http_port}"
-
-
-@pytest.fixture(scope="module")
-def http(base_url):
-    with httpx.Client(base_url=base_url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model_id(backend) -> str:
-    return backend.model_info().model_id
 
 
 @pytest.fixture(scope="module")

@@ -16,41 +16,13 @@ import openai
 import pytest
 
 from client import Client, InvalidArgument
+from tests.schemas import SCIENTIST
+from tests.sse import sse_events_with_ids
 
 QUESTION = [{"role": "user", "content": "Describe one famous scientist."}]
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 40},
-                   "born": {"type": "integer", "minimum": 1000, "maximum": 2100},
-                   "fields": {"type": "array", "items": {"type": "string", "maxLength": 20},
-                              "minItems": 1, "maxItems": 3}},
-    "required": ["name", "born", "fields"],
-    "additionalProperties": False,
-}
+SCHEMA = SCIENTIST
 JSON_SCHEMA_FORMAT = {"type": "json_schema",
                       "json_schema": {"name": "scientist", "schema": SCHEMA, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def base_url(frontdoor) -> str:
-    return f"http://127.0.0.1:{frontdoor.http_port}"
-
-
-@pytest.fixture(scope="module")
-def http(base_url):
-    with httpx.Client(base_url=base_url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model_id(backend) -> str:
-    return backend.model_info().model_id
 
 
 def test_json_schema_response_format_with_the_openai_client(oai, model_id, kv_probe):
@@ -269,17 +241,6 @@ def test_tool_requests_it_cannot_serve_are_400_naming_the_field(http, body, fiel
     assert err.get("param") == field or err["message"].startswith(field), err
 
 
-def _sse_data(lines) -> list[tuple[str | None, str]]:
-    events, event_id = [], None
-    for line in lines:
-        if line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: "):
-            events.append((event_id, line[6:]))
-            event_id = None
-    return events
-
-
 def test_a_resumed_constrained_stream_is_one_valid_document(base_url, kv_probe):
     """A resumable, schema-constrained chat stream whose client drops mid-document runs on;
     resumed from its Last-Event-ID, the joined text equals an unbroken run's and validates."""
@@ -291,12 +252,12 @@ def test_a_resumed_constrained_stream_is_one_valid_document(base_url, kv_probe):
 
     with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
             "POST", "/v1/chat/completions", json=body) as r:
-        alone = "".join(text_of(d) for _, d in _sse_data(r.iter_lines()) if d != "[DONE]")
+        alone = "".join(text_of(d) for _, d in sse_events_with_ids(r.iter_lines()) if d != "[DONE]")
     got, last_id = "", None
     with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
             "POST", "/v1/chat/completions", json=body | {"resumable": True}) as r:
         rid = r.headers["x-request-id"]
-        for event_id, data in _sse_data(r.iter_lines()):
+        for event_id, data in sse_events_with_ids(r.iter_lines()):
             got += text_of(data)
             last_id = event_id
             if int(event_id.rsplit(":", 1)[1]) >= 5:
@@ -304,7 +265,7 @@ def test_a_resumed_constrained_stream_is_one_valid_document(base_url, kv_probe):
     with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
             "GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": last_id}) as r:
         assert r.status_code == 200
-        rest = "".join(text_of(d) for _, d in _sse_data(r.iter_lines()) if d != "[DONE]")
+        rest = "".join(text_of(d) for _, d in sse_events_with_ids(r.iter_lines()) if d != "[DONE]")
     assert got + rest == alone
     jsonschema.validate(json.loads(alone), SCHEMA)
     kv_probe.wait_until_free()

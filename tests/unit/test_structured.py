@@ -14,18 +14,11 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.structured import StructuredOutput, choice_spec
+from tests.schemas import SCIENTIST
 
 PROMPT = ("<|im_start|>user\nDescribe one famous scientist.<|im_end|>\n"
           "<|im_start|>assistant\n")
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 40},
-                   "born": {"type": "integer", "minimum": 1000, "maximum": 2100},
-                   "fields": {"type": "array", "items": {"type": "string", "maxLength": 20},
-                              "minItems": 1, "maxItems": 3}},
-    "required": ["name", "born", "fields"],
-    "additionalProperties": False,
-}
+SCHEMA = SCIENTIST
 
 
 @pytest.fixture(scope="module")
