@@ -88,9 +88,11 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p)
                   for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]
         try:
-            return await responder.respond(request, inputs, renderer(rid), n=body.n,
+            return await responder.respond(request, inputs, renderer(rid),
+                                           n=body.generations_per_prompt,
                                            stream=body.stream, include_usage=body.include_usage,
-                                           continuous_usage=body.continuous_usage)
+                                           continuous_usage=body.continuous_usage,
+                                           keep=body.n)
         finally:
             for p in permits:
                 if not p.adopted:
@@ -103,10 +105,10 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
 
         def make_inputs(scoped_id: str) -> list:
             inputs = body.to_inputs(scoped_id)
-            if body.echo:  # a token-id prompt echoes as its text
-                echo.update({k: inp.text if inp.text is not None
-                             else backend.detokenize(inp.token_ids)
-                             for k, inp in enumerate(inputs)})
+            if body.echo:  # keyed by returned choice; a token-id prompt echoes as its text
+                texts = [inp.text if inp.text is not None else backend.detokenize(inp.token_ids)
+                         for inp in inputs[::body.generations_per_prompt]]
+                echo.update({i: texts[i // body.n] for i in range(len(texts) * body.n)})
             return inputs
 
         return await respond(request, body, make_inputs,

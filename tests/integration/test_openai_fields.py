@@ -37,7 +37,7 @@ VALUES = {
     "top_logprobs": 2, "top_p": 0.9, "user": "u", "verbosity": "low", "web_search_options": {},
 }
 # Fields this server implements, with the value above. Everything else must be a 400.
-HONOURED = {"echo", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
+HONOURED = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
             "max_tokens", "n", "parallel_tool_calls", "presence_penalty", "response_format",
             "seed", "stop", "temperature", "tool_choice", "tools", "top_logprobs", "top_p"}
 # Where an endpoint spells a field's value its own way, and what a field needs beside it.
@@ -436,3 +436,34 @@ def test_grpc_logprobs_are_the_same_numbers(frontdoor, reference):
         assert c.generate(PROMPT, max_tokens=2).logprobs is None
         with pytest.raises(InvalidArgument, match="logprobs"):
             c.generate(PROMPT, max_tokens=2, logprobs=1, resume=True)
+
+
+def test_best_of_returns_the_most_likely_of_its_generations(http):
+    """best_of 4, n 2: four sampled generations, the two with the highest mean token logprob
+    returned (ranked from the logprobs the server computed for the purpose), usage counting
+    all four; with logprobs asked too, they show the ranking held."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 5,
+            "ignore_eos": True, "best_of": 4, "n": 2, "logprobs": 0}
+    r = _complete(http, **body)
+    choices = sorted(r["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    means = [sum(c["logprobs"]["token_logprobs"]) / 6 for c in choices]
+    assert means[0] >= means[1]  # best first
+    assert r["usage"]["completion_tokens"] == 4 * 6  # every generation is paid for
+    all_four = _complete(http, **{**body, "best_of": None, "n": 4})["choices"]  # seeds 5-8 too
+    ranked = sorted(all_four, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    assert [c["text"] for c in choices] == [c["text"] for c in ranked[:2]]
+    plain = _complete(http, **{**body, "logprobs": None})
+    assert [c["text"] for c in plain["choices"]] == [c["text"] for c in choices]
+    assert all(c["logprobs"] is None for c in plain["choices"])  # ranked, not returned
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
+    ({"best_of": 65}, "best_of"), ({"best_of": 33, "prompt": [PROMPT, PROMPT]}, "best_of"),
+], ids=["below-n", "stream", "too-many", "too-many-prompts"])
+def test_best_of_it_cannot_serve_is_400_naming_it(http, body, field):
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err.get("param") == field or err["message"].startswith(field), err

@@ -12,6 +12,7 @@ in-band, as OpenAI does. What the JSON looks like is the ``Renderer``'s business
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -79,18 +80,21 @@ class OpenAIResponder:
 
     async def respond(self, request: Request, inputs: list[GenerateInput], renderer: Renderer,
                       *, n: int = 1, stream: bool, include_usage: bool,
-                      continuous_usage: bool = False) -> Response:
+                      continuous_usage: bool = False, keep: int | None = None) -> Response:
         """The whole response for a request's choices (``inputs``, ``n`` per prompt, in
         OpenAI's order): JSON, or SSE when ``stream`` (ending with a usage chunk when
         ``include_usage``; every chunk with the usage so far when ``continuous_usage``). Both
         carry ``x-request-id`` (choice 0's id). One choice streams with resumable event ids;
-        several stream merged, without ids."""
+        several stream merged, without ids. ``keep`` (``best_of``, whole responses only):
+        of each prompt's ``n`` generations (run with logprobs), the ``keep`` with the highest
+        mean token logprob are the choices; usage counts every generation."""
         if len(inputs) > 1:
             choices = ChoiceStreams(self._open, inputs, n)
             if stream:
                 return await self._respond_choices_stream(inputs, choices, renderer,
                                                           include_usage, continuous_usage)
-            return await self._respond_choices_whole(request, inputs[0], choices, renderer)
+            return await self._respond_choices_whole(request, inputs[0], choices, renderer,
+                                                     n, keep)
         inp = inputs[0]
         if stream:
             return await self._respond_stream(inp, renderer, include_usage, continuous_usage)
@@ -108,13 +112,16 @@ class OpenAIResponder:
                             headers=_request_id_header(inp))
 
     async def _respond_choices_whole(self, request: Request, first: GenerateInput,
-                                     choices: ChoiceStreams, renderer: Renderer) -> Response:
+                                     choices: ChoiceStreams, renderer: Renderer, n: int,
+                                     keep: int | None) -> Response:
         try:
             outs = await _run_until_disconnect(request, _collect_choices(first, choices))
         except Exception as e:
             return error_response(e)
         if outs is _DISCONNECTED:
             return Response(status_code=_CLIENT_CLOSED)
+        if keep is not None and keep < n:
+            outs = best_of(outs, n, keep)
         return JSONResponse(renderer.whole(outs, choices.usage()),
                             headers=_request_id_header(first))
 
@@ -301,6 +308,24 @@ async def _sse_choice_events(choices: ChoiceStreams, renderer: Renderer, include
         await choices.aclose()
         for p in permits:  # idempotent: a choice that ended released its own already
             p.release()
+
+
+def best_of(outs: list[Collected], per_prompt: int, keep: int) -> list[Collected]:
+    """Of each prompt's ``per_prompt`` generations (choice index // per_prompt = the prompt),
+    the ``keep`` with the highest mean token logprob (OpenAI's "log probability per token"),
+    best first, re-indexed as choices ``prompt * keep + rank``."""
+    def score(o: Collected) -> float:
+        lps = o.logprobs or []
+        return sum(lp.logprob for lp in lps) / len(lps) if lps else float("-inf")
+
+    groups: dict[int, list[Collected]] = {}
+    for o in outs:
+        groups.setdefault(o.index // per_prompt, []).append(o)
+    kept = []
+    for p, group in sorted(groups.items()):
+        for rank, o in enumerate(sorted(group, key=score, reverse=True)[:keep]):
+            kept.append(dataclasses.replace(o, index=p * keep + rank))
+    return kept
 
 
 async def _run_until_disconnect(request: Request, coro: Coroutine[Any, Any, Collected]) -> Any:

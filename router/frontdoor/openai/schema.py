@@ -179,21 +179,29 @@ class _SamplingFields(BaseModel):
         ``stream_options.continuous_usage_stats``, with ``include_usage``)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
 
+    @property
+    def generations_per_prompt(self) -> int:
+        """Generations run per prompt: ``n`` (completions' ``best_of`` runs more, keeps n)."""
+        return self.n
+
     def expand(self, prompts: list[dict], request_id: str, sampling: SamplingParams
                ) -> list[GenerateInput]:
-        """One GenerateInput per choice, in OpenAI's order (prompt by prompt, ``n`` each):
-        ``prompts`` are GenerateInput's prompt fields. Choice 0 keeps ``request_id``, choice
-        k is ``{request_id}-{k}``; a seeded request's choice j of a prompt samples with
-        ``seed + j``, so the ``n`` choices differ and each is reproducible."""
-        if len(prompts) * self.n > MAX_CHOICES:
-            raise InvalidRequestError(f"n: {self.n} choices of {len(prompts)} prompts is more "
-                                      f"than {MAX_CHOICES} generations")
-        if self.resumable and len(prompts) * self.n > 1:
+        """One GenerateInput per generation, in OpenAI's order (prompt by prompt,
+        ``generations_per_prompt`` each): ``prompts`` are GenerateInput's prompt fields.
+        Generation 0 keeps ``request_id``, generation k is ``{request_id}-{k}``; a seeded
+        request's generation j of a prompt samples with ``seed + j``, so they differ and each
+        is reproducible."""
+        per = self.generations_per_prompt
+        name = "best_of" if per != self.n else "n"
+        if len(prompts) * per > MAX_CHOICES:
+            raise InvalidRequestError(f"{name}: {per} generations of {len(prompts)} prompts is "
+                                      f"more than {MAX_CHOICES}")
+        if self.resumable and len(prompts) * per > 1:
             raise InvalidRequestError("resumable: only for one choice of one prompt")
         out = []
         for p, prompt in enumerate(prompts):
-            for j in range(self.n):
-                k = p * self.n + j
+            for j in range(per):
+                k = p * per + j
                 params = sampling if sampling.seed is None or j == 0 else dataclasses.replace(
                     sampling, seed=(sampling.seed + j) % (MAX_SEED + 1))
                 out.append(GenerateInput(params, request_id=request_id if k == 0
@@ -241,18 +249,31 @@ class CompletionRequest(_SamplingFields):
              | Annotated[list[Annotated[list[_TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_CHOICES)])
     echo: bool = False  # each choice's text starts with its prompt
+    # best_of generations per prompt, the n with the highest mean token logprob returned
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     # OpenAI's legacy shape: an int, the alternatives per token (OpenAI allows 5, vLLM 20)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def top_logprobs_k(self) -> int | None:
         return self.logprobs
 
+    @property
+    def generations_per_prompt(self) -> int:
+        return self.best_of or self.n
+
     def to_inputs(self, request_id: str) -> list[GenerateInput]:
         """One input per choice (``expand``). Raises ValueError naming a bad field."""
         if self.echo and self.logprobs is not None:
             raise InvalidRequestError("logprobs: with echo this asks for the prompt's "
                                       "logprobs, which are not served yet")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise InvalidRequestError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+            if self.stream:  # OpenAI's rule: the best is known only at the end
+                raise InvalidRequestError("best_of: not with stream=true")
         sampling = self.to_sampling(default_max_tokens=None)
+        if self.best_of is not None and self.best_of > self.n and sampling.logprobs is None:
+            sampling = dataclasses.replace(sampling, logprobs=0)  # to rank (not returned)
         return self.expand(self._prompts(), request_id, sampling)
 
     def _prompts(self) -> list[dict]:
