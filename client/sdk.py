@@ -129,7 +129,13 @@ class _StreamCall:
         self._received = from_index  # tokens the caller has: where a resume starts
         self.request_id: str | None = (request_id or (request.request_id if request else None)
                                        or None)
-        self.result = GenerateResult(self.request_id or "")
+        # Per choice (GenerateResponse.index): one unless the request asked for n.
+        self.results: dict[int, GenerateResult] = {0: GenerateResult(self.request_id or "")}
+
+    @property
+    def result(self) -> GenerateResult:
+        """Everything the stream carried, joined (choice 0's, for a request with ``n``)."""
+        return self.results[0]
 
     def _new_call(self):
         timeout = self._deadline.remaining()
@@ -158,7 +164,7 @@ class _StreamCall:
         self.request_id = chunk.request_id or self.request_id
         self._got_tokens = self._got_tokens or bool(chunk.token_ids)
         self._received += len(chunk.token_ids)
-        self.result.add(chunk)
+        self.results.setdefault(chunk.index, GenerateResult(chunk.request_id)).add(chunk)
         return chunk
 
 
@@ -260,7 +266,7 @@ class Client:
     def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, model: str | None = None,
                request_id: str | None = None, timeout: float | None = None,
-               resume: bool = False, **sampling) -> GenerateStream:
+               resume: bool = False, n: int | None = None, **sampling) -> GenerateStream:
         """Stream one request. Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``;
         ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, min_tokens, include_stop_str_in_output, presence_penalty,
@@ -273,10 +279,12 @@ class Client:
         and this stream resumes it by itself from the last token received (UNAVAILABLE is
         retried up to ``RetryPolicy.max_resumes`` times); without it, a broken call after
         the first token raises and the server aborts the request.
+        ``n``: that many choices (1-64; a seeded choice j samples with seed + j), their chunks
+        merged, each naming its ``index``; ``results`` holds each joined (see ``choices``).
         Raises ValueError / TypeError for a malformed call; server errors surface while
         iterating."""
         req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling,
-                            resumable=resume)
+                            resumable=resume, n=n)
         return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, resume=resume)
 
     def resume(self, request_id: str, from_index: int = 0,
@@ -296,6 +304,14 @@ class Client:
     def chat(self, messages: list[dict], **kwargs) -> GenerateResult:
         """Generate the assistant's reply to ``messages`` (the model's chat template)."""
         return self.generate(messages=messages, **kwargs)
+
+    def choices(self, prompt: str | None = None, *, n: int, **kwargs) -> list[GenerateResult]:
+        """``n`` generations of one prompt to completion, by choice index; the arguments are
+        ``stream``'s."""
+        with self.stream(prompt, n=n, **kwargs) as s:
+            for _ in s:
+                pass
+            return [s.results[i] for i in sorted(s.results)]
 
     def _unary(self, method, request, timeout: float | None):
         deadline = _Deadline(self._timeout(timeout))
@@ -416,10 +432,10 @@ class AsyncClient:
     def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, model: str | None = None,
                request_id: str | None = None, timeout: float | None = None,
-               resume: bool = False, **sampling) -> AsyncGenerateStream:
+               resume: bool = False, n: int | None = None, **sampling) -> AsyncGenerateStream:
         """See ``Client.stream``."""
         req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling,
-                            resumable=resume)
+                            resumable=resume, n=n)
         return AsyncGenerateStream(self._stub, req, self._timeout(timeout), self.retry,
                                    resume=resume)
 
@@ -437,6 +453,14 @@ class AsyncClient:
 
     async def chat(self, messages: list[dict], **kwargs) -> GenerateResult:
         return await self.generate(messages=messages, **kwargs)
+
+    async def choices(self, prompt: str | None = None, *, n: int,
+                      **kwargs) -> list[GenerateResult]:
+        """See ``Client.choices``."""
+        async with self.stream(prompt, n=n, **kwargs) as s:
+            async for _ in s:
+                pass
+            return [s.results[i] for i in sorted(s.results)]
 
     async def _unary(self, method, request, timeout: float | None):
         deadline = _Deadline(self._timeout(timeout))

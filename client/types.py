@@ -123,6 +123,7 @@ class StreamChunk:
     usage: Usage | None = None
     ttft_s: float | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    index: int = 0  # the choice it belongs to (a request with n)
 
 
 @dataclass
@@ -197,7 +198,8 @@ class RetryPolicy:
 # ---- wire conversions ----------------------------------------------------------------------
 def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
                   messages: list[dict] | None, model: str | None, request_id: str | None,
-                  sampling: dict, resumable: bool = False) -> pb.GenerateRequest:
+                  sampling: dict, resumable: bool = False,
+                  n: int | None = None) -> pb.GenerateRequest:
     """Raises ValueError unless exactly one prompt form is given, TypeError for an unknown
     sampling argument. Values themselves are validated by the server (INVALID_ARGUMENT)."""
     given = [name for name, v in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
@@ -212,6 +214,8 @@ def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
     req = pb.GenerateRequest()
     if resumable:
         req.resumable = True
+    if n is not None:
+        req.n = n
     if request_id is not None:
         req.request_id = request_id
     if model is not None:
@@ -273,13 +277,13 @@ def chunk_from_response(resp: pb.GenerateResponse) -> StreamChunk:
                             tuple((t.token_id, t.logprob) for t in lp.top))
                for lp in resp.chunk.logprobs]
         return StreamChunk(resp.request_id, list(resp.chunk.token_ids), resp.chunk.text,
-                           logprobs=lps or None)
+                           logprobs=lps or None, index=resp.index)
     if kind == "complete":
         c = resp.complete
         usage = (Usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
                  if c.HasField("usage") else None)
         return StreamChunk(resp.request_id, [], "", True, c.finish_reason, usage,
-                           c.ttft_s if c.HasField("ttft_s") else None)
+                           c.ttft_s if c.HasField("ttft_s") else None, index=resp.index)
     if kind == "error":
         code = getattr(grpc.StatusCode, resp.error.code, grpc.StatusCode.UNKNOWN)
         raise error_from_code(code, resp.error.message)

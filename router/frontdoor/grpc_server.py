@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.request import SamplingParams
+from engine.request import MAX_SEED, SamplingParams
 from engine.structured import StructuredOutput
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
@@ -30,6 +30,7 @@ from router.contract import (
     InvalidRequestError,
     new_request_id,
 )
+from router.frontdoor.choices import ChoiceChunk, ChoiceStreams
 from router.frontdoor.errors import map_error
 from router.frontdoor.metrics import Metrics
 from router.frontdoor.security import Gate, RateLimitedError, Tenant, UnauthenticatedError
@@ -83,6 +84,27 @@ def request_to_input(req: pb.GenerateRequest, request_id: str) -> GenerateInput:
     return GenerateInput(sampling, messages=messages, **common)
 
 
+MAX_CHOICES = 64
+
+
+def request_to_inputs(req: pb.GenerateRequest, request_id: str) -> list[GenerateInput]:
+    """Proto request -> one backend input per choice (``n``): choice k's id is
+    ``{request_id}-{k}`` (k > 0), a seeded choice j samples with ``seed + j``. Raises
+    InvalidRequestError / ValueError for bad input."""
+    inp = request_to_input(req, request_id)
+    n = req.n if req.HasField("n") else 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}], got {n}")
+    if n > 1 and inp.resumable:
+        raise InvalidRequestError("resumable: only for one choice (n = 1)")
+    out = [inp]
+    for j in range(1, n):
+        params = inp.sampling if inp.sampling.seed is None else dataclasses.replace(
+            inp.sampling, seed=(inp.sampling.seed + j) % (MAX_SEED + 1))
+        out.append(dataclasses.replace(inp, sampling=params, request_id=f"{request_id}-{j}"))
+    return out
+
+
 def chunk_to_responses(chunk: GenerationChunk, request_id: str | None = None
                        ) -> list[pb.GenerateResponse]:
     """One backend chunk -> a token chunk (if it carries tokens or text) and/or the complete,
@@ -131,22 +153,36 @@ class GenerationService(pb_grpc.GenerationServicer):
         tenant = await self._tenant(context)
         rid = request.request_id if request.HasField("request_id") and request.request_id \
             else new_request_id()
+        permits = []
         try:
-            inp = request_to_input(request, self.gate.scoped(tenant, rid))
-            permit = self.gate.admit(tenant)
+            inputs = request_to_inputs(request, self.gate.scoped(tenant, rid))
+            for _ in inputs:  # each choice is a generation: the tenant's limits count each
+                permits.append(self.gate.admit(tenant))
         except (ValueError, RateLimitedError) as e:
+            for p in permits:
+                p.release()
             err = map_error(e)
             await context.abort(err.grpc_code, err.message)
-        inp = dataclasses.replace(inp, public_id=rid, permit=permit)
+        inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p)
+                  for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]
         try:
             # Before the first token, so a client can Abort a request still in prefill.
             await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
-            chunks = self.metrics.track(self.backend.generate(inp), api="grpc")
-            async for resp in self._stream(rid, chunks, context):
-                yield resp
+            if len(inputs) == 1:
+                chunks = self.metrics.track(self.backend.generate(inputs[0]), api="grpc")
+                async for resp in self._stream(rid, chunks, context):
+                    yield resp
+            else:  # the choices merged, each response naming its own
+                choices = ChoiceStreams(
+                    lambda inp: self.metrics.track(self.backend.generate(inp), api="grpc"),
+                    inputs, len(inputs))
+                choices.start()
+                async for resp in self._stream(rid, choices.events(), context, choices.aclose):
+                    yield resp
         finally:
-            if not permit.adopted:  # the generation never started: nobody else frees it
-                permit.release()
+            for p in permits:  # a generation that never started: nobody else frees it
+                if not p.adopted:
+                    p.release()
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.GenerateResponse]:
@@ -160,16 +196,21 @@ class GenerationService(pb_grpc.GenerationServicer):
         async for resp in self._stream(rid, chunks, context):
             yield resp
 
-    async def _stream(self, rid: str, chunks, context: grpc.aio.ServicerContext
-                      ) -> AsyncIterator[pb.GenerateResponse]:
-        """One backend stream as GenerateResponses; errors mapped once, here. Closing it
-        aborts a generation (unless resumable) and stops following a resumed log."""
+    async def _stream(self, rid: str, chunks, context: grpc.aio.ServicerContext,
+                      close=None) -> AsyncIterator[pb.GenerateResponse]:
+        """One backend stream (GenerationChunks, or the ChoiceChunks of several choices) as
+        GenerateResponses; errors mapped once, here. Closing it (``close``, default the
+        stream's ``aclose``) aborts a generation (unless resumable) and stops following a
+        resumed log."""
         stream = chunks
         sent_tokens = False
         try:
             try:
-                async for chunk in stream:
+                async for item in stream:
+                    index, chunk = ((item.index, item.chunk) if isinstance(item, ChoiceChunk)
+                                    else (0, item))
                     for resp in chunk_to_responses(chunk, rid):
+                        resp.index = index
                         sent_tokens = sent_tokens or resp.HasField("chunk")
                         yield resp
             except Exception as e:  # mapped once, here; CancelledError passes through
@@ -183,7 +224,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 await context.abort(err.grpc_code, err.message)
         finally:
             # Runs on completion, error and cancellation alike.
-            await stream.aclose()
+            await (close() if close is not None else stream.aclose())
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> pb.AbortResponse:

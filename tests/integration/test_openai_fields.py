@@ -467,3 +467,23 @@ def test_best_of_it_cannot_serve_is_400_naming_it(http, body, field):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err.get("param") == field or err["message"].startswith(field), err
+
+
+def test_grpc_n_choices_with_the_sdk(frontdoor, kv_probe):
+    from client import InvalidArgument
+
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}") as c:
+        greedy = c.choices(PROMPT, n=3, max_tokens=6, temperature=0, ignore_eos=True)
+        one = c.generate(PROMPT, max_tokens=6, temperature=0, ignore_eos=True)
+        assert [r.token_ids for r in greedy] == [one.token_ids] * 3
+        assert all(r.usage.completion_tokens == 6 for r in greedy)
+        kw = dict(max_tokens=8, temperature=1.0, ignore_eos=True)
+        seeded = c.choices(PROMPT, n=2, seed=3, **kw)
+        assert [r.token_ids for r in seeded] == [c.generate(PROMPT, seed=s, **kw).token_ids
+                                                 for s in (3, 4)]  # choice j: seed + j
+        with c.stream(PROMPT, n=2, seed=3, **kw) as s:
+            assert {chunk.index for chunk in s} == {0, 1}
+        for bad in (dict(n=65), dict(n=0), dict(n=2, resume=True)):
+            with pytest.raises(InvalidArgument, match="n must|resumable"):
+                c.generate(PROMPT, max_tokens=2, **bad)
+    kv_probe.wait_until_free()

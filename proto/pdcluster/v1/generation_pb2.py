@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdcluster/v1/generation.proto\x12\x0cpdcluster.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\"\x83\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x06\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x0b\x88\x01\x01\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.pdcluster.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x32\n\nstructured\x18\x11 \x01(\x0b\x32\x1e.pdcluster.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xa4\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.pdcluster.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x12\n\x05model\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x16\n\tresumable\x18\x07 \x01(\x08H\x03\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x08\n\x06_modelB\x0c\n\n_resumable\"7\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.pdcluster.v1.TopLogprob\"^\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"m\n\x10GenerateComplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12\x13\n\x06ttft_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_ttft_s\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.pdcluster.v1.GenerateChunkH\x00\x12\x32\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1e.pdcluster.v1.GenerateCompleteH\x00\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1b.pdcluster.v1.GenerateErrorH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"m\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x0c\n\x04mode\x18\x05 \x01(\t2\xb0\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12G\n\x06Resume\x12\x1b.pdcluster.v1.ResumeRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.pdcluster.v1.GetModelInfoRequest\x1a\x17.pdcluster.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdcluster/v1/generation.proto\x12\x0cpdcluster.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\"\x83\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x06\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x0b\x88\x01\x01\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.pdcluster.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x32\n\nstructured\x18\x11 \x01(\x0b\x32\x1e.pdcluster.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xba\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.pdcluster.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x12\n\x05model\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x16\n\tresumable\x18\x07 \x01(\x08H\x03\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\rH\x04\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x08\n\x06_modelB\x0c\n\n_resumableB\x04\n\x02_n\"7\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.pdcluster.v1.TopLogprob\"^\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"m\n\x10GenerateComplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12\x13\n\x06ttft_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_ttft_s\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.pdcluster.v1.GenerateChunkH\x00\x12\x32\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1e.pdcluster.v1.GenerateCompleteH\x00\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1b.pdcluster.v1.GenerateErrorH\x00\x12\r\n\x05index\x18\x05 \x01(\rB\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"m\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x0c\n\x04mode\x18\x05 \x01(\t2\xb0\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12G\n\x06Resume\x12\x1b.pdcluster.v1.ResumeRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.pdcluster.v1.GetModelInfoRequest\x1a\x17.pdcluster.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUT']._serialized_start=953
   _globals['_STRUCTUREDOUTPUT']._serialized_end=999
   _globals['_GENERATEREQUEST']._serialized_start=1002
-  _globals['_GENERATEREQUEST']._serialized_end=1294
-  _globals['_RESUMEREQUEST']._serialized_start=1296
-  _globals['_RESUMEREQUEST']._serialized_end=1351
-  _globals['_TOPLOGPROB']._serialized_start=1353
-  _globals['_TOPLOGPROB']._serialized_end=1400
-  _globals['_TOKENLOGPROB']._serialized_start=1402
-  _globals['_TOKENLOGPROB']._serialized_end=1504
-  _globals['_GENERATECHUNK']._serialized_start=1506
-  _globals['_GENERATECHUNK']._serialized_end=1600
-  _globals['_USAGE']._serialized_start=1602
-  _globals['_USAGE']._serialized_end=1681
-  _globals['_GENERATECOMPLETE']._serialized_start=1683
-  _globals['_GENERATECOMPLETE']._serialized_end=1792
-  _globals['_GENERATEERROR']._serialized_start=1794
-  _globals['_GENERATEERROR']._serialized_end=1840
-  _globals['_GENERATERESPONSE']._serialized_start=1843
-  _globals['_GENERATERESPONSE']._serialized_end=2037
-  _globals['_ABORTREQUEST']._serialized_start=2039
-  _globals['_ABORTREQUEST']._serialized_end=2073
-  _globals['_ABORTRESPONSE']._serialized_start=2075
-  _globals['_ABORTRESPONSE']._serialized_end=2105
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2107
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2128
-  _globals['_MODELINFO']._serialized_start=2130
-  _globals['_MODELINFO']._serialized_end=2239
-  _globals['_GENERATION']._serialized_start=2242
-  _globals['_GENERATION']._serialized_end=2546
+  _globals['_GENERATEREQUEST']._serialized_end=1316
+  _globals['_RESUMEREQUEST']._serialized_start=1318
+  _globals['_RESUMEREQUEST']._serialized_end=1373
+  _globals['_TOPLOGPROB']._serialized_start=1375
+  _globals['_TOPLOGPROB']._serialized_end=1422
+  _globals['_TOKENLOGPROB']._serialized_start=1424
+  _globals['_TOKENLOGPROB']._serialized_end=1526
+  _globals['_GENERATECHUNK']._serialized_start=1528
+  _globals['_GENERATECHUNK']._serialized_end=1622
+  _globals['_USAGE']._serialized_start=1624
+  _globals['_USAGE']._serialized_end=1703
+  _globals['_GENERATECOMPLETE']._serialized_start=1705
+  _globals['_GENERATECOMPLETE']._serialized_end=1814
+  _globals['_GENERATEERROR']._serialized_start=1816
+  _globals['_GENERATEERROR']._serialized_end=1862
+  _globals['_GENERATERESPONSE']._serialized_start=1865
+  _globals['_GENERATERESPONSE']._serialized_end=2074
+  _globals['_ABORTREQUEST']._serialized_start=2076
+  _globals['_ABORTREQUEST']._serialized_end=2110
+  _globals['_ABORTRESPONSE']._serialized_start=2112
+  _globals['_ABORTRESPONSE']._serialized_end=2142
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2144
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2165
+  _globals['_MODELINFO']._serialized_start=2167
+  _globals['_MODELINFO']._serialized_end=2276
+  _globals['_GENERATION']._serialized_start=2279
+  _globals['_GENERATION']._serialized_end=2583
 # @@protoc_insertion_point(module_scope)

@@ -23,9 +23,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.contract import GenerateInput, GenerationBackend, GenerationChunk, Usage
+from router.frontdoor.choices import ChoiceStreams
 from router.frontdoor.errors import map_error, openai_error_body
 from router.frontdoor.metrics import Metrics
-from router.frontdoor.openai.choices import ChoiceStreams
 from router.frontdoor.openai.render import Collected, Renderer, usage_json
 
 __all__ = ["OpenAIResponder", "error_response", "stream_position"]

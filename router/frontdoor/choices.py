@@ -1,4 +1,5 @@
-"""The choices of one OpenAI request (``n`` per prompt, and a batch of prompts) as one stream.
+"""The choices of one request (``n`` per prompt, and a batch of prompts) as one stream, for both
+front doors (OpenAI HTTP and gRPC).
 
 Each choice is a generation of its own (its own request id, KV and permit). The ``n`` choices
 of a prompt share its KV through the prefix cache rather than computing it ``n`` times: the
