@@ -26,6 +26,7 @@ grammar continues where it was.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Sequence
@@ -73,6 +74,14 @@ class StructuredOutput:
     def grammar(self):
         """The xgrammar ``Grammar`` (cached per spec)."""
         return _grammar(self.kind, self.spec)
+
+
+def preload() -> None:
+    """Import the grammar library now (about a second) rather than inside the first
+    constrained request, which would stall the thread that validates it (a router's event
+    loop). Quiet when the library is missing: the first constrained request says so."""
+    with contextlib.suppress(ImportError):
+        import xgrammar  # noqa: F401
 
 
 def choice_spec(choices: Sequence[str]) -> str:

@@ -18,6 +18,7 @@ import ssl
 
 import uvicorn
 
+from engine.structured import preload as preload_grammars
 from router.contract import GenerationBackend
 from router.frontdoor.grpc_server import GrpcServer, start_grpc_server
 from router.frontdoor.http_app import create_app
@@ -128,6 +129,8 @@ async def serve_frontdoor(backend: GenerationBackend, host: str = "127.0.0.1",
     cannot be bound, ValueError for unreadable TLS files (nothing is left running then).
     """
     gate = gate or Gate()
+    # Requests with a grammar are validated on this loop: their library is imported up front.
+    await asyncio.get_running_loop().run_in_executor(None, preload_grammars)
     metrics = Metrics(backend)
     grpc_server = await start_grpc_server(backend, metrics, host, grpc_port, gate)
     try:
