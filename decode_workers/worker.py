@@ -273,9 +273,10 @@ class DecodeWorker:
             for o in outs:
                 offset = self._offsets.get(o.request_id, 0)
                 reason = o.finish_reason if o.finished else None
+                first = len(o.token_ids) == len(o.new_token_ids)
                 updates.append(TokenUpdate(o.request_id, o.new_token_ids, reason, o.error,
                                            offset + len(o.token_ids) - len(o.new_token_ids),
-                                           o.new_logprobs))
+                                           o.new_logprobs, o.prompt_logprobs if first else None))
                 # o.token_ids is this output's own copy already: kept as is, not copied
                 # again (this runs every step for every sequence).
                 self._outputs[o.request_id] = RequestTokens(o.request_id, offset,

@@ -325,6 +325,8 @@ class LLMEngine:
             prompt=self._prompts.get(req.request_id),
             error=req.error,
         )
+        if req.sampling_params.prompt_logprobs is not None:
+            out.prompt_logprobs = req.prompt_logprobs
         if req.sampling_params.logprobs is not None:
             out.logprobs = list(req.output_logprobs)
             out.new_logprobs = out.logprobs[max(0, len(out.logprobs) - len(new_ids)):] \

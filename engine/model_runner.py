@@ -29,11 +29,12 @@ from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import PAD_TOKEN_ID, CudaGraphRunner, DecodePadding, decode_buckets
 from engine.fused_decode import FusedDecodePlan
 from engine.models.llama import LayerHook, LlamaForCausalLM
-from engine.sampling import SampleRow, sample, token_logprobs
+from engine.sampling import SampleRow, logprobs_of, sample, token_logprobs
 from engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.structured import mask_logits
 
 log = logging.getLogger(__name__)
+_PROMPT_LOGITS_ROWS = 256  # prompt-logprob logits per slice: 256 x a 49k vocabulary = 50 MB
 _logged_torch_graphs_off = False  # log that once per process, not once per engine
 
 
@@ -180,8 +181,9 @@ class ModelRunner:
             hidden = self.graph_runner.run(inp.input_ids, inp.meta)
         else:
             hidden = self._forward(inp.input_ids, inp.meta, layer_hook)
+        prompt_lps = self._prompt_logprobs(inp, hidden)
         if not inp.sample_rows:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         rows = [SampleRow(c.sampling_params, c.num_output_tokens, self.eos_token_ids,
                           c.prompt_token_ids, c.output_token_ids)
@@ -202,11 +204,34 @@ class ModelRunner:
                 mask_logits(base, constrained, states)
             return _sample_rows_apart(base, raw, rows, inp.sample_chunks)
         out = ModelRunnerOutput({c.request_id: t
-                                 for c, t in zip(inp.sample_chunks, tokens, strict=True)})
+                                 for c, t in zip(inp.sample_chunks, tokens, strict=True)},
+                                prompt_logprobs=prompt_lps)
         if raw is not None:
             for c, lp in zip(inp.sample_chunks, token_logprobs(raw, rows, tokens), strict=True):
                 if lp is not None:
                     out.logprobs[c.request_id] = lp
+        return out
+
+    def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor
+                         ) -> dict[str, tuple[int, list]]:
+        """For each chunk whose request asked for prompt logprobs: each of its positions'
+        next prompt token's log-probability (request id -> (first position it describes,
+        logprobs)). Logits are computed a slice of rows at a time: a whole long prompt's
+        would be rows x vocabulary floats at once."""
+        out: dict[str, tuple[int, list]] = {}
+        row = 0
+        for c in inp.order:
+            k = c.sampling_params.prompt_logprobs
+            last = min(c.end_pos, len(c.prompt_token_ids) - 1)  # positions with a next token
+            if k is not None and c.start_pos < last:
+                lps = []
+                for p0 in range(c.start_pos, last, _PROMPT_LOGITS_ROWS):
+                    p1 = min(p0 + _PROMPT_LOGITS_ROWS, last)
+                    r0 = row + p0 - c.start_pos
+                    logits = self.model.compute_logits(hidden[r0:r0 + p1 - p0])
+                    lps += logprobs_of(logits, list(c.prompt_token_ids[p0 + 1:p1 + 1]), k)
+                out[c.request_id] = (c.start_pos + 1, lps)
+            row += c.num_tokens
         return out
 
     @torch.inference_mode()

@@ -99,6 +99,10 @@ class SamplingParams:
     generated token's log-probability; taken from the model's raw logits, before any of the
     adjustments above (vLLM's default), so they describe the model, not the sampler.
 
+    ``prompt_logprobs``: None (off) or how many alternatives (0-20) to report with each
+    prompt token's log-probability given the tokens before it (the first's is NaN); the
+    prompt is then computed whole, not taken from the prefix cache.
+
     ``structured``: the output must match a grammar (``engine.structured.StructuredOutput``:
     a JSON schema, any JSON object, a regex, a choice of strings, an EBNF / GBNF grammar);
     tokens the grammar does not allow next are masked before every adjustment above, and the
@@ -122,6 +126,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
     # Set by the router when a request migrates: how many tokens it generated elsewhere
     # before. Seeded sampling continues from that position, so the stream stays the one an
@@ -200,6 +205,11 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or unset, "
                              f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or "
+                             f"unset, got {self.prompt_logprobs!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
         if not _is_int(self.sample_index_offset) or self.sample_index_offset < 0:
@@ -248,6 +258,10 @@ class Request:
     # One per sampled output token when SamplingParams.logprobs is set (a prefill worker's
     # first token brings its own along).
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: position i's log-probability given the tokens
+    # before it (position 0's is NaN: nothing comes before it; None until computed), filled
+    # chunk by chunk as the prompt computes.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Where the output stands in its grammar (SamplingParams.structured); set by the
     # scheduler when the request enters, fed every token the request outputs.
     grammar: GrammarState | None = None
@@ -349,6 +363,8 @@ class RequestOutput:
     # With SamplingParams.logprobs: every generated token's so far, and this update's.
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token (the first's logprob NaN).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def ttft_s(self) -> float | None:

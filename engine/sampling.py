@@ -148,6 +148,18 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     return probs
 
 
+def logprobs_of(raw_logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """Each row's ``tokens[i]`` log-probability under ``raw_logits [N, vocab]``, its rank and
+    the ``k`` most likely tokens (one log-softmax over the rows)."""
+    logp = torch.log_softmax(raw_logits.float(), dim=-1)
+    chosen_lp = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1))
+    ranks = ((logp > chosen_lp).sum(dim=-1) + 1).tolist()
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0])
+    return [TokenLogprob(t, chosen_lp[j, 0].item(), ranks[j],
+                         tuple(zip(top_ids[j].tolist(), top_lp[j].tolist(), strict=True)))
+            for j, t in enumerate(tokens)]
+
+
 def token_logprobs(raw_logits: torch.Tensor, rows: list[SampleRow], tokens: list[int]
                    ) -> list[TokenLogprob | None]:
     """Each row's sampled token's log-probability under the model, from ``raw_logits [N,

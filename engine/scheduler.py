@@ -13,6 +13,7 @@ the batch is full or the oldest request has waited ``dynamic_window_s``).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -78,6 +79,8 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # The sampled token's log-probability, for requests that asked (SamplingParams.logprobs).
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: request id -> (first prompt position, its logprobs).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,9 @@ class Scheduler:
                 break
             computed = None
             if req.num_computed_tokens == 0:
-                computed = self.blocks.get_computed_blocks(req.all_token_ids)
+                # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+                wants_all = req.sampling_params.prompt_logprobs is not None
+                computed = self.blocks.get_computed_blocks([] if wants_all else req.all_token_ids)
                 num_computed = computed.num_tokens(self.blocks.block_size)
             else:  # remote KV already in our pages
                 num_computed = req.num_computed_tokens
@@ -339,6 +344,12 @@ class Scheduler:
             if req.num_computed_tokens // bs > before // bs:  # a block just filled up
                 self.blocks.cache_full_blocks(req.request_id, req.all_token_ids,
                                               req.num_computed_tokens)
+            if chunk.request_id in result.prompt_logprobs:
+                first, lps = result.prompt_logprobs[chunk.request_id]
+                if req.prompt_logprobs is None:  # the first token has no logprob: NaN
+                    req.prompt_logprobs = [TokenLogprob(req.prompt_token_ids[0], math.nan, 0)]
+                    req.prompt_logprobs += [None] * (req.num_prompt_tokens - 1)
+                req.prompt_logprobs[first:first + len(lps)] = lps
             if not chunk.sample:
                 continue
             if chunk.request_id in result.failed:

@@ -248,6 +248,6 @@ class PrefillWorker:
         result = PrefillResult(req.request_id, out.token_ids[0], len(req.prompt_token_ids),
                                out.metrics.num_cached_tokens, max(0.0, scheduled - pending.arrival),
                                step_end - scheduled, done - step_end, pending.kv_bytes,
-                               out.logprobs[0] if out.logprobs else None)
+                               out.logprobs[0] if out.logprobs else None, out.prompt_logprobs)
         if not pending.future.done():
             pending.future.set_result(result)

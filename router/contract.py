@@ -124,6 +124,9 @@ class GenerationChunk:
     prompt_tokens: int = 0
     # One per token in ``token_ids`` when the request asked (SamplingParams.logprobs).
     logprobs: list[TokenLogprob] | None = None
+    # On the first chunk when the request asked (SamplingParams.prompt_logprobs): one per
+    # prompt token (the first's logprob NaN: nothing comes before it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 WORKER_STATES = ("starting", "ready", "unreachable", "draining", "dead")

@@ -86,9 +86,10 @@ class EngineBackend:
                     ttft = asyncio.get_running_loop().time() - t0
                 usage = (Usage(len(out.prompt_token_ids), len(out.token_ids))
                          if out.finished else None)
+                first = len(out.token_ids) == len(out.new_token_ids)
                 yield GenerationChunk(rid, out.new_token_ids, out.delta_text, out.finished,
                                       out.finish_reason, usage, ttft, len(out.prompt_token_ids),
-                                      out.new_logprobs)
+                                      out.new_logprobs, out.prompt_logprobs if first else None)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         finally:

@@ -162,6 +162,8 @@ class TokenUpdate:
     index: int = -1
     # One per new token when the request asked for logprobs (SamplingParams.logprobs).
     logprobs: list[TokenLogprob] | None = None
+    # The request's first update, when it asked for prompt logprobs: one per prompt token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,7 @@ class PrefillResult:
     transfer_tail_s: float  # end of that step -> all KV sends completed
     kv_bytes: int
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # ... for prompt logprobs
 
 
 @dataclass(frozen=True)

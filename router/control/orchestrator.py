@@ -263,7 +263,7 @@ class Orchestrator:
             self.streams.append(rid, list(upd.new_token_ids), reason)
             yield GenerationChunk(rid, list(upd.new_token_ids), text, finished, reason,
                                   Usage(len(prompt_ids), len(generated)) if finished else None,
-                                  ttft, len(prompt_ids), upd.logprobs)
+                                  ttft, len(prompt_ids), upd.logprobs, upd.prompt_logprobs)
             if finished:
                 self._journal(rid, "finished", stream.decode_id, reason)
                 return
@@ -285,8 +285,8 @@ class Orchestrator:
             asyncio.ensure_future(self._safe_abort(self.decode[old], stream.request_id))
         if len(generated) >= params.max_tokens:  # every token arrived; only the end was lost
             return TokenUpdate(stream.request_id, [], "length")
-        rest = dataclasses.replace(
-            params, max_tokens=params.max_tokens - len(generated),
+        rest = dataclasses.replace(  # (the client has the prompt's logprobs already)
+            params, prompt_logprobs=None, max_tokens=params.max_tokens - len(generated),
             min_tokens=max(0, params.min_tokens - len(generated)),
             sample_index_offset=params.sample_index_offset + len(generated))
         if self.config.mode == "colocated":  # the new worker prefills, then streams via the queue
@@ -426,7 +426,7 @@ class Orchestrator:
             self.timings.pop(next(iter(self.timings)))
         self._journal(rid, "committed", decode.info.worker_id, "")
         return FirstToken(result.first_token_id, commit.finished, commit.finish_reason,
-                          result.first_logprob)
+                          result.first_logprob, result.prompt_logprobs)
 
     async def _call(self, stream: StreamState, worker: WorkerSlot, call, timeout_s: float,
                     release: WorkerSlot | None = None, peer: WorkerSlot | None = None):
@@ -485,4 +485,5 @@ def first_update(request_id: str, first: FirstToken) -> TokenUpdate:
     """The stream's update for the token a prefill worker sampled."""
     return TokenUpdate(request_id, [first.token_id],
                        first.finish_reason if first.finished else None,
-                       logprobs=None if first.logprob is None else [first.logprob])
+                       logprobs=None if first.logprob is None else [first.logprob],
+                       prompt_logprobs=first.prompt_logprobs)

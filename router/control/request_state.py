@@ -102,6 +102,7 @@ class FirstToken:
     finished: bool
     finish_reason: str | None
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # ... for prompt logprobs
 
 
 @dataclass

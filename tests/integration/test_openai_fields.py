@@ -323,14 +323,15 @@ def reference(tokenizer):
     with torch.no_grad():
         for _ in range(LOGPROB_TOKENS):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float(),
-                                dim=-1)
+        every = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    ref = every[len(prompt) - 1:-1]
     tokens = ids[len(prompt):]
     top = torch.topk(ref, 5)
     out = {"prompt": prompt, "tokens": tokens,
            "logprobs": [ref[i, t].item() for i, t in enumerate(tokens)],
-           "top_ids": top.indices.tolist(), "top_values": top.values.tolist()}
-    del hf, ref, top
+           "top_ids": top.indices.tolist(), "top_values": top.values.tolist(),
+           "prompt_logprobs": [every[i - 1, prompt[i]].item() for i in range(1, len(prompt))]}
+    del hf, ref, top, every
     gc.collect()
     return out
 
@@ -412,10 +413,9 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(http, reference):
 @pytest.mark.parametrize("endpoint,body,field", [
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"logprobs": 1, "resumable": True}, "logprobs"),
-    ("/v1/completions", {"logprobs": 1, "echo": True}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-], ids=["too-many", "resumable", "echo", "top-without-logprobs", "top-too-many"])
+], ids=["too-many", "resumable", "top-without-logprobs", "top-too-many"])
 def test_logprobs_it_cannot_serve_are_400_naming_the_field(http, endpoint, body, field):
     r = http.post(endpoint, json={**BASE[endpoint], **body})
     assert r.status_code == 400, r.text
@@ -487,3 +487,24 @@ def test_grpc_n_choices_with_the_sdk(frontdoor, kv_probe):
             with pytest.raises(InvalidArgument, match="n must|resumable"):
                 c.generate(PROMPT, max_tokens=2, **bad)
     kv_probe.wait_until_free()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_echo_with_logprobs_gives_the_prompts_logprobs_too(http, tokenizer, reference, stream):
+    """The echoed prompt's entries come first (its first token's logprob null: nothing comes
+    before it), each equal to transformers' log-softmax; in a cluster they are computed by
+    the prefill worker, which then skips its prefix cache for the prompt."""
+    body = {"prompt": reference["prompt"], "max_tokens": LOGPROB_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 2, "echo": True}
+    if stream:
+        text, lp = _merged_completion_logprobs(http, body)
+    else:
+        choice = _complete(http, **body)["choices"][0]
+        text, lp = choice["text"], choice["logprobs"]
+    prompt, n = reference["prompt"], len(reference["prompt"])
+    names = [_name(tokenizer, t) for t in prompt + reference["tokens"]]
+    assert lp["tokens"] == names and text == tokenizer.decode(prompt) + "".join(names[n:])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = reference["prompt_logprobs"] + reference["logprobs"]
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want, strict=True)) < 1e-3
+    assert lp["text_offset"] == [sum(map(len, names[:i])) for i in range(len(names))]

@@ -259,6 +259,40 @@ def test_logprobs_are_transformers_log_softmax_of_each_generated_token(tiny_llam
     assert plain.logprobs is None  # nothing computed unless asked
 
 
+@pytest.mark.parametrize("setup", [{}, {"max_num_batched_tokens": 8, "block_size": 4}],
+                         ids=["whole", "chunked"])
+def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_token(tiny_llama_dir,
+                                                                           setup):
+    """SamplingParams.prompt_logprobs: position i's log-probability given the tokens before
+    it, its rank and the top k, equal to transformers' forward over the prompt; computed
+    chunk by chunk under chunked prefill, and whole even when the prefix cache holds the
+    prompt (a second, identical request)."""
+    import math
+
+    import torch
+
+    from tests.tiny_models import load_hf
+
+    hf = load_hf(tiny_llama_dir, "llama")
+    prompts = random_prompts(seed=5, count=3, max_len=30, min_len=12)
+    llm = LLM(str(tiny_llama_dir), **setup)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    for _ in range(2):  # the second round's prompts are all in the prefix cache
+        for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+            lps = out.prompt_logprobs
+            assert len(lps) == len(prompt) and lps[0].token_id == prompt[0]
+            assert math.isnan(lps[0].logprob)  # nothing comes before it
+            for i in range(1, len(prompt)):
+                lp, want = lps[i], ref[i - 1]
+                assert lp.token_id == prompt[i]
+                assert abs(lp.logprob - want[prompt[i]].item()) < 1e-4
+                assert lp.rank == int((want > want[prompt[i]]).sum()) + 1
+                assert [t for t, _ in lp.top] == torch.topk(want, 3).indices.tolist()
+    assert llm.generate(prompts[:1], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+
+
 @pytest.mark.parametrize("value", [-1, 21, 2.5, True])
 def test_bad_logprobs_are_refused(value):
     with pytest.raises(ValueError, match="logprobs"):

@@ -13,6 +13,7 @@ detokenizer, one id at a time, cached per response).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -56,10 +57,18 @@ class CompletionLogprobs:
     offset: int = 0
 
     def render(self, lps: list[TokenLogprob]) -> dict:
+        """The entries of ``lps``; one whose logprob is NaN (a prompt's first token: nothing
+        comes before it) has null logprob and alternatives, as in OpenAI's echo."""
         tokens, logprobs, tops, offsets = [], [], [], []
         for lp in lps:
             name = self.names(lp.token_id)
             tokens.append(name)
+            offsets.append(self.offset)
+            self.offset += len(name)
+            if math.isnan(lp.logprob):
+                logprobs.append(None)
+                tops.append(None)
+                continue
             logprobs.append(_lp(lp.logprob))
             # The sampled token first, then the most likely (vLLM's shape: k + 1 entries
             # unless the sampled token is among the top k).
@@ -67,8 +76,6 @@ class CompletionLogprobs:
             for tid, x in lp.top:
                 top.setdefault(self.names(tid), _lp(x))
             tops.append(top)
-            offsets.append(self.offset)
-            self.offset += len(name)
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
 

@@ -33,11 +33,14 @@ class Collected:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's
 
     def add(self, c: GenerationChunk) -> None:
         """Append one chunk of this choice's stream."""
         self.text += c.text
         self.token_ids.extend(c.token_ids)
+        if c.prompt_logprobs is not None:
+            self.prompt_logprobs = list(c.prompt_logprobs)
         if c.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(c.logprobs)
         if c.finished:
@@ -113,16 +116,20 @@ class CompletionRenderer(Renderer):
     _echoed: set[int] = field(default_factory=set, init=False)
     _logprobs: dict[int, CompletionLogprobs] = field(default_factory=dict, init=False)
 
-    def _logprobs_json(self, index: int, lps: list[TokenLogprob] | None) -> dict | None:
-        if self.names is None or lps is None:
+    def _logprobs_json(self, index: int, lps: list[TokenLogprob] | None,
+                       prompt: list[TokenLogprob] | None = None) -> dict | None:
+        """A choice's logprobs for ``lps`` (its new tokens), the echoed prompt's entries
+        first when ``prompt`` is given (its first chunk, with echo)."""
+        if self.names is None or (lps is None and prompt is None):
             return None
         if index not in self._logprobs:  # offsets count from the choice's first character
-            self._logprobs[index] = CompletionLogprobs(self.names, len(self.echo.get(index, "")))
-        return self._logprobs[index].render(lps)
+            self._logprobs[index] = CompletionLogprobs(self.names, 0)
+        return self._logprobs[index].render(list(prompt or []) + list(lps or []))
 
     def _whole_choice(self, out: Collected) -> dict:
         return {"index": out.index, "text": self.echo.get(out.index, "") + out.text,
-                "logprobs": self._logprobs_json(out.index, out.logprobs or []),
+                "logprobs": self._logprobs_json(out.index, out.logprobs or [],
+                                                out.prompt_logprobs if self.echo else None),
                 "finish_reason": out.finish_reason}
 
     def _has_more(self, index: int) -> bool:
@@ -133,7 +140,9 @@ class CompletionRenderer(Renderer):
         if self._has_more(index):
             text = self.echo[index] + text
             self._echoed.add(index)
-        return {"index": index, "text": text, "logprobs": self._logprobs_json(index, c.logprobs),
+        prompt = c.prompt_logprobs if index in self.echo else None
+        return {"index": index, "text": text,
+                "logprobs": self._logprobs_json(index, c.logprobs, prompt),
                 "finish_reason": c.finish_reason if c.finished else None}
 
 

@@ -263,9 +263,6 @@ class CompletionRequest(_SamplingFields):
 
     def to_inputs(self, request_id: str) -> list[GenerateInput]:
         """One input per choice (``expand``). Raises ValueError naming a bad field."""
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("logprobs: with echo this asks for the prompt's "
-                                      "logprobs, which are not served yet")
         if self.best_of is not None:
             if self.best_of < self.n:
                 raise InvalidRequestError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
@@ -274,6 +271,8 @@ class CompletionRequest(_SamplingFields):
         sampling = self.to_sampling(default_max_tokens=None)
         if self.best_of is not None and self.best_of > self.n and sampling.logprobs is None:
             sampling = dataclasses.replace(sampling, logprobs=0)  # to rank (not returned)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs too
+            sampling = dataclasses.replace(sampling, prompt_logprobs=self.logprobs)
         return self.expand(self._prompts(), request_id, sampling)
 
     def _prompts(self) -> list[dict]:
