@@ -6,7 +6,7 @@
   engine's per-host kernel choices), ``kernels`` (+ ``step_split``), ``sweep``, ``policies``
   (+ ``baseline_hf``, transformers on the same workload), ``engine_compare`` (the issue's
   offline table against vLLM-CPU and transformers, ``python -m``).
-- ``bench/server/``: a running server: ``serve_load`` (``bench serve``; + ``serve_target``,
+- ``bench/server/``: a running server: ``serve_load`` (``bench serve``; + ``serve_clients``, ``serve_target``,
   ``serve_engine``), ``compare`` (its result files side by side).
 - ``bench/cluster/``: a cluster the benchmark starts itself: ``ttft_breakdown``, ``disagg``,
   ``prefix``, ``chaos``; ``simhosts`` (simulated hosts in network namespaces, for ``--hosts 2``,

@@ -69,3 +69,20 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+async def assert_no_blocks_held(cluster, timeout_s: float = 10.0) -> None:
+    """Wait until no worker of ``cluster`` holds a KV block (used or reserved); fail after
+    ``timeout_s`` naming who holds what."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = await cluster.worker_loads()
+        held = {lo.worker_id: (lo.kv_blocks_used, lo.kv_blocks_reserved) for lo in loads
+                if lo.kv_blocks_used or lo.kv_blocks_reserved}
+        if not held:
+            return
+        assert time.monotonic() < deadline, f"KV blocks still held (used, reserved): {held}"
+        await asyncio.sleep(0.1)

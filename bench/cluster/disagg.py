@@ -222,7 +222,7 @@ async def http_generate(client: Any, model: str, prompt: list[int], max_tokens: 
     carries text timestamped into ``trace`` (one token per event: how our server and vLLM's
     stream; a server that packs several would show its packing as longer gaps). Events
     without text (a bare finish reason, the usage record) are not tokens."""
-    from bench.server.serve_load import completion_body, completion_events
+    from bench.server.serve_clients import completion_body, completion_events
 
     trace.start = time.perf_counter()
     async for msg in completion_events(client, completion_body(prompt, max_tokens, model)):

@@ -14,6 +14,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 from client import Client
 from engine.tokenizer import load_tokenizer
 from engine.weights import resolve_model
+from tests.hf_reference import greedy_logprobs
 
 PROMPT = "The capital of France is"
 PARIS = [{"role": "user", "content": "Name three things to see in Paris."}]
@@ -301,39 +302,9 @@ LOGPROB_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def reference(tokenizer):
-    """transformers' own forward on the served weights: the greedy continuation of PROMPT
-    and, per generated token, its log-softmax value and the 5 most likely (ids, values). The
-    model is freed before the tests run (the suite keeps its memory lean)."""
-    import gc
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from engine.weights import load_state_dict
-
-    model_dir = resolve_model(None).model_dir
-    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    missing, unexpected = hf.load_state_dict(load_state_dict(model_dir, torch.float32),
-                                             strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
-    hf.tie_weights()
-    hf.eval()
-    prompt = tokenizer.encode(PROMPT)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(LOGPROB_TOKENS):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        every = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-    ref = every[len(prompt) - 1:-1]
-    tokens = ids[len(prompt):]
-    top = torch.topk(ref, 5)
-    out = {"prompt": prompt, "tokens": tokens,
-           "logprobs": [ref[i, t].item() for i, t in enumerate(tokens)],
-           "top_ids": top.indices.tolist(), "top_values": top.values.tolist(),
-           "prompt_logprobs": [every[i - 1, prompt[i]].item() for i in range(1, len(prompt))]}
-    del hf, ref, top, every
-    gc.collect()
-    return out
+    """transformers' greedy continuation of PROMPT on the served weights, with the logprobs
+    of its tokens and of the prompt's (tests/hf_reference.py)."""
+    return greedy_logprobs(tokenizer.encode(PROMPT), LOGPROB_TOKENS)
 
 
 def _name(tokenizer, token_id: int) -> str:

@@ -1,0 +1,41 @@
+"""transformers' own forward on the served (default) model's weights, as a reference for
+what the server reports about tokens (logprobs, prompt logprobs)."""
+
+from __future__ import annotations
+
+import gc
+
+
+def greedy_logprobs(prompt: list[int], new_tokens: int, top: int = 5) -> dict:
+    """The greedy continuation of ``prompt`` (``new_tokens`` ids) under transformers'
+    forward on the default model, with: per generated token its log-softmax value and the
+    ``top`` most likely (ids, values); per prompt token after the first, its log-softmax
+    value given the tokens before it. The model is freed before returning (the suite keeps
+    its memory lean)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.weights import load_state_dict, resolve_model
+
+    model_dir = resolve_model(None).model_dir
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    missing, unexpected = hf.load_state_dict(load_state_dict(model_dir, torch.float32),
+                                             strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    hf.tie_weights()
+    hf.eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        every = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    ref = every[len(prompt) - 1:-1]
+    tokens = ids[len(prompt):]
+    best = torch.topk(ref, top)
+    out = {"prompt": list(prompt), "tokens": tokens,
+           "logprobs": [ref[i, t].item() for i, t in enumerate(tokens)],
+           "top_ids": best.indices.tolist(), "top_values": best.values.tolist(),
+           "prompt_logprobs": [every[i - 1, prompt[i]].item() for i in range(1, len(prompt))]}
+    del hf, ref, best, every
+    gc.collect()
+    return out
