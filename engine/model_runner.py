@@ -222,8 +222,11 @@ class ModelRunner:
         row = 0
         for c in inp.order:
             k = c.sampling_params.prompt_logprobs
+            if k is None:
+                row += c.num_tokens
+                continue
             last = min(c.end_pos, len(c.prompt_token_ids) - 1)  # positions with a next token
-            if k is not None and c.start_pos < last:
+            if c.start_pos < last:
                 lps = []
                 for p0 in range(c.start_pos, last, _PROMPT_LOGITS_ROWS):
                     p1 = min(p0 + _PROMPT_LOGITS_ROWS, last)

@@ -53,6 +53,8 @@ class StreamState:
         returned future is shielded, so a cancelled caller leaves it running for the abort
         to wait on."""
         fut = asyncio.ensure_future(ref)
+        # Its error is the awaiting caller's, or nobody's once the caller went away.
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.opening = [f for f in self.opening if not f.done()] + [fut]
         return asyncio.shield(fut)
 
@@ -61,9 +63,6 @@ class StreamState:
         running = [f for f in self.opening if not f.done()]
         if running:
             await asyncio.wait(running, timeout=timeout_s)
-        for f in self.opening:  # their results or errors are the caller's business, if any
-            if f.done() and not f.cancelled():
-                f.exception()
 
 
 class Aborted(Exception):

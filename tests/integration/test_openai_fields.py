@@ -15,6 +15,7 @@ from client import Client
 from engine.tokenizer import load_tokenizer
 from engine.weights import resolve_model
 from tests.hf_reference import greedy_logprobs
+from tests.http_asserts import assert_400_naming
 
 PROMPT = "The capital of France is"
 PARIS = [{"role": "user", "content": "Name three things to see in Paris."}]
@@ -276,9 +277,7 @@ def test_a_bad_prompt_in_a_batch_fails_the_whole_request_and_frees_everything(ht
 ], ids=["n-too-many", "choices-too-many", "resumable"])
 def test_choice_limits_are_400_naming_the_field(http, body, field):
     r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **body})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err.get("param") == field or err["message"].startswith(field), err
+    assert_400_naming(r, field)
 
 
 def test_echo_starts_each_choice_with_its_prompt(http, tokenizer):
@@ -389,9 +388,7 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(http, reference):
 ], ids=["too-many", "resumable", "top-without-logprobs", "top-too-many"])
 def test_logprobs_it_cannot_serve_are_400_naming_the_field(http, endpoint, body, field):
     r = http.post(endpoint, json={**BASE[endpoint], **body})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err.get("param") == field or err["message"].startswith(field), err
+    assert_400_naming(r, field)
 
 
 def test_grpc_logprobs_are_the_same_numbers(frontdoor, reference):
@@ -435,9 +432,7 @@ def test_best_of_returns_the_most_likely_of_its_generations(http):
 ], ids=["below-n", "stream", "too-many", "too-many-prompts"])
 def test_best_of_it_cannot_serve_is_400_naming_it(http, body, field):
     r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **body})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err.get("param") == field or err["message"].startswith(field), err
+    assert_400_naming(r, field)
 
 
 def test_grpc_n_choices_with_the_sdk(frontdoor, kv_probe):
