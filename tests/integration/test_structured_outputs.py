@@ -208,6 +208,16 @@ def test_auto_parses_the_models_own_tool_calls(hermes_oai, model_id):
     prose = hermes_oai.chat.completions.create(model=model_id, messages=ASK, tools=TOOLS,
                                                max_tokens=8, temperature=0).choices[0]
     assert prose.message.tool_calls is None and prose.message.content  # no call: plain text
+    two = FORCED_CALL + '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    for parallel, names in ((True, ["get_weather", "get_time"]), (False, ["get_weather"])):
+        out = hermes_oai.chat.completions.create(**{
+            **kw, "extra_body": {"structured_outputs": {"choice": [two]}}, "max_tokens": 120,
+            "parallel_tool_calls": parallel}).choices[0]
+        assert [c.function.name for c in out.message.tool_calls] == names
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    with pytest.raises(openai.BadRequestError, match="tools: strict"):
+        hermes_oai.chat.completions.create(model=model_id, messages=ASK, tools=strict,
+                                           max_tokens=5)
 
 
 def test_a_conversation_with_earlier_calls_renders(oai, model_id):

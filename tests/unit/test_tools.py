@@ -31,6 +31,8 @@ def test_hermes_calls_are_parsed_and_the_rest_is_content():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    one = ToolPlan("auto", parser="hermes", parallel=False)  # parallel_tool_calls: false
+    assert [c.name for c in parse_calls(one, text)[1]] == ["get_weather"]
     prose = "It is sunny in Paris."
     assert parse_calls(ToolPlan("auto", parser="hermes"), prose) == (prose, [])
     broken = '<tool_call>{"name": "get_weather", "argu'  # cut by max_tokens: stays text

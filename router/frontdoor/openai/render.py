@@ -16,7 +16,13 @@ from typing import ClassVar
 from engine.request import TokenLogprob
 from router.contract import GenerationChunk, Usage
 from router.frontdoor.openai.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
-from router.frontdoor.openai.tools import ToolCall, ToolCallStream, ToolPlan, parse_calls
+from router.frontdoor.openai.tools import (
+    ToolCall,
+    ToolCallStream,
+    ToolPlan,
+    new_call_id,
+    parse_calls,
+)
 
 __all__ = ["ChatRenderer", "Collected", "CompletionRenderer", "Renderer", "usage_json"]
 
@@ -156,7 +162,7 @@ class ChatRenderer(Renderer):
     # OpenAI names the role once per choice, in the first delta a client sees of it.
     _sent_role: set[int] = field(default_factory=set, init=False)
     _calls: dict[int, ToolCallStream] = field(default_factory=dict, init=False)
-    _named_ids: dict[int, str] = field(default_factory=dict, init=False)
+    _named_ids: dict[int, str] = field(default_factory=dict, init=False)  # choice -> call id
 
     def _whole_choice(self, out: Collected) -> dict:
         message: dict = {"role": "assistant", "content": out.text}
@@ -184,8 +190,8 @@ class ChatRenderer(Renderer):
                 delta["content"] = c.text
         elif self.tools.mode == "named":  # the text is the arguments: stream it as such
             call: dict = {"index": 0, "function": {"arguments": c.text}}
-            if index not in self._named_ids:
-                self._named_ids[index] = ToolCall(self.tools.name, "").id
+            if index not in self._named_ids:  # the first delta names the call
+                self._named_ids[index] = new_call_id()
                 call = ToolCall(self.tools.name, c.text, self._named_ids[index]).to_json(0)
             delta["tool_calls"] = [call]
         else:  # required / auto: content streams, calls go out whole once complete

@@ -398,14 +398,19 @@ class ChatCompletionRequest(_SamplingFields):
                     "chat template has none; ask for tool_choice \"required\" or a named "
                     "function (enforced for any model), or start the server with "
                     f"--tool-call-parser ({' / '.join(PARSERS)})")
-            return ToolPlan("auto", parser=parser)
+            if any(t.function.strict for t in self.tools):
+                # Arguments are enforced only where the output is a call; auto's is free text.
+                raise InvalidRequestError("tools: strict arguments need tool_choice "
+                                          "\"required\" or a named function (with auto the "
+                                          "model writes its calls freely)")
+            return ToolPlan("auto", parser=parser, parallel=self.parallel_tool_calls is not False)
         if self.response_format is not None and self.response_format.type != "text" \
                 or self.structured_outputs is not None:
             raise InvalidRequestError("tool_choice: a required or named tool call is itself "
                                       "a structured output; not with response_format / "
                                       "structured_outputs")
         if choice == "required":
-            return ToolPlan("required")
+            return ToolPlan("required", parallel=self.parallel_tool_calls is not False)
         if choice.function.name not in names:
             raise InvalidRequestError(f"tool_choice: no tool named {choice.function.name!r}")
         return ToolPlan("named", name=choice.function.name)

@@ -9,7 +9,8 @@ how its output becomes OpenAI's ``tool_calls``.
 - ``auto`` lets the model write freely and parses its own tool-call format: ``hermes``
   (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen / Hermes / many
   fine-tunes) or ``llama3_json`` (a bare ``{"name": ..., "parameters": {...}}``, optionally
-  after ``<|python_tag|>``). Which one: ``detect_parser`` on the chat template, or the
+  after ``<|python_tag|>``). Which one: read off the chat template
+  (``engine.tokenizer.Tokenizer.tool_call_format``), or the
   server's ``--tool-call-parser``. A model with neither refuses ``auto`` (a 400 saying so)
   rather than returning prose where the client expects calls.
 - ``none``: the template still sees the tools; nothing is parsed.
@@ -26,12 +27,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PARSERS", "ToolCall", "ToolCallStream", "ToolPlan", "detect_parser", "parse_calls"]
+__all__ = ["PARSERS", "ToolCall", "ToolCallStream", "ToolPlan", "new_call_id", "parse_calls"]
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class ToolCall:
 
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
     def to_json(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {} if index is None else {"index": index}
@@ -52,27 +57,18 @@ class ToolCall:
 @dataclass(frozen=True)
 class ToolPlan:
     """How one request's ``tool_choice`` is served. ``mode``: "named" | "required" | "auto";
-    ``name``: the named function; ``parser``: auto's format."""
+    ``name``: the named function; ``parser``: auto's format; ``parallel``: False keeps one
+    call (``parallel_tool_calls``: the schema enforces it for required, the parse for auto)."""
 
     mode: str
     name: str | None = None
     parser: str | None = None
+    parallel: bool = True
 
     @property
     def finish_reason(self) -> str:
         """OpenAI's: "tool_calls" when the model chose to call, "stop" for a forced name."""
         return "stop" if self.mode == "named" else "tool_calls"
-
-
-def detect_parser(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template teaches its model, or None."""
-    if not chat_template:
-        return None
-    if _HERMES_OPEN in chat_template:
-        return "hermes"
-    if _PYTHON_TAG in chat_template or ("tools" in chat_template and '"parameters"' in chat_template):
-        return "llama3_json"
-    return None
 
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:
@@ -101,7 +97,13 @@ def _call(obj: Any, args_key: str) -> ToolCall | None:
 
 
 def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole output as (content, tool calls). A call that does not parse stays content."""
+    """A whole output as (content, tool calls). A call that does not parse stays content;
+    without ``plan.parallel`` only the first call is kept."""
+    content, calls = _parse(plan, text)
+    return content, calls if plan.parallel else calls[:1]
+
+
+def _parse(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
     if plan.mode == "named":
         return None, [ToolCall(plan.name, text)]
     if plan.mode == "required":
