@@ -14,6 +14,7 @@ from client.types import (
     RetryPolicy,
     StreamChunk,
     TokenLogprob,
+    ToolCall,
     Unauthenticated,
     Unavailable,
     Usage,
@@ -23,5 +24,5 @@ __all__ = [
     "AsyncClient", "AsyncGenerateStream", "Cancelled", "Client", "DeadlineExceeded",
     "GenerateResult", "GenerateStream", "Internal", "InvalidArgument", "ModelInfo", "NotFound",
     "PdclusterError", "ResourceExhausted", "RetryPolicy", "StreamChunk", "TokenLogprob",
-    "Unauthenticated", "Unavailable", "Usage",
+    "ToolCall", "Unauthenticated", "Unavailable", "Usage",
 ]

@@ -266,7 +266,9 @@ class Client:
     def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, model: str | None = None,
                request_id: str | None = None, timeout: float | None = None,
-               resume: bool = False, n: int | None = None, **sampling) -> GenerateStream:
+               resume: bool = False, n: int | None = None, tools: list[dict] | None = None,
+               tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+               **sampling) -> GenerateStream:
         """Stream one request. Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``;
         ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, min_tokens, include_stop_str_in_output, presence_penalty,
@@ -281,10 +283,15 @@ class Client:
         the first token raises and the server aborts the request.
         ``n``: that many choices (1-64; a seeded choice j samples with seed + j), their chunks
         merged, each naming its ``index``; ``results`` holds each joined (see ``choices``).
+        ``tools`` (OpenAI's tool list; with ``messages``), ``tool_choice`` ("none" | "auto" |
+        "required" | ``{"type": "function", "function": {"name": ...}}``) and
+        ``parallel_tool_calls``: the last chunk (and the result) carries ``tool_calls`` and
+        ``content`` parsed from the output; required and named calls are enforced by a grammar.
         Raises ValueError / TypeError for a malformed call; server errors surface while
         iterating."""
         req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling,
-                            resumable=resume, n=n)
+                            resumable=resume, n=n, tools=tools, tool_choice=tool_choice,
+                            parallel_tool_calls=parallel_tool_calls)
         return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, resume=resume)
 
     def resume(self, request_id: str, from_index: int = 0,
@@ -432,10 +439,13 @@ class AsyncClient:
     def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, model: str | None = None,
                request_id: str | None = None, timeout: float | None = None,
-               resume: bool = False, n: int | None = None, **sampling) -> AsyncGenerateStream:
+               resume: bool = False, n: int | None = None, tools: list[dict] | None = None,
+               tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+               **sampling) -> AsyncGenerateStream:
         """See ``Client.stream``."""
         req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling,
-                            resumable=resume, n=n)
+                            resumable=resume, n=n, tools=tools, tool_choice=tool_choice,
+                            parallel_tool_calls=parallel_tool_calls)
         return AsyncGenerateStream(self._stub, req, self._timeout(timeout), self.retry,
                                    resume=resume)
 

@@ -15,7 +15,7 @@ from proto.pdcluster.v1 import generation_pb2 as pb
 __all__ = [
     "Cancelled", "DeadlineExceeded", "GenerateResult", "Internal", "InvalidArgument", "ModelInfo",
     "NotFound", "PdclusterError", "ResourceExhausted", "RetryPolicy", "StreamChunk",
-    "TokenLogprob", "Unavailable", "Usage",
+    "TokenLogprob", "ToolCall", "Unavailable", "Usage",
 ]
 
 REQUEST_ID_METADATA_KEY = "x-request-id"
@@ -111,9 +111,21 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: ``arguments`` is JSON text (``json.loads`` it)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class StreamChunk:
     """One streamed update. The last one has ``finished=True``, ``finish_reason``
-    ("stop" | "length" | "abort"), ``usage`` and ``ttft_s``, and usually no tokens."""
+    ("stop" | "length" | "abort", "tool_calls" when a request with tools ended in calls),
+    ``usage`` and ``ttft_s``, and usually no tokens; for a request with tools also
+    ``tool_calls`` (parsed from the whole output) and ``content`` (the text around them,
+    None when the output was only calls)."""
 
     request_id: str
     token_ids: list[int]
@@ -124,11 +136,15 @@ class StreamChunk:
     ttft_s: float | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     index: int = 0  # the choice it belongs to (a request with n)
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
 
 @dataclass
 class GenerateResult:
-    """A whole generation: everything the stream carried, joined."""
+    """A whole generation: everything the stream carried, joined. ``text`` is the model's
+    raw output; with tools, ``tool_calls`` are the calls parsed from it and ``content`` the
+    text around them."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -137,6 +153,8 @@ class GenerateResult:
     usage: Usage | None = None
     ttft_s: float | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
     def add(self, chunk: StreamChunk) -> None:
         self.request_id = chunk.request_id or self.request_id
@@ -148,6 +166,7 @@ class GenerateResult:
             self.finish_reason = chunk.finish_reason
             self.usage = chunk.usage
             self.ttft_s = chunk.ttft_s
+            self.tool_calls, self.content = chunk.tool_calls, chunk.content
 
 
 @dataclass(frozen=True)
@@ -199,9 +218,12 @@ class RetryPolicy:
 def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
                   messages: list[dict] | None, model: str | None, request_id: str | None,
                   sampling: dict, resumable: bool = False,
-                  n: int | None = None) -> pb.GenerateRequest:
-    """Raises ValueError unless exactly one prompt form is given, TypeError for an unknown
-    sampling argument. Values themselves are validated by the server (INVALID_ARGUMENT)."""
+                  n: int | None = None, tools: list[dict] | None = None,
+                  tool_choice: str | dict | None = None,
+                  parallel_tool_calls: bool | None = None) -> pb.GenerateRequest:
+    """Raises ValueError unless exactly one prompt form is given (or for a malformed tool),
+    TypeError for an unknown sampling argument. Values themselves are validated by the server
+    (INVALID_ARGUMENT)."""
     given = [name for name, v in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
                                   ("messages", messages)) if v is not None]
     if len(given) != 1:
@@ -227,7 +249,13 @@ def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
     else:
         req.messages.SetInParent()
         for m in messages:
-            req.messages.messages.add(role=m["role"], content=m["content"])
+            _add_message(req.messages.messages.add(), m)
+    for t in tools or ():
+        _add_tool(req.tools.add(), t)
+    if tool_choice is not None:
+        _set_tool_choice(req.tool_choice, tool_choice)
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = parallel_tool_calls
     s = req.sampling
     s.SetInParent()
     for name, value in sampling.items():
@@ -246,6 +274,51 @@ def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
         else:
             setattr(s, name, value)
     return req
+
+
+def _arguments(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _add_message(msg: pb.ChatMessage, m: dict) -> None:
+    """An OpenAI chat message (with an assistant's ``tool_calls`` or a tool's
+    ``tool_call_id``) into ``msg``."""
+    msg.role, msg.content = m["role"], m.get("content") or ""
+    for c in m.get("tool_calls") or ():
+        f = c.get("function", c)
+        msg.tool_calls.add(id=c.get("id", ""), name=f["name"],
+                           arguments=_arguments(f.get("arguments", {})))
+    if m.get("tool_call_id") is not None:
+        msg.tool_call_id = m["tool_call_id"]
+
+
+def _add_tool(msg: pb.Tool, t: dict) -> None:
+    """An OpenAI tool (``{"type": "function", "function": {...}}``) or a bare function
+    definition (``{"name", "description", "parameters", "strict"}``) into ``msg``."""
+    f = t.get("function", t) if t.get("type", "function") == "function" else None
+    if not isinstance(f, dict) or "name" not in f:
+        raise ValueError(f"tools: a function definition with a name, got {t!r}")
+    msg.name, msg.description = f["name"], f.get("description") or ""
+    if f.get("parameters") is not None:
+        msg.parameters = _arguments(f["parameters"])
+    msg.strict = bool(f.get("strict"))
+
+
+def _set_tool_choice(msg: pb.ToolChoice, choice: str | dict) -> None:
+    """"none" | "auto" | "required", or OpenAI's named form
+    ``{"type": "function", "function": {"name": ...}}``."""
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ValueError("tool_choice: \"none\", \"auto\", \"required\" or "
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}, "
+                             f"got {choice!r}")
+        msg.mode = choice
+        return
+    try:
+        msg.function = choice["function"]["name"]
+    except (KeyError, TypeError):
+        raise ValueError(f"tool_choice: a mode or {{'type': 'function', 'function': "
+                         f"{{'name': ...}}}}, got {choice!r}") from None
 
 
 _STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
@@ -282,8 +355,11 @@ def chunk_from_response(resp: pb.GenerateResponse) -> StreamChunk:
         c = resp.complete
         usage = (Usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
                  if c.HasField("usage") else None)
+        calls = [ToolCall(t.id, t.name, t.arguments) for t in c.tool_calls]
         return StreamChunk(resp.request_id, [], "", True, c.finish_reason, usage,
-                           c.ttft_s if c.HasField("ttft_s") else None, index=resp.index)
+                           c.ttft_s if c.HasField("ttft_s") else None, index=resp.index,
+                           tool_calls=calls or None,
+                           content=c.content if c.HasField("content") else None)
     if kind == "error":
         code = getattr(grpc.StatusCode, resp.error.code, grpc.StatusCode.UNKNOWN)
         raise error_from_code(code, resp.error.message)

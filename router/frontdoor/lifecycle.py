@@ -132,7 +132,8 @@ async def serve_frontdoor(backend: GenerationBackend, host: str = "127.0.0.1",
     # Requests with a grammar are validated on this loop: their library is imported up front.
     await asyncio.get_running_loop().run_in_executor(None, preload_grammars)
     metrics = Metrics(backend)
-    grpc_server = await start_grpc_server(backend, metrics, host, grpc_port, gate)
+    grpc_server = await start_grpc_server(backend, metrics, host, grpc_port, gate,
+                                         tool_call_parser)
     try:
         sock = _bind(host, http_port)
     except BaseException:

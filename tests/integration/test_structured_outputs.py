@@ -179,16 +179,21 @@ def test_auto_is_refused_for_a_model_without_a_tool_call_format(http):
 
 
 @pytest.fixture(scope="module")
-def hermes_oai(backend, server_loop):
+def hermes_frontdoor(backend, server_loop):
     """A second front door over the same backend, told the model writes Hermes tool calls."""
     from router.frontdoor.lifecycle import serve_frontdoor
 
     fd = server_loop.run(serve_frontdoor(backend, grpc_port=0, http_port=0, drain_grace_s=5,
                                          tool_call_parser="hermes"))
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{fd.http_port}/v1", api_key="x",
-                       max_retries=0, timeout=120) as c:
-        yield c
+    yield fd
     server_loop.run(fd.stop(1))
+
+
+@pytest.fixture(scope="module")
+def hermes_oai(hermes_frontdoor):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{hermes_frontdoor.http_port}/v1",
+                       api_key="x", max_retries=0, timeout=120) as c:
+        yield c
 
 
 def test_auto_parses_the_models_own_tool_calls(hermes_oai, model_id):
@@ -246,6 +251,54 @@ def test_a_conversation_with_earlier_calls_renders(oai, model_id):
 def test_tool_requests_it_cannot_serve_are_400_naming_the_field(http, body, field):
     r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **body})
     assert_400_naming(r, field)
+
+
+def test_grpc_tool_calls_with_the_sdk_match_the_http_apis(frontdoor, oai, model_id, kv_probe):
+    """The SDK's named / required / none choices: the same calls the OpenAI API returns for
+    the same greedy request, the raw output alongside, refusals by field name."""
+    named_choice = {"type": "function", "function": {"name": "get_weather"}}
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}") as c:
+        named = c.chat(ASK, tools=TOOLS, tool_choice=named_choice, max_tokens=80, temperature=0)
+        (call,) = named.tool_calls
+        assert (call.name, named.finish_reason, named.content) == ("get_weather", "stop", None)
+        jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMS)
+        assert call.arguments == named.text  # the stream carried the arguments themselves
+        http_call = oai.chat.completions.create(
+            model=model_id, messages=ASK, tools=TOOLS, tool_choice=named_choice, max_tokens=80,
+            temperature=0).choices[0].message.tool_calls[0]
+        assert http_call.function.arguments == call.arguments
+
+        required = c.chat(ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                          max_tokens=120, temperature=0)
+        assert required.finish_reason == "tool_calls" and len(required.tool_calls) == 1
+        assert required.tool_calls[0].name in {"get_weather", "get_time"}
+
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+        answer = c.chat(history, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0)
+        assert answer.tool_calls is None and answer.text and answer.finish_reason == "length"
+
+        with pytest.raises(InvalidArgument, match="tools: only with a messages prompt"):
+            c.generate("x", tools=TOOLS, tool_choice="required", max_tokens=2)
+        with pytest.raises(InvalidArgument, match="tool_choice: auto needs"):
+            c.chat(ASK, tools=TOOLS, max_tokens=2)
+    kv_probe.wait_until_free()
+
+
+def test_grpc_auto_parses_each_choices_own_calls(hermes_frontdoor):
+    """tool_choice auto over gRPC with n=2: the output pinned to a Hermes call after prose,
+    each choice's complete carries its parsed call and the prose as content."""
+    with Client(f"127.0.0.1:{hermes_frontdoor.grpc_port}") as c:
+        results = c.choices(messages=ASK, n=2, tools=TOOLS, max_tokens=80, temperature=0,
+                            structured={"choice": [FORCED_CALL]})
+    for r in results:
+        assert (r.text, r.content, r.finish_reason) == (FORCED_CALL, "Sure.", "tool_calls")
+        (call,) = r.tool_calls
+        assert (call.name, json.loads(call.arguments)) == (
+            "get_weather", {"city": "Paris", "unit": "celsius"})
+    assert results[0].tool_calls[0].id != results[1].tool_calls[0].id
 
 
 def test_a_resumed_constrained_stream_is_one_valid_document(base_url, kv_probe):

@@ -34,7 +34,7 @@ from engine.request import (
 )
 from engine.structured import StructuredOutput, choice_spec
 from router.contract import GenerateInput, InvalidRequestError
-from router.frontdoor.openai.tools import PARSERS, ToolPlan, named_schema, required_schema
+from router.frontdoor.openai.tools import ToolPlan, plan_tools, tool_constraint
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest"]
 
@@ -374,58 +374,20 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    def _functions(self) -> list[dict]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
+
     def tool_plan(self, parser: str | None) -> ToolPlan | None:
         """How ``tool_choice`` is served (None: no tool calls to produce). ``parser``: the
         model's tool-call format, for ``auto``. Raises InvalidRequestError naming the field."""
-        if self.tools is None:
-            if self.tool_choice not in (None, "none"):
-                raise InvalidRequestError("tool_choice: needs tools")
-            if self.parallel_tool_calls is not None:
-                raise InvalidRequestError("parallel_tool_calls: needs tools")
-            return None
-        names = [t.function.name for t in self.tools]
-        if len(set(names)) != len(names):
-            raise InvalidRequestError("tools: function names must be unique")
-        choice = self.tool_choice or "auto"  # OpenAI's default once tools are given
-        if choice == "none":
-            return None
-        if self.resumable:
-            raise InvalidRequestError("tools: not with a resumable request")
-        if choice == "auto":
-            if parser is None:
-                raise InvalidRequestError(
-                    "tool_choice: auto needs the model's tool-call format, and this model's "
-                    "chat template has none; ask for tool_choice \"required\" or a named "
-                    "function (enforced for any model), or start the server with "
-                    f"--tool-call-parser ({' / '.join(PARSERS)})")
-            if any(t.function.strict for t in self.tools):
-                # Arguments are enforced only where the output is a call; auto's is free text.
-                raise InvalidRequestError("tools: strict arguments need tool_choice "
-                                          "\"required\" or a named function (with auto the "
-                                          "model writes its calls freely)")
-            return ToolPlan("auto", parser=parser, parallel=self.parallel_tool_calls is not False)
-        if self.response_format is not None and self.response_format.type != "text" \
-                or self.structured_outputs is not None:
-            raise InvalidRequestError("tool_choice: a required or named tool call is itself "
-                                      "a structured output; not with response_format / "
-                                      "structured_outputs")
-        if choice == "required":
-            return ToolPlan("required", parallel=self.parallel_tool_calls is not False)
-        if choice.function.name not in names:
-            raise InvalidRequestError(f"tool_choice: no tool named {choice.function.name!r}")
-        return ToolPlan("named", name=choice.function.name)
-
-    def _tool_constraint(self, plan: ToolPlan | None) -> StructuredOutput | None:
-        if plan is None or plan.mode == "auto":
-            return None
-        tools = [t.function.model_dump(exclude_none=True) for t in self.tools]
-        schema = (required_schema(tools, self.parallel_tool_calls is not False)
-                  if plan.mode == "required"
-                  else named_schema(next(t for t in tools if t["name"] == plan.name)))
-        try:
-            return StructuredOutput("json_schema", json.dumps(schema))
-        except ValueError as e:  # a tool's parameters schema does not compile
-            raise InvalidRequestError(f"tools: {e}") from None
+        choice = self.tool_choice
+        named = choice.function.name if isinstance(choice, _NamedToolChoice) else None
+        constrained = (self.response_format is not None and self.response_format.type != "text"
+                       or self.structured_outputs is not None)
+        return plan_tools(self._functions() if self.tools is not None else None,
+                          None if named is not None else choice, named,
+                          parallel=self.parallel_tool_calls, parser=parser,
+                          resumable=bool(self.resumable), constrained=constrained)
 
     def top_logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -452,7 +414,7 @@ class ChatCompletionRequest(_SamplingFields):
             # OpenAI's default: generate until the context is full (or a stop).
             default_max = max(1, max_model_len - len(ids))
         sampling = self.to_sampling(default_max_tokens=default_max)
-        constraint = self._tool_constraint(plan)
+        constraint = tool_constraint(plan, self._functions())
         if constraint is not None:
             sampling = dataclasses.replace(sampling, structured=constraint)
         # With tools the prompt goes as the ids the template made of messages + tools.

@@ -27,7 +27,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PARSERS", "ToolCall", "ToolCallStream", "ToolPlan", "new_call_id", "parse_calls"]
+from engine.structured import StructuredOutput
+from router.contract import InvalidRequestError
+
+__all__ = ["PARSERS", "ToolCall", "ToolCallStream", "ToolPlan", "new_call_id", "parse_calls",
+           "plan_tools", "tool_constraint"]
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -87,6 +91,70 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
 def named_schema(tool: dict) -> dict:
     """The JSON schema of a named ``tool_choice``: the function's parameters object."""
     return tool.get("parameters") or {"type": "object"}
+
+
+def plan_tools(functions: list[dict] | None, choice: str | None, named: str | None = None, *,
+               parallel: bool | None = None, parser: str | None = None,
+               resumable: bool = False, constrained: bool = False) -> ToolPlan | None:
+    """How a request's tools are served, for both front doors (None: no tool calls to
+    produce). ``functions``: the tools' function definitions (``name``, ``parameters``,
+    ``strict``...); ``choice``: "none" | "auto" | "required" (None: auto once tools are
+    given, OpenAI's default), or ``named``: the function to call; ``parser``: the model's
+    tool-call format, for auto; ``constrained``: the request also asked for a structured
+    output. Raises InvalidRequestError naming the field."""
+    if named is not None and choice is not None:
+        raise InvalidRequestError("tool_choice: a mode or a function name, not both")
+    if not functions:
+        if choice not in (None, "none") or named is not None:
+            raise InvalidRequestError("tool_choice: needs tools")
+        if parallel is not None:
+            raise InvalidRequestError("parallel_tool_calls: needs tools")
+        return None
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tools: function names must be unique")
+    choice = "named" if named is not None else choice or "auto"
+    if choice not in ("none", "auto", "required", "named"):
+        raise InvalidRequestError(f"tool_choice: none, auto, required or a function name, "
+                                  f"got {choice!r}")
+    if choice == "none":
+        return None
+    if resumable:
+        raise InvalidRequestError("tools: not with a resumable request")
+    if choice == "auto":
+        if parser is None:
+            raise InvalidRequestError(
+                "tool_choice: auto needs the model's tool-call format, and this model's "
+                "chat template has none; ask for tool_choice \"required\" or a named "
+                "function (enforced for any model), or start the server with "
+                f"--tool-call-parser ({' / '.join(PARSERS)})")
+        if any(f.get("strict") for f in functions):
+            # Arguments are enforced only where the output is a call; auto's is free text.
+            raise InvalidRequestError("tools: strict arguments need tool_choice "
+                                      "\"required\" or a named function (with auto the "
+                                      "model writes its calls freely)")
+        return ToolPlan("auto", parser=parser, parallel=parallel is not False)
+    if constrained:
+        raise InvalidRequestError("tool_choice: a required or named tool call is itself a "
+                                  "structured output; not with another structured output")
+    if choice == "required":
+        return ToolPlan("required", parallel=parallel is not False)
+    if named not in names:
+        raise InvalidRequestError(f"tool_choice: no tool named {named!r}")
+    return ToolPlan("named", name=named)
+
+
+def tool_constraint(plan: ToolPlan | None, functions: list[dict]) -> StructuredOutput | None:
+    """The structured output that enforces ``plan`` (None for auto / no plan). Raises
+    InvalidRequestError naming ``tools`` when a function's parameters do not compile."""
+    if plan is None or plan.mode == "auto":
+        return None
+    schema = (required_schema(functions, plan.parallel) if plan.mode == "required"
+              else named_schema(next(f for f in functions if f["name"] == plan.name)))
+    try:
+        return StructuredOutput("json_schema", json.dumps(schema))
+    except ValueError as e:
+        raise InvalidRequestError(f"tools: {e}") from None
 
 
 def _call(obj: Any, args_key: str) -> ToolCall | None:
