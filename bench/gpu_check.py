@@ -183,6 +183,28 @@ def check_tokens_vs_cpu() -> dict[str, Any]:
     return res
 
 
+def check_tensor_parallel() -> dict[str, Any]:
+    """Default model, fp32 (torch backend): TP 2 (two ranks, NCCL between them) gives TP 1's
+    greedy tokens; decode throughput of both on the same prompts, for the record."""
+    from engine import LLM
+
+    res: dict[str, Any] = {}
+    want = None
+    for tp in (1, 2):
+        llm = LLM(device="cuda", dtype="float32", attention_backend="torch",
+                  kv_cache_memory_bytes=POOL_BYTES, tensor_parallel_size=tp)
+        prompts = _prompts(llm.engine.model_config.vocab_size)
+        t0 = time.perf_counter()
+        got = _tokens(llm, prompts)
+        res[f"tp{tp}_s"] = time.perf_counter() - t0
+        want = got if want is None else want
+        res[f"tp{tp}_match_fraction"] = match_fraction(got, want)
+        llm.close()
+        _free(llm)
+    res["pass"] = res["tp2_match_fraction"] >= BF16_MIN_MATCH
+    return res
+
+
 def check_decode_vs_hbm_floor() -> dict[str, Any]:
     """Decode step time at batch 1/8/32 (context 512, graphs on) vs the floor of reading
     every weight once at the measured device-to-device copy bandwidth."""
@@ -283,6 +305,7 @@ CHECKS = (
     Check("cuda_graphs_on_off", check_cuda_graphs_on_off, 55),
     Check("prefill_throughput", check_prefill_throughput, 35),
     Check("nccl_transport", check_nccl_transport, 120, min_gpus=2),
+    Check("tensor_parallel", check_tensor_parallel, 90, min_gpus=2),
     Check("disagg_run", check_disagg_run, 150, min_gpus=2),
 )
 

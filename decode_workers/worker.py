@@ -124,7 +124,7 @@ class DecodeWorker:
                           self.engine.max_model_len,
                           self.receiver.address if self.receiver else None,
                           current_node_ip(), self.kv_host.address, self.incarnation,
-                          self.kv_transport)
+                          self.kv_transport, self.engine.tp_size, self.engine.rank_pids)
 
     def load(self, router_id: str = "") -> WorkerLoad:
         """``router_id``: the router asking (its reports say it is alive: see delivery)."""

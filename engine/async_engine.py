@@ -72,3 +72,4 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self.loop.stop()
+        self.engine.close()

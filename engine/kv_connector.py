@@ -164,6 +164,11 @@ class KVConnector:
         self._exports = [c for c in sched.chunks if c.export_kv and c.sample]
         return bool(self._exports and self.exporter is not None)
 
+    def step_reads(self) -> list[tuple[list[int], int, int]]:
+        """The reads ``layer_saved`` makes after each layer this step, in its order (block
+        ids, tokens, start): a tensor-parallel engine's other ranks make them too."""
+        return [(c.block_ids, c.end_pos, c.export_from) for c in self._exports]
+
     def layer_saved(self, layer: int, kv_cache: torch.Tensor) -> None:
         """Layer ``layer``'s KV for this step is written: hand each completed prompt's copy
         to the exporter (which sends it while the next layer computes)."""

@@ -23,6 +23,18 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """End the tensor-parallel ranks this model runs on, if any (``tensor_parallel_size``
+        > 1 starts one process per extra rank; they also end when this object is collected
+        or the process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

@@ -26,6 +26,8 @@ from engine.kernels import model_linear_weights, set_linear_plan, tune_linear
 from engine.kv_connector import KVConnector, StepInfo
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.ranks import TPRanks, rank_device, rank_threads
+from engine.parallel.sharding import TPShard
 from engine.request import (
     Request,
     RequestMetrics,
@@ -77,6 +79,10 @@ class EngineArgs:
     # start-up (cached per host in ~/.cache/pdcluster/kernels; engine.kernels). False:
     # F.linear everywhere and the "gather" decode path.
     tune_kernels: bool = True
+    # Ranks the model is sharded over (engine.parallel): one process each (this one is rank
+    # 0), one GPU each on CUDA; on the CPU each takes num_threads (default: the cores shared
+    # out). kv_cache_memory_bytes is per rank, so the pool grows with the ranks.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -100,13 +106,38 @@ class EngineStats:
     mixed_steps: tuple = ()
 
 
+def tune_runner(args: EngineArgs, plan, model: LlamaForCausalLM, runner: ModelRunner) -> None:
+    """Time this host's kernel paths for ``model``'s shapes (CPU, ``tune_kernels``): linear
+    layers, decode and prefill attention, the fused decode step. Every rank of a
+    tensor-parallel engine tunes its own shard's shapes."""
+    if plan.device.type != "cpu" or not args.tune_kernels:
+        return
+    set_linear_plan(tune_linear(model_linear_weights(model)))
+    if plan.attention_backend != "torch":
+        return
+    cfg, dtype = model.cfg, getattr(torch, model.cfg.dtype)
+    runner.attn_backend.decode_paths = tune_decode_paths(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.block_size, dtype)
+    runner.attn_backend.prefill_paths = tune_prefill_paths(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
+    if model.comm is None:  # the fused step has no collectives: one rank only
+        runner.fused_decode = tune_fused_decode(model, args.block_size,
+                                                runner.attn_backend.decode_paths)
+
+
 class LLMEngine:
-    """Owns one model, its KV cache, a scheduler and the per-request detokenizers."""
+    """Owns one model, its KV cache, a scheduler and the per-request detokenizers. With
+    ``tensor_parallel_size`` > 1 it also owns the other ranks' processes: ``close`` ends them
+    (so does collecting the engine, or this process's exit)."""
 
     def __init__(self, args: EngineArgs, clock: Callable[[], float] = time.monotonic) -> None:
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
-        self.plan = plan_device(args.device, args.dtype, args.attention_backend, args.cuda_graphs)
+        tp = args.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if args.num_threads or tp > 1:
+            torch.set_num_threads(rank_threads(args.num_threads, tp))
+        self.plan = plan_device(rank_device(args.device, 0) if tp > 1 else args.device,
+                                args.dtype, args.attention_backend, args.cuda_graphs)
         self.device = self.plan.device
         resolved = resolve_model(args.model, cache_dir=args.cache_dir)
         self.model_config: ModelConfig = load_model_config(
@@ -123,34 +154,39 @@ class LLMEngine:
             policy=args.batching, dynamic_window_s=args.dynamic_window_s,
             enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
             max_waiting=args.max_waiting)
-        model = LlamaForCausalLM(cfg, max_len)
-        model.load_hf_state_dict(load_state_dict(resolved.model_dir, getattr(torch, cfg.dtype)))
-        self.model = model.to(self.device)
-        if self.device.type == "cpu" and args.tune_kernels:
-            set_linear_plan(tune_linear(model_linear_weights(model)))
-        # Sized after the weights are on the device: on CUDA the pool takes what they left.
-        pool_bytes = kv_pool_bytes(args.kv_cache_memory_bytes, self.device,
-                                   args.gpu_memory_utilization)
-        self.cache_config = CacheConfig(
-            block_size=args.block_size, kv_cache_memory_bytes=pool_bytes,
-            enable_prefix_caching=args.enable_prefix_caching, prefix_hash_seed=args.prefix_hash_seed)
-        num_blocks = num_blocks_for_budget(cfg, args.block_size, pool_bytes)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes={pool_bytes} holds no block of "
-                f"{args.block_size} tokens ({cfg.kv_bytes_per_token} bytes per token)")
-        self.runner = ModelRunner(model, self.cache_config, num_blocks,
-                                  attention_backend=self.plan.attention_backend,
-                                  cuda_graphs=self.plan.cuda_graphs,
-                                  max_num_seqs=args.max_num_seqs, max_model_len=max_len)
-        if self.device.type == "cpu" and args.tune_kernels and self.plan.attention_backend == "torch":
-            self.runner.attn_backend.decode_paths = tune_decode_paths(
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.block_size,
-                getattr(torch, cfg.dtype))
-            self.runner.attn_backend.prefill_paths = tune_prefill_paths(
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, getattr(torch, cfg.dtype))
-            self.runner.fused_decode = tune_fused_decode(
-                model, args.block_size, self.runner.attn_backend.decode_paths)
+        shard = TPShard(0, tp)
+        shard.check(cfg)  # before any rank starts: a clear error naming the dimension
+        # The other ranks start now and load their slices while this one loads its own.
+        self.ranks = TPRanks(args, self.device) if tp > 1 else None
+        try:
+            model = LlamaForCausalLM(cfg, max_len, self.ranks.comm if self.ranks else None)
+            model.load_hf_state_dict(load_state_dict(resolved.model_dir,
+                                                     getattr(torch, cfg.dtype),
+                                                     lambda n: shard.slice_of(n, cfg)))
+            self.model = model.to(self.device)
+            # Sized after the weights are on the device: on CUDA the pool takes what they
+            # left. Per rank: each holds its KV heads only (model.cfg: this rank's shapes).
+            pool_bytes = kv_pool_bytes(args.kv_cache_memory_bytes, self.device,
+                                       args.gpu_memory_utilization)
+            self.cache_config = CacheConfig(
+                block_size=args.block_size, kv_cache_memory_bytes=pool_bytes,
+                enable_prefix_caching=args.enable_prefix_caching,
+                prefix_hash_seed=args.prefix_hash_seed)
+            num_blocks = num_blocks_for_budget(model.cfg, args.block_size, pool_bytes)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes={pool_bytes} holds no block of "
+                    f"{args.block_size} tokens ({model.cfg.kv_bytes_per_token} bytes per token)")
+            if self.ranks is not None:
+                self.ranks.start(max_len, num_blocks)
+            self.runner = ModelRunner(model, self.cache_config, num_blocks,
+                                      attention_backend=self.plan.attention_backend,
+                                      cuda_graphs=self.plan.cuda_graphs,
+                                      max_num_seqs=args.max_num_seqs, max_model_len=max_len)
+            tune_runner(args, self.plan, model, self.runner)
+        except BaseException:
+            self.close()
+            raise
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
                                      max_kv_tokens=num_blocks * args.block_size)
         self.block_manager = BlockManager(num_blocks, args.block_size,
@@ -171,6 +207,24 @@ class LLMEngine:
         self.decode_step_times = DecodeStepTimes()  # steps that only decode
         self.mixed_step_times = DecodeStepTimes()  # decode rows sharing a step with prefill
         self.last_step_idle = False  # the last step had nothing to schedule
+        self._tp_failure: str | None = None
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks (1: this process alone)."""
+        return self.args.tensor_parallel_size
+
+    @property
+    def rank_pids(self) -> tuple[int, ...]:
+        """The processes of ranks 1.. (empty for one rank)."""
+        return tuple(self.ranks.pids) if self.ranks is not None else ()
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (nothing to do for one rank). The engine
+        cannot step afterwards."""
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None:
+            ranks.close()
 
     # ---- input processing ----------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -264,7 +318,10 @@ class LLMEngine:
         return self.block_manager.cached_hashes()
 
     def step(self) -> list[RequestOutput]:
-        """One iteration. Returns an output per request that got a token or finished."""
+        """One iteration. Returns an output per request that got a token or finished.
+        Raises RuntimeError once a tensor-parallel rank has failed (the engine is dead)."""
+        if self._tp_failure is not None:
+            raise RuntimeError(self._tp_failure)
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.last_step_idle = sched.is_empty
@@ -280,7 +337,17 @@ class LLMEngine:
         self.num_prefill_tokens_computed += prefill
         step = StepInfo(self.scheduler.num_steps, self.clock())
         exports = self.kv_connector.begin_step(sched, step)
-        result = self.runner.execute(sched, self.kv_connector.layer_saved if exports else None)
+        try:
+            result = self.runner.execute(
+                sched, self.kv_connector.layer_saved if exports else None,
+                self.kv_connector.step_reads() if exports else ())
+        except Exception as e:
+            if self.ranks is not None:
+                # A rank failed or the group broke mid-collective: the others may be stuck
+                # in one, so no later step could meet them. The engine is dead as a whole.
+                self.ranks.close()
+                self._tp_failure = f"a tensor-parallel rank failed: {type(e).__name__}: {e}"
+            raise
         updates = self.scheduler.update_from_output(sched, result)
         outs = [self.process_update(u) for u in updates]
         # Timed by kind, so a served time per token splits into the engine's pure decode

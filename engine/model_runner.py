@@ -13,6 +13,7 @@ test asks for it (``pad_decode_batches=True`` runs the padded batch eagerly).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,30 @@ from engine.structured import mask_logits
 log = logging.getLogger(__name__)
 _PROMPT_LOGITS_ROWS = 256  # prompt-logprob logits per slice: 256 x a 49k vocabulary = 50 MB
 _logged_torch_graphs_off = False  # log that once per process, not once per engine
+
+
+@dataclass(frozen=True)
+class PromptLogits:
+    """One request's prompt logprobs in a step: ``slices`` of (first row, end row, the
+    prompt tokens those rows predict); ``first_pos``: the position the first describes."""
+
+    request_id: str
+    first_pos: int
+    k: int
+    slices: list[tuple[int, int, list[int]]]
+
+
+@dataclass(frozen=True)
+class FollowerStep:
+    """What rank 0 sends the other tensor-parallel ranks for one step (no grammars, no
+    sampling parameters: they only run the forward and the logits)."""
+
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    prompt_plan: list[PromptLogits]
+    sample_rows: list[int]
+    # KV rank 0's layer hook reads after each layer (block ids, tokens, start), in its order.
+    kv_reads: list[tuple[list[int], int, int]]
 
 
 @dataclass(frozen=True)
@@ -85,11 +110,30 @@ class ModelRunner:
         global _logged_torch_graphs_off
         cfg: ModelConfig = model.cfg
         self.model = model
-        self.cfg = cfg
+        self.cfg = cfg  # this rank's shapes under tensor parallelism
+        self.tp = model.comm  # None: one rank
+        if self.tp is not None and cuda_graphs:
+            # A captured graph would need the NCCL collectives captured with it; not yet.
+            log.info("CUDA graphs off under tensor parallelism")
+            cuda_graphs = False
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         dtype = getattr(torch, cfg.dtype)
         self.device = model.embed.weight.device  # the model is already where it will run
+        if self.tp is not None:
+            shard, full = model.shard, model.full_cfg
+            mine = shard.kv_heads(full)
+            self._my_heads = slice(mine.start, mine.stop)  # of the model's KV heads
+            # The gathered heads come rank by rank; a replicated head is taken from the first
+            # rank that holds it.
+            held = [type(shard)(r, shard.size).kv_heads(full) for r in range(shard.size)]
+            sources = []
+            for h in range(full.num_kv_heads):
+                r = next(r for r in range(shard.size) if h in held[r])
+                sources.append(r * len(mine) + h - held[r].start)
+            self._head_sources = torch.tensor(sources, device=self.device)
+            self._writes_lock = threading.Lock()
+            self._pending_writes: list = []
         self.attn_backend = create_backend(
             attention_backend, self.device,
             AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype))
@@ -157,7 +201,7 @@ class ModelRunner:
         """Plan the backend once for the step, then run every layer: ``[T, hidden]``. A
         pure-decode step at a batch where the host timed it faster runs as one fused call."""
         dev = self.device
-        if (layer_hook is None and meta.num_decode == meta.num_seqs
+        if (layer_hook is None and self.tp is None and meta.num_decode == meta.num_seqs
                 and self.fused_decode.use(meta.num_seqs)
                 and isinstance(self.attn_backend, TorchPagedBackend)):
             hidden = self.model.decode_fused(input_ids, meta.positions, self.kv_caches,
@@ -171,17 +215,28 @@ class ModelRunner:
                           layer_hook)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None) -> ModelRunnerOutput:
-        """Run one step; returns the sampled token of every chunk with ``sample=True``."""
+    def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None,
+                kv_reads: list[tuple[list[int], int, int]] = ()) -> ModelRunnerOutput:
+        """Run one step; returns the sampled token of every chunk with ``sample=True``.
+        Under tensor parallelism (rank 0) the step goes to the other ranks first, which run
+        the same forward and logits (``follow_step``); rank 0 alone samples. ``kv_reads``:
+        the ``read_layer_kv`` calls ``layer_hook`` makes after each layer (block ids,
+        tokens, start), in order: the other ranks make them too."""
         if sched.is_empty:
             return ModelRunnerOutput()
         # A layer hook (KV export) must run between layers: never inside a replayed graph.
         inp = self.prepare(sched, allow_padding=layer_hook is None)
+        prompt_plan = self._prompt_logit_plan(inp)
+        if self.tp is not None:
+            self.flush_kv_writes()
+            self.tp.broadcast(("step", FollowerStep(
+                inp.input_ids, inp.meta, prompt_plan, inp.sample_rows,
+                list(kv_reads) if layer_hook is not None else [])))
         if inp.bucket is not None and self.graph_runner is not None:
             hidden = self.graph_runner.run(inp.input_ids, inp.meta)
         else:
             hidden = self._forward(inp.input_ids, inp.meta, layer_hook)
-        prompt_lps = self._prompt_logprobs(inp, hidden)
+        prompt_lps = self._prompt_logprobs(prompt_plan, hidden)
         if not inp.sample_rows:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[inp.sample_rows])
@@ -212,43 +267,80 @@ class ModelRunner:
                     out.logprobs[c.request_id] = lp
         return out
 
-    def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor
-                         ) -> dict[str, tuple[int, list]]:
-        """For each chunk whose request asked for prompt logprobs: each of its positions'
-        next prompt token's log-probability (request id -> (first position it describes,
-        logprobs)). Logits are computed a slice of rows at a time: a whole long prompt's
-        would be rows x vocabulary floats at once."""
-        out: dict[str, tuple[int, list]] = {}
+    @staticmethod
+    def _prompt_logit_plan(inp: StepInputs) -> list[PromptLogits]:
+        """For each chunk whose request asked for prompt logprobs: the hidden-state rows
+        whose logits give its positions' next prompt tokens, a slice of rows at a time (a
+        whole long prompt's logits would be rows x vocabulary floats at once)."""
+        plan = []
         row = 0
         for c in inp.order:
             k = c.sampling_params.prompt_logprobs
-            if k is None:
-                row += c.num_tokens
-                continue
             last = min(c.end_pos, len(c.prompt_token_ids) - 1)  # positions with a next token
-            if c.start_pos < last:
-                lps = []
+            if k is not None and c.start_pos < last:
+                slices = []
                 for p0 in range(c.start_pos, last, _PROMPT_LOGITS_ROWS):
                     p1 = min(p0 + _PROMPT_LOGITS_ROWS, last)
                     r0 = row + p0 - c.start_pos
-                    logits = self.model.compute_logits(hidden[r0:r0 + p1 - p0])
-                    lps += logprobs_of(logits, list(c.prompt_token_ids[p0 + 1:p1 + 1]), k)
-                out[c.request_id] = (c.start_pos + 1, lps)
+                    slices.append((r0, r0 + p1 - p0, list(c.prompt_token_ids[p0 + 1:p1 + 1])))
+                plan.append(PromptLogits(c.request_id, c.start_pos + 1, k, slices))
             row += c.num_tokens
+        return plan
+
+    def _prompt_logprobs(self, plan: list[PromptLogits], hidden: torch.Tensor
+                         ) -> dict[str, tuple[int, list]]:
+        """Request id -> (first position it describes, each position's logprobs)."""
+        out: dict[str, tuple[int, list]] = {}
+        for p in plan:
+            lps = []
+            for r0, r1, targets in p.slices:
+                lps += logprobs_of(self.model.compute_logits(hidden[r0:r1]), targets, p.k)
+            out[p.request_id] = (p.first_pos, lps)
         return out
+
+    # ---- tensor parallelism: what the other ranks run ------------------------------------
+    @torch.inference_mode()
+    def follow_step(self, step: FollowerStep) -> None:
+        """Rank > 0's share of rank 0's ``execute``: the same forward and logits, in the
+        same order (the collectives inside meet rank 0's); nothing sampled."""
+        def read_kv(layer: int, _cache: torch.Tensor) -> None:
+            for block_ids, num_tokens, start in step.kv_reads:
+                self.read_layer_kv(layer, block_ids, num_tokens, start)
+
+        hidden = self._forward(step.input_ids, step.meta, read_kv if step.kv_reads else None)
+        for p in step.prompt_plan:
+            for r0, r1, _ in p.slices:
+                self.model.compute_logits(hidden[r0:r1])
+        if step.sample_rows:
+            self.model.compute_logits(hidden[step.sample_rows])
+
+    @torch.inference_mode()
+    def follow_prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> None:
+        """Rank > 0's share of ``compute_logits_for_prompt``."""
+        meta = build_metadata([SeqSlice(block_ids, 0, len(token_ids))], self.block_size)
+        self.model.compute_logits(self._forward(torch.tensor(token_ids, dtype=torch.int64),
+                                                meta))
 
     @torch.inference_mode()
     def compute_logits_for_prompt(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
         """Full-prompt logits ``[T, vocab]`` (tests compare them with transformers)."""
+        if self.tp is not None:
+            self.flush_kv_writes()
+            self.tp.broadcast(("prompt_logits", token_ids, block_ids))
         meta = build_metadata([SeqSlice(block_ids, 0, len(token_ids))], self.block_size)
         hidden = self._forward(torch.tensor(token_ids, dtype=torch.int64), meta)
         return self.model.compute_logits(hidden)
 
     # ---- KV import/export (disaggregation) ------------------------------------------------
+    # KV crosses workers in the model's whole layout (every KV head), whatever either side's
+    # tensor parallelism: a TP engine's ranks gather their heads on export and each takes its
+    # own on import, so any prefill TP size pairs with any decode TP size.
     def read_layer_kv(self, layer: int, block_ids: list[int], num_tokens: int,
                       start: int = 0) -> torch.Tensor:
         """One layer's KV of a request's positions ``[start, num_tokens)``, token-contiguous:
-        ``[2, num_tokens - start, kv_heads, head_dim]``."""
+        ``[2, num_tokens - start, kv_heads, head_dim]`` with every KV head of the model.
+        Under tensor parallelism every rank calls it (in the same order: the heads are
+        all-gathered), on the engine's thread."""
         bs = self.block_size
         first, nb = start // bs, cdiv(num_tokens, bs)
         # Gather only the pages that hold [start, num_tokens), then drop the rows before start.
@@ -256,12 +348,27 @@ class ModelRunner:
                          torch.tensor(block_ids[first:nb], device=self.device),
                          num_tokens - first * bs)
         skip = start - first * bs
-        return torch.stack([k[skip:], v[skip:]]) if skip else torch.stack([k, v])
+        kv = torch.stack([k[skip:], v[skip:]]) if skip else torch.stack([k, v])
+        if self.tp is None:
+            return kv
+        heads = self.tp.all_gather(kv, dim=2)  # [2, T, ranks x local heads, D], rank order
+        return heads.index_select(2, self._head_sources)
 
     def write_layer_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor,
                        start: int = 0) -> None:
-        """Scatter ``[2, num_tokens, kv_heads, head_dim]`` into this runner's own pages at
-        positions ``[start, start + num_tokens)``."""
+        """Scatter ``[2, num_tokens, kv_heads, head_dim]`` (every KV head of the model) into
+        this runner's own pages at positions ``[start, start + num_tokens)``. Any thread.
+        Under tensor parallelism rank 0 writes its heads now and queues the other ranks'
+        (``flush_kv_writes`` sends them, on the engine's thread, before the next step)."""
+        if self.tp is None:
+            self._write_heads(layer, block_ids, kv, start)
+            return
+        self._write_heads(layer, block_ids, kv[:, :, self._my_heads], start)
+        with self._writes_lock:
+            self._pending_writes.append((layer, block_ids, kv, start))
+
+    def _write_heads(self, layer: int, block_ids: list[int], kv: torch.Tensor,
+                     start: int) -> None:
         n = kv.shape[1]
         bs = self.block_size
         pos = torch.arange(start, start + n, device=self.device)
@@ -269,3 +376,18 @@ class ModelRunner:
         cache = self.kv_caches[layer]
         cache[blocks, 0, pos % bs] = kv[0].to(cache.device, cache.dtype)
         cache[blocks, 1, pos % bs] = kv[1].to(cache.device, cache.dtype)
+
+    def flush_kv_writes(self) -> None:
+        """Rank 0, engine thread: hand the other ranks the imported KV queued since the last
+        step (they take their heads), before any step can read it."""
+        if self.tp is None:
+            return
+        with self._writes_lock:
+            writes, self._pending_writes = self._pending_writes, []
+        if writes:
+            self.tp.broadcast(("kv_writes", writes))
+
+    def follow_kv_writes(self, writes: list) -> None:
+        """Rank > 0's share of imported KV: its own heads of each queued write."""
+        for layer, block_ids, kv, start in writes:
+            self._write_heads(layer, block_ids, kv[:, :, self._my_heads], start)

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,13 +120,18 @@ def load_model_config(model_dir: str | Path, dtype: str = "float32",
     return ModelConfig.from_hf_config(cfg, dtype=dtype, model_id=model_id or model_dir.name)
 
 
-def load_state_dict(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_state_dict(model_dir: str | Path, dtype: torch.dtype,
+                    select: Callable[[str], tuple[int, int, int] | None] | None = None
+                    ) -> dict[str, torch.Tensor]:
     """All tensors of the model's ``*.safetensors`` shards, HF names, floats cast to ``dtype``.
 
-    Follows ``model.safetensors.index.json`` when present. Raises ValueError when the directory
-    has no safetensors weights (``.bin`` checkpoints are not supported: re-save as safetensors).
+    ``select(name)``: ``(dim, start, stop)`` to read only that slice of a tensor (a
+    tensor-parallel rank's part: ``TPShard.slice_of``), None for the whole tensor; only the
+    slice is read from the file. Follows ``model.safetensors.index.json`` when present.
+    Raises ValueError when the directory has no safetensors weights (``.bin`` checkpoints are
+    not supported: re-save as safetensors).
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
@@ -146,8 +152,16 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torc
         )
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        for name, t in load_file(str(shard)).items():
-            state[name] = t.to(dtype) if t.is_floating_point() else t
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                part = select(name) if select is not None else None
+                if part is None:
+                    t = f.get_tensor(name)
+                else:
+                    dim, start, stop = part
+                    sl = f.get_slice(name)
+                    t = sl[start:stop] if dim == 0 else sl[:, start:stop]
+                state[name] = t.to(dtype) if t.is_floating_point() else t
     return state
 
 

@@ -101,7 +101,7 @@ class PrefillWorker:
         return WorkerInfo(self.worker_id, "prefill", current_node_id(), os.getpid(), self.layout,
                           stats.kv_blocks_total, stats.block_size, self.engine.max_model_len,
                           None, current_node_ip(), self.kv_host.address, self.incarnation,
-                          self.kv_transport)
+                          self.kv_transport, self.engine.tp_size, self.engine.rank_pids)
 
     def load(self, router_id: str = "") -> WorkerLoad:
         s = self.engine.stats()

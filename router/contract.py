@@ -155,6 +155,8 @@ class WorkerStatus:
     kv_transfer_bytes: int = 0  # sent (prefill) or received (decode)
     kv_address: str = ""  # decode workers: HOST:PORT of their KV store
     restarts: int = 0  # how often Ray restarted it and it rejoined (a new pid, new KV port)
+    tp: int = 1  # tensor-parallel ranks; ``pid`` is rank 0's
+    rank_pids: tuple[int, ...] = ()  # ranks 1.., on ``host``
 
 
 @dataclass(frozen=True)

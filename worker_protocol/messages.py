@@ -46,6 +46,8 @@ class WorkerInfo:
     # a new incarnation, a new KV port and none of the old sequences.
     incarnation: str = ""
     kv_transport: str = ""  # "nccl" | "gloo": what its KV transfers run over
+    tp_size: int = 1  # tensor-parallel ranks (this process is rank 0)
+    rank_pids: tuple[int, ...] = ()  # the other ranks' processes, on the same host
 
 
 @dataclass(frozen=True)

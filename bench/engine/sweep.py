@@ -61,6 +61,7 @@ class SweepPoint:
     ratio_vs_hf_static: float | None = None
     ratio_vs_hf_generate_batch: float | None = None
     profile_top_ops: list[dict[str, Any]] = field(default_factory=list)
+    tp: int = 1  # tensor-parallel ranks (each with its share of the cores)
 
 
 def _kv_budget_bytes(llm_kv_bytes_per_token: int, batch: int, tokens_per_seq: int) -> int:
@@ -92,14 +93,16 @@ def profile_decode_step(llm: Any, prompts: list[list[int]]) -> list[dict[str, An
 
 def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, output_len: int,
                      kv_bytes_per_token: int, num_threads: int | None,
-                     profile: bool) -> SweepPoint:
-    """Fresh engine at ``max_num_seqs=batch``; one warm-up call, then the timed workload."""
+                     profile: bool, tp: int = 1) -> SweepPoint:
+    """Fresh engine at ``max_num_seqs=batch``; one warm-up call, then the timed workload.
+    ``tp``: tensor-parallel ranks, ``num_threads`` each (None: the cores shared out)."""
     from engine import SamplingParams
 
     tokens_per_seq = len(prompts[0]) + output_len
     llm = load_llm(model, max_num_seqs=batch, num_threads=num_threads,
                    max_num_batched_tokens=max(2048, batch * len(prompts[0])),
-                   kv_cache_memory_bytes=_kv_budget_bytes(kv_bytes_per_token, batch, tokens_per_seq))
+                   kv_cache_memory_bytes=_kv_budget_bytes(kv_bytes_per_token, batch, tokens_per_seq),
+                   tensor_parallel_size=tp)
     llm.generate(prompts[:batch], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     rec = StepRecorder(llm.engine)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -116,9 +119,10 @@ def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, ou
         batch_size=batch, num_requests=len(prompts), output_tokens=n_tok, elapsed_s=elapsed,
         throughput_tok_s=n_tok / elapsed, ttft_mean_s=ttft.mean, ttft_p99_s=ttft.p99,
         itl_mean_s=itl.mean, itl_p50_s=itl.p50, itl_p99_s=itl.p99, e2e_p99_s=e2e.p99,
-        decode_step_s=summarize(steps).p50, num_steps=len(rec.records))
+        decode_step_s=summarize(steps).p50, num_steps=len(rec.records), tp=tp)
     if profile:
         point.profile_top_ops = profile_decode_step(llm, prompts[:batch])
+    llm.close()
     del llm
     gc.collect()
     return point
@@ -211,14 +215,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = meta_model_size(cfg)
     hf_model = baseline_hf.load_hf_model(args.model) if args.baseline == "transformers" else None
 
+    tps = parse_batch_sizes(args.tp, "--tp")
     points: list[SweepPoint] = []
-    for b in batch_sizes:
+    tp_points: list[SweepPoint] = []  # at the other TP sizes
+    for tp, b in [(t, b) for t in tps for b in batch_sizes]:
         n = args.num_requests or b * k
         prompts = make_prompts(n, args.prompt_len, cfg.vocab_size, seed=args.seed + b)
-        print(f"batch {b}: {n} requests x {output_len} tokens (engine)...", flush=True)
+        print(f"batch {b}, TP {tp}: {n} requests x {output_len} tokens (engine)...", flush=True)
+        if tp != tps[0]:
+            tp_points.append(run_engine_point(args.model, prompts, b, output_len,
+                                              cfg.kv_bytes_per_token, args.num_threads, False,
+                                              tp))
+            q = tp_points[-1]
+            print(f"  {q.throughput_tok_s:.1f} tok/s, TTFT {q.ttft_mean_s * 1e3:.0f} ms, decode "
+                  f"step {q.decode_step_s * 1e3:.1f} ms", flush=True)
+            continue
         do_profile = not args.no_profile and b in (batch_sizes[0], batch_sizes[-1])
         p = run_engine_point(args.model, prompts, b, output_len, cfg.kv_bytes_per_token, args.num_threads,
-                             do_profile)
+                             do_profile, tp)
         p.roofline = roofline_step_time(size.weight_bytes, size.num_params, b,
                                         ceil.gemv_bytes_per_s, ceil.matmul_flops_per_s)
         print(f"  {p.throughput_tok_s:.1f} tok/s, ITL {p.itl_mean_s * 1e3:.1f} ms, decode step "
@@ -261,10 +275,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if points[0].batch_size == 1 else None,
         "knee": knee, "points": points, "targets": targets,
         "roofline_workload_tok_s": roof_tok_s,
+        "tensor_parallel": _tp_comparison(points, tp_points),
     }
     out_json = write_json(args.out, "sweep", payload)
     plot_sweep(points, knee, out_json.with_name("sweep.png"))
-    _print_table(points)
+    _print_table(points + tp_points)
     print(f"knee at batch {knee.batch_size} (gain per doubling: "
           + ", ".join(f"{g:.2f}" for g in knee.gains_per_doubling) + ")")
     print_targets(targets)
@@ -272,14 +287,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
+def _tp_comparison(points: list[SweepPoint], tp_points: list[SweepPoint]) -> list[dict]:
+    """Each other TP size against the first, batch by batch: decode step and TTFT ratios
+    measured in this one run."""
+    base = {p.batch_size: p for p in points}
+    return [{"batch_size": q.batch_size, "tp": q.tp, "base_tp": base[q.batch_size].tp,
+             "decode_step_ratio": ratio(q.decode_step_s, base[q.batch_size].decode_step_s),
+             "ttft_ratio": ratio(q.ttft_mean_s, base[q.batch_size].ttft_mean_s),
+             "throughput_ratio": ratio(q.throughput_tok_s, base[q.batch_size].throughput_tok_s)}
+            for q in tp_points]
+
+
 def _print_table(points: list[SweepPoint]) -> None:
-    print(f"{'batch':>5} {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} {'ITL p99':>7} "
+    print(f"{'TP':>2} {'batch':>5} {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} {'ITL p99':>7} "
           f"{'E2E p99 s':>9} {'step ms':>8} {'roof ms':>8} {'HF tok/s':>8} {'ratio':>6}")
     for p in points:
         hf = p.hf_static.throughput_tok_s if p.hf_static else float("nan")
         r = p.ratio_vs_hf_static if p.ratio_vs_hf_static is not None else float("nan")
         roof = p.roofline.step_s * 1e3 if p.roofline else float("nan")
-        print(f"{p.batch_size:>5} {p.throughput_tok_s:>8.1f} {p.ttft_mean_s * 1e3:>8.0f} "
+        print(f"{p.tp:>2} {p.batch_size:>5} {p.throughput_tok_s:>8.1f} {p.ttft_mean_s * 1e3:>8.0f} "
               f"{p.itl_mean_s * 1e3:>7.1f} {p.itl_p99_s * 1e3:>7.1f} {p.e2e_p99_s:>9.2f} "
               f"{p.decode_step_s * 1e3:>8.1f} {roof:>8.1f} {hf:>8.1f} {r:>6.2f}")
 
@@ -295,20 +321,23 @@ def meta_model_size(cfg: Any) -> ModelSize:
     return model_size(m)
 
 
-def parse_batch_sizes(text: str) -> list[int]:
+def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> list[int]:
     """"1,4,8" -> [1, 4, 8]; must be positive and strictly increasing."""
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        raise ValueError(f"--batch-sizes must be comma-separated integers, got {text!r}") from e
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from e
     if not sizes or any(b <= 0 for b in sizes) or sizes != sorted(set(sizes)):
-        raise ValueError(f"--batch-sizes must be positive and strictly increasing, got {text!r}")
+        raise ValueError(f"{flag} must be positive and strictly increasing, got {text!r}")
     return sizes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,4,8,16,32",
                    help="comma-separated max_num_seqs values (default 1,4,8,16,32)")
+    p.add_argument("--tp", default="1",
+                   help="comma-separated tensor-parallel sizes (e.g. 1,2): the first runs the "
+                        "whole sweep, the others each batch size beside it (default 1)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--requests-per-batch", type=int, default=2,

@@ -12,6 +12,7 @@ fp32 CPU, their torch twins elsewhere).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,10 @@ from engine import cpu_ops
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.kernels import linear
+from engine.parallel.sharding import TPShard
+
+if TYPE_CHECKING:
+    from engine.parallel.comm import TPComm
 
 LayerHook = Callable[[int, torch.Tensor], None]
 
@@ -69,9 +74,15 @@ class RotaryEmbedding:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_idx: int) -> None:
+    """One layer; ``cfg`` holds this rank's shapes (``TPShard.local_config``). With a
+    tensor-parallel ``comm``, O and down are row-parallel: their partial sums are all-reduced
+    before the residual add."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_idx: int,
+                 comm: TPComm | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.comm = comm
         self.layer_idx = layer_idx  # passed to the attention backend, which may keep per-layer state
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -92,25 +103,44 @@ class DecoderLayer(nn.Module):
         q, k = rope.apply_qk(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attn.forward(self.layer_idx, q, k, v, kv_cache)  # [T, H * D]
+        o = linear(o, self.o_proj.weight)
+        if self.comm is not None:
+            self.comm.all_reduce(o)
         # h is this layer's own tensor (the embedding's output or the previous layer's sum),
         # so the skip connection may add into it in place.
-        h, x = cpu_ops.add_rms_norm(h, linear(o, self.o_proj.weight), self.post_norm,
-                                    cfg.rms_norm_eps)
-        return h + linear(cpu_ops.silu_mul(linear(x, self.gate_up.weight)), self.down.weight)
+        h, x = cpu_ops.add_rms_norm(h, o, self.post_norm, cfg.rms_norm_eps)
+        m = linear(cpu_ops.silu_mul(linear(x, self.gate_up.weight)), self.down.weight)
+        if self.comm is not None:
+            self.comm.all_reduce(m)
+        return h + m
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder. ``forward`` returns hidden states; ``compute_logits`` the vocabulary scores."""
+    """The decoder. ``forward`` returns hidden states; ``compute_logits`` the vocabulary scores.
 
-    def __init__(self, cfg: ModelConfig, max_len: int | None = None) -> None:
+    With a tensor-parallel ``comm`` this is one rank's shard (``engine.parallel.sharding``):
+    ``cfg`` becomes the rank's shapes (its heads, KV heads and intermediate size: what the
+    runner sizes attention and the KV cache by), the LM head holds the rank's vocabulary rows,
+    and every rank must run the same calls in the same order (they meet in collectives)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int | None = None,
+                 comm: TPComm | None = None) -> None:
         super().__init__()
         dtype = getattr(torch, cfg.dtype)
+        self.shard = comm.shard if comm is not None else TPShard()
+        self.shard.check(cfg)
+        self.comm = comm if self.shard.size > 1 else None
+        self.full_cfg = cfg
+        self.vocab = self.shard.vocab(cfg)
+        cfg = self.shard.local_config(cfg)
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i, self.comm)
+                                    for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        # Tied at tensor parallelism: this rank's rows of the (replicated) embedding.
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+                        else nn.Linear(cfg.hidden_size, len(self.vocab), bias=False, dtype=dtype))
         self.rope = RotaryEmbedding(cfg, max_len or cfg.max_model_len, dtype)
         # Buffers, so `.to(device)` moves the tables with the weights.
         self.register_buffer("rope_cos", self.rope.cos, persistent=False)
@@ -144,8 +174,9 @@ class LlamaForCausalLM(nn.Module):
         [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles).
         Same math as ``forward``; None, computing
         nothing, where the kernel does not apply (the caller then runs ``forward``)."""
-        if not cpu_ops.decode_layers_applies(self.layer_shapes, self.embed.weight.dtype):
-            return None
+        if self.comm is not None or not cpu_ops.decode_layers_applies(
+                self.layer_shapes, self.embed.weight.dtype):
+            return None  # the fused kernel has no all-reduce between layers
         h = self.embed(input_ids)  # [M, hidden], a new tensor the kernel updates in place
         ok = cpu_ops.decode_layers(h, self._layer_pointers(kv_caches), self.layer_shapes,
                                    self.rope_cos[positions], self.rope_sin[positions], tables,
@@ -175,13 +206,27 @@ class LlamaForCausalLM(nn.Module):
         return held[2]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` in fp32 (sampling math is fp32 whatever the model dtype)."""
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, w).float()
+        """``[N, hidden] -> [N, vocab]`` in fp32 (sampling math is fp32 whatever the model
+        dtype); under tensor parallelism every rank gets the whole rows (all-gathered)."""
+        if self.lm_head is not None:
+            w = self.lm_head.weight
+        else:
+            w = self.embed.weight
+            if self.comm is not None:
+                w = w[self.vocab.start:self.vocab.stop]
+        logits = linear(hidden, w).float()
+        if self.comm is None:
+            return logits
+        per = self.shard.vocab_per_rank(self.full_cfg)
+        if logits.shape[1] < per:  # the last rank's short slice: padded, then cut off
+            logits = torch.nn.functional.pad(logits, (0, per - logits.shape[1]))
+        return self.comm.all_gather(logits)[:, :self.full_cfg.vocab_size]
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face parameter names, fusing q/k/v and gate/up. Raises ValueError on a
-        missing or mis-shaped tensor (the checkpoint does not match the config)."""
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up. Under tensor
+        parallelism ``sd`` holds this rank's slices (``load_state_dict(..., shard=...)``).
+        Raises ValueError on a missing or mis-shaped tensor (the checkpoint does not match the
+        config)."""
         dtype = self.embed.weight.dtype
 
         def take(name: str) -> torch.Tensor:
@@ -199,7 +244,10 @@ class LlamaForCausalLM(nn.Module):
         put(self.norm, take("model.norm.weight"), "model.norm.weight")
         if self.lm_head is not None:
             name = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
-            put(self.lm_head.weight, take(name), name)
+            rows = take(name)
+            if name != "lm_head.weight":  # the embedding is loaded whole: take this rank's rows
+                rows = rows[self.vocab.start:self.vocab.stop]
+            put(self.lm_head.weight, rows, name)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."

@@ -121,8 +121,8 @@ def _sampling_kwargs(params: SamplingParams) -> dict:
     return kw
 
 
-_STATUS_COLUMNS = ("id", "role", "host", "pid", "state", "kv_blocks_used", "kv_blocks_total",
-                   "running", "waiting", "restarts")
+_STATUS_COLUMNS = ("id", "role", "host", "pid", "tp", "state", "kv_blocks_used",
+                   "kv_blocks_total", "running", "waiting", "restarts")
 
 
 def cmd_status(args: argparse.Namespace) -> int:

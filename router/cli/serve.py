@@ -75,6 +75,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-block-size", type=int, default=None)
     p.add_argument("--decode-block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--prefill-tp", type=int, default=None,
+                   help="tensor-parallel ranks per prefill worker (default 1): one process "
+                        "each, one GPU each on GPU nodes, all on the worker's node")
+    p.add_argument("--decode-tp", type=int, default=None,
+                   help="tensor-parallel ranks per decode (or colocated) worker (default 1); "
+                        "KV moves between any prefill and decode TP sizes")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests in flight before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--drain-grace-s", type=float, default=None)

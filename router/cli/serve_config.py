@@ -57,6 +57,8 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     prefill_block_size: int = 16
     decode_block_size: int = 16
+    prefill_tp: int = 1  # tensor-parallel ranks per prefill worker
+    decode_tp: int = 1  # ... per decode or colocated worker
     max_model_len: int | None = None
     max_waiting: int = 1024
     drain_grace_s: float = 30.0
@@ -116,6 +118,13 @@ class ServeConfig:
         for name in ("prefill_workers", "decode_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        for name in ("prefill_tp", "decode_tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.mode == "colocated" and self.prefill_tp != 1:
+            raise ValueError("--prefill-tp: colocated workers have no prefill worker; their "
+                             "ranks are --decode-tp")
         if self.kv_host and self.kv_interface:
             raise ValueError("give --kv-host or --kv-interface, not both")
         for name in ("threads_per_worker", "prefill_threads", "decode_threads"):
@@ -199,10 +208,12 @@ class ServeConfig:
             num_decode_workers=self.decode_workers,
             prefill_engine=EngineArgs(block_size=self.prefill_block_size, max_num_seqs=8,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
-                                      num_threads=threads.prefill_threads, **common),
+                                      num_threads=threads.prefill_threads,
+                                      tensor_parallel_size=self.prefill_tp, **common),
             decode_engine=EngineArgs(block_size=self.decode_block_size, max_num_seqs=self.max_num_seqs,
                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                     num_threads=threads.decode_threads, **common),
+                                     num_threads=threads.decode_threads,
+                                     tensor_parallel_size=self.decode_tp, **common),
             ray_address=self.ray_address, redis_url=self.redis_url,
             use_gpus={"auto": None, "cpu": False, "cuda": True}[self.device],
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,

@@ -119,11 +119,14 @@ class WorkerLauncher:
         worker_id, role = wcfg.worker_id, wcfg.role
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         resource = PREFILL_RESOURCE if role == "prefill" else DECODE_RESOURCE
+        # A tensor-parallel worker's ranks are its own child processes: it asks for their
+        # CPUs and GPUs (one each) together, so Ray places them on one node.
+        tp = wcfg.engine_args.tensor_parallel_size
         # Control calls (load, abort) get threads of their own: see CONTROL_GROUP.
         actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_GROUP_THREADS})(cls).options(
             name=self.actor_name(worker_id), namespace=RAY_NAMESPACE,
             lifetime="detached" if self.detached else None,
-            num_cpus=cfg.worker_num_cpus, num_gpus=placement.gpus.num_gpus,
+            num_cpus=cfg.worker_num_cpus * tp, num_gpus=placement.gpus.num_gpus * tp,
             resources={resource: 1} if placement.by_role else {},
             # Ray re-runs the constructor in a new process; the router notices the new
             # incarnation in the next load report and rejoins it (_rejoin). No task is retried

@@ -41,9 +41,11 @@ from router.cluster.local_ray import start_local_ray
 from router.cluster.placement import (
     DECODE_RESOURCE,
     PREFILL_RESOURCE,
+    PlacementError,
     RoleNeed,
     check_placement,
     plan_gpu_share,
+    worker_gpus,
 )
 from router.contract import (
     BackendStats,
@@ -182,7 +184,8 @@ class Cluster:
                 # We connected, so we disconnect on shutdown (the cluster itself keeps running).
                 self._started_ray = True
             else:
-                n = cfg.num_prefill_workers + cfg.num_decode_workers
+                n = (cfg.num_prefill_workers * cfg.prefill_engine.tensor_parallel_size
+                     + cfg.num_decode_workers * cfg.decode_engine.tensor_parallel_size)
                 # Logical CPUs: workers are mostly waiting on memory, and one per core would
                 # make a 2-core laptop unable to host a 1+1 cluster plus the router.
                 start_local_ray(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1),
@@ -264,13 +267,22 @@ class Cluster:
         cfg = self.config
         nodes = ray.nodes()
         num_prefill = cfg.num_prefill_workers if cfg.mode == "disaggregated" else 0
-        gpus = plan_gpu_share(nodes, num_prefill + cfg.num_decode_workers, cfg.use_gpus)
+        tp_p, tp_d = cfg.prefill_engine.tensor_parallel_size, cfg.decode_engine.tensor_parallel_size
+        # Every tensor-parallel rank is a process with a GPU of its own (on GPUs), all of a
+        # worker's on its node: the worker asks Ray for them together.
+        gpus = plan_gpu_share(nodes, num_prefill * tp_p + cfg.num_decode_workers * tp_d,
+                              cfg.use_gpus)
+        if gpus.use_gpus and not gpus.whole_gpus and max(tp_p, tp_d) > 1:
+            raise PlacementError(
+                f"tensor parallelism needs a GPU per rank: {num_prefill} prefill x {tp_p} + "
+                f"{cfg.num_decode_workers} decode x {tp_d} ranks, the worker nodes have "
+                f"{worker_gpus(nodes):g} GPUs")
         by_role = check_placement(nodes, [
-            RoleNeed("prefill", num_prefill, PREFILL_RESOURCE, cfg.worker_num_cpus,
-                     gpus.num_gpus),
+            RoleNeed("prefill", num_prefill, PREFILL_RESOURCE, cfg.worker_num_cpus * tp_p,
+                     gpus.num_gpus * tp_p),
             RoleNeed("decode" if cfg.mode == "disaggregated" else "colocated",
-                     cfg.num_decode_workers, DECODE_RESOURCE, cfg.worker_num_cpus,
-                     gpus.num_gpus)])
+                     cfg.num_decode_workers, DECODE_RESOURCE, cfg.worker_num_cpus * tp_d,
+                     gpus.num_gpus * tp_d)])
         if not by_role:
             log.warning("the Ray cluster defines neither %r nor %r: workers may land on any node",
                         PREFILL_RESOURCE, DECODE_RESOURCE)
@@ -477,7 +489,7 @@ class Cluster:
                 lo.kv_blocks_used if lo else 0, i.num_kv_blocks,
                 lo.requests_running if lo else 0, lo.requests_waiting if lo else 0,
                 lo.kv_transfer_bytes if lo else 0, f"{addr.host}:{addr.port}" if addr else "",
-                v.restarts))
+                v.restarts, i.tp_size, i.rank_pids))
         return out
 
     def worker_handle(self, worker_id: str):

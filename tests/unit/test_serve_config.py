@@ -56,3 +56,13 @@ def test_parse_bytes(text, value):
 def test_bad_size_is_refused():
     with pytest.raises(ValueError, match="not a size"):
         serve_config_from_args(_args("--kv-cache-memory", "lots"))
+
+
+def test_tp_flags_reach_each_roles_engine_and_bad_ones_are_named():
+    cc = serve_config_from_args(_args("--prefill-tp", "2", "--decode-tp", "4")).cluster_config()
+    assert (cc.prefill_engine.tensor_parallel_size, cc.decode_engine.tensor_parallel_size) == (2, 4)
+    assert serve_config_from_args(_args()).cluster_config().decode_engine.tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="--decode-tp must be an integer >= 1"):
+        serve_config_from_args(_args("--decode-tp", "0"))
+    with pytest.raises(ValueError, match="--prefill-tp: colocated workers"):
+        serve_config_from_args(_args("--mode", "colocated", "--prefill-tp", "2"))

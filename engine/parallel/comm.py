@@ -1,0 +1,98 @@
+"""The collectives of one tensor-parallel group, as the sharded model and the step protocol
+use them: sum across ranks, gather logits, send rank 0's step to the others.
+
+Each group is its own pair of process groups over its own TCP store (no
+``torch.distributed`` default group): several engines, tensor-parallel or not, can live in
+one process (tests, an embedded server beside a worker). Tensors go over NCCL on CUDA and gloo
+on the CPU; control messages (pickled objects) always over gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel.sharding import TPShard
+
+__all__ = ["TPComm", "TPStoreAddress", "host_store"]
+
+# Joining waits this long for every rank (model loading happens before, not during); a
+# collective's own timeout is long because a follower waits in one between requests.
+_JOIN_TIMEOUT = datetime.timedelta(seconds=120)
+_OP_TIMEOUT = datetime.timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class TPStoreAddress:
+    """Where the group's ranks meet (rank 0's TCP store)."""
+
+    host: str
+    port: int
+
+
+def host_store(size: int, host: str = "127.0.0.1") -> tuple[dist.TCPStore, TPStoreAddress]:
+    """Rank 0's store on a free port of ``host``."""
+    store = dist.TCPStore(host, 0, size, True, timeout=_JOIN_TIMEOUT, wait_for_workers=False)
+    return store, TPStoreAddress(host, store.port)
+
+
+class TPComm:
+    """One rank's end of its group. Every rank must call the same collectives in the same
+    order (the step protocol in ``engine.parallel.ranks`` guarantees it); a rank that fails or
+    exits makes the others' next collective raise."""
+
+    def __init__(self, shard: TPShard, address: TPStoreAddress, device: torch.device,
+                 store: dist.TCPStore | None = None) -> None:
+        self.shard = shard
+        self.device = device
+        if store is None:
+            store = dist.TCPStore(address.host, address.port, shard.size, False,
+                                  timeout=_JOIN_TIMEOUT)
+        self._store = store
+        ctrl = dist.PrefixStore("ctrl", store)
+        self._ctrl = dist.ProcessGroupGloo(ctrl, shard.rank, shard.size, _OP_TIMEOUT)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            self._tensors = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), shard.rank,
+                                                  shard.size, opts)
+        else:
+            self._tensors = self._ctrl
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` across ranks, in place; returns it."""
+        self._tensors.allreduce([t]).wait()
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``t`` (same shape on each) joined along ``dim``, in rank order."""
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._tensors.allgather([parts], [t]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (others pass nothing). Tensors inside travel
+        pickled, on the CPU."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._ctrl.broadcast([size]).wait()
+        if self.rank != 0:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._ctrl.broadcast([data]).wait()
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())

@@ -1,0 +1,95 @@
+"""A follower rank of a tensor-parallel engine (``python -m engine.parallel.follower <spec>``,
+started by ``engine.parallel.ranks.TPRanks``).
+
+It joins the group, loads only its slices of the weights, waits for rank 0's ``init``
+(context length and KV pool size, so every rank's cache is alike), then runs each step rank 0
+broadcasts (``ModelRunner.follow_step``) until it is ended. It exits by itself when rank 0's
+process is gone (its parent pid changes) or when a collective fails; rank 0's next collective
+then fails too, and the engine is dead as a whole: a worker whose rank dies is a dead worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from engine.config import CacheConfig
+from engine.device import plan_device
+from engine.llm_engine import EngineArgs, tune_runner
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel.comm import TPComm
+from engine.parallel.ranks import FollowerSpec, rank_device, rank_threads
+from engine.parallel.sharding import TPShard
+from engine.weights import load_model_config, load_state_dict, resolve_model
+
+log = logging.getLogger(__name__)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)  # rank 0 is gone: nobody will send another step
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def serve(spec: FollowerSpec) -> None:
+    """Join, load, then run rank 0's steps until ended (returns only by raising)."""
+    args = EngineArgs(**spec.args)
+    torch.set_num_threads(rank_threads(args.num_threads, spec.size))
+    plan = plan_device(rank_device(args.device, spec.rank), args.dtype, args.attention_backend,
+                       args.cuda_graphs)
+    shard = TPShard(spec.rank, spec.size)
+    comm = TPComm(shard, spec.address, plan.device)
+    resolved = resolve_model(args.model, cache_dir=args.cache_dir)
+    cfg = load_model_config(resolved.model_dir, dtype=plan.dtype, model_id=resolved.model_id)
+    weights = load_state_dict(resolved.model_dir, getattr(torch, cfg.dtype),
+                              lambda n: shard.slice_of(n, cfg))
+    kind, max_len, num_blocks = comm.broadcast()
+    if kind != "init":
+        raise RuntimeError(f"expected rank 0's init, got {kind!r}")
+    model = LlamaForCausalLM(cfg, max_len, comm)
+    model.load_hf_state_dict(weights)
+    del weights
+    model = model.to(plan.device)
+    # Only the block size matters here: the pool's size came from rank 0 (num_blocks).
+    cache = CacheConfig(block_size=args.block_size,
+                        enable_prefix_caching=args.enable_prefix_caching)
+    runner = ModelRunner(model, cache, num_blocks, attention_backend=plan.attention_backend,
+                         cuda_graphs=False, max_num_seqs=args.max_num_seqs,
+                         max_model_len=max_len)
+    tune_runner(args, plan, model, runner)
+    while True:
+        msg = comm.broadcast()
+        if msg[0] == "step":
+            runner.follow_step(msg[1])
+        elif msg[0] == "kv_writes":
+            runner.follow_kv_writes(msg[1])
+        elif msg[0] == "prompt_logits":
+            runner.follow_prompt_logits(*msg[1:])
+        else:
+            raise RuntimeError(f"unknown tensor-parallel message {msg[0]!r}")
+
+
+def main(argv: list[str]) -> int:
+    spec = FollowerSpec.from_json(argv[1])
+    _exit_with_parent(spec.parent_pid)
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"tp-rank-{spec.rank} %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(spec)
+    except Exception:
+        # Rank 0's next collective fails too: the engine stops as a whole.
+        log.exception("tensor-parallel rank %d failed", spec.rank)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

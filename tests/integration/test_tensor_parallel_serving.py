@@ -1,0 +1,137 @@
+"""Tensor-parallel workers served over a real local Ray: KV crosses between prefill and decode
+workers of different TP sizes (the prefill ranks gather the model's KV heads, the decode ranks
+each take theirs), colocated TP workers serve alone, and a decode worker whose rank dies is a
+dead worker whose streams migrate and finish identical. Tokens are compared with transformers'
+greedy generate; every test ends with no KV block held and no rank process left."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from engine import EngineArgs, SamplingParams
+from router.cluster.ray_cluster import ClusterConfig
+from router.contract import GenerateInput
+from tests.async_util import assert_no_blocks_held, ray_loop, run_cluster
+from tests.tiny_models import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    with ray_loop(num_cpus=16, resources={"prefill_slot": 8, "decode_slot": 8}) as lt:
+        yield lt
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_llama_dir):
+    prompts = random_prompts(seed=11, count=8, max_len=60, min_len=3)
+    return prompts, hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
+
+
+def _engine(tp: int, **kw) -> EngineArgs:
+    return EngineArgs(num_threads=1, tensor_parallel_size=tp, tune_kernels=False,
+                      kv_cache_memory_bytes=8 << 20, **kw)
+
+
+def _config(model_dir, prefill_tp: int, decode_tp: int, **kw) -> ClusterConfig:
+    base = dict(model=str(model_dir), num_prefill_workers=1, num_decode_workers=1,
+                prefill_engine=_engine(prefill_tp, block_size=16),
+                decode_engine=_engine(decode_tp, block_size=8),
+                transfer_timeout_s=10.0, lease_s=10.0, worker_num_cpus=1.0)
+    base.update(kw)
+    return ClusterConfig(**base)
+
+
+async def _collect(cluster, prompt, params=GREEDY, request_id=None):
+    toks = []
+    async for ch in cluster.generate(GenerateInput(params, token_ids=prompt, request_id=request_id)):
+        toks += ch.token_ids
+    return toks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_gone(pids, timeout_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,mode", [
+    (2, 1, "disaggregated"), (1, 2, "disaggregated"), (2, 4, "disaggregated"),
+    (1, 2, "colocated"),
+], ids=["P2-D1", "P1-D2", "P2-D4", "colocated-TP2"])
+def test_tp_workers_serve_transformers_tokens(loop, tiny_llama_dir, workload, prefill_tp,
+                                              decode_tp, mode):
+    prompts, refs = workload
+    config = _config(tiny_llama_dir, prefill_tp, decode_tp, mode=mode,
+                     num_prefill_workers=1 if mode == "disaggregated" else 0)
+
+    async def body(cluster):
+        status = {w.id: w for w in await cluster.cluster_status()}
+        outs = await asyncio.gather(*[_collect(cluster, p) for p in prompts])
+        await assert_no_blocks_held(cluster)
+        return outs, status, (await cluster.stats()).kv_transfer_bytes_total
+
+    outs, status, kv_bytes = run_cluster(loop, config, body)
+    assert outs == refs
+    want = {"decode-0": decode_tp} | ({"prefill-0": prefill_tp} if mode == "disaggregated" else {})
+    assert {wid: w.tp for wid, w in status.items()} == want
+    ranks = [pid for w in status.values() for pid in w.rank_pids]
+    assert sorted(len(w.rank_pids) for w in status.values()) == sorted(t - 1 for t in want.values())
+    assert (kv_bytes > 0) == (mode == "disaggregated")
+    assert _wait_gone(ranks) == [], "a rank outlived its worker"
+
+
+def test_a_dead_decode_rank_kills_its_worker_and_the_streams_migrate(loop, tiny_llama_dir):
+    """SIGKILL rank 1 of a TP 2 decode worker mid-stream: the worker's next step fails, so the
+    worker dies as a whole (its other ranks end too); its streams continue on the other decode
+    worker and equal an undisturbed run, token for token."""
+    prompts = random_prompts(seed=23, count=4, max_len=30, min_len=8)
+    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    refs = hf_greedy(tiny_llama_dir, "llama", prompts, 300)
+    config = _config(tiny_llama_dir, 1, 2, num_decode_workers=2, worker_restarts=0)
+
+    async def body(cluster):
+        status = {w.id: w for w in await cluster.cluster_status()}
+        streams = [cluster.generate(GenerateInput(long, token_ids=p, request_id=f"t{i}"))
+                   for i, p in enumerate(prompts)]
+        got = [[] for _ in prompts]
+        for i, s in enumerate(streams):
+            while not got[i]:
+                got[i] += (await anext(s)).token_ids
+        victim = "decode-0"
+        on_victim = [i for i in range(len(prompts))
+                     if cluster.orchestrator._streams[f"t{i}"].decode_id == victim]
+        os.kill(status[victim].rank_pids[0], signal.SIGKILL)
+
+        async def drain(i, s):
+            async for ch in s:
+                got[i] += ch.token_ids
+        await asyncio.wait_for(asyncio.gather(*[drain(i, s) for i, s in enumerate(streams)]),
+                               120)
+        await assert_no_blocks_held(cluster, timeout_s=30)
+        return got, on_victim, status, (await cluster.stats()).migrations
+
+    got, on_victim, status, migrations = run_cluster(loop, config, body)
+    assert on_victim, "no stream was on the worker whose rank died"
+    assert got == refs
+    assert sum(migrations.values()) == len(on_victim)
+    victim = status["decode-0"]
+    assert _wait_gone([victim.pid, *victim.rank_pids]) == []
