@@ -30,6 +30,7 @@ from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import PAD_TOKEN_ID, CudaGraphRunner, DecodePadding, decode_buckets
 from engine.fused_decode import FusedDecodePlan
 from engine.models.llama import LayerHook, LlamaForCausalLM
+from engine.parallel.sharding import TPShard
 from engine.sampling import SampleRow, logprobs_of, sample, token_logprobs
 from engine.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.structured import mask_logits
@@ -126,11 +127,14 @@ class ModelRunner:
             self._my_heads = slice(mine.start, mine.stop)  # of the model's KV heads
             # The gathered heads come rank by rank; a replicated head is taken from the first
             # rank that holds it.
-            held = [type(shard)(r, shard.size).kv_heads(full) for r in range(shard.size)]
+            # Ranks may hold different numbers of heads (an uneven split): each pads its own to
+            # the most any holds, so the gather's parts are alike.
+            held = [TPShard(r, shard.size).kv_heads(full) for r in range(shard.size)]
+            self._gather_heads = shard.max_kv_heads(full)
             sources = []
             for h in range(full.num_kv_heads):
                 r = next(r for r in range(shard.size) if h in held[r])
-                sources.append(r * len(mine) + h - held[r].start)
+                sources.append(r * self._gather_heads + h - held[r].start)
             self._head_sources = torch.tensor(sources, device=self.device)
             self._writes_lock = threading.Lock()
             self._pending_writes: list = []
@@ -351,7 +355,9 @@ class ModelRunner:
         kv = torch.stack([k[skip:], v[skip:]]) if skip else torch.stack([k, v])
         if self.tp is None:
             return kv
-        heads = self.tp.all_gather(kv, dim=2)  # [2, T, ranks x local heads, D], rank order
+        if kv.shape[2] < self._gather_heads:
+            kv = torch.nn.functional.pad(kv, (0, 0, 0, self._gather_heads - kv.shape[2]))
+        heads = self.tp.all_gather(kv, dim=2)  # [2, T, ranks x padded heads, D], rank order
         return heads.index_select(2, self._head_sources)
 
     def write_layer_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor,

@@ -6,7 +6,10 @@ Three setups on the same two cores, same workload:
   in one step, so a long prompt stalls every decode stream on its worker for the whole prefill;
 - ``colocated_chunked``: the same two workers with chunked prefill (``--chunk-size`` tokens per
   step shared with the decodes), which bounds the stall to one chunk;
-- ``disaggregated``: one prefill worker (core 0) streaming KV to one decode worker (core 1).
+- ``disaggregated``: one prefill worker (core 0) streaming KV to one decode worker (core 1);
+- ``disaggregated_tp`` (added when ``--prefill-tp`` / ``--decode-tp`` ask for more than one
+  rank): the same pair with tensor-parallel workers, one thread per rank, not pinned (their
+  ranks share the two cores): TP's cost and gain beside TP 1 in one run.
 
 Why two one-core colocated workers rather than one two-thread worker: every setup is then two
 single-threaded engines, one per core, and only the division of labour differs; the router
@@ -54,7 +57,8 @@ from bench.workload import make_prompts
 
 NAME = "disagg"
 HELP = "decode ITL under long-prompt arrivals: colocated (chunked or not) vs disaggregated"
-SETUPS = ("colocated_unchunked", "colocated_chunked", "disaggregated")
+SETUPS = ("colocated_unchunked", "colocated_chunked", "disaggregated", "disaggregated_tp")
+DEFAULT_SETUPS = SETUPS[:3]
 ITL_P99_TARGET = 3.0  # colocated-unchunked p99 / disaggregated p99
 
 
@@ -68,6 +72,8 @@ class Workload:
     long_max_tokens: int
     long_interval_s: float
     chunk_size: int
+    prefill_tp: int = 1  # disaggregated_tp's ranks per worker
+    decode_tp: int = 1
 
 
 @dataclass
@@ -82,8 +88,13 @@ class SetupRun:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--setups", default=",".join(SETUPS),
-                   help=f"comma-separated subset of {', '.join(SETUPS)}")
+    p.add_argument("--setups", default=None,
+                   help=f"comma-separated subset of {', '.join(SETUPS)} (default: the first "
+                        "three, plus disaggregated_tp when a TP flag is above 1)")
+    p.add_argument("--prefill-tp", type=int, default=1,
+                   help="disaggregated_tp: tensor-parallel ranks of the prefill worker")
+    p.add_argument("--decode-tp", type=int, default=1,
+                   help="disaggregated_tp: tensor-parallel ranks of the decode worker")
     p.add_argument("--num-streams", type=int, default=4, help="steady decode requests")
     p.add_argument("--stream-prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=None,
@@ -132,9 +143,10 @@ def _workload(args: argparse.Namespace) -> Workload:
     w = Workload(args.num_streams, args.stream_prompt_len,
                  args.output_len or (64 if q else 160), args.num_long or (2 if q else 6),
                  args.long_prompt_len or (512 if q else 1024), args.long_max_tokens,
-                 (args.long_interval_s if args.long_interval_s is not None else 1.5 if q else 3.0), args.chunk_size)
+                 (args.long_interval_s if args.long_interval_s is not None else 1.5 if q else 3.0), args.chunk_size,
+                 getattr(args, "prefill_tp", 1), getattr(args, "decode_tp", 1))
     for name in ("num_streams", "stream_prompt_len", "output_len", "num_long", "long_prompt_len",
-                 "long_max_tokens", "chunk_size"):
+                 "long_max_tokens", "chunk_size", "prefill_tp", "decode_tp"):
         if getattr(w, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(w, name)}")
     if w.output_len < 2:
@@ -150,6 +162,14 @@ def _cluster_config(name: str, model: str | None, w: Workload) -> Any:
 
     max_len = max(w.long_prompt_len + w.long_max_tokens, w.stream_prompt_len + w.output_len) + 16
     common = dict(block_size=16, num_threads=1, max_model_len=max_len)
+    if name == "disaggregated_tp":
+        # Not pinned: a worker's ranks inherit its affinity, and TP 2 needs both cores.
+        return ClusterConfig(
+            model=model, mode="disaggregated", num_prefill_workers=1, num_decode_workers=1,
+            prefill_engine=EngineArgs(**common, max_num_seqs=8,
+                                      max_num_batched_tokens=max(max_len, 2048),
+                                      tensor_parallel_size=w.prefill_tp),
+            decode_engine=EngineArgs(**common, tensor_parallel_size=w.decode_tp))
     if name == "disaggregated":
         return ClusterConfig(
             model=model, mode="disaggregated", num_prefill_workers=1, num_decode_workers=1,
@@ -284,7 +304,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.target:
         return run_targets(args)
     w = _workload(args)
-    names = [s.strip() for s in args.setups.split(",") if s.strip()]
+    if args.setups is None:
+        names = list(DEFAULT_SETUPS) + (["disaggregated_tp"]
+                                        if max(w.prefill_tp, w.decode_tp) > 1 else [])
+    else:
+        names = [s.strip() for s in args.setups.split(",") if s.strip()]
     unknown = [n for n in names if n not in SETUPS]
     if unknown or not names:
         raise ValueError(f"--setups: unknown {unknown or 'empty list'}; choose from {', '.join(SETUPS)}")
@@ -308,6 +332,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                               p99.get("disaggregated")),
         "itl_p99_colocated_unchunked_over_chunked": ratio(p99.get("colocated_unchunked"),
                                                           p99.get("colocated_chunked")),
+        "itl_p50_disaggregated_tp_over_disaggregated": ratio(
+            setups.get("disaggregated_tp", {}).get("itl_p50_s"),
+            setups.get("disaggregated", {}).get("itl_p50_s")),
+        "ttft_mean_disaggregated_tp_over_disaggregated": ratio(
+            setups.get("disaggregated_tp", {}).get("ttft_mean_s"),
+            setups.get("disaggregated", {}).get("ttft_mean_s")),
     }
     targets = [make_target("ITL p99 colocated-unchunked / disaggregated",
                            ratios["itl_p99_colocated_unchunked_over_disaggregated"], ITL_P99_TARGET,
@@ -315,7 +345,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "benchmark": NAME,
         "config": {"model": args.model or "default", **w.__dict__,
-                   "cores": "2 (each worker pinned to one core, 1 torch thread)"},
+                   "cores": "2 (each worker pinned to one core, 1 torch thread; "
+                            "disaggregated_tp: 1 thread per rank, not pinned)"},
         "setups": setups,
         "ratios": ratios,
         "targets": targets,

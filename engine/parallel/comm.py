@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.sharding import TPShard
+from engine.parallel.shm import ShmAllReduce
 
 __all__ = ["TPComm", "TPStoreAddress", "host_store"]
 
@@ -25,6 +26,11 @@ __all__ = ["TPComm", "TPStoreAddress", "host_store"]
 # collective's own timeout is long because a follower waits in one between requests.
 _JOIN_TIMEOUT = datetime.timedelta(seconds=120)
 _OP_TIMEOUT = datetime.timedelta(days=1)
+# CPU all-reduces up to this size go through shared memory (a decode step's are a few KB; a
+# 2048-token prefill chunk of a 576-wide model is 4.7 MB and takes gloo, where a millisecond
+# is small beside the chunk's compute).
+SHM_SLOT_BYTES = 4 << 20
+_SHM_KEY = "pdcluster/shm"
 
 
 @dataclass(frozen=True)
@@ -41,19 +47,33 @@ def host_store(size: int, host: str = "127.0.0.1") -> tuple[dist.TCPStore, TPSto
     return store, TPStoreAddress(host, store.port)
 
 
+def host_shm(store: dist.TCPStore, size: int) -> ShmAllReduce:
+    """Rank 0 of a CPU group: the shared segment its ranks all-reduce through, named in the
+    store for the others. The caller owns it (``close`` removes it)."""
+    shm = ShmAllReduce.create(size, SHM_SLOT_BYTES)
+    store.set(_SHM_KEY, shm.name)
+    return shm
+
+
 class TPComm:
     """One rank's end of its group. Every rank must call the same collectives in the same
     order (the step protocol in ``engine.parallel.ranks`` guarantees it); a rank that fails or
     exits makes the others' next collective raise."""
 
     def __init__(self, shard: TPShard, address: TPStoreAddress, device: torch.device,
-                 store: dist.TCPStore | None = None) -> None:
+                 store: dist.TCPStore | None = None, shm: ShmAllReduce | None = None) -> None:
+        """Rank 0 passes its ``store`` (and on the CPU its ``host_shm``); the others
+        connect to ``address`` and attach to the segment it names."""
         self.shard = shard
         self.device = device
         if store is None:
             store = dist.TCPStore(address.host, address.port, shard.size, False,
                                   timeout=_JOIN_TIMEOUT)
         self._store = store
+        if shm is None and device.type == "cpu" and shard.rank != 0:
+            shm = ShmAllReduce.attach(store.get(_SHM_KEY).decode(), shard.rank, shard.size,
+                                      SHM_SLOT_BYTES)
+        self.shm = shm
         ctrl = dist.PrefixStore("ctrl", store)
         self._ctrl = dist.ProcessGroupGloo(ctrl, shard.rank, shard.size, _OP_TIMEOUT)
         if device.type == "cuda":
@@ -72,7 +92,10 @@ class TPComm:
         return self.shard.size
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` across ranks, in place; returns it."""
+        """Sum ``t`` across ranks, in place; returns it. The same shapes on every rank pick
+        the same path (shared memory or the process group)."""
+        if self.shm is not None and self.shm.fits(t):
+            return self.shm.all_reduce(t)
         self._tensors.allreduce([t]).wait()
         return t
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.parallel.comm import TPComm, TPStoreAddress, host_store
+from engine.parallel.comm import TPComm, TPStoreAddress, host_shm, host_store
 from engine.parallel.sharding import TPShard
 
 __all__ = ["FollowerSpec", "TPRanks", "rank_device", "rank_threads"]
@@ -55,8 +55,9 @@ class FollowerSpec:
                    raw["parent_pid"])
 
 
-def _end(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every follower, then SIGKILL what is left after the grace period."""
+def _end(procs: list[subprocess.Popen], shm) -> None:
+    """SIGTERM every follower, then SIGKILL what is left after the grace period; remove the
+    shared segment."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -67,6 +68,8 @@ def _end(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    if shm is not None:
+        shm.close()
 
 
 class TPRanks:
@@ -77,14 +80,18 @@ class TPRanks:
         """``args``: the engine's EngineArgs (the followers are started with the same)."""
         size = args.tensor_parallel_size
         store, address = host_store(size)
-        self.procs: list[subprocess.Popen] = []
-        self._finalizer = weakref.finalize(self, _end, self.procs)
+        shm = host_shm(store, size) if device.type == "cpu" else None
+        procs: list[subprocess.Popen] = []
+        self.procs = procs
+        self._finalizer = weakref.finalize(self, _end, procs, shm)
         try:
             for rank in range(1, size):
                 spec = FollowerSpec(dataclasses.asdict(args), rank, size, address, os.getpid())
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "engine.parallel.follower", spec.to_json()]))
-            self.comm = TPComm(TPShard(0, size), address, device, store)
+            self.comm = TPComm(TPShard(0, size), address, device, store, shm)
+            if shm is not None:  # stop waiting in an all-reduce for a rank that died
+                shm.alive = lambda: all(p.poll() is None for p in procs)
         except BaseException:
             self.close()
             raise

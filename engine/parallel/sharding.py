@@ -1,12 +1,15 @@
 """Megatron-style sharding of a Llama-family decoder over ``size`` ranks: what rank ``rank``
 holds, and which rows or columns of each Hugging Face tensor that is.
 
-- Q/K/V and gate/up are column-parallel: rank r holds query heads ``[r H/t, (r+1) H/t)`` and
-  intermediate columns ``[r I/t, (r+1) I/t)``; O and down are row-parallel over the same
-  ranges, so each layer needs one all-reduce after O and one after down.
-- KV heads follow the query heads they serve. With fewer KV heads than ranks (``t > KVH``,
-  ``t % KVH == 0``) each rank holds the one KV head its query heads read: replicated on
-  ``t / KVH`` ranks, as vLLM does. The KV cache a rank holds is that rank's KV heads only.
+- Q/K/V and gate/up are column-parallel, O and down row-parallel over the same ranges, so each
+  layer needs one all-reduce after O and one after down.
+- Attention is cut by KV-head group (a KV head and the query heads that read it), so a rank's
+  query heads always find their KV heads on the same rank. With at least as many KV heads as
+  ranks, rank r holds groups ``[r KVH / t, (r+1) KVH / t)`` (floored: an uneven split where
+  ``t`` does not divide KVH, e.g. SmolLM2-135M's 3 KV heads over 2 ranks: 2 + 1). With fewer
+  (``t % KVH == 0``), each KV head is replicated on ``t / KVH`` ranks, which split its group's
+  query heads, as vLLM does. The KV cache a rank holds is that rank's KV heads only.
+- The MLP's intermediate columns split as evenly as they go (floored ranges).
 - The LM head is vocabulary-parallel (rows ``[r V', (r+1) V')``, ``V' = ceil(V / t)``; the
   last slice may be short); ranks all-gather their logits. The embedding and the norms are
   replicated (an embedding lookup is cheap; sharding it would cost one more all-reduce).
@@ -37,36 +40,50 @@ class TPShard:
                              "needs size >= 1 and 0 <= rank < size")
 
     def check(self, cfg: ModelConfig) -> None:
-        """Raise ValueError naming the dimension that ``size`` does not divide."""
-        t = self.size
+        """Raise ValueError naming the dimension that cannot be cut into ``size`` parts."""
+        t, kvh = self.size, cfg.num_kv_heads
         problems = []
-        if cfg.num_heads % t:
-            problems.append(f"{cfg.num_heads} attention heads")
-        if cfg.intermediate_size % t:
+        if kvh < t and t % kvh:
+            problems.append(f"{kvh} KV heads (fewer than the ranks, and not a divisor of them)")
+        elif kvh < t and (cfg.num_heads // kvh) % (t // kvh):
+            problems.append(f"{cfg.num_heads} attention heads ({cfg.num_heads // kvh} per KV "
+                            f"head, shared by {t // kvh} ranks)")
+        if cfg.intermediate_size < t:
             problems.append(f"intermediate size {cfg.intermediate_size}")
-        if cfg.num_kv_heads % t and t % cfg.num_kv_heads:
-            problems.append(f"{cfg.num_kv_heads} KV heads (neither divides the other)")
         if problems:
             raise ValueError(f"tensor_parallel_size={t} does not divide {cfg.model_id}'s "
                              f"{', '.join(problems)}")
 
     # ---- what this rank holds ----------------------------------------------------------------
-    def q_heads(self, cfg: ModelConfig) -> range:
-        per = cfg.num_heads // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+    def _split(self, n: int, rank: int | None = None) -> range:
+        r = self.rank if rank is None else rank
+        return range(n * r // self.size, n * (r + 1) // self.size)
 
     def kv_heads(self, cfg: ModelConfig) -> range:
-        """This rank's KV heads: its own slice, or the one head its query heads read (KV
+        """This rank's KV heads: its share of them, or the one head its query heads read (KV
         heads replicated when there are fewer than ranks)."""
         if cfg.num_kv_heads >= self.size:
-            per = cfg.num_kv_heads // self.size
-            return range(self.rank * per, (self.rank + 1) * per)
+            return self._split(cfg.num_kv_heads)
         head = self.rank * cfg.num_kv_heads // self.size
         return range(head, head + 1)
 
+    def q_heads(self, cfg: ModelConfig) -> range:
+        """The query heads that read this rank's KV heads (a share of them when replicated)."""
+        group = cfg.num_heads // cfg.num_kv_heads
+        kv = self.kv_heads(cfg)
+        if cfg.num_kv_heads >= self.size:
+            return range(kv.start * group, kv.stop * group)
+        replicas = self.size // cfg.num_kv_heads
+        per = group // replicas
+        first = kv.start * group + (self.rank % replicas) * per
+        return range(first, first + per)
+
+    def max_kv_heads(self, cfg: ModelConfig) -> int:
+        """The most KV heads any rank holds (gathers pad every rank's to it)."""
+        return max(len(TPShard(r, self.size).kv_heads(cfg)) for r in range(self.size))
+
     def intermediate(self, cfg: ModelConfig) -> range:
-        per = cfg.intermediate_size // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self._split(cfg.intermediate_size)
 
     def vocab(self, cfg: ModelConfig) -> range:
         """This rank's rows of the LM head (the last slice may be short, or empty)."""

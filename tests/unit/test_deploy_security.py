@@ -344,3 +344,35 @@ def test_mtls_component_adds_the_client_ca(overlay, tmp_path):
         validator = _kuberay_validator("RayCluster", "v1")
         errors = list(validator.iter_errors(by_kind(objs, "RayCluster")[0]))
         assert not errors, errors[:3]
+
+
+def test_tensor_parallel_component_gives_decode_pods_a_gpu_per_rank(tmp_path):
+    """components/tensor-parallel on the gpu overlay: the router starts decode workers with
+    --decode-tp 2, each decode pod has two GPUs for its worker's two ranks, prefill pods keep
+    one, and everything still validates strictly."""
+    import kubernetes_validate
+
+    kdir = tmp_path / "with-tp"
+    kdir.mkdir()
+    (kdir / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S_DIR / "overlays" / "gpu", kdir)],
+        "components": [os.path.relpath(COMPONENTS_DIR / "tensor-parallel", kdir)],
+    }))
+    objs = kustomize(kdir)
+    template, head = head_of(objs)
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    assert env["PDCLUSTER_DECODE_TP"] == "2"
+    assert '--decode-tp "${PDCLUSTER_DECODE_TP:-1}"' in head["args"][0]
+    (cluster,) = by_kind(objs, "RayCluster")
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    gpus = {name: str(g["template"]["spec"]["containers"][0]["resources"]["limits"]
+                      ["nvidia.com/gpu"]) for name, g in groups.items()}
+    assert gpus == {"prefill": "1", "decode": "2"}
+    for g in groups.values():
+        wrapper = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "w"},
+                   "template": g["template"]}
+        kubernetes_validate.validate(wrapper, K8S_VERSION, strict=True)
+    if KUBERAY_SCHEMAS_DIR:
+        errors = list(_kuberay_validator("RayCluster", "v1").iter_errors(cluster))
+        assert not errors, errors[:3]

@@ -66,10 +66,22 @@ def test_each_tensor_is_cut_where_megatron_cuts_it():
     assert TPShard(0, 1).slice_of("model.layers.0.self_attn.q_proj.weight", cfg) is None
 
 
+def test_kv_heads_that_ranks_do_not_divide_split_by_group_unevenly():
+    """SmolLM2-135M's shape: 9 query heads over 3 KV heads, TP 2: 2 groups + 1 group."""
+    cfg = _cfg(heads=9, kv_heads=3, inter=1536)
+    assert [list(TPShard(r, 2).kv_heads(cfg)) for r in range(2)] == [[0], [1, 2]]
+    assert [list(TPShard(r, 2).q_heads(cfg)) for r in range(2)] == [[0, 1, 2],
+                                                                     [3, 4, 5, 6, 7, 8]]
+    assert [len(TPShard(r, 2).intermediate(cfg)) for r in range(2)] == [768, 768]
+    assert TPShard(0, 2).max_kv_heads(cfg) == 2
+    TPShard(0, 3).check(cfg)  # one group each
+
+
 @pytest.mark.parametrize("cfg,size,named", [
-    (_cfg(heads=4, kv_heads=2), 3, "4 attention heads"),
-    (_cfg(heads=8, kv_heads=4, inter=100), 8, "intermediate size 100"),
+    (_cfg(heads=4, kv_heads=2), 3, "2 KV heads"),
+    (_cfg(heads=8, kv_heads=4, inter=4), 8, "intermediate size 4"),
     (_cfg(heads=12, kv_heads=3), 4, "3 KV heads"),
+    (_cfg(heads=4, kv_heads=2), 8, "4 attention heads"),
 ])
 def test_an_impossible_split_names_the_dimension(cfg, size, named):
     with pytest.raises(ValueError, match=f"tensor_parallel_size={size} does not divide .*{named}"):
@@ -83,6 +95,15 @@ def wide_kv_dir(tmp_path_factory):
     four ranks split unevenly."""
     return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-8q4kv"),
                            num_attention_heads=8, num_key_value_heads=4, vocab_size=VOCAB + 3)
+
+
+@pytest.fixture(scope="module")
+def smol_shape_dir(tmp_path_factory):
+    """The default model's attention shape in miniature: 9 query heads over 3 KV heads, which
+    2 ranks split unevenly (2 groups + 1), and an intermediate size 2 ranks split evenly but
+    3 do not (50 = 16 + 17 + 17)."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-9q3kv"), hidden_size=72,
+                           num_attention_heads=9, num_key_value_heads=3, intermediate_size=50)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +131,7 @@ def _pids_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
     ("tiny_llama_dir", "llama", (1, 2, 4)),  # 4 query heads over 2 KV heads: TP 4 replicates
     ("wide_kv_dir", "llama", (2, 4)),
     ("tiny_qwen2_dir", "qwen2", (2,)),  # Q/K/V biases cut with their rows
+    ("smol_shape_dir", "llama", (2, 3)),  # uneven head and intermediate splits
 ])
 def test_greedy_tokens_equal_transformers_at_every_tp(request, model, arch, sizes, prompts):
     model_dir = request.getfixturevalue(model)
@@ -191,12 +213,15 @@ def test_a_rank_that_dies_ends_the_engine_with_a_clear_error(tiny_llama_dir, pro
     assert _pids_gone(pids), "the surviving ranks were not ended"
 
 
-def test_a_dropped_engine_ends_its_ranks(tiny_llama_dir):
+def test_a_dropped_engine_ends_its_ranks_and_removes_its_shared_memory(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **FAST)
     pids = list(llm.engine.ranks.pids)
+    segment = llm.engine.ranks.comm.shm.name  # CPU ranks all-reduce through it
+    assert segment in os.listdir("/dev/shm")
     del llm
     gc.collect()
     assert _pids_gone(pids)
+    assert segment not in os.listdir("/dev/shm")
 
 
 # ---- KV between engines of different TP sizes --------------------------------------------------
@@ -245,20 +270,26 @@ def _decode(eng, prompts, first, exports) -> list[list[int]]:
     return [outs[f"r{i}"][:MAX_TOKENS] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 4), (4, 2)])
-def test_kv_moves_between_any_tp_sizes(tiny_llama_dir, prompts, prefill_tp, decode_tp):
+@pytest.mark.parametrize("model,prefill_tp,decode_tp", [
+    ("tiny_llama_dir", 2, 1), ("tiny_llama_dir", 1, 2), ("tiny_llama_dir", 2, 4),
+    ("tiny_llama_dir", 4, 2), ("smol_shape_dir", 2, 3),
+])
+def test_kv_moves_between_any_tp_sizes(request, model, prompts, prefill_tp, decode_tp):
     """The prefill engine's ranks gather their KV heads into the model's whole layout (TP 4
-    replicates the 2 heads: each is taken once); the decode engine's ranks each take theirs.
-    Greedy tokens equal transformers', and the exported layers equal a TP 1 export's."""
-    refs = hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
-    first, exports = _export(tiny_llama_dir, prefill_tp, prompts)
-    assert all(e.kv.shape[2] == 2 for e in exports)  # every KV head, whatever the TP
+    replicates the 2 heads: each is taken once; 3 heads over 2 ranks: one rank pads); the
+    decode engine's ranks each take theirs. Greedy tokens equal transformers', and the
+    exported layers equal a TP 1 export's."""
+    model_dir = request.getfixturevalue(model)
+    refs = hf_greedy(model_dir, "llama", prompts, MAX_TOKENS)
+    first, exports = _export(model_dir, prefill_tp, prompts)
+    kv_heads = 3 if model == "smol_shape_dir" else 2
+    assert all(e.kv.shape[2] == kv_heads for e in exports)  # every KV head, whatever the TP
     if prefill_tp != 1:
-        _, single = _export(tiny_llama_dir, 1, prompts[:1])
+        _, single = _export(model_dir, 1, prompts[:1])
         mine = [e for e in exports if e.request_id == "r0"]
         for a, b in zip(mine, single, strict=True):
             assert torch.allclose(a.kv, b.kv, atol=1e-4)
-    dec = _engine(tiny_llama_dir, decode_tp)
+    dec = _engine(model_dir, decode_tp)
     try:
         assert _decode(dec, prompts, first, exports) == refs
     finally:
