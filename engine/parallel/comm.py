@@ -77,6 +77,7 @@ class TPComm:
         ctrl = dist.PrefixStore("ctrl", store)
         self._ctrl = dist.ProcessGroupGloo(ctrl, shard.rank, shard.size, _OP_TIMEOUT)
         if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL works on the current device: this rank's
             opts = dist.ProcessGroupNCCL.Options()
             self._tensors = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), shard.rank,
                                                   shard.size, opts)
