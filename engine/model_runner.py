@@ -391,7 +391,10 @@ class ModelRunner:
         with self._writes_lock:
             writes, self._pending_writes = self._pending_writes, []
         if writes:
-            self.tp.broadcast(("kv_writes", writes))
+            # Pickled through the control group: host tensors (a GPU tensor would unpickle
+            # onto rank 0's device in the other ranks).
+            self.tp.broadcast(("kv_writes", [(layer, block_ids, kv.cpu(), start)
+                                             for layer, block_ids, kv, start in writes]))
 
     def follow_kv_writes(self, writes: list) -> None:
         """Rank > 0's share of imported KV: its own heads of each queued write."""

@@ -1,4 +1,6 @@
-"""Front-door fixtures: one backend per session, real servers on 127.0.0.1 per test module.
+"""Front-door fixtures: real servers on 127.0.0.1 per test module, over the ``backend`` of
+the test's package (``tests/integration/frontdoor/conftest.py``: one per mode for all the
+front-door modules).
 
 The servers run on a background asyncio loop (``server_loop``) so tests can use blocking
 clients (the SDK's ``Client``, the ``openai`` package) as well as ``asyncio.run`` with the
@@ -22,11 +24,6 @@ from router.embedded import EngineBackend
 from router.frontdoor.lifecycle import FrontDoor, serve_frontdoor
 from tests.async_util import LoopThread
 
-# Queue limits the flood tests rely on: more than MAX_NUM_SEQS + MAX_WAITING concurrent
-# requests must get RESOURCE_EXHAUSTED / 429.
-MAX_NUM_SEQS = 4
-MAX_WAITING = 4
-
 
 @pytest.fixture
 def own_redis():
@@ -44,25 +41,6 @@ def server_loop():
     lt = LoopThread()
     yield lt
     lt.close()
-
-
-@pytest.fixture(scope="module", params=["embedded", "cluster"])
-def backend(request, server_loop) -> GenerationBackend:
-    """The same front-door tests run over one in-process engine and over the real Ray
-    cluster (1 prefill + 1 decode worker, disaggregated) that `pdcluster serve` builds."""
-    from engine.llm_engine import EngineArgs
-
-    if request.param == "embedded":
-        b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING))
-    else:
-        from router.cluster.ray_cluster import Cluster, ClusterConfig
-
-        engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1)
-        b = server_loop.run(Cluster.start(ClusterConfig(
-            prefill_engine=engine, decode_engine=engine,
-            max_inflight_requests=MAX_NUM_SEQS + MAX_WAITING, capacity_wait_s=5.0)), 180)
-    yield b
-    server_loop.run(b.shutdown(), 60)
 
 
 @pytest.fixture(scope="module")

@@ -70,10 +70,12 @@ def test_disagg_measures_every_setup(tmp_path, tiny_llama_dir):
     _run(disagg, ["disagg", "--model", str(tiny_llama_dir), "--quick", "--num-streams",
                   str(streams), "--stream-prompt-len", "8", "--output-len", str(out_len),
                   "--num-long", "2", "--long-prompt-len", "64", "--long-interval-s", "0.05",
-                  "--chunk-size", "16", "--out", str(tmp_path)])
+                  "--chunk-size", "16", "--prefill-tp", "2", "--out", str(tmp_path)])
     _assert_ray_down()
     data = _read(tmp_path, "disagg")
-    assert set(data["setups"]) == set(disagg.SETUPS)
+    assert set(data["setups"]) == set(disagg.SETUPS)  # a TP flag adds disaggregated_tp
+    assert data["config"]["prefill_tp"] == 2
+    assert data["ratios"]["ttft_mean_disaggregated_tp_over_disaggregated"] > 0
     for name, s in data["setups"].items():
         for key in ("itl_p50_s", "itl_p99_s", "ttft_mean_s", "ttft_p99_s"):
             assert s[key] > 0, (name, key)

@@ -135,3 +135,15 @@ def test_a_dead_decode_rank_kills_its_worker_and_the_streams_migrate(loop, tiny_
     assert sum(migrations.values()) == len(on_victim)
     victim = status["decode-0"]
     assert _wait_gone([victim.pid, *victim.rank_pids]) == []
+
+
+def test_a_tp_size_the_model_cannot_take_fails_start_up_naming_it(loop, tiny_llama_dir):
+    """3 ranks over the tiny model's 2 KV heads: the worker's constructor refuses before any
+    rank starts, and start-up stops at once with the reason (not a wait for the deadline)."""
+    from router.cluster.ray_cluster import StartupError
+
+    config = _config(tiny_llama_dir, 1, 3, startup_timeout_s=120.0)
+    t0 = time.monotonic()
+    with pytest.raises(StartupError, match="tensor_parallel_size=3 does not divide .*2 KV heads"):
+        run_cluster(loop, config, lambda cluster: asyncio.sleep(0))
+    assert time.monotonic() - t0 < 60
