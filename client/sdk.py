@@ -22,16 +22,15 @@ from another process. The tokens equal an unbroken stream's.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import time
 from collections.abc import Iterator
 
 import grpc
 
+from client.channel import Deadline, KeyedStub, credentials
 from client.types import (
     REQUEST_ID_METADATA_KEY,
-    DeadlineExceeded,
     GenerateResult,
     ModelInfo,
     RetryPolicy,
@@ -45,61 +44,6 @@ from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncClient", "AsyncGenerateStream", "Client", "GenerateStream"]
-
-
-def _read(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _credentials(tls: bool, ca_file: str | None, client_cert: str | None,
-                 client_key: str | None) -> grpc.ChannelCredentials | None:
-    """TLS channel credentials, or None for plaintext. ``ca_file`` / a client certificate
-    imply TLS; without ``ca_file`` the system's trusted roots verify the server."""
-    if bool(client_cert) != bool(client_key):
-        raise ValueError("give client_cert and client_key together")
-    if not (tls or ca_file or client_cert):
-        return None
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file),
-                                        private_key=_read(client_key),
-                                        certificate_chain=_read(client_cert))
-
-
-class _Stub:
-    """The Generation stub with the API key on every call (``authorization: Bearer KEY``):
-    call credentials would refuse a plaintext channel, metadata works on both."""
-
-    def __init__(self, channel, api_key: str | None) -> None:
-        self._stub = pb_grpc.GenerationStub(channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-
-    def __getattr__(self, name: str):
-        method = getattr(self._stub, name)
-        if self._metadata is None:
-            return method
-        return functools.partial(method, metadata=self._metadata)
-
-
-class _Deadline:
-    """One deadline across retries: each attempt gets what is left."""
-
-    def __init__(self, timeout: float | None) -> None:
-        self.at = None if timeout is None else time.monotonic() + timeout
-
-    def remaining(self) -> float | None:
-        """Seconds left (None: no deadline). Raises DeadlineExceeded when none is left."""
-        if self.at is None:
-            return None
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded("deadline expired before the call could be (re)tried",
-                                   grpc.StatusCode.DEADLINE_EXCEEDED)
-        return left
-
-    def clip(self, sleep_s: float) -> float:
-        return sleep_s if self.at is None else max(0.0, min(sleep_s, self.at - time.monotonic()))
 
 
 def _request_id_from(metadata) -> str | None:
@@ -117,7 +61,7 @@ class _StreamCall:
         """``request`` None: follow ``request_id``'s stream from ``from_index`` (Resume)."""
         self._stub = stub
         self._request = request
-        self._deadline = _Deadline(timeout)
+        self._deadline = Deadline(timeout)
         self._retry = retry
         self._call = None
         self._attempt = 0
@@ -254,11 +198,11 @@ class Client:
         self.address = address
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        creds = _credentials(tls, ca_file, client_cert, client_key)
+        creds = credentials(tls, ca_file, client_cert, client_key)
         options = channel_options or []
         self._channel = (grpc.secure_channel(address, creds, options=options) if creds
                          else grpc.insecure_channel(address, options=options))
-        self._stub = _Stub(self._channel, api_key or os.environ.get("PDCLUSTER_API_KEY"))
+        self._stub = KeyedStub(self._channel, api_key or os.environ.get("PDCLUSTER_API_KEY"))
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -321,7 +265,7 @@ class Client:
             return [s.results[i] for i in sorted(s.results)]
 
     def _unary(self, method, request, timeout: float | None):
-        deadline = _Deadline(self._timeout(timeout))
+        deadline = Deadline(self._timeout(timeout))
         attempt = 0
         while True:
             try:
@@ -427,11 +371,11 @@ class AsyncClient:
         self.address = address
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        creds = _credentials(tls, ca_file, client_cert, client_key)
+        creds = credentials(tls, ca_file, client_cert, client_key)
         options = channel_options or []
         self._channel = (grpc.aio.secure_channel(address, creds, options=options) if creds
                          else grpc.aio.insecure_channel(address, options=options))
-        self._stub = _Stub(self._channel, api_key or os.environ.get("PDCLUSTER_API_KEY"))
+        self._stub = KeyedStub(self._channel, api_key or os.environ.get("PDCLUSTER_API_KEY"))
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -473,7 +417,7 @@ class AsyncClient:
             return [s.results[i] for i in sorted(s.results)]
 
     async def _unary(self, method, request, timeout: float | None):
-        deadline = _Deadline(self._timeout(timeout))
+        deadline = Deadline(self._timeout(timeout))
         attempt = 0
         while True:
             try:

@@ -31,7 +31,6 @@ from kv_transfer import KVLayout
 from router.cluster.launcher import (
     JOIN_TIMEOUT_S,
     RAY_NAMESPACE,
-    Placement,
     StartupError,
     WorkerLauncher,
     death_cause,
@@ -41,11 +40,6 @@ from router.cluster.local_ray import start_local_ray
 from router.cluster.placement import (
     DECODE_RESOURCE,
     PREFILL_RESOURCE,
-    PlacementError,
-    RoleNeed,
-    check_placement,
-    plan_gpu_share,
-    worker_gpus,
 )
 from router.contract import (
     BackendStats,
@@ -196,7 +190,7 @@ class Cluster:
                 self._started_ray = True
         self._progress("ray")
         # First, before loading anything: a cluster that cannot host the workers fails now.
-        placement = self._plan_placement()
+        placement = self.launcher.plan_placement()
         self.store = make_store(cfg.redis_url, namespace=cfg.store_namespace,
                                 require=cfg.require_redis)
         resolved = resolve_model(cfg.model, cache_dir=cfg.decode_engine.cache_dir)
@@ -258,46 +252,6 @@ class Cluster:
 
         return RedisKVEventSource(url, self.config.store_namespace)
 
-    def _plan_placement(self) -> Placement:
-        """Check, before spawning anything, that the Ray cluster can host every worker, and
-        decide what every worker shares: its GPU share and KV transport, role resources or
-        not, KV address. Raises PlacementError naming what is missing."""
-        import ray
-
-        cfg = self.config
-        nodes = ray.nodes()
-        num_prefill = cfg.num_prefill_workers if cfg.mode == "disaggregated" else 0
-        tp_p, tp_d = cfg.prefill_engine.tensor_parallel_size, cfg.decode_engine.tensor_parallel_size
-        # Every tensor-parallel rank is a process with a GPU of its own (on GPUs), all of a
-        # worker's on its node: the worker asks Ray for them together.
-        gpus = plan_gpu_share(nodes, num_prefill * tp_p + cfg.num_decode_workers * tp_d,
-                              cfg.use_gpus)
-        if gpus.use_gpus and not gpus.whole_gpus and max(tp_p, tp_d) > 1:
-            raise PlacementError(
-                f"tensor parallelism needs a GPU per rank: {num_prefill} prefill x {tp_p} + "
-                f"{cfg.num_decode_workers} decode x {tp_d} ranks, the worker nodes have "
-                f"{worker_gpus(nodes):g} GPUs")
-        by_role = check_placement(nodes, [
-            RoleNeed("prefill", num_prefill, PREFILL_RESOURCE, cfg.worker_num_cpus * tp_p,
-                     gpus.num_gpus * tp_p),
-            RoleNeed("decode" if cfg.mode == "disaggregated" else "colocated",
-                     cfg.num_decode_workers, DECODE_RESOURCE, cfg.worker_num_cpus * tp_d,
-                     gpus.num_gpus * tp_d)])
-        if not by_role:
-            log.warning("the Ray cluster defines neither %r nor %r: workers may land on any node",
-                        PREFILL_RESOURCE, DECODE_RESOURCE)
-        hosts = {n["NodeManagerAddress"] for n in nodes if n["Alive"]}
-        kv_host = cfg.kv_host
-        if kv_host is None and cfg.kv_interface is None and len(hosts) == 1:
-            kv_host = "127.0.0.1"  # every peer shares this host: KV never leaves loopback
-        placement = Placement(gpus, by_role, kv_host, cfg.kv_interface)
-        if gpus.use_gpus:
-            log.info("GPUs: %s; KV over %s%s", gpus.describe(), placement.kv_transport,
-                     "" if gpus.whole_gpus else " through host memory; each worker's "
-                     f"gpu_memory_utilization is 1/{gpus.workers_per_gpu} of the flag's")
-        else:
-            log.info("GPUs: none used; workers run on CPU, KV over gloo")
-        return placement
 
     async def _ready(self, worker_id: str, handle) -> WorkerInfo:
         """The worker's WorkerInfo once it is up. A constructor that raised (no CUDA, a bad

@@ -59,7 +59,7 @@ def test_workers_that_cannot_initialise_cuda_fail_start_up_with_the_cause(tiny_l
     from router.cluster.launcher import StartupError
     from router.cluster.ray_cluster import ClusterConfig
 
-    caplog.set_level(logging.INFO, logger="router.cluster.ray_cluster")
+    caplog.set_level(logging.INFO, logger="router.cluster.launcher")  # the placement plan
     config = ClusterConfig(model=str(tiny_llama_dir), startup_timeout_s=300.0)
     started = time.monotonic()
     with (ray_loop(num_cpus=4, num_gpus=1,
