@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch.distributed as dist
 from engine.parallel.sharding import TPShard
 from engine.parallel.shm import ShmAllReduce
 
-__all__ = ["TPComm", "TPStoreAddress", "host_store"]
+__all__ = ["TPComm", "TPStoreAddress", "host_shm", "host_store", "wait_for_ranks"]
 
 # Joining waits this long for every rank (model loading happens before, not during); a
 # collective's own timeout is long because a follower waits in one between requests.
@@ -31,6 +33,7 @@ _OP_TIMEOUT = datetime.timedelta(days=1)
 # is small beside the chunk's compute).
 SHM_SLOT_BYTES = 4 << 20
 _SHM_KEY = "pdcluster/shm"
+_ARRIVED_KEY = "pdcluster/arrived/{rank}"  # a rank is up and about to join
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,24 @@ def host_store(size: int, host: str = "127.0.0.1") -> tuple[dist.TCPStore, TPSto
     """Rank 0's store on a free port of ``host``."""
     store = dist.TCPStore(host, 0, size, True, timeout=_JOIN_TIMEOUT, wait_for_workers=False)
     return store, TPStoreAddress(host, store.port)
+
+
+def wait_for_ranks(store: dist.TCPStore, size: int, exited: Callable[[], str | None]) -> None:
+    """Rank 0, before it joins: wait until every other rank has arrived (started, imported,
+    connected), checking ``exited()`` (a description of a rank that died, or None) as it
+    waits, so a rank that dies on its way fails start-up at once instead of after the join's
+    timeout. Raises RuntimeError."""
+    keys = [_ARRIVED_KEY.format(rank=r) for r in range(1, size)]
+    deadline = time.monotonic() + _JOIN_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        dead = exited()
+        if dead is not None:
+            raise RuntimeError(f"tensor-parallel {dead} before joining its group "
+                               "(its log says why)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not start within "
+                               f"{_JOIN_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.05)
 
 
 def host_shm(store: dist.TCPStore, size: int) -> ShmAllReduce:
@@ -74,6 +95,8 @@ class TPComm:
             shm = ShmAllReduce.attach(store.get(_SHM_KEY).decode(), shard.rank, shard.size,
                                       SHM_SLOT_BYTES)
         self.shm = shm
+        if shard.rank != 0:
+            store.set(_ARRIVED_KEY.format(rank=shard.rank), "1")
         ctrl = dist.PrefixStore("ctrl", store)
         self._ctrl = dist.ProcessGroupGloo(ctrl, shard.rank, shard.size, _OP_TIMEOUT)
         if device.type == "cuda":

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.parallel.comm import TPComm, TPStoreAddress, host_shm, host_store
+from engine.parallel.comm import TPComm, TPStoreAddress, host_shm, host_store, wait_for_ranks
 from engine.parallel.sharding import TPShard
 
 __all__ = ["FollowerSpec", "TPRanks", "rank_device", "rank_threads"]
@@ -89,12 +89,19 @@ class TPRanks:
                 spec = FollowerSpec(dataclasses.asdict(args), rank, size, address, os.getpid())
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "engine.parallel.follower", spec.to_json()]))
+            wait_for_ranks(store, size, self._exited)
             self.comm = TPComm(TPShard(0, size), address, device, store, shm)
             if shm is not None:  # stop waiting in an all-reduce for a rank that died
                 shm.alive = lambda: all(p.poll() is None for p in procs)
         except BaseException:
             self.close()
             raise
+
+    def _exited(self) -> str | None:
+        for rank, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                return f"rank {rank} (pid {p.pid}) exited with code {p.returncode}"
+        return None
 
     @property
     def pids(self) -> list[int]:

@@ -194,10 +194,45 @@ def test_an_impossible_split_fails_before_any_rank_starts(tiny_llama_dir):
     assert _children() == children_before
 
 
+def _is_rank(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"engine.parallel.follower" in f.read()
+    except OSError:
+        return False
+
+
 def _children() -> set[int]:
     path = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
     with open(path) as f:
         return {int(p) for p in f.read().split()}
+
+
+def test_a_rank_that_dies_before_joining_fails_start_up_at_once(tiny_llama_dir):
+    """Killed while it starts (importing torch takes it a second or more): the engine's
+    constructor names the rank and its exit code well before the join's 120 s timeout."""
+    import threading
+
+    before = _children()
+    killed: list[int] = []
+
+    def kill_the_new_rank() -> None:
+        deadline = time.monotonic() + 30
+        while not killed and time.monotonic() < deadline:
+            for pid in _children() - before:
+                if _is_rank(pid):  # not, e.g., the shared memory's resource tracker
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_the_new_rank)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited with code -9 before"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **FAST)
+    killer.join()
+    assert killed and time.monotonic() - t0 < 20
+    assert not [pid for pid in _children() if _is_rank(pid)]
 
 
 def test_a_rank_that_dies_ends_the_engine_with_a_clear_error(tiny_llama_dir, prompts):
