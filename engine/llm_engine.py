@@ -134,6 +134,10 @@ class LLMEngine:
         tp = args.tensor_parallel_size
         if tp < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if tp > 1 and args.cuda_graphs:
+            # Asked for explicitly, not just the GPU default: refused rather than dropped.
+            raise ValueError("cuda_graphs=True: not with tensor_parallel_size > 1 (the "
+                             "collectives are not captured); leave it unset or false")
         if args.num_threads or tp > 1:
             torch.set_num_threads(rank_threads(args.num_threads, tp))
         self.plan = plan_device(rank_device(args.device, 0) if tp > 1 else args.device,

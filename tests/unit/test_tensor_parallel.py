@@ -202,6 +202,11 @@ def _is_rank(pid: int) -> bool:
         return False
 
 
+def test_cuda_graphs_asked_for_with_tp_are_refused_not_dropped(tiny_llama_dir):
+    with pytest.raises(ValueError, match="cuda_graphs=True: not with tensor_parallel_size > 1"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, cuda_graphs=True, **FAST)
+
+
 def _children() -> set[int]:
     path = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
     with open(path) as f:
