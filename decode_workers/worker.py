@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from decode_workers.delivery import TokenDelivery
 from engine.engine_loop import EngineLoop
+from engine.kv_connector import Reservation
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
 from kv_transfer import (
@@ -29,7 +30,6 @@ from kv_transfer import (
     KVLayout,
     KVTransferError,
     KVTransferSpec,
-    TorchDistReceiver,
 )
 from worker_protocol import (
     AbortRequest,
@@ -54,6 +54,7 @@ from worker_protocol import (
 )
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
+from worker_protocol.kv_ranks import DecodeRankKV, rank_state
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,11 @@ class DecodeWorker:
         kv_device = self.engine.device if self.kv_transport == "nccl" else "cpu"
         self.kv_host = kv_host_for(self.worker_id, config.kv_host, config.kv_interface,
                                    "cuda" if self.kv_transport == "nccl" else "cpu")
-        self.receiver = (TorchDistReceiver(self.worker_id, self.layout, host=self.kv_host.address,
-                                           device=kv_device,
-                                           timeout_s=config.transfer_timeout_s)
-                         if config.role == "decode" else None)
+        # KV arrives on every tensor-parallel rank, each taking its own heads from the prefill
+        # ranks that hold them (worker_protocol.kv_ranks); at TP 1, one receiver as ever.
+        self.kv = (DecodeRankKV(self.engine, self.worker_id, self.layout, self.kv_host.address,
+                                self.kv_transport, kv_device, config.transfer_timeout_s)
+                   if config.role == "decode" else None)
         self.delivery = TokenDelivery(self.worker_id)
         self._leases: dict[str, _Lease] = {}
         # request id -> its stream offset (a migrated request's tokens before it), and the
@@ -122,7 +124,7 @@ class DecodeWorker:
         return WorkerInfo(self.worker_id, self.config.role, current_node_id(), os.getpid(),
                           self.layout, stats.kv_blocks_total, stats.block_size,
                           self.engine.max_model_len,
-                          self.receiver.address if self.receiver else None,
+                          self.kv.addresses[0] if self.kv else None,
                           current_node_ip(), self.kv_host.address, self.incarnation,
                           self.kv_transport, self.engine.tp_size, self.engine.rank_pids)
 
@@ -137,7 +139,8 @@ class DecodeWorker:
                           prefix_hit_tokens=s.num_prefix_hit_tokens,
                           prefill_tokens_computed=s.num_prefill_tokens_computed,
                           kv_event_seq=self._kv_events.log.seq, decode_steps=s.decode_steps,
-                          mixed_steps=s.mixed_steps)
+                          mixed_steps=s.mixed_steps,
+                          rank_kv_transfer_bytes=tuple(self.kv.rank_bytes if self.kv else ()))
 
     def ping(self) -> str:
         return self.worker_id
@@ -148,7 +151,13 @@ class DecodeWorker:
 
     def kv_pairs(self) -> dict[str, int]:
         """Prefill worker id -> generation of the live KV group with it."""
-        return self.receiver.live_pairs() if self.receiver else {}
+        return self.kv.live_pairs() if self.kv else {}
+
+    def kv_rank_state(self) -> list[dict]:
+        """What the other tensor-parallel ranks still hold for KV transfers (tests: all zero
+        when idle; empty at TP 1 and for a colocated worker, which moves no KV):
+        ``worker_protocol.kv_ranks.rank_state``."""
+        return rank_state(self.loop, self.engine) if self.kv is not None else []
 
     def kv_events(self, after_seq: int, incarnation: str) -> KVEventFeed:
         """The KV event batches after a router's cursor (see worker_protocol.kv_events)."""
@@ -168,29 +177,39 @@ class DecodeWorker:
         rid = req.request_id
         self._offsets[rid] = req.sampling_params.sample_index_offset
         self.delivery.own(rid, req.router_id)
-        res = self.loop.call(lambda e: e.kv_connector.reserve(
-            rid, req.prompt_token_ids, req.sampling_params)).result(_CALL_TIMEOUT_S)
+        transfer_id = next(self._transfer_ids)
+
+        def reserve(e: LLMEngine) -> tuple[Reservation, KVTransferSpec | None]:
+            res = e.kv_connector.reserve(rid, req.prompt_token_ids, req.sampling_params)
+            if not res.ok:
+                return res, None
+            # Our prefix cache holds the first num_cached_tokens: only the rest travels.
+            cached = res.num_cached_tokens
+            spec = KVTransferSpec(rid, transfer_id, len(req.prompt_token_ids) - cached,
+                                  req.layout, start_token=cached)
+            # The other ranks hold the pages and expect their heads from now on.
+            self.kv.announce(e, spec, req.source_worker_id, req.source_tp)
+            return res, spec
+
+        res, spec = self.loop.call(reserve).result(_CALL_TIMEOUT_S)
         if not res.ok:
             return ReserveResult(False, f"no KV capacity on {self.worker_id}: {res.reason}")
-        # Our prefix cache holds the first num_cached_tokens: only the rest travels.
-        cached = res.num_cached_tokens
-        spec = KVTransferSpec(rid, next(self._transfer_ids),
-                              len(req.prompt_token_ids) - cached, req.layout, start_token=cached)
         with self._lock:
             self._leases[rid] = _Lease(time.monotonic() + self.config.lease_s,
                                        spec.layer_nbytes * spec.layout.num_layers)
         connector = self.engine.kv_connector
         try:
-            self.receiver.expect(spec, req.source_worker_id,
-                                 lambda layer, kv: connector.import_layer(rid, layer, kv))
+            self.kv.expect(spec, req.source_worker_id, req.source_tp,
+                           lambda layer, kv, heads: connector.import_layer(rid, layer, kv, heads))
         except KVHandshakeError:
             self._release(rid)
             raise
         except Exception as e:
             self._release(rid)
             return ReserveResult(False, f"cannot receive KV: {e}")
-        return ReserveResult(True, num_blocks=res.num_blocks, kv_address=self.receiver.address,
-                             incarnation=self.incarnation, transfer=spec)
+        return ReserveResult(True, num_blocks=res.num_blocks, kv_address=self.kv.addresses[0],
+                             incarnation=self.incarnation, transfer=spec,
+                             kv_rank_addresses=self.kv.addresses[1:])
 
     def commit(self, req: CommitRequest) -> CommitResult:
         """Wait for the KV to have fully arrived, then admit the request with its first token.
@@ -200,7 +219,7 @@ class DecodeWorker:
         """
         rid = req.request_id
         try:
-            self.receiver.wait(rid, req.timeout_s or self.config.transfer_timeout_s)
+            self.kv.wait(rid, req.timeout_s or self.config.transfer_timeout_s)
         except KVTransferError:
             self._release(rid)
             raise
@@ -262,8 +281,8 @@ class DecodeWorker:
         self._stopped.set()
         self.delivery.stop()
         self.loop.stop()
-        if self.receiver is not None:
-            self.receiver.close()
+        if self.kv is not None:
+            self.kv.close()
         self._kv_events.close()
 
     # ---- internals ------------------------------------------------------------------------
@@ -302,8 +321,8 @@ class DecodeWorker:
         # It never produced a token here: nothing else would drop these.
         self._offsets.pop(request_id, None)
         self.delivery.forget(request_id)
-        if self.receiver is not None:
-            self.receiver.abort(request_id)
+        if self.kv is not None:
+            self.kv.abort(request_id)
         self.loop.call(lambda e: e.kv_connector.release(request_id)).result(_CALL_TIMEOUT_S)
         return True
 

@@ -50,6 +50,9 @@ class LayerExport:
     layer: int
     kv: torch.Tensor
     step: StepInfo
+    # The model's KV heads [lo, hi) in ``kv``: None, every one. Set when KV moves per rank
+    # (``per_rank``): rank 0's own heads; each other rank's agent gets its own.
+    heads: tuple[int, int] | None = None
 
 
 Exporter = Callable[[LayerExport], None]
@@ -93,6 +96,9 @@ class KVConnector:
         self._reserved: dict[str, tuple[list[int], int]] = {}
         self._lock = threading.Lock()
         self.exporter: Exporter | None = None
+        # KV moves per tensor-parallel rank (``LLMEngine.attach_rank_agents``): exports carry
+        # each rank's own heads, reservations are held on every rank, imports name their heads.
+        self.per_rank = False
         self._step: StepInfo | None = None
         self._exports: list[ScheduledChunk] = []
 
@@ -113,6 +119,10 @@ class KVConnector:
         block_ids = list(self._blocks.block_ids(request_id))
         with self._lock:
             self._reserved[request_id] = (block_ids, req.num_cached_tokens)
+        if self.per_rank and self._runner.tp is not None:
+            # Sent with the next message to the other ranks: the caller's tell_ranks(now=True)
+            # or the next step, which cannot touch these pages before then.
+            self._runner.tell(("reserve", request_id, block_ids, req.num_cached_tokens))
         return Reservation(True, num_blocks=len(block_ids), num_cached_tokens=req.num_cached_tokens)
 
     def admit(self, request_id: str, first_token_id: int,
@@ -123,6 +133,7 @@ class KVConnector:
         with self._lock:
             if self._reserved.pop(request_id, None) is None:
                 raise KeyError(request_id)
+        self._unreserve_ranks(request_id)
         update = self._scheduler.finish_remote_kv(request_id, first_token_id, first_logprob)
         return Admission(update.request.is_finished, update.request.status.finish_reason)
 
@@ -131,10 +142,18 @@ class KVConnector:
         admitted, released, or never reserved)."""
         with self._lock:
             had = self._reserved.pop(request_id, None) is not None
+        if had:
+            self._unreserve_ranks(request_id)
         req = self._scheduler.remote.get(request_id)
         if req is not None:
             self._scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
         return had
+
+    def _unreserve_ranks(self, request_id: str) -> None:
+        """The other ranks stop taking KV into the pages before the next step (which may
+        give them to another request) runs there: the message goes ahead of it."""
+        if self.per_rank and self._runner.tp is not None:
+            self._runner.tell(("unreserve", request_id))
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -143,16 +162,19 @@ class KVConnector:
             return sum(len(b) for b, _ in self._reserved.values())
 
     # ---- worker side ------------------------------------------------------------------------
-    def import_layer(self, request_id: str, layer: int, kv: torch.Tensor) -> None:
+    def import_layer(self, request_id: str, layer: int, kv: torch.Tensor,
+                     heads: tuple[int, int] | None = None) -> None:
         """Scatter ``kv`` ``[2, num_tokens, kv_heads, head_dim]`` (the prompt's positions from
-        ``num_cached_tokens`` on) into the request's reserved pages (any thread). Raises
-        KeyError when the reservation was released meanwhile."""
+        ``num_cached_tokens`` on) into the request's reserved pages (any thread). ``heads``:
+        ``kv`` holds only the model's KV heads ``[lo, hi)``, all of them this rank's (KV
+        arriving per rank; the other ranks' agents import theirs). Raises KeyError when the
+        reservation was released meanwhile."""
         with self._lock:
             reserved = self._reserved.get(request_id)
             if reserved is None:
                 raise KeyError(f"no reservation for {request_id!r} (released)")
             block_ids, start = reserved
-            self._runner.write_layer_kv(layer, block_ids, kv, start=start)
+            self._runner.write_layer_kv(layer, block_ids, kv, start=start, heads=heads)
 
     # ---- called by LLMEngine.step ----------------------------------------------------------
     def begin_step(self, sched: SchedulerOutput, step: StepInfo) -> bool:
@@ -164,16 +186,17 @@ class KVConnector:
         self._exports = [c for c in sched.chunks if c.export_kv and c.sample]
         return bool(self._exports and self.exporter is not None)
 
-    def step_reads(self) -> list[tuple[list[int], int, int]]:
-        """The reads ``layer_saved`` makes after each layer this step, in its order (block
-        ids, tokens, start): a tensor-parallel engine's other ranks make them too."""
-        return [(c.block_ids, c.end_pos, c.export_from) for c in self._exports]
+    def step_reads(self) -> list[tuple[str, list[int], int, int]]:
+        """The reads ``layer_saved`` makes after each layer this step, in its order (request
+        id, block ids, tokens, start): a tensor-parallel engine's other ranks make them too."""
+        return [(c.request_id, c.block_ids, c.end_pos, c.export_from) for c in self._exports]
 
     def layer_saved(self, layer: int, kv_cache: torch.Tensor) -> None:
         """Layer ``layer``'s KV for this step is written: hand each completed prompt's copy
         to the exporter (which sends it while the next layer computes)."""
         assert self.exporter is not None and self._step is not None
+        heads = self._runner.own_kv_heads if self.per_rank else None
         for chunk in self._exports:
             kv = self._runner.read_layer_kv(layer, chunk.block_ids, chunk.end_pos,
-                                            start=chunk.export_from)
-            self.exporter(LayerExport(chunk.request_id, layer, kv, self._step))
+                                            start=chunk.export_from, gather=not self.per_rank)
+            self.exporter(LayerExport(chunk.request_id, layer, kv, self._step, heads))

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -223,6 +224,42 @@ class LLMEngine:
         """The processes of ranks 1.. (empty for one rank)."""
         return tuple(self.ranks.pids) if self.ranks is not None else ()
 
+    # ---- rank agents (engine.parallel.agents) ----------------------------------------------
+    def attach_rank_agents(self, factory: str, config: Any, timeout_s: float = 120.0
+                           ) -> list[str]:
+        """Start a worker's agent (``"module:callable"``, called with a FollowerContext and
+        ``config``) on every other tensor-parallel rank, and return what each reported ready
+        (rank order; empty at TP 1). From then on the engine's KV moves per rank: exports
+        hand the layer hook (and every follower's agent) each rank's own heads
+        (``LayerExport.heads``), and a reservation's pages are held on every rank, so KV
+        imported with ``heads`` lands on the rank that holds them. Call before the engine
+        loop starts (or on its thread)."""
+        self.kv_connector.per_rank = True
+        if self.ranks is None:
+            return []
+        self.runner.tell(("agent", factory, config))
+        self.runner.flush_ranks()
+        return self.ranks.replies.wait("ready", timeout_s)
+
+    def tell_ranks(self, payload: Any, now: bool = False) -> None:
+        """Engine thread: send ``payload`` to every follower's agent, ahead of the next
+        step (``now``: at once, for a message that must not wait for a step). No-op at TP 1."""
+        if self.ranks is None:
+            return
+        self.runner.tell(("tell", payload))
+        if now:
+            self.runner.flush_ranks()
+
+    def rank_replies(self, key: str, timeout_s: float) -> list[str]:
+        """Any thread: every follower agent's answer to ``key`` (rank order; empty at TP 1).
+        Raises TimeoutError, or RuntimeError when a rank has died."""
+        return self.ranks.replies.wait(key, timeout_s) if self.ranks is not None else []
+
+    def discard_rank_replies(self, key: str) -> None:
+        """Drop the answers to ``key`` nobody will read (the caller gave up on them)."""
+        if self.ranks is not None:
+            self.ranks.replies.discard(key)
+
     def close(self) -> None:
         """End the other tensor-parallel ranks (nothing to do for one rank). The engine
         cannot step afterwards."""
@@ -344,7 +381,7 @@ class LLMEngine:
         try:
             result = self.runner.execute(
                 sched, self.kv_connector.layer_saved if exports else None,
-                self.kv_connector.step_reads() if exports else ())
+                self.kv_connector.step_reads() if exports else (), self.kv_connector.per_rank)
         except Exception as e:
             if self.ranks is not None:
                 # A rank failed or the group broke mid-collective: the others may be stuck

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +61,18 @@ class FollowerStep:
     meta: AttentionMetadata
     prompt_plan: list[PromptLogits]
     sample_rows: list[int]
-    # KV rank 0's layer hook reads after each layer (block ids, tokens, start), in its order.
-    kv_reads: list[tuple[list[int], int, int]]
+    # KV rank 0's layer hook reads after each layer (request id, block ids, tokens, start),
+    # in its order.
+    kv_reads: list[KVRead]
+    # True: each rank reads its own heads and hands them to its rank agent (KV leaves every
+    # rank on its own routes); False: the ranks all-gather the heads for rank 0.
+    kv_shards: bool = False
+
+
+# One read of a request's KV after a layer: (request id, block ids, tokens, start).
+KVRead = tuple[str, list[int], int, int]
+# A follower's hand-off of its own heads of one read: (request id, layer, kv, heads).
+ShardExport = Callable[[str, int, torch.Tensor, tuple[int, int]], None]
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,12 @@ class ModelRunner:
             self._head_sources = torch.tensor(sources, device=self.device)
             self._writes_lock = threading.Lock()
             self._pending_writes: list = []
+            # Control messages for the other ranks, sent ahead of rank 0's next broadcast
+            # (``tell``); on the other ranks, the pages reserved for arriving KV (``hold``).
+            self._ctl: list = []
+            self._held: dict[str, tuple[list[int], int]] = {}
+        self.own_kv_heads = ((self._my_heads.start, self._my_heads.stop) if self.tp is not None
+                             else (0, cfg.num_kv_heads))
         self.attn_backend = create_backend(
             attention_backend, self.device,
             AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype))
@@ -220,22 +237,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None,
-                kv_reads: list[tuple[list[int], int, int]] = ()) -> ModelRunnerOutput:
+                kv_reads: list[KVRead] = (), kv_shards: bool = False) -> ModelRunnerOutput:
         """Run one step; returns the sampled token of every chunk with ``sample=True``.
         Under tensor parallelism (rank 0) the step goes to the other ranks first, which run
         the same forward and logits (``follow_step``); rank 0 alone samples. ``kv_reads``:
-        the ``read_layer_kv`` calls ``layer_hook`` makes after each layer (block ids,
-        tokens, start), in order: the other ranks make them too."""
+        the ``read_layer_kv`` calls ``layer_hook`` makes after each layer (request id, block
+        ids, tokens, start), in order: the other ranks make them too (``kv_shards``: each
+        its own heads, no gather)."""
         if sched.is_empty:
             return ModelRunnerOutput()
         # A layer hook (KV export) must run between layers: never inside a replayed graph.
         inp = self.prepare(sched, allow_padding=layer_hook is None)
         prompt_plan = self._prompt_logit_plan(inp)
         if self.tp is not None:
-            self.flush_kv_writes()
-            self.tp.broadcast(("step", FollowerStep(
+            self._broadcast(("step", FollowerStep(
                 inp.input_ids, inp.meta, prompt_plan, inp.sample_rows,
-                list(kv_reads) if layer_hook is not None else [])))
+                list(kv_reads) if layer_hook is not None else [], kv_shards)))
         if inp.bucket is not None and self.graph_runner is not None:
             hidden = self.graph_runner.run(inp.input_ids, inp.meta)
         else:
@@ -304,12 +321,16 @@ class ModelRunner:
 
     # ---- tensor parallelism: what the other ranks run ------------------------------------
     @torch.inference_mode()
-    def follow_step(self, step: FollowerStep) -> None:
+    def follow_step(self, step: FollowerStep, export: ShardExport | None = None) -> None:
         """Rank > 0's share of rank 0's ``execute``: the same forward and logits, in the
-        same order (the collectives inside meet rank 0's); nothing sampled."""
+        same order (the collectives inside meet rank 0's); nothing sampled. With
+        ``step.kv_shards`` each read's own heads go to ``export`` (the rank's agent)."""
         def read_kv(layer: int, _cache: torch.Tensor) -> None:
-            for block_ids, num_tokens, start in step.kv_reads:
-                self.read_layer_kv(layer, block_ids, num_tokens, start)
+            for rid, block_ids, num_tokens, start in step.kv_reads:
+                kv = self.read_layer_kv(layer, block_ids, num_tokens, start,
+                                        gather=not step.kv_shards)
+                if step.kv_shards and export is not None:
+                    export(rid, layer, kv, self.own_kv_heads)
 
         hidden = self._forward(step.input_ids, step.meta, read_kv if step.kv_reads else None)
         for p in step.prompt_plan:
@@ -329,8 +350,7 @@ class ModelRunner:
     def compute_logits_for_prompt(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
         """Full-prompt logits ``[T, vocab]`` (tests compare them with transformers)."""
         if self.tp is not None:
-            self.flush_kv_writes()
-            self.tp.broadcast(("prompt_logits", token_ids, block_ids))
+            self._broadcast(("prompt_logits", token_ids, block_ids))
         meta = build_metadata([SeqSlice(block_ids, 0, len(token_ids))], self.block_size)
         hidden = self._forward(torch.tensor(token_ids, dtype=torch.int64), meta)
         return self.model.compute_logits(hidden)
@@ -340,11 +360,12 @@ class ModelRunner:
     # tensor parallelism: a TP engine's ranks gather their heads on export and each takes its
     # own on import, so any prefill TP size pairs with any decode TP size.
     def read_layer_kv(self, layer: int, block_ids: list[int], num_tokens: int,
-                      start: int = 0) -> torch.Tensor:
+                      start: int = 0, gather: bool = True) -> torch.Tensor:
         """One layer's KV of a request's positions ``[start, num_tokens)``, token-contiguous:
         ``[2, num_tokens - start, kv_heads, head_dim]`` with every KV head of the model.
         Under tensor parallelism every rank calls it (in the same order: the heads are
-        all-gathered), on the engine's thread."""
+        all-gathered), on the engine's thread; ``gather=False``: this rank's own heads
+        (``own_kv_heads``), no collective."""
         bs = self.block_size
         first, nb = start // bs, cdiv(num_tokens, bs)
         # Gather only the pages that hold [start, num_tokens), then drop the rows before start.
@@ -353,7 +374,7 @@ class ModelRunner:
                          num_tokens - first * bs)
         skip = start - first * bs
         kv = torch.stack([k[skip:], v[skip:]]) if skip else torch.stack([k, v])
-        if self.tp is None:
+        if self.tp is None or not gather:
             return kv
         if kv.shape[2] < self._gather_heads:
             kv = torch.nn.functional.pad(kv, (0, 0, 0, self._gather_heads - kv.shape[2]))
@@ -361,11 +382,16 @@ class ModelRunner:
         return heads.index_select(2, self._head_sources)
 
     def write_layer_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor,
-                       start: int = 0) -> None:
+                       start: int = 0, heads: tuple[int, int] | None = None) -> None:
         """Scatter ``[2, num_tokens, kv_heads, head_dim]`` (every KV head of the model) into
         this runner's own pages at positions ``[start, start + num_tokens)``. Any thread.
         Under tensor parallelism rank 0 writes its heads now and queues the other ranks'
-        (``flush_kv_writes`` sends them, on the engine's thread, before the next step)."""
+        (sent, on the engine's thread, ahead of the next step). ``heads``: ``kv`` holds only
+        the model's KV heads ``[lo, hi)``, all of them this rank's (KV that arrived per rank):
+        written here alone, nothing queued."""
+        if heads is not None:
+            self._write_own(layer, block_ids, kv, start, heads)
+            return
         if self.tp is None:
             self._write_heads(layer, block_ids, kv, start)
             return
@@ -373,28 +399,84 @@ class ModelRunner:
         with self._writes_lock:
             self._pending_writes.append((layer, block_ids, kv, start))
 
+    def _write_own(self, layer: int, block_ids: list[int], kv: torch.Tensor, start: int,
+                   heads: tuple[int, int]) -> None:
+        lo, hi = self.own_kv_heads
+        if not lo <= heads[0] < heads[1] <= hi or kv.shape[2] != heads[1] - heads[0]:
+            raise ValueError(f"KV of heads {heads[0]}..{heads[1] - 1} ({kv.shape[2]} in the "
+                             f"tensor) cannot land on a rank holding {lo}..{hi - 1}")
+        self._write_heads(layer, block_ids, kv, start, slice(heads[0] - lo, heads[1] - lo))
+
     def _write_heads(self, layer: int, block_ids: list[int], kv: torch.Tensor,
-                     start: int) -> None:
+                     start: int, into: slice = slice(None)) -> None:
         n = kv.shape[1]
         bs = self.block_size
         pos = torch.arange(start, start + n, device=self.device)
         blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.device)[pos // bs]
         cache = self.kv_caches[layer]
-        cache[blocks, 0, pos % bs] = kv[0].to(cache.device, cache.dtype)
-        cache[blocks, 1, pos % bs] = kv[1].to(cache.device, cache.dtype)
+        cache[blocks, 0, pos % bs, into] = kv[0].to(cache.device, cache.dtype)
+        cache[blocks, 1, pos % bs, into] = kv[1].to(cache.device, cache.dtype)
 
-    def flush_kv_writes(self) -> None:
-        """Rank 0, engine thread: hand the other ranks the imported KV queued since the last
-        step (they take their heads), before any step can read it."""
+    # ---- tensor parallelism: rank 0's messages to the other ranks ------------------------
+    # Every broadcast is (control messages, main message): the control messages queued since
+    # the last one (imported KV, reservations, agent messages) go first, in order, so a
+    # follower has taken them before it runs any later step that depends on them.
+    def tell(self, msg: tuple) -> None:
+        """Rank 0, any thread: queue a control message for the other ranks (sent ahead of
+        the next broadcast, or by ``flush_ranks``)."""
+        with self._writes_lock:
+            self._ctl.append(msg)
+
+    def flush_ranks(self) -> None:
+        """Rank 0, engine thread: send what is queued for the other ranks now (a step
+        would send it anyway; this is for messages that must not wait for one)."""
         if self.tp is None:
             return
         with self._writes_lock:
+            pending = bool(self._ctl or self._pending_writes)
+        if pending:
+            self._broadcast(None)
+
+    def _broadcast(self, main: tuple | None) -> None:
+        with self._writes_lock:
             writes, self._pending_writes = self._pending_writes, []
+            ctl, self._ctl = self._ctl, []
         if writes:
             # Pickled through the control group: host tensors (a GPU tensor would unpickle
             # onto rank 0's device in the other ranks).
-            self.tp.broadcast(("kv_writes", [(layer, block_ids, kv.cpu(), start)
-                                             for layer, block_ids, kv, start in writes]))
+            ctl.insert(0, ("kv_writes", [(layer, block_ids, kv.cpu(), start)
+                                         for layer, block_ids, kv, start in writes]))
+        self.tp.broadcast((ctl, main))
+
+    # ---- tensor parallelism: the other ranks' pages for KV arriving per rank -------------
+    def hold_pages(self, request_id: str, block_ids: list[int], start: int) -> None:
+        """Rank > 0: rank 0 reserved these pages for ``request_id``'s arriving KV (its
+        positions from ``start`` on); ``import_heads`` may write them until ``drop_pages``."""
+        with self._writes_lock:
+            self._held[request_id] = (block_ids, start)
+
+    def drop_pages(self, request_id: str) -> None:
+        """Rank > 0: the reservation ended (admitted, released): no late layer lands in its
+        pages once this returns, before any later step can reuse them."""
+        with self._writes_lock:
+            self._held.pop(request_id, None)
+
+    @property
+    def num_held(self) -> int:
+        """Rank > 0: reservations whose pages arriving KV may still write."""
+        with self._writes_lock:
+            return len(self._held)
+
+    def import_heads(self, request_id: str, layer: int, kv: torch.Tensor,
+                     heads: tuple[int, int]) -> None:
+        """Rank > 0, any thread: write one arriving layer of this rank's heads into the
+        pages held for ``request_id``. KeyError when the reservation has ended."""
+        with self._writes_lock:  # ordered against drop_pages
+            held = self._held.get(request_id)
+            if held is None:
+                raise KeyError(f"no reservation for {request_id!r} on rank {self.tp.rank}")
+            block_ids, start = held
+            self._write_own(layer, block_ids, kv, start, heads)
 
     def follow_kv_writes(self, writes: list) -> None:
         """Rank > 0's share of imported KV: its own heads of each queued write."""

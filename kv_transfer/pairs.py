@@ -47,6 +47,9 @@ class Pair:
     pg: object
     peer_rank: int
     store: dist.Store  # a private client connection the group was built on
+    # KV heads each layer message on this pair carries (fixed by the two ends' ranks: the
+    # handshake computes it, ``kv_transfer.routes.pair_heads``); 0 on the sending side.
+    num_heads: int = 0
     dead: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 

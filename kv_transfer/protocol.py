@@ -102,6 +102,10 @@ class KVTransferSpec:
     num_tokens: int  # tokens carried, not the prompt's length
     layout: KVLayout
     start_token: int = 0
+    # The model's KV heads [lo, hi) this transfer carries: None, every one. Under tensor
+    # parallelism a transfer is split into routes, one per (prefill rank, decode rank) pair
+    # (``kv_transfer.routes``), each carrying the heads the two ranks share.
+    heads: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -112,6 +116,15 @@ class KVTransferSpec:
             raise ValueError(f"KVTransferSpec.num_tokens must be > 0, got {self.num_tokens}")
         if self.start_token < 0:
             raise ValueError(f"KVTransferSpec.start_token must be >= 0, got {self.start_token}")
+        if self.heads is not None and not 0 <= self.heads[0] < self.heads[1] <= \
+                self.layout.num_kv_heads:
+            raise ValueError(f"KVTransferSpec.heads {self.heads} is not a range of the "
+                             f"model's {self.layout.num_kv_heads} KV heads")
+
+    @property
+    def num_heads(self) -> int:
+        """KV heads carried (the layout's, unless ``heads`` names a part)."""
+        return self.layout.num_kv_heads if self.heads is None else self.heads[1] - self.heads[0]
 
     @property
     def prompt_len(self) -> int:
@@ -120,8 +133,8 @@ class KVTransferSpec:
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
-        """Wire shape of one layer message: [2, num_tokens, num_kv_heads, head_dim]."""
-        return (2, self.num_tokens, self.layout.num_kv_heads, self.layout.head_dim)
+        """Wire shape of one layer message: [2, num_tokens, num_heads, head_dim]."""
+        return (2, self.num_tokens, self.num_heads, self.layout.head_dim)
 
     @property
     def layer_nbytes(self) -> int:

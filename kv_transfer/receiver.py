@@ -30,6 +30,7 @@ from kv_transfer.protocol import (
     KVTransferSpec,
     KVTransferTimeout,
 )
+from kv_transfer.routes import KVPlace, pair_heads
 from kv_transfer.transport import KVReceiver, OnLayer, PeerAddress, TransferState
 from kv_transfer.wire import ABORT_LAYER, DATA_TAG, Header, KVProtocolError, empty_header
 
@@ -66,12 +67,16 @@ class TorchDistReceiver(PairOwner, KVReceiver):
     """Decode side: hosts the TCPStore (``.address``) and receives from any prefill worker."""
 
     def __init__(self, worker_id: str, layout: KVLayout, host: str = LOCAL, port: int = 0,
-                 device: str | torch.device = "cpu", timeout_s: float = 30.0) -> None:
+                 device: str | torch.device = "cpu", timeout_s: float = 30.0,
+                 tp_size: int = 1, tp_rank: int = 0) -> None:
         """``host``: the address other hosts reach this worker at; it is advertised (with the
         store's port) as ``.address``, gloo binds it, and the store listens on it alone (a
         TCPStore of its own would listen on every interface: anyone reaching any of them
         could write its keys). ``device``: "cpu" receives over gloo (layers arrive as CPU
-        tensors, whatever device the caller's pages are on), "cuda" over NCCL."""
+        tensors, whatever device the caller's pages are on), "cuda" over NCCL. ``tp_size`` /
+        ``tp_rank``: which rank of its worker this endpoint serves (it receives that rank's
+        KV heads only, from the prefill ranks that hold them: ``kv_transfer.routes``)."""
+        self.place = KVPlace(layout, tp_size, tp_rank)
         self._host = host
         # Our own connections to our own store: a generous timeout, since the transfer
         # timeout may be a few seconds and a busy host (workers loading models) can be slow
@@ -102,6 +107,11 @@ class TorchDistReceiver(PairOwner, KVReceiver):
     # ---- the KVReceiver interface -----------------------------------------------------------
     def expect(self, spec: KVTransferSpec, peer_id: str, on_layer: OnLayer) -> None:
         self.layout.check_compatible(spec.layout)
+        lo, hi = spec.heads or (0, self.layout.num_kv_heads)
+        mine = self.place.heads
+        if not mine[0] <= lo < hi <= mine[1]:
+            raise ValueError(f"transfer {spec.request_id!r} carries KV heads {lo}..{hi - 1}; "
+                             f"this endpoint holds {mine[0]}..{mine[1] - 1}")
         tr = _RecvTransfer(spec, peer_id, on_layer)
         with self._lock:
             if self._closed.is_set():
@@ -267,12 +277,15 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                 if time.monotonic() > deadline:
                     raise KVTransferTimeout(f"prefill worker {peer_id!r} sent no layout")
                 time.sleep(_POLL_S)
-            theirs = KVLayout.from_json(self._sget("get", layout_key))
             try:
-                self.layout.check_compatible(theirs)
-            except KVHandshakeError as e:
+                theirs, claimed = KVPlace.from_json(self._sget("get", layout_key))
+                heads = pair_heads(theirs, claimed, self.place, peer_id, self.worker_id)
+            except (KVHandshakeError, ValueError, KeyError, TypeError) as e:
+                if not isinstance(e, KVHandshakeError):
+                    e = KVHandshakeError(f"KV handshake refused: {peer_id!r} sent an "
+                                         f"unreadable place ({e})")
                 self._sget("set", store_key(peer_id, latest, "verdict"), "refused:" + str(e))
-                raise
+                raise e from None
             self._sget("set", store_key(peer_id, latest, "verdict"), "ok")
             client = dist.TCPStore(self._own_host, self.address.port, None, False,
                                    self._own_timeout)
@@ -281,7 +294,8 @@ class TorchDistReceiver(PairOwner, KVReceiver):
                                  self._host, max(deadline - time.monotonic(), 0.1))
             except RuntimeError as e:
                 raise KVTransferTimeout(f"group with {peer_id!r} (gen {latest}) failed: {e}") from e
-            pair = Pair(peer_id, latest, pg, peer_rank=1, store=client)
+            pair = Pair(peer_id, latest, pg, peer_rank=1, store=client,
+                        num_heads=heads[1] - heads[0])
             with self._lock:
                 self._pairs[peer_id] = pair
             return pair
@@ -298,7 +312,7 @@ class TorchDistReceiver(PairOwner, KVReceiver):
             h = Header.decode(hdr)
             buf = None
             if h.has_payload:
-                buf = torch.empty((2, h.num_tokens, layout.num_kv_heads, layout.head_dim),
+                buf = torch.empty((2, h.num_tokens, pair.num_heads, layout.head_dim),
                                   dtype=layout.torch_dtype, device=self.device)
                 pair.pg.recv([buf], pair.peer_rank, DATA_TAG).wait(FOREVER)
             # Post the next header's receive before handing this layer over, so the sender
@@ -317,11 +331,13 @@ class TorchDistReceiver(PairOwner, KVReceiver):
             tr.fail(KVTransferError(f"prefill worker {peer.peer_id!r} aborted the KV transfer "
                                     f"for {tr.spec.request_id!r}"))
             return
-        if h.layer != tr.num_layers_done or h.num_tokens != tr.spec.num_tokens:
+        if (h.layer != tr.num_layers_done or h.num_tokens != tr.spec.num_tokens
+                or pair.num_heads != tr.spec.num_heads):
             raise KVProtocolError(
                 f"KV channel from {peer.peer_id!r} out of step: got layer {h.layer} of "
-                f"{h.num_tokens} tokens for {tr.spec.request_id!r}, expected layer "
-                f"{tr.num_layers_done} of {tr.spec.num_tokens}")
+                f"{h.num_tokens} tokens x {pair.num_heads} heads for {tr.spec.request_id!r}, "
+                f"expected layer {tr.num_layers_done} of {tr.spec.num_tokens} x "
+                f"{tr.spec.num_heads}")
         tr.pair_gen = pair.gen
         tr.progress_at = time.monotonic()
         try:

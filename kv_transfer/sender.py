@@ -35,6 +35,7 @@ from kv_transfer.protocol import (
     KVTransferTimeout,
     check_layer_tensor,
 )
+from kv_transfer.routes import KVPlace
 from kv_transfer.transport import KVSender, PeerAddress, TransferState
 from kv_transfer.wire import ABORT_LAYER, DATA_TAG, Header
 
@@ -75,10 +76,14 @@ class TorchDistSender(PairOwner, KVSender):
     """Prefill side: connects to decode workers' stores and streams layers to them."""
 
     def __init__(self, worker_id: str, layout: KVLayout, device: str | torch.device = "cpu",
-                 timeout_s: float = 30.0, host: str = LOCAL) -> None:
+                 timeout_s: float = 30.0, host: str = LOCAL, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
         """``host``: this worker's own KV address (gloo binds it; peers connect back to it).
         ``device``: "cpu" sends over gloo (GPU tensors are staged through pinned host memory),
-        "cuda" over NCCL; both ends of a pair must choose the same."""
+        "cuda" over NCCL; both ends of a pair must choose the same. ``tp_size`` /
+        ``tp_rank``: which rank of its worker this endpoint serves (the handshake says so;
+        each pair then carries the heads the two ranks share: ``kv_transfer.routes``)."""
+        self.place = KVPlace(layout, tp_size, tp_rank)
         self._host = host
         self._stores: dict[str, dist.Store] = {}  # decode worker id -> control client
         # decode worker id -> the (host, port) its cached store client and pair belong to
@@ -325,7 +330,7 @@ class TorchDistSender(PairOwner, KVSender):
                 self._discard(pair, None)
             deadline = time.monotonic() + self.timeout_s
             gen = self._sget(peer, "add", gen_key(me), 1)
-            self._sget(peer, "set", store_key(me, gen, "layout"), self.layout.to_json())
+            self._sget(peer, "set", store_key(me, gen, "layout"), self.place.to_json())
             verdict_key = store_key(me, gen, "verdict")
             while not self._sget(peer, "check", [verdict_key]):
                 if time.monotonic() > deadline or self._closed.is_set():

@@ -24,7 +24,7 @@ from engine.engine_loop import EngineLoop
 from engine.kv_connector import LayerExport
 from engine.llm_engine import LLMEngine
 from engine.request import RequestFailedError, RequestOutput
-from kv_transfer import KVLayout, KVTransferAborted, TorchDistSender
+from kv_transfer import KVLayout, KVTransferAborted
 from worker_protocol import (
     AbortRequest,
     PrefillRequest,
@@ -44,6 +44,7 @@ from worker_protocol import (
 )
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
+from worker_protocol.kv_ranks import PrefillRankKV, rank_state
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,9 @@ class _Pending:
     arrival: float  # engine clock
     layers_sent: int = 0
     kv_bytes: int = 0
-    held: list[torch.Tensor] = dataclasses.field(default_factory=list)  # non-streaming mode
+    # non-streaming mode: each layer's (kv, heads) until the prompt is done
+    held: list[tuple[torch.Tensor, tuple[int, int] | None]] = dataclasses.field(
+        default_factory=list)
 
 
 class PrefillWorker:
@@ -78,9 +81,11 @@ class PrefillWorker:
         kv_device = self.engine.device if self.kv_transport == "nccl" else "cpu"
         self.kv_host = kv_host_for(self.worker_id, config.kv_host, config.kv_interface,
                                    "cuda" if self.kv_transport == "nccl" else "cpu")
-        self.sender = TorchDistSender(self.worker_id, self.layout, device=kv_device,
-                                      timeout_s=config.transfer_timeout_s,
-                                      host=self.kv_host.address)
+        # Every tensor-parallel rank sends the KV heads it holds to the decode ranks that take
+        # them (worker_protocol.kv_ranks); at TP 1, one sender as ever.
+        self.kv = PrefillRankKV(self.engine, self.worker_id, self.layout, self.kv_host.address,
+                                self.kv_transport, kv_device, config.transfer_timeout_s,
+                                config.stream_layers)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{self.worker_id}-send")
@@ -110,7 +115,8 @@ class PrefillWorker:
                           incarnation=self.incarnation,
                           prefix_hit_tokens=s.num_prefix_hit_tokens,
                           prefill_tokens_computed=s.num_prefill_tokens_computed,
-                          kv_event_seq=self._kv_events.log.seq)
+                          kv_event_seq=self._kv_events.log.seq,
+                          rank_kv_transfer_bytes=tuple(self.kv.rank_bytes))
 
     def layers_sent(self, request_id: str) -> int:
         """How many layers of an in-flight request's KV have been posted (tests, debugging)."""
@@ -126,7 +132,12 @@ class PrefillWorker:
 
     def kv_pairs(self) -> dict[str, int]:
         """Decode worker id -> generation of the live KV group with it."""
-        return self.sender.live_pairs()
+        return self.kv.live_pairs()
+
+    def kv_rank_state(self) -> list[dict]:
+        """What the other tensor-parallel ranks still hold for KV transfers (tests: all zero
+        when idle; empty at TP 1): ``worker_protocol.kv_ranks.rank_state``."""
+        return rank_state(self.loop, self.engine)
 
     def kv_events(self, after_seq: int, incarnation: str) -> KVEventFeed:
         """The KV event batches after a router's cursor (see worker_protocol.kv_events)."""
@@ -155,11 +166,20 @@ class PrefillWorker:
             if req.request_id in self._pending:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._pending[req.request_id] = pending
+        destinations = [req.destination, *req.destination_ranks]
+
+        def add(e: LLMEngine) -> None:
+            # The ranks learn where their heads go before the step that exports them.
+            self.kv.announce(e, req.transfer, destinations)
+            e.add_request(list(req.prompt_token_ids), params, req.request_id, export_kv=True,
+                          priority=req.priority, export_from=req.transfer.start_token)
+
         try:
-            self.loop.call(lambda e: e.add_request(
-                list(req.prompt_token_ids), params, req.request_id, export_kv=True,
-                priority=req.priority, export_from=req.transfer.start_token)
-            ).result(_CALL_TIMEOUT_S)
+            try:
+                self.loop.call(add).result(_CALL_TIMEOUT_S)
+            except BaseException:
+                self._abort_kv(req.request_id)
+                raise
             timeout_s = req.timeout_s or _PREFILL_TIMEOUT_S
             try:
                 return pending.future.result(timeout_s)
@@ -180,8 +200,7 @@ class PrefillWorker:
             pending = self._pending.get(rid)
         if pending is None:
             return False
-        self.loop.call(lambda e: e.abort_request(rid))
-        self.sender.abort(pending.req.transfer)
+        self._abort_kv(rid)
         if not pending.future.done():
             pending.future.set_exception(KVTransferAborted(f"{rid} aborted during prefill"))
         return True
@@ -189,22 +208,33 @@ class PrefillWorker:
     def shutdown(self) -> None:
         self.loop.stop()
         self._finisher.shutdown(wait=False, cancel_futures=True)
-        self.sender.close()
+        self.kv.close()
         self._kv_events.close()
+
+    def _abort_kv(self, request_id: str) -> None:
+        """Stop computing and sending the request on every rank (rank 0's sends at once,
+        the others' with the engine's next message to them)."""
+        def abort(e: LLMEngine) -> None:
+            e.abort_request(request_id)
+            self.kv.abort_ranks(e, request_id)
+        self.loop.call(abort)
+        self.kv.abort(request_id)
 
     # ---- engine-loop thread -----------------------------------------------------------------
     def _export_layer(self, export: LayerExport) -> None:
         pending = self._pending.get(export.request_id)
         if pending is None:
             return
-        pending.kv_bytes += export.kv.numel() * export.kv.element_size()
+        # The whole layer's bytes (every rank's heads), as at TP 1.
+        pending.kv_bytes += pending.req.transfer.layer_nbytes
         if self.config.stream_layers:
-            self._send(pending, export.layer, export.kv)
+            self._send(pending, export.layer, export.kv, export.heads)
         else:
-            pending.held.append(export.kv)
+            pending.held.append((export.kv, export.heads))
 
-    def _send(self, pending: _Pending, layer: int, kv: torch.Tensor) -> None:
-        self.sender.send_layer(pending.req.destination, pending.req.transfer, layer, kv)
+    def _send(self, pending: _Pending, layer: int, kv: torch.Tensor,
+              heads: tuple[int, int]) -> None:
+        self.kv.send_layer(pending.req.request_id, layer, kv, heads)
         self._layers_sent_total += 1
         pending.layers_sent += 1
         limit = self._fault_exit_after
@@ -221,24 +251,25 @@ class PrefillWorker:
             if pending is None or not out.finished:
                 continue
             if out.finish_reason == "error":  # this prompt alone failed: its caller hears why
-                self.sender.abort(pending.req.transfer)
+                self.kv.abort(out.request_id)
+                self.kv.abort_ranks(self.engine, out.request_id)
                 if not pending.future.done():
                     pending.future.set_exception(RequestFailedError(
                         f"prefill of {out.request_id} failed: {out.error}"))
                 continue
             if out.finish_reason == "abort" or not out.token_ids:
                 continue
-            for layer, kv in enumerate(pending.held):  # send-at-the-end mode
-                self._send(pending, layer, kv)
+            for layer, (kv, heads) in enumerate(pending.held):  # send-at-the-end mode
+                self._send(pending, layer, kv, heads)
             pending.held.clear()
             self._finisher.submit(self._finish, pending, out, step_end)
 
     def _finish(self, pending: _Pending, out: RequestOutput, step_end: float) -> None:
         req = pending.req
         try:
-            self.sender.finish(req.transfer, self.config.transfer_timeout_s)
+            self.kv.finish(req.request_id, self.config.transfer_timeout_s)
         except BaseException as e:
-            self.sender.abort(req.transfer)
+            self.kv.abort(req.request_id)
             if not pending.future.done():
                 pending.future.set_exception(e)
             return

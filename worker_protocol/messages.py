@@ -78,6 +78,9 @@ class WorkerLoad:
     # same for mixed steps (decode rows beside prefill chunks: colocated), by decode rows.
     decode_steps: tuple = ()
     mixed_steps: tuple = ()
+    # KV bytes each tensor-parallel rank sent (prefill) or received (decode) on its own
+    # pairs, rank order (one entry at TP 1; empty for a colocated worker).
+    rank_kv_transfer_bytes: tuple = ()
 
     def __post_init__(self) -> None:
         # Through JSON (the Redis registry) the rows come back as lists: made tuples again,
@@ -87,6 +90,9 @@ class WorkerLoad:
             if not isinstance(rows, tuple) or any(not isinstance(r, tuple) for r in rows):
                 object.__setattr__(self, name, tuple(
                     (int(b), int(n), float(s)) for b, n, s in rows))
+        if not isinstance(self.rank_kv_transfer_bytes, tuple):
+            object.__setattr__(self, "rank_kv_transfer_bytes",
+                               tuple(int(n) for n in self.rank_kv_transfer_bytes))
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class ReserveRequest:
     layout: KVLayout  # what the prefill worker sends in (checked against the decode model's)
     source_worker_id: str  # the prefill worker that will send the KV
     router_id: str = ""  # the router that owns the request (gets its tokens)
+    source_tp: int = 1  # its tensor-parallel ranks (each sends the KV heads it holds)
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,9 @@ class ReserveResult:
     # receiver is the one party that sees every transfer into it, so ids stay unique per
     # (prefill, decode) pair however many routers reserve at once.
     transfer: KVTransferSpec | None = None
+    # Where the decode worker's other tensor-parallel ranks receive (ranks 1..; empty at TP
+    # 1): the prefill ranks send each of them its KV heads directly.
+    kv_rank_addresses: tuple[PeerAddress, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -199,6 +209,9 @@ class PrefillRequest:
     # own default. The router waits a little longer, so the worker's answer arrives first.
     timeout_s: float | None = None
     priority: int = 0  # queued ahead of lower priorities (a migrated stream's re-prefill)
+    # The decode worker's other ranks' addresses (ReserveResult.kv_rank_addresses): its TP
+    # size is one more than their number.
+    destination_ranks: tuple[PeerAddress, ...] = ()
 
 
 class PrefillTimeoutError(RuntimeError):

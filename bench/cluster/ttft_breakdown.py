@@ -13,6 +13,11 @@ it, is split into the prefill worker's own measurements (``orchestrator.timings`
 Phase 1 sends requests one at a time (queueing ~0); phase 2 sends a few at once, so later
 ones queue behind earlier ones on the prefill worker (its token budget fits one prompt per step).
 
+With ``--prefill-tp`` / ``--decode-tp`` the same run measures that pair of tensor-parallel
+sizes after the TP 1 pair, on the same prompts: KV then moves over per-(prefill rank, decode
+rank) pairs (``kv_transfer.routes``), and the transfer tail says what that costs. The TP
+workers are not pinned (a pinned worker's ranks would share its one core); one thread a rank.
+
 Also holds what the other cluster benchmarks share: ``ray_session`` (start Ray once for
 several clusters and stop it after) and ``timed_generate`` (client-side chunk timestamps).
 """
@@ -29,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import model_config
-from bench.report import machine_info, print_targets, write_json
+from bench.report import machine_info, print_targets, ratio, write_json
 from bench.report import target as make_target
 from bench.stats import summarize
 from bench.workload import make_prompts
@@ -141,6 +146,7 @@ class PhaseResult:
     requests: list[RequestBreakdown]
     kv_bytes_per_request: float
     means: dict[str, float] = field(default_factory=dict)
+    tp: tuple[int, int] = (1, 1)  # (prefill, decode) tensor-parallel sizes
 
     def __post_init__(self) -> None:
         for key in ("ttft_s", *SEGMENTS):
@@ -164,6 +170,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", type=int, choices=(1, 2), default=1,
                    help="2: run again with prefill and decode on two simulated hosts (network "
                         "namespaces on a bridge; needs root) and compare with one host")
+    p.add_argument("--prefill-tp", type=int, default=1,
+                   help="also measure a prefill worker of this many tensor-parallel ranks")
+    p.add_argument("--decode-tp", type=int, default=1,
+                   help="also measure a decode worker of this many tensor-parallel ranks")
     # The two-host run re-enters this benchmark on the simulated prefill host, joined there.
     p.add_argument("--ray-address", default=None, help=argparse.SUPPRESS)
 
@@ -189,23 +199,26 @@ async def _phase(cluster: Any, prompts: list[list[int]], max_tokens: int, concur
 
 
 async def _run_mode(args: argparse.Namespace, stream_layers: bool, seq_prompts, conc_prompts,
-                    warm_prompts) -> list[PhaseResult]:
+                    warm_prompts, tp: tuple[int, int] = (1, 1)) -> list[PhaseResult]:
     from engine import EngineArgs
     from router.cluster.ray_cluster import Cluster, ClusterConfig
 
     max_len = args.prompt_len + args.max_tokens + 16
+    pinned = tp == (1, 1)
     cfg = ClusterConfig(
         model=args.model, mode="disaggregated", num_prefill_workers=1, num_decode_workers=1,
         ray_address=args.ray_address,
         # A token budget of one prompt: concurrent prompts queue instead of sharing a step.
         prefill_engine=EngineArgs(block_size=16, num_threads=1, max_num_seqs=8,
                                   max_num_batched_tokens=max(args.prompt_len, 16),
-                                  max_model_len=max_len),
-        decode_engine=EngineArgs(block_size=16, num_threads=1, max_model_len=max_len),
+                                  max_model_len=max_len, tensor_parallel_size=tp[0]),
+        decode_engine=EngineArgs(block_size=16, num_threads=1, max_model_len=max_len,
+                                 tensor_parallel_size=tp[1]),
         stream_layers=stream_layers,
-        worker_overrides=pinned_overrides({"prefill-0": (0,), "decode-0": (1,)}))
+        worker_overrides=(pinned_overrides({"prefill-0": (0,), "decode-0": (1,)})
+                          if pinned else {}))
     cluster = await Cluster.start(cfg)
-    tag = "stream" if stream_layers else "end"
+    tag = ("stream" if stream_layers else "end") + ("" if pinned else f"-tp{tp[0]}x{tp[1]}")
     try:
         # Warm-up: the first forward and the lazy gloo group/handshake are one-off costs.
         await _phase(cluster, warm_prompts, args.max_tokens, False, f"{tag}-warm")
@@ -213,8 +226,8 @@ async def _run_mode(args: argparse.Namespace, stream_layers: bool, seq_prompts, 
         conc, conc_bytes = await _phase(cluster, conc_prompts, args.max_tokens, True, f"{tag}-conc")
     finally:
         await cluster.shutdown()
-    return [PhaseResult(stream_layers, "sequential", seq, seq_bytes / len(seq)),
-            PhaseResult(stream_layers, "concurrent", conc, conc_bytes / len(conc))]
+    return [PhaseResult(stream_layers, "sequential", seq, seq_bytes / len(seq), tp=tp),
+            PhaseResult(stream_layers, "concurrent", conc, conc_bytes / len(conc), tp=tp)]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,18 +236,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     conc = args.concurrency or (2 if args.quick else 4)
     if args.prompt_len <= 0 or num_seq <= 0 or conc <= 0 or args.max_tokens <= 0:
         raise ValueError("--prompt-len, --num-requests, --concurrency and --max-tokens must be > 0")
+    tp = (args.prefill_tp, args.decode_tp)
+    if min(tp) < 1:
+        raise ValueError("--prefill-tp and --decode-tp must be >= 1")
+    sizes = [(1, 1)] + ([tp] if tp != (1, 1) else [])
     vocab = model_config(args.model).vocab_size
     t0 = time.perf_counter()
     session = contextlib.nullcontext() if args.ray_address else ray_session(num_workers=2)
     with session:
         phases = []
-        for i, stream_layers in enumerate((True, False)):
-            # Same lengths, fresh ids per mode (each mode gets a new cluster anyway).
-            ps = make_prompts(2 + num_seq + conc, args.prompt_len, vocab, seed=args.seed + 7919 * i)
-            phases += asyncio.run(_run_mode(args, stream_layers, ps[2:2 + num_seq],
-                                            ps[2 + num_seq:], ps[:2]))
+        for size in sizes:
+            for i, stream_layers in enumerate((True, False)):
+                # Same lengths, fresh ids per mode (each mode gets a new cluster anyway); the
+                # same prompts for every TP size.
+                ps = make_prompts(2 + num_seq + conc, args.prompt_len, vocab,
+                                  seed=args.seed + 7919 * i)
+                phases += asyncio.run(_run_mode(args, stream_layers, ps[2:2 + num_seq],
+                                                ps[2 + num_seq:], ps[:2], size))
     two_hosts = _two_hosts(args) if args.hosts == 2 and not args.ray_address else None
-    by = {(p.stream_layers, p.phase): p for p in phases}
+    by = {(p.stream_layers, p.phase): p for p in phases if p.tp == (1, 1)}
     stream_seq, end_seq = by[(True, "sequential")], by[(False, "sequential")]
     ratio_stream = stream_seq.means["tail_over_compute"]
     targets = [make_target(
@@ -247,8 +267,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "num_sequential": num_seq, "concurrency": conc, "max_tokens": args.max_tokens,
                    "workers": "1 prefill (core 0) + 1 decode (core 1), 1 torch thread each"},
         "phases": [{"mode": "stream_layers" if p.stream_layers else "send_at_end",
-                    "phase": p.phase, "kv_bytes_per_request": p.kv_bytes_per_request,
+                    "phase": p.phase, "prefill_tp": p.tp[0], "decode_tp": p.tp[1],
+                    "kv_bytes_per_request": p.kv_bytes_per_request,
                     **p.means, "requests": p.requests} for p in phases],
+        "tp": _tp_ratios(phases, tp) if tp != (1, 1) else None,
         "tail_over_compute_streaming": ratio_stream,
         "tail_over_compute_send_at_end": end_seq.means["tail_over_compute"],
         "kv_bytes_per_request": stream_seq.kv_bytes_per_request,
@@ -264,7 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _plot(phases, out / f"{NAME}.png")
     for p in phases:
         m = p.means
-        print(f"{'stream' if p.stream_layers else 'at-end':6s} {p.phase:10s} "
+        print(f"tp {p.tp[0]}x{p.tp[1]} {'stream' if p.stream_layers else 'at-end':6s} {p.phase:10s} "
               f"ttft {m['ttft_s'] * 1e3:7.1f} ms = queue {m['queue_s'] * 1e3:6.1f} + compute "
               f"{m['prefill_compute_s'] * 1e3:7.1f} + tail {m['transfer_tail_s'] * 1e3:6.1f} + "
               f"other {m['other_s'] * 1e3:6.1f}  ({p.kv_bytes_per_request / 1e6:.1f} MB KV)")
@@ -281,6 +303,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print_targets(targets)
     print(f"wrote {path}")
     return result
+
+
+def _tp_ratios(phases: list[PhaseResult], tp: tuple[int, int]) -> dict[str, Any]:
+    """TP pair / TP 1 pair, per mode and phase: TTFT and the exposed transfer tail."""
+    by = {(p.tp, p.stream_layers, p.phase): p.means for p in phases}
+    out: dict[str, Any] = {"prefill_tp": tp[0], "decode_tp": tp[1]}
+    for stream_layers in (True, False):
+        for phase in ("sequential", "concurrent"):
+            one, many = by[((1, 1), stream_layers, phase)], by[(tp, stream_layers, phase)]
+            out[f"{'stream_layers' if stream_layers else 'send_at_end'}/{phase}"] = {
+                "ttft_ratio": ratio(many["ttft_s"], one["ttft_s"]),
+                "tail_ratio": ratio(many["transfer_tail_s"], one["transfer_tail_s"]),
+                "compute_ratio": ratio(many["prefill_compute_s"], one["prefill_compute_s"]),
+                "tail_s": (many["transfer_tail_s"], one["transfer_tail_s"])}
+    return out
 
 
 def _two_hosts(args: argparse.Namespace) -> dict[str, Any]:
@@ -328,7 +365,8 @@ def _plot(phases: list[PhaseResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{'streamed' if p.stream_layers else 'at end'}\n{p.phase}" for p in phases]
+    labels = [f"{'streamed' if p.stream_layers else 'at end'}\n{p.phase}"
+              + (f"\nTP {p.tp[0]}x{p.tp[1]}" if p.tp != (1, 1) else "") for p in phases]
     colors = {"queue_s": "#bbbbbb", "prefill_compute_s": "#4c72b0",
               "transfer_tail_s": "#dd8452", "other_s": "#55a868"}
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -108,6 +108,11 @@ class TPComm:
             self._tensors = self._ctrl
 
     @property
+    def store(self) -> dist.TCPStore:
+        """The group's store (rank agents answer rank 0 through it: engine.parallel.agents)."""
+        return self._store
+
+    @property
     def rank(self) -> int:
         return self.shard.rank
 

@@ -3,7 +3,8 @@ started by ``engine.parallel.ranks.TPRanks``).
 
 It joins the group, loads only its slices of the weights, waits for rank 0's ``init``
 (context length and KV pool size, so every rank's cache is alike), then runs each step rank 0
-broadcasts (``ModelRunner.follow_step``) until it is ended. It exits by itself when rank 0's
+broadcasts (``ModelRunner.follow_step``) until it is ended, with rank 0's control messages
+(imported KV, held pages, its worker's rank agent: ``engine.parallel.agents``) between steps. It exits by itself when rank 0's
 process is gone (its parent pid changes) or when a collective fails; rank 0's next collective
 then fails too, and the engine is dead as a whole: a worker whose rank dies is a dead worker.
 """
@@ -23,6 +24,7 @@ from engine.device import plan_device
 from engine.llm_engine import EngineArgs, tune_runner
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.agents import FollowerContext, RankAgent, load_agent
 from engine.parallel.comm import TPComm
 from engine.parallel.ranks import FollowerSpec, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
@@ -65,16 +67,46 @@ def serve(spec: FollowerSpec) -> None:
                          cuda_graphs=False, max_num_seqs=args.max_num_seqs,
                          max_model_len=max_len)
     tune_runner(args, plan, model, runner)
+    ctx = FollowerContext(comm, runner)
+    agent = None
     while True:
-        msg = comm.broadcast()
-        if msg[0] == "step":
-            runner.follow_step(msg[1])
-        elif msg[0] == "kv_writes":
-            runner.follow_kv_writes(msg[1])
-        elif msg[0] == "prompt_logits":
-            runner.follow_prompt_logits(*msg[1:])
+        ctl, main = comm.broadcast()
+        for msg in ctl:
+            agent = _control(runner, agent, msg, ctx)
+        if main is None:
+            continue
+        if main[0] == "step":
+            runner.follow_step(main[1], agent.on_export if agent is not None else None)
+        elif main[0] == "prompt_logits":
+            runner.follow_prompt_logits(*main[1:])
         else:
-            raise RuntimeError(f"unknown tensor-parallel message {msg[0]!r}")
+            raise RuntimeError(f"unknown tensor-parallel message {main[0]!r}")
+
+
+def _control(runner: ModelRunner, agent: RankAgent | None, msg: tuple,
+             ctx: FollowerContext) -> RankAgent | None:
+    """Apply one of rank 0's control messages; returns the rank's agent (built by "agent")."""
+    kind = msg[0]
+    if kind == "kv_writes":
+        runner.follow_kv_writes(msg[1])
+    elif kind == "reserve":
+        runner.hold_pages(*msg[1:])
+    elif kind == "unreserve":
+        runner.drop_pages(msg[1])
+        if agent is not None:
+            agent.on_unreserve(msg[1])
+    elif kind == "agent":
+        if agent is not None:
+            agent.close()
+        agent = load_agent(msg[1])(ctx, msg[2])
+        ctx.reply("ready", agent.ready())
+    elif kind == "tell":
+        if agent is None:
+            raise RuntimeError("a rank-agent message came before any agent was started")
+        agent.on_tell(msg[1])
+    else:
+        raise RuntimeError(f"unknown tensor-parallel control message {kind!r}")
+    return agent
 
 
 def main(argv: list[str]) -> int:

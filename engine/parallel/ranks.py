@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine.parallel.agents import Replies
 from engine.parallel.comm import TPComm, TPStoreAddress, host_shm, host_store, wait_for_ranks
 from engine.parallel.sharding import TPShard
 
@@ -93,6 +94,7 @@ class TPRanks:
             self.comm = TPComm(TPShard(0, size), address, device, store, shm)
             if shm is not None:  # stop waiting in an all-reduce for a rank that died
                 shm.alive = lambda: all(p.poll() is None for p in procs)
+            self.replies = Replies(store, size, self._exited)
         except BaseException:
             self.close()
             raise

@@ -24,7 +24,17 @@ from dataclasses import dataclass
 
 from engine.config import ModelConfig, cdiv
 
-__all__ = ["TPShard"]
+__all__ = ["TPShard", "kv_head_range"]
+
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> range:
+    """The model's KV heads rank ``rank`` of ``size`` holds: its share of them, or the one
+    head its query heads read (replicated when there are fewer KV heads than ranks). Both
+    ends of a KV transfer compute the other's with this (``kv_transfer.routes``)."""
+    if num_kv_heads >= size:
+        return range(num_kv_heads * rank // size, num_kv_heads * (rank + 1) // size)
+    head = rank * num_kv_heads // size
+    return range(head, head + 1)
 
 
 @dataclass(frozen=True)
@@ -62,10 +72,7 @@ class TPShard:
     def kv_heads(self, cfg: ModelConfig) -> range:
         """This rank's KV heads: its share of them, or the one head its query heads read (KV
         heads replicated when there are fewer than ranks)."""
-        if cfg.num_kv_heads >= self.size:
-            return self._split(cfg.num_kv_heads)
-        head = self.rank * cfg.num_kv_heads // self.size
-        return range(head, head + 1)
+        return kv_head_range(cfg.num_kv_heads, self.rank, self.size)
 
     def q_heads(self, cfg: ModelConfig) -> range:
         """The query heads that read this rank's KV heads (a share of them when replicated)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from engine.input_processor import InputProcessor
 from engine.llm_engine import EngineArgs
+from engine.parallel.sharding import TPShard
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_model_config, resolve_model
 from kv_transfer import KVLayout
@@ -59,7 +60,6 @@ from worker_protocol import (
 )
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,27 @@ class ClusterConfig:
         return self.redis_url if self.kv_event_bus == "auto" else None
 
 
+def check_tp_layouts(model_cfg, cfg: ClusterConfig) -> None:
+    """StartupError when a role's tensor-parallel size cannot split the model, naming the
+    prefill and the decode side together: their KV must map rank to rank
+    (``kv_transfer.routes``), and any two sizes that each split the model do."""
+    sides = [("decode" if cfg.mode == "disaggregated" else "colocated",
+              cfg.decode_engine.tensor_parallel_size)]
+    if cfg.mode == "disaggregated":
+        sides.insert(0, ("prefill", cfg.prefill_engine.tensor_parallel_size))
+    verdicts, bad = [], False
+    for role, tp in sides:
+        try:
+            TPShard(0, tp).check(model_cfg)
+            verdicts.append(f"{role} tp={tp}: ok")
+        except ValueError as e:
+            verdicts.append(f"{role} tp={tp}: {e}")
+            bad = True
+    if bad:
+        raise StartupError(f"impossible KV layout for {model_cfg.model_id} "
+                           f"({model_cfg.num_kv_heads} KV heads): " + "; ".join(verdicts))
+
+
 class Cluster:
     """A running cluster; implements ``router.contract.GenerationBackend``."""
 
@@ -203,6 +224,7 @@ class Cluster:
         model_path = str(resolved.model_dir)  # workers load the converted dir: no re-conversion
         tokenizer = load_tokenizer(resolved.model_dir)
         layout = KVLayout.from_model_config(model_cfg)
+        check_tp_layouts(model_cfg, cfg)  # before any worker loads: names both sides
 
         specs: list[tuple[str, str, EngineArgs]] = []
         if cfg.mode == "disaggregated":

@@ -387,7 +387,7 @@ class Orchestrator:
         try:
             res = await self._call(stream, decode, stream.open_call(decode.handle.reserve.remote(
                 ReserveRequest(rid, prompt_ids, params, self.layout, pslot.info.worker_id,
-                               self.router_id))),
+                               self.router_id, pslot.info.tp_size))),
                 cfg.call_timeout_s)
             if not res.ok:
                 raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
@@ -402,7 +402,7 @@ class Orchestrator:
                 result: PrefillResult = await self._call(
                     stream, pslot, pslot.handle.prefill.remote(PrefillRequest(
                         rid, prompt_ids, params, res.transfer, destination, cfg.prefill_timeout_s,
-                        stream.priority)),
+                        stream.priority, res.kv_rank_addresses)),
                     cfg.prefill_timeout_s + cfg.call_timeout_s, release=decode, peer=decode)
             finally:
                 # On cancellation prefill_id stays set, so the caller aborts the prefill too.

@@ -55,6 +55,16 @@ class _StatsCollector(Collector):
             fams["requests_running"].add_metric(lv, w.requests_running)
             fams["requests_waiting"].add_metric(lv, w.requests_waiting)
         yield from fams.values()
+        # The one per-rank family (the rest label by worker): each tensor-parallel rank moves
+        # its own KV heads on its own pairs.
+        per_rank = CounterMetricFamily(
+            "pdcluster_kv_rank_transfer_bytes",
+            "Bytes of KV cache each tensor-parallel rank sent (prefill) or received (decode) "
+            "on its own pairs", labels=["worker", "role", "rank"])
+        for w in s.workers:
+            for rank, n in enumerate(w.rank_kv_transfer_bytes):
+                per_rank.add_metric([w.worker_id, w.role, str(rank)], n)
+        yield per_rank
         moved = CounterMetricFamily("pdcluster_migrations",
                                     "Streams moved to another decode worker after theirs was lost",
                                     labels=["reason"])

@@ -43,14 +43,16 @@ def test_ttft_breakdown_splits_ttft_and_counts_kv_bytes(tmp_path, tiny_llama_dir
     prompt_len = 48
     _run(ttft_breakdown, ["ttft_breakdown", "--model", str(tiny_llama_dir), "--quick",
                           "--prompt-len", str(prompt_len), "--num-requests", "2",
-                          "--concurrency", "2", "--out", str(tmp_path)])
+                          "--concurrency", "2", "--decode-tp", "2", "--out", str(tmp_path)])
     _assert_ray_down()
     data = _read(tmp_path, "ttft_breakdown")
     cfg = load_model_config(tiny_llama_dir)
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * prompt_len  # fp32
-    cells = {(p["mode"], p["phase"]) for p in data["phases"]}
-    assert cells == {(m, ph) for m in ("stream_layers", "send_at_end")
-                     for ph in ("sequential", "concurrent")}
+    cells = {(p["mode"], p["phase"], p["prefill_tp"], p["decode_tp"]) for p in data["phases"]}
+    # The TP 1 pair, then the asked-for pair (its KV over per-rank pairs), same prompts.
+    assert cells == {(m, ph, 1, tp) for m in ("stream_layers", "send_at_end")
+                     for ph in ("sequential", "concurrent") for tp in (1, 2)}
+    assert data["tp"]["decode_tp"] == 2 and data["tp"]["send_at_end/sequential"]["tail_ratio"] > 0
     for p in data["phases"]:
         assert p["kv_bytes_per_request"] == kv_bytes, p["mode"]
         assert len(p["requests"]) == 2

@@ -277,3 +277,42 @@ def test_a_lost_sender_fails_the_transfers_it_had_not_begun_at_once():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pair needs 2 GPUs")
 def test_nccl_lifecycle():
     _run_lifecycle("cuda:0", "cuda:1")
+
+
+def test_a_tp_pair_moves_exactly_its_heads_and_a_pair_with_no_route_is_refused():
+    """Decode rank 1 of 2 takes head 1 of 2 from a TP 1 prefill (route (0 -> 1, head 1)):
+    the payload is that head alone, bit for bit. A prefill rank 0 of 2 (head 0 only) has no
+    route to it: the handshake refuses, naming both ends, on both sides."""
+    from kv_transfer.routes import KVRoute, route_spec
+
+    rx = TorchDistReceiver("decode-0/tp1", LAYOUT, timeout_s=20, tp_size=2, tp_rank=1)
+    tx = TorchDistSender("prefill-0", LAYOUT, timeout_s=20)
+    bad_tx = TorchDistSender("prefill-1", LAYOUT, timeout_s=20, tp_size=2, tp_rank=0)
+    try:
+        whole = KVTransferSpec("req", 1, 5, LAYOUT, start_token=3)
+        part = route_spec(whole, KVRoute(0, 1, (1, 2)))
+        col = Collector()
+        rx.expect(part, "prefill-0", col.on_layer(part.request_id))
+        with pytest.raises(ValueError, match="holds 1..1"):  # heads this rank does not hold
+            rx.expect(route_spec(whole, KVRoute(0, 0, (0, 1))), "prefill-0", lambda *_: None)
+        for layer in range(LAYOUT.num_layers):
+            tx.send_layer(rx.address, part, layer, layer_kv(whole, layer)[:, :, 1:].contiguous())
+        tx.finish(part, timeout_s=20)
+        rx.wait(part.request_id, timeout_s=20)
+        got = col.layers[part.request_id]
+        assert [layer for layer, _ in got] == list(range(LAYOUT.num_layers))
+        for layer, kv in got:
+            assert kv.shape == (2, 5, 1, 8) and torch.equal(kv, layer_kv(whole, layer)[:, :, 1:])
+
+        stray = route_spec(KVTransferSpec("req2", 2, 5, LAYOUT), KVRoute(0, 1, (1, 2)))
+        rx.expect(stray, "prefill-1", lambda *_: None)
+        with pytest.raises(KVHandshakeError, match=r"'prefill-1' rank 0 of tp=2 .*holds none"
+                                                   r".*'decode-0/tp1' rank 1 of tp=2"):
+            for layer in range(LAYOUT.num_layers):
+                bad_tx.send_layer(rx.address, stray, layer, torch.zeros(stray.layer_shape))
+            bad_tx.finish(stray, timeout_s=20)
+        with pytest.raises(KVHandshakeError, match="holds none"):
+            rx.wait(stray.request_id, timeout_s=20)
+    finally:
+        for endpoint in (tx, bad_tx, rx):
+            endpoint.close()

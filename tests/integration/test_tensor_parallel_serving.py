@@ -1,8 +1,10 @@
 """Tensor-parallel workers served over a real local Ray: KV crosses between prefill and decode
-workers of different TP sizes (the prefill ranks gather the model's KV heads, the decode ranks
-each take theirs), colocated TP workers serve alone, and a decode worker whose rank dies is a
-dead worker whose streams migrate and finish identical. Tokens are compared with transformers'
-greedy generate; every test ends with no KV block held and no rank process left."""
+workers of different TP sizes over per-(prefill rank, decode rank) pairs (each decode rank
+takes its KV heads from the prefill ranks that hold them: ``kv_transfer.routes``), a decode
+worker's cached prefix is reused whatever the prefill's TP size, colocated TP workers serve
+alone, and a decode worker whose rank dies is a dead worker whose streams migrate and finish
+identical. Tokens are compared with transformers' greedy generate; every test ends with no KV
+block held on rank 0, nothing held for a transfer on any other rank, and no rank process left."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 import pytest
 
 from engine import EngineArgs, SamplingParams
+from kv_transfer.routes import kv_routes, rank_peer_id
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
 from tests.async_util import assert_no_blocks_held, ray_loop, run_cluster
@@ -49,6 +52,14 @@ def _config(model_dir, prefill_tp: int, decode_tp: int, **kw) -> ClusterConfig:
                 transfer_timeout_s=10.0, lease_s=10.0, worker_num_cpus=1.0)
     base.update(kw)
     return ClusterConfig(**base)
+
+
+async def _rank_state(cluster, status) -> dict[str, list[dict]]:
+    return {wid: await cluster.worker_handle(wid).kv_rank_state.remote() for wid in status}
+
+
+def _idle(tp: int) -> list[dict]:
+    return [{"held_pages": 0, "expected": 0, "sending": 0}] * (tp - 1)
 
 
 async def _collect(cluster, prompt, params=GREEDY, request_id=None):
@@ -87,16 +98,66 @@ def test_tp_workers_serve_transformers_tokens(loop, tiny_llama_dir, workload, pr
         status = {w.id: w for w in await cluster.cluster_status()}
         outs = await asyncio.gather(*[_collect(cluster, p) for p in prompts])
         await assert_no_blocks_held(cluster)
-        return outs, status, (await cluster.stats()).kv_transfer_bytes_total
+        pairs = {wid: await cluster.worker_handle(wid).kv_pairs.remote() for wid in status}
+        loads = {wid: await cluster.worker_handle(wid).load.remote() for wid in status}
+        return (outs, status, (await cluster.stats()).kv_transfer_bytes_total, pairs,
+                await _rank_state(cluster, status), loads)
 
-    outs, status, kv_bytes = run_cluster(loop, config, body)
+    outs, status, kv_bytes, pairs, ranks_state, loads = run_cluster(loop, config, body)
     assert outs == refs
+    assert ranks_state == {wid: _idle(w.tp) if mode == "disaggregated" else []
+                           for wid, w in status.items()}
+    if mode == "disaggregated":
+        # Rank 0 of each side paired with exactly the other side's ranks its routes name.
+        routes = kv_routes(2, prefill_tp, decode_tp)  # the tiny model's 2 KV heads
+        assert set(pairs["prefill-0"]) == {rank_peer_id("decode-0", r.decode_rank)
+                                           for r in routes if r.prefill_rank == 0}
+        assert set(pairs["decode-0"]) == {rank_peer_id("prefill-0", r.prefill_rank)
+                                          for r in routes if r.decode_rank == 0}
+        # Each rank moved exactly its routes' heads (of the model's 2) of every transfer.
+        whole = loads["decode-0"].kv_transfer_bytes
+        assert loads["prefill-0"].kv_transfer_bytes == whole
+        for wid, side, tp in (("prefill-0", "prefill_rank", prefill_tp),
+                              ("decode-0", "decode_rank", decode_tp)):
+            assert loads[wid].rank_kv_transfer_bytes == tuple(
+                whole * sum(r.num_heads for r in routes if getattr(r, side) == rank) // 2
+                for rank in range(tp))
     want = {"decode-0": decode_tp} | ({"prefill-0": prefill_tp} if mode == "disaggregated" else {})
     assert {wid: w.tp for wid, w in status.items()} == want
     ranks = [pid for w in status.values() for pid in w.rank_pids]
     assert sorted(len(w.rank_pids) for w in status.values()) == sorted(t - 1 for t in want.values())
     assert (kv_bytes > 0) == (mode == "disaggregated")
     assert _wait_gone(ranks) == [], "a rank outlived its worker"
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
+def test_a_decode_workers_cached_prefix_is_reused_across_tp_sizes(loop, tiny_llama_dir,
+                                                                 prefill_tp, decode_tp):
+    """A prompt whose prefix the decode worker already caches: only the rest crosses (fewer
+    KV bytes than the whole prompt's), every rank fills in its heads of the rest, and the
+    tokens still equal transformers'."""
+    prompts = random_prompts(seed=5, count=1, max_len=48, min_len=48)
+    base = prompts[0]
+    longer = base + random_prompts(seed=6, count=1, max_len=12, min_len=12)[0]
+    refs = hf_greedy(tiny_llama_dir, "llama", [base, longer], MAX_TOKENS)
+    config = _config(tiny_llama_dir, prefill_tp, decode_tp)
+
+    async def body(cluster):
+        status = {w.id: w for w in await cluster.cluster_status()}
+        first = await _collect(cluster, base)
+        bytes_first = (await cluster.stats()).kv_transfer_bytes_total
+        second = await _collect(cluster, longer)
+        await assert_no_blocks_held(cluster)
+        load = await cluster.worker_handle("decode-0").load.remote()
+        return ([first, second], bytes_first, load.kv_transfer_bytes, load.prefix_hit_tokens,
+                await _rank_state(cluster, status), status)
+
+    outs, bytes_first, bytes_all, hits, ranks_state, status = run_cluster(loop, config, body)
+    assert outs == refs
+    assert hits >= 40  # the 48-token prefix, in whole 8-token blocks (the last may recompute)
+    per_token = bytes_first / len(base)
+    assert bytes_all - bytes_first == pytest.approx(per_token * (len(longer) - hits))
+    assert ranks_state == {wid: _idle(w.tp) for wid, w in status.items()}
 
 
 def test_a_dead_decode_rank_kills_its_worker_and_the_streams_migrate(loop, tiny_llama_dir):
@@ -138,12 +199,14 @@ def test_a_dead_decode_rank_kills_its_worker_and_the_streams_migrate(loop, tiny_
 
 
 def test_a_tp_size_the_model_cannot_take_fails_start_up_naming_it(loop, tiny_llama_dir):
-    """3 ranks over the tiny model's 2 KV heads: the worker's constructor refuses before any
-    rank starts, and start-up stops at once with the reason (not a wait for the deadline)."""
+    """3 ranks over the tiny model's 2 KV heads: start-up refuses before any worker starts,
+    naming both sides of the KV layout, at once (not a wait for the deadline)."""
     from router.cluster.ray_cluster import StartupError
 
     config = _config(tiny_llama_dir, 1, 3, startup_timeout_s=120.0)
     t0 = time.monotonic()
-    with pytest.raises(StartupError, match="tensor_parallel_size=3 does not divide .*2 KV heads"):
+    with pytest.raises(StartupError, match=r"impossible KV layout .*\(2 KV heads\): prefill "
+                                           r"tp=1: ok; decode tp=3: tensor_parallel_size=3 "
+                                           r"does not divide .*2 KV heads"):
         run_cluster(loop, config, lambda cluster: asyncio.sleep(0))
     assert time.monotonic() - t0 < 60

@@ -125,7 +125,7 @@ def test_prefill_past_its_deadline_is_aborted_by_the_prefill_worker(tiny_llama_d
             prompt = list(range(3, 3 + n))
             res = decode_worker.reserve(ReserveRequest(rid, prompt, SamplingParams(max_tokens=4),
                                                        decode_worker.layout, "prefill-t"))
-            assert res.ok and res.kv_address == decode_worker.receiver.address
+            assert res.ok and res.kv_address == decode_worker.kv.addresses[0]
             return prefill.prefill(PrefillRequest(rid, prompt, SamplingParams(max_tokens=4),
                                                   res.transfer, res.kv_address, timeout_s))
 
