@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe",
+                           "qwen3_moe")
 BATCHING_POLICIES = ("continuous", "static", "dynamic")
 # The one dtype table: names every config, layout and checkpoint loader accepts, and their
 # sizes. Torch dtypes are ``getattr(torch, name)`` (this module stays torch-free).
@@ -20,9 +21,17 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HF_ARCH = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "llama": "llama",
     "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
     "mistral": "mistral",
 }
 
@@ -54,6 +63,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    # Mixture of experts (Mixtral, Qwen3-MoE): every layer's feed-forward is num_experts
+    # SwiGLU experts of intermediate_size, top num_experts_per_tok per token; 0: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum to 1
+    # Qwen2-MoE: one more SwiGLU expert every token goes through, scaled by a sigmoid gate.
+    shared_expert_intermediate_size: int = 0
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -77,6 +94,9 @@ class ModelConfig:
             )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"1..num_experts ({self.num_experts})")
 
     @property
     def dtype_bytes(self) -> int:
@@ -109,8 +129,16 @@ class ModelConfig:
                 f"unsupported model architecture {key!r} (model_type={cfg.get('model_type')!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        quant = cfg.get("quantization_config")
+        if quant:
+            # Its tensors are packed (AWQ / GPTQ) or in another dtype (FP8) under the same
+            # names: refused by name rather than loaded wrong.
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise ValueError(f"quantized checkpoints are not supported yet (quantization_config "
+                             f"quant_method={method!r}); use the unquantized weights")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        experts = _experts(arch, cfg)
         rope_scaling = None
         rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
         rope_theta = cfg.get("rope_theta")
@@ -132,7 +160,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=experts.get("intermediate_size", cfg["intermediate_size"]),
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -141,7 +169,14 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            # Qwen2-MoE names it qkv_bias (and writes attention_bias: null)
+            attention_bias=bool(cfg["attention_bias"] if cfg.get("attention_bias") is not None
+                                else cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            num_experts=experts.get("num_experts", 0),
+            num_experts_per_tok=experts.get("num_experts_per_tok", 0),
+            norm_topk_prob=experts.get("norm_topk_prob", True),
+            shared_expert_intermediate_size=experts.get("shared_expert_intermediate_size", 0),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -149,6 +184,26 @@ class ModelConfig:
             dtype=dtype,
             model_id=model_id,
         )
+
+
+def _experts(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a Mixtral / Qwen3-MoE ``config.json`` ({} for a dense family).
+    Layouts this engine does not serve (dense layers among the sparse ones) are refused by
+    the field's name rather than loaded wrong."""
+    if arch == "mixtral":
+        return {"num_experts": cfg["num_local_experts"],
+                "num_experts_per_tok": cfg["num_experts_per_tok"], "norm_topk_prob": True}
+    if arch not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{arch} with dense layers among the sparse ones (mlp_only_layers="
+                         f"{cfg.get('mlp_only_layers')}, decoder_sparse_step="
+                         f"{cfg.get('decoder_sparse_step')}) is not supported")
+    return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
+            "num_experts_per_tok": cfg["num_experts_per_tok"],
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "intermediate_size": cfg["moe_intermediate_size"],
+            "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0}
 
 
 def cdiv(a: int, b: int) -> int:

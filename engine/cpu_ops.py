@@ -390,7 +390,8 @@ def decode_layers_applies(shapes: DecodeLayerShapes, dtype: torch.dtype) -> bool
 
 def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
     """The address table ``decode_layers`` walks: per layer (input norm, post norm, QKV weight,
-    QKV bias or None, O weight, gate/up weight, down weight, KV cache). Raises ValueError when
+    QKV bias or None, O weight, gate/up weight, down weight, query-head norm or None, key-head
+    norm or None, KV cache). Raises ValueError when
     a tensor is not contiguous fp32 on CPU (the kernel reads them as flat arrays). The caller
     must keep the tensors alive, unmoved, while the table is in use."""
     addrs = []
@@ -429,7 +430,7 @@ def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerSh
     threads = torch.get_num_threads()
     work = torch.empty(lib.decode_layers_work_floats(m, s.hidden, s.num_heads, s.num_kv_heads,
                                                      s.head_dim, s.intermediate, threads))
-    lib.decode_layers(h.data_ptr(), pointers.data_ptr(), pointers.numel() // 8, m, s.hidden,
+    lib.decode_layers(h.data_ptr(), pointers.data_ptr(), pointers.numel() // 10, m, s.hidden,
                       s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, cos.data_ptr(),
                       sin.data_ptr(), tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(),
                       block_size, s.eps, s.head_dim ** -0.5, wide_from, work.data_ptr(), threads)

@@ -101,13 +101,15 @@ def tune_fused_decode(model: torch.nn.Module, block_size: int, decode_paths: Dec
     KV caches of its own (a few MB). Returns an empty plan where the kernel does not apply."""
     cfg = model.cfg
     dtype = model.embed.weight.dtype
-    if not cpu_ops.decode_layers_applies(model.layer_shapes, dtype):
-        return FusedDecodePlan()
+    if cfg.num_experts or not cpu_ops.decode_layers_applies(model.layer_shapes, dtype):
+        return FusedDecodePlan()  # routed experts: the layer path (the kernel has no router)
     shapes = [(cfg.num_layers, cfg.hidden_size), (cfg.intermediate_size, cfg.head_dim),
               (cfg.num_heads, cfg.num_kv_heads), (block_size, _context(model))]
     # The layer-by-layer side runs the linear and attention plans in force: part of the key.
+    # Qwen3's q/k norms are part of the timed step: named where present.
     key = host_key(shapes, dtype, f"fused-decode|{cpu_ops.build_id()}|{linear_plan().key}|"
-                                  f"{sorted(decode_paths.choices.items())}")
+                                  f"{sorted(decode_paths.choices.items())}"
+                                  + ("|qk_norm" if cfg.qk_norm else ""))
     timings, from_cache = cached_timings(
         "fused-decode", key, lambda: _measure(model, block_size, decode_paths), cache_dir)
     plan = FusedDecodePlan({t.m: t.best for t in timings}, timings, from_cache)

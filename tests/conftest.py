@@ -25,6 +25,34 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    # head_dim 32 with 4 heads over hidden 64: Qwen3's heads are wider than hidden / heads
+    return save_tiny_model("qwen3", tmp_path_factory.mktemp("tiny-qwen3"), head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory):
+    return save_tiny_model("mixtral", tmp_path_factory.mktemp("tiny-mixtral"),
+                           num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory):
+    # 4 experts of 32 columns (top 2, not renormalized) beside a shared expert of 96
+    return save_tiny_model("qwen2_moe", tmp_path_factory.mktemp("tiny-qwen2-moe"),
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=96)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory):
+    # 4 experts of 48 columns, top 2 renormalized; head_dim 32 as in the dense Qwen3 fixture
+    return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen3-moe"), head_dim=32,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                           norm_topk_prob=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory):
     return save_tiny_model("mistral", tmp_path_factory.mktemp("tiny-mistral"))
 

@@ -1,4 +1,5 @@
-"""Build tiny random Llama / Qwen2 / Mistral checkpoints (GQA) with transformers' own classes."""
+"""Build tiny random Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints
+(GQA) with transformers' own classes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ def hf_model_classes(arch: str):
     return {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
     }[arch]
 

@@ -593,9 +593,10 @@ void prefill_attention(const float *q, int64_t q_stride, const float *k, const f
  * step), and the new K/V are written into the cache in place.
  *
  * h:      [M, E] residual stream in, the last layer's sum out (before the final norm)
- * ptrs:   per layer 8 addresses: input norm, post norm, QKV weight [(H + 2 KVH) D, E], QKV
+ * ptrs:   per layer 10 addresses: input norm, post norm, QKV weight [(H + 2 KVH) D, E], QKV
  *         bias (0: none), O weight [E, H D], gate/up weight [2 I, E], down weight [E, I],
- *         KV cache [pages, 2, block_size, KVH, D]
+ *         query-head norm [D] and key-head norm [D] (Qwen3; 0: none), KV cache
+ *         [pages, 2, block_size, KVH, D]
  * cos/sin:[M, D] rows at each sequence's new position; tables [M, max_pages];
  * kv_lens [M]: tokens to attend including the new one (its slot: position kv_lens - 1)
  * wide_from: from this many rows the projections run the wide tiles (wide_rows: rows in
@@ -634,12 +635,13 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
         float *tile = x + MP * E, *heads = tile + 2 * WIDE_NR * MP;
         if (wide) memset(x, 0, MP * E * sizeof(float));
         for (int64_t l = 0; l < num_layers; l++) {
-            const int64_t *p = ptrs + 8 * l;
+            const int64_t *p = ptrs + 10 * l;
             const float *in_norm = (const float *)p[0], *post_norm = (const float *)p[1];
             const float *wqkv = (const float *)p[2], *bqkv = (const float *)p[3];
             const float *wo = (const float *)p[4], *wgu = (const float *)p[5];
             const float *wdown = (const float *)p[6];
-            float *cache = (float *)p[7];
+            const float *qnorm = (const float *)p[7], *knorm = (const float *)p[8];
+            float *cache = (float *)p[9];
             /* Every thread normalizes the rows itself (M x E floats: cheaper than a barrier). */
             for (int64_t m = 0; m < M; m++)
                 if (wide) norm_row_t_(h + m * E, in_norm, x, MP, m, E, eps);
@@ -673,8 +675,13 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 const int64_t b = task / KVH, kvh = task % KVH;
                 float *qb = qkv + b * NQKV;
                 const float *c = cos_ + b * D, *s = sin_ + b * D;
-                for (int64_t g = 0; g < G; g++) rope_head_(qb + (kvh * G + g) * D, c, s, D);
                 float *k = qb + (H + kvh) * D;
+                if (qnorm) { /* Qwen3: each query head and the key normed before rotation */
+                    for (int64_t g = 0; g < G; g++)
+                        norm_row_(qb + (kvh * G + g) * D, qnorm, qb + (kvh * G + g) * D, D, eps);
+                    norm_row_(k, knorm, k, D, eps);
+                }
+                for (int64_t g = 0; g < G; g++) rope_head_(qb + (kvh * G + g) * D, c, s, D);
                 rope_head_(k, c, s, D);
                 const int64_t *tab = tables + b * max_pages;
                 const int64_t pos = kv_lens[b] - 1;

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2 with qkv bias, Mistral, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2 with qkv bias, Qwen3 with per-head q/k norms, Mistral,
+SmolLM; Mixtral and Qwen3-MoE with routed experts: ``engine.models.moe``) over a paged KV cache.
 
 Tokens of all sequences in a step are flattened into one ``[num_tokens]`` batch, so every
 linear layer runs once per step for the whole batch (the batching gain on memory-bound decode).
@@ -21,6 +22,7 @@ from engine import cpu_ops
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.kernels import linear
+from engine.models.moe import SparseMoE
 from engine.parallel.sharding import TPShard
 
 if TYPE_CHECKING:
@@ -91,8 +93,18 @@ class DecoderLayer(nn.Module):
         self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False, dtype=dtype)
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+        # The feed-forward: one SwiGLU MLP, or routed experts (Mixtral, Qwen3-MoE).
+        self.moe = SparseMoE(cfg, dtype) if cfg.num_experts else None
+        if self.moe is None:
+            self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False,
+                                     dtype=dtype)
+            self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+        # Qwen3: one RMSNorm weight [head_dim] shared by every query head, one by every key head
+        # (replicated under tensor parallelism: it is per head, not per head index).
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype), requires_grad=False)
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim, dtype=dtype), requires_grad=False)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding,
                 kv_cache: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
@@ -100,6 +112,8 @@ class DecoderLayer(nn.Module):
         t = h.shape[0]
         x = cpu_ops.rms_norm(h, self.input_norm, cfg.rms_norm_eps)
         qkv = linear(x, self.qkv.weight, self.qkv.bias)  # [T, (H + 2 KVH) * D]
+        if self.q_norm is not None:
+            self._norm_qk_heads(qkv)
         q, k = rope.apply_qk(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attn.forward(self.layer_idx, q, k, v, kv_cache)  # [T, H * D]
@@ -109,10 +123,20 @@ class DecoderLayer(nn.Module):
         # h is this layer's own tensor (the embedding's output or the previous layer's sum),
         # so the skip connection may add into it in place.
         h, x = cpu_ops.add_rms_norm(h, o, self.post_norm, cfg.rms_norm_eps)
-        m = linear(cpu_ops.silu_mul(linear(x, self.gate_up.weight)), self.down.weight)
+        m = (self.moe(x) if self.moe is not None
+             else linear(cpu_ops.silu_mul(linear(x, self.gate_up.weight)), self.down.weight))
         if self.comm is not None:
             self.comm.all_reduce(m)
         return h + m
+
+    def _norm_qk_heads(self, qkv: torch.Tensor) -> None:
+        """Qwen3: RMSNorm each query and key head of ``qkv`` in place (before RoPE)."""
+        cfg, t, d = self.cfg, qkv.shape[0], self.cfg.head_dim
+        q = qkv[:, :self.q_size].reshape(t * cfg.num_heads, d)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].reshape(t * cfg.num_kv_heads, d)
+        qkv[:, :self.q_size] = cpu_ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps).view(t, -1)
+        qkv[:, self.q_size:self.q_size + self.kv_size] = cpu_ops.rms_norm(
+            k, self.k_norm, cfg.rms_norm_eps).view(t, -1)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,9 +198,9 @@ class LlamaForCausalLM(nn.Module):
         [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles).
         Same math as ``forward``; None, computing
         nothing, where the kernel does not apply (the caller then runs ``forward``)."""
-        if self.comm is not None or not cpu_ops.decode_layers_applies(
+        if self.comm is not None or self.cfg.num_experts or not cpu_ops.decode_layers_applies(
                 self.layer_shapes, self.embed.weight.dtype):
-            return None  # the fused kernel has no all-reduce between layers
+            return None  # the fused kernel has no all-reduce between layers, nor experts
         h = self.embed(input_ids)  # [M, hidden], a new tensor the kernel updates in place
         ok = cpu_ops.decode_layers(h, self._layer_pointers(kv_caches), self.layer_shapes,
                                    self.rope_cos[positions], self.rope_sin[positions], tables,
@@ -194,7 +218,8 @@ class LlamaForCausalLM(nn.Module):
         def row(i: int) -> tuple:
             lay = self.layers[i]
             return (lay.input_norm, lay.post_norm, lay.qkv.weight, lay.qkv.bias,
-                    lay.o_proj.weight, lay.gate_up.weight, lay.down.weight)
+                    lay.o_proj.weight, lay.gate_up.weight, lay.down.weight, lay.q_norm,
+                    lay.k_norm)
 
         key = (tuple(c.data_ptr() for c in kv_caches), row(0), row(-1))
         held = self._pointers
@@ -262,6 +287,15 @@ class LlamaForCausalLM(nn.Module):
                                   take(a + "v_proj.bias")])
                 put(layer.qkv.bias, bias, a + "{q,k,v}_proj.bias")
             put(layer.o_proj.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+            if layer.q_norm is not None:
+                put(layer.q_norm, take(a + "q_norm.weight"), a + "q_norm.weight")
+                put(layer.k_norm, take(a + "k_norm.weight"), a + "k_norm.weight")
+            if layer.moe is not None:
+                if self.cfg.architecture == "mixtral":
+                    layer.moe.load(take, p + "block_sparse_moe.", ("w1", "w3", "w2"), put)
+                else:
+                    layer.moe.load(take, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), put)
+                continue
             m = p + "mlp."
             gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
             put(layer.gate_up.weight, gate_up, m + "{gate,up}_proj.weight")

@@ -60,6 +60,8 @@ class TPShard:
                             f"head, shared by {t // kvh} ranks)")
         if cfg.intermediate_size < t:
             problems.append(f"intermediate size {cfg.intermediate_size}")
+        if 0 < cfg.shared_expert_intermediate_size < t:
+            problems.append(f"shared expert size {cfg.shared_expert_intermediate_size}")
         if problems:
             raise ValueError(f"tensor_parallel_size={t} does not divide {cfg.model_id}'s "
                              f"{', '.join(problems)}")
@@ -92,6 +94,10 @@ class TPShard:
     def intermediate(self, cfg: ModelConfig) -> range:
         return self._split(cfg.intermediate_size)
 
+    def shared_intermediate(self, cfg: ModelConfig) -> range:
+        """This rank's columns of a Qwen2-MoE shared expert (empty range: none)."""
+        return self._split(cfg.shared_expert_intermediate_size)
+
     def vocab(self, cfg: ModelConfig) -> range:
         """This rank's rows of the LM head (the last slice may be short, or empty)."""
         per = cdiv(cfg.vocab_size, self.size)
@@ -109,7 +115,8 @@ class TPShard:
             return cfg
         return dataclasses.replace(cfg, num_heads=len(self.q_heads(cfg)),
                                    num_kv_heads=len(self.kv_heads(cfg)),
-                                   intermediate_size=len(self.intermediate(cfg)))
+                                   intermediate_size=len(self.intermediate(cfg)),
+                                   shared_expert_intermediate_size=len(self.shared_intermediate(cfg)))
 
     # ---- which part of each checkpoint tensor ----------------------------------------------
     def slice_of(self, name: str, cfg: ModelConfig) -> tuple[int, int, int] | None:
@@ -127,9 +134,12 @@ class TPShard:
             return 0, kv.start * d, kv.stop * d
         if proj == "o_proj":
             return 1, q.start * d, q.stop * d
-        if proj in ("gate_proj", "up_proj"):
+        if ".shared_expert." in name:  # cut like an MLP, by its own intermediate size
+            inter = self.shared_intermediate(cfg)
+        # Dense MLPs and every expert alike (Mixtral names its experts' w1 / w3 / w2).
+        if proj in ("gate_proj", "up_proj", "w1", "w3"):
             return 0, inter.start, inter.stop
-        if proj == "down_proj":
+        if proj in ("down_proj", "w2"):
             return 1, inter.start, inter.stop
         if name == "lm_head.weight":
             v = self.vocab(cfg)

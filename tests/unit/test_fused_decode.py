@@ -54,7 +54,7 @@ def _decode_meta(seqs_ids, blocks):
                                                                          strict=True)], BLOCK)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("lengths", [[9], [4, 1, 13, 8, 30], [3, 17, 5, 8, 1, 22, 12, 4, 9, 40,
                                                                  2, 16, 7],
                                      [(7 * i) % 23 + 1 for i in range(37)]],
@@ -68,7 +68,8 @@ def test_fused_steps_match_transformers(arch, lengths, threads, tiles, request):
     threads work blocks of an odd number of row pairs (the 4-row kernel's leftover pair). Wide
     tiles: one lane vector (batch 1-13, padding lanes), two, and two then one (batch 37: 48
     lanes); the tiny model's 128 / 64 / 128 output rows end in tiles of 4 after the 12-row
-    ones. Qwen2: the QKV bias; contexts straddling pages."""
+    ones. Qwen2: the QKV bias; Qwen3: the per-head q/k norms and heads wider than
+    hidden / heads; contexts straddling pages."""
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)

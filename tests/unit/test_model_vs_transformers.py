@@ -27,7 +27,8 @@ def _ours(model_dir, block_size=8, num_blocks=64):
     return ModelRunner(model, CacheConfig(block_size=block_size), num_blocks)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe",
+                                  "qwen3_moe"])
 @pytest.mark.parametrize("prefill_path", PREFILL_PATHS)
 def test_prompt_logits_match_transformers(arch, prefill_path, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
@@ -54,6 +55,20 @@ def test_qwen2_has_qkv_bias_and_it_is_used(tiny_qwen2_dir):
     runner.model.layers[0].qkv.bias.zero_()
     after = runner.compute_logits_for_prompt(ids, [0, 1, 2])
     assert not torch.allclose(before, after)
+
+
+def test_qwen3_norms_every_query_and_key_head(tiny_qwen3_dir):
+    """Qwen3's per-head q/k RMSNorm weights are loaded and used (changing one changes the
+    logits), and its wider heads (head_dim 32 x 4 > hidden 64) load. The fused decode step
+    applies them too (``test_fused_decode``)."""
+    runner = _ours(tiny_qwen3_dir)
+    layer = runner.model.layers[0]
+    assert layer.q_norm is not None and layer.q_norm.shape == (32,)
+    assert layer.qkv.weight.shape == ((4 + 2 * 2) * 32, 64)
+    ids = list(range(3, 20))
+    before = runner.compute_logits_for_prompt(ids, [0, 1, 2])
+    layer.k_norm.fill_(0.5)
+    assert not torch.allclose(before, runner.compute_logits_for_prompt(ids, [0, 1, 2]))
 
 
 @pytest.mark.parametrize("decode_path", DECODE_PATHS)

@@ -131,6 +131,10 @@ def _pids_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
     ("tiny_llama_dir", "llama", (1, 2, 4)),  # 4 query heads over 2 KV heads: TP 4 replicates
     ("wide_kv_dir", "llama", (2, 4)),
     ("tiny_qwen2_dir", "qwen2", (2,)),  # Q/K/V biases cut with their rows
+    ("tiny_qwen3_dir", "qwen3", (1, 2)),  # q/k norms: in the fused step at TP 1, replicated at 2
+    ("tiny_mixtral_dir", "mixtral", (1, 2)),  # every expert cut like the MLP; router replicated
+    ("tiny_qwen2_moe_dir", "qwen2_moe", (1, 2)),  # + a shared expert cut by its own size
+    ("tiny_qwen3_moe_dir", "qwen3_moe", (1, 2)),
     ("smol_shape_dir", "llama", (2, 3)),  # uneven head and intermediate splits
 ])
 def test_greedy_tokens_equal_transformers_at_every_tp(request, model, arch, sizes, prompts):

@@ -23,6 +23,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from engine.weights import (
@@ -134,10 +136,12 @@ def _tiny(family: str):
         return LlamaForCausalLM(LlamaConfig(**common, rope_theta=5000.0, tie_word_embeddings=False))
     if family == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    if family == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8))
     return MistralForCausalLM(MistralConfig(**common, sliding_window=32))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_tiny_hf_dirs_load(family, tmp_path):
     torch.manual_seed(0)
     model = _tiny(family)
@@ -149,6 +153,7 @@ def test_tiny_hf_dirs_load(family, tmp_path):
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 4, 2, 8)
     assert cfg.eos_token_ids == (3,)
     assert cfg.attention_bias == (family == "qwen2")
+    assert cfg.qk_norm == (family == "qwen3")
     if family == "llama":
         assert cfg.rope_theta == 5000.0 and not cfg.tie_word_embeddings
     if family == "mistral":
@@ -192,6 +197,36 @@ def test_unsupported_hf_architecture_raises(tmp_path):
     resolved = resolve_model(tmp_path)
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         load_model_config(resolved.model_dir)
+
+
+def test_moe_configs_read_their_expert_fields_and_refuse_mixed_layers():
+    from engine.config import ModelConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+    mixtral = ModelConfig.from_hf_config({**base, "architectures": ["MixtralForCausalLM"],
+                                          "num_local_experts": 8, "num_experts_per_tok": 2})
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob,
+            mixtral.intermediate_size) == (8, 2, True, 64)
+    qwen = {**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": False}
+    cfg = ModelConfig.from_hf_config(qwen)
+    assert (cfg.num_experts, cfg.norm_topk_prob, cfg.intermediate_size, cfg.qk_norm) == (
+        8, False, 16, True)
+    with pytest.raises(ValueError, match="mlp_only_layers=\\[1\\]"):
+        ModelConfig.from_hf_config({**qwen, "mlp_only_layers": [1]})
+    with pytest.raises(ValueError, match="num_experts_per_tok \\(9\\) must be in 1..num_experts"):
+        ModelConfig.from_hf_config({**qwen, "num_experts_per_tok": 9})
+
+
+def test_a_quantized_checkpoint_is_refused_by_name(tmp_path):
+    """An AWQ / GPTQ / FP8 checkpoint keeps Llama's tensor names with packed or fp8 data:
+    refused at start-up, naming the method, rather than loaded wrong."""
+    model = _tiny("llama")
+    model.config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3"}
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="quantized checkpoints are not supported yet .*'fp8'"):
+        load_model_config(resolve_model(tmp_path).model_dir)
 
 
 def test_unsupported_gguf_architecture_raises(tmp_path):

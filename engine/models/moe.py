@@ -1,0 +1,83 @@
+"""Mixture-of-Experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks ``top_k``
+of ``num_experts`` SwiGLU experts per token and mixes their outputs by the router's weights;
+Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate.
+
+Routing is transformers' own: softmax over the router logits in fp32, the top ``k``, then
+renormalized to sum to 1 where the family does it (Mixtral always; Qwen2/3-MoE when
+``norm_topk_prob``), cast to the model's dtype. Each expert runs once per step on the rows
+routed to it (one GEMM pair over those rows, not one per token), so a batch's cost grows with
+the experts it touches, not with its tokens x k.
+
+Under tensor parallelism every expert is cut like the dense MLP (its gate/up rows and down
+columns by intermediate size, ``engine.parallel.sharding``); the router is replicated, so every
+rank routes alike, and the layer's one all-reduce sums the partial outputs (the shared expert
+is cut the same way by its own size; its gate is replicated and scales each partial sum).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import cpu_ops
+from engine.config import ModelConfig
+from engine.kernels import linear
+
+
+class SparseMoE(nn.Module):
+    """``forward(x [T, hidden]) -> [T, hidden]`` (this rank's partial sum under TP)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, i, hidden = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.router = nn.Parameter(torch.zeros(e, hidden, dtype=dtype), requires_grad=False)
+        # Per expert: [gate | up] rows (as the dense MLP's fused gate_up) and the down columns.
+        self.gate_up = nn.Parameter(torch.zeros(e, 2 * i, hidden, dtype=dtype),
+                                    requires_grad=False)
+        self.down = nn.Parameter(torch.zeros(e, hidden, i, dtype=dtype), requires_grad=False)
+        # Qwen2-MoE's shared expert: every token, scaled by sigmoid(x . shared_gate).
+        self.shared = None
+        if cfg.shared_expert_intermediate_size:
+            n = cfg.shared_expert_intermediate_size
+            self.shared = nn.ParameterDict({
+                "gate_up": nn.Parameter(torch.zeros(2 * n, hidden, dtype=dtype), requires_grad=False),
+                "down": nn.Parameter(torch.zeros(hidden, n, dtype=dtype), requires_grad=False),
+                "gate": nn.Parameter(torch.zeros(1, hidden, dtype=dtype), requires_grad=False)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(linear(x, self.router).float(), dim=-1)  # [T, E]
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k] each
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            y = linear(cpu_ops.silu_mul(linear(x[rows], self.gate_up[e])), self.down[e])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        if self.shared is not None:
+            s = self.shared
+            y = linear(cpu_ops.silu_mul(linear(x, s["gate_up"])), s["down"])
+            out += torch.sigmoid(linear(x, s["gate"])) * y
+        return out
+
+    def load(self, take, prefix: str, names: tuple[str, str, str], put) -> None:
+        """Fill from HF tensors ``{prefix}gate.weight`` (the router) and, per expert j,
+        ``{prefix}experts.{j}.{gate,up,down}.weight`` under the family's ``names``."""
+        put(self.router, take(prefix + "gate.weight"), prefix + "gate.weight")
+        gate, up, down = names
+        for j in range(self.gate_up.shape[0]):
+            p = f"{prefix}experts.{j}."
+            put(self.gate_up[j], torch.cat([take(p + gate + ".weight"), take(p + up + ".weight")]),
+                p + "{" + f"{gate},{up}" + "}.weight")
+            put(self.down[j], take(p + down + ".weight"), p + down + ".weight")
+        if self.shared is not None:
+            p = prefix + "shared_expert."
+            put(self.shared["gate_up"], torch.cat([take(p + "gate_proj.weight"),
+                                                   take(p + "up_proj.weight")]),
+                p + "{gate,up}_proj.weight")
+            put(self.shared["down"], take(p + "down_proj.weight"), p + "down_proj.weight")
+            put(self.shared["gate"], take(prefix + "shared_expert_gate.weight"),
+                prefix + "shared_expert_gate.weight")
