@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe",
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe",
                            "qwen3_moe")
 BATCHING_POLICIES = ("continuous", "static", "dynamic")
 # The one dtype table: names every config, layout and checkpoint loader accepts, and their
@@ -23,12 +23,14 @@ _HF_ARCH = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
@@ -154,6 +156,13 @@ class ModelConfig:
                 )
             elif rtype not in (None, "default"):
                 raise ValueError(f"unsupported rope_scaling type {rtype!r}")
+            partial = rs.get("partial_rotary_factor", 1.0)
+        else:
+            partial = 1.0
+        partial = cfg.get("partial_rotary_factor") or partial
+        if float(partial) != 1.0:  # Phi-4-mini rotates 3/4 of each head
+            raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is "
+                             "not supported")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(

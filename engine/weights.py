@@ -121,13 +121,14 @@ def load_model_config(model_dir: str | Path, dtype: str = "float32",
 
 
 def load_state_dict(model_dir: str | Path, dtype: torch.dtype,
-                    select: Callable[[str], tuple[int, int, int] | None] | None = None
+                    select: Callable[[str], tuple | None] | None = None
                     ) -> dict[str, torch.Tensor]:
     """All tensors of the model's ``*.safetensors`` shards, HF names, floats cast to ``dtype``.
 
     ``select(name)``: ``(dim, start, stop)`` to read only that slice of a tensor (a
-    tensor-parallel rank's part: ``TPShard.slice_of``), None for the whole tensor; only the
-    slice is read from the file. Follows ``model.safetensors.index.json`` when present.
+    tensor-parallel rank's part: ``TPShard.slice_of``), or ``(dim, ((start, stop), ...))``
+    for the parts of a fused tensor, concatenated; None for the whole tensor. Only the slices
+    are read from the file. Follows ``model.safetensors.index.json`` when present.
     Raises ValueError when the directory has no safetensors weights (``.bin`` checkpoints are
     not supported: re-save as safetensors).
     """
@@ -158,9 +159,11 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype,
                 if part is None:
                     t = f.get_tensor(name)
                 else:
-                    dim, start, stop = part
+                    dim, *where = part
                     sl = f.get_slice(name)
-                    t = sl[start:stop] if dim == 0 else sl[:, start:stop]
+                    ranges = where[0] if len(where) == 1 else [tuple(where)]
+                    t = torch.cat([sl[a:b] if dim == 0 else sl[:, a:b] for a, b in ranges],
+                                  dim=dim)
                 state[name] = t.to(dtype) if t.is_floating_point() else t
     return state
 

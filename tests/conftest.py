@@ -31,6 +31,12 @@ def tiny_qwen3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory):
+    # Phi-3's config pads with token 32000 by default: one inside the tiny vocabulary
+    return save_tiny_model("phi3", tmp_path_factory.mktemp("tiny-phi3"), pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory):
     return save_tiny_model("mixtral", tmp_path_factory.mktemp("tiny-mixtral"),
                            num_local_experts=4, num_experts_per_tok=2)

@@ -1,5 +1,5 @@
-"""Build tiny random Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints
-(GQA) with transformers' own classes."""
+"""Build tiny random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Mixtral / Qwen2-MoE / Qwen3-MoE
+checkpoints (GQA) with transformers' own classes."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def hf_model_classes(arch: str):
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
     }[arch]
 
 

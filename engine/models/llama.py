@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama, Qwen2 with qkv bias, Qwen3 with per-head q/k norms, Mistral,
-SmolLM; Mixtral and Qwen3-MoE with routed experts: ``engine.models.moe``) over a paged KV cache.
+Phi-3 with fused checkpoint tensors, SmolLM; Mixtral and Qwen3-MoE with routed experts: ``engine.models.moe``) over a paged KV cache.
 
 Tokens of all sequences in a step are flattened into one ``[num_tokens]`` batch, so every
 linear layer runs once per step for the whole batch (the batching gain on memory-bound decode).
@@ -279,9 +279,12 @@ class LlamaForCausalLM(nn.Module):
             put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             put(layer.post_norm, take(p + "post_attention_layernorm.weight"),
                 p + "post_attention_layernorm.weight")
-            qkv = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
-                             take(a + "v_proj.weight")])
-            put(layer.qkv.weight, qkv, a + "{q,k,v}_proj.weight")
+            if a + "qkv_proj.weight" in sd:  # Phi-3 ships them fused, in our order
+                put(layer.qkv.weight, take(a + "qkv_proj.weight"), a + "qkv_proj.weight")
+            else:
+                qkv = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
+                                 take(a + "v_proj.weight")])
+                put(layer.qkv.weight, qkv, a + "{q,k,v}_proj.weight")
             if layer.qkv.bias is not None:
                 bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"),
                                   take(a + "v_proj.bias")])
@@ -297,6 +300,9 @@ class LlamaForCausalLM(nn.Module):
                     layer.moe.load(take, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), put)
                 continue
             m = p + "mlp."
-            gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-            put(layer.gate_up.weight, gate_up, m + "{gate,up}_proj.weight")
+            if m + "gate_up_proj.weight" in sd:  # Phi-3: [gate | up] already
+                put(layer.gate_up.weight, take(m + "gate_up_proj.weight"), m + "gate_up_proj.weight")
+            else:
+                gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+                put(layer.gate_up.weight, gate_up, m + "{gate,up}_proj.weight")
             put(layer.down.weight, take(m + "down_proj.weight"), m + "down_proj.weight")

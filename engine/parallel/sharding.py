@@ -119,15 +119,24 @@ class TPShard:
                                    shared_expert_intermediate_size=len(self.shared_intermediate(cfg)))
 
     # ---- which part of each checkpoint tensor ----------------------------------------------
-    def slice_of(self, name: str, cfg: ModelConfig) -> tuple[int, int, int] | None:
+    def slice_of(self, name: str, cfg: ModelConfig) -> tuple | None:
         """``(dim, start, stop)`` of HF tensor ``name`` that this rank loads, or None when it
-        loads the whole tensor (replicated, or a size-1 group)."""
+        loads the whole tensor (replicated, or a size-1 group). A fused checkpoint tensor
+        (Phi-3's ``qkv_proj`` / ``gate_up_proj``) gives ``(dim, ((start, stop), ...))``: the
+        rank's rows of each part, concatenated in that order."""
         if self.size == 1:
             return None
         d = cfg.head_dim
         q, kv, inter = self.q_heads(cfg), self.kv_heads(cfg), self.intermediate(cfg)
         leaf = name.rsplit(".", 2)[-2:]  # e.g. ["q_proj", "weight"]
         proj = leaf[0] if len(leaf) == 2 else ""
+        if proj == "qkv_proj":
+            h, kvh = cfg.num_heads * d, cfg.num_kv_heads * d
+            return 0, ((q.start * d, q.stop * d), (h + kv.start * d, h + kv.stop * d),
+                       (h + kvh + kv.start * d, h + kvh + kv.stop * d))
+        if proj == "gate_up_proj":
+            n = cfg.intermediate_size
+            return 0, ((inter.start, inter.stop), (n + inter.start, n + inter.stop))
         if proj == "q_proj":
             return 0, q.start * d, q.stop * d
         if proj in ("k_proj", "v_proj"):

@@ -54,7 +54,7 @@ def _decode_meta(seqs_ids, blocks):
                                                                          strict=True)], BLOCK)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 @pytest.mark.parametrize("lengths", [[9], [4, 1, 13, 8, 30], [3, 17, 5, 8, 1, 22, 12, 4, 9, 40,
                                                                  2, 16, 7],
                                      [(7 * i) % 23 + 1 for i in range(37)]],

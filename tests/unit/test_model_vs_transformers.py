@@ -27,8 +27,8 @@ def _ours(model_dir, block_size=8, num_blocks=64):
     return ModelRunner(model, CacheConfig(block_size=block_size), num_blocks)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe",
-                                  "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral",
+                                  "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("prefill_path", PREFILL_PATHS)
 def test_prompt_logits_match_transformers(arch, prefill_path, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")

@@ -132,6 +132,7 @@ def _pids_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
     ("wide_kv_dir", "llama", (2, 4)),
     ("tiny_qwen2_dir", "qwen2", (2,)),  # Q/K/V biases cut with their rows
     ("tiny_qwen3_dir", "qwen3", (1, 2)),  # q/k norms: in the fused step at TP 1, replicated at 2
+    ("tiny_phi3_dir", "phi3", (1, 2, 4)),  # fused qkv / gate_up: each part's rows per rank
     ("tiny_mixtral_dir", "mixtral", (1, 2)),  # every expert cut like the MLP; router replicated
     ("tiny_qwen2_moe_dir", "qwen2_moe", (1, 2)),  # + a shared expert cut by its own size
     ("tiny_qwen3_moe_dir", "qwen3_moe", (1, 2)),

@@ -219,6 +219,22 @@ def test_moe_configs_read_their_expert_fields_and_refuse_mixed_layers():
         ModelConfig.from_hf_config({**qwen, "num_experts_per_tok": 9})
 
 
+def test_rope_variants_we_do_not_compute_are_refused_by_name():
+    """Phi-3's LongRoPE (128k variants) and Phi-4-mini's partial rotary would load and run
+    with the wrong rotation: refused at start-up, naming the field."""
+    from engine.config import ModelConfig
+
+    base = dict(architectures=["Phi3ForCausalLM"], vocab_size=64, hidden_size=32,
+                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    assert ModelConfig.from_hf_config(base).architecture == "phi3"
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {
+            "type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}})
+
+
 def test_a_quantized_checkpoint_is_refused_by_name(tmp_path):
     """An AWQ / GPTQ / FP8 checkpoint keeps Llama's tensor names with packed or fp8 data:
     refused at start-up, naming the method, rather than loaded wrong."""
