@@ -71,6 +71,33 @@ def test_qwen3_norms_every_query_and_key_head(tiny_qwen3_dir):
     assert not torch.allclose(before, runner.compute_logits_for_prompt(ids, [0, 1, 2]))
 
 
+def test_moe_routing_ties_break_as_transformers_does(tmp_path):
+    """Every expert with the same router row: all four tie on every token, so which two the
+    top-k keeps is decided by tie-breaking alone. Ours keeps the ones transformers keeps (the
+    logits agree), and the pick matters (the experts' weights differ)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_models import save_tiny_model
+
+    model_dir = save_tiny_model("mixtral", tmp_path / "ties", num_local_experts=4,
+                                num_experts_per_tok=2)
+    path = model_dir / "model.safetensors"
+    sd = load_file(path)
+    for i in range(2):
+        router = sd[f"model.layers.{i}.block_sparse_moe.gate.weight"]
+        router[:] = router[1].clone()  # equal logits for every expert, every token
+    save_file(sd, path, metadata={"format": "pt"})
+    runner = _ours(model_dir)
+    hf = load_hf(model_dir, "mixtral")
+    ids = list(range(3, 40))
+    ours = runner.compute_logits_for_prompt(ids, [0, 1, 2, 3, 4])
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max() / ref.abs().max() < 1e-4
+    for layer in runner.model.layers:  # the other pick would differ
+        assert not torch.equal(layer.moe.gate_up[1], layer.moe.gate_up[2])
+
+
 @pytest.mark.parametrize("decode_path", DECODE_PATHS)
 @pytest.mark.parametrize("prefill_path", PREFILL_PATHS)
 def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir, decode_path, prefill_path):
