@@ -61,13 +61,16 @@ _SIGNATURES = {
     "rope": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "gemv": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "decode_layers": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
-                      _I64, _PTR, _I64, _F32, _F32, _I64, _PTR, _INT],
+                      _I64, _PTR, _I64, _F32, _F32, _I64, _I64, _I64, _PTR, _INT],
     "decode_layers_work_floats": [_I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "wide_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "wide_linear_work_floats": [_I64, _I64, _INT],
     "prefill_attention": [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
                           _I64, _F32, _INT],
     "apply_bitmask": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
+    "q8_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
+    "q4_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
+    "q_dequantize": [_I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
 }
 _RESTYPES = {"decode_layers_work_floats": _I64, "wide_linear_work_floats": _I64}
 
@@ -388,27 +391,39 @@ def decode_layers_applies(shapes: DecodeLayerShapes, dtype: torch.dtype) -> bool
             and shapes.head_dim % 2 == 0 and shapes.hidden % 2 == 0)
 
 
+# Addresses per layer in decode_layers' table (DL_PTRS in the C source).
+LAYER_POINTERS = 18
+_TABLE_DTYPES = (torch.float32, torch.int8, torch.uint8, torch.float16)
+
+
 def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
     """The address table ``decode_layers`` walks: per layer (input norm, post norm, QKV weight,
     QKV bias or None, O weight, gate/up weight, down weight, query-head norm or None, key-head
-    norm or None, KV cache). Raises ValueError when
-    a tensor is not contiguous fp32 on CPU (the kernel reads them as flat arrays). The caller
-    must keep the tensors alive, unmoved, while the table is in use."""
+    norm or None, KV cache, then for quantized weights the scales and offsets (int4; else
+    None) of QKV, O, gate/up and down, all None for fp weights): ``LAYER_POINTERS`` each.
+    Raises ValueError when a tensor is not contiguous on CPU in a dtype the kernel reads (fp32;
+    int8 / uint8 weight data and fp16 scales of quantized weights). The caller must keep the
+    tensors alive, unmoved, while the table is in use."""
     addrs = []
     for tensors in layers:
+        if len(tensors) != LAYER_POINTERS:
+            raise ValueError(f"decode_layers takes {LAYER_POINTERS} tensors a layer, "
+                             f"got {len(tensors)}")
         for t in tensors:
             if t is None:
                 addrs.append(0)
                 continue
-            if not (_fits(t) and t.is_contiguous()):
-                raise ValueError("decode_layers reads contiguous fp32 CPU tensors only")
+            if not (t.is_cpu and t.dtype in _TABLE_DTYPES and t.is_contiguous()):
+                raise ValueError("decode_layers reads contiguous fp32 CPU tensors (and a "
+                                 "quantized weight's int8 / uint8 data and fp16 scales) only")
             addrs.append(t.data_ptr())
     return torch.tensor(addrs, dtype=torch.int64)
 
 
 def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerShapes,
                   cos: torch.Tensor, sin: torch.Tensor, tables: torch.Tensor,
-                  kv_lens: torch.Tensor, block_size: int, wide_from: int = NEVER_WIDE) -> bool:
+                  kv_lens: torch.Tensor, block_size: int, wide_from: int = NEVER_WIDE,
+                  weights: tuple[int, int] = (0, 0)) -> bool:
     """Run a pure-decode step through every layer in one call: ``h [M, hidden]`` (one row per
     sequence, the embeddings; contiguous fp32, updated in place to the last layer's residual
     sum), each new token's K/V written into its cache slot (position ``kv_lens - 1`` of its
@@ -416,7 +431,8 @@ def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerSh
     ``tables [M, max_pages]`` and ``kv_lens [M]`` int64 as for ``paged_decode``; from
     ``wide_from`` rows the projections run the kernel's wide tiles (rows in vector lanes, no
     horizontal sums), below it the dot-product tiles (same math, different summation order).
-    Returns False,
+    ``weights``: the projections' layout, ``(0, 0)`` fp32, ``(1, group)`` int8, ``(2, 32)``
+    int4 (``engine.quant``; the table then holds their data, scales and offsets). Returns False,
     touching nothing, when the kernel does not apply (the caller runs the layers itself)."""
     lib = library()
     if (lib is None or not _fits(h, cos, sin) or h.dim() != 2 or not h.is_contiguous()
@@ -430,10 +446,11 @@ def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerSh
     threads = torch.get_num_threads()
     work = torch.empty(lib.decode_layers_work_floats(m, s.hidden, s.num_heads, s.num_kv_heads,
                                                      s.head_dim, s.intermediate, threads))
-    lib.decode_layers(h.data_ptr(), pointers.data_ptr(), pointers.numel() // 10, m, s.hidden,
-                      s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, cos.data_ptr(),
-                      sin.data_ptr(), tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(),
-                      block_size, s.eps, s.head_dim ** -0.5, wide_from, work.data_ptr(), threads)
+    lib.decode_layers(h.data_ptr(), pointers.data_ptr(), pointers.numel() // LAYER_POINTERS, m,
+                      s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
+                      cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), tables.shape[1],
+                      kv_lens.data_ptr(), block_size, s.eps, s.head_dim ** -0.5, wide_from,
+                      weights[0], weights[1], work.data_ptr(), threads)
     return True
 
 
@@ -449,3 +466,45 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- weight-only quantized products (engine.quant's layouts) ------------------------------------
+def quantized_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` for a ``engine.quant.QuantizedWeight`` read in its layout
+    (``x [M, K]`` fp32): the ``"cq8"`` / ``"cq4"`` linear paths. Any M (rows 8 at a time
+    against each weight row). None, computing nothing, when the kernel does not apply."""
+    lib = library()
+    if (lib is None or not _fits(x) or x.dim() != 2 or not x.is_contiguous()
+            or (bias is not None and not _fits(bias)) or weight.scale.dtype != torch.float16):
+        return None
+    m, k = x.shape
+    n = weight.shape[0]
+    if k != weight.shape[1] or k % 32 or weight.group % 16:
+        return None
+    out = torch.empty(m, n, dtype=x.dtype)
+    b = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if weight.kind == "int8":
+        lib.q8_linear(x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(), b,
+                      out.data_ptr(), m, n, k, weight.group, threads)
+    else:
+        xsum = torch.empty(m * (k // 32))
+        lib.q4_linear(x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(),
+                      weight.offset.data_ptr(), b, out.data_ptr(), m, n, k, xsum.data_ptr(),
+                      threads)
+    return out
+
+
+def dequantize(weight) -> torch.Tensor | None:
+    """The fp32 ``[N, K]`` a ``engine.quant.QuantizedWeight`` stands for, in one pass (the
+    ``"dequant"`` linear path's scratch weight); None where the kernel does not apply."""
+    lib = library()
+    if lib is None or weight.scale.dtype != torch.float16 or weight.dtype != torch.float32:
+        return None
+    n, k = weight.shape
+    out = torch.empty(n, k)
+    lib.q_dequantize(1 if weight.kind == "int8" else 2, weight.data.data_ptr(),
+                     weight.scale.data_ptr(),
+                     None if weight.offset is None else weight.offset.data_ptr(),
+                     out.data_ptr(), n, k, weight.group, torch.get_num_threads())
+    return out

@@ -16,6 +16,12 @@ Which torch call runs them fastest depends on the host, and by a lot:
   rows of x in vector lanes, each weight scalar broadcast against all of them; decode buckets
   only); on that EPYC the LM head streamed from memory took 5.0 ms at M=32 against oneDNN's 8.1.
 
+Quantized weights (``engine.quant.QuantizedWeight``, ``--quantization``) have their own paths,
+``QPATHS``: ``cquant`` (``engine.cpu_ops.quantized_linear``: the weight read in its int8 / int4
+layout, never expanded) and ``dequant`` (dequantize into a scratch fp weight, then
+``F.linear``: where the GEMM's compute dwarfs the expansion). They are timed the same way; a
+plan's entries are keyed by the weight's kind as well as its shape.
+
 So nothing is hard-coded: for every weight shape of the model and every batch bucket (the
 decode buckets, and ``PREFILL_ROWS`` rows for prefill), ``tune_linear`` times the paths on the
 model's own weights in step order (every weight streamed from memory, as in a real step) and
@@ -44,12 +50,16 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_ops
+from engine.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
 # F.linear(x, W) | mm(W, x.T).T | oneDNN inner product | engine.cpu_ops.gemv (small M only) |
 # engine.cpu_ops.wide_linear (decode buckets only)
 PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
+# For quantized weights: engine.cpu_ops.quantized_linear | dequantize + F.linear.
+QPATHS = ("cquant", "dequant")
+FP = "fp"  # the kind of an unquantized weight in plans and timings
 CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
 # Decode batch sizes tuned (the attention paths use the same buckets); a batch uses the
 # largest bucket <= its M. From PREFILL_ROWS rows on it is a prefill GEMM: one more bucket.
@@ -73,6 +83,7 @@ class Timing:
     k: int
     m: int
     seconds: dict[str, float]
+    kind: str = FP  # "fp", or the quantized layout ("int8", "int4")
 
     @property
     def best(self) -> str:
@@ -84,32 +95,33 @@ class LinearPlan:
     """The chosen path per ``(n, k)`` weight shape and M bucket (``LINEAR_BUCKETS``);
     anything not in the table (tiny weights, shapes or buckets not tuned) takes ``F.linear``."""
 
-    choices: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    choices: dict[tuple[int, int, int, str], str] = field(default_factory=dict)
     timings: list[Timing] = field(default_factory=list)
     key: str = ""
     from_cache: bool = False
 
-    def path(self, n: int, k: int, m: int) -> str:
+    def path(self, n: int, k: int, m: int, kind: str = FP) -> str:
         bucket = max((b for b in LINEAR_BUCKETS if b <= m), default=1)
-        return self.choices.get((n, k, bucket), "linear")
+        return self.choices.get((n, k, bucket, kind), "linear" if kind == FP else "cquant")
 
     def summary(self) -> list[str]:
         """One line per weight shape: the path per bucket and the speed-up over the other."""
         lines = []
-        shapes = sorted({(t.n, t.k) for t in self.timings})
-        for n, k in shapes:
+        shapes = sorted({(t.n, t.k, t.kind) for t in self.timings})
+        for n, k, kind in shapes:
             parts = []
-            for t in sorted((t for t in self.timings if (t.n, t.k) == (n, k)), key=lambda t: t.m):
+            for t in sorted((t for t in self.timings if (t.n, t.k, t.kind) == (n, k, kind)),
+                            key=lambda t: t.m):
                 other = min(v for p, v in t.seconds.items() if p != t.best)
                 parts.append(f"M={t.m}: {t.best} ({other / t.seconds[t.best]:.2f}x)")
             parts = parts or ["F.linear (not tuned)"]
-            lines.append(f"W[{n}x{k}] " + ", ".join(parts))
+            lines.append(f"W[{n}x{k}]{'' if kind == FP else ' ' + kind} " + ", ".join(parts))
         return lines
 
     @classmethod
     def from_timings(cls, timings: list[Timing], key: str = "", from_cache: bool = False
                      ) -> LinearPlan:
-        return cls({(t.n, t.k, t.m): t.best for t in timings}, timings, key, from_cache)
+        return cls({(t.n, t.k, t.m, t.kind): t.best for t in timings}, timings, key, from_cache)
 
 
 _plan = LinearPlan()
@@ -125,13 +137,38 @@ def linear_plan() -> LinearPlan:
     return _plan
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [M, K]`` by the path the host's plan chose for this
-    weight shape and M (``F.linear`` when untuned and on GPU). Returns a contiguous ``[M, N]``."""
+    weight shape (and kind) and M (``F.linear`` when untuned and on GPU; a quantized weight
+    untuned: ``cquant``). Returns a contiguous ``[M, N]``."""
+    n, k = weight.shape
+    if isinstance(weight, QuantizedWeight):
+        path = _plan.path(n, k, x.shape[0], weight.kind) if x.is_cpu else "dequant"
+        return quantized_linear_by_path(path, x, weight, bias)
     if not x.is_cpu:
         return F.linear(x, weight, bias)
-    n, k = weight.shape
     return linear_by_path(_plan.path(n, k, x.shape[0]), x, weight, bias)
+
+
+def quantized_linear_by_path(path: str, x: torch.Tensor, weight: QuantizedWeight,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` of a quantized weight by the named path (one of ``QPATHS``); where the C
+    kernel does not apply (not built, bf16 activations) ``dequant`` runs instead."""
+    if path != "dequant":
+        out = cpu_ops.quantized_linear(x, weight, bias)
+        if out is not None:
+            return out
+    w = cpu_ops.dequantize(weight) if x.is_cpu and x.dtype == torch.float32 else None
+    if w is None:
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+    # The expanded weight is a GEMM's: oneDNN's where this torch has it (the prefill rows'
+    # usual choice for fp weights, engine.kernels' plan).
+    return linear_by_path("onednn" if "onednn" in available_paths() else "linear", x, w, bias)
+
+
+def weight_kind(weight: torch.Tensor | QuantizedWeight) -> str:
+    return weight.kind if isinstance(weight, QuantizedWeight) else FP
 
 
 def linear_by_path(path: str, x: torch.Tensor, weight: torch.Tensor,
@@ -183,11 +220,12 @@ def _mm_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 
 
 # ---- tuning ---------------------------------------------------------------------------------
-def host_key(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, extra: str = "") -> str:
+def host_key(shapes: Iterable[tuple], dtype: torch.dtype, extra: str = "") -> str:
     """Names what the timings depend on: CPU model, torch, threads, dtype, shapes, the paths
     on offer, and ``extra`` (e.g. which build of a kernel library was timed)."""
     parts = [_cpu_model(), torch.__version__, str(torch.get_num_threads()), str(dtype),
-             ",".join(f"{n}x{k}" for n, k in sorted(set(shapes))), ",".join(map(str, LINEAR_BUCKETS)),
+             ",".join("x".join(map(str, s)) for s in sorted(set(shapes))),
+             ",".join(map(str, LINEAR_BUCKETS)),
              ",".join(available_paths()), extra]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
@@ -202,19 +240,31 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def time_passes(weights: list[torch.Tensor], m: int, choice: dict[tuple[int, int], str],
+def weight_key(weight: torch.Tensor | QuantizedWeight) -> tuple[int, int, str]:
+    """What a plan keys a weight by: its shape and kind."""
+    n, k = weight.shape
+    return (n, k, weight_kind(weight))
+
+
+def time_passes(weights: list, m: int, choice: dict[tuple[int, int, str], str],
                 repeats: int = _REPEATS, warm_up: bool = False) -> float:
     """Seconds for one pass of ``m`` rows through every weight in ``weights``, in that order,
-    each by ``choice[shape]``: the weight traffic of a decode step of batch ``m`` (the best of
-    ``repeats`` passes, after one untimed pass with ``warm_up``: interference only ever adds
-    time)."""
+    each by ``choice[weight_key(w)]``: the weight traffic of a decode step of batch ``m`` (the
+    best of ``repeats`` passes, after one untimed pass with ``warm_up``: interference only
+    ever adds time)."""
     dtype = weights[0].dtype
     xs = {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
-    calls = [(xs[w.shape[1]], w, choice.get(tuple(w.shape), "linear")) for w in weights]
+    calls = []
+    for w in weights:
+        key = weight_key(w)
+        if key[2] == FP:
+            calls.append((linear_by_path, xs[w.shape[1]], w, choice.get(key, "linear")))
+        else:
+            calls.append((quantized_linear_by_path, xs[w.shape[1]], w, choice.get(key, "cquant")))
 
     def one_pass() -> None:
-        for x, w, path in calls:
-            linear_by_path(path, x, w, None)
+        for fn, x, w, path in calls:
+            fn(path, x, w, None)
 
     if warm_up:
         one_pass()
@@ -226,34 +276,49 @@ def time_passes(weights: list[torch.Tensor], m: int, choice: dict[tuple[int, int
     return best
 
 
-def time_choices(weights: list[torch.Tensor], buckets: Iterable[int] | None = None,
+def _paths_for(kind: str, m: int, dtype: torch.dtype) -> list[str]:
+    """The paths timed for a weight of ``kind`` at bucket ``m``."""
+    if kind != FP:
+        return ["cquant", "dequant"] if cpu_ops.enabled() and dtype == torch.float32 else ["dequant"]
+    # mm_t exists for small M (MKL's GEMV at M=1); on prefill rows it only costs tuning time.
+    return [p for p in available_paths() if (m < PREFILL_ROWS or p not in ("mm_t", "cwide"))
+            and (m <= CGEMV_MAX_M or p != "cgemv")]
+
+
+def time_choices(weights: list, buckets: Iterable[int] | None = None,
                  repeats: int = _REPEATS) -> list[Timing]:
-    """Per M bucket, choose each weight shape's path by timing whole passes over the model's
-    own weights (so each call streams its weight from memory as in a real step, and the
-    libraries' threading behaves as it does there): start from the path whose uniform pass is
-    fastest, then try each shape on each other path, keeping a change when the pass gets
-    faster than the current choice timed in the same rounds. One ``Timing`` per shape and bucket: the pass time with that shape on each path.
-    Small-M passes are short and close: the best of more repeats. The prefill bucket's passes
-    are long (and steady): timed once each, ``F.linear`` against ``onednn`` only."""
-    size = weights[0].element_size()
-    shapes = sorted({tuple(w.shape) for w in weights if w.numel() * size >= MIN_TUNED_BYTES})
+    """Per M bucket, choose each weight's path (per shape and kind) by timing whole passes
+    over the model's own weights (so each call streams its weight from memory as in a real
+    step, and the libraries' threading behaves as it does there): start from the path whose
+    uniform pass is fastest (quantized weights: ``cquant`` for decode buckets, ``dequant``
+    for prefill rows), then try each weight key on each other path, keeping a change when the
+    pass gets faster than the current choice timed in the same rounds. One ``Timing`` per key
+    and bucket: the pass time with that key on each path. Small-M passes are short and close:
+    the best of more repeats. The prefill bucket's passes are long (and steady): timed once
+    each."""
+    dtype = weights[0].dtype
+    keys = sorted({weight_key(w) for w in weights
+                   if (w.nbytes if isinstance(w, QuantizedWeight)
+                       else w.numel() * w.element_size()) >= MIN_TUNED_BYTES})
+    fp_keys = [key for key in keys if key[2] == FP]
     out = []
     for m in LINEAR_BUCKETS if buckets is None else buckets:
         reps = 1 if m >= PREFILL_ROWS else max(repeats, _SMALL_M_REPEATS) if m <= _SMALL_M else repeats
-        # mm_t exists for small M (MKL's GEMV at M=1); on prefill rows it only costs tuning time.
-        paths = [p for p in available_paths() if (m < PREFILL_ROWS or p not in ("mm_t", "cwide"))
-                 and (m <= CGEMV_MAX_M or p != "cgemv")]
-        uniform = _interleaved(weights, m, {p: dict.fromkeys(shapes, p) for p in paths}, reps,
-                               warm_up=True)
-        choice = dict.fromkeys(shapes, min(uniform, key=uniform.get))
-        for shape in shapes:
+        start = "cquant" if m < PREFILL_ROWS and cpu_ops.enabled() else "dequant"
+        choice = {key: start for key in keys if key[2] != FP}
+        if fp_keys:
+            paths = _paths_for(FP, m, dtype)
+            uniform = _interleaved(weights, m, {p: {**choice, **dict.fromkeys(fp_keys, p)}
+                                                for p in paths}, reps, warm_up=True)
+            choice.update(dict.fromkeys(fp_keys, min(uniform, key=uniform.get)))
+        for key in keys:
             # The incumbent is timed again beside each trial, interleaved with it: compared
             # with a figure from earlier (a quieter moment), every trial looked faster and
             # noise chose the plan.
-            trials = {p: {**choice, shape: p} for p in paths}
-            seconds = _interleaved(weights, m, trials, reps)
-            out.append(Timing(shape[0], shape[1], m, seconds))
-            choice[shape] = min(seconds, key=seconds.get)
+            trials = {p: {**choice, key: p} for p in _paths_for(key[2], m, dtype)}
+            seconds = _interleaved(weights, m, trials, reps, warm_up=not fp_keys)
+            out.append(Timing(key[0], key[1], m, seconds, key[2]))
+            choice[key] = min(seconds, key=seconds.get)
     return out
 
 
@@ -269,13 +334,13 @@ def _interleaved(weights: list[torch.Tensor], m: int, choices: dict[str, dict], 
     return best
 
 
-def tune_linear(weights: list[torch.Tensor], cache_dir: str | Path | None = None) -> LinearPlan:
+def tune_linear(weights: list, cache_dir: str | Path | None = None) -> LinearPlan:
     """The plan for a model whose linear weights are ``weights`` (in the order a step calls
     them: ``model_linear_weights``) on this host: from the cache when this host (CPU, torch,
     threads, dtype) tuned these shapes before, else timed now and cached (for the default
     model 30 s at 2 threads and 55 s at 1 on a 2-vCPU host: ``make setup`` times the default
     thread counts ahead, ``engine.pretune``). Weights under ``MIN_TUNED_BYTES`` are not timed (``F.linear``)."""
-    shapes = sorted({tuple(w.shape) for w in weights})
+    shapes = sorted({weight_key(w) for w in weights})
     # The kernel library's build is part of the key: its paths' speed is that build's.
     key = host_key(shapes, weights[0].dtype, f"cpu_ops {cpu_ops.build_id()}")
     timings, from_cache = cached_timings("linear", key, lambda: time_choices(weights), cache_dir)

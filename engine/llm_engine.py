@@ -8,6 +8,7 @@ it. Not thread-safe: one thread drives an engine.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -29,6 +30,7 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.ranks import TPRanks, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
+from engine.quant import CHOICES as QUANT_CHOICES
 from engine.request import (
     Request,
     RequestMetrics,
@@ -40,7 +42,12 @@ from engine.scheduler import Scheduler, StepUpdate
 from engine.step_times import DecodeStepTimes
 from engine.structured import Grammars
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from engine.weights import load_model_config, load_state_dict, resolve_model
+from engine.weights import (
+    load_model_config,
+    load_quantized_state_dict,
+    load_state_dict,
+    resolve_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +91,47 @@ class EngineArgs:
     # 0), one GPU each on CUDA; on the CPU each takes num_threads (default: the cores shared
     # out). kv_cache_memory_bytes is per rank, so the pool grows with the ranks.
     tensor_parallel_size: int = 1
+    # Weight-only quantization of the linear layers (engine.quant): "int8" | "int4" quantize
+    # the fp weights at load, "gguf" serves a GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks (no fp
+    # copy of them is read), "none" keeps fp weights; activations and the KV cache are
+    # unchanged. CPU only (refused on CUDA).
+    quantization: str = "none"
+
+
+def check_quantization(quantization: str, device: torch.device, tp: int = 1) -> None:
+    """Raises ValueError for a ``quantization`` this engine cannot honour on ``device`` with
+    ``tp`` ranks."""
+    if quantization not in QUANT_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANT_CHOICES)}, "
+                         f"got {quantization!r}")
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r}: the quantized kernels are CPU "
+                         "kernels; on GPU serve with quantization none")
+    if quantization == "gguf" and tp > 1:
+        raise ValueError("quantization='gguf' with tensor_parallel_size > 1: a GGUF's blocks "
+                         "are not split between ranks yet; use int8 / int4 (each rank "
+                         "quantizes its own shard) or none")
+
+
+def load_weights(model: LlamaForCausalLM, model_dir, quantization: str,
+                 select: Callable[[str], tuple | None] | None = None) -> None:
+    """Load ``model``'s weights from ``model_dir`` as ``quantization`` asks (``select``: this
+    TP rank's slices): "gguf" takes the converted GGUF's quantized tensors as they are and
+    reads only the rest in the model dtype; "int8"/"int4" quantize the fp weights after
+    loading (every TP rank its own shard) and free them."""
+    dtype = getattr(torch, model.cfg.dtype)
+    quantized = {}
+    if quantization == "gguf":
+        quantized = load_quantized_state_dict(model_dir, dtype)
+        if not quantized:
+            raise ValueError(f"quantization='gguf': {str(model_dir)!r} holds no GGUF tensors "
+                             "in Q8_0 / Q4_0 / Q4_1 / Q4_K blocks (the model is not a GGUF, "
+                             "or none of its types maps onto a layout); use int8, int4 or none")
+    model.load_hf_state_dict(load_state_dict(model_dir, dtype, select, skip=set(quantized)),
+                             quantized)
+    if quantization in ("int8", "int4"):
+        model.quantize(quantization)
+        gc.collect()
 
 
 @dataclass(frozen=True)
@@ -144,6 +192,7 @@ class LLMEngine:
         self.plan = plan_device(rank_device(args.device, 0) if tp > 1 else args.device,
                                 args.dtype, args.attention_backend, args.cuda_graphs)
         self.device = self.plan.device
+        check_quantization(args.quantization, self.device, tp)
         resolved = resolve_model(args.model, cache_dir=args.cache_dir)
         self.model_config: ModelConfig = load_model_config(
             resolved.model_dir, dtype=self.plan.dtype, model_id=resolved.model_id)
@@ -165,9 +214,8 @@ class LLMEngine:
         self.ranks = TPRanks(args, self.device) if tp > 1 else None
         try:
             model = LlamaForCausalLM(cfg, max_len, self.ranks.comm if self.ranks else None)
-            model.load_hf_state_dict(load_state_dict(resolved.model_dir,
-                                                     getattr(torch, cfg.dtype),
-                                                     lambda n: shard.slice_of(n, cfg)))
+            load_weights(model, resolved.model_dir, args.quantization,
+                         lambda n: shard.slice_of(n, cfg))
             self.model = model.to(self.device)
             # Sized after the weights are on the device: on CUDA the pool takes what they
             # left. Per rank: each holds its KV heads only (model.cfg: this rank's shapes).

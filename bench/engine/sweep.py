@@ -62,6 +62,10 @@ class SweepPoint:
     ratio_vs_hf_generate_batch: float | None = None
     profile_top_ops: list[dict[str, Any]] = field(default_factory=list)
     tp: int = 1  # tensor-parallel ranks (each with its share of the cores)
+    quantization: str = "none"  # the engine's --quantization
+    linear_weight_bytes: int = 0  # bytes a pass over the linear layers reads (this layout)
+    # Greedy tokens per request (ignore_eos): what the quantization comparison matches.
+    token_ids: list = field(default_factory=list, repr=False)
 
 
 def _kv_budget_bytes(llm_kv_bytes_per_token: int, batch: int, tokens_per_seq: int) -> int:
@@ -93,16 +97,19 @@ def profile_decode_step(llm: Any, prompts: list[list[int]]) -> list[dict[str, An
 
 def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, output_len: int,
                      kv_bytes_per_token: int, num_threads: int | None,
-                     profile: bool, tp: int = 1) -> SweepPoint:
+                     profile: bool, tp: int = 1, quantization: str = "none") -> SweepPoint:
     """Fresh engine at ``max_num_seqs=batch``; one warm-up call, then the timed workload.
-    ``tp``: tensor-parallel ranks, ``num_threads`` each (None: the cores shared out)."""
+    ``tp``: tensor-parallel ranks, ``num_threads`` each (None: the cores shared out);
+    ``quantization``: the engine's weight layout."""
     from engine import SamplingParams
+    from engine.kernels import model_linear_weights
+    from engine.quant import weight_bytes
 
     tokens_per_seq = len(prompts[0]) + output_len
     llm = load_llm(model, max_num_seqs=batch, num_threads=num_threads,
                    max_num_batched_tokens=max(2048, batch * len(prompts[0])),
                    kv_cache_memory_bytes=_kv_budget_bytes(kv_bytes_per_token, batch, tokens_per_seq),
-                   tensor_parallel_size=tp)
+                   tensor_parallel_size=tp, quantization=quantization)
     llm.generate(prompts[:batch], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     rec = StepRecorder(llm.engine)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -119,7 +126,10 @@ def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, ou
         batch_size=batch, num_requests=len(prompts), output_tokens=n_tok, elapsed_s=elapsed,
         throughput_tok_s=n_tok / elapsed, ttft_mean_s=ttft.mean, ttft_p99_s=ttft.p99,
         itl_mean_s=itl.mean, itl_p50_s=itl.p50, itl_p99_s=itl.p99, e2e_p99_s=e2e.p99,
-        decode_step_s=summarize(steps).p50, num_steps=len(rec.records), tp=tp)
+        decode_step_s=summarize(steps).p50, num_steps=len(rec.records), tp=tp,
+        quantization=quantization,
+        linear_weight_bytes=weight_bytes(model_linear_weights(llm.engine.model)),
+        token_ids=[list(o.token_ids) for o in outs])
     if profile:
         point.profile_top_ops = profile_decode_step(llm, prompts[:batch])
     llm.close()
@@ -216,23 +226,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hf_model = baseline_hf.load_hf_model(args.model) if args.baseline == "transformers" else None
 
     tps = parse_batch_sizes(args.tp, "--tp")
+    quants = parse_quantizations(args.quantization)
     points: list[SweepPoint] = []
     tp_points: list[SweepPoint] = []  # at the other TP sizes
-    for tp, b in [(t, b) for t in tps for b in batch_sizes]:
+    q_points: list[SweepPoint] = []  # in the other quantizations (first TP size)
+    runs = [(tps[0], quants[0], b) for b in batch_sizes]
+    runs += [(tps[0], q, b) for q in quants[1:] for b in batch_sizes]
+    runs += [(t, quants[0], b) for t in tps[1:] for b in batch_sizes]
+    for tp, quant, b in runs:
         n = args.num_requests or b * k
         prompts = make_prompts(n, args.prompt_len, cfg.vocab_size, seed=args.seed + b)
-        print(f"batch {b}, TP {tp}: {n} requests x {output_len} tokens (engine)...", flush=True)
-        if tp != tps[0]:
-            tp_points.append(run_engine_point(args.model, prompts, b, output_len,
-                                              cfg.kv_bytes_per_token, args.num_threads, False,
-                                              tp))
-            q = tp_points[-1]
+        print(f"batch {b}, TP {tp}, quantization {quant}: {n} requests x {output_len} tokens "
+              "(engine)...", flush=True)
+        if tp != tps[0] or quant != quants[0]:
+            (tp_points if tp != tps[0] else q_points).append(run_engine_point(
+                args.model, prompts, b, output_len, cfg.kv_bytes_per_token, args.num_threads,
+                False, tp, quant))
+            q = (tp_points if tp != tps[0] else q_points)[-1]
             print(f"  {q.throughput_tok_s:.1f} tok/s, TTFT {q.ttft_mean_s * 1e3:.0f} ms, decode "
                   f"step {q.decode_step_s * 1e3:.1f} ms", flush=True)
             continue
         do_profile = not args.no_profile and b in (batch_sizes[0], batch_sizes[-1])
         p = run_engine_point(args.model, prompts, b, output_len, cfg.kv_bytes_per_token, args.num_threads,
-                             do_profile, tp)
+                             do_profile, tp, quant)
         p.roofline = roofline_step_time(size.weight_bytes, size.num_params, b,
                                         ceil.gemv_bytes_per_s, ceil.matmul_flops_per_s)
         print(f"  {p.throughput_tok_s:.1f} tok/s, ITL {p.itl_mean_s * 1e3:.1f} ms, decode step "
@@ -276,15 +292,118 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "knee": knee, "points": points, "targets": targets,
         "roofline_workload_tok_s": roof_tok_s,
         "tensor_parallel": _tp_comparison(points, tp_points),
+        "quantization": _quant_comparison(points, q_points, ceil.gemv_bytes_per_s),
+        "quantization_text_agreement": (greedy_agreement(args.model, quants, args.num_threads)
+                                        if len(quants) > 1 else {}),
     }
     out_json = write_json(args.out, "sweep", payload)
     plot_sweep(points, knee, out_json.with_name("sweep.png"))
-    _print_table(points + tp_points)
+    _print_table(points + q_points + tp_points)
+    for row in payload["quantization"]:
+        print(f"{row['quantization']} / {row['base']} at batch {row['batch_size']}: decode "
+              f"{row['decode_speedup']:.2f}x faster, throughput {row['throughput_ratio']:.2f}x; "
+              f"step / floor {row['step_over_floor']:.2f} (base {row['base_step_over_floor']:.2f}); "
+              f"greedy (random-token prompts): {row['requests_identical']:.0%} of requests "
+              f"identical, {row['tokens_before_divergence']:.0%} of tokens before the first "
+              "difference")
+    for quant, row in payload["quantization_text_agreement"].items():
+        print(f"{quant} / {row['base']}, {row['prompts']} text prompts x 32 greedy tokens: "
+              f"{row['prompts_identical']:.0%} identical, {row['tokens_before_divergence']:.0%}"
+              " of tokens before the first difference")
     print(f"knee at batch {knee.batch_size} (gain per doubling: "
           + ", ".join(f"{g:.2f}" for g in knee.gains_per_doubling) + ")")
     print_targets(targets)
     print(f"wrote {out_json} and {out_json.with_name('sweep.png')}")
     return payload
+
+
+# Text prompts for the greedy-agreement check of --quantization (random token ids, the
+# timed workload's prompts, leave the model near-uniform, where any perturbation flips the
+# first token: agreement there says little about text).
+AGREEMENT_PROMPTS = (
+    "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+    "List three colors:", "Explain why the sky is blue in one sentence.",
+    "Translate 'good morning' into Spanish:", "The three laws of motion are",
+    "import numpy as np\n\ndef normalize(v):", "Once upon a time, in a small village,",
+    "Q: What is 12 times 7?\nA:", "The best way to learn a new language is",
+    "Here is a short poem about autumn:", "SELECT name FROM users WHERE",
+    "A good breakfast includes", "The main causes of the French Revolution were",
+    "To make a cup of tea, first")
+
+
+def greedy_agreement(model: str | None, quants: list[str], num_threads: int | None,
+                     max_tokens: int = 32) -> dict[str, dict]:
+    """Greedy tokens (``ignore_eos``) of ``AGREEMENT_PROMPTS`` under each quantization,
+    against the first: per quantization the share of prompts whose tokens are all equal and
+    of tokens generated before a prompt's first difference."""
+    from engine import SamplingParams
+
+    tokens = {}
+    for quant in quants:
+        llm = load_llm(model, max_num_seqs=len(AGREEMENT_PROMPTS), num_threads=num_threads,
+                       kv_cache_memory_bytes=64 << 20, quantization=quant)
+        prompts = [llm.engine.tokenizer.encode(p) for p in AGREEMENT_PROMPTS]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                    ignore_eos=True))
+        tokens[quant] = [list(o.token_ids) for o in outs]
+        llm.close()
+        del llm
+        gc.collect()
+    base = tokens[quants[0]]
+    out = {}
+    for quant in quants[1:]:
+        same = before = 0
+        for mine, theirs in zip(tokens[quant], base, strict=True):
+            same += mine == theirs
+            before += next((i for i, (x, y) in enumerate(zip(mine, theirs, strict=False))
+                            if x != y), len(theirs))
+        out[quant] = {"base": quants[0], "prompts": len(base),
+                      "prompts_identical": same / len(base),
+                      "tokens_before_divergence": before / sum(len(t) for t in base)}
+    return out
+
+
+def parse_quantizations(text: str) -> list[str]:
+    """"none,int8,int4" -> the list; each one of ``engine.quant.CHOICES``, no repeats."""
+    from engine.quant import CHOICES
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or len(set(names)) != len(names) or any(n not in CHOICES for n in names):
+        raise ValueError(f"--quantization must be distinct names from {', '.join(CHOICES)}, "
+                         f"got {text!r}")
+    return names
+
+
+def _quant_comparison(points: list[SweepPoint], q_points: list[SweepPoint],
+                      gemv_bytes_per_s: float) -> list[dict]:
+    """Each other quantization against the first, batch by batch, measured in this one run:
+    decode-step speed-up, throughput ratio, each one's step over its own floor (its linear
+    weights' bytes / the run's GEMV bandwidth), and how far greedy outputs agree (same
+    prompts, ``ignore_eos``): the share of requests whose tokens are all equal, and of
+    tokens generated before a request's first difference."""
+    base = {p.batch_size: p for p in points}
+    rows = []
+    for q in q_points:
+        b = base[q.batch_size]
+        same, before, total = 0, 0, 0
+        for mine, theirs in zip(q.token_ids, b.token_ids, strict=True):
+            agree = next((i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
+                         min(len(mine), len(theirs)))
+            same += mine == theirs
+            before += agree
+            total += len(theirs)
+        rows.append({
+            "batch_size": q.batch_size, "quantization": q.quantization, "base": b.quantization,
+            "decode_speedup": ratio(b.decode_step_s, q.decode_step_s),
+            "throughput_ratio": ratio(q.throughput_tok_s, b.throughput_tok_s),
+            "step_over_floor": ratio(q.decode_step_s, q.linear_weight_bytes / gemv_bytes_per_s),
+            "base_step_over_floor": ratio(b.decode_step_s,
+                                          b.linear_weight_bytes / gemv_bytes_per_s),
+            "linear_weight_bytes": q.linear_weight_bytes,
+            "base_linear_weight_bytes": b.linear_weight_bytes,
+            "requests_identical": same / max(1, len(q.token_ids)),
+            "tokens_before_divergence": before / max(1, total)})
+    return rows
 
 
 def _tp_comparison(points: list[SweepPoint], tp_points: list[SweepPoint]) -> list[dict]:
@@ -299,13 +418,13 @@ def _tp_comparison(points: list[SweepPoint], tp_points: list[SweepPoint]) -> lis
 
 
 def _print_table(points: list[SweepPoint]) -> None:
-    print(f"{'TP':>2} {'batch':>5} {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} {'ITL p99':>7} "
+    print(f"{'TP':>2} {'quant':>5} {'batch':>5} {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} {'ITL p99':>7} "
           f"{'E2E p99 s':>9} {'step ms':>8} {'roof ms':>8} {'HF tok/s':>8} {'ratio':>6}")
     for p in points:
         hf = p.hf_static.throughput_tok_s if p.hf_static else float("nan")
         r = p.ratio_vs_hf_static if p.ratio_vs_hf_static is not None else float("nan")
         roof = p.roofline.step_s * 1e3 if p.roofline else float("nan")
-        print(f"{p.tp:>2} {p.batch_size:>5} {p.throughput_tok_s:>8.1f} {p.ttft_mean_s * 1e3:>8.0f} "
+        print(f"{p.tp:>2} {p.quantization:>5} {p.batch_size:>5} {p.throughput_tok_s:>8.1f} {p.ttft_mean_s * 1e3:>8.0f} "
               f"{p.itl_mean_s * 1e3:>7.1f} {p.itl_p99_s * 1e3:>7.1f} {p.e2e_p99_s:>9.2f} "
               f"{p.decode_step_s * 1e3:>8.1f} {roof:>8.1f} {hf:>8.1f} {r:>6.2f}")
 
@@ -338,6 +457,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", default="1",
                    help="comma-separated tensor-parallel sizes (e.g. 1,2): the first runs the "
                         "whole sweep, the others each batch size beside it (default 1)")
+    p.add_argument("--quantization", default="none",
+                   help="comma-separated engine weight layouts (none,int8,int4): the first runs "
+                        "the whole sweep, the others each batch size beside it, compared for "
+                        "speed and greedy agreement (default none)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--requests-per-batch", type=int, default=2,

@@ -582,6 +582,258 @@ void prefill_attention(const float *q, int64_t q_stride, const float *k, const f
     }
 }
 
+/* ---- weight-only quantized products (engine/quant.py's layouts) ----------------------------
+ * y[m * N + n] = sum_k x[m * K + k] * w[n][k] (+ bias[n]), the weight read in its quantized
+ * layout and never expanded in memory: a decode step is bound by the bytes of weights it
+ * reads, and int8 / int4 weights are a quarter / an eighth of fp32's (plus fp16 scales).
+ *
+ * int8: w[n][k] = q[n * K + k] * scale[n * (K / G) + k / G], G a multiple of 16.
+ * int4: per 32-weight block b of row n, byte j of its 16 holds q_j (low nibble) and q_{j+16}
+ *       (high nibble); w = q * scale[n][b] + offset[n][b]. The offset's share is
+ *       offset * sum(x over the block): those sums are made once per call (xsum), so the inner
+ *       loop is the unsigned nibbles times x, scaled once per block.
+ * Rows of x are taken QM at a time against each weight row (the row stays in L1 between
+ * chunks); each weight row is converted to floats once per chunk, 16 lanes at a time. */
+#define QM 4
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+/* AVX2 intrinsics (8 lanes; every x86 server CPU of the last decade, AVX-512 ones included),
+ * not GCC's vector extension: GCC 12 turns a conversion of bytes to floats written portably
+ * into scalar conversions, slower than the fp32 GEMV it should beat.
+ * R weight rows at a time against M rows of x (R * M <= 4 accumulators, each group walked in
+ * two interleaved halves: 12 of the 16 registers): one accumulator chain per (row, x row)
+ * left the FMA units waiting on its latency. */
+static inline __attribute__((always_inline)) __m256 bytes8_(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float hsum8_(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void q8_tile_(
+        const int8_t *q, const _Float16 *sc, const float *x, const int64_t R, const int64_t M,
+        int64_t K, int64_t G, float *out /* [R][M] */) {
+    __m256 acc[4], part[4][2];
+    for (int64_t i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+        for (int64_t i = 0; i < R * M; i++) part[i][0] = part[i][1] = _mm256_setzero_ps();
+        for (int64_t k = g0; k < g0 + G; k += 16)
+            for (int h = 0; h < 2; h++)
+                for (int64_t r = 0; r < R; r++) {
+                    const __m256 wf = bytes8_(q + r * K + k + 8 * h);
+                    for (int64_t m = 0; m < M; m++)
+                        part[r * M + m][h] = _mm256_fmadd_ps(
+                            wf, _mm256_loadu_ps(x + m * K + k + 8 * h), part[r * M + m][h]);
+                }
+        for (int64_t r = 0; r < R; r++) {
+            const __m256 s = _mm256_set1_ps((float)sc[r * (K / G) + g0 / G]);
+            for (int64_t m = 0; m < M; m++)
+                acc[r * M + m] = _mm256_fmadd_ps(
+                    s, _mm256_add_ps(part[r * M + m][0], part[r * M + m][1]), acc[r * M + m]);
+        }
+    }
+    for (int64_t i = 0; i < R * M; i++) out[i] = hsum8_(acc[i]);
+}
+
+/* sum over blocks of a[b] * c[b] for fp16 a, fp32 c (nb values): a row's offset term. */
+static inline float dot_h_(const _Float16 *a, const float *c, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= nb; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))),
+                              _mm256_loadu_ps(c + i), acc);
+    float s = hsum8_(acc);
+    for (; i < nb; i++) s += (float)a[i] * c[i];
+    return s;
+}
+
+static inline __attribute__((always_inline)) void q4_tile_(
+        const uint8_t *q, const _Float16 *sc, const _Float16 *off, const float *x,
+        const float *xsum, const int64_t R, const int64_t M, int64_t K, float *out) {
+    const int64_t nb = K / 32;
+    __m256 acc[4];
+    for (int64_t i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r = 0; r < R; r++) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + r * (K / 2) + b * 16));
+            const __m128i lo = _mm_and_si128(bytes, low4);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+            const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+            const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+            const __m256 s = _mm256_set1_ps((float)sc[r * nb + b]);
+            for (int64_t m = 0; m < M; m++) {
+                const float *xm = x + m * K + b * 32;
+                __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xm));
+                t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), t);
+                t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), t);
+                t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), t);
+                acc[r * M + m] = _mm256_fmadd_ps(s, t, acc[r * M + m]);
+            }
+        }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t m = 0; m < M; m++)
+            out[r * M + m] = hsum8_(acc[r * M + m]) + dot_h_(off + r * nb, xsum + m * nb, nb);
+}
+#define Q_ROWS(MC) ((MC) == 1 ? 4 : (MC) == 2 ? 2 : 1)
+#else
+/* Portable twins (correct, not fast: the tuning then picks the dequantizing path). */
+static inline void q8_tile_(const int8_t *q, const _Float16 *sc, const float *x, const int64_t R,
+                            const int64_t M, int64_t K, int64_t G, float *out) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t g0 = 0; g0 < K; g0 += G) {
+                float part = 0.f;
+                for (int64_t k = g0; k < g0 + G; k++) part += (float)q[r * K + k] * x[m * K + k];
+                acc += (float)sc[r * (K / G) + g0 / G] * part;
+            }
+            out[r * M + m] = acc;
+        }
+}
+
+static inline void q4_tile_(const uint8_t *q, const _Float16 *sc, const _Float16 *off,
+                            const float *x, const float *xsum, const int64_t R, const int64_t M,
+                            int64_t K, float *out) {
+    const int64_t nb = K / 32;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *qb = q + r * (K / 2) + b * 16;
+                const float *xb = x + m * K + b * 32;
+                float part = 0.f;
+                for (int j = 0; j < 16; j++)
+                    part += (float)(qb[j] & 15) * xb[j] + (float)(qb[j] >> 4) * xb[j + 16];
+                acc += (float)sc[r * nb + b] * part + (float)off[r * nb + b] * xsum[m * nb + b];
+            }
+            out[r * M + m] = acc;
+        }
+}
+#define Q_ROWS(MC) 1
+#endif
+
+/* y[m * ldy + n] (+ y when acc) = sum_k x[m * K + k] w[n][k] for the rows n0 <= n < n1 of a
+ * quantized weight (fmt 1: int8 in groups of G, 2: int4), the M rows of x QM at a time, the
+ * weight rows in tiles of Q_ROWS(rows in the chunk); R and the chunk's rows compile-time
+ * constants in each case, so the tiles' loops unroll into registers. xsum: for int4, the sums
+ * of x over each 32-weight block [M, K / 32]. */
+#define Q_CASES(CALL)                                                                        \
+    switch (mc) {                                                                            \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;                  \
+    default: CALL(4); break;                                                                 \
+    }
+#define Q_TILES(TILE, ...)                                                                   \
+    if (r == 4) TILE(4, __VA_ARGS__);                                                        \
+    else if (r == 2) TILE(2, __VA_ARGS__);                                                   \
+    else TILE(1, __VA_ARGS__);
+#define Q8_TILE(R, MC) q8_tile_(q + n * K, scale + n * (K / G), x + m0 * K, R, MC, K, G, out)
+#define Q4_TILE(R, MC) q4_tile_(q + n * (K / 2), scale + n * nb, offset + n * nb, x + m0 * K, \
+                                xsum + m0 * nb, R, MC, K, out)
+#define Q_PICK_R(MC)                                                                         \
+    r = (Q_ROWS(MC) == 4 && n + 4 <= n1) ? 4 : (Q_ROWS(MC) >= 2 && n + 2 <= n1) ? 2 : 1;
+#define Q8_CALL(MC) Q_PICK_R(MC) Q_TILES(Q8_TILE, MC)
+#define Q4_CALL(MC) Q_PICK_R(MC) Q_TILES(Q4_TILE, MC)
+
+static void q_rows_(int64_t fmt, int64_t G, const void *data, const _Float16 *scale,
+                    const _Float16 *offset, const float *x, const float *xsum, int64_t M,
+                    int64_t K, int64_t n0, int64_t n1, float *y, int64_t ldy, int acc) {
+    const int64_t nb = K / 32;
+    for (int64_t m0 = 0; m0 < M; m0 += QM) {
+        const int64_t mc = M - m0 < QM ? M - m0 : QM;
+        for (int64_t n = n0; n < n1;) {
+            float out[4 * QM];
+            int64_t r = 1;
+            if (fmt == 1) {
+                const int8_t *q = (const int8_t *)data;
+                Q_CASES(Q8_CALL)
+            } else {
+                const uint8_t *q = (const uint8_t *)data;
+                Q_CASES(Q4_CALL)
+            }
+            for (int64_t i = 0; i < r; i++)
+                for (int64_t m = 0; m < mc; m++) {
+                    float *d = y + (m0 + m) * ldy + n + i;
+                    *d = acc ? *d + out[i * mc + m] : out[i * mc + m];
+                }
+            n += r;
+        }
+    }
+}
+
+/* Sums of each row of x [M, K] over its 32-weight blocks: xsum [M, K / 32] (int4's offsets). */
+static void block_sums_(const float *x, int64_t M, int64_t K, float *xsum) {
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.f;
+            for (int j = 0; j < 32; j++) s += x[m * K + b * 32 + j];
+            xsum[m * nb + b] = s;
+        }
+}
+
+#define Q_BLOCK 16 /* weight rows per parallel task */
+
+static void q_linear_(int64_t fmt, const float *x, const void *q, const _Float16 *scale,
+                      const _Float16 *offset, const float *bias, float *y, int64_t M, int64_t N,
+                      int64_t K, int64_t G, float *xsum, int nthreads) {
+    if (fmt == 2) block_sums_(x, M, K, xsum);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K >= 65536)
+    for (int64_t n0 = 0; n0 < N; n0 += Q_BLOCK) {
+        const int64_t n1 = n0 + Q_BLOCK < N ? n0 + Q_BLOCK : N;
+        q_rows_(fmt, G, q, scale, offset, x, xsum, M, K, n0, n1, y, N, 0);
+        if (bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+    }
+}
+
+/* w [N, K] fp32 = the quantized weight expanded (fmt 1: int8 in groups of G, 2: int4): the
+ * "dequant" linear path's scratch weight, one pass (torch's unpack-and-scale ops took five). */
+void q_dequantize(int64_t fmt, const void *data, const _Float16 *scale, const _Float16 *offset,
+                  float *w, int64_t N, int64_t K, int64_t G, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float *wr = w + n * K;
+        if (fmt == 1) {
+            const int8_t *q = (const int8_t *)data + n * K;
+            for (int64_t g0 = 0; g0 < K; g0 += G) {
+                const float s = (float)scale[n * (K / G) + g0 / G];
+#pragma omp simd
+                for (int64_t k = g0; k < g0 + G; k++) wr[k] = (float)q[k] * s;
+            }
+        } else {
+            const uint8_t *q = (const uint8_t *)data + n * (K / 2);
+            for (int64_t b = 0; b < K / 32; b++) {
+                const float s = (float)scale[n * (K / 32) + b], o = (float)offset[n * (K / 32) + b];
+#pragma omp simd
+                for (int j = 0; j < 16; j++) {
+                    wr[b * 32 + j] = (float)(q[b * 16 + j] & 15) * s + o;
+                    wr[b * 32 + j + 16] = (float)(q[b * 16 + j] >> 4) * s + o;
+                }
+            }
+        }
+    }
+}
+
+void q8_linear(const float *x, const int8_t *q, const _Float16 *scale, const float *bias,
+               float *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    q_linear_(1, x, q, scale, 0, bias, y, M, N, K, G, 0, nthreads);
+}
+
+void q4_linear(const float *x, const uint8_t *q, const _Float16 *scale, const _Float16 *offset,
+               const float *bias, float *y, int64_t M, int64_t N, int64_t K, float *xsum,
+               int nthreads) {
+    q_linear_(2, x, q, scale, offset, bias, y, M, N, K, 32, xsum, nthreads);
+}
+
 /* A whole pure-decode step through every decoder layer, in one parallel region.
  *
  * At batch 1-8 the layers' weights stream in ~20 ms on two cores, but the layer-by-layer path
@@ -593,35 +845,45 @@ void prefill_attention(const float *q, int64_t q_stride, const float *k, const f
  * step), and the new K/V are written into the cache in place.
  *
  * h:      [M, E] residual stream in, the last layer's sum out (before the final norm)
- * ptrs:   per layer 10 addresses: input norm, post norm, QKV weight [(H + 2 KVH) D, E], QKV
- *         bias (0: none), O weight [E, H D], gate/up weight [2 I, E], down weight [E, I],
+ * ptrs:   per layer DL_PTRS addresses: input norm, post norm, QKV weight [(H + 2 KVH) D, E],
+ *         QKV bias (0: none), O weight [E, H D], gate/up weight [2 I, E], down weight [E, I],
  *         query-head norm [D] and key-head norm [D] (Qwen3; 0: none), KV cache
- *         [pages, 2, block_size, KVH, D]
+ *         [pages, 2, block_size, KVH, D]; then for quantized weights (qfmt 1: int8 in groups
+ *         of qgroup, 2: int4; the four weight addresses above are then their data) each
+ *         weight's fp16 scales and offsets (int4) in the order QKV, O, gate/up, down (0 when
+ *         qfmt is 0). Quantized projections take the dot-product tiles (q_rows_) at any M.
  * cos/sin:[M, D] rows at each sequence's new position; tables [M, max_pages];
  * kv_lens [M]: tokens to attend including the new one (its slot: position kv_lens - 1)
  * wide_from: from this many rows the projections run the wide tiles (wide_rows: rows in
  *         vector lanes), below it the dot-product tiles (pair_block); chosen per host
  * work:   scratch of decode_layers_work_floats(...) floats
  */
+#define DL_PTRS 18
+/* Per thread: int4's block sums of the widest input of a projection. */
+static int64_t dl_xsum_floats(int64_t M, int64_t E, int64_t HD, int64_t I) {
+    const int64_t k = E > HD ? (E > I ? E : I) : (HD > I ? HD : I);
+    return M * (k / 32 + 1);
+}
+
 int64_t decode_layers_work_floats(int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D,
                                   int64_t I, int nthreads) {
     /* per thread: its normed copy of the rows (transposed, MP lanes, in the wide layout), two
      * wide tiles' outputs and one attention task's heads; shared: qkv, attention out (wide:
      * transposed), gate (then the activations; wide: transposed) and up */
     const int64_t MP = lanes_for(M);
-    return (int64_t)nthreads * (MP * E + 2 * WIDE_NR * MP + H * D) + M * (H + 2 * KVH) * D +
-           MP * H * D + MP * I + M * I;
+    return (int64_t)nthreads * (MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I))
+           + M * (H + 2 * KVH) * D + MP * H * D + MP * I + M * I;
 }
 
 void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M, int64_t E,
                    int64_t H, int64_t KVH, int64_t D, int64_t I, const float *cos_,
                    const float *sin_, const int64_t *tables, int64_t max_pages,
                    const int64_t *kv_lens, int64_t block_size, float eps, float scale,
-                   int64_t wide_from, float *work, int nthreads) {
+                   int64_t wide_from, int64_t qfmt, int64_t qgroup, float *work, int nthreads) {
     const int64_t NQKV = (H + 2 * KVH) * D, G = H / KVH, MP = lanes_for(M);
     const int64_t row = KVH * D, page = 2 * block_size * row;
-    const int wide = M >= wide_from;
-    const int64_t per_thread = MP * E + 2 * WIDE_NR * MP + H * D;
+    const int wide = !qfmt && M >= wide_from;
+    const int64_t per_thread = MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I);
     float *qkv = work + (int64_t)nthreads * per_thread, *att = qkv + M * NQKV;
     float *act = att + MP * H * D, *up = act + MP * I;
     const int64_t HD = H * D;
@@ -632,10 +894,11 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
 #pragma omp parallel num_threads(nthreads)
     {
         float *x = work + (int64_t)omp_get_thread_num() * per_thread; /* normed rows */
-        float *tile = x + MP * E, *heads = tile + 2 * WIDE_NR * MP;
+        float *tile = x + MP * E, *heads = tile + 2 * WIDE_NR * MP, *xs = heads + H * D;
         if (wide) memset(x, 0, MP * E * sizeof(float));
         for (int64_t l = 0; l < num_layers; l++) {
-            const int64_t *p = ptrs + 10 * l;
+            const int64_t *p = ptrs + DL_PTRS * l;
+            typedef const _Float16 *h16;
             const float *in_norm = (const float *)p[0], *post_norm = (const float *)p[1];
             const float *wqkv = (const float *)p[2], *bqkv = (const float *)p[3];
             const float *wo = (const float *)p[4], *wgu = (const float *)p[5];
@@ -646,7 +909,18 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
             for (int64_t m = 0; m < M; m++)
                 if (wide) norm_row_t_(h + m * E, in_norm, x, MP, m, E, eps);
                 else norm_row_(h + m * E, in_norm, x + m * E, E, eps);
-            if (wide) {
+            if (qfmt) {
+                if (qfmt == 2) block_sums_(x, M, E, xs);
+#pragma omp for schedule(static)
+                for (int64_t n0 = 0; n0 < NQKV; n0 += Q_BLOCK) {
+                    const int64_t n1 = n0 + Q_BLOCK < NQKV ? n0 + Q_BLOCK : NQKV;
+                    q_rows_(qfmt, qgroup, wqkv, (h16)p[10], (h16)p[11], x, xs, M, E, n0, n1,
+                            qkv, NQKV, 0);
+                    if (bqkv)
+                        for (int64_t m = 0; m < M; m++)
+                            for (int64_t n = n0; n < n1; n++) qkv[m * NQKV + n] += bqkv[n];
+                }
+            } else if (wide) {
 #pragma omp for schedule(static)
                 for (int64_t n0 = 0; n0 < NQKV; n0 += WIDE_NR) {
                     const int64_t nr = NQKV - n0 < WIDE_NR ? NQKV - n0 : WIDE_NR;
@@ -698,7 +972,13 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                                   page, block_size, scale);
                 }
             }
-            if (wide) {
+            if (qfmt) {
+                if (qfmt == 2) block_sums_(att, M, HD, xs);
+#pragma omp for schedule(static)
+                for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
+                    q_rows_(qfmt, qgroup, wo, (h16)p[12], (h16)p[13], att, xs, M, HD, n0,
+                            n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
+            } else if (wide) {
                 wide_residual_(wo, HD, att, MP, M, E, tile, h);
             } else {
 #pragma omp for schedule(static)
@@ -726,6 +1006,31 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                     }
                 }
                 wide_residual_(wdown, I, act, MP, M, E, tile, h);
+                continue;
+            }
+            if (qfmt) {
+                /* gate rows i0..i1 into act, up rows (I + i0 ..) into up, then SiLU-gated */
+                const int64_t up_data = qfmt == 1 ? I * E : I * E / 2;
+                const int64_t up_scales = qfmt == 1 ? I * (E / qgroup) : I * (E / 32);
+                if (qfmt == 2) block_sums_(x, M, E, xs);
+#pragma omp for schedule(static)
+                for (int64_t i0 = 0; i0 < I; i0 += Q_BLOCK) {
+                    const int64_t i1 = i0 + Q_BLOCK < I ? i0 + Q_BLOCK : I;
+                    q_rows_(qfmt, qgroup, wgu, (h16)p[14], (h16)p[15], x, xs, M, E, i0, i1,
+                            act, I, 0);
+                    q_rows_(qfmt, qgroup, (const int8_t *)wgu + up_data, (h16)p[14] + up_scales,
+                            p[15] ? (h16)p[15] + up_scales : 0, x, xs, M, E, i0, i1, up, I, 0);
+                    for (int64_t m = 0; m < M; m++)
+                        for (int64_t i = i0; i < i1; i++) {
+                            const float g = act[m * I + i];
+                            act[m * I + i] = g / (1.f + expf(fminf(-g, 80.f))) * up[m * I + i];
+                        }
+                }
+                if (qfmt == 2) block_sums_(act, M, I, xs);
+#pragma omp for schedule(static)
+                for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
+                    q_rows_(qfmt, qgroup, wdown, (h16)p[16], (h16)p[17], act, xs, M, I, n0,
+                            n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
                 continue;
             }
 #pragma omp for schedule(static)

@@ -24,6 +24,7 @@ from engine.config import ModelConfig
 from engine.kernels import linear
 from engine.models.moe import SparseMoE
 from engine.parallel.sharding import TPShard
+from engine.quant import QuantizedWeight, cat_rows, quantize
 
 if TYPE_CHECKING:
     from engine.parallel.comm import TPComm
@@ -75,6 +76,56 @@ class RotaryEmbedding:
         return cpu_ops.rope_torch(q, cos, sin), cpu_ops.rope_torch(k, cos, sin)
 
 
+# The weights are made without values (torch.empty): every one is loaded from the checkpoint
+# (``load_hf_state_dict`` refuses a missing tensor). nn.Linear / nn.Embedding initialize
+# theirs, which wrote every page of the fp weights (a quantized load then threw them away,
+# and the process's peak memory held a whole fp copy it never used); made on the meta device
+# instead, their initializers imported ~900 modules (150 MB).
+class Linear(nn.Module):
+    """A linear layer's weight ``[out, in]`` (and bias), uninitialized; read by
+    ``engine.kernels.linear``, never called."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+
+class Embedding(nn.Module):
+    """The token embedding ``[vocab, hidden]``, uninitialized."""
+
+    def __init__(self, num: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight)
+
+
+class QLinear(nn.Module):
+    """A linear layer whose weight is quantized (``engine.quant``): stands where the
+    fp ``Linear`` was (``.weight``, ``.bias``), read by ``engine.kernels.linear``."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+
+class QEmbedding(nn.Module):
+    """The token embedding in a quantized layout (a tied model's LM head is the same table):
+    a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids)
+
+
 class DecoderLayer(nn.Module):
     """One layer; ``cfg`` holds this rank's shapes (``TPShard.local_config``). With a
     tensor-parallel ``comm``, O and down are row-parallel: their partial sums are all-reduced
@@ -91,14 +142,13 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = q_size, kv_size
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.qkv = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.attention_bias, dtype)
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype)
         # The feed-forward: one SwiGLU MLP, or routed experts (Mixtral, Qwen3-MoE).
         self.moe = SparseMoE(cfg, dtype) if cfg.num_experts else None
         if self.moe is None:
-            self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False,
-                                     dtype=dtype)
-            self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+            self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
+            self.down = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
         # Qwen3: one RMSNorm weight [head_dim] shared by every query head, one by every key head
         # (replicated under tensor parallelism: it is per head, not per head index).
         self.q_norm = self.k_norm = None
@@ -158,19 +208,23 @@ class LlamaForCausalLM(nn.Module):
         self.vocab = self.shard.vocab(cfg)
         cfg = self.shard.local_config(cfg)
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i, self.comm)
                                     for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
         # Tied at tensor parallelism: this rank's rows of the (replicated) embedding.
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, len(self.vocab), bias=False, dtype=dtype))
+                        else Linear(cfg.hidden_size, len(self.vocab), False, dtype))
         self.rope = RotaryEmbedding(cfg, max_len or cfg.max_model_len, dtype)
         # Buffers, so `.to(device)` moves the tables with the weights.
         self.register_buffer("rope_cos", self.rope.cos, persistent=False)
         self.register_buffer("rope_sin", self.rope.sin, persistent=False)
         self.requires_grad_(False)
-        self._pointers: tuple | None = None  # decode_layers' table, its key and its tensors
+        # decode_layers' table: its key, its tensors, the table, the projections' layout
+        self._pointers: tuple | None = None
+        # The quantized layouts serving the linear layers: "int8" | "int4" once ``quantize``
+        # ran, or what a GGUF's blocks loaded as ("int4+int8"); None: all in the model dtype.
+        self.quantization: str | None = None
         self.layer_shapes = cpu_ops.DecodeLayerShapes(cfg.hidden_size, cfg.num_heads,
                                                       cfg.num_kv_heads, cfg.head_dim,
                                                       cfg.intermediate_size, cfg.rms_norm_eps)
@@ -198,13 +252,16 @@ class LlamaForCausalLM(nn.Module):
         [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles).
         Same math as ``forward``; None, computing
         nothing, where the kernel does not apply (the caller then runs ``forward``)."""
-        if self.comm is not None or self.cfg.num_experts or not cpu_ops.decode_layers_applies(
-                self.layer_shapes, self.embed.weight.dtype):
+        if (self.comm is not None or self.cfg.num_experts
+                or not cpu_ops.decode_layers_applies(self.layer_shapes, self.embed.weight.dtype)):
             return None  # the fused kernel has no all-reduce between layers, nor experts
+        pointers = self._layer_pointers(kv_caches)
+        if self._pointers[3] is None:
+            return None  # projections in more than one layout (e.g. a GGUF mixing types)
         h = self.embed(input_ids)  # [M, hidden], a new tensor the kernel updates in place
-        ok = cpu_ops.decode_layers(h, self._layer_pointers(kv_caches), self.layer_shapes,
-                                   self.rope_cos[positions], self.rope_sin[positions], tables,
-                                   kv_lens, block_size, wide_from)
+        ok = cpu_ops.decode_layers(h, pointers, self.layer_shapes, self.rope_cos[positions],
+                                   self.rope_sin[positions], tables, kv_lens, block_size,
+                                   wide_from, self._pointers[3])
         return cpu_ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if ok else None
 
     def _layer_pointers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -214,21 +271,47 @@ class LlamaForCausalLM(nn.Module):
         tensors are not the ones it holds (weights replaced rather than copied into, e.g. a
         ``load_state_dict(assign=True)``; ``load_hf_state_dict`` copies in place). Checking
         every layer's tensors cost ~190 us a step for the default model (module attribute
-        lookups), the two layers ~15."""
+        lookups), the two layers ~15. Quantized projections enter the table as their data,
+        scales and offsets; ``self._pointers[3]`` is their layout for ``decode_layers``
+        (``(0, 0)`` for fp weights), None when the projections mix layouts."""
+        def parts(w) -> tuple:  # the weight (or its data) and its scales and offsets
+            if isinstance(w, QuantizedWeight):
+                return (w.data, w.scale, w.offset)
+            return (w, None, None)
+
         def row(i: int) -> tuple:
             lay = self.layers[i]
-            return (lay.input_norm, lay.post_norm, lay.qkv.weight, lay.qkv.bias,
-                    lay.o_proj.weight, lay.gate_up.weight, lay.down.weight, lay.q_norm,
-                    lay.k_norm)
+            qkv, o, gu, down = (parts(getattr(lay, n).weight)
+                                for n in ("qkv", "o_proj", "gate_up", "down"))
+            return (lay.input_norm, lay.post_norm, qkv[0], lay.qkv.bias, o[0], gu[0], down[0],
+                    lay.q_norm, lay.k_norm, *qkv[1:], *o[1:], *gu[1:], *down[1:])
 
         key = (tuple(c.data_ptr() for c in kv_caches), row(0), row(-1))
         held = self._pointers
         if (held is None or held[0][0] != key[0]
                 or any(a is not b for a, b in zip(held[0][1] + held[0][2], key[1] + key[2],
                                                   strict=True))):
-            rows = [(*row(i), cache) for i, cache in enumerate(kv_caches)]
-            held = self._pointers = (key, rows, cpu_ops.layer_pointers(rows))
+            rows = [(*r[:9], cache, *r[9:]) for r, cache in
+                    ((row(i), c) for i, c in enumerate(kv_caches))]
+            held = self._pointers = (key, rows, cpu_ops.layer_pointers(rows),
+                                     self._projection_layout())
         return held[2]
+
+    def _projection_layout(self) -> tuple[int, int] | None:
+        """``decode_layers``' ``weights``: (0, 0) when every projection is an fp tensor, (1,
+        group) / (2, 32) when all are int8 of one group / int4 (fp32 activations), else None."""
+        ws = [getattr(lay, n).weight for lay in self.layers
+              for n in ("qkv", "o_proj", "gate_up", "down")]
+        quantized = [w for w in ws if isinstance(w, QuantizedWeight)]
+        if not quantized:
+            return (0, 0)
+        layouts = {(w.kind, w.group, w.dtype, w.scale.dtype) for w in quantized}
+        if len(quantized) != len(ws) or len(layouts) != 1:
+            return None
+        kind, group, dtype, scale_dtype = layouts.pop()
+        if dtype != torch.float32 or scale_dtype != torch.float16:
+            return None
+        return (1, group) if kind == "int8" else (2, 32)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` in fp32 (sampling math is fp32 whatever the model
@@ -238,7 +321,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             w = self.embed.weight
             if self.comm is not None:
-                w = w[self.vocab.start:self.vocab.stop]
+                w = (w.row_slice(self.vocab.start, self.vocab.stop)
+                     if isinstance(w, QuantizedWeight) else w[self.vocab.start:self.vocab.stop])
         logits = linear(hidden, w).float()
         if self.comm is None:
             return logits
@@ -247,17 +331,64 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.nn.functional.pad(logits, (0, per - logits.shape[1]))
         return self.comm.all_gather(logits)[:, :self.full_cfg.vocab_size]
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def quantize(self, kind: str) -> None:
+        """Replace every linear weight (QKV, O, gate/up, down, the LM head, and the embedding
+        where the head is tied to it) by its ``engine.quant`` layout ``kind`` ("int8" or
+        "int4"), dropping the fp tensors: what ``--quantization`` does after loading. Norms,
+        biases and the KV cache stay in the model dtype. Raises ValueError for layouts a
+        weight cannot take and for routed experts (not quantized yet: refused, not skipped)."""
+        if self.quantization:
+            raise ValueError(f"the model is already quantized ({self.quantization})")
+        if self.cfg.num_experts:
+            raise ValueError(f"--quantization {kind}: Mixture-of-Experts weights are not "
+                             "quantized yet; serve this model with --quantization none")
+        for layer in self.layers:
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                lin = getattr(layer, name)
+                setattr(layer, name, QLinear(quantize(lin.weight, kind), lin.bias))
+        if self.lm_head is not None:
+            self.lm_head = QLinear(quantize(self.lm_head.weight, kind), None)
+        else:  # tied: the head is the embedding (under TP each rank's rows of it)
+            self.embed = QEmbedding(quantize(self.embed.weight, kind))
+        self._pointers = None
+        self.quantization = kind
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor],
+                           quantized: dict[str, QuantizedWeight] | None = None) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up. Under tensor
         parallelism ``sd`` holds this rank's slices (``load_state_dict(..., shard=...)``).
-        Raises ValueError on a missing or mis-shaped tensor (the checkpoint does not match the
-        config)."""
+        ``quantized``: linear weights (and the embedding) already in an ``engine.quant``
+        layout (a GGUF's own blocks, ``engine.weights.load_quantized_state_dict``), served as
+        they are; a fused weight whose parts do not share one layout is dequantized instead
+        (exact, in the model dtype). Raises ValueError on a missing or mis-shaped tensor (the
+        checkpoint does not match the config)."""
         dtype = self.embed.weight.dtype
+        quantized = quantized or {}
 
         def take(name: str) -> torch.Tensor:
             if name not in sd:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return sd[name].to(dtype)
+
+        def take_linear(names: list[str]) -> torch.Tensor | QuantizedWeight:
+            """The named parts of one fused weight, stacked by rows: quantized where every
+            part is in one layout, else in ``dtype``."""
+            parts = [quantized.get(n) for n in names]
+            if all(parts) and len({(q.kind, q.group) for q in parts}) == 1:
+                return parts[0] if len(parts) == 1 else cat_rows(parts)
+            return torch.cat([parts[i].dequantize(dtype) if parts[i] is not None
+                              else take(n) for i, n in enumerate(names)])
+
+        def put_linear(owner: nn.Module, attr: str, names: list[str], label: str) -> None:
+            w = take_linear(names)
+            if isinstance(w, QuantizedWeight):
+                lin = getattr(owner, attr)
+                if w.shape != tuple(lin.weight.shape):
+                    raise ValueError(f"tensor {label!r} has shape {w.shape}, expected "
+                                     f"{tuple(lin.weight.shape)} from config.json")
+                setattr(owner, attr, QLinear(w, lin.bias))
+            else:
+                put(getattr(owner, attr).weight, w, label)
 
         def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
             if dst.shape != src.shape:
@@ -265,14 +396,25 @@ class LlamaForCausalLM(nn.Module):
                                  f"expected {tuple(dst.shape)} from config.json")
             dst.copy_(src)
 
-        put(self.embed.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        embed = quantized.get("model.embed_tokens.weight")
+        if embed is not None and self.comm is None:
+            if embed.shape != tuple(self.embed.weight.shape):
+                raise ValueError(f"tensor 'model.embed_tokens.weight' has shape {embed.shape}, "
+                                 f"expected {tuple(self.embed.weight.shape)} from config.json")
+            self.embed = QEmbedding(embed)
+        else:
+            put(self.embed.weight, embed.dequantize(dtype) if embed is not None
+                else take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put(self.norm, take("model.norm.weight"), "model.norm.weight")
         if self.lm_head is not None:
-            name = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
-            rows = take(name)
-            if name != "lm_head.weight":  # the embedding is loaded whole: take this rank's rows
-                rows = rows[self.vocab.start:self.vocab.stop]
-            put(self.lm_head.weight, rows, name)
+            if "lm_head.weight" in sd or "lm_head.weight" in quantized:
+                put_linear(self, "lm_head", ["lm_head.weight"], "lm_head.weight")
+            else:  # the embedding is loaded whole: take this rank's rows
+                rows = (self.embed.weight.dequantize(dtype)
+                        if isinstance(self.embed.weight, QuantizedWeight)
+                        else take("model.embed_tokens.weight"))
+                put(self.lm_head.weight, rows[self.vocab.start:self.vocab.stop],
+                    "model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -282,14 +424,13 @@ class LlamaForCausalLM(nn.Module):
             if a + "qkv_proj.weight" in sd:  # Phi-3 ships them fused, in our order
                 put(layer.qkv.weight, take(a + "qkv_proj.weight"), a + "qkv_proj.weight")
             else:
-                qkv = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
-                                 take(a + "v_proj.weight")])
-                put(layer.qkv.weight, qkv, a + "{q,k,v}_proj.weight")
+                put_linear(layer, "qkv", [a + "q_proj.weight", a + "k_proj.weight",
+                                          a + "v_proj.weight"], a + "{q,k,v}_proj.weight")
             if layer.qkv.bias is not None:
                 bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"),
                                   take(a + "v_proj.bias")])
                 put(layer.qkv.bias, bias, a + "{q,k,v}_proj.bias")
-            put(layer.o_proj.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+            put_linear(layer, "o_proj", [a + "o_proj.weight"], a + "o_proj.weight")
             if layer.q_norm is not None:
                 put(layer.q_norm, take(a + "q_norm.weight"), a + "q_norm.weight")
                 put(layer.k_norm, take(a + "k_norm.weight"), a + "k_norm.weight")
@@ -303,6 +444,10 @@ class LlamaForCausalLM(nn.Module):
             if m + "gate_up_proj.weight" in sd:  # Phi-3: [gate | up] already
                 put(layer.gate_up.weight, take(m + "gate_up_proj.weight"), m + "gate_up_proj.weight")
             else:
-                gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-                put(layer.gate_up.weight, gate_up, m + "{gate,up}_proj.weight")
-            put(layer.down.weight, take(m + "down_proj.weight"), m + "down_proj.weight")
+                put_linear(layer, "gate_up", [m + "gate_proj.weight", m + "up_proj.weight"],
+                           m + "{gate,up}_proj.weight")
+            put_linear(layer, "down", [m + "down_proj.weight"], m + "down_proj.weight")
+        kinds = {m.weight.kind for m in self.modules() if isinstance(m, QLinear | QEmbedding)}
+        if kinds:
+            self.quantization = "+".join(sorted(kinds))
+            self._pointers = None

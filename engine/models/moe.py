@@ -32,19 +32,19 @@ class SparseMoE(nn.Module):
         e, i, hidden = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
-        self.router = nn.Parameter(torch.zeros(e, hidden, dtype=dtype), requires_grad=False)
+        self.router = nn.Parameter(torch.empty(e, hidden, dtype=dtype), requires_grad=False)
         # Per expert: [gate | up] rows (as the dense MLP's fused gate_up) and the down columns.
-        self.gate_up = nn.Parameter(torch.zeros(e, 2 * i, hidden, dtype=dtype),
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, hidden, dtype=dtype),
                                     requires_grad=False)
-        self.down = nn.Parameter(torch.zeros(e, hidden, i, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(e, hidden, i, dtype=dtype), requires_grad=False)
         # Qwen2-MoE's shared expert: every token, scaled by sigmoid(x . shared_gate).
         self.shared = None
         if cfg.shared_expert_intermediate_size:
             n = cfg.shared_expert_intermediate_size
             self.shared = nn.ParameterDict({
-                "gate_up": nn.Parameter(torch.zeros(2 * n, hidden, dtype=dtype), requires_grad=False),
-                "down": nn.Parameter(torch.zeros(hidden, n, dtype=dtype), requires_grad=False),
-                "gate": nn.Parameter(torch.zeros(1, hidden, dtype=dtype), requires_grad=False)})
+                "gate_up": nn.Parameter(torch.empty(2 * n, hidden, dtype=dtype), requires_grad=False),
+                "down": nn.Parameter(torch.empty(hidden, n, dtype=dtype), requires_grad=False),
+                "gate": nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(linear(x, self.router).float(), dim=-1)  # [T, E]

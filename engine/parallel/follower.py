@@ -59,6 +59,8 @@ def serve(spec: FollowerSpec) -> None:
     model = LlamaForCausalLM(cfg, max_len, comm)
     model.load_hf_state_dict(weights)
     del weights
+    if args.quantization in ("int8", "int4"):  # each rank quantizes its own shard
+        model.quantize(args.quantization)
     model = model.to(plan.device)
     # Only the block size matters here: the pool's size came from rank 0 (num_blocks).
     cache = CacheConfig(block_size=args.block_size,

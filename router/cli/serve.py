@@ -14,6 +14,7 @@ import json
 # tests/unit/test_config.py keeps these equal to them.
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+QUANT_CHOICES = ("none", "int8", "int4", "gguf")  # engine.quant.CHOICES (kept import-light here)
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer")
 
 
@@ -59,6 +60,10 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
                           "them (fail at start-up without); cpu: never")
     dev.add_argument("--dtype", choices=list(DTYPE_CHOICES), default=None,
                      help="weights and KV cache (default auto: bfloat16 on GPU, float32 on CPU)")
+    dev.add_argument("--quantization", choices=list(QUANT_CHOICES), default=None,
+                     help="weight-only linear layers on CPU workers: int8 / int4 (groups of 32) "
+                          "quantize fp weights at load; gguf serves a GGUF's own Q8_0/Q4_0/"
+                          "Q4_1/Q4_K blocks (default none; docs/models.md)")
     dev.add_argument("--attention-backend", choices=list(ATTENTION_BACKEND_CHOICES), default=None,
                      help="auto (default): flashinfer on GPU when installed, else torch")
     dev.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
 from engine.llm_engine import EngineArgs
+from engine.quant import CHOICES as QUANT_CHOICES
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class ServeConfig:
     # GPUs). device: auto = GPUs when the Ray cluster has them, cuda = require them.
     device: str = "auto"
     dtype: str = "auto"
+    # Weight-only int8 / int4 linear layers on CPU workers (engine.quant); "none" keeps fp.
+    quantization: str = "none"
     attention_backend: str = "auto"
     cuda_graphs: bool | None = None  # None: on for GPU workers
     gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
@@ -161,6 +164,12 @@ class ServeConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, "
                              f"got {self.dtype!r}")
+        if self.quantization not in QUANT_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}, "
+                             f"got {self.quantization!r}")
+        if self.quantization != "none" and self.device == "cuda":
+            raise ValueError(f"--quantization {self.quantization}: the quantized kernels are "
+                             "CPU kernels; not with --device cuda")
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(f"--attention-backend must be one of "
                              f"{', '.join(ATTENTION_BACKEND_CHOICES)}, "
@@ -198,7 +207,8 @@ class ServeConfig:
         threads = self.thread_plan()
         # The launcher sets each worker's device (cuda or cpu, from the placement) and
         # divides gpu_memory_utilization among workers sharing a GPU.
-        common = dict(dtype=self.dtype, attention_backend=self.attention_backend,
+        common = dict(dtype=self.dtype, quantization=self.quantization,
+                      attention_backend=self.attention_backend,
                       cuda_graphs=self.cuda_graphs,
                       gpu_memory_utilization=float(self.gpu_memory_utilization),
                       kv_cache_memory_bytes=self.kv_cache_memory_bytes(),

@@ -35,9 +35,26 @@ def test_each_family_serves_transformers_tokens_disaggregated(loop, arch, reques
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     prompts = random_prompts(seed=31, count=4, max_len=40, min_len=5)
     refs = hf_greedy(model_dir, arch, prompts, MAX_TOKENS)
+    _serve_and_compare(loop, model_dir, prompts, refs)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_workers_serve_the_dequantized_models_tokens(loop, kind, tiny_qwen2_dir,
+                                                              tmp_path):
+    """Both workers quantize at load (``--quantization``); the KV they move is the model
+    dtype's, as before: greedy tokens equal transformers' on the dequantized weights."""
+    from tests.unit.test_quant import _dequantized_hf
+
+    _dequantized_hf(tiny_qwen2_dir, "qwen2", kind, tmp_path / "deq")
+    prompts = random_prompts(seed=37, count=4, max_len=40, min_len=5)
+    refs = hf_greedy(tmp_path / "deq", "qwen2", prompts, MAX_TOKENS)
+    _serve_and_compare(loop, tiny_qwen2_dir, prompts, refs, quantization=kind)
+
+
+def _serve_and_compare(loop, model_dir, prompts, refs, **engine):
     config = ClusterConfig(model=str(model_dir), num_prefill_workers=1, num_decode_workers=1,
-                           prefill_engine=_engine(block_size=16),
-                           decode_engine=_engine(block_size=8), worker_num_cpus=1.0)
+                           prefill_engine=_engine(block_size=16, **engine),
+                           decode_engine=_engine(block_size=8, **engine), worker_num_cpus=1.0)
 
     async def collect(cluster, prompt):
         toks = []

@@ -235,7 +235,9 @@ def test_the_kernel_declines_what_it_does_not_take(tiny_llama_dir):
     assert not cpu_ops.decode_layers(h, ptrs, model.layer_shapes, cos, sin, tables.int(), lens,
                                      BLOCK)
     with pytest.raises(ValueError, match="contiguous fp32"):
-        cpu_ops.layer_pointers([(torch.zeros(4, 4).t(),)])
+        cpu_ops.layer_pointers([(torch.zeros(4, 4).t(),) + (None,) * 17])
+    with pytest.raises(ValueError, match="takes 18 tensors a layer"):
+        cpu_ops.layer_pointers([(torch.zeros(4),)])
     assert not cpu_ops.decode_layers_applies(model.layer_shapes, torch.bfloat16)
     assert tune_fused_decode(model.to(torch.bfloat16), BLOCK, DecodePaths()).choices == {}
     cpu_ops.set_enabled(False)  # no library: declined, and the model says so

@@ -103,9 +103,12 @@ def test_tuning_times_whole_passes_and_is_cached_per_host_key(tmp_path, monkeypa
     assert [f.name for f in files] == [f"linear-{plan.key}.json"]
     # Another thread count is another host key: tuned afresh, in its own file.
     threads = torch.get_num_threads()
+    assert host_key([(16, 16, "fp"), (256, 512, "fp"), (512, 256, "fp")], torch.float32,
+                    f"cpu_ops {cpu_ops.build_id()}") == plan.key
     try:
         torch.set_num_threads(threads + 1)
-        assert host_key([(512, 256), (256, 512), (16, 16)], torch.float32) != plan.key
+        assert host_key([(16, 16, "fp"), (256, 512, "fp"), (512, 256, "fp")], torch.float32,
+                        f"cpu_ops {cpu_ops.build_id()}") != plan.key
         assert not tune_linear(weights, cache_dir=tmp_path).from_cache
     finally:
         torch.set_num_threads(threads)
@@ -117,8 +120,8 @@ def test_a_change_is_kept_only_when_the_whole_pass_gets_faster(monkeypatch):
     another path when that makes the pass faster; the recorded times are the ones the
     decision was made on."""
     monkeypatch.setattr(kernels, "_available", ("linear", "mm_t", "onednn"))
-    cost = {(512, 256): {"linear": 1.0, "mm_t": 1.5, "onednn": 3.0},  # F.linear wins here only
-            (256, 512): {"linear": 2.0, "mm_t": 1.4, "onednn": 1.6}}
+    cost = {(512, 256, "fp"): {"linear": 1.0, "mm_t": 1.5, "onednn": 3.0},  # F.linear wins here only
+            (256, 512, "fp"): {"linear": 2.0, "mm_t": 1.4, "onednn": 1.6}}
 
     def fake_pass(weights, m, choice, repeats=3, warm_up=False):
         return sum(cost[s][choice[s]] for s in choice)
@@ -134,7 +137,7 @@ def test_a_change_is_kept_only_when_the_whole_pass_gets_faster(monkeypatch):
 def test_a_corrupt_cache_file_is_tuned_again(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "LINEAR_BUCKETS", (1,))
     weights = _weights((512, 256))
-    key = host_key([(512, 256)], torch.float32)
+    key = host_key([(512, 256, "fp")], torch.float32)  # what tune_linear keys this weight by
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / f"linear-{key}.json").write_text("{not json")
     plan = tune_linear(weights, cache_dir=tmp_path)
