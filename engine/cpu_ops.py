@@ -7,7 +7,9 @@ place and fuse the elementwise chains: ``paged_decode``, ``rms_norm`` (optionall
 residual first), ``silu_mul`` and ``rope_``; ``gemv``, a small-M product that streams each
 weight row once (a linear path ``engine.kernels`` times against MKL's and oneDNN's); and
 ``decode_layers``, a whole pure-decode step through every layer in one call (the same math;
-``engine.fused_decode`` decides per host and batch whether it runs). Each wrapper here takes
+``engine.fused_decode`` decides per host and batch whether it runs; its projections fp32, or
+int8 / int4 in ``engine.quant``'s layouts, whose stand-alone products ``engine.quant_ops``
+wraps). Each wrapper here takes
 tensors, checks what the kernel assumes, and falls back to the torch twin (same math, op for op
 what the model did before) when the library is missing, the tensor is not fp32 on CPU, or its
 layout does not fit (``decode_layers`` declines, and the caller runs the layers one by one).
@@ -466,45 +468,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-# ---- weight-only quantized products (engine.quant's layouts) ------------------------------------
-def quantized_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x @ weight.T + bias`` for a ``engine.quant.QuantizedWeight`` read in its layout
-    (``x [M, K]`` fp32): the ``"cq8"`` / ``"cq4"`` linear paths. Any M (rows 8 at a time
-    against each weight row). None, computing nothing, when the kernel does not apply."""
-    lib = library()
-    if (lib is None or not _fits(x) or x.dim() != 2 or not x.is_contiguous()
-            or (bias is not None and not _fits(bias)) or weight.scale.dtype != torch.float16):
-        return None
-    m, k = x.shape
-    n = weight.shape[0]
-    if k != weight.shape[1] or k % 32 or weight.group % 16:
-        return None
-    out = torch.empty(m, n, dtype=x.dtype)
-    b = None if bias is None else bias.data_ptr()
-    threads = torch.get_num_threads()
-    if weight.kind == "int8":
-        lib.q8_linear(x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(), b,
-                      out.data_ptr(), m, n, k, weight.group, threads)
-    else:
-        xsum = torch.empty(m * (k // 32))
-        lib.q4_linear(x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(),
-                      weight.offset.data_ptr(), b, out.data_ptr(), m, n, k, xsum.data_ptr(),
-                      threads)
-    return out
-
-
-def dequantize(weight) -> torch.Tensor | None:
-    """The fp32 ``[N, K]`` a ``engine.quant.QuantizedWeight`` stands for, in one pass (the
-    ``"dequant"`` linear path's scratch weight); None where the kernel does not apply."""
-    lib = library()
-    if lib is None or weight.scale.dtype != torch.float16 or weight.dtype != torch.float32:
-        return None
-    n, k = weight.shape
-    out = torch.empty(n, k)
-    lib.q_dequantize(1 if weight.kind == "int8" else 2, weight.data.data_ptr(),
-                     weight.scale.data_ptr(),
-                     None if weight.offset is None else weight.offset.data_ptr(),
-                     out.data_ptr(), n, k, weight.group, torch.get_num_threads())
-    return out

@@ -9,11 +9,12 @@ real files) a block scale whose fp16 scale or offset would overflow. The mapping
 the stored 4-bit value (0..15) and ``d``, ``m``, ``dmin`` the block's fp16 fields:
 
 - ``Q8_0`` (blocks of 32: ``d``, 32 int8): ``int8``, group 32, ``scale = d``. Exact.
-- ``Q4_0`` (blocks of 32: ``d``, 16 bytes; ``w = d * (q - 8)``): ``int4``, the bytes as
-  stored (ggml's nibble order is ours), ``scale = d``, ``offset = -8 * d``. Exact: ``-8 * d``
-  is an fp16 exponent shift.
-- ``Q4_1`` (blocks of 32: ``d``, ``m``, 16 bytes; ``w = d * q + m``): ``int4``, bytes as
-  stored, ``scale = d``, ``offset = m``. Exact.
+- ``Q4_0`` (blocks of 32: ``d``, 16 bytes; ``w = d * (q - 8)``): ``int4``, the nibbles
+  regrouped from ggml's order (byte ``j``: weights ``j``, ``j + 16``) into ours
+  (``engine.quant``), ``scale = d``, ``offset = -8 * d``. Exact: ``-8 * d`` is an fp16
+  exponent shift.
+- ``Q4_1`` (blocks of 32: ``d``, ``m``, 16 bytes; ``w = d * q + m``): ``int4``, regrouped
+  likewise, ``scale = d``, ``offset = m``. Exact.
 - ``Q4_K`` (super-blocks of 256: ``d``, ``dmin``, 12 bytes of 6-bit scales ``sc`` and mins
   ``mn`` for its eight 32-weight sub-blocks, 128 bytes; ``w = d * sc * q - dmin * mn``):
   ``int4``, nibbles regrouped into our per-32 order, ``scale = fp16(d * sc)``,
@@ -88,10 +89,16 @@ def _f16(field: np.ndarray) -> np.ndarray:
 
 def _int4(qs: np.ndarray, scale: np.ndarray, offset: np.ndarray,
           dtype: torch.dtype) -> QuantizedWeight | None:
+    """``qs``: ``[N, K // 2]`` bytes in ggml's per-32 nibble order (byte j: weights j and
+    j + 16), regrouped into ours (byte 8 h + j: weights 16 h + j and 16 h + 8 + j)."""
     if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
         return None  # a scale fp16 cannot hold: the caller's dequantization keeps it
-    return QuantizedWeight("int4", torch.from_numpy(qs), torch.from_numpy(scale),
-                           torch.from_numpy(offset), INT4_GROUP, dtype)
+    g = qs.reshape(qs.shape[0], -1, 16)
+    low, high = g & 0x0F, g >> 4  # weights 0..15 and 16..31 of each block
+    ours = np.concatenate((low[..., :8] | (low[..., 8:] << 4),
+                           high[..., :8] | (high[..., 8:] << 4)), axis=-1)
+    return QuantizedWeight("int4", torch.from_numpy(ours.reshape(qs.shape)),
+                           torch.from_numpy(scale), torch.from_numpy(offset), INT4_GROUP, dtype)
 
 
 def _from_q4_k(blocks: np.ndarray, n: int, k: int, dtype: torch.dtype) -> QuantizedWeight | None:
@@ -105,8 +112,8 @@ def _from_q4_k(blocks: np.ndarray, n: int, k: int, dtype: torch.dtype) -> Quanti
         scale = (d * sc).astype(np.float16).reshape(n, k // INT4_GROUP)
         offset = (-(dmin * mn)).astype(np.float16).reshape(n, k // INT4_GROUP)
     # 128 bytes = 4 chunks of 32; chunk i's low nibbles are sub-block 2i, its high nibbles
-    # sub-block 2i + 1, byte b holding weight b. Our byte j of a sub-block holds weights j
-    # (low) and j + 16 (high), so pair chunk byte j with chunk byte j + 16.
+    # sub-block 2i + 1, byte b holding weight b. ggml's per-32 order (what _int4 regroups)
+    # holds weights j (low) and j + 16 (high) in byte j: pair chunk byte j with byte j + 16.
     c = sb[:, 16:].reshape(-1, 4, 2, 16)
     first, second = c[:, :, 0], c[:, :, 1]  # chunk bytes 0..15 and 16..31
     even = (first & 0x0F) | (second << 4)  # uint8 shift drops the high nibble

@@ -17,7 +17,7 @@ Which torch call runs them fastest depends on the host, and by a lot:
   only); on that EPYC the LM head streamed from memory took 5.0 ms at M=32 against oneDNN's 8.1.
 
 Quantized weights (``engine.quant.QuantizedWeight``, ``--quantization``) have their own paths,
-``QPATHS``: ``cquant`` (``engine.cpu_ops.quantized_linear``: the weight read in its int8 / int4
+``QPATHS``: ``cquant`` (``engine.quant_ops.quantized_linear``: the weight read in its int8 / int4
 layout, never expanded) and ``dequant`` (dequantize into a scratch fp weight, then
 ``F.linear``: where the GEMM's compute dwarfs the expansion). They are timed the same way; a
 plan's entries are keyed by the weight's kind as well as its shape.
@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_ops
+from engine import cpu_ops, quant_ops
 from engine.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 # F.linear(x, W) | mm(W, x.T).T | oneDNN inner product | engine.cpu_ops.gemv (small M only) |
 # engine.cpu_ops.wide_linear (decode buckets only)
 PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
-# For quantized weights: engine.cpu_ops.quantized_linear | dequantize + F.linear.
+# For quantized weights: engine.quant_ops.quantized_linear | dequantize + F.linear.
 QPATHS = ("cquant", "dequant")
 FP = "fp"  # the kind of an unquantized weight in plans and timings
 CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
@@ -156,10 +156,10 @@ def quantized_linear_by_path(path: str, x: torch.Tensor, weight: QuantizedWeight
     """``linear`` of a quantized weight by the named path (one of ``QPATHS``); where the C
     kernel does not apply (not built, bf16 activations) ``dequant`` runs instead."""
     if path != "dequant":
-        out = cpu_ops.quantized_linear(x, weight, bias)
+        out = quant_ops.quantized_linear(x, weight, bias)
         if out is not None:
             return out
-    w = cpu_ops.dequantize(weight) if x.is_cpu and x.dtype == torch.float32 else None
+    w = quant_ops.dequantize(weight) if x.is_cpu and x.dtype == torch.float32 else None
     if w is None:
         return F.linear(x, weight.dequantize(x.dtype), bias)
     # The expanded weight is a GEMM's: oneDNN's where this torch has it (the prefill rows'

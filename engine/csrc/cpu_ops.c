@@ -588,8 +588,10 @@ void prefill_attention(const float *q, int64_t q_stride, const float *k, const f
  * reads, and int8 / int4 weights are a quarter / an eighth of fp32's (plus fp16 scales).
  *
  * int8: w[n][k] = q[n * K + k] * scale[n * (K / G) + k / G], G a multiple of 16.
- * int4: per 32-weight block b of row n, byte j of its 16 holds q_j (low nibble) and q_{j+16}
- *       (high nibble); w = q * scale[n][b] + offset[n][b]. The offset's share is
+ * int4: per 32-weight block b of row n, byte 8h + j of its 16 (h 0..1, j 0..7) holds
+ *       q_{16h+j} (low nibble) and q_{16h+8+j} (high nibble): 8 bytes widened to 32-bit lanes
+ *       are 8 consecutive weights after a mask and 8 more after a shift;
+ *       w = q * scale[n][b] + offset[n][b]. The offset's share is
  *       offset * sum(x over the block): those sums are made once per call (xsum), so the inner
  *       loop is the unsigned nibbles times x, scaled once per block.
  * Rows of x are taken QM at a time against each weight row (the row stays in L1 between
@@ -658,16 +660,16 @@ static inline __attribute__((always_inline)) void q4_tile_(
     const int64_t nb = K / 32;
     __m256 acc[4];
     for (int64_t i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
-    const __m128i low4 = _mm_set1_epi8(15);
+    const __m256i low4 = _mm256_set1_epi32(15);
     for (int64_t b = 0; b < nb; b++)
         for (int64_t r = 0; r < R; r++) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + r * (K / 2) + b * 16));
-            const __m128i lo = _mm_and_si128(bytes, low4);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+            const uint8_t *qb = q + r * (K / 2) + b * 16;
+            const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
+            const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
+            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
+            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+            const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(c, low4));
+            const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
             const __m256 s = _mm256_set1_ps((float)sc[r * nb + b]);
             for (int64_t m = 0; m < M; m++) {
                 const float *xm = x + m * K + b * 32;
@@ -710,8 +712,10 @@ static inline void q4_tile_(const uint8_t *q, const _Float16 *sc, const _Float16
                 const uint8_t *qb = q + r * (K / 2) + b * 16;
                 const float *xb = x + m * K + b * 32;
                 float part = 0.f;
-                for (int j = 0; j < 16; j++)
-                    part += (float)(qb[j] & 15) * xb[j] + (float)(qb[j] >> 4) * xb[j + 16];
+                for (int h = 0; h < 2; h++)
+                    for (int j = 0; j < 8; j++)
+                        part += (float)(qb[8 * h + j] & 15) * xb[16 * h + j]
+                                + (float)(qb[8 * h + j] >> 4) * xb[16 * h + 8 + j];
                 acc += (float)sc[r * nb + b] * part + (float)off[r * nb + b] * xsum[m * nb + b];
             }
             out[r * M + m] = acc;
@@ -813,11 +817,13 @@ void q_dequantize(int64_t fmt, const void *data, const _Float16 *scale, const _F
             const uint8_t *q = (const uint8_t *)data + n * (K / 2);
             for (int64_t b = 0; b < K / 32; b++) {
                 const float s = (float)scale[n * (K / 32) + b], o = (float)offset[n * (K / 32) + b];
+                for (int h = 0; h < 2; h++)
 #pragma omp simd
-                for (int j = 0; j < 16; j++) {
-                    wr[b * 32 + j] = (float)(q[b * 16 + j] & 15) * s + o;
-                    wr[b * 32 + j + 16] = (float)(q[b * 16 + j] >> 4) * s + o;
-                }
+                    for (int j = 0; j < 8; j++) {
+                        const uint8_t v = q[b * 16 + 8 * h + j];
+                        wr[b * 32 + 16 * h + j] = (float)(v & 15) * s + o;
+                        wr[b * 32 + 16 * h + 8 + j] = (float)(v >> 4) * s + o;
+                    }
             }
         }
     }
@@ -859,6 +865,16 @@ void q4_linear(const float *x, const uint8_t *q, const _Float16 *scale, const _F
  * work:   scratch of decode_layers_work_floats(...) floats
  */
 #define DL_PTRS 18
+
+/* act[m][i] = silu(act[m][i]) * up[m][i] for columns i0 <= i < i1 of the M rows (I wide). */
+static inline void silu_gate_(float *act, const float *up, int64_t M, int64_t I, int64_t i0,
+                              int64_t i1) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = i0; i < i1; i++) {
+            const float g = act[m * I + i];
+            act[m * I + i] = g / (1.f + expf(fminf(-g, 80.f))) * up[m * I + i];
+        }
+}
 /* Per thread: int4's block sums of the widest input of a projection. */
 static int64_t dl_xsum_floats(int64_t M, int64_t E, int64_t HD, int64_t I) {
     const int64_t k = E > HD ? (E > I ? E : I) : (HD > I ? HD : I);
@@ -1020,11 +1036,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                             act, I, 0);
                     q_rows_(qfmt, qgroup, (const int8_t *)wgu + up_data, (h16)p[14] + up_scales,
                             p[15] ? (h16)p[15] + up_scales : 0, x, xs, M, E, i0, i1, up, I, 0);
-                    for (int64_t m = 0; m < M; m++)
-                        for (int64_t i = i0; i < i1; i++) {
-                            const float g = act[m * I + i];
-                            act[m * I + i] = g / (1.f + expf(fminf(-g, 80.f))) * up[m * I + i];
-                        }
+                    silu_gate_(act, up, M, I, i0, i1);
                 }
                 if (qfmt == 2) block_sums_(act, M, I, xs);
 #pragma omp for schedule(static)
@@ -1037,11 +1049,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
             for (int64_t i0 = 0; i0 < I; i0 += pb_i) {
                 const int64_t i1 = i0 + pb_i < I ? i0 + pb_i : I;
                 pair_block(wgu, wgu + I * E, E, x, M, E, i0, i1, act, up, 1, I, 0);
-                for (int64_t m = 0; m < M; m++)
-                    for (int64_t i = i0; i < i1; i++) {
-                        const float g = act[m * I + i];
-                        act[m * I + i] = g / (1.f + expf(fminf(-g, 80.f))) * up[m * I + i];
-                    }
+                silu_gate_(act, up, M, I, i0, i1);
             }
 #pragma omp for schedule(static)
             for (int64_t i0 = 0; i0 < E / 2; i0 += pb_e)

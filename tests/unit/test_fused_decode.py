@@ -82,8 +82,13 @@ def test_fused_steps_match_transformers(arch, lengths, threads, tiles, request):
 def _fused_steps_match_transformers(arch, lengths, wide_from, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     runner = ModelRunner(_model(model_dir), CacheConfig(block_size=BLOCK), 256)
+    fused_steps_match(runner, load_hf(model_dir, arch), lengths, wide_from, arch)
+
+
+def fused_steps_match(runner, hf, lengths, wide_from, label):
+    """Prefill ``lengths`` random prompts layer by layer, then three ``decode_fused`` steps:
+    every sequence's logits within a relative 1e-4 of ``hf``'s full forward."""
     model = runner.model
-    hf = load_hf(model_dir, arch)
     gen = torch.Generator().manual_seed(len(lengths))
     prompts, blocks = _batch(lengths, gen)
     for ids, b in zip(prompts, blocks, strict=True):
@@ -97,12 +102,12 @@ def _fused_steps_match_transformers(arch, lengths, wide_from, request):
         with torch.inference_mode():
             hidden = model.decode_fused(torch.tensor(new), meta.positions, runner.kv_caches,
                                         *decode_tables(meta), BLOCK, wide_from)
-            assert hidden is not None, "the kernel declined an fp32 CPU model"
+            assert hidden is not None, f"the kernel declined {label}"
             ours = model.compute_logits(hidden)
             for i, s in enumerate(seqs):
                 ref = hf(torch.tensor([s])).logits[0, -1]
                 rel = (ours[i] - ref).abs().max() / ref.abs().max()
-                assert rel < 1e-4, f"{arch} seq {i} (len {len(s)}): relative error {rel:.2e}"
+                assert rel < 1e-4, f"{label} seq {i} (len {len(s)}): relative error {rel:.2e}"
 
 
 @pytest.mark.parametrize("tiles", ["dot", "wide"])

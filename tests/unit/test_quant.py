@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_ops
+from engine import cpu_ops, quant_ops
 from engine.config import CacheConfig, cdiv
 from engine.kernels import QPATHS, quantized_linear_by_path, time_choices
 from engine.llm_engine import check_quantization
@@ -47,13 +47,14 @@ def test_quantizing_rounds_each_weight_to_its_nearest_level(kind):
         assert q.nbytes == n * k // 2 + 2 * n * (k // INT4_GROUP) * 2
 
 
-def test_int4_packing_keeps_ggml_nibble_order():
+def test_int4_packing_puts_runs_of_8_weights_in_each_half_of_a_block():
     q = torch.randint(0, 16, (3, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     packed = pack_int4(q)
     assert torch.equal(unpack_int4(packed), q)
-    # byte j of a 32-weight block: weight j in the low nibble, weight j + 16 in the high one
-    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 16]) << 4
-    assert int(packed[1, 17]) == int(q[1, 33]) | int(q[1, 49]) << 4
+    # byte 8 h + j of a 32-weight block: weights 16 h + j (low nibble) and 16 h + 8 + j (high)
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 8]) << 4
+    assert int(packed[0, 9]) == int(q[0, 17]) | int(q[0, 25]) << 4
+    assert int(packed[1, 17]) == int(q[1, 33]) | int(q[1, 41]) << 4  # the second block
 
 
 def test_a_layout_that_does_not_fit_is_refused():
@@ -75,7 +76,7 @@ def test_c_kernel_equals_the_dequantized_weight(kind, m, with_bias):
     w, x = _rand(37, 160, seed=m), _rand(m, 160, seed=100 + m)
     bias = _rand(37, seed=7) if with_bias else None
     q = quantize(w, kind)
-    got = cpu_ops.quantized_linear(x, q, bias)
+    got = quant_ops.quantized_linear(x, q, bias)
     ref = F.linear(x, q.dequantize(), bias)
     assert got is not None
     assert (got - ref).abs().max() <= KERNEL_RTOL * ref.abs().max()
@@ -90,7 +91,7 @@ def test_int8_with_one_scale_per_row_runs_too():
     per_row = QuantizedWeight("int8", data, scale, None, 96)
     x = _rand(3, 96, seed=2)
     ref = F.linear(x, per_row.dequantize())
-    got = cpu_ops.quantized_linear(x, per_row, None)
+    got = quant_ops.quantized_linear(x, per_row, None)
     assert (got - ref).abs().max() <= KERNEL_RTOL * ref.abs().max()
     # groups of 32 (what --quantization int8 makes) follow the weights more closely
     grouped = quantize(w, "int8")
@@ -245,34 +246,15 @@ def test_fused_decode_steps_of_a_quantized_model_match_transformers(arch, kind, 
     tiles, at any batch: asked for wide tiles it takes these): three steps of every sequence
     equal transformers' forward on the dequantized weights. Qwen2: the QKV bias; Qwen3: the
     per-head norms."""
-    from engine.attention.torch_paged import decode_tables
-    from tests.unit.test_fused_decode import BLOCK, _batch, _decode_meta
+    from tests.unit.test_fused_decode import BLOCK, fused_steps_match
 
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    cfg = load_model_config(model_dir)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(load_model_config(model_dir))
     model.load_hf_state_dict(load_state_dict(model_dir, torch.float32))
     model.quantize(kind)
     runner = ModelRunner(model, CacheConfig(block_size=BLOCK), 256)
     hf = _dequantized_hf(model_dir, arch, kind, tmp_path / "deq")
-    gen = torch.Generator().manual_seed(len(lengths))
-    prompts, blocks = _batch(lengths, gen)
-    for ids, b in zip(prompts, blocks, strict=True):
-        runner.compute_logits_for_prompt(ids, b)
-    seqs = [list(p) for p in prompts]
-    for _step in range(3):
-        new = torch.randint(3, VOCAB, (len(seqs),), generator=gen).tolist()
-        for s, t in zip(seqs, new, strict=True):
-            s.append(t)
-        meta = _decode_meta(seqs, blocks)
-        with torch.inference_mode():
-            hidden = model.decode_fused(torch.tensor(new), meta.positions, runner.kv_caches,
-                                        *decode_tables(meta), BLOCK, wide_from)
-            assert hidden is not None, "the kernel declined a quantized fp32 CPU model"
-            ours = model.compute_logits(hidden)
-            for i, s in enumerate(seqs):
-                ref = hf(torch.tensor([s])).logits[0, -1]
-                assert (ours[i] - ref).abs().max() / ref.abs().max() < 1e-4, (arch, i)
+    fused_steps_match(runner, hf, lengths, wide_from, f"{arch} {kind}")
 
 
 def test_fused_decode_declines_projections_in_mixed_layouts(tiny_llama_dir):
@@ -293,4 +275,4 @@ def test_fused_decode_declines_projections_in_mixed_layouts(tiny_llama_dir):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_the_c_expansion_equals_the_reference_expansion(kind):
     q = quantize(_rand(37, 160), kind)
-    assert torch.equal(cpu_ops.dequantize(q), q.dequantize())
+    assert torch.equal(quant_ops.dequantize(q), q.dequantize())
