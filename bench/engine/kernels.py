@@ -42,17 +42,21 @@ PLANS = ("host plan", "layer by layer", "no wide tiles", "mm_t < 128 rows", "F.l
 
 
 def _plans(tuned):
-    from engine.kernels import LINEAR_BUCKETS, M_BUCKETS, LinearPlan
+    from engine.kernels import FP, LINEAR_BUCKETS, M_BUCKETS, LinearPlan
 
-    shapes = {(t.n, t.k) for t in tuned.timings}
-    no_wide = LinearPlan({(t.n, t.k, t.m): min((p for p in t.seconds if p != "cwide"),
-                                               key=t.seconds.get) for t in tuned.timings})
+    # The fp set-ups below are for fp weights (a quantized model's keys keep the host plan's).
+    shapes = {(t.n, t.k) for t in tuned.timings if t.kind == FP}
+    no_wide = LinearPlan({(t.n, t.k, t.m, t.kind): min((p for p in t.seconds if p != "cwide"),
+                                                       key=t.seconds.get)
+                          for t in tuned.timings})
     return {"host plan": tuned,
             "layer by layer": tuned,
             "no wide tiles": no_wide,
-            "mm_t < 128 rows": LinearPlan({(n, k, m): "mm_t" for n, k in shapes for m in M_BUCKETS}),
+            "mm_t < 128 rows": LinearPlan({(n, k, m, FP): "mm_t" for n, k in shapes
+                                           for m in M_BUCKETS}),
             "F.linear": LinearPlan({}),
-            "oneDNN": LinearPlan({(n, k, m): "onednn" for n, k in shapes for m in LINEAR_BUCKETS}),
+            "oneDNN": LinearPlan({(n, k, m, FP): "onednn" for n, k in shapes
+                                  for m in LINEAR_BUCKETS}),
             "no C kernels": tuned}
 
 
