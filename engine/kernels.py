@@ -18,8 +18,8 @@ Which torch call runs them fastest depends on the host, and by a lot:
 
 Quantized weights (``engine.quant.QuantizedWeight``, ``--quantization``) have their own paths,
 ``QPATHS``: ``cquant`` (``engine.quant_ops.quantized_linear``: the weight read in its int8 / int4
-layout, never expanded) and ``dequant`` (dequantize into a scratch fp weight, then
-``F.linear``: where the GEMM's compute dwarfs the expansion). They are timed the same way; a
+layout, never expanded) and ``dequant`` (expand into a scratch fp weight in one pass, then
+oneDNN's GEMM: where the GEMM's compute dwarfs the expansion, i.e. prefill rows). They are timed the same way; a
 plan's entries are keyed by the weight's kind as well as its shape.
 
 So nothing is hard-coded: for every weight shape of the model and every batch bucket (the
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 # F.linear(x, W) | mm(W, x.T).T | oneDNN inner product | engine.cpu_ops.gemv (small M only) |
 # engine.cpu_ops.wide_linear (decode buckets only)
 PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
-# For quantized weights: engine.quant_ops.quantized_linear | dequantize + F.linear.
+# For quantized weights: engine.quant_ops.quantized_linear | expand, then oneDNN's GEMM.
 QPATHS = ("cquant", "dequant")
 FP = "fp"  # the kind of an unquantized weight in plans and timings
 CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
@@ -92,8 +92,9 @@ class Timing:
 
 @dataclass
 class LinearPlan:
-    """The chosen path per ``(n, k)`` weight shape and M bucket (``LINEAR_BUCKETS``);
-    anything not in the table (tiny weights, shapes or buckets not tuned) takes ``F.linear``."""
+    """The chosen path per ``(n, k)`` weight shape, M bucket (``LINEAR_BUCKETS``) and weight
+    kind (``FP`` or a quantized layout); anything not in the table (tiny weights, shapes or
+    buckets not tuned) takes ``F.linear`` (a quantized weight ``cquant``)."""
 
     choices: dict[tuple[int, int, int, str], str] = field(default_factory=dict)
     timings: list[Timing] = field(default_factory=list)
