@@ -18,8 +18,9 @@ Which torch call runs them fastest depends on the host, and by a lot:
 
 Quantized weights (``engine.quant.QuantizedWeight``, ``--quantization``) have their own paths,
 ``QPATHS``: ``cquant`` (``engine.quant_ops.quantized_linear``: the weight read in its int8 / int4
-layout, never expanded) and ``dequant`` (expand into a scratch fp weight in one pass, then
-oneDNN's GEMM: where the GEMM's compute dwarfs the expansion, i.e. prefill rows). They are timed the same way; a
+layout, never expanded), ``dequant`` and ``dequant_onednn`` (expand into a scratch fp weight
+in one pass, then ``F.linear`` or oneDNN's GEMM: where the GEMM's compute dwarfs the
+expansion, i.e. prefill rows; which GEMM is the host's to say, as for fp weights). They are timed the same way; a
 plan's entries are keyed by the weight's kind as well as its shape.
 
 So nothing is hard-coded: for every weight shape of the model and every batch bucket (the
@@ -57,8 +58,9 @@ log = logging.getLogger(__name__)
 # F.linear(x, W) | mm(W, x.T).T | oneDNN inner product | engine.cpu_ops.gemv (small M only) |
 # engine.cpu_ops.wide_linear (decode buckets only)
 PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
-# For quantized weights: engine.quant_ops.quantized_linear | expand, then oneDNN's GEMM.
-QPATHS = ("cquant", "dequant")
+# For quantized weights: engine.quant_ops.quantized_linear | expand, then F.linear | expand,
+# then oneDNN's GEMM (where this torch has it).
+QPATHS = ("cquant", "dequant", "dequant_onednn")
 FP = "fp"  # the kind of an unquantized weight in plans and timings
 CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
 # Decode batch sizes tuned (the attention paths use the same buckets); a batch uses the
@@ -156,16 +158,15 @@ def quantized_linear_by_path(path: str, x: torch.Tensor, weight: QuantizedWeight
                              bias: torch.Tensor | None) -> torch.Tensor:
     """``linear`` of a quantized weight by the named path (one of ``QPATHS``); where the C
     kernel does not apply (not built, bf16 activations) ``dequant`` runs instead."""
-    if path != "dequant":
+    if path == "cquant":
         out = quant_ops.quantized_linear(x, weight, bias)
         if out is not None:
             return out
     w = quant_ops.dequantize(weight) if x.is_cpu and x.dtype == torch.float32 else None
     if w is None:
         return F.linear(x, weight.dequantize(x.dtype), bias)
-    # The expanded weight is a GEMM's: oneDNN's where this torch has it (the prefill rows'
-    # usual choice for fp weights, engine.kernels' plan).
-    return linear_by_path("onednn" if "onednn" in available_paths() else "linear", x, w, bias)
+    gemm = "onednn" if path == "dequant_onednn" and "onednn" in available_paths() else "linear"
+    return linear_by_path(gemm, x, w, bias)
 
 
 def weight_kind(weight: torch.Tensor | QuantizedWeight) -> str:
@@ -280,7 +281,8 @@ def time_passes(weights: list, m: int, choice: dict[tuple[int, int, str], str],
 def _paths_for(kind: str, m: int, dtype: torch.dtype) -> list[str]:
     """The paths timed for a weight of ``kind`` at bucket ``m``."""
     if kind != FP:
-        return ["cquant", "dequant"] if cpu_ops.enabled() and dtype == torch.float32 else ["dequant"]
+        paths = ["cquant"] if cpu_ops.enabled() and dtype == torch.float32 else []
+        return paths + ["dequant"] + (["dequant_onednn"] if "onednn" in available_paths() else [])
     # mm_t exists for small M (MKL's GEMV at M=1); on prefill rows it only costs tuning time.
     return [p for p in available_paths() if (m < PREFILL_ROWS or p not in ("mm_t", "cwide"))
             and (m <= CGEMV_MAX_M or p != "cgemv")]
