@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe",
-                           "qwen3_moe")
+                           "qwen3_moe", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")  # the families with Gemma's layer (see ModelConfig's Gemma fields)
 BATCHING_POLICIES = ("continuous", "static", "dynamic")
 # The one dtype table: names every config, layout and checkpoint loader accepts, and their
 # sizes. Torch dtypes are ``getattr(torch, name)`` (this module stays torch-free).
@@ -27,6 +28,10 @@ _HF_ARCH = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
@@ -40,12 +45,15 @@ _HF_ARCH = {
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (``rope_type == "llama3"``); ``None`` means plain RoPE."""
+    """RoPE frequency scaling; ``None`` means plain RoPE. ``kind``: ``"llama3"`` (Llama 3.x:
+    low frequencies divided by ``factor``, a smooth ramp between) or ``"linear"`` (every
+    frequency divided by ``factor``: Gemma 3's global layers)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 0.0
+    high_freq_factor: float = 0.0
+    original_max_position_embeddings: int = 0
+    kind: str = "llama3"
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,23 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: a layer with a window of W attends to its last W keys (the
+    # query's own included). ``layer_types`` names each layer "sliding_attention" or
+    # "full_attention"; empty: every layer is windowed when ``sliding_window`` is set.
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 2/3 (``GEMMA``): GeGLU (tanh GELU on the gate), norms after attention and after
+    # the MLP as well as before them, embeddings scaled by sqrt(hidden), the attention
+    # scale ``query_pre_attn_scalar ** -0.5``, tanh soft-capping of attention scores and of
+    # the final logits (Gemma 2), and a separate RoPE base for the sliding layers (Gemma 3).
+    # Their RMSNorm weights are stored as w and applied as (1 + w): the loader adds the 1.
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    local_rope_theta: float | None = None  # the sliding layers' RoPE base; None: rope_theta
     dtype: str = "float32"
     model_id: str = "unnamed"
 
@@ -96,6 +120,18 @@ class ModelConfig:
             )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has "
+                             f"{self.num_layers}")
+        bad = set(self.layer_types) - {"sliding_attention", "full_attention"}
+        if bad:
+            raise ValueError(f"unsupported layer_types {sorted(bad)}; supported: "
+                             "sliding_attention, full_attention")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0, got {self.sliding_window}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, "
+                             "gelu_pytorch_tanh")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                              f"1..num_experts ({self.num_experts})")
@@ -111,13 +147,22 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) we serve exactly.
-
-        With a sliding window we cap at the window, so full attention equals windowed attention.
-        """
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence (prompt + output) we serve: the model's context. Sliding layers
+        attend to their window beyond it (every attention path honours ``layer_window``)."""
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many keys layer ``layer`` attends to (its query's own included); None: all."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """``layer_window`` of every layer."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], *, dtype: str = "float32",
@@ -141,28 +186,7 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         experts = _experts(arch, cfg)
-        rope_scaling = None
-        rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
-        rope_theta = cfg.get("rope_theta")
-        if isinstance(rs, dict):
-            rope_theta = rope_theta or rs.get("rope_theta")
-            rtype = rs.get("rope_type", rs.get("type"))
-            if rtype == "llama3":
-                rope_scaling = RopeScaling(
-                    factor=float(rs["factor"]),
-                    low_freq_factor=float(rs["low_freq_factor"]),
-                    high_freq_factor=float(rs["high_freq_factor"]),
-                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-                )
-            elif rtype not in (None, "default"):
-                raise ValueError(f"unsupported rope_scaling type {rtype!r}")
-            partial = rs.get("partial_rotary_factor", 1.0)
-        else:
-            partial = 1.0
-        partial = cfg.get("partial_rotary_factor") or partial
-        if float(partial) != 1.0:  # Phi-4-mini rotates 3/4 of each head
-            raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is "
-                             "not supported")
+        rope_theta, rope_scaling, local_rope_theta = _rope(arch, cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -176,23 +200,107 @@ class ModelConfig:
             head_dim=head_dim,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta or 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            local_rope_theta=local_rope_theta,
             # Qwen2-MoE names it qkv_bias (and writes attention_bias: null)
             attention_bias=bool(cfg["attention_bias"] if cfg.get("attention_bias") is not None
                                 else cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
             num_experts=experts.get("num_experts", 0),
             num_experts_per_tok=experts.get("num_experts_per_tok", 0),
             norm_topk_prob=experts.get("norm_topk_prob", True),
             shared_expert_intermediate_size=experts.get("shared_expert_intermediate_size", 0),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            **_windows(arch, cfg),
+            **_gemma(arch, cfg, head_dim),
             dtype=dtype,
             model_id=model_id,
         )
+
+
+def _rope(arch: str, cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
+    """RoPE base, scaling and (Gemma 3) the sliding layers' own base, from either spelling:
+    ``rope_theta`` + ``rope_scaling`` (older configs) or ``rope_parameters`` (one dict, or
+    one per layer type). A scaling type not implemented is refused by name."""
+    params = cfg.get("rope_parameters") or {}
+    local_theta = None
+    if "full_attention" in params or "sliding_attention" in params:
+        local = params.get("sliding_attention") or {}
+        local_theta = local.get("rope_theta")
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope type {local['rope_type']!r} on sliding layers")
+        params = params.get("full_attention") or {}
+    rs = cfg.get("rope_scaling") or params or None
+    theta = cfg.get("rope_theta") or params.get("rope_theta")
+    if arch == "gemma3":
+        theta = theta or 1_000_000.0
+        local_theta = local_theta or cfg.get("rope_local_base_freq") or 10_000.0
+    scaling = None
+    if isinstance(rs, dict):
+        rtype = rs.get("rope_type", rs.get("type"))
+        if rtype == "llama3":
+            scaling = RopeScaling(
+                factor=float(rs["factor"]),
+                low_freq_factor=float(rs["low_freq_factor"]),
+                high_freq_factor=float(rs["high_freq_factor"]),
+                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+            )
+        elif rtype == "linear":
+            scaling = RopeScaling(factor=float(rs["factor"]), kind="linear")
+        elif rtype not in (None, "default"):
+            raise ValueError(f"unsupported rope_scaling type {rtype!r}")
+        partial = rs.get("partial_rotary_factor", 1.0)
+    else:
+        partial = 1.0
+    partial = cfg.get("partial_rotary_factor") or partial
+    if float(partial) != 1.0:  # Phi-4-mini rotates 3/4 of each head
+        raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is "
+                         "not supported")
+    return float(theta or 10000.0), scaling, None if local_theta is None else float(local_theta)
+
+
+def _windows(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types``: from ``layer_types`` where the config lists
+    them, else each family's rule (Gemma 2: every other layer from the first; Gemma 3: five
+    of every ``sliding_window_pattern`` (6); Qwen2: layers from ``max_window_layers`` when
+    ``use_sliding_window``; Mistral and the rest: every layer)."""
+    window = cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", True):
+        return {"sliding_window": None, "layer_types": ()}
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if not types:
+        if arch == "gemma2":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        elif arch == "gemma3":
+            pattern = cfg.get("sliding_window_pattern") or 6
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(n)]
+        elif arch in ("qwen2", "qwen2_moe") and cfg.get("max_window_layers") is not None:
+            types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"
+                     for i in range(n)]
+    return {"sliding_window": int(window), "layer_types": tuple(types or ())}
+
+
+def _gemma(arch: str, cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The Gemma 2/3 fields of ``ModelConfig`` ({} for the other families)."""
+    if arch not in GEMMA:
+        return {}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{arch} with hidden_activation {act!r} is not supported "
+                         "(gelu_pytorch_tanh is)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch} with use_bidirectional_attention (an embedding model) is "
+                         "not supported: this engine serves causal decoders")
+    scalar = cfg.get("query_pre_attn_scalar") or head_dim
+    return {"hidden_act": "gelu_tanh", "sandwich_norms": True, "embed_scale": True,
+            "attn_scale": float(scalar) ** -0.5,
+            "attn_softcap": cfg.get("attn_logit_softcapping"),
+            "final_softcap": cfg.get("final_logit_softcapping")}
 
 
 def _experts(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

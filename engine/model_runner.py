@@ -157,7 +157,9 @@ class ModelRunner:
                              else (0, cfg.num_kv_heads))
         self.attn_backend = create_backend(
             attention_backend, self.device,
-            AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype))
+            AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype,
+                           tuple(cfg.layer_windows) if cfg.sliding_window else (),
+                           cfg.attn_softcap))
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device (the model is on {self.device})")
         if cuda_graphs and attention_backend != "flashinfer":

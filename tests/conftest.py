@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import GEMMA_WINDOW, save_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +61,32 @@ def tiny_qwen3_moe_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory):
     return save_tiny_model("mistral", tmp_path_factory.mktemp("tiny-mistral"))
+
+
+# Gemma: a window of 8 keys, so prompts of 9+ tokens reach past it; layer 0 sliding, layer
+# 1 global; head_dim 16 against query_pre_attn_scalar 256 (the attention scale is not
+# 1/sqrt(head_dim)). Gemma 2 soft-caps scores and logits; Gemma 3 norms q/k heads, rotates
+# its sliding layer with a base of its own and its global one with linear scaling.
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory):
+    return save_tiny_model("gemma2", tmp_path_factory.mktemp("tiny-gemma2"), head_dim=16,
+                           sliding_window=GEMMA_WINDOW, tie_word_embeddings=True,
+                           pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory):
+    return save_tiny_model("gemma3", tmp_path_factory.mktemp("tiny-gemma3"), head_dim=16,
+                           sliding_window=GEMMA_WINDOW, tie_word_embeddings=True,
+                           pad_token_id=0,
+                           layer_types=["sliding_attention", "full_attention"],
+                           rope_parameters={
+                               "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                  "rope_theta": 1_000_000.0},
+                               "sliding_attention": {"rope_type": "default",
+                                                     "rope_theta": 10_000.0}})
 
 
 # ---- memory: engines must not outlive the tests that built them ------------------------------

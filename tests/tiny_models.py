@@ -1,5 +1,5 @@
-"""Build tiny random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Mixtral / Qwen2-MoE / Qwen3-MoE
-checkpoints (GQA) with transformers' own classes."""
+"""Build tiny random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Mixtral / Qwen2-MoE / Qwen3-MoE /
+Gemma 2 / Gemma 3 checkpoints (GQA) with transformers' own classes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 VOCAB = 256
+GEMMA_WINDOW = 8  # the tiny Gemma fixtures' sliding window (tests/conftest.py)
 
 
 def hf_model_classes(arch: str):
@@ -22,6 +23,8 @@ def hf_model_classes(arch: str):
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }[arch]
 
 

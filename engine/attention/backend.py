@@ -26,15 +26,26 @@ ATTENTION_BACKENDS = ("torch", "flashinfer")
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """The model's attention dimensions and KV dtype: what a kernel library plans with.
+    """The model's attention dimensions and KV dtype: what a kernel library plans with, and
+    what changes the math per layer.
 
-    The torch backend reads them off the tensors; FlashInfer's ``plan`` needs them up front.
+    The torch backend reads the dimensions off the tensors; FlashInfer's ``plan`` needs them up
+    front. ``windows``: per layer, how many keys it attends to (its query's own included;
+    None: all of them), empty when no layer has a window (``ModelConfig.layer_windows``).
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax
+    (Gemma 2). The softmax scale is always ``1/sqrt(head_dim)``: a model with another folds
+    it into its queries.
     """
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    windows: tuple[int | None, ...] = ()
+    softcap: float | None = None
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
 
 @dataclass(frozen=True)

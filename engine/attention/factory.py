@@ -17,13 +17,13 @@ def create_backend(name: str, device: torch.device | str = "cpu",
     """The backend called ``name`` (one of ``ATTENTION_BACKENDS``), running on ``device``.
 
     ``"flashinfer"`` needs ``shape`` and a CUDA device; ValueError otherwise (and for an
-    unknown name).
+    unknown name). ``shape``'s per-layer windows and soft-cap are honoured by both.
     """
     # Imported here: a GPU backend's heavy imports should only happen when it is chosen.
     if name == "torch":
         from engine.attention.torch_paged import TorchPagedBackend
 
-        return TorchPagedBackend(device)
+        return TorchPagedBackend(device, shape)
     if name == "flashinfer":
         if shape is None:
             raise ValueError("attention backend 'flashinfer' needs the model's AttentionShape")

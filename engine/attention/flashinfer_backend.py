@@ -15,6 +15,12 @@ The KV cache is one ``[num_pages, 2, page_size, kv_heads, head_dim]`` tensor per
 single-tensor NHD form both wrappers accept (K at index 0 of dim 1). FlashInfer has no float32
 kernels, so this backend takes float16/bfloat16 only; float32 runs on the torch backend.
 The softmax scale is FlashInfer's default, ``1/sqrt(head_dim)``, as in the torch backend.
+
+Per-layer sliding windows (``AttentionShape.windows``) and soft-capped scores: FlashInfer takes
+both per plan (``window_left`` = window - 1: the keys left of the query it still sees;
+``logits_soft_cap``), so the backend keeps one decode and one prefill wrapper per distinct
+window of the model (two for Gemma: its sliding layers and its global ones), plans each once
+a step, and every layer runs the pair of its window.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ class DecodeGraphSlot:
     """
 
     batch_size: int
-    wrapper: Any  # flashinfer.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)
+    # flashinfer.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True), one per window_left
+    wrappers: dict[int, Any]
     write_page_ids: torch.Tensor  # [batch_size] int64, on the device
     write_offsets: torch.Tensor  # [batch_size] int64, on the device
 
@@ -51,8 +58,9 @@ class _StepPlan:
     write_page_ids: torch.Tensor  # [num_tokens] int64, on the device
     write_offsets: torch.Tensor  # [num_tokens] int64
     num_decode: int
-    decode: Any | None  # the planned decode wrapper, None without decode rows
-    prefill: Any | None  # the planned prefill wrapper, None without prefill chunks
+    # The planned wrappers by window_left (-1: none); empty without decode rows / prefill chunks.
+    decode: dict[int, Any]
+    prefill: dict[int, Any]
 
 
 class FlashInferBackend:
@@ -87,18 +95,24 @@ class FlashInferBackend:
         # Tensor-core decode (the prefill kernel on 1-row queries) wins once several query
         # heads read one KV head.
         self._tensor_cores = shape.num_heads > shape.num_kv_heads
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        # window_left of every layer (-1: attends to all keys), and one wrapper pair per value.
+        self._lefts = [-1 if w is None else w - 1
+                       for w in (shape.windows or (None,))]
+        self._decode = {left: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, kv_layout="NHD", use_tensor_cores=self._tensor_cores)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace,
-                                                                       kv_layout="NHD")
+            for left in set(self._lefts)}
+        self._prefill = {left: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, kv_layout="NHD") for left in set(self._lefts)}
         self._plan: _StepPlan | None = None
 
-    def _plan_args(self, block_size: int) -> tuple[tuple[int, int, int, int], dict[str, Any]]:
+    def _plan_args(self, block_size: int, left: int
+                   ) -> tuple[tuple[int, int, int, int], dict[str, Any]]:
         s = self.shape
         # Positional: num_qo_heads, num_kv_heads, head_dim (head_dim_qk in the prefill
         # wrapper), page_size. sm_scale is left at FlashInfer's 1/sqrt(head_dim).
         return ((s.num_heads, s.num_kv_heads, s.head_dim, block_size),
-                dict(q_data_type=s.dtype, kv_data_type=s.dtype))
+                dict(q_data_type=s.dtype, kv_data_type=s.dtype, window_left=left,
+                     logits_soft_cap=s.softcap))
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Plan the decode rows and the prefill chunks for every layer of this step.
@@ -106,28 +120,29 @@ class FlashInferBackend:
         ``meta`` must be the host copy: FlashInfer reads its indptr arrays on the host.
         """
         nd, ns = meta.num_decode, meta.num_seqs
-        dims, kw = self._plan_args(meta.block_size)
         kv_indptr = meta.kv_indptr
-        decode = prefill = None
-        if nd:
-            last_page = int(kv_indptr[nd])
-            self._decode.plan(kv_indptr[:nd + 1], meta.kv_indices[:last_page],
-                              meta.kv_last_page_len[:nd], *dims, **kw)
-            decode = self._decode
-        if ns > nd:
-            # The prefill wrapper sees only the chunks: rebase both indptrs to start at 0.
-            first_page = int(kv_indptr[nd])
-            self._prefill.plan(meta.qo_indptr[nd:] - meta.qo_indptr[nd],
-                               kv_indptr[nd:] - first_page, meta.kv_indices[first_page:],
-                               meta.kv_last_page_len[nd:], *dims, causal=True, **kw)
-            prefill = self._prefill
+        decode, prefill = {}, {}
+        for left in self._decode:
+            dims, kw = self._plan_args(meta.block_size, left)
+            if nd:
+                last_page = int(kv_indptr[nd])
+                self._decode[left].plan(kv_indptr[:nd + 1], meta.kv_indices[:last_page],
+                                        meta.kv_last_page_len[:nd], *dims, **kw)
+                decode[left] = self._decode[left]
+            if ns > nd:
+                # The prefill wrapper sees only the chunks: rebase both indptrs to start at 0.
+                first_page = int(kv_indptr[nd])
+                self._prefill[left].plan(meta.qo_indptr[nd:] - meta.qo_indptr[nd],
+                                         kv_indptr[nd:] - first_page, meta.kv_indices[first_page:],
+                                         meta.kv_last_page_len[nd:], *dims, causal=True, **kw)
+                prefill[left] = self._prefill[left]
         dev = self.device
         self._plan = _StepPlan(meta.write_page_ids.to(dev, non_blocking=True),
                                meta.write_offsets.to(dev, non_blocking=True), nd, decode, prefill)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor) -> torch.Tensor:
-        """Write new K/V into the cache, then attend (``layer`` is unused: one plan per step).
+        """Write new K/V into the cache, then attend with the wrappers of ``layer``'s window.
 
         q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
         Returns ``[num_tokens, num_heads * head_dim]``.
@@ -141,13 +156,14 @@ class FlashInferBackend:
         # indices in fixed tensors it is capturable in a CUDA graph as is.
         write_kv(kv_cache, p.write_page_ids, p.write_offsets, k, v)
         num_tokens, num_heads, head_dim = q.shape
-        if p.prefill is None:  # decode-only: every CUDA-graph step
-            return p.decode.run(q, kv_cache).view(num_tokens, num_heads * head_dim)
+        left = self._lefts[layer] if len(self._lefts) > 1 else self._lefts[0]
+        if not p.prefill:  # decode-only: every CUDA-graph step
+            return p.decode[left].run(q, kv_cache).view(num_tokens, num_heads * head_dim)
         out = torch.empty_like(q)
         nd = p.num_decode
-        if p.decode is not None:
-            p.decode.run(q[:nd], kv_cache, out=out[:nd])
-        p.prefill.run(q[nd:], kv_cache, out=out[nd:])
+        if p.decode:
+            p.decode[left].run(q[:nd], kv_cache, out=out[:nd])
+        p.prefill[left].run(q[nd:], kv_cache, out=out[nd:])
         return out.view(num_tokens, num_heads * head_dim)
 
     # ---- CUDA graphs (engine/cuda_graphs.py) -------------------------------------------
@@ -155,13 +171,14 @@ class FlashInferBackend:
         """A decode wrapper in CUDA-graph mode for ``batch_size`` sequences holding at most
         ``max_pages`` pages in all (size it for every sequence at the longest context)."""
         dev = self.device
-        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+        wrappers = {left: self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, kv_layout="NHD", use_cuda_graph=True,
             use_tensor_cores=self._tensor_cores,
             paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=dev),
             paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=dev))
-        return DecodeGraphSlot(batch_size, wrapper,
+            for left in self._decode}
+        return DecodeGraphSlot(batch_size, wrappers,
                                torch.zeros(batch_size, dtype=torch.int64, device=dev),
                                torch.zeros(batch_size, dtype=torch.int64, device=dev))
 
@@ -172,9 +189,10 @@ class FlashInferBackend:
         if meta.num_decode != slot.batch_size or meta.num_seqs != slot.batch_size:
             raise ValueError(f"graph slot holds {slot.batch_size} decode sequences, the step has "
                              f"{meta.num_decode} decode of {meta.num_seqs}")
-        dims, kw = self._plan_args(meta.block_size)
-        slot.wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, *dims, **kw)
+        for left, wrapper in slot.wrappers.items():
+            dims, kw = self._plan_args(meta.block_size, left)
+            wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, *dims, **kw)
         slot.write_page_ids.copy_(meta.write_page_ids, non_blocking=True)
         slot.write_offsets.copy_(meta.write_offsets, non_blocking=True)
         self._plan = _StepPlan(slot.write_page_ids, slot.write_offsets, slot.batch_size,
-                               slot.wrapper, None)
+                               slot.wrappers, {})

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_ops
-from engine.attention.backend import AttentionMetadata, write_kv
+from engine.attention.backend import AttentionMetadata, AttentionShape, write_kv
 from engine.kernels import M_BUCKETS
 
 
@@ -137,6 +137,20 @@ class _DecodeGather:
 
 
 @dataclass(frozen=True)
+class _MaskedPlan:
+    """The step's plan for layers whose math the fast paths lack: a sliding window some
+    sequence of the step has outgrown, or soft-capped scores. Decode rows take the
+    ``"gather"`` read; every mask is keyed by the layer's window (None: causal only) and is
+    True where a key is *hidden* for decode (``[B, 1, 1, L]``), *visible* for prefill
+    (``[q_len, kv_len]``, as SDPA takes it)."""
+
+    decode_gather: _DecodeGather | None
+    decode_masks: dict[int | None, torch.Tensor]
+    prefill_masks: list[dict[int | None, torch.Tensor]]  # one per prefill chunk
+    windows: frozenset[int]  # the windows that bind this step (shorter than some KV length)
+
+
+@dataclass(frozen=True)
 class _StepPlan:
     """What every layer of one step reuses, on the backend's device."""
 
@@ -149,15 +163,24 @@ class _StepPlan:
     # True past each sequence's KV length (padding rows of the gathered pages).
     decode_pad_mask: torch.Tensor | None  # [num_decode, 1, 1, max_pages * block_size] bool
     prefills: list[_PrefillPlan]
+    masked: _MaskedPlan | None = None  # None: every layer takes the fast paths this step
 
 
 class TorchPagedBackend:
-    """``AttentionBackend`` on torch ops (SDPA for prefill, two matmuls for batched decode)."""
+    """``AttentionBackend`` on torch ops (SDPA for prefill, two matmuls for batched decode).
+
+    ``shape``'s per-layer windows and soft-cap are honoured: a layer whose window some
+    sequence of the step has outgrown, or any layer of a soft-capped model, attends through
+    explicit masks (``_MaskedPlan``); while every sequence fits in the windows, windowed
+    layers take the same fast paths as global ones (the math is the same)."""
 
     name = "torch"
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", shape: AttentionShape | None = None
+                 ) -> None:
         self.device = torch.device(device)
+        self.windows: tuple[int | None, ...] = shape.windows if shape is not None else ()
+        self.softcap: float | None = shape.softcap if shape is not None else None
         self._plan: _StepPlan | None = None
         self._head_index: torch.Tensor | None = None
         self.decode_paths = DecodePaths()  # the engine sets the host's (tune_decode_paths)
@@ -200,7 +223,44 @@ class TorchPagedBackend:
                                          kv_indices[kv_indptr[i]:kv_indptr[i + 1]], mask))
         self._plan = _StepPlan(meta.write_page_ids.to(dev, non_blocking=True),
                                meta.write_offsets.to(dev, non_blocking=True),
-                               nd, gather, pad_mask, prefills)
+                               nd, gather, pad_mask, prefills, self._masked_plan(meta, prefills))
+
+    def _masked_plan(self, meta: AttentionMetadata, prefills: list[_PrefillPlan]
+                     ) -> _MaskedPlan | None:
+        """The masks of this step's windowed and soft-capped layers; None when no layer needs
+        them (no soft-cap, and every sequence within every window)."""
+        if not self.windows and self.softcap is None:
+            return None
+        bs, nd, dev = meta.block_size, meta.num_decode, self.device
+        tables = kv_lens = None
+        longest = max((s.end_pos for s in prefills), default=0)
+        if nd:
+            tables, kv_lens = decode_tables(meta)
+            longest = max(longest, int(kv_lens.max()))
+        binding = frozenset(w for w in self.windows if w is not None and longest > w)
+        if not binding and self.softcap is None:
+            return None
+        keys: list[int | None] = [None, *sorted(binding)]
+        decode_gather, decode_masks = None, {}
+        if nd:
+            length = tables.shape[1] * bs
+            pos = torch.arange(length)[None, :]
+            pad = pos >= kv_lens[:, None]  # [B, L]: past each sequence's end
+            decode_gather = _DecodeGather(
+                "gather", tables.repeat_interleave(bs, dim=1)[None, :, None, :].to(dev),
+                torch.arange(2, device=dev)[:, None, None, None],
+                (torch.arange(length) % bs)[None, None, None, :].to(dev), None, (nd, length))
+            for w in keys:  # hidden: padding, and keys more than w - 1 behind the query
+                hidden = pad if w is None else pad | (pos < kv_lens[:, None] - w)
+                decode_masks[w] = hidden[:, None, None, :].to(dev)
+        prefill_masks = []
+        for s in prefills:
+            q_pos = torch.arange(s.start_pos, s.end_pos, device=dev)[:, None]
+            k_pos = torch.arange(s.end_pos, device=dev)[None, :]
+            causal = k_pos <= q_pos  # [q_len, kv_len]
+            prefill_masks.append({w: causal if w is None else causal & (k_pos > q_pos - w)
+                                  for w in keys})
+        return _MaskedPlan(decode_gather, decode_masks, prefill_masks, binding)
 
     def _decode_gather(self, tables: torch.Tensor, kv_lens: torch.Tensor, bs: int
                        ) -> tuple[_DecodeGather, torch.Tensor | None]:
@@ -242,6 +302,13 @@ class TorchPagedBackend:
         write_kv(kv_cache, p.write_page_ids, p.write_offsets, k, v)
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        m = p.masked
+        if m is not None:
+            w = self.windows[layer] if self.windows else None
+            w = w if w in m.windows else None  # a window no sequence outgrew: causal only
+            if w is not None or self.softcap is not None:
+                self._forward_masked(p, m, w, q, k, v, kv_cache, out)
+                return out.view(num_tokens, num_heads * head_dim)
         if p.num_decode:
             nd = p.num_decode
             _decode(q[:nd], kv_cache, p.decode_gather, self._heads(kv_cache.shape[3]),
@@ -257,6 +324,24 @@ class TorchPagedBackend:
                     and cpu_ops.prefill_attention(q[rows], ks, vs, s.start_pos, out[rows])):
                 out[rows] = _prefill(q[rows], ks, vs, s.mask)
         return out.view(num_tokens, num_heads * head_dim)
+
+
+    def _forward_masked(self, p: _StepPlan, m: _MaskedPlan, window: int | None, q: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        out: torch.Tensor) -> None:
+        """One layer's attention through ``m``'s masks for ``window``, scores soft-capped."""
+        nd = p.num_decode
+        if nd:
+            out[:nd] = _decode_gather(q[:nd], kv_cache, m.decode_gather,
+                                      self._heads(kv_cache.shape[3]), m.decode_masks[window],
+                                      self.softcap)
+        for s, masks in zip(p.prefills, m.prefill_masks, strict=True):
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            if s.mask is None:  # nothing cached before the chunk: its fresh K/V are all
+                ks, vs = k[rows], v[rows]
+            else:
+                ks, vs = gather_kv(kv_cache, s.block_ids, s.end_pos)
+            out[rows] = _prefill_masked(q[rows], ks, vs, masks[window], self.softcap)
 
 
 def decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,6 +379,22 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return o.squeeze(0).transpose(0, 1)  # [q_len, H, D]
 
 
+def _prefill_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                    softcap: float | None) -> torch.Tensor:
+    """Prefill attention under an explicit ``visible [q_len, kv_len]`` mask: SDPA, or with a
+    soft-cap (which SDPA cannot apply between the scores and the softmax) the scores
+    written out: ``[q_len, H, D]``."""
+    if softcap is None:
+        return _prefill(q, k, v, visible)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, H, D]
+    scores = torch.einsum("qhd,khd->hqk", q, k).float() * (1.0 / math.sqrt(q.shape[-1]))
+    scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather, heads: torch.Tensor,
             pad_mask: torch.Tensor | None, out: torch.Tensor) -> None:
     """One query token per sequence, all sequences in one batched call, into ``out [B, H, D]``."""
@@ -308,8 +409,10 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather, head
 
 
 def _decode_gather(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather,
-                   heads: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
-    """The ``"gather"`` path."""
+                   heads: torch.Tensor, pad_mask: torch.Tensor, softcap: float | None = None
+                   ) -> torch.Tensor:
+    """The ``"gather"`` path (``pad_mask``: True where a key is hidden; scores
+    soft-capped when ``softcap`` is set)."""
     b, num_heads, head_dim = q.shape
     kvh = heads.shape[2]
     group = num_heads // kvh
@@ -320,6 +423,8 @@ def _decode_gather(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGathe
     k, v = kv[0], kv[1]
     qg = q.view(b, kvh, group, head_dim)  # [B, KVH, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(head_dim))  # [B, KVH, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores.masked_fill_(pad_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, num_heads, head_dim)

@@ -32,13 +32,17 @@ if TYPE_CHECKING:
 LayerHook = Callable[[int, torch.Tensor], None]
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]``, with Llama-3 scaling when configured."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]``, with the configured scaling (Llama 3's or
+    linear). ``local``: the sliding layers' own base, unscaled (Gemma 3)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    rs = cfg.rope_scaling
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = None if local else cfg.rope_scaling
     if rs is None:
         return inv
+    if rs.kind == "linear":
+        return inv / rs.factor
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
     wavelen = 2 * torch.pi / inv
@@ -53,8 +57,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables ``[max_len, head_dim]`` (rotate-half convention, as in HF)."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype) -> None:
-        inv = rope_inv_freq(cfg)
+    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype,
+                 local: bool = False) -> None:
+        inv = rope_inv_freq(cfg, local)
         pos = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # [max_len, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -126,6 +131,12 @@ class QEmbedding(nn.Module):
         return self.weight.rows(ids)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU: ``gelu_tanh(gate) * up`` of a fused ``[T, 2 I]`` -> ``[T, I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 class DecoderLayer(nn.Module):
     """One layer; ``cfg`` holds this rank's shapes (``TPShard.local_config``). With a
     tensor-parallel ``comm``, O and down are row-parallel: their partial sums are all-reduced
@@ -141,7 +152,22 @@ class DecoderLayer(nn.Module):
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        # The norm before the feed-forward (HF: post_attention_layernorm; Gemma:
+        # pre_feedforward_layernorm).
         self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        # Gemma: norms of the attention's and the feed-forward's outputs, before each residual add.
+        self.attn_out_norm = self.mlp_out_norm = None
+        if cfg.sandwich_norms:
+            self.attn_out_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype),
+                                              requires_grad=False)
+            self.mlp_out_norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype),
+                                             requires_grad=False)
+        # Gemma's attention scale (query_pre_attn_scalar ** -0.5) folded into the queries, so
+        # every attention kernel keeps its 1/sqrt(head_dim): q * f . k / sqrt(D) = q . k * scale.
+        self.q_factor = (None if cfg.attn_scale is None
+                         else cfg.attn_scale * cfg.head_dim ** 0.5)
+        # Gemma 3: sliding layers rotate with their own RoPE base (the model's second table).
+        self.local_rope = cfg.local_rope_theta is not None and cfg.layer_window(layer_idx) is not None
         self.qkv = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.attention_bias, dtype)
         self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype)
         # The feed-forward: one SwiGLU MLP, or routed experts (Mixtral, Qwen3-MoE).
@@ -165,18 +191,28 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             self._norm_qk_heads(qkv)
         q, k = rope.apply_qk(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin)
+        if self.q_factor is not None:
+            q = q * self.q_factor
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attn.forward(self.layer_idx, q, k, v, kv_cache)  # [T, H * D]
         o = linear(o, self.o_proj.weight)
         if self.comm is not None:
             self.comm.all_reduce(o)
+        if self.attn_out_norm is not None:
+            o = cpu_ops.rms_norm(o, self.attn_out_norm, cfg.rms_norm_eps)
         # h is this layer's own tensor (the embedding's output or the previous layer's sum),
         # so the skip connection may add into it in place.
         h, x = cpu_ops.add_rms_norm(h, o, self.post_norm, cfg.rms_norm_eps)
-        m = (self.moe(x) if self.moe is not None
-             else linear(cpu_ops.silu_mul(linear(x, self.gate_up.weight)), self.down.weight))
+        if self.moe is not None:
+            m = self.moe(x)
+        else:
+            gu = linear(x, self.gate_up.weight)
+            m = linear(cpu_ops.silu_mul(gu) if cfg.hidden_act == "silu" else gelu_tanh_mul(gu),
+                       self.down.weight)
         if self.comm is not None:
             self.comm.all_reduce(m)
+        if self.mlp_out_norm is not None:
+            m = cpu_ops.rms_norm(m, self.mlp_out_norm, cfg.rms_norm_eps)
         return h + m
 
     def _norm_qk_heads(self, qkv: torch.Tensor) -> None:
@@ -219,6 +255,14 @@ class LlamaForCausalLM(nn.Module):
         # Buffers, so `.to(device)` moves the tables with the weights.
         self.register_buffer("rope_cos", self.rope.cos, persistent=False)
         self.register_buffer("rope_sin", self.rope.sin, persistent=False)
+        self.rope_local = None  # Gemma 3: the sliding layers' tables
+        if any(layer.local_rope for layer in self.layers):
+            self.rope_local = RotaryEmbedding(cfg, max_len or cfg.max_model_len, dtype, local=True)
+            self.register_buffer("rope_local_cos", self.rope_local.cos, persistent=False)
+            self.register_buffer("rope_local_sin", self.rope_local.sin, persistent=False)
+        # Gemma: embeddings times sqrt(hidden), rounded to the model dtype as transformers does.
+        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)
+                            if cfg.embed_scale else None)
         self.requires_grad_(False)
         # decode_layers' table: its key, its tensors, the table, the projections' layout
         self._pointers: tuple | None = None
@@ -235,10 +279,15 @@ class LlamaForCausalLM(nn.Module):
         ``layer_hook(i, kv_cache_i)`` runs after layer i's KV is written (the prefill worker
         streams that layer out while the next one computes)."""
         h = self.embed(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale.to(h.device)
         cos = self.rope_cos[positions]  # [T, D]
         sin = self.rope_sin[positions]
+        local = ((self.rope_local_cos[positions], self.rope_local_sin[positions])
+                 if self.rope_local is not None else None)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, self.rope, kv_caches[i], attn)
+            c, s = local if layer.local_rope else (cos, sin)
+            h = layer(h, c, s, self.rope, kv_caches[i], attn)
             if layer_hook is not None:
                 layer_hook(i, kv_caches[i])
         return cpu_ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
@@ -252,9 +301,14 @@ class LlamaForCausalLM(nn.Module):
         [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles).
         Same math as ``forward``; None, computing
         nothing, where the kernel does not apply (the caller then runs ``forward``)."""
-        if (self.comm is not None or self.cfg.num_experts
+        cfg = self.cfg
+        if (self.comm is not None or cfg.num_experts or cfg.sandwich_norms
                 or not cpu_ops.decode_layers_applies(self.layer_shapes, self.embed.weight.dtype)):
-            return None  # the fused kernel has no all-reduce between layers, nor experts
+            # the fused kernel has no all-reduce between layers, no experts, nor Gemma's layer
+            return None
+        windows = [w for w in cfg.layer_windows if w is not None]
+        if windows and int(kv_lens.max()) > min(windows):
+            return None  # nor windows: it runs only while every sequence fits in them
         pointers = self._layer_pointers(kv_caches)
         if self._pointers[3] is None:
             return None  # projections in more than one layout (e.g. a GGUF mixing types)
@@ -324,6 +378,9 @@ class LlamaForCausalLM(nn.Module):
                 w = (w.row_slice(self.vocab.start, self.vocab.stop)
                      if isinstance(w, QuantizedWeight) else w[self.vocab.start:self.vocab.stop])
         logits = linear(hidden, w).float()
+        cap = self.cfg.final_softcap
+        if cap is not None:  # Gemma 2: tanh soft-capping, elementwise (before the gather too)
+            logits = torch.tanh(logits / cap) * cap
         if self.comm is None:
             return logits
         per = self.shard.vocab_per_rank(self.full_cfg)
@@ -364,11 +421,21 @@ class LlamaForCausalLM(nn.Module):
         checkpoint does not match the config)."""
         dtype = self.embed.weight.dtype
         quantized = quantized or {}
+        gemma = self.cfg.sandwich_norms
 
         def take(name: str) -> torch.Tensor:
             if name not in sd:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return sd[name].to(dtype)
+
+        def take_norm(name: str) -> torch.Tensor:
+            """An RMSNorm weight as applied: Gemma stores w and scales by (1 + w), added in
+            fp32 as transformers does, then rounded to the model dtype."""
+            if not gemma:
+                return take(name)
+            if name not in sd:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return (1.0 + sd[name].float()).to(dtype)
 
         def take_linear(names: list[str]) -> torch.Tensor | QuantizedWeight:
             """The named parts of one fused weight, stacked by rows: quantized where every
@@ -405,7 +472,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             put(self.embed.weight, embed.dequantize(dtype) if embed is not None
                 else take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        put(self.norm, take_norm("model.norm.weight"), "model.norm.weight")
         if self.lm_head is not None:
             if "lm_head.weight" in sd or "lm_head.weight" in quantized:
                 put_linear(self, "lm_head", ["lm_head.weight"], "lm_head.weight")
@@ -418,9 +485,16 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(layer.post_norm, take(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm.weight")
+            put(layer.input_norm, take_norm(p + "input_layernorm.weight"),
+                p + "input_layernorm.weight")
+            if gemma:  # norms on both sides of attention and of the MLP
+                for dst, name in ((layer.attn_out_norm, "post_attention_layernorm"),
+                                  (layer.post_norm, "pre_feedforward_layernorm"),
+                                  (layer.mlp_out_norm, "post_feedforward_layernorm")):
+                    put(dst, take_norm(f"{p}{name}.weight"), f"{p}{name}.weight")
+            else:
+                put(layer.post_norm, take(p + "post_attention_layernorm.weight"),
+                    p + "post_attention_layernorm.weight")
             if a + "qkv_proj.weight" in sd:  # Phi-3 ships them fused, in our order
                 put(layer.qkv.weight, take(a + "qkv_proj.weight"), a + "qkv_proj.weight")
             else:
@@ -432,8 +506,8 @@ class LlamaForCausalLM(nn.Module):
                 put(layer.qkv.bias, bias, a + "{q,k,v}_proj.bias")
             put_linear(layer, "o_proj", [a + "o_proj.weight"], a + "o_proj.weight")
             if layer.q_norm is not None:
-                put(layer.q_norm, take(a + "q_norm.weight"), a + "q_norm.weight")
-                put(layer.k_norm, take(a + "k_norm.weight"), a + "k_norm.weight")
+                put(layer.q_norm, take_norm(a + "q_norm.weight"), a + "q_norm.weight")
+                put(layer.k_norm, take_norm(a + "k_norm.weight"), a + "k_norm.weight")
             if layer.moe is not None:
                 if self.cfg.architecture == "mixtral":
                     layer.moe.load(take, p + "block_sparse_moe.", ("w1", "w3", "w2"), put)

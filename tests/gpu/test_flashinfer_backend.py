@@ -51,6 +51,23 @@ def test_flashinfer_matches_torch_backend_on_mixed_batch(heads, kv_heads, head_d
     assert torch.equal(got_kv, want_kv)
 
 
+@pytest.mark.parametrize("softcap", [None, 50.0])
+def test_flashinfer_honours_per_layer_windows_and_softcap(softcap):
+    """Layer 0 slides over 16 keys (the mixed batch's sequences reach 57), layer 1 sees all:
+    each equals the torch backend's masked attention for its layer; Gemma 2's soft-cap too."""
+    shape = AttentionShape(8, 2, 128, torch.bfloat16, windows=(16, None), softcap=softcap)
+    meta = build_metadata(MIXED, BLOCK)
+    q, k, v, cache = _inputs(meta, shape, num_pages=16)
+    for layer in (0, 1):
+        results = {}
+        for name in ("torch", "flashinfer"):
+            backend = create_backend(name, "cuda", shape)
+            backend.plan(meta)
+            results[name] = backend.forward(layer, q, k, v, cache.clone())
+        torch.testing.assert_close(results["flashinfer"].float(), results["torch"].float(),
+                                   atol=ATOL, rtol=RTOL)
+
+
 def test_flashinfer_refuses_float32():
     with pytest.raises(ValueError, match="float16/bfloat16 only"):
         create_backend("flashinfer", "cuda", AttentionShape(4, 2, 64, torch.float32))

@@ -139,9 +139,16 @@ def test_kv_bytes_and_block_budget():
     assert num_blocks_for_budget(m, 16, 10 * 16 * m.kv_bytes_per_token + 5) == 10
 
 
-def test_sliding_window_caps_max_model_len():
-    assert _model(sliding_window=128).max_model_len == 128
-    assert _model().max_model_len == 512
+def test_sliding_window_no_longer_caps_max_model_len():
+    """Windowed layers attend to their window past it (tests/unit/test_gemma.py proves the
+    tokens), so the context stays the model's own."""
+    m = _model(sliding_window=128)
+    assert m.max_model_len == 512 and m.layer_windows == (128, 128)
+    assert _model().max_model_len == 512 and _model().layer_windows == (None, None)
+    mixed = _model(sliding_window=128, layer_types=("full_attention", "sliding_attention"))
+    assert mixed.layer_windows == (None, 128)
+    with pytest.raises(ValueError, match="layer_types names 1 layers"):
+        _model(sliding_window=128, layer_types=("full_attention",))
 
 
 # ---- `pdcluster serve` device flags -> both engines' EngineArgs ------------------------------

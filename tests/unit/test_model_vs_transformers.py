@@ -28,7 +28,7 @@ def _ours(model_dir, block_size=8, num_blocks=64):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral",
-                                  "qwen2_moe", "qwen3_moe"])
+                                  "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"])
 @pytest.mark.parametrize("prefill_path", PREFILL_PATHS)
 def test_prompt_logits_match_transformers(arch, prefill_path, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
@@ -98,21 +98,27 @@ def test_moe_routing_ties_break_as_transformers_does(tmp_path):
         assert not torch.equal(layer.moe.gate_up[1], layer.moe.gate_up[2])
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 @pytest.mark.parametrize("decode_path", DECODE_PATHS)
 @pytest.mark.parametrize("prefill_path", PREFILL_PATHS)
-def test_decode_with_cached_prefix_matches_full_forward(tiny_llama_dir, decode_path, prefill_path):
+def test_decode_with_cached_prefix_matches_full_forward(arch, decode_path, prefill_path, request):
     """Chunked prefill (prefix in pages) + single-token decode == one full forward, by every
     decode path and prefill path (the fused C kernels included: they are built on every host
-    that runs the tests)."""
-    from engine.attention.backend import SeqSlice, build_metadata
+    that runs the tests). Gemma's 23 tokens outgrow its sliding layer's window of 8: the
+    chunk and the decode step attend through the windowed masks (soft-capped for Gemma 2)."""
+    from engine.attention.backend import AttentionShape, SeqSlice, build_metadata
     from engine.attention.factory import create_backend
 
-    runner = _ours(tiny_llama_dir, block_size=4, num_blocks=32)
-    hf = load_hf(tiny_llama_dir, "llama")
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    runner = _ours(model_dir, block_size=4, num_blocks=32)
+    hf = load_hf(model_dir, arch)
     ids = torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(3)).tolist()
     blocks = [9, 2, 17, 5, 30, 11]
     model = runner.model
-    backend = create_backend("torch")
+    cfg = model.cfg
+    backend = create_backend("torch", "cpu", AttentionShape(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.float32, cfg.layer_windows,
+        cfg.attn_softcap))
     backend.decode_paths = DecodePaths({(b, c): decode_path for b in M_BUCKETS
                                         for c in CONTEXT_BUCKETS})
     backend.prefill_paths = PrefillPaths.everywhere(prefill_path)

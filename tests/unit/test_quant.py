@@ -156,13 +156,16 @@ def _dequantized_hf(model_dir, arch, kind, out):
             mlp.gate_proj.weight.copy_(gate_up[:cfg.intermediate_size])
             mlp.up_proj.weight.copy_(gate_up[cfg.intermediate_size:])
             mlp.down_proj.weight.copy_(mine.down.weight.dequantize())
-        hf.lm_head.weight.copy_(ours.lm_head.weight.dequantize())
+        if ours.lm_head is not None:
+            hf.lm_head.weight.copy_(ours.lm_head.weight.dequantize())
+        else:  # tied (Gemma): the quantized embedding is both the lookup and the head
+            hf.model.embed_tokens.weight.copy_(ours.embed.weight.dequantize())
     hf.save_pretrained(out, safe_serialization=True)
     return hf
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_quantized_logits_equal_transformers_on_the_dequantized_weights(arch, kind, request,
                                                                          tmp_path):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")

@@ -136,6 +136,9 @@ def _pids_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
     ("tiny_mixtral_dir", "mixtral", (1, 2)),  # every expert cut like the MLP; router replicated
     ("tiny_qwen2_moe_dir", "qwen2_moe", (1, 2)),  # + a shared expert cut by its own size
     ("tiny_qwen3_moe_dir", "qwen3_moe", (1, 2)),
+    # norms around attention and the MLP on the all-reduced sums, logits soft-capped per rank
+    ("tiny_gemma2_dir", "gemma2", (2,)),
+    ("tiny_gemma3_dir", "gemma3", (2,)),  # + windows, two RoPE bases, q/k norms replicated
     ("smol_shape_dir", "llama", (2, 3)),  # uneven head and intermediate splits
 ])
 def test_greedy_tokens_equal_transformers_at_every_tp(request, model, arch, sizes, prompts):
