@@ -30,6 +30,9 @@ _HF_ARCH = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    # Gemma 3 4B-27B ship as image+text models: their language model is served (text only;
+    # the OpenAI API refuses image content parts), the vision tower is never read.
+    "Gemma3ForConditionalGeneration": "gemma3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "llama": "llama",
@@ -167,7 +170,15 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], *, dtype: str = "float32",
                        model_id: str = "unnamed") -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dict; unknown architectures raise ValueError."""
+        """Build from a Hugging Face ``config.json`` dict; unknown architectures and missing
+        fields raise ValueError."""
+        try:
+            return cls._from_hf_config(_language_model(cfg), dtype, model_id)
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: dict[str, Any], dtype: str, model_id: str) -> ModelConfig:
         archs = cfg.get("architectures") or []
         key = archs[0] if archs else cfg.get("model_type", "")
         arch = _HF_ARCH.get(key) or _HF_ARCH.get(cfg.get("model_type", ""))
@@ -219,6 +230,38 @@ class ModelConfig:
             dtype=dtype,
             model_id=model_id,
         )
+
+
+# Gemma's config classes' defaults: older config.json files leave these out (a 4B Gemma 3's
+# text_config names neither head_dim nor rms_norm_eps), and transformers fills them in.
+_GEMMA_DEFAULTS = {
+    "gemma2": {"head_dim": 256, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "max_position_embeddings": 8192,
+               "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "gemma3": {"head_dim": 256, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "max_position_embeddings": 131_072,
+               "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+               "vocab_size": 262_208},
+}
+
+
+def _language_model(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: ``cfg`` itself, or for an image+text Gemma 3
+    (``Gemma3ForConditionalGeneration``) its ``text_config`` with the top level's token ids;
+    Gemma's defaults filled in where the file leaves a field out."""
+    archs = cfg.get("architectures") or []
+    if archs[:1] == ["Gemma3ForConditionalGeneration"]:
+        top = cfg
+        cfg = {**cfg.get("text_config", {}), "architectures": ["Gemma3ForCausalLM"],
+               "model_type": "gemma3_text"}
+        for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings", "torch_dtype"):
+            if key in top and key not in cfg:
+                cfg[key] = top[key]
+    family = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}.get(
+        (cfg.get("architectures") or [""])[0]) or {"gemma2": "gemma2", "gemma3_text": "gemma3"}.get(
+        cfg.get("model_type", ""))
+    return {**_GEMMA_DEFAULTS[family], **cfg} if family else cfg
 
 
 def _rope(arch: str, cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:

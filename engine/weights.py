@@ -159,20 +159,41 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype,
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name in skip:
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = language_model_name(stored)
+                if name is None or name in skip:
                     continue
                 part = select(name) if select is not None else None
                 if part is None:
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(stored)
                 else:
                     dim, *where = part
-                    sl = f.get_slice(name)
+                    sl = f.get_slice(stored)
                     ranges = where[0] if len(where) == 1 else [tuple(where)]
                     t = torch.cat([sl[a:b] if dim == 0 else sl[:, a:b] for a, b in ranges],
                                   dim=dim)
                 state[name] = t.to(dtype) if t.is_floating_point() else t
     return state
+
+
+# An image+text checkpoint (Gemma 3 4B-27B) keeps its language model under a prefix, beside a
+# vision tower and projector this engine does not serve: (prefix, what it becomes), in the
+# layout transformers saves and in its in-memory one.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                            ("model.language_model.", "model."))
+_NOT_LANGUAGE_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                       "model.multi_modal_projector.")
+
+
+def language_model_name(stored: str) -> str | None:
+    """A checkpoint tensor's name as the language model knows it (``model.layers.0...``);
+    None for the tensors of an image tower, which are never read."""
+    if stored.startswith(_NOT_LANGUAGE_MODEL):
+        return None
+    for prefix, becomes in _LANGUAGE_MODEL_PREFIXES:
+        if stored.startswith(prefix):
+            return becomes + stored[len(prefix):]
+    return stored
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ def hf_model_classes(arch: str):
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        # image+text Gemma 3 (4B-27B): save_tiny_gemma3_image_text_model builds its config
+        "gemma3_image_text": (tf.Gemma3Config, tf.Gemma3ForConditionalGeneration),
     }[arch]
 
 
@@ -39,6 +41,28 @@ def save_tiny_model(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).eval()
+    _randomize(model)
+    model.save_pretrained(out, safe_serialization=True)
+    return Path(out)
+
+
+def save_tiny_gemma3_image_text_model(out: Path, text_config: dict, seed: int = 0) -> Path:
+    """A ``Gemma3ForConditionalGeneration`` (the 4B-27B checkpoints' class): ``text_config``'s
+    language model beside a one-layer SigLIP vision tower and its projector."""
+    import transformers as tf
+
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text_config, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)).eval()
+    _randomize(model)
+    model.save_pretrained(out, safe_serialization=True)
+    return Path(out)
+
+
+def _randomize(model) -> None:
     # Random init gives near-uniform logits: scale up so greedy argmax has clear winners and
     # token-for-token comparisons are meaningful rather than tie-breaking noise.
     # Biases and norm weights start at 0 / 1: randomize them so a loader that drops them fails.
@@ -50,8 +74,6 @@ def save_tiny_model(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
                 p.normal_(0.0, 0.5)
             else:
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out, safe_serialization=True)
-    return Path(out)
 
 
 def load_hf(model_dir: Path, arch: str):

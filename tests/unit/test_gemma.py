@@ -9,7 +9,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from tests.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts, save_tiny_model
+from tests.tiny_models import (
+    GEMMA_WINDOW,
+    hf_greedy,
+    random_prompts,
+    save_tiny_gemma3_image_text_model,
+    save_tiny_model,
+)
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -42,6 +48,24 @@ def test_gemma_prefix_cache_hit_past_the_window_gives_the_same_tokens(tiny_gemma
     assert first.token_ids == second.token_ids == hf_greedy(
         tiny_gemma3_dir, "gemma3", [shared + [7, 8]], MAX_TOKENS)[0]
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_image_text_gemma3_serves_its_language_model(tmp_path):
+    """Gemma 3 4B-27B ship as ``Gemma3ForConditionalGeneration``: the config's
+    ``text_config`` and the ``language_model.`` tensors are served, the vision tower is never
+    read, and text prompts get transformers' tokens from the whole image+text model."""
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=512, sliding_window=GEMMA_WINDOW, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0,
+                layer_types=["sliding_attention", "full_attention"])
+    model_dir = save_tiny_gemma3_image_text_model(tmp_path / "g3", text)
+    prompts = random_prompts(seed=8, count=3, max_len=30, min_len=12)
+    llm = LLM(str(model_dir))
+    assert llm.engine.model_config.architecture == "gemma3"
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy(model_dir, "gemma3_image_text", prompts,
+                                                   MAX_TOKENS)
 
 
 def test_every_layer_windowed_mistral_matches_transformers_past_the_window(tmp_path):
@@ -93,8 +117,10 @@ def test_qwen2_windows_only_the_layers_from_max_window_layers():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"},
-     "supported: .*gemma3"),
+    ({"architectures": ["PaliGemmaForConditionalGeneration"], "model_type": "paligemma"},
+     "supported: .*gemma2, gemma3"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+      "text_config": {"hidden_size": 64}}, "lacks the field 'num_attention_heads'"),
     ({"architectures": ["Gemma2ForCausalLM"], "use_bidirectional_attention": True},
      "bidirectional"),
     ({"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "relu"}, "hidden_activation"),
