@@ -7,6 +7,7 @@ the bad field, so a misconfiguration fails at start-up, not in the middle of a s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,14 +50,20 @@ _HF_ARCH = {
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling; ``None`` means plain RoPE. ``kind``: ``"llama3"`` (Llama 3.x:
-    low frequencies divided by ``factor``, a smooth ramp between) or ``"linear"`` (every
-    frequency divided by ``factor``: Gemma 3's global layers)."""
+    low frequencies divided by ``factor``, a smooth ramp between), ``"linear"`` (every
+    frequency divided by ``factor``: Gemma 3's global layers) or ``"longrope"`` (Phi-3
+    128k / Phi-3.5: each frequency divided by its ``short_factor``, or by its ``long_factor``
+    for a sequence longer than ``original_max_position_embeddings``; cos and sin times
+    ``attention_factor``)."""
 
     factor: float
     low_freq_factor: float = 0.0
     high_freq_factor: float = 0.0
     original_max_position_embeddings: int = 0
     kind: str = "llama3"
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -293,6 +300,8 @@ def _rope(arch: str, cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, fl
             )
         elif rtype == "linear":
             scaling = RopeScaling(factor=float(rs["factor"]), kind="linear")
+        elif rtype in ("longrope", "su"):  # "su": the first Phi-3 128k configs' name for it
+            scaling = _longrope(cfg, rs)
         elif rtype not in (None, "default"):
             raise ValueError(f"unsupported rope_scaling type {rtype!r}")
         partial = rs.get("partial_rotary_factor", 1.0)
@@ -303,6 +312,24 @@ def _rope(arch: str, cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, fl
         raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head) is "
                          "not supported")
     return float(theta or 10000.0), scaling, None if local_theta is None else float(local_theta)
+
+
+def _longrope(cfg: dict[str, Any], rs: dict[str, Any]) -> RopeScaling:
+    """Phi-3's LongRoPE parameters, with transformers' defaults: ``factor`` = context /
+    original context, ``attention_factor`` = sqrt(1 + ln(factor) / ln(original context))."""
+    original = int(rs.get("original_max_position_embeddings")
+                   or cfg["original_max_position_embeddings"])
+    factor = float(rs.get("factor") or cfg.get("max_position_embeddings", original) / original)
+    attention = rs.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    short, long = tuple(map(float, rs["short_factor"])), tuple(map(float, rs["long_factor"]))
+    if len(short) != head_dim // 2 or len(long) != head_dim // 2:
+        raise ValueError(f"longrope short_factor / long_factor need head_dim / 2 = "
+                         f"{head_dim // 2} values, got {len(short)} / {len(long)}")
+    return RopeScaling(factor=factor, original_max_position_embeddings=original, kind="longrope",
+                       short_factor=short, long_factor=long, attention_factor=float(attention))
 
 
 def _windows(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -203,6 +203,12 @@ class LLMEngine:
         self.eos_token_ids = eos
         max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
         self.max_model_len = max_len
+        rs = cfg.rope_scaling
+        if rs is not None and rs.kind == "longrope":
+            log.info("LongRoPE: serving up to %d tokens with its %s factors for every sequence "
+                     "(--max-model-len <= %d serves the short ones)", max_len,
+                     "long" if max_len > rs.original_max_position_embeddings else "short",
+                     rs.original_max_position_embeddings)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.batching, dynamic_window_s=args.dynamic_window_s,

@@ -37,6 +37,18 @@ def tiny_phi3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_longrope_dir(tmp_path_factory):
+    """Phi-3 with LongRoPE over an original context of 16: prompts and generations cross it,
+    so both factor sets (and the attention factor, context 512 / 16) are exercised."""
+    half = 8  # head_dim 16 / 2
+    return save_tiny_model("phi3", tmp_path_factory.mktemp("tiny-phi3-longrope"), pad_token_id=0,
+                           original_max_position_embeddings=16, rope_scaling={
+                               "type": "longrope",
+                               "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                               "long_factor": [2.0 + 0.5 * i for i in range(half)]})
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory):
     return save_tiny_model("mixtral", tmp_path_factory.mktemp("tiny-mixtral"),
                            num_local_experts=4, num_experts_per_tok=2)

@@ -32,13 +32,18 @@ if TYPE_CHECKING:
 LayerHook = Callable[[int, torch.Tensor], None]
 
 
-def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]``, with the configured scaling (Llama 3's or
-    linear). ``local``: the sliding layers' own base, unscaled (Gemma 3)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]``, with the configured scaling (Llama 3's, linear
+    or LongRoPE: ``long`` picks its long factors). ``local``: the sliding layers' own base,
+    unscaled (Gemma 3)."""
     d = cfg.head_dim
     theta = cfg.local_rope_theta if local else cfg.rope_theta
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
     rs = None if local else cfg.rope_scaling
+    if rs is not None and rs.kind == "longrope":
+        factors = torch.tensor(rs.long_factor if long else rs.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * theta ** exponents)
+    inv = 1.0 / (theta ** exponents)
     if rs is None:
         return inv
     if rs.kind == "linear":
@@ -55,16 +60,27 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables ``[max_len, head_dim]`` (rotate-half convention, as in HF)."""
+    """Precomputed cos/sin tables ``[max_len, head_dim]`` (rotate-half convention, as in HF).
+
+    LongRoPE (Phi-3 128k, Phi-3.5) picks one factor set for the whole engine from the
+    context it serves, ``max_len``: the short factors when it fits the original context, else
+    the long ones, for every token (``long``). transformers picks per sequence, recomputing a
+    sequence's whole KV with the long factors once it outgrows the original context; so a
+    sequence rotates as there whenever it fits the served context's regime, and a short one
+    served with a long context differs (docs/models.md). Cos and sin carry the attention
+    factor."""
 
     def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype,
                  local: bool = False) -> None:
-        inv = rope_inv_freq(cfg, local)
+        rs = None if local else cfg.rope_scaling
+        longrope = rs is not None and rs.kind == "longrope"
+        self.long = longrope and max_len > rs.original_max_position_embeddings
         pos = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(pos, inv)  # [max_len, D/2]
+        freqs = torch.outer(pos, rope_inv_freq(cfg, local, self.long))  # [max_len, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        scale = rs.attention_factor if longrope else 1.0
+        self.cos = (emb.cos() * scale).to(dtype)
+        self.sin = (emb.sin() * scale).to(dtype)
 
     def apply_qk(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                  cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

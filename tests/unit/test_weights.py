@@ -4,6 +4,7 @@ the conversion cache, tiny Hugging Face dirs of every supported family, and clea
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -220,16 +221,24 @@ def test_moe_configs_read_their_expert_fields_and_refuse_mixed_layers():
 
 
 def test_rope_variants_we_do_not_compute_are_refused_by_name():
-    """Phi-3's LongRoPE (128k variants) and Phi-4-mini's partial rotary would load and run
-    with the wrong rotation: refused at start-up, naming the field."""
+    """Phi-4-mini's partial rotary and YaRN would load and run with the wrong rotation:
+    refused at start-up, naming the field; LongRoPE's factors must fit the heads."""
     from engine.config import ModelConfig
 
     base = dict(architectures=["Phi3ForCausalLM"], vocab_size=64, hidden_size=32,
-                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=131072, original_max_position_embeddings=4096)
     assert ModelConfig.from_hf_config(base).architecture == "phi3"
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
+    longrope = ModelConfig.from_hf_config({**base, "rope_scaling": {
+        "type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}).rope_scaling
+    assert (longrope.kind, longrope.factor, longrope.original_max_position_embeddings) == (
+        "longrope", 32.0, 4096)
+    assert longrope.attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    with pytest.raises(ValueError, match="need head_dim / 2 = 4 values, got 3 / 4"):
         ModelConfig.from_hf_config({**base, "rope_scaling": {
-            "type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}})
+            "type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 4}})
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
         ModelConfig.from_hf_config({**base, "rope_parameters": {
             "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}})
