@@ -294,6 +294,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             f"unsupported GGUF architecture {arch!r} in {gguf_path.name}; "
             f"supported: {', '.join(_GGUF_ARCH)}"
         )
+    if int(_field(reader, f"{arch}.expert_count", 0) or 0):
+        raise ValueError(f"{gguf_path.name} is a Mixture-of-Experts GGUF ({arch}.expert_count="
+                         f"{_field(reader, f'{arch}.expert_count')}); not supported yet: serve the "
+                         "model's Hugging Face directory")
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{gguf_path.name} uses scaled RoPE (rope_freqs.weight); not supported")

@@ -68,3 +68,22 @@ def test_q8_0_projections_of_a_family_gguf_serve_as_stored(arch, gguf_ready_dirs
              **FAST) as llm:
         assert llm.engine.runner.model.quantization == "int8"
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == refs
+
+
+def test_a_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
+    """Mixtral's GGUFs say ``llama`` with an expert count (stacked expert tensors this
+    conversion does not split): refused naming the field, not a missing-tensor error."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "moe.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"Mixture-of-Experts GGUF \(llama.expert_count=8\)"):
+        resolve_model(path, cache_dir=tmp_path / "cache")
