@@ -405,20 +405,20 @@ class LlamaForCausalLM(nn.Module):
         return self.comm.all_gather(logits)[:, :self.full_cfg.vocab_size]
 
     def quantize(self, kind: str) -> None:
-        """Replace every linear weight (QKV, O, gate/up, down, the LM head, and the embedding
-        where the head is tied to it) by its ``engine.quant`` layout ``kind`` ("int8" or
-        "int4"), dropping the fp tensors: what ``--quantization`` does after loading. Norms,
-        biases and the KV cache stay in the model dtype. Raises ValueError for layouts a
-        weight cannot take and for routed experts (not quantized yet: refused, not skipped)."""
+        """Replace every linear weight (QKV, O, gate/up, down or every expert's, the LM head,
+        and the embedding where the head is tied to it) by its ``engine.quant`` layout
+        ``kind`` ("int8" or "int4"), dropping the fp tensors: what ``--quantization`` does
+        after loading. Norms, biases, MoE routers and the KV cache stay in the model dtype.
+        Raises ValueError for layouts a weight cannot take."""
         if self.quantization:
             raise ValueError(f"the model is already quantized ({self.quantization})")
-        if self.cfg.num_experts:
-            raise ValueError(f"--quantization {kind}: Mixture-of-Experts weights are not "
-                             "quantized yet; serve this model with --quantization none")
         for layer in self.layers:
-            for name in ("qkv", "o_proj", "gate_up", "down"):
+            for name in ("qkv", "o_proj") if layer.moe is not None else (
+                    "qkv", "o_proj", "gate_up", "down"):
                 lin = getattr(layer, name)
                 setattr(layer, name, QLinear(quantize(lin.weight, kind), lin.bias))
+            if layer.moe is not None:
+                layer.moe.quantize(kind)
         if self.lm_head is not None:
             self.lm_head = QLinear(quantize(self.lm_head.weight, kind), None)
         else:  # tied: the head is the embedding (under TP each rank's rows of it)

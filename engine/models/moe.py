@@ -12,6 +12,10 @@ Under tensor parallelism every expert is cut like the dense MLP (its gate/up row
 columns by intermediate size, ``engine.parallel.sharding``); the router is replicated, so every
 rank routes alike, and the layer's one all-reduce sums the partial outputs (the shared expert
 is cut the same way by its own size; its gate is replicated and scales each partial sum).
+
+``quantize`` puts every expert's gate/up and down (and the shared expert's) in an
+``engine.quant`` layout, one ``QuantizedWeight`` per expert; the router and the shared
+expert's gate stay in the model dtype (tiny, and they choose the experts).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 from engine import cpu_ops
 from engine.config import ModelConfig
 from engine.kernels import linear
+from engine.quant import QuantizedWeight, quantize
 
 
 class SparseMoE(nn.Module):
@@ -46,6 +51,22 @@ class SparseMoE(nn.Module):
                 "down": nn.Parameter(torch.empty(hidden, n, dtype=dtype), requires_grad=False),
                 "gate": nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)})
 
+    def quantize(self, kind: str) -> None:
+        """Hold every expert's projections as ``kind`` ("int8" / "int4"), dropping the fp
+        ones: ``gate_up`` / ``down`` become lists of ``QuantizedWeight`` (indexed by expert
+        as the stacked tensors were)."""
+        gate_up = [quantize(w, kind) for w in self.gate_up]
+        down = [quantize(w, kind) for w in self.down]
+        del self.gate_up, self.down  # registered parameters: replaced by plain lists
+        self.gate_up: list[QuantizedWeight] | torch.Tensor = gate_up
+        self.down: list[QuantizedWeight] | torch.Tensor = down
+        if self.shared is not None:
+            s = self.shared
+            shared = {"gate_up": quantize(s["gate_up"], kind), "down": quantize(s["down"], kind),
+                      "gate": s["gate"]}
+            del self.shared
+            self.shared = shared
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(linear(x, self.router).float(), dim=-1)  # [T, E]
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k] each
@@ -68,7 +89,7 @@ class SparseMoE(nn.Module):
         ``{prefix}experts.{j}.{gate,up,down}.weight`` under the family's ``names``."""
         put(self.router, take(prefix + "gate.weight"), prefix + "gate.weight")
         gate, up, down = names
-        for j in range(self.gate_up.shape[0]):
+        for j in range(len(self.gate_up)):
             p = f"{prefix}experts.{j}."
             put(self.gate_up[j], torch.cat([take(p + gate + ".weight"), take(p + up + ".weight")]),
                 p + "{" + f"{gate},{up}" + "}.weight")

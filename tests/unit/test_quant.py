@@ -152,6 +152,17 @@ def _dequantized_hf(model_dir, arch, kind, out):
             at.k_proj.weight.copy_(qkv[q:q + kv])
             at.v_proj.weight.copy_(qkv[q + kv:])
             at.o_proj.weight.copy_(mine.o_proj.weight.dequantize())
+            if mine.moe is not None:  # transformers stacks the experts: [E, 2I, H], [E, H, I]
+                moe = mine.moe
+                for e in range(len(moe.gate_up)):
+                    mlp.experts.gate_up_proj[e].copy_(moe.gate_up[e].dequantize())
+                    mlp.experts.down_proj[e].copy_(moe.down[e].dequantize())
+                if moe.shared is not None:
+                    gu, n = moe.shared["gate_up"].dequantize(), moe.shared["down"].shape[1]
+                    mlp.shared_expert.gate_proj.weight.copy_(gu[:n])
+                    mlp.shared_expert.up_proj.weight.copy_(gu[n:])
+                    mlp.shared_expert.down_proj.weight.copy_(moe.shared["down"].dequantize())
+                continue
             gate_up = mine.gate_up.weight.dequantize()
             mlp.gate_proj.weight.copy_(gate_up[:cfg.intermediate_size])
             mlp.up_proj.weight.copy_(gate_up[cfg.intermediate_size:])
@@ -165,13 +176,20 @@ def _dequantized_hf(model_dir, arch, kind, out):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral",
+                                  "qwen2_moe"])
 def test_quantized_logits_equal_transformers_on_the_dequantized_weights(arch, kind, request,
                                                                          tmp_path):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     runner = _ours(model_dir, kind)
-    assert all(isinstance(getattr(lay, n), QLinear) for lay in runner.model.layers
-               for n in ("qkv", "o_proj", "gate_up", "down"))
+    for lay in runner.model.layers:
+        assert all(isinstance(getattr(lay, n), QLinear) for n in (
+            ("qkv", "o_proj") if lay.moe is not None else ("qkv", "o_proj", "gate_up", "down")))
+        if lay.moe is not None:  # every expert, and the shared one, held quantized
+            assert all(isinstance(w, QuantizedWeight) and w.kind == kind
+                       for w in [*lay.moe.gate_up, *lay.moe.down]
+                       + ([lay.moe.shared["gate_up"], lay.moe.shared["down"]]
+                          if lay.moe.shared is not None else []))
     hf = _dequantized_hf(model_dir, arch, kind, tmp_path / "deq")
     plain = load_hf(model_dir, arch)
     gen = torch.Generator().manual_seed(1)
@@ -210,11 +228,13 @@ def test_quantized_engine_generates_transformers_greedy_tokens(tiny_llama_dir, k
         llm.close()
 
 
-def test_quantization_is_refused_where_it_cannot_be_honoured(tiny_mixtral_dir):
+def test_quantization_is_refused_where_it_cannot_be_honoured(tiny_qwen3_moe_dir):
     from engine import LLM
 
-    with pytest.raises(ValueError, match="Mixture-of-Experts weights are not quantized yet"):
-        LLM(str(tiny_mixtral_dir), quantization="int4", kv_cache_memory_bytes=4 << 20)
+    # The tiny Qwen3-MoE's experts are 48 wide: their down projection's rows do not split
+    # into 32-weight groups (real checkpoints' do: 768, 14336, ...).
+    with pytest.raises(ValueError, match=r"multiple of 32; a weight \[64, 48\] is not"):
+        LLM(str(tiny_qwen3_moe_dir), quantization="int4", kv_cache_memory_bytes=4 << 20)
     with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
         check_quantization("int3", torch.device("cpu"))
     with pytest.raises(ValueError, match="CPU kernels"):

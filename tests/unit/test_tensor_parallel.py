@@ -155,6 +155,20 @@ def test_greedy_tokens_equal_transformers_at_every_tp(request, model, arch, size
         assert _pids_gone(pids), "a rank outlived its engine"
 
 
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mixtral_dir"])
+def test_quantized_ranks_quantize_their_shards_to_tp1s_weights(request, model, prompts):
+    """``--quantization int8`` at TP 2: each rank quantizes its own slices (O and down cut
+    along their input at multiples of the 32-weight group, every expert too), so the ranks
+    hold TP 1's quantized weights between them: the same greedy tokens."""
+    model_dir = request.getfixturevalue(model)
+    runs = {}
+    for size in (1, 2):
+        with LLM(str(model_dir), tensor_parallel_size=size, quantization="int8", **FAST) as llm:
+            assert llm.engine.model.quantization == "int8"
+            runs[size] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert runs[2] == runs[1]
+
+
 def test_tp2_serves_every_engine_feature_as_tp1_does(wide_kv_dir, prompts):
     """Chunked prefill, preemption, the prefix cache, logprobs and prompt logprobs at TP 2:
     the same tokens as TP 1 and the same numbers (to float rounding: the sums run in another
