@@ -1,5 +1,9 @@
-"""Llama-family decoder (Llama, Qwen2 with qkv bias, Qwen3 with per-head q/k norms, Mistral,
-Phi-3 with fused checkpoint tensors, SmolLM; Mixtral and Qwen3-MoE with routed experts: ``engine.models.moe``) over a paged KV cache.
+"""The decoder every family shares, over a paged KV cache: Llama and SmolLM as the base;
+Qwen2 (qkv bias), Qwen3 (per-head q/k norms), Mistral and Phi-3 (fused checkpoint tensors)
+as fields of it; what the others change in their own files: routed experts (Mixtral,
+Qwen2/3-MoE: ``engine.models.moe``), Gemma 2/3's norms and GeGLU (``engine.models.gemma``),
+and every RoPE variant (``engine.models.rope``). Per-layer sliding windows and soft-capped
+scores live in the attention backends (``AttentionShape``).
 
 Tokens of all sequences in a step are flattened into one ``[num_tokens]`` batch, so every
 linear layer runs once per step for the whole batch (the batching gain on memory-bound decode).
@@ -22,7 +26,9 @@ from engine import cpu_ops
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.kernels import linear
+from engine.models.gemma import gelu_tanh_mul, load_norms, norm_weight
 from engine.models.moe import SparseMoE
+from engine.models.rope import RotaryEmbedding
 from engine.parallel.sharding import TPShard
 from engine.quant import QuantizedWeight, cat_rows, quantize
 
@@ -30,71 +36,6 @@ if TYPE_CHECKING:
     from engine.parallel.comm import TPComm
 
 LayerHook = Callable[[int, torch.Tensor], None]
-
-
-def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]``, with the configured scaling (Llama 3's, linear
-    or LongRoPE: ``long`` picks its long factors). ``local``: the sliding layers' own base,
-    unscaled (Gemma 3)."""
-    d = cfg.head_dim
-    theta = cfg.local_rope_theta if local else cfg.rope_theta
-    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
-    rs = None if local else cfg.rope_scaling
-    if rs is not None and rs.kind == "longrope":
-        factors = torch.tensor(rs.long_factor if long else rs.short_factor, dtype=torch.float32)
-        return 1.0 / (factors * theta ** exponents)
-    inv = 1.0 / (theta ** exponents)
-    if rs is None:
-        return inv
-    if rs.kind == "linear":
-        return inv / rs.factor
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * torch.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding:
-    """Precomputed cos/sin tables ``[max_len, head_dim]`` (rotate-half convention, as in HF).
-
-    LongRoPE (Phi-3 128k, Phi-3.5) picks one factor set for the whole engine from the
-    context it serves, ``max_len``: the short factors when it fits the original context, else
-    the long ones, for every token (``long``). transformers picks per sequence, recomputing a
-    sequence's whole KV with the long factors once it outgrows the original context; so a
-    sequence rotates as there whenever it fits the served context's regime, and a short one
-    served with a long context differs (docs/models.md). Cos and sin carry the attention
-    factor."""
-
-    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype,
-                 local: bool = False) -> None:
-        rs = None if local else cfg.rope_scaling
-        longrope = rs is not None and rs.kind == "longrope"
-        self.long = longrope and max_len > rs.original_max_position_embeddings
-        pos = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(pos, rope_inv_freq(cfg, local, self.long))  # [max_len, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        scale = rs.attention_factor if longrope else 1.0
-        self.cos = (emb.cos() * scale).to(dtype)
-        self.sin = (emb.sin() * scale).to(dtype)
-
-    def apply_qk(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate Q and K of a fused ``qkv [T, (H + 2 KVH) * D]``; cos/sin: ``[T, D]``.
-        Returns ``q [T, H, D]`` and ``k [T, KVH, D]``: views of ``qkv`` rotated in place when
-        the fused kernel applies (Q and K heads are adjacent: one call), else new tensors."""
-        t = qkv.shape[0]
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q, k = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim)
-        if cpu_ops.rope_(qkv, num_heads + num_kv_heads, head_dim, cos, sin):
-            return q, k
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return cpu_ops.rope_torch(q, cos, sin), cpu_ops.rope_torch(k, cos, sin)
 
 
 # The weights are made without values (torch.empty): every one is loaded from the checkpoint
@@ -145,12 +86,6 @@ class QEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight.rows(ids)
-
-
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Gemma's GeGLU: ``gelu_tanh(gate) * up`` of a fused ``[T, 2 I]`` -> ``[T, I]``."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 class DecoderLayer(nn.Module):
@@ -445,13 +380,10 @@ class LlamaForCausalLM(nn.Module):
             return sd[name].to(dtype)
 
         def take_norm(name: str) -> torch.Tensor:
-            """An RMSNorm weight as applied: Gemma stores w and scales by (1 + w), added in
-            fp32 as transformers does, then rounded to the model dtype."""
-            if not gemma:
-                return take(name)
+            """An RMSNorm weight as applied (Gemma's: 1 + w, ``engine.models.gemma``)."""
             if name not in sd:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return (1.0 + sd[name].float()).to(dtype)
+            return norm_weight(sd[name], dtype) if gemma else sd[name].to(dtype)
 
         def take_linear(names: list[str]) -> torch.Tensor | QuantizedWeight:
             """The named parts of one fused weight, stacked by rows: quantized where every
@@ -504,10 +436,7 @@ class LlamaForCausalLM(nn.Module):
             put(layer.input_norm, take_norm(p + "input_layernorm.weight"),
                 p + "input_layernorm.weight")
             if gemma:  # norms on both sides of attention and of the MLP
-                for dst, name in ((layer.attn_out_norm, "post_attention_layernorm"),
-                                  (layer.post_norm, "pre_feedforward_layernorm"),
-                                  (layer.mlp_out_norm, "post_feedforward_layernorm")):
-                    put(dst, take_norm(f"{p}{name}.weight"), f"{p}{name}.weight")
+                load_norms(layer, p, take_norm, put)
             else:
                 put(layer.post_norm, take(p + "post_attention_layernorm.weight"),
                     p + "post_attention_layernorm.weight")
