@@ -101,15 +101,21 @@ def tune_fused_decode(model: torch.nn.Module, block_size: int, decode_paths: Dec
     KV caches of its own (a few MB). Returns an empty plan where the kernel does not apply."""
     cfg = model.cfg
     dtype = model.embed.weight.dtype
-    if cfg.num_experts or not cpu_ops.decode_layers_applies(model.layer_shapes, dtype):
-        return FusedDecodePlan()  # routed experts: the layer path (the kernel has no router)
+    if (cfg.num_experts or cfg.sandwich_norms
+            or not cpu_ops.decode_layers_applies(model.layer_shapes, dtype)):
+        # routed experts or Gemma's layer: the layer path (the kernel has neither)
+        return FusedDecodePlan()
     shapes = [(cfg.num_layers, cfg.hidden_size), (cfg.intermediate_size, cfg.head_dim),
               (cfg.num_heads, cfg.num_kv_heads), (block_size, _context(model))]
     # The layer-by-layer side runs the linear and attention plans in force: part of the key.
-    # Qwen3's q/k norms are part of the timed step: named where present.
+    # Qwen3's q/k norms are part of the timed step: named where present; so are quantized
+    # weights (their kernels' speed against the layer path differs from fp weights' by batch:
+    # an fp model's plan once sent a quantized model's batch-32 steps to the fused kernel at
+    # half the speed of the layer path).
     key = host_key(shapes, dtype, f"fused-decode|{cpu_ops.build_id()}|{linear_plan().key}|"
                                   f"{sorted(decode_paths.choices.items())}"
-                                  + ("|qk_norm" if cfg.qk_norm else ""))
+                                  + ("|qk_norm" if cfg.qk_norm else "")
+                                  + (f"|{model.quantization}" if model.quantization else ""))
     timings, from_cache = cached_timings(
         "fused-decode", key, lambda: _measure(model, block_size, decode_paths), cache_dir)
     plan = FusedDecodePlan({t.m: t.best for t in timings}, timings, from_cache)

@@ -624,7 +624,10 @@ static inline __attribute__((always_inline)) void q8_tile_(
     for (int64_t i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g0 = 0; g0 < K; g0 += G) {
         for (int64_t i = 0; i < R * M; i++) part[i][0] = part[i][1] = _mm256_setzero_ps();
-        for (int64_t k = g0; k < g0 + G; k += 16)
+        for (int64_t k = g0; k < g0 + G; k += 16) {
+            if (!(k & 63))  /* each 64-byte line of these rows: fetch the next tile's */
+                for (int64_t r = 0; r < R; r++)
+                    _mm_prefetch((const char *)(q + (r + R) * K + k), _MM_HINT_T0);
             for (int h = 0; h < 2; h++)
                 for (int64_t r = 0; r < R; r++) {
                     const __m256 wf = bytes8_(q + r * K + k + 8 * h);
@@ -632,6 +635,7 @@ static inline __attribute__((always_inline)) void q8_tile_(
                         part[r * M + m][h] = _mm256_fmadd_ps(
                             wf, _mm256_loadu_ps(x + m * K + k + 8 * h), part[r * M + m][h]);
                 }
+        }
         for (int64_t r = 0; r < R; r++) {
             const __m256 s = _mm256_set1_ps((float)sc[r * (K / G) + g0 / G]);
             for (int64_t m = 0; m < M; m++)
@@ -664,6 +668,8 @@ static inline __attribute__((always_inline)) void q4_tile_(
     for (int64_t b = 0; b < nb; b++)
         for (int64_t r = 0; r < R; r++) {
             const uint8_t *qb = q + r * (K / 2) + b * 16;
+            if (!(b & 3))  /* each 64-byte line of these rows: fetch the next tile's */
+                _mm_prefetch((const char *)(qb + R * (K / 2)), _MM_HINT_T0);
             const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
             const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
             const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));

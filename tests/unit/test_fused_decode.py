@@ -200,7 +200,7 @@ def test_plan_buckets():
                 for b in range(1, FUSED_BUCKETS[-1] + 1)} == {step}
 
 
-def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path):
+def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path, request):
     model = _model(tiny_llama_dir)
     plan = tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path)
     assert not plan.from_cache
@@ -217,6 +217,13 @@ def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path):
     # Another attention plan is another key: timed afresh.
     other = tune_fused_decode(model, BLOCK, DecodePaths({(1, 128): "rows"}), cache_dir=tmp_path)
     assert not other.from_cache
+    # The same model quantized is timed for itself (its kernels race the layer path
+    # differently), and Gemma's layer, which the kernel does not run, is not timed at all.
+    model.quantize("int8")
+    assert not tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path).from_cache
+    gemma = _model(request.getfixturevalue("tiny_gemma2_dir"))
+    assert tune_fused_decode(gemma, BLOCK, DecodePaths(), cache_dir=tmp_path).choices == {}
+    model = _model(tiny_llama_dir)
     # A model whose context is shorter than the timed one (an engine's max_model_len) is timed
     # within it (seen: a worker with max_model_len=66 failed to start on position 127).
     short = LlamaForCausalLM(model.cfg, max_len=20)
