@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.torch_paged import tune_decode_paths, tune_prefill_paths
+from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
 from engine.device import kv_pool_bytes, plan_device

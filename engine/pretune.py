@@ -57,7 +57,7 @@ def pretune(model: str | None = None, thread_counts: list[int] | None = None,
     """Time (or find cached) the linear and decode-attention plans of ``model`` (default: the
     default model) at each thread count, exactly as ``LLMEngine`` does at start-up; restores
     torch's thread count afterwards."""
-    from engine.attention.torch_paged import tune_decode_paths, tune_prefill_paths
+    from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
     from engine.config import CacheConfig
     from engine.fused_decode import tune_fused_decode
     from engine.kernels import linear_plan, model_linear_weights, set_linear_plan, tune_linear

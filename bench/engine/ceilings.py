@@ -144,7 +144,7 @@ def fused_kernels_and_decode_paths():
     import torch
 
     from engine import cpu_ops
-    from engine.attention.torch_paged import tune_decode_paths, tune_prefill_paths
+    from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
     from engine.config import CacheConfig
     from engine.weights import load_model_config, resolve_model
 

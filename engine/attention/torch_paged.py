@@ -14,8 +14,6 @@ A step's sequences are laid out decode-first: the first ``num_decode`` are singl
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -322,9 +320,19 @@ class TorchPagedBackend:
                 ks, vs = gather_kv(kv_cache, s.block_ids, s.end_pos)
             if not (self.prefill_paths.path(s.end_pos) == "fused"
                     and cpu_ops.prefill_attention(q[rows], ks, vs, s.start_pos, out[rows])):
-                out[rows] = _prefill(q[rows], ks, vs, s.mask)
+                out[rows] = sdpa_prefill(q[rows], ks, vs, s.mask)
         return out.view(num_tokens, num_heads * head_dim)
 
+
+    def attend_decode_rows(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
+                           ) -> None:
+        """Attend the planned step's decode rows ``q [B, H, D]`` into ``out`` by the planned
+        decode path, writing no K/V (what ``engine.attention.torch_tuning`` times)."""
+        p = self._plan
+        if p is None or not p.num_decode:
+            raise RuntimeError("attend_decode_rows needs a plan with decode rows")
+        _decode(q, kv_cache, p.decode_gather, self._heads(kv_cache.shape[3]), p.decode_pad_mask,
+                out)
 
     def _forward_masked(self, p: _StepPlan, m: _MaskedPlan, window: int | None, q: torch.Tensor,
                         k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -370,7 +378,9 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
     return k, v
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """Causal (``mask`` None) or masked prefill attention by torch's SDPA: ``[q_len, H, D]``."""
     # [1, H, q_len, D] x [1, KVH, L, D]; enable_gqa maps head h to kv head h // group.
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
@@ -385,7 +395,7 @@ def _prefill_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     soft-cap (which SDPA cannot apply between the scores and the softmax) the scores
     written out: ``[q_len, H, D]``."""
     if softcap is None:
-        return _prefill(q, k, v, visible)
+        return sdpa_prefill(q, k, v, visible)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, H, D]
     scores = torch.einsum("qhd,khd->hqk", q, k).float() * (1.0 / math.sqrt(q.shape[-1]))
@@ -450,95 +460,3 @@ def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather,
         probs = torch.softmax(scores, dim=-1).to(kv.dtype)
         out[:, h] = torch.bmm(probs, kv[1, :, :, h])
     return out.view(b, num_heads, head_dim)
-
-
-def tune_prefill_paths(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       cache_dir: str | None = None) -> PrefillPaths:
-    """Time causal prefill attention, torch's SDPA against ``cpu_ops.prefill_attention``, on
-    fresh prompts of each ``PREFILL_BUCKETS`` length for these head shapes (interleaved,
-    median of 5; cached per host like the other plans, under a second here). Only SDPA where
-    the kernel is not built: an empty plan."""
-    from engine.kernels import Timing, cached_timings, host_key
-
-    probe = torch.zeros(1, num_heads, head_dim, dtype=dtype)
-    kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype)
-    if not cpu_ops.prefill_attention(probe, kv, kv, 0, torch.empty_like(probe)):
-        return PrefillPaths()
-    key = host_key([(num_heads, num_kv_heads), (head_dim, 0)]
-                   + [(n, 0) for n in PREFILL_BUCKETS], dtype,
-                   "prefill|" + ",".join(PREFILL_PATHS) + "|" + cpu_ops.build_id())
-
-    def measure() -> list[Timing]:
-        out = []
-        for length in PREFILL_BUCKETS:
-            q = torch.randn(length, num_heads, head_dim, dtype=dtype)
-            k = torch.randn(length, num_kv_heads, head_dim, dtype=dtype)
-            v = torch.randn(length, num_kv_heads, head_dim, dtype=dtype)
-            o = torch.empty_like(q)
-            calls = {"sdpa": lambda q=q, k=k, v=v: _prefill(q, k, v, None),
-                     "fused": lambda q=q, k=k, v=v, o=o: cpu_ops.prefill_attention(q, k, v, 0, o)}
-            times: dict[str, list[float]] = {p: [] for p in PREFILL_PATHS}
-            for r in range(6):  # round 0 warms up, untimed
-                for path in PREFILL_PATHS:
-                    t0 = time.perf_counter()
-                    calls[path]()
-                    if r:
-                        times[path].append(time.perf_counter() - t0)
-            out.append(Timing(length, 0, 1, {p: statistics.median(t) for p, t in times.items()}))
-        return out
-
-    timings, from_cache = cached_timings("prefill-attention", key, measure, cache_dir)
-    return PrefillPaths({t.n: t.best for t in timings}, timings, from_cache)
-
-
-def tune_decode_paths(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                      dtype: torch.dtype, cache_dir: str | None = None) -> DecodePaths:
-    """Time the decode paths on this host for every batch bucket and context bucket (cached
-    per host like the linear kernels: ``engine.kernels.cached_timings``; about a second).
-    ``"fused"`` is offered only where ``engine.cpu_ops`` is built and takes these shapes."""
-    from engine.attention.backend import SeqSlice, build_metadata
-    from engine.kernels import Timing, cached_timings, host_key
-
-    paths = [p for p in DECODE_PATHS if p != "fused"
-             or cpu_ops.decode_applies(num_heads, num_kv_heads, head_dim, dtype)]
-    shape = [(num_heads, num_kv_heads), (head_dim, block_size)]
-    # The offered paths and the kernel library's build are part of the key: a host that gains
-    # the kernel, or a new build of it, times again.
-    key = host_key(shape + [(c, 0) for c in CONTEXT_BUCKETS], dtype,
-                   ",".join(paths) + "|" + cpu_ops.build_id())
-
-    def measure() -> list[Timing]:
-        pages_per_seq = CONTEXT_BUCKETS[-1] // block_size
-        num_pages = M_BUCKETS[-1] * pages_per_seq + 1
-        cache = torch.randn(num_pages, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
-        out = []
-        for batch in M_BUCKETS:
-            q = torch.randn(batch, num_heads, head_dim, dtype=dtype)
-            for ctx in CONTEXT_BUCKETS:
-                seqs = [SeqSlice(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq),
-                                 ctx - 1, 1) for i in range(batch)]
-                meta = build_metadata(seqs, block_size)
-                seconds = {}
-                out_buf = torch.empty_like(q)
-                for path in paths:
-                    backend = TorchPagedBackend()
-                    backend.decode_paths = DecodePaths({(batch, ctx): path})
-                    backend.plan(meta)
-                    p = backend._plan
-                    heads = backend._heads(num_kv_heads)
-
-                    def call(p=p, heads=heads, q=q, out_buf=out_buf):
-                        _decode(q, cache, p.decode_gather, heads, p.decode_pad_mask, out_buf)
-
-                    call()
-                    times = []
-                    for _ in range(3):
-                        t0 = time.perf_counter()
-                        call()
-                        times.append(time.perf_counter() - t0)
-                    seconds[path] = sorted(times)[1]
-                out.append(Timing(ctx, num_kv_heads * head_dim, batch, seconds))
-        return out
-
-    timings, from_cache = cached_timings("decode", key, measure, cache_dir)
-    return DecodePaths({(t.m, t.n): t.best for t in timings}, timings, from_cache)

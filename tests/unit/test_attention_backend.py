@@ -26,8 +26,8 @@ from engine.attention.torch_paged import (
     DecodePaths,
     TorchPagedBackend,
     gather_kv,
-    tune_decode_paths,
 )
+from engine.attention.torch_tuning import tune_decode_paths
 from engine.config import cdiv
 from engine.fused_decode import FusedDecodePlan
 from engine.kernels import M_BUCKETS
