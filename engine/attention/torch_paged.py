@@ -202,9 +202,10 @@ class TorchPagedBackend:
         kv_indptr = meta.kv_indptr.tolist()
         last_page_len = meta.kv_last_page_len.tolist()
         nd = meta.num_decode
-        gather = pad_mask = None
+        gather = pad_mask = tables = None
         if nd:
-            gather, pad_mask = self._decode_gather(*decode_tables(meta), bs)
+            tables = decode_tables(meta)  # (page tables, KV lengths) of the decode rows
+            gather, pad_mask = self._decode_gather(*tables, bs)
         prefills = []
         if meta.num_seqs > nd:
             kv_indices = meta.kv_indices.to(dev, torch.int64, non_blocking=True)  # [total_pages]
@@ -221,19 +222,21 @@ class TorchPagedBackend:
                                          kv_indices[kv_indptr[i]:kv_indptr[i + 1]], mask))
         self._plan = _StepPlan(meta.write_page_ids.to(dev, non_blocking=True),
                                meta.write_offsets.to(dev, non_blocking=True),
-                               nd, gather, pad_mask, prefills, self._masked_plan(meta, prefills))
+                               nd, gather, pad_mask, prefills,
+                               self._masked_plan(meta, tables, prefills))
 
-    def _masked_plan(self, meta: AttentionMetadata, prefills: list[_PrefillPlan]
-                     ) -> _MaskedPlan | None:
-        """The masks of this step's windowed and soft-capped layers; None when no layer needs
-        them (no soft-cap, and every sequence within every window)."""
+    def _masked_plan(self, meta: AttentionMetadata,
+                     decode: tuple[torch.Tensor, torch.Tensor] | None,
+                     prefills: list[_PrefillPlan]) -> _MaskedPlan | None:
+        """The masks of this step's windowed and soft-capped layers (``decode``: the decode
+        rows' page tables and KV lengths); None when no layer needs them (no soft-cap, and
+        every sequence within every window)."""
         if not self.windows and self.softcap is None:
             return None
         bs, nd, dev = meta.block_size, meta.num_decode, self.device
-        tables = kv_lens = None
+        tables, kv_lens = decode if decode is not None else (None, None)
         longest = max((s.end_pos for s in prefills), default=0)
         if nd:
-            tables, kv_lens = decode_tables(meta)
             longest = max(longest, int(kv_lens.max()))
         binding = frozenset(w for w in self.windows if w is not None and longest > w)
         if not binding and self.softcap is None:

@@ -211,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
             self.rope_local = RotaryEmbedding(cfg, max_len or cfg.max_model_len, dtype, local=True)
             self.register_buffer("rope_local_cos", self.rope_local.cos, persistent=False)
             self.register_buffer("rope_local_sin", self.rope_local.sin, persistent=False)
+        windows = [w for w in cfg.layer_windows if w is not None]
+        self._min_window = min(windows) if windows else None  # decode_fused's limit
         # Gemma: embeddings times sqrt(hidden), rounded to the model dtype as transformers does.
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)
                             if cfg.embed_scale else None)
@@ -257,8 +259,7 @@ class LlamaForCausalLM(nn.Module):
                 or not cpu_ops.decode_layers_applies(self.layer_shapes, self.embed.weight.dtype)):
             # the fused kernel has no all-reduce between layers, no experts, nor Gemma's layer
             return None
-        windows = [w for w in cfg.layer_windows if w is not None]
-        if windows and int(kv_lens.max()) > min(windows):
+        if self._min_window is not None and int(kv_lens.max()) > self._min_window:
             return None  # nor windows: it runs only while every sequence fits in them
         pointers = self._layer_pointers(kv_caches)
         if self._pointers[3] is None:
