@@ -326,7 +326,6 @@ class TorchPagedBackend:
                 out[rows] = sdpa_prefill(q[rows], ks, vs, s.mask)
         return out.view(num_tokens, num_heads * head_dim)
 
-
     def attend_decode_rows(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
                            ) -> None:
         """Attend the planned step's decode rows ``q [B, H, D]`` into ``out`` by the planned

@@ -143,7 +143,7 @@ class DecoderLayer(nn.Module):
             self._norm_qk_heads(qkv)
         q, k = rope.apply_qk(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin)
         if self.q_factor is not None:
-            q = q * self.q_factor
+            q.mul_(self.q_factor)  # this layer's own tensor (a view of qkv, or rope's output)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attn.forward(self.layer_idx, q, k, v, kv_cache)  # [T, H * D]
         o = linear(o, self.o_proj.weight)
@@ -214,8 +214,9 @@ class LlamaForCausalLM(nn.Module):
         windows = [w for w in cfg.layer_windows if w is not None]
         self._min_window = min(windows) if windows else None  # decode_fused's limit
         # Gemma: embeddings times sqrt(hidden), rounded to the model dtype as transformers does.
-        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)
-                            if cfg.embed_scale else None)
+        # A buffer: `.to(device)` moves it with the weights (no host-to-device copy a step).
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)
+                             if cfg.embed_scale else None, persistent=False)
         self.requires_grad_(False)
         # decode_layers' table: its key, its tensors, the table, the projections' layout
         self._pointers: tuple | None = None
@@ -233,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         streams that layer out while the next one computes)."""
         h = self.embed(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
-            h = h * self.embed_scale.to(h.device)
+            h.mul_(self.embed_scale)  # the embedding's output is a new tensor: ours to scale
         cos = self.rope_cos[positions]  # [T, D]
         sin = self.rope_sin[positions]
         local = ((self.rope_local_cos[positions], self.rope_local_sin[positions])
