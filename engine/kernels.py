@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from engine import cpu_ops, quant_ops
 from engine.quant import QuantizedWeight
+from engine.quant_gpu import TinyGemmWeight
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
     weight shape (and kind) and M (``F.linear`` when untuned and on GPU; a quantized weight
     untuned: ``cquant``). Returns a contiguous ``[M, N]``."""
     n, k = weight.shape
+    if isinstance(weight, TinyGemmWeight):  # int4 on CUDA (engine.quant_gpu)
+        return weight.linear(x, bias)
     if isinstance(weight, QuantizedWeight):
         path = _plan.path(n, k, x.shape[0], weight.kind) if x.is_cpu else "dequant"
         return quantized_linear_by_path(path, x, weight, bias)

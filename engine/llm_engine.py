@@ -94,19 +94,26 @@ class EngineArgs:
     # Weight-only quantization of the linear layers (engine.quant): "int8" | "int4" quantize
     # the fp weights at load, "gguf" serves a GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks (no fp
     # copy of them is read), "none" keeps fp weights; activations and the KV cache are
-    # unchanged. CPU only (refused on CUDA).
+    # unchanged. On CUDA only "int4", in bfloat16 (PyTorch's tinygemm kernel, engine.quant_gpu).
     quantization: str = "none"
 
 
-def check_quantization(quantization: str, device: torch.device, tp: int = 1) -> None:
-    """Raises ValueError for a ``quantization`` this engine cannot honour on ``device`` with
-    ``tp`` ranks."""
+def check_quantization(quantization: str, device: torch.device, tp: int = 1,
+                       dtype: str = "bfloat16") -> None:
+    """Raises ValueError for a ``quantization`` this engine cannot honour on ``device`` (in
+    model ``dtype``) with ``tp`` ranks. On CUDA only ``int4`` in bf16 runs (PyTorch's tinygemm
+    kernel, ``engine.quant_gpu``)."""
     if quantization not in QUANT_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANT_CHOICES)}, "
                          f"got {quantization!r}")
-    if quantization != "none" and device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r}: the quantized kernels are CPU "
-                         "kernels; on GPU serve with quantization none")
+    if quantization in ("int8", "gguf") and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} on {device.type}: PyTorch's GPU int8 "
+                         "weight-only kernel takes one scale per row, not the 32-weight groups "
+                         "these weights are in (and a GGUF's Q8_0 tensors are int8); on GPU "
+                         "use int4 (with dtype bfloat16) or none")
+    if quantization == "int4" and device.type != "cpu" and dtype != "bfloat16":
+        raise ValueError(f"quantization='int4' on {device.type} multiplies bf16 activations "
+                         f"(PyTorch's tinygemm kernel); got dtype {dtype!r}: use bfloat16")
     if quantization == "gguf" and tp > 1:
         raise ValueError("quantization='gguf' with tensor_parallel_size > 1: a GGUF's blocks "
                          "are not split between ranks yet; use int8 / int4 (each rank "
@@ -192,7 +199,7 @@ class LLMEngine:
         self.plan = plan_device(rank_device(args.device, 0) if tp > 1 else args.device,
                                 args.dtype, args.attention_backend, args.cuda_graphs)
         self.device = self.plan.device
-        check_quantization(args.quantization, self.device, tp)
+        check_quantization(args.quantization, self.device, tp, self.plan.dtype)
         resolved = resolve_model(args.model, cache_dir=args.cache_dir)
         self.model_config: ModelConfig = load_model_config(
             resolved.model_dir, dtype=self.plan.dtype, model_id=resolved.model_id)
@@ -223,6 +230,7 @@ class LLMEngine:
             load_weights(model, resolved.model_dir, args.quantization,
                          lambda n: shard.slice_of(n, cfg))
             self.model = model.to(self.device)
+            model.place_quantized(self.device)  # model.to leaves quantized weights behind
             # Sized after the weights are on the device: on CUDA the pool takes what they
             # left. Per rank: each holds its KV heads only (model.cfg: this rank's shapes).
             pool_bytes = kv_pool_bytes(args.kv_cache_memory_bytes, self.device,

@@ -30,7 +30,8 @@ kernels that multiply by these layouts are in ``engine.kernels`` (``cquant``: ou
 other linear path. PyTorch's own packed kernels (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm_for_cpu``) were measured and are not used: with fp32 activations they ran
 1.5-10x slower than our fp32 GEMV on the default model's shapes, and with bf16 activations they
-round every activation to bf16 (docs/models.md, "Quantized weights").
+round every activation to bf16 (docs/models.md, "Quantized weights"). On CUDA, int4 runs
+PyTorch's tinygemm kernel (``engine.quant_gpu``).
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ class QuantizedWeight:
         return QuantizedWeight(self.kind, self.data[index], self.scale[index],
                                None if self.offset is None else self.offset[index], self.group,
                                self.dtype)
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """The same weight with its tensors on ``device``."""
+        return QuantizedWeight(self.kind, self.data.to(device), self.scale.to(device),
+                               None if self.offset is None else self.offset.to(device),
+                               self.group, self.dtype)
 
     def detach(self) -> QuantizedWeight:  # what model_linear_weights calls on a tensor
         return self

@@ -5,12 +5,14 @@ what ``--quantization gguf`` must load as stored. The tokenizer fields are the d
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
 
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 256, 4, 2, 512, 2
 HEAD_DIM = HIDDEN // HEADS
+FULL_VOCAB = 49152  # the default model's tokenizer, whole (write_tiny_gguf)
 # Per projection: the type each layer's tensor is written in. Q4_K needs rows of 256 weights.
 DEFAULT_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q4_0",
                  "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q4_K"}
@@ -18,7 +20,7 @@ DEFAULT_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_out
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter's rotary permutation of q/k rows (the inverse of
-    ``engine.weights._unpermute_rows``)."""
+    ``engine.gguf_convert.unpermute_rows``)."""
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
 
@@ -51,12 +53,9 @@ def write_tiny_gguf(path: Path, types: dict[str, str] | None = None, embed_type:
     by default: Q4_K, Q4_0), the token embedding in ``embed_type``, tied to the output."""
     import gguf
 
-    from engine.weights import default_gguf_path
-
     types = {**DEFAULT_TYPES, **(types or {})}
     rng = np.random.default_rng(seed)
-    src = gguf.GGUFReader(str(default_gguf_path()))
-    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    vocab = FULL_VOCAB
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(LAYERS)
     w.add_context_length(512)
@@ -67,10 +66,7 @@ def write_tiny_gguf(path: Path, types: dict[str, str] | None = None, embed_type:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    for key, field in src.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub)
+    _add_tokenizer(w, vocab)
 
     def add(name: str, qtype: str, n: int, k: int, permute_heads: int | None = None) -> None:
         if permute_heads is not None:  # permuting whole rows keeps each row's blocks whole
@@ -105,32 +101,86 @@ def write_tiny_gguf(path: Path, types: dict[str, str] | None = None, embed_type:
 
 
 # What llama.cpp's converter writes per HF tensor, for the families converted from a tiny HF
-# checkpoint below: GGUF name by HF layer name (no rotary permutation: only Llama has one).
+# checkpoint below: GGUF name by HF layer name.
 _HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-               "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm"}
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               # Mixture-of-Experts routers, Qwen2-MoE's shared expert, Phi-3's fused tensors
+               "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+               "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp",
+               "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _HF_TO_GGUF_GEMMA = {**_HF_TO_GGUF, "post_attention_layernorm": "attn_post_norm",
                      "pre_feedforward_layernorm": "ffn_norm",
                      "post_feedforward_layernorm": "post_ffw_norm"}
+# HF model_type -> GGUF architecture (Mixtral's GGUFs say llama, with an expert count).
+_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama",
+         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "phi3": "phi3"}
+# Each expert's HF names -> the stacked tensor llama.cpp writes ([experts, rows, cols]).
+_EXPERTS = {"mixtral": ("block_sparse_moe.experts", {"w1": "ffn_gate_exps", "w3": "ffn_up_exps",
+                                                     "w2": "ffn_down_exps"}),
+            "qwen2_moe": ("mlp.experts", {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                                          "down_proj": "ffn_down_exps"})}
+_EXPERTS["qwen3_moe"] = _EXPERTS["qwen2_moe"]
 
 
-def write_gguf_from_hf(hf_dir: Path, path: Path, proj_type: str = "F32") -> Path:
-    """``hf_dir``'s Qwen3 / Gemma 2 / Gemma 3 checkpoint as llama.cpp's converter writes it:
-    its GGUF names and metadata, Gemma's norm weights stored as 1 + w, the projections in
-    ``proj_type`` (F32: the same numbers), everything else F32; the default model's tokenizer
-    fields (the tiny vocabulary's ids are a prefix of its)."""
-    import json
+def _add_tokenizer(w, vocab: int) -> None:
+    """The default model's tokenizer fields cut to its first ``vocab`` tokens (its special
+    tokens and byte alphabet come first) and the merges among them: a consistent byte-level
+    BPE tokenizer the size of a tiny model's vocabulary. The full one's 49k tokens and merges
+    took ~20 s to parse per conversion (ours and transformers')."""
+    for key, value, kind, sub in _tokenizer_fields(vocab):
+        w.add_key_value(key, value, kind, sub)
 
+
+@functools.cache
+def _tokenizer_fields(vocab: int) -> tuple:
     import gguf
-    from safetensors.torch import load_file
 
     from engine.weights import default_gguf_path
 
+    src = gguf.GGUFReader(str(default_gguf_path()))  # ~7 s: read once per process
+    tokens = src.fields["tokenizer.ggml.tokens"].contents()[:vocab]
+    kept = set(tokens)
+    out = []
+    for key, field in src.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            value = value[:vocab]
+        elif key == "tokenizer.ggml.merges":
+            value = [m for m in value
+                     if m.replace(" ", "") in kept and all(p in kept for p in m.split(" "))]
+        elif key.endswith("_token_id") and int(value) >= vocab:
+            continue
+        out.append((key, value, field.types[0], field.types[1] if len(field.types) > 1 else None))
+    return tuple(out)
+
+
+def write_gguf_from_hf(hf_dir: Path, path: Path, proj_type: str = "F32") -> Path:
+    """``hf_dir``'s Qwen3 / Gemma 2 / Gemma 3 / Mixtral / Qwen2-MoE / Qwen3-MoE / Phi-3
+    checkpoint as llama.cpp's converter writes it: its GGUF names and metadata, Mixtral's q/k
+    rows rotary-permuted, experts stacked per projection, Gemma's norm weights stored as
+    1 + w, Phi-3's LongRoPE factors as tensors, the projections (experts too) in
+    ``proj_type`` (F32: the same numbers), everything else F32; the default model's
+    tokenizer cut to the checkpoint's vocabulary (``_add_tokenizer``)."""
+    import json
+
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg["model_type"]]
+    model_type = cfg["model_type"]
+    arch = _ARCH[model_type]
     gemma = arch.startswith("gemma")
+    rope = cfg.get("rope_parameters") or {}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -138,12 +188,31 @@ def write_gguf_from_hf(hf_dir: Path, path: Path, proj_type: str = "F32") -> Path
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    rope = cfg.get("rope_parameters") or {}
-    if arch == "qwen3":
+    if not gemma:
         w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if model_type in _EXPERTS:
+        w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if model_type != "mixtral":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch == "phi3":
+        w.add_rope_dimension_count(head_dim)
+        if cfg.get("sliding_window"):
+            w.add_sliding_window(cfg["sliding_window"])
+        if rope.get("rope_type") == "longrope":  # llama.cpp's converter computes the factor
+            import math
+
+            original = cfg["original_max_position_embeddings"]
+            scale = cfg["max_position_embeddings"] / original
+            w.add_rope_scaling_orig_ctx_len(original)
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     if gemma:
         w.add_sliding_window(cfg["sliding_window"])
     if arch == "gemma2":
@@ -155,11 +224,7 @@ def write_gguf_from_hf(hf_dir: Path, path: Path, proj_type: str = "F32") -> Path
         if full.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(full["factor"])
-    src = gguf.GGUFReader(str(default_gguf_path()))
-    for key, field in src.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub)
+    _add_tokenizer(w, cfg["vocab_size"])
 
     def add(name: str, t, quantize: bool) -> None:
         a = t.float().numpy()
@@ -173,17 +238,35 @@ def write_gguf_from_hf(hf_dir: Path, path: Path, proj_type: str = "F32") -> Path
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
 
     state = load_file(str(hf_dir / "model.safetensors"))
-    names = _HF_TO_GGUF_GEMMA if gemma else {**_HF_TO_GGUF,
-                                              "post_attention_layernorm": "ffn_norm"}
+    names = _HF_TO_GGUF_GEMMA if gemma else _HF_TO_GGUF
     add("token_embd.weight", state["model.embed_tokens.weight"], True)
     add("output_norm.weight", state["model.norm.weight"], False)
     if "lm_head.weight" in state and not cfg.get("tie_word_embeddings"):
         add("output.weight", state["lm_head.weight"], True)
+    if rope.get("rope_type") == "longrope":
+        add("rope_factors_long.weight", torch.tensor(rope["long_factor"]), False)
+        add("rope_factors_short.weight", torch.tensor(rope["short_factor"]), False)
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     for i in range(cfg["num_hidden_layers"]):
         for hf_name, g_name in names.items():
-            t = state.get(f"model.layers.{i}.{hf_name}.weight")
-            if t is not None:
-                add(f"blk.{i}.{g_name}.weight", t, not hf_name.endswith("norm"))
+            for kind in ("weight", "bias"):
+                t = state.get(f"model.layers.{i}.{hf_name}.{kind}")
+                if t is None:
+                    continue
+                if arch == "llama" and g_name in heads:  # only Llama's rows are permuted
+                    t = torch.from_numpy(_permute(t.numpy(), heads[g_name]).copy())
+                if g_name == "ffn_gate_inp_shexp":
+                    t = t.reshape(-1)  # llama.cpp keeps this gate as a vector
+                router = g_name.startswith("ffn_gate_inp")
+                add(f"blk.{i}.{g_name}.{kind}", t,
+                    kind == "weight" and not hf_name.endswith("norm") and not router)
+        if model_type in _EXPERTS:
+            prefix, stacked = _EXPERTS[model_type]
+            n = cfg.get("num_experts") or cfg["num_local_experts"]
+            for hf_name, g_name in stacked.items():
+                add(f"blk.{i}.{g_name}.weight", torch.stack([
+                    state[f"model.layers.{i}.{prefix}.{j}.{hf_name}.weight"] for j in range(n)]),
+                    True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

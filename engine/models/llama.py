@@ -31,6 +31,7 @@ from engine.models.moe import SparseMoE
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.sharding import TPShard
 from engine.quant import QuantizedWeight, cat_rows, quantize
+from engine.quant_gpu import TinyGemmWeight, to_cuda
 
 if TYPE_CHECKING:
     from engine.parallel.comm import TPComm
@@ -223,6 +224,9 @@ class LlamaForCausalLM(nn.Module):
         # The quantized layouts serving the linear layers: "int8" | "int4" once ``quantize``
         # ran, or what a GGUF's blocks loaded as ("int4+int8"); None: all in the model dtype.
         self.quantization: str | None = None
+        # int4 on CUDA with a tied head: the table packed for tinygemm (place_quantized), the
+        # embedding's rows still looked up from ``self.embed``
+        self._tied_head: TinyGemmWeight | None = None
         self.layer_shapes = cpu_ops.DecodeLayerShapes(cfg.hidden_size, cfg.num_heads,
                                                       cfg.num_kv_heads, cfg.head_dim,
                                                       cfg.intermediate_size, cfg.rms_norm_eps)
@@ -325,6 +329,8 @@ class LlamaForCausalLM(nn.Module):
         dtype); under tensor parallelism every rank gets the whole rows (all-gathered)."""
         if self.lm_head is not None:
             w = self.lm_head.weight
+        elif self._tied_head is not None:
+            w = self._tied_head
         else:
             w = self.embed.weight
             if self.comm is not None:
@@ -362,6 +368,43 @@ class LlamaForCausalLM(nn.Module):
             self.embed = QEmbedding(quantize(self.embed.weight, kind))
         self._pointers = None
         self.quantization = kind
+
+    def place_quantized(self, device: torch.device) -> None:
+        """Move the quantized weights to ``device`` (``Module.to`` moves parameters and
+        buffers; these are neither). On CUDA, int4 projections are packed for PyTorch's
+        tinygemm kernel (``engine.quant_gpu``), every expert's too, and a tied head gets a
+        packed copy of the table beside the embedding's rows. Nothing to do on the CPU."""
+        if not self.quantization or device.type == "cpu":
+            return
+
+        def place(w, name: str):
+            if not isinstance(w, QuantizedWeight):
+                return w
+            return to_cuda(w, device, name) if w.kind == "int4" else w.to(device)
+
+        for i, layer in enumerate(self.layers):
+            for attr in ("qkv", "o_proj", "gate_up", "down"):
+                lin = getattr(layer, attr, None)
+                if isinstance(lin, QLinear):
+                    lin.weight = place(lin.weight, f"layers.{i}.{attr}")
+            moe = layer.moe
+            if moe is not None and isinstance(moe.down, list):
+                moe.gate_up = [place(w, f"layers.{i}.experts.{j}.gate_up")
+                               for j, w in enumerate(moe.gate_up)]
+                moe.down = [place(w, f"layers.{i}.experts.{j}.down")
+                            for j, w in enumerate(moe.down)]
+                if isinstance(moe.shared, dict):
+                    moe.shared = {k: place(v, f"layers.{i}.shared_expert.{k}")
+                                  for k, v in moe.shared.items()}
+        if isinstance(self.lm_head, QLinear):
+            self.lm_head.weight = place(self.lm_head.weight, "lm_head")
+        if isinstance(self.embed, QEmbedding):
+            table = self.embed.weight
+            if self.lm_head is None and table.kind == "int4" and self.comm is None:
+                head = to_cuda(table, device, "lm_head (tied)")
+                self._tied_head = head if isinstance(head, TinyGemmWeight) else None
+            self.embed.weight = table.to(device)
+        self._pointers = None
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor],
                            quantized: dict[str, QuantizedWeight] | None = None) -> None:
@@ -442,8 +485,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 put(layer.post_norm, take(p + "post_attention_layernorm.weight"),
                     p + "post_attention_layernorm.weight")
-            if a + "qkv_proj.weight" in sd:  # Phi-3 ships them fused, in our order
-                put(layer.qkv.weight, take(a + "qkv_proj.weight"), a + "qkv_proj.weight")
+            if a + "qkv_proj.weight" in sd or a + "qkv_proj.weight" in quantized:
+                # Phi-3 ships them fused, in our order
+                put_linear(layer, "qkv", [a + "qkv_proj.weight"], a + "qkv_proj.weight")
             else:
                 put_linear(layer, "qkv", [a + "q_proj.weight", a + "k_proj.weight",
                                           a + "v_proj.weight"], a + "{q,k,v}_proj.weight")
@@ -457,18 +501,23 @@ class LlamaForCausalLM(nn.Module):
                 put(layer.k_norm, take_norm(a + "k_norm.weight"), a + "k_norm.weight")
             if layer.moe is not None:
                 if self.cfg.architecture == "mixtral":
-                    layer.moe.load(take, p + "block_sparse_moe.", ("w1", "w3", "w2"), put)
+                    layer.moe.load(take, p + "block_sparse_moe.", ("w1", "w3", "w2"), put,
+                                   quantized)
                 else:
-                    layer.moe.load(take, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), put)
+                    layer.moe.load(take, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), put,
+                                   quantized)
                 continue
             m = p + "mlp."
-            if m + "gate_up_proj.weight" in sd:  # Phi-3: [gate | up] already
-                put(layer.gate_up.weight, take(m + "gate_up_proj.weight"), m + "gate_up_proj.weight")
+            if m + "gate_up_proj.weight" in sd or m + "gate_up_proj.weight" in quantized:
+                # Phi-3: [gate | up] already
+                put_linear(layer, "gate_up", [m + "gate_up_proj.weight"], m + "gate_up_proj.weight")
             else:
                 put_linear(layer, "gate_up", [m + "gate_proj.weight", m + "up_proj.weight"],
                            m + "{gate,up}_proj.weight")
             put_linear(layer, "down", [m + "down_proj.weight"], m + "down_proj.weight")
         kinds = {m.weight.kind for m in self.modules() if isinstance(m, QLinear | QEmbedding)}
+        kinds |= {w.kind for layer in self.layers if layer.moe is not None
+                  for w in layer.moe.down if isinstance(w, QuantizedWeight)}
         if kinds:
             self.quantization = "+".join(sorted(kinds))
             self._pointers = None

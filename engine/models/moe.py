@@ -26,7 +26,7 @@ from torch import nn
 from engine import cpu_ops
 from engine.config import ModelConfig
 from engine.kernels import linear
-from engine.quant import QuantizedWeight, quantize
+from engine.quant import QuantizedWeight, cat_rows, quantize
 
 
 class SparseMoE(nn.Module):
@@ -84,21 +84,74 @@ class SparseMoE(nn.Module):
             out += torch.sigmoid(linear(x, s["gate"])) * y
         return out
 
-    def load(self, take, prefix: str, names: tuple[str, str, str], put) -> None:
+    def load(self, take, prefix: str, names: tuple[str, str, str], put,
+             quantized: dict[str, QuantizedWeight] | None = None) -> None:
         """Fill from HF tensors ``{prefix}gate.weight`` (the router) and, per expert j,
-        ``{prefix}experts.{j}.{gate,up,down}.weight`` under the family's ``names``."""
+        ``{prefix}experts.{j}.{gate,up,down}.weight`` under the family's ``names`` (and
+        Qwen2-MoE's ``shared_expert.*``). ``quantized``: projections already in an
+        ``engine.quant`` layout (a GGUF's blocks), held as they are when every expert's (or
+        the shared expert's) are in one layout, else dequantized into the stacked tensors;
+        what is not there comes from ``take``."""
+        quantized = quantized or {}
+
+        def fp(name: str) -> torch.Tensor:
+            q = quantized.get(name)
+            return take(name) if q is None else q.dequantize(self.router.dtype)
+
         put(self.router, take(prefix + "gate.weight"), prefix + "gate.weight")
-        gate, up, down = names
-        for j in range(len(self.gate_up)):
-            p = f"{prefix}experts.{j}."
-            put(self.gate_up[j], torch.cat([take(p + gate + ".weight"), take(p + up + ".weight")]),
-                p + "{" + f"{gate},{up}" + "}.weight")
-            put(self.down[j], take(p + down + ".weight"), p + down + ".weight")
+        experts = [tuple(f"{prefix}experts.{j}.{n}.weight" for n in names)
+                   for j in range(len(self.gate_up))]
+        held = _one_layout(quantized, [n for parts in experts for n in parts])
+        if held is not None:
+            self._hold(held, experts)
+        else:
+            for j, (gate, up, down) in enumerate(experts):
+                put(self.gate_up[j], torch.cat([fp(gate), fp(up)]),
+                    f"{prefix}experts.{j}.{{{names[0]},{names[1]}}}.weight")
+                put(self.down[j], fp(down), down)
         if self.shared is not None:
             p = prefix + "shared_expert."
-            put(self.shared["gate_up"], torch.cat([take(p + "gate_proj.weight"),
-                                                   take(p + "up_proj.weight")]),
-                p + "{gate,up}_proj.weight")
-            put(self.shared["down"], take(p + "down_proj.weight"), p + "down_proj.weight")
+            gate, up, down = (p + n for n in ("gate_proj.weight", "up_proj.weight",
+                                              "down_proj.weight"))
             put(self.shared["gate"], take(prefix + "shared_expert_gate.weight"),
                 prefix + "shared_expert_gate.weight")
+            held = _one_layout(quantized, [gate, up, down])
+            if held is not None:
+                gate_up = cat_rows([held[gate], held[up]])
+                _check_shape(gate_up, self.shared["gate_up"], p + "{gate,up}_proj.weight")
+                _check_shape(held[down], self.shared["down"], down)
+                shared = {"gate_up": gate_up, "down": held[down], "gate": self.shared["gate"]}
+                del self.shared  # a registered ParameterDict: replaced by a plain dict
+                self.shared = shared
+            else:
+                put(self.shared["gate_up"], torch.cat([fp(gate), fp(up)]),
+                    p + "{gate,up}_proj.weight")
+                put(self.shared["down"], fp(down), down)
+
+    def _hold(self, held: dict[str, QuantizedWeight],
+              experts: list[tuple[str, str, str]]) -> None:
+        """Hold every expert's quantized projections as they are (as ``quantize`` leaves
+        them): ``gate_up`` / ``down`` become lists indexed by expert."""
+        gate_up = [cat_rows([held[g], held[u]]) for g, u, _ in experts]
+        down = [held[d] for _, _, d in experts]
+        for j, (g, _, d) in enumerate(experts):
+            _check_shape(gate_up[j], self.gate_up[j], g.replace(".weight", "+up.weight"))
+            _check_shape(down[j], self.down[j], d)
+        del self.gate_up, self.down
+        self.gate_up = gate_up
+        self.down = down
+
+
+def _one_layout(quantized: dict[str, QuantizedWeight],
+                names: list[str]) -> dict[str, QuantizedWeight] | None:
+    """``names``' quantized weights when every one is there in one layout, else None."""
+    parts = [quantized.get(n) for n in names]
+    if not all(parts) or len({(q.kind, q.group) for q in parts}) != 1:
+        return None
+    return dict(zip(names, parts, strict=True))
+
+
+def _check_shape(q: QuantizedWeight, like: torch.Tensor, name: str) -> None:
+    if q.shape != tuple(like.shape):
+        raise ValueError(f"tensor {name!r} has shape {q.shape}, expected "
+                         f"{tuple(like.shape)} from config.json")

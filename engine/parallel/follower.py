@@ -62,6 +62,7 @@ def serve(spec: FollowerSpec) -> None:
     if args.quantization in ("int8", "int4"):  # each rank quantizes its own shard
         model.quantize(args.quantization)
     model = model.to(plan.device)
+    model.place_quantized(plan.device)
     # Only the block size matters here: the pool's size came from rank 0 (num_blocks).
     cache = CacheConfig(block_size=args.block_size,
                         enable_prefix_caching=args.enable_prefix_caching)
