@@ -11,9 +11,15 @@ of the prefix cache is recorded as a KV event (``engine.kv_events``: blocks stor
 evicted); ``take_events`` drains them and ``cached_hashes`` is the snapshot they apply to.
 Nothing is recorded otherwise (an in-process engine has no reader to drain them).
 
+Blocks being computed: a request admitted to compute full prompt blocks no cache holds is
+``note_computing``'d; until its ``cache_full_blocks`` registers them (or it is freed), another
+request whose prompt continues its cached prefix with one of those blocks can ask
+``in_progress`` and wait for them instead of computing them a second time (the scheduler does,
+``engine.scheduler``).
+
 Invariants the tests check: a block is either free (ref_cnt 0, in the free queue) or owned
 (ref_cnt = number of requests whose table holds it); nothing is freed twice; when every request
-has been freed, every block is free.
+has been freed, every block is free and no block is being computed.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class ComputedBlocks:
 class _RequestBlocks:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the leading full blocks
+    computing: list[int] = field(default_factory=list)  # hashes it noted (note_computing)
 
 
 def hash_block(parent_hash: int, token_ids: tuple[int, ...] | list[int], seed: int) -> int:
@@ -75,6 +82,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._reqs: dict[str, _RequestBlocks] = {}
+        # hash of a full prompt block a request holds but has not computed yet -> that request
+        self._computing: dict[int, str] = {}
         self.num_prefix_hit_tokens = 0  # cumulative, for metrics
         self._events: KVEventRecorder | None = None
 
@@ -127,6 +136,36 @@ class BlockManager:
             parent = h
         return ComputedBlocks(tuple(ids), tuple(hashes))
 
+    def note_computing(self, request_id: str, token_ids: list[int],
+                       computed: ComputedBlocks | None) -> None:
+        """``request_id`` (just allocated) will compute the full blocks of ``token_ids``
+        after ``computed``: other requests may wait for them (``in_progress``). Blocks
+        another request is already computing stay that request's."""
+        rb = self._caching(request_id)
+        if rb is None:
+            return
+        bs = self.block_size
+        parent = computed.block_hashes[-1] if computed and computed.block_hashes else 0
+        for i in range(len(computed.block_ids) if computed else 0, (len(token_ids) - 1) // bs):
+            parent = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]), self.hash_seed)
+            if parent not in self._computing and parent not in self._cached:
+                self._computing[parent] = request_id
+                rb.computing.append(parent)
+
+    def in_progress(self, token_ids: list[int], computed: ComputedBlocks) -> str | None:
+        """The request computing the block of ``token_ids`` right after its cached prefix
+        ``computed`` (``get_computed_blocks``' answer), or None: none is, or the prompt has
+        no full block there to reuse."""
+        if not self._computing:
+            return None
+        bs = self.block_size
+        i = len(computed.block_ids)
+        if i >= (len(token_ids) - 1) // bs:
+            return None
+        parent = computed.block_hashes[-1] if computed.block_hashes else 0
+        return self._computing.get(hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]),
+                                              self.hash_seed))
+
     def cached_hashes(self) -> list[int]:
         """Every hash the prefix cache holds now: the snapshot that the events drained by
         ``take_events`` from here on apply to."""
@@ -170,9 +209,7 @@ class BlockManager:
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's now-full, computed blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
-        rb = self._reqs.get(request_id)
+        rb = self._caching(request_id)
         if rb is None:
             return
         bs = self.block_size
@@ -183,6 +220,8 @@ class BlockManager:
             h = hash_block(parent, toks, self.hash_seed)
             rb.block_hashes.append(h)
             parent = h
+            if self._computing.get(h) == request_id:
+                del self._computing[h]  # computed: cached below, or already by another
             block = self._blocks[rb.block_ids[i]]
             if block.block_hash is None and h not in self._cached:
                 block.block_hash = h
@@ -196,6 +235,9 @@ class BlockManager:
         rb = self._reqs.pop(request_id, None)
         if rb is None:
             return 0
+        for h in rb.computing:  # blocks it will not compute now: nobody waits for them
+            if self._computing.get(h) == request_id:
+                del self._computing[h]
         freed = 0
         # Reverse order: the tail of a sequence is the least likely to be shared, so it is
         # evicted first and the common prefix stays cached longest.
@@ -209,6 +251,10 @@ class BlockManager:
         return freed
 
     # ---- internals -----------------------------------------------------------------------
+    def _caching(self, request_id: str) -> _RequestBlocks | None:
+        """The request's blocks where the prefix cache is on and the request holds any."""
+        return self._reqs.get(request_id) if self.enable_prefix_caching else None
+
     def _num_new_blocks(self, request_id: str, num_tokens: int,
                         computed: ComputedBlocks | None) -> int:
         rb = self._reqs.get(request_id)
@@ -254,3 +300,6 @@ class BlockManager:
             assert (block.ref_cnt == 0) == (block.block_id in self._free), f"block {block.block_id} free state"
         for h, bid in self._cached.items():
             assert self._blocks[bid].block_hash == h
+        for h, rid in self._computing.items():
+            assert rid in self._reqs and h not in self._reqs[rid].block_hashes, \
+                f"block {h} noted as being computed by {rid}, which holds or computed it"

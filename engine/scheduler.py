@@ -114,6 +114,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        # admissions deferred because a running request was computing the prompt's next
+        # block (``_admit``): each is one step a duplicate computation was avoided
+        self.num_prefix_waits = 0
         # static/dynamic: ids of the batch launched when nothing ran. Members the token budget
         # (chunked prefill) or a preemption kept out may still join it; nobody else may.
         self._batch: set[str] = set()
@@ -273,6 +276,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
+        deferred: list[Request] = []  # waiting for a prefix another request is computing
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             if cfg.policy != "continuous" and req.request_id not in self._batch:
@@ -282,6 +286,15 @@ class Scheduler:
                 # Prompt logprobs need every prompt position computed: no prefix-cache hit.
                 wants_all = req.sampling_params.prompt_logprobs is not None
                 computed = self.blocks.get_computed_blocks([] if wants_all else req.all_token_ids)
+                if not wants_all and self.blocks.in_progress(req.all_token_ids, computed):
+                    # A running request is computing the next block of this prompt (the
+                    # second of two requests with one new prefix): it is cached within that
+                    # request's next chunks, so waiting for it costs no more than computing
+                    # it again here, which would also slow every request of those steps
+                    # (a step's cost grows with its tokens). Later requests may go first.
+                    deferred.append(self.waiting.popleft())
+                    self.num_prefix_waits += 1
+                    continue
                 num_computed = computed.num_tokens(self.blocks.block_size)
             else:  # remote KV already in our pages
                 num_computed = req.num_computed_tokens
@@ -295,12 +308,15 @@ class Scheduler:
             if computed is not None:
                 req.num_computed_tokens = num_computed
                 req.num_cached_tokens = num_computed
+                if not wants_all:
+                    self.blocks.note_computing(req.request_id, req.all_token_ids, computed)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens

@@ -61,10 +61,12 @@ class WorkerChooser:
         """The prefill worker for this prompt, and the prompt tokens it will compute there
         (what its cache does not hold: counted as queued on it meanwhile). Raises
         WorkerUnavailableError when none is live."""
-        hits = self.index.match(prompt_ids, list(slots))
+        detail = self.index.match_detail(prompt_ids, list(slots))
+        hits = {wid: m.blocks for wid, m in detail.items()}
         self._note_cached(slots.values())
         view = self.routing.pick_prefill([s.view for s in slots.values()], len(prompt_ids),
-                                         exclude, hits)
+                                         exclude, hits,
+                                         {wid: m.in_flight for wid, m in detail.items()})
         if view is None:
             raise WorkerUnavailableError("no live prefill worker")
         work = max(1, len(prompt_ids) - hits.get(view.worker_id, 0) * view.block_size)

@@ -211,6 +211,7 @@ class Orchestrator:
         """Drop the stream's entry; unfinished, end its log and journal with "abort" and free
         whatever its workers hold."""
         self._streams.pop(stream.request_id, None)
+        self.kv_index.forget(stream.request_id)
         if not finished:
             self.streams.append(stream.request_id, [], "abort")
             self._journal(stream.request_id, "aborted", stream.decode_id, "")
@@ -332,6 +333,8 @@ class Orchestrator:
         slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
                                         lambda: stream.aborted)
         stream.decode_id, stream.committed = slot.info.worker_id, True
+        self.kv_index.forget(stream.request_id)  # a migrated stream's earlier worker
+        self.kv_index.expect(stream.request_id, slot.info.worker_id, prompt_ids)
         slot.view.inflight_requests += 1
         try:
             stream.decode_incarnation = await stream.open_call(slot.handle.submit.remote(
@@ -377,6 +380,12 @@ class Orchestrator:
         the reservation already released, Aborted, or ClusterMisconfiguredError."""
         rid = stream.request_id
         cfg = self.config
+        # In-flight affinity: both workers will hold the prompt's blocks once this attempt
+        # is through; until their events say so, the index counts them (an earlier
+        # attempt's workers, which failed, no longer).
+        self.kv_index.forget(rid)
+        self.kv_index.expect(rid, pslot.info.worker_id, prompt_ids)
+        self.kv_index.expect(rid, decode.info.worker_id, prompt_ids)
         need = cdiv(len(prompt_ids) + 1, decode.view.block_size)
         decode.view.inflight_blocks += need
         # Counted from the pick, not from the reserve's answer: requests routed in one burst

@@ -10,6 +10,14 @@ matches nothing, so routing never relies on what might have been evicted.
 ``match`` answers, for a prompt, how many of its leading full blocks each worker holds: the
 prompt's hashes are computed once per block size in use (workers of one cluster may differ)
 with the cluster's seed, then each worker's run is walked until the first miss.
+
+In-flight affinity: the events for a prompt's blocks arrive only after its prefill (and, on a
+decode worker, after its KV landed), so a second request with the same new prefix, routed
+meanwhile, would see no worker holding it and scatter. ``expect`` records, per worker, the
+blocks of a prompt just routed there; ``match`` counts them as held. Each such entry ends when
+the event storing its block arrives (or a snapshot lists it), or when its request is
+``forget``-ten (the request ended, or its attempt on that worker failed), whichever is first:
+the entries are bounded by the requests in flight, never by a timer.
 """
 
 from __future__ import annotations
@@ -28,6 +36,18 @@ class _WorkerCache:
     seq: int = 0  # last batch applied
     stale: bool = True  # no snapshot yet, or a hole since: matches nothing until reset
     hashes: set[int] = field(default_factory=set)
+    # Blocks of prompts routed here whose stored events have not arrived yet: hash -> the
+    # requests expecting it (module docstring, in-flight affinity)
+    expected: dict[int, set[str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A worker's leading run of a prompt's blocks: ``blocks`` in all, ``in_flight`` of them
+    expected from requests routed there, not yet stored (``KVIndex.expect``)."""
+
+    blocks: int
+    in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,12 +65,18 @@ class KVIndex:
     def __init__(self, hash_seed: int) -> None:
         self.hash_seed = hash_seed
         self._workers: dict[str, _WorkerCache] = {}
+        # request id -> worker id -> the hashes it still expects there (``expect``)
+        self._expected_by: dict[str, dict[str, set[int]]] = {}
         self.batches_applied = 0
         self.holes = 0  # batches refused for not following their worker's cursor
 
     # ---- feeding --------------------------------------------------------------------------
     def add_worker(self, worker_id: str, block_size: int) -> None:
         """Track a worker (stale, empty) until its first snapshot."""
+        for rid in [r for r, by in self._expected_by.items() if worker_id in by]:
+            del self._expected_by[rid][worker_id]
+            if not self._expected_by[rid]:
+                del self._expected_by[rid]
         self._workers[worker_id] = _WorkerCache(block_size)
 
     def invalidate(self, worker_id: str) -> None:
@@ -68,6 +94,7 @@ class KVIndex:
         c = self._workers.setdefault(snap.worker_id, _WorkerCache(snap.block_size))
         c.block_size, c.incarnation, c.seq = snap.block_size, snap.incarnation, snap.seq
         c.hashes, c.stale = set(snap.block_hashes), False
+        self._arrived(snap.worker_id, c, c.hashes)
 
     def apply(self, batch: KVEventBatch) -> bool:
         """Apply one batch in order. Returns False (entry now stale, nothing applied) when it
@@ -84,6 +111,7 @@ class KVIndex:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 c.hashes.update(ev.block_hashes)
+                self._arrived(batch.worker_id, c, ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 c.hashes.difference_update(ev.block_hashes)
             elif isinstance(ev, AllCleared):
@@ -92,31 +120,96 @@ class KVIndex:
         self.batches_applied += 1
         return True
 
+    # ---- in-flight affinity ----------------------------------------------------------------
+    def expect(self, request_id: str, worker_id: str, prompt_ids: list[int]) -> None:
+        """``request_id``'s prompt was just routed to ``worker_id``: count its full blocks
+        as held there until their events arrive or the request is forgotten."""
+        c = self._workers.get(worker_id)
+        if c is None or not prompt_ids:
+            return
+        missing = [h for h in self.prompt_hashes(prompt_ids, c.block_size) if h not in c.hashes]
+        if not missing:
+            return
+        mine = self._expected_by.setdefault(request_id, {}).setdefault(worker_id, set())
+        mine.update(missing)
+        for h in missing:
+            c.expected.setdefault(h, set()).add(request_id)
+
+    def forget(self, request_id: str, worker_id: str | None = None) -> None:
+        """Drop what ``request_id`` expects (on ``worker_id`` only, when given): it ended, or
+        its attempt there failed. Unknown ids are ignored."""
+        by_worker = self._expected_by.get(request_id)
+        if by_worker is None:
+            return
+        for wid in [worker_id] if worker_id is not None else list(by_worker):
+            hashes = by_worker.pop(wid, ())
+            c = self._workers.get(wid)
+            for h in hashes if c is not None else ():
+                waiting = c.expected.get(h)
+                if waiting is not None:
+                    waiting.discard(request_id)
+                    if not waiting:
+                        del c.expected[h]
+        if not by_worker:
+            del self._expected_by[request_id]
+
+    def _arrived(self, worker_id: str, c: _WorkerCache, hashes) -> None:
+        """Stored blocks are held for real now: end the entries that expected them."""
+        if not c.expected:
+            return
+        for h in hashes:
+            for rid in c.expected.pop(h, ()):
+                by_worker = self._expected_by.get(rid)
+                mine = by_worker.get(worker_id) if by_worker else None
+                if mine is None:
+                    continue
+                mine.discard(h)
+                if not mine:
+                    del by_worker[worker_id]
+                    if not by_worker:
+                        del self._expected_by[rid]
+
+    @property
+    def requests_expected(self) -> int:
+        """Requests with in-flight entries (each ends with its request: a leak shows here)."""
+        return len(self._expected_by)
+
     # ---- reading --------------------------------------------------------------------------
     def match(self, prompt_ids: list[int] | None,
               worker_ids: list[str] | None = None) -> dict[str, int]:
-        """Worker id -> how many leading full blocks of the prompt its cache holds (only
-        workers with at least one; stale ones never appear). ``worker_ids`` limits the
-        answer to those workers."""
+        """``match_detail``'s blocks alone: worker id -> leading blocks held or expected."""
+        return {wid: m.blocks for wid, m in self.match_detail(prompt_ids, worker_ids).items()}
+
+    def match_detail(self, prompt_ids: list[int] | None,
+                     worker_ids: list[str] | None = None) -> dict[str, PrefixMatch]:
+        """Worker id -> the leading full blocks of the prompt its cache holds, or will hold
+        once the requests routed there are computed (``expect``); only workers with at least
+        one; a stale worker's cache counts for nothing (its in-flight blocks do).
+        ``worker_ids`` limits the answer to those workers."""
         if not prompt_ids:
             return {}
         ids = worker_ids if worker_ids is not None else list(self._workers)
         by_size: dict[int, list[int]] = {}
-        out: dict[str, int] = {}
+        out: dict[str, PrefixMatch] = {}
         for wid in ids:
             c = self._workers.get(wid)
-            if c is None or c.stale or not c.hashes:
+            # A stale entry's cache may have evicted anything: only what requests routed
+            # there since are computing counts (a new worker is stale until its snapshot).
+            held = set() if c is None or c.stale else c.hashes
+            if c is None or not (held or c.expected):
                 continue
             hashes = by_size.get(c.block_size)
             if hashes is None:
                 hashes = by_size[c.block_size] = self.prompt_hashes(prompt_ids, c.block_size)
-            n = 0
+            n = in_flight = 0
             for h in hashes:
-                if h not in c.hashes:
-                    break
+                if h not in held:
+                    if h not in c.expected:
+                        break
+                    in_flight += 1
                 n += 1
             if n:
-                out[wid] = n
+                out[wid] = PrefixMatch(n, in_flight)
         return out
 
     def prompt_hashes(self, prompt_ids: list[int], block_size: int) -> list[int]:

@@ -79,7 +79,8 @@ class RoutingConfig:
     ``prefix_weight`` x the prompt tokens it does NOT cache (what it must compute, or for a
     decode worker receive) + ``queue_weight`` x the uncached prompt tokens queued there ahead
     of this one (prefill and colocated workers: a disaggregated decode worker admits
-    arrivals at once, nothing queues) + ``kv_usage_weight`` x its KV pool's used fraction
+    arrivals at once, nothing queues; a prefill worker's queued tokens that compute blocks
+    this prompt will reuse do not count, ``pick_prefill``) + ``kv_usage_weight`` x its KV pool's used fraction
     (blocks in use with reservations in flight, or the blocks its prefix cache holds, if more)
     x the prompt length (a nearly full pool costs preemptions or evicts cached prefixes). With the default weights (1, 1, 1) a worker holding the
     prefix wins unless the work queued on it exceeds the work the prefix saves: a hot
@@ -131,9 +132,13 @@ class Routing:
             _neg(_decode_headroom(w))))
 
     def pick_prefill(self, workers: list[WorkerView], prompt_len: int,
-                     exclude: set[str] = frozenset(), hits: dict[str, int] | None = None
-                     ) -> WorkerView | None:
-        """The live prefill worker to compute this prompt, or None."""
+                     exclude: set[str] = frozenset(), hits: dict[str, int] | None = None,
+                     in_flight: dict[str, int] | None = None) -> WorkerView | None:
+        """The live prefill worker to compute this prompt, or None. ``in_flight``: of each
+        worker's ``hits``, the blocks still being computed there for requests routed before
+        (``KVIndex.expect``). Their tokens are not counted as queued ahead of this prompt:
+        waiting for them costs it no more than computing them itself would, and it then
+        computes only the rest (the second request of a new prefix joins the first)."""
         now = time.monotonic()
         live = [w for w in workers if w.routable(now) and w.worker_id not in exclude]
         if not live:
@@ -142,9 +147,14 @@ class Routing:
             return self._take_turn("prefill", live)
         if self.config.policy == "load":
             return min(live, key=lambda w: w.inflight_prefill_tokens)
-        hits = hits or {}
+        hits, in_flight = hits or {}, in_flight or {}
+
+        def queued(w: WorkerView) -> int:
+            return max(0, w.inflight_prefill_tokens
+                       - in_flight.get(w.worker_id, 0) * w.block_size)
+
         return self._cheapest("prefill", live, lambda w: (
-            self.cost(w, prompt_len, hits, w.inflight_prefill_tokens), w.inflight_prefill_tokens))
+            self.cost(w, prompt_len, hits, queued(w)), w.inflight_prefill_tokens))
 
     def cost(self, w: WorkerView, prompt_len: int, hits: dict[str, int],
              queued_tokens: int) -> float:

@@ -117,6 +117,36 @@ def test_next_turns_reuse_the_decode_workers_prefix(loop, tiny_llama_dir):
     assert 0 < stats.prefill_computed_tokens < prompt_tokens
 
 
+def test_a_new_prefix_sent_twice_at_once_is_computed_once(loop, tiny_llama_dir):
+    """In-flight affinity, router to engine: two requests sharing a new 3-block prefix, sent
+    together, go to the same prefill and decode workers (the router counts the first one's
+    blocks before any event says so; without that they split over both pairs), and the
+    prefix is computed once (from the worker's cache, or, when both reach its scheduler
+    together, by waiting for the blocks the first is computing: tests/unit/test_scheduler.py).
+    Tokens equal transformers'; every in-flight entry and every block is gone at the end."""
+    prefix = random_prompts(seed=41, count=1, max_len=48, min_len=48)[0]
+    tails = random_prompts(seed=42, count=2, max_len=7, min_len=5)
+    prompts = [prefix + tails[0], prefix + tails[1]]
+
+    async def body(cluster):
+        orch = cluster.orchestrator
+        before = (await cluster.stats()).prefill_computed_tokens
+        outs = await asyncio.gather(*(_generate(cluster, p, f"twin{i}")
+                                      for i, p in enumerate(prompts)))
+        placed = {rid: {e.kind: e.worker_id for e in orch.store.journal_get(rid)
+                        if e.kind in ("prefilled", "committed")} for rid in ("twin0", "twin1")}
+        computed = (await cluster.stats()).prefill_computed_tokens - before
+        await _until(lambda: _no_blocks_held(cluster), "every block to be freed")
+        return outs, placed, computed, orch.kv_index.requests_expected
+
+    outs, placed, computed, expected = run_cluster(loop, _config(tiny_llama_dir, 16, 16), body)
+    assert outs == hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
+    assert placed["twin0"] == placed["twin1"], placed
+    # the prefix's 3 blocks once, then each prompt's own tokens
+    assert computed == len(prefix) + len(tails[0]) + len(tails[1])
+    assert expected == 0
+
+
 def _has_hit(orch, prompt) -> bool:
     async def check():
         return bool(orch.kv_index.match(prompt, list(orch.decode)))

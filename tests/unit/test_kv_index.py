@@ -222,3 +222,114 @@ def test_nothing_is_recorded_without_a_reader():
     bm.allocate_slots("a", 2 * BS)
     bm.cache_full_blocks("a", list(range(2 * BS)), 2 * BS)
     assert bm.take_events() == [] and len(bm.cached_hashes()) == 2
+
+
+def _two_prefill_workers() -> tuple[KVIndex, KVEventLog, KVEventLog]:
+    logs = (_log("p0"), _log("p1"))
+    idx = KVIndex(hash_seed=0)
+    for log in logs:
+        idx.add_worker(log.worker_id, BS)
+        idx.reset(log.snapshot([]))
+    return idx, *logs
+
+
+def test_in_flight_entries_route_the_second_same_prefix_request_to_the_first_ones_worker():
+    """r1's new prefix goes to p1; before p1's events say so, r2 with the same prefix (and its
+    own tail) is routed to p1 too, where without the entries both workers look cold and the
+    tie takes turns to p0."""
+    idx, _, log1 = _two_prefill_workers()
+    prefix = list(range(3, 3 + 10 * BS))
+    r1, r2 = prefix + [7, 8, 9], prefix + [11, 12]
+    views = [_view("p0", role="prefill"), _view("p1", role="prefill")]
+    routing = Routing(RoutingConfig("kv_aware"))
+    assert routing.pick_prefill(views, len(r1), hits=idx.match(r1)).worker_id == "p0"
+    assert routing.pick_prefill(views, len(r1), hits=idx.match(r1)).worker_id == "p1"
+    idx.expect("r1", "p1", r1)  # what the orchestrator does on routing r1 to p1
+    views[1].inflight_prefill_tokens = len(r1)  # ... and r1's prefill is queued there
+    assert idx.match(r2) == {"p1": 10}
+    detail = idx.match_detail(r2)
+    assert (detail["p1"].blocks, detail["p1"].in_flight) == (10, 10)
+    hits, in_flight = idx.match(r2), {w: m.in_flight for w, m in detail.items()}
+    # waiting for r1's prefix costs r2 no more than computing it: it joins r1 on p1
+    assert routing.pick_prefill(views, len(r2), hits=hits, in_flight=in_flight).worker_id == "p1"
+    # counted as queued work, the prefix r2 would reuse outweighed it: it went to p0
+    assert routing.pick_prefill(views, len(r2), hits=hits).worker_id == "p0"
+    # other work queued on p1 beyond r1's still counts: past what the prefix saves, p0
+    views[1].inflight_prefill_tokens = len(r1) + 2 * len(prefix)
+    assert routing.pick_prefill(views, len(r2), hits=hits, in_flight=in_flight).worker_id == "p0"
+    views[1].inflight_prefill_tokens = 0  # r1's prefill is done; its events not yet here
+    assert routing.pick_prefill(views, len(r2), hits=hits, in_flight=in_flight).worker_id == "p1"
+    # p1's events arrive: the entries end, the blocks stay matched (now for real)
+    log1.publish([BlockStored(tuple(idx.prompt_hashes(r1, BS)))])
+    assert all(idx.apply(b) for b in log1.since(1, "i1").batches)
+    assert idx.requests_expected == 0 and idx.match(r2) == {"p1": 10}
+    # evicted later, nothing in flight keeps them: no longer matched
+    log1.publish([BlockRemoved(tuple(idx.prompt_hashes(r1, BS)))])
+    assert all(idx.apply(b) for b in log1.since(2, "i1").batches)
+    assert idx.match(r2) == {}
+
+
+def test_in_flight_entries_end_with_their_request_or_its_failed_attempt():
+    idx, _, _ = _two_prefill_workers()
+    prompt = list(range(3, 3 + 4 * BS + 1))
+    idx.expect("a", "p0", prompt)
+    idx.expect("b", "p0", prompt)  # two requests expecting the same blocks
+    idx.expect("b", "p1", prompt)
+    assert idx.match(prompt) == {"p0": 4, "p1": 4} and idx.requests_expected == 2
+    idx.forget("b", "p1")  # b's attempt on p1 failed
+    assert idx.match(prompt) == {"p0": 4}
+    idx.forget("a")  # a ended: b still expects them on p0
+    assert idx.match(prompt) == {"p0": 4}
+    idx.forget("b")
+    assert idx.match(prompt) == {} and idx.requests_expected == 0
+    idx.forget("never-routed")  # unknown ids are ignored
+    # a snapshot listing the blocks ends the entries as their events would
+    idx.expect("c", "p1", prompt)
+    idx.reset(_log("p1").snapshot(idx.prompt_hashes(prompt, BS)))
+    assert idx.requests_expected == 0 and idx.match(prompt) == {"p1": 4}
+    # a worker added again (restarted) starts with nothing expected
+    idx.expect("d", "p0", prompt)
+    idx.add_worker("p0", BS)
+    assert idx.requests_expected == 0 and idx.match(prompt) == {"p1": 4}
+    # a stale worker's cache counts for nothing, what is routed to it since does
+    idx.invalidate("p1")
+    assert idx.match(prompt) == {}
+    idx.expect("e", "p1", prompt)
+    assert idx.match(prompt) == {"p1": 4}
+    idx.forget("e")
+
+
+def test_random_expect_forget_and_events_leave_nothing_behind():
+    """Whatever the order of routing, events and request ends, the entries are exactly the
+    blocks each live request still waits for, and none outlive their request."""
+    rng = random.Random(5)
+    idx, log0, log1 = _two_prefill_workers()
+    logs = {"p0": log0, "p1": log1}
+    prompts = [list(range(3, 3 + rng.randrange(1, 6) * BS + 1)) for _ in range(4)]
+    live: dict[str, list[int]] = {}
+    for step in range(300):
+        op = rng.random()
+        if op < 0.4:
+            rid, wid = f"r{step}", rng.choice(["p0", "p1"])
+            live[rid] = prompts[rng.randrange(4)]
+            idx.expect(rid, wid, live[rid])
+        elif op < 0.7 and live:
+            rid = rng.choice(list(live))
+            idx.forget(rid)
+            del live[rid]
+        else:
+            wid = rng.choice(["p0", "p1"])
+            h = idx.prompt_hashes(prompts[rng.randrange(4)], BS)
+            log = logs[wid]
+            log.publish([BlockStored(tuple(h))] if rng.random() < 0.6
+                        else [BlockRemoved(tuple(h))])
+            assert idx.apply(log.since(log.snapshot([]).seq - 1, "i1").batches[-1])
+        assert set(idx._expected_by) <= set(live)
+        for wid in ("p0", "p1"):
+            c = idx._workers[wid]
+            assert not set(c.expected) & c.hashes  # held for real: no longer expected
+            assert all(rids <= set(live) and rids for rids in c.expected.values())
+    for rid in list(live):
+        idx.forget(rid)
+    assert idx.requests_expected == 0
+    assert not idx._workers["p0"].expected and not idx._workers["p1"].expected
