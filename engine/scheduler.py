@@ -286,12 +286,15 @@ class Scheduler:
                 # Prompt logprobs need every prompt position computed: no prefix-cache hit.
                 wants_all = req.sampling_params.prompt_logprobs is not None
                 computed = self.blocks.get_computed_blocks([] if wants_all else req.all_token_ids)
-                if not wants_all and self.blocks.in_progress(req.all_token_ids, computed):
+                if (cfg.policy == "continuous" and not wants_all
+                        and self.blocks.in_progress(req.all_token_ids, computed)):
                     # A running request is computing the next block of this prompt (the
                     # second of two requests with one new prefix): it is cached within that
                     # request's next chunks, so waiting for it costs no more than computing
                     # it again here, which would also slow every request of those steps
                     # (a step's cost grows with its tokens). Later requests may go first.
+                    # Continuous batching only: under static / dynamic ones it could not
+                    # join until the whole batch had finished.
                     deferred.append(self.waiting.popleft())
                     self.num_prefix_waits += 1
                     continue

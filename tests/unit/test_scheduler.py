@@ -260,6 +260,19 @@ def test_a_prompt_waiting_for_a_prefix_goes_ahead_when_its_computer_is_aborted()
     h.run()
 
 
+def test_static_batching_never_waits_for_a_prefix():
+    """A static batch runs to completion before the next forms: a prompt held back to wait
+    for a batch-mate's prefix would miss the batch, so it computes the prefix alongside."""
+    h = make(block_size=4, max_num_batched_tokens=64, policy="static", max_num_seqs=2)
+    prefix = list(range(50, 62))
+    h.add("a", prefix + [70], max_tokens=1)
+    b = h.add("b", prefix + [71], max_tokens=1)
+    out, _ = h.step()
+    assert chunk_ids(out) == ["a", "b"] and b.num_cached_tokens == 0
+    assert h.sched.num_prefix_waits == 0
+    h.run()
+
+
 def test_prompt_logprobs_never_wait_for_a_prefix():
     h = make(block_size=4, max_num_batched_tokens=32)
     prefix = list(range(50, 62))
