@@ -30,7 +30,7 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.ranks import TPRanks, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
-from engine.quant import CHOICES as QUANT_CHOICES
+from engine.quant import check_quantization
 from engine.request import (
     Request,
     RequestMetrics,
@@ -96,28 +96,6 @@ class EngineArgs:
     # copy of them is read), "none" keeps fp weights; activations and the KV cache are
     # unchanged. On CUDA only "int4", in bfloat16 (PyTorch's tinygemm kernel, engine.quant_gpu).
     quantization: str = "none"
-
-
-def check_quantization(quantization: str, device: torch.device, tp: int = 1,
-                       dtype: str = "bfloat16") -> None:
-    """Raises ValueError for a ``quantization`` this engine cannot honour on ``device`` (in
-    model ``dtype``) with ``tp`` ranks. On CUDA only ``int4`` in bf16 runs (PyTorch's tinygemm
-    kernel, ``engine.quant_gpu``)."""
-    if quantization not in QUANT_CHOICES:
-        raise ValueError(f"quantization must be one of {', '.join(QUANT_CHOICES)}, "
-                         f"got {quantization!r}")
-    if quantization in ("int8", "gguf") and device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r} on {device.type}: PyTorch's GPU int8 "
-                         "weight-only kernel takes one scale per row, not the 32-weight groups "
-                         "these weights are in (and a GGUF's Q8_0 tensors are int8); on GPU "
-                         "use int4 (with dtype bfloat16) or none")
-    if quantization == "int4" and device.type != "cpu" and dtype != "bfloat16":
-        raise ValueError(f"quantization='int4' on {device.type} multiplies bf16 activations "
-                         f"(PyTorch's tinygemm kernel); got dtype {dtype!r}: use bfloat16")
-    if quantization == "gguf" and tp > 1:
-        raise ValueError("quantization='gguf' with tensor_parallel_size > 1: a GGUF's blocks "
-                         "are not split between ranks yet; use int8 / int4 (each rank "
-                         "quantizes its own shard) or none")
 
 
 def load_weights(model: LlamaForCausalLM, model_dir, quantization: str,

@@ -49,6 +49,28 @@ INT8_GROUP = 32  # --quantization int8's block (GGUF Q8_0's): one scale per 32 w
 CHOICES = ("none", *KINDS, "gguf")
 
 
+def check_quantization(quantization: str, device: torch.device, tp: int = 1,
+                       dtype: str = "bfloat16") -> None:
+    """Raises ValueError for a ``quantization`` this engine cannot honour on ``device`` (in
+    model ``dtype``) with ``tp`` ranks. On CUDA only ``int4`` in bf16 runs (PyTorch's tinygemm
+    kernel, ``engine.quant_gpu``)."""
+    if quantization not in CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(CHOICES)}, "
+                         f"got {quantization!r}")
+    if quantization in ("int8", "gguf") and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} on {device.type}: PyTorch's GPU int8 "
+                         "weight-only kernel takes one scale per row, not the 32-weight groups "
+                         "these weights are in (and a GGUF's Q8_0 tensors are int8); on GPU "
+                         "use int4 (with dtype bfloat16) or none")
+    if quantization == "int4" and device.type != "cpu" and dtype != "bfloat16":
+        raise ValueError(f"quantization='int4' on {device.type} multiplies bf16 activations "
+                         f"(PyTorch's tinygemm kernel); got dtype {dtype!r}: use bfloat16")
+    if quantization == "gguf" and tp > 1:
+        raise ValueError("quantization='gguf' with tensor_parallel_size > 1: a GGUF's blocks "
+                         "are not split between ranks yet; use int8 / int4 (each rank "
+                         "quantizes its own shard) or none")
+
+
 @dataclass(eq=False)
 class QuantizedWeight:
     """One linear layer's weight ``[N, K]`` in a quantized layout (module docstring).

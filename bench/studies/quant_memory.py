@@ -20,9 +20,9 @@ def measure(model: str | None, quantization: str) -> dict:
     """In this process: resolve, build, load like ``LLMEngine`` (no KV pool, no tuning)."""
     import torch
 
-    from engine.llm_engine import check_quantization, load_weights
+    from engine.llm_engine import load_weights
     from engine.models.llama import LlamaForCausalLM
-    from engine.quant import QuantizedWeight
+    from engine.quant import QuantizedWeight, check_quantization
     from engine.weights import load_model_config, resolve_model
 
     torch.set_num_threads(1)

@@ -28,6 +28,7 @@ from engine.config import ModelConfig
 from engine.kernels import linear
 from engine.models.gemma import gelu_tanh_mul, load_norms, norm_weight
 from engine.models.moe import SparseMoE
+from engine.models.quantized import QEmbedding, QLinear, placer
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.sharding import TPShard
 from engine.quant import QuantizedWeight, cat_rows, quantize
@@ -65,28 +66,6 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.weight)
-
-
-class QLinear(nn.Module):
-    """A linear layer whose weight is quantized (``engine.quant``): stands where the
-    fp ``Linear`` was (``.weight``, ``.bias``), read by ``engine.kernels.linear``."""
-
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-
-class QEmbedding(nn.Module):
-    """The token embedding in a quantized layout (a tied model's LM head is the same table):
-    a lookup dequantizes only the rows it reads."""
-
-    def __init__(self, weight: QuantizedWeight) -> None:
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.rows(ids)
 
 
 class DecoderLayer(nn.Module):
@@ -376,26 +355,14 @@ class LlamaForCausalLM(nn.Module):
         packed copy of the table beside the embedding's rows. Nothing to do on the CPU."""
         if not self.quantization or device.type == "cpu":
             return
-
-        def place(w, name: str):
-            if not isinstance(w, QuantizedWeight):
-                return w
-            return to_cuda(w, device, name) if w.kind == "int4" else w.to(device)
-
+        place = placer(device)
         for i, layer in enumerate(self.layers):
             for attr in ("qkv", "o_proj", "gate_up", "down"):
                 lin = getattr(layer, attr, None)
                 if isinstance(lin, QLinear):
                     lin.weight = place(lin.weight, f"layers.{i}.{attr}")
-            moe = layer.moe
-            if moe is not None and isinstance(moe.down, list):
-                moe.gate_up = [place(w, f"layers.{i}.experts.{j}.gate_up")
-                               for j, w in enumerate(moe.gate_up)]
-                moe.down = [place(w, f"layers.{i}.experts.{j}.down")
-                            for j, w in enumerate(moe.down)]
-                if isinstance(moe.shared, dict):
-                    moe.shared = {k: place(v, f"layers.{i}.shared_expert.{k}")
-                                  for k, v in moe.shared.items()}
+            if layer.moe is not None:
+                layer.moe.place(place, f"layers.{i}.")
         if isinstance(self.lm_head, QLinear):
             self.lm_head.weight = place(self.lm_head.weight, "lm_head")
         if isinstance(self.embed, QEmbedding):

@@ -67,6 +67,18 @@ class SparseMoE(nn.Module):
             del self.shared
             self.shared = shared
 
+    def place(self, place, prefix: str) -> None:
+        """Quantized experts (and shared expert) through ``place(weight, name)``
+        (``engine.models.quantized.placer``); fp ones move with the module."""
+        if not isinstance(self.down, list):
+            return
+        self.gate_up = [place(w, f"{prefix}experts.{j}.gate_up")
+                        for j, w in enumerate(self.gate_up)]
+        self.down = [place(w, f"{prefix}experts.{j}.down") for j, w in enumerate(self.down)]
+        if isinstance(self.shared, dict):
+            self.shared = {k: place(v, f"{prefix}shared_expert.{k}")
+                           for k, v in self.shared.items()}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(linear(x, self.router).float(), dim=-1)  # [T, E]
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k] each

@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from engine.llm_engine import check_quantization, load_weights
+from engine.llm_engine import load_weights
 from engine.models.llama import LlamaForCausalLM, QEmbedding, QLinear
+from engine.quant import check_quantization
 from engine.weights import (
     QUANTIZED_FILE,
     load_model_config,

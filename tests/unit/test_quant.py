@@ -12,10 +12,16 @@ import torch.nn.functional as F
 from engine import cpu_ops, quant_ops
 from engine.config import CacheConfig, cdiv
 from engine.kernels import QPATHS, quantized_linear_by_path, time_choices
-from engine.llm_engine import check_quantization
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, QLinear
-from engine.quant import INT4_GROUP, QuantizedWeight, pack_int4, quantize, unpack_int4
+from engine.quant import (
+    INT4_GROUP,
+    QuantizedWeight,
+    check_quantization,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
 from engine.weights import load_model_config, load_state_dict
 from tests.tiny_models import VOCAB, hf_greedy, load_hf, random_prompts
 

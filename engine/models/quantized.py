@@ -1,0 +1,46 @@
+"""Layers that hold ``engine.quant`` weights where a model's fp ones were, and moving such
+weights to a device (``Module.to`` moves parameters and buffers; these are neither)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.quant import QuantizedWeight
+from engine.quant_gpu import to_cuda
+
+
+class QLinear(nn.Module):
+    """A linear layer whose weight is quantized (``engine.quant``): stands where the
+    fp ``Linear`` was (``.weight``, ``.bias``), read by ``engine.kernels.linear``."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+
+class QEmbedding(nn.Module):
+    """The token embedding in a quantized layout (a tied model's LM head is the same table):
+    a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids)
+
+
+def placer(device: torch.device) -> Callable[[Any, str], Any]:
+    """``place(weight, name)``: a quantized weight ready to multiply on ``device`` (on CUDA,
+    int4 packed for tinygemm: ``engine.quant_gpu.to_cuda``; ``name`` for its log line), any
+    other weight unchanged."""
+    def place(w, name: str):
+        if not isinstance(w, QuantizedWeight):
+            return w
+        return to_cuda(w, device, name) if w.kind == "int4" else w.to(device)
+    return place
