@@ -55,6 +55,7 @@ from worker_protocol import (
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import DecodeRankKV, rank_state
+from worker_protocol.messages import offload_load
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ class DecodeWorker:
                           prefill_tokens_computed=s.num_prefill_tokens_computed,
                           kv_event_seq=self._kv_events.log.seq, decode_steps=s.decode_steps,
                           mixed_steps=s.mixed_steps,
-                          rank_kv_transfer_bytes=tuple(self.kv.rank_bytes if self.kv else ()))
+                          rank_kv_transfer_bytes=tuple(self.kv.rank_bytes if self.kv else ()),
+                          **offload_load(s))
 
     def ping(self) -> str:
         return self.worker_id
@@ -284,6 +286,7 @@ class DecodeWorker:
         if self.kv is not None:
             self.kv.close()
         self._kv_events.close()
+        self.engine.close()  # after the loop: its tier's files and its TP ranks go now
 
     # ---- internals ------------------------------------------------------------------------
     def _on_step(self, outs: list[RequestOutput]) -> None:

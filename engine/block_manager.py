@@ -11,6 +11,13 @@ of the prefix cache is recorded as a KV event (``engine.kv_events``: blocks stor
 evicted); ``take_events`` drains them and ``cached_hashes`` is the snapshot they apply to.
 Nothing is recorded otherwise (an in-process engine has no reader to drain them).
 
+A second tier (``engine.kv_tier``, optional): a cached block the pool evicts is offloaded to
+host memory (and from there to disk) instead of lost; ``get_computed_blocks`` continues a
+prompt's cached prefix into the tier, and ``allocate_slots`` restores those blocks into fresh
+pool blocks (before the step that reads them) instead of leaving them to be recomputed. An
+unreadable tier entry ends the prefix there (``adopted_tokens`` says how far it got). KV
+events then say which tier holds each block (``BlockStored.tier``).
+
 Blocks being computed: a request admitted to compute full prompt blocks no cache holds is
 ``note_computing``'d; until its ``cache_full_blocks`` registers them (or it is freed), another
 request whose prompt continues its cached prefix with one of those blocks can ask
@@ -27,11 +34,15 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from engine.config import cdiv
 from engine.kv_events import KVEvent, KVEventRecorder
+
+if TYPE_CHECKING:
+    from engine.kv_tier import KVTier
 
 
 @dataclass
@@ -42,15 +53,25 @@ class _Block:
     token_ids: tuple[int, ...] = ()  # content of a cached full block, compared on a hit
 
 
+RESTORE = -1  # a ``ComputedBlocks.block_ids`` entry the second tier holds, not the pool
+
+
 @dataclass(frozen=True)
 class ComputedBlocks:
-    """A prefix-cache hit: the blocks already holding the first ``num_tokens`` tokens."""
+    """A prefix-cache hit: the blocks holding the first ``num_tokens`` tokens. The pool's
+    blocks come first; entries ``RESTORE`` follow, blocks the second tier holds (their token
+    ids in ``restore_token_ids``, in order), copied into fresh blocks by ``allocate_slots``."""
 
     block_ids: tuple[int, ...] = ()
     block_hashes: tuple[int, ...] = ()
+    restore_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def num_tokens(self, block_size: int) -> int:
-        return len(self.block_ids) * block_size
+        return len(self.block_hashes) * block_size
+
+    @property
+    def num_pool_blocks(self) -> int:
+        return len(self.block_ids) - len(self.restore_token_ids)
 
 
 @dataclass
@@ -70,7 +91,7 @@ class BlockManager:
     """Allocates KV blocks to requests. All methods are O(blocks touched)."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 hash_seed: int = 0) -> None:
+                 hash_seed: int = 0, tier: KVTier | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -84,8 +105,12 @@ class BlockManager:
         self._reqs: dict[str, _RequestBlocks] = {}
         # hash of a full prompt block a request holds but has not computed yet -> that request
         self._computing: dict[int, str] = {}
-        self.num_prefix_hit_tokens = 0  # cumulative, for metrics
+        self.num_prefix_hit_tokens = 0  # cumulative, for metrics (restored blocks included)
+        self.num_restored_tokens = 0  # cumulative: of those, restored from the second tier
         self._events: KVEventRecorder | None = None
+        self._tier = tier if enable_prefix_caching else None
+        if self._tier is not None:
+            self._tier.listener = self._tier_changed
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -124,17 +149,24 @@ class BlockManager:
         max_blocks = (len(token_ids) - 1) // bs
         ids: list[int] = []
         hashes: list[int] = []
+        restore: list[tuple[int, ...]] = []
         parent = 0
         for i in range(max_blocks):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             h = hash_block(parent, toks, self.hash_seed)
             bid = self._cached.get(h)
-            if bid is None or self._blocks[bid].token_ids != toks:
+            if not restore and bid is not None and self._blocks[bid].token_ids == toks:
+                ids.append(bid)
+            elif self._tier is not None and self._tier.tier_of(h, toks) is not None:
+                # Once the run leaves the pool it continues in the tier only: the restores
+                # are the table's tail, so a failed one cannot strand a pool block after it.
+                ids.append(RESTORE)
+                restore.append(toks)
+            else:
                 break
-            ids.append(bid)
             hashes.append(h)
             parent = h
-        return ComputedBlocks(tuple(ids), tuple(hashes))
+        return ComputedBlocks(tuple(ids), tuple(hashes), tuple(restore))
 
     def note_computing(self, request_id: str, token_ids: list[int],
                        computed: ComputedBlocks | None) -> None:
@@ -146,7 +178,7 @@ class BlockManager:
             return
         bs = self.block_size
         parent = computed.block_hashes[-1] if computed and computed.block_hashes else 0
-        for i in range(len(computed.block_ids) if computed else 0, (len(token_ids) - 1) // bs):
+        for i in range(len(computed.block_hashes) if computed else 0, (len(token_ids) - 1) // bs):
             parent = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]), self.hash_seed)
             if parent not in self._computing and parent not in self._cached:
                 self._computing[parent] = request_id
@@ -159,7 +191,7 @@ class BlockManager:
         if not self._computing:
             return None
         bs = self.block_size
-        i = len(computed.block_ids)
+        i = len(computed.block_hashes)
         if i >= (len(token_ids) - 1) // bs:
             return None
         parent = computed.block_hashes[-1] if computed.block_hashes else 0
@@ -167,9 +199,16 @@ class BlockManager:
                                               self.hash_seed))
 
     def cached_hashes(self) -> list[int]:
-        """Every hash the prefix cache holds now: the snapshot that the events drained by
-        ``take_events`` from here on apply to."""
-        return list(self._cached)
+        """Every hash the prefix cache holds now, in the pool or the second tier: the snapshot
+        that the events drained by ``take_events`` from here on apply to."""
+        return list(self.cached_tiers())
+
+    def cached_tiers(self) -> dict[int, str]:
+        """``cached_hashes`` with where each block's cheapest copy is (``engine.kv_events``
+        tiers: ``device`` for the pool)."""
+        out = {h: t for h, t in self._tier.items()} if self._tier is not None else {}
+        out.update((h, "device") for h in self._cached)
+        return out
 
     def record_events(self) -> None:
         """Record the prefix cache's changes from now on (idempotent)."""
@@ -198,14 +237,23 @@ class BlockManager:
         if rb is None:
             rb = self._reqs[request_id] = _RequestBlocks()
         if computed:
-            for bid in computed.block_ids:
+            n = computed.num_pool_blocks
+            for bid in computed.block_ids[:n]:
                 self._touch(bid)
-            rb.block_ids.extend(computed.block_ids)
-            rb.block_hashes.extend(computed.block_hashes)
-            self.num_prefix_hit_tokens += len(computed.block_ids) * self.block_size
+            rb.block_ids.extend(computed.block_ids[:n])
+            rb.block_hashes.extend(computed.block_hashes[:n])
+            self.num_prefix_hit_tokens += n * self.block_size
+            needed -= self._restore(rb, computed)
         for _ in range(needed):
             rb.block_ids.append(self._pop_free())
         return True
+
+    def adopted_tokens(self, request_id: str) -> int:
+        """Right after the request's first ``allocate_slots``: the leading tokens whose KV its
+        table already holds (the prefix hit, restored blocks included). Less than the hit's
+        ``num_tokens`` only when a second-tier entry turned out unreadable."""
+        rb = self._reqs.get(request_id)
+        return len(rb.block_hashes) * self.block_size if rb else 0
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's now-full, computed blocks in the prefix cache."""
@@ -251,6 +299,39 @@ class BlockManager:
         return freed
 
     # ---- internals -----------------------------------------------------------------------
+    def _restore(self, rb: _RequestBlocks, computed: ComputedBlocks) -> int:
+        """Copy the hit's second-tier blocks into fresh pool blocks, in order, registering
+        each in the prefix cache; after an unreadable one the rest stay plain fresh blocks
+        (recomputed). Returns how many fresh blocks it took."""
+        n = computed.num_pool_blocks
+        restored = True
+        for h, toks in zip(computed.block_hashes[n:], computed.restore_token_ids, strict=True):
+            bid = self._pop_free()  # offloads what it evicts before the copy overwrites it
+            rb.block_ids.append(bid)
+            restored = restored and self._tier.restore(h, toks, bid)
+            if not restored:
+                continue
+            rb.block_hashes.append(h)
+            self.num_prefix_hit_tokens += self.block_size
+            self.num_restored_tokens += self.block_size
+            if h not in self._cached:
+                block = self._blocks[bid]
+                block.block_hash, block.token_ids = h, toks
+                self._cached[h] = bid
+                if self._events is not None:
+                    self._events.stored(h)
+        return len(computed.restore_token_ids)
+
+    def _tier_changed(self, block_hash: int, tier: str | None) -> None:
+        """The tier moved or dropped a block on its own account: tell the router unless the
+        pool holds it (the pool's copy is the cheapest, its events speak for it)."""
+        if self._events is None or block_hash in self._cached:
+            return
+        if tier is None:
+            self._events.removed(block_hash)
+        else:
+            self._events.stored(block_hash, tier)
+
     def _caching(self, request_id: str) -> _RequestBlocks | None:
         """The request's blocks where the prefix cache is on and the request holds any."""
         return self._reqs.get(request_id) if self.enable_prefix_caching else None
@@ -260,14 +341,15 @@ class BlockManager:
         rb = self._reqs.get(request_id)
         have = len(rb.block_ids) if rb else 0
         if computed:
-            have += len(computed.block_ids)
+            have += computed.num_pool_blocks  # restored blocks take fresh ones
         return max(0, self.num_blocks_needed(num_tokens) - have)
 
     def _num_available(self, computed: ComputedBlocks | None) -> int:
         # Adopting a cached-but-free block takes it off the free queue too.
         n = len(self._free)
         if computed:
-            n -= sum(1 for bid in computed.block_ids if self._blocks[bid].ref_cnt == 0)
+            n -= sum(1 for bid in computed.block_ids[:computed.num_pool_blocks]
+                     if self._blocks[bid].ref_cnt == 0)
         return n
 
     def _touch(self, block_id: int) -> None:
@@ -280,10 +362,16 @@ class BlockManager:
         bid, _ = self._free.popitem(last=False)
         block = self._blocks[bid]
         if block.block_hash is not None:  # evict its cached content
-            if self._cached.get(block.block_hash) == bid:
-                del self._cached[block.block_hash]
+            h = block.block_hash
+            if self._cached.get(h) == bid:
+                del self._cached[h]
+                # Its pages still hold the content: the tier copies it before reuse.
+                tier = self._tier.offload(h, block.token_ids, bid) if self._tier else None
                 if self._events is not None:
-                    self._events.removed(block.block_hash)
+                    if tier is None:
+                        self._events.removed(h)
+                    else:
+                        self._events.stored(h, tier)
             block.block_hash = None
             block.token_ids = ()
         block.ref_cnt = 1

@@ -7,6 +7,12 @@ same chained hashes the router computes for a prompt (``engine.block_manager.has
 the cluster's seed and the worker's block size), so "worker W holds blocks h0..hk" answers
 "how many leading blocks of this prompt would W not recompute".
 
+Tiers: a worker with a second cache tier (``engine.kv_tier``: host memory, disk) keeps blocks
+evicted from its pool there. ``BlockStored.tier`` is where the worker's cheapest copy of each
+block now is (``device``: the pool, nothing to restore; ``host``; ``disk``), so a block moving
+from the pool to host memory is a ``BlockStored`` with ``tier="host"``, and ``BlockRemoved``
+means the worker holds the block in no tier at all.
+
 Pure dataclasses, no I/O: workers batch them per engine step and publish them
 (``worker_protocol.kv_events``); the router applies them (``router.routing.kv_index``).
 """
@@ -15,17 +21,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TIERS = ("device", "host", "disk")  # cheapest restore first
+
 
 @dataclass(frozen=True)
 class BlockStored:
-    """These blocks now hold cached content (hashes in chain order)."""
+    """These blocks now hold cached content (hashes in chain order), their cheapest copy in
+    ``tier`` (one of ``TIERS``)."""
 
     block_hashes: tuple[int, ...]
+    tier: str = "device"
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """These blocks were evicted: their content is gone."""
+    """These blocks were evicted from every tier: their content is gone."""
 
     block_hashes: tuple[int, ...]
 
@@ -44,21 +54,23 @@ class KVEventRecorder:
     caches 12 blocks yields one ``BlockStored`` of 12 hashes, not 12 events)."""
 
     def __init__(self) -> None:
-        self._runs: list[tuple[type, list[int]]] = []  # (event kind, its hashes so far)
+        # (event kind, tier or None for removals, its hashes so far)
+        self._runs: list[tuple[type, str | None, list[int]]] = []
 
-    def stored(self, block_hash: int) -> None:
-        self._append(BlockStored, block_hash)
+    def stored(self, block_hash: int, tier: str = "device") -> None:
+        self._append(BlockStored, tier, block_hash)
 
     def removed(self, block_hash: int) -> None:
-        self._append(BlockRemoved, block_hash)
+        self._append(BlockRemoved, None, block_hash)
 
     def drain(self) -> list[KVEvent]:
         """The events since the last drain, oldest first."""
         runs, self._runs = self._runs, []
-        return [kind(tuple(hashes)) for kind, hashes in runs]
+        return [BlockStored(tuple(hashes), tier) if kind is BlockStored
+                else BlockRemoved(tuple(hashes)) for kind, tier, hashes in runs]
 
-    def _append(self, kind: type, block_hash: int) -> None:
-        if self._runs and self._runs[-1][0] is kind:
-            self._runs[-1][1].append(block_hash)
+    def _append(self, kind: type, tier: str | None, block_hash: int) -> None:
+        if self._runs and self._runs[-1][0] is kind and self._runs[-1][1] == tier:
+            self._runs[-1][2].append(block_hash)
         else:
-            self._runs.append((kind, [block_hash]))
+            self._runs.append((kind, tier, [block_hash]))

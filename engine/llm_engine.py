@@ -26,6 +26,7 @@ from engine.fused_decode import tune_fused_decode
 from engine.input_processor import InputProcessor, Prompt
 from engine.kernels import model_linear_weights, set_linear_plan, tune_linear
 from engine.kv_connector import KVConnector, StepInfo
+from engine.kv_tier import KVTier, KVTierConfig, TierStats
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.ranks import TPRanks, rank_device, rank_threads
@@ -96,6 +97,24 @@ class EngineArgs:
     # copy of them is read), "none" keeps fp weights; activations and the KV cache are
     # unchanged. On CUDA only "int4", in bfloat16 (PyTorch's tinygemm kernel, engine.quant_gpu).
     quantization: str = "none"
+    # A second KV cache tier (engine.kv_tier) for prefix blocks the pool evicts: host memory
+    # (bytes; 0: off), and optionally a disk tier under a directory (both or neither).
+    kv_offload_memory_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 0
+
+
+def offload_config(args: EngineArgs) -> KVTierConfig:
+    """The second tier's sizes, refused by name where it cannot work."""
+    cfg = KVTierConfig(args.kv_offload_memory_bytes, args.kv_offload_dir,
+                       args.kv_offload_disk_bytes)
+    if cfg.enabled and not args.enable_prefix_caching:
+        raise ValueError("--kv-offload-memory keeps prefix-cache blocks: it needs prefix "
+                         "caching on (enable_prefix_caching=True)")
+    if cfg.enabled and args.tensor_parallel_size > 1:
+        raise ValueError("--kv-offload-memory: not with tensor_parallel_size > 1 yet (each "
+                         "rank holds its own KV heads; the tier copies one rank's pool)")
+    return cfg
 
 
 def load_weights(model: LlamaForCausalLM, model_dir, quantization: str,
@@ -138,6 +157,10 @@ class EngineStats:
     decode_steps: tuple = ()
     # The same for mixed steps (decode rows beside prefill chunks), by their decode rows.
     mixed_steps: tuple = ()
+    # The second KV cache tier (engine.kv_tier), None when off; of the prefix hits, the
+    # tokens restored from it (cumulative).
+    kv_offload: TierStats | None = None
+    num_restored_tokens: int = 0
 
 
 def tune_runner(args: EngineArgs, plan, model: LlamaForCausalLM, runner: ModelRunner) -> None:
@@ -178,6 +201,7 @@ class LLMEngine:
                                 args.dtype, args.attention_backend, args.cuda_graphs)
         self.device = self.plan.device
         check_quantization(args.quantization, self.device, tp, self.plan.dtype)
+        offload = offload_config(args)
         resolved = resolve_model(args.model, cache_dir=args.cache_dir)
         self.model_config: ModelConfig = load_model_config(
             resolved.model_dir, dtype=self.plan.dtype, model_id=resolved.model_id)
@@ -234,9 +258,10 @@ class LLMEngine:
             raise
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
                                      max_kv_tokens=num_blocks * args.block_size)
+        self.kv_tier = KVTier(self.runner.kv_caches, offload) if offload.enabled else None
         self.block_manager = BlockManager(num_blocks, args.block_size,
                                           enable_prefix_caching=args.enable_prefix_caching,
-                                          hash_seed=args.prefix_hash_seed)
+                                          hash_seed=args.prefix_hash_seed, tier=self.kv_tier)
         grammars = (Grammars(self.tokenizer.hf_tokenizer, cfg.vocab_size, eos)
                     if self.tokenizer is not None else None)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock, grammars)
@@ -306,6 +331,9 @@ class LLMEngine:
         ranks = getattr(self, "ranks", None)
         if ranks is not None:
             ranks.close()
+        tier = getattr(self, "kv_tier", None)
+        if tier is not None:
+            tier.close()  # its disk files go now, not at exit
 
     # ---- input processing ----------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -381,7 +409,9 @@ class LLMEngine:
                            self.kv_connector.num_reserved_blocks, sched.num_running,
                            sched.num_waiting, self.num_generated_tokens,
                            self.num_prefill_tokens_computed, bm.num_prefix_hit_tokens,
-                           self.decode_step_times.rows(), self.mixed_step_times.rows())
+                           self.decode_step_times.rows(), self.mixed_step_times.rows(),
+                           self.kv_tier.stats() if self.kv_tier is not None else None,
+                           bm.num_restored_tokens)
 
     def record_kv_events(self) -> None:
         """Record the prefix cache's changes from now on, for ``take_kv_events`` (a worker
@@ -397,6 +427,10 @@ class LLMEngine:
         """Snapshot of the prefix cache (engine thread): what the events after the last
         ``take_kv_events`` apply to."""
         return self.block_manager.cached_hashes()
+
+    def cached_block_tiers(self) -> dict[int, str]:
+        """``cached_block_hashes`` with each block's cheapest tier (``engine.kv_events``)."""
+        return self.block_manager.cached_tiers()
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns an output per request that got a token or finished.

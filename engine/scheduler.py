@@ -156,7 +156,8 @@ class Scheduler:
         if not self.blocks.allocate_slots(request.request_id, request.num_prompt_tokens + 1,
                                           computed):
             return False
-        request.num_cached_tokens = computed.num_tokens(self.blocks.block_size)
+        # Pool hits and blocks restored from a second tier (fewer if a restore failed).
+        request.num_cached_tokens = self.blocks.adopted_tokens(request.request_id)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request
@@ -309,6 +310,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if computed is not None:
+                # A second-tier block that could not be read is recomputed in this chunk
+                # (the allocation already covers it: it ends where it would have).
+                adopted = self.blocks.adopted_tokens(req.request_id)
+                num_new += num_computed - adopted
+                num_computed = adopted
                 req.num_computed_tokens = num_computed
                 req.num_cached_tokens = num_computed
                 if not wants_all:

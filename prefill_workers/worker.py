@@ -45,6 +45,7 @@ from worker_protocol import (
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import PrefillRankKV, rank_state
+from worker_protocol.messages import offload_load
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class PrefillWorker:
                           prefix_hit_tokens=s.num_prefix_hit_tokens,
                           prefill_tokens_computed=s.num_prefill_tokens_computed,
                           kv_event_seq=self._kv_events.log.seq,
-                          rank_kv_transfer_bytes=tuple(self.kv.rank_bytes))
+                          rank_kv_transfer_bytes=tuple(self.kv.rank_bytes), **offload_load(s))
 
     def layers_sent(self, request_id: str) -> int:
         """How many layers of an in-flight request's KV have been posted (tests, debugging)."""
@@ -210,6 +211,7 @@ class PrefillWorker:
         self._finisher.shutdown(wait=False, cancel_futures=True)
         self.kv.close()
         self._kv_events.close()
+        self.engine.close()  # after the loop: its tier's files and its TP ranks go now
 
     def _abort_kv(self, request_id: str) -> None:
         """Stop computing and sending the request on every rank (rank 0's sends at once,

@@ -21,6 +21,7 @@ from router.contract import (
     as_invalid_request,
     new_request_id,
 )
+from worker_protocol.messages import offload_load
 
 __all__ = ["EngineBackend"]
 
@@ -103,7 +104,8 @@ class EngineBackend:
     async def stats(self) -> BackendStats:
         s = self._async.engine.stats()
         return BackendStats([WorkerLoad("embedded-0", "embedded", s.kv_blocks_used,
-                                        s.kv_blocks_total, s.num_running, s.num_waiting)],
+                                        s.kv_blocks_total, s.num_running, s.num_waiting,
+                                        **offload_load(s))],
                             prefix_hit_tokens={"embedded": s.num_prefix_hit_tokens},
                             prefill_computed_tokens=s.num_prefill_tokens_computed,
                             decode_steps=merge_rows([s.decode_steps]),

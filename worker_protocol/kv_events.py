@@ -9,6 +9,11 @@ A reader that finds a hole (batches trimmed away, a sink that dropped some while
 down) or a new incarnation asks the worker for a ``KVSnapshot`` and replays from its ``seq``.
 
 Batch 1 of every incarnation is ``AllCleared``: a restarted worker's old entries are void.
+
+Tiers (``engine.kv_events.TIERS``): a stored event's tier travels as a third element of its
+JSON list, left out for ``device`` so batches written before tiers existed still parse (and
+read as all on device); a tier this code does not know is refused (ValueError), never read
+as device. A snapshot carries each block's tier beside its hash (``KVSnapshot.tiers``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from engine.kv_events import TIERS, AllCleared, BlockRemoved, BlockStored, KVEvent
 
 DEFAULT_KEEP_BATCHES = 4096
 
@@ -48,13 +53,36 @@ class KVEventBatch:
 
 @dataclass(frozen=True)
 class KVSnapshot:
-    """Every block hash a worker's prefix cache holds after batch ``seq``."""
+    """Every block hash a worker's prefix cache holds after batch ``seq``, in any tier.
+
+    ``tiers``: each block's cheapest tier, parallel to ``block_hashes``; empty means every
+    block is on ``device`` (a worker without a second tier). Any other length, or a tier not
+    in ``TIERS``, is refused (ValueError)."""
 
     worker_id: str
     incarnation: str
     seq: int
     block_size: int
     block_hashes: tuple[int, ...]
+    tiers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def block_tiers(self) -> dict[int, str]:
+        """Block hash -> its cheapest tier. Checks the tiers again (ValueError): a snapshot
+        unpickled from another process (a Ray reply) skipped ``__post_init__``."""
+        self._check()
+        if not self.tiers:
+            return dict.fromkeys(self.block_hashes, "device")
+        return dict(zip(self.block_hashes, self.tiers, strict=True))
+
+    def _check(self) -> None:
+        if self.tiers and len(self.tiers) != len(self.block_hashes):
+            raise ValueError(f"a snapshot of {len(self.block_hashes)} blocks has "
+                             f"{len(self.tiers)} tiers")
+        for tier in set(self.tiers):
+            _check_tier(tier)
 
 
 @dataclass(frozen=True)
@@ -107,12 +135,14 @@ class KVEventLog:
             self._sink(batch)
         return batch
 
-    def snapshot(self, block_hashes: list[int]) -> KVSnapshot:
+    def snapshot(self, block_hashes: list[int],
+                 tiers: list[str] | None = None) -> KVSnapshot:
         """The cache's content right after the last published batch (call on the engine
-        thread with the engine's ``cached_block_hashes()``, after publishing its events)."""
+        thread with the engine's cached blocks, after publishing its events). ``tiers``:
+        each block's cheapest tier, parallel to ``block_hashes``; None when all on device."""
         with self._lock:
             return KVSnapshot(self.worker_id, self.incarnation, self._seq, self.block_size,
-                              tuple(block_hashes))
+                              tuple(block_hashes), tuple(tiers or ()))
 
     def since(self, seq: int, incarnation: str = "") -> KVEventFeed:
         """The batches after ``seq`` of ``incarnation`` (a reader's cursor)."""
@@ -128,9 +158,17 @@ class KVEventLog:
                                tuple(b for b in self._batches if b.seq > seq), True)
 
 
+def _check_tier(tier) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"unknown KV cache tier {tier!r}: expected one of {', '.join(TIERS)}")
+
+
 def _event_to_list(e: KVEvent) -> list:
     if isinstance(e, BlockStored):
-        return ["s", list(e.block_hashes)]
+        _check_tier(e.tier)
+        # "device" is left out: the format of batches from before tiers existed
+        return (["s", list(e.block_hashes)] if e.tier == "device"
+                else ["s", list(e.block_hashes), e.tier])
     if isinstance(e, BlockRemoved):
         return ["r", list(e.block_hashes)]
     return ["c"]
@@ -139,7 +177,9 @@ def _event_to_list(e: KVEvent) -> list:
 def _event_from_list(v: list) -> KVEvent:
     kind = v[0]
     if kind == "s":
-        return BlockStored(tuple(int(h) for h in v[1]))
+        tier = v[2] if len(v) > 2 else "device"
+        _check_tier(tier)
+        return BlockStored(tuple(int(h) for h in v[1]), tier)
     if kind == "r":
         return BlockRemoved(tuple(int(h) for h in v[1]))
     if kind == "c":

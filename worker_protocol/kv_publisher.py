@@ -41,9 +41,11 @@ class WorkerKVEvents:
         self.log.publish(engine.take_kv_events())
 
     def snapshot(self, engine) -> KVSnapshot:
-        """The engine's prefix cache now, with the seq it follows (engine thread)."""
+        """The engine's prefix cache now, every tier's blocks with their cheapest tier, with
+        the seq it follows (engine thread)."""
         self.after_work(engine)
-        return self.log.snapshot(engine.cached_block_hashes())
+        tiers = engine.cached_block_tiers()  # hash -> tier, the same set as the events'
+        return self.log.snapshot(list(tiers), list(tiers.values()))
 
     def since(self, seq: int, incarnation: str) -> KVEventFeed:
         return self.log.since(seq, incarnation)

@@ -81,6 +81,11 @@ class WorkerLoad:
     # KV bytes each tensor-parallel rank sent (prefill) or received (decode) on its own
     # pairs, rank order (one entry at TP 1; empty for a colocated worker).
     rank_kv_transfer_bytes: tuple = ()
+    # The second KV cache tier (engine.kv_tier): blocks held in host memory and on disk now,
+    # and prompt tokens restored from it instead of recomputed (cumulative).
+    kv_offload_host_blocks: int = 0
+    kv_offload_disk_blocks: int = 0
+    kv_offload_restored_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Through JSON (the Redis registry) the rows come back as lists: made tuples again,
@@ -285,3 +290,11 @@ class WorkerConfig:
             raise ValueError(f"{self.worker_id}: kv_transport 'nccl' needs a CUDA engine "
                              f"(this one runs on {engine_device_type})")
         return self.kv_transport
+
+
+def offload_load(stats) -> dict:
+    """``WorkerLoad``'s second-tier fields from an ``engine.EngineStats`` (keyword args)."""
+    tier = stats.kv_offload
+    return {"kv_offload_host_blocks": tier.memory_blocks if tier else 0,
+            "kv_offload_disk_blocks": tier.disk_blocks if tier else 0,
+            "kv_offload_restored_tokens": stats.num_restored_tokens}

@@ -21,6 +21,9 @@ everything everywhere and routing stops mattering. (With 2 decode workers, round
 still lands a conversation's next turn on the worker that served its last one about half
 the time: that sets how far apart the policies can get.)
 
+``--sweep`` runs ``bench.cluster.prefix_sweep`` instead: shared-prefix cells over prefix count
+x reuse count x concurrency x pool fraction, with and without the host KV tier.
+
 Per run: TTFT p50/p99 (client side), ITL p99, prompt tokens computed by the workers, KV bytes
 moved prefill -> decode, and hit rates (prompt tokens served from a prefix cache, decode and
 prefill side). Targets (``multi_turn``): kv_aware vs round_robin TTFT p50 >= 3x better and
@@ -34,61 +37,35 @@ import argparse
 import asyncio
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.cluster.ttft_breakdown import pinned_overrides, ray_session
+from bench.cluster.prefix_runs import (
+    POLICIES,
+    PolicyRun,
+    Request,
+    Shape,
+    cluster_config,
+    generate,
+    names,
+    pool_tokens,
+    run_on_cluster,
+    send_all,
+    summary,
+    tokens,
+    working_set,
+)
+from bench.cluster.ttft_breakdown import ray_session
 from bench.harness import model_config
 from bench.report import machine_info, print_targets, ratio, write_json
 from bench.report import target as make_target
-from bench.stats import summarize
 
 NAME = "prefix"
 HELP = "KV-aware vs load vs round-robin routing on multi-turn and shared-prefix chat (2P+2D)"
-POLICIES = ("kv_aware", "load", "round_robin")
 WORKLOADS = ("multi_turn", "shared_prefix")
 TTFT_TARGET = 3.0  # round_robin TTFT p50 / kv_aware TTFT p50, multi_turn
 BYTES_TARGET = 3.0  # round_robin KV bytes moved / kv_aware, multi_turn
-
-
-@dataclass(frozen=True)
-class Shape:
-    conversations: int
-    turns: int
-    doc_len: int
-    user_len: int
-    output_len: int
-    system_prompts: int
-    system_len: int
-    users: int
-    question_len: int
-    concurrency: int
-    cache_fraction: float
-    think_s: float
-
-
-@dataclass
-class Request:
-    """One request as the client saw it."""
-
-    ttft_s: float
-    itls: list[float]
-    prompt_len: int
-    turn: int  # 0 for the first turn / a shared-prefix request
-
-
-@dataclass
-class PolicyRun:
-    workload: str
-    policy: str
-    requests: list[Request] = field(default_factory=list)
-    wall_s: float = 0.0
-    prompt_tokens: int = 0
-    computed_tokens: int = 0
-    kv_bytes: int = 0
-    decode_hit_tokens: int = 0
-    prefill_hit_tokens: int = 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,22 +79,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-len", type=int, default=24, help="multi_turn new message per turn")
     p.add_argument("--think-s", type=float, default=0.3,
                    help="multi_turn: most seconds between an answer and the next turn")
-    p.add_argument("--output-len", type=int, default=16, help="answer tokens per request")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="answer tokens per request (default 16; --sweep: 4)")
     p.add_argument("--system-prompts", type=int, default=None, help="shared_prefix (default 8)")
-    p.add_argument("--system-len", type=int, default=None, help="shared_prefix (default 1024)")
+    p.add_argument("--system-len", type=int, default=None,
+                   help="shared_prefix (default 1024, --quick 192; --sweep: 256, --quick 128)")
     p.add_argument("--users", type=int, default=None, help="shared_prefix requests (default 40)")
-    p.add_argument("--question-len", type=int, default=48, help="shared_prefix question")
+    p.add_argument("--question-len", type=int, default=None,
+                   help="shared_prefix question (default 48; --sweep: 16)")
     p.add_argument("--concurrency", type=int, default=4, help="shared_prefix in flight")
     p.add_argument("--cache-fraction", type=float, default=0.6,
                    help="each worker's KV pool / the workload's working set (default 0.6)")
+    from bench.cluster.prefix_sweep import add_sweep_arguments  # it imports this module
+
+    add_sweep_arguments(p)
 
 
 def _shape(args: argparse.Namespace) -> Shape:
     q = args.quick
     s = Shape(args.conversations or (4 if q else 8), args.turns or (3 if q else 12),
-              args.doc_len or (128 if q else 512), args.user_len, args.output_len,
+              args.doc_len or (128 if q else 512), args.user_len, _given(args.output_len, 16),
               args.system_prompts or (3 if q else 8), args.system_len or (192 if q else 1024),
-              args.users or (8 if q else 40), args.question_len, args.concurrency,
+              args.users or (8 if q else 40), _given(args.question_len, 48), args.concurrency,
               args.cache_fraction, args.think_s)
     for name, v in asdict(s).items():
         if v < 0 or (v == 0 and name != "think_s"):
@@ -127,48 +110,15 @@ def _shape(args: argparse.Namespace) -> Shape:
     return s
 
 
-def _names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise ValueError(f"{flag}: unknown {unknown or 'empty list'}; choose from {', '.join(known)}")
-    return names
+def _given(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 # ---- workloads ----------------------------------------------------------------------------------
-def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(n)]
-
-
-def _working_set(workload: str, s: Shape) -> tuple[int, int]:
-    """(distinct prompt tokens the workload touches, its longest request in tokens)."""
-    if workload == "multi_turn":
-        final = s.doc_len + (s.turns - 1) * (s.output_len + s.user_len)
-        return s.conversations * (final + s.output_len), final + s.output_len
-    return (s.system_prompts * s.system_len + s.users * s.question_len,
-            s.system_len + s.question_len + s.output_len)
-
-
-async def _generate(cluster, prompt: list[int], max_tokens: int, rid: str, turn: int
-                    ) -> tuple[Request, list[int]]:
-    from engine import SamplingParams
-    from router.contract import GenerateInput
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    times, tokens = [], []
-    async for ch in cluster.generate(GenerateInput(params, token_ids=prompt, request_id=rid)):
-        if ch.token_ids:
-            times.append(time.perf_counter())
-            tokens += ch.token_ids
-    itls = [b - a for a, b in zip(times, times[1:], strict=False)]
-    return Request(times[0] - start, itls, len(prompt), turn), tokens
-
-
 async def _multi_turn(cluster, s: Shape, vocab: int, seed: int, tag: str) -> list[Request]:
     rng = random.Random(seed)
-    docs = [_tokens(rng, s.doc_len, vocab) for _ in range(s.conversations)]
-    messages = [[_tokens(rng, s.user_len, vocab) for _ in range(s.turns)]
+    docs = [tokens(rng, s.doc_len, vocab) for _ in range(s.conversations)]
+    messages = [[tokens(rng, s.user_len, vocab) for _ in range(s.turns)]
                 for _ in range(s.conversations)]
 
     pauses = [[rng.uniform(0, s.think_s) for _ in range(s.turns)] for _ in range(s.conversations)]
@@ -177,7 +127,7 @@ async def _multi_turn(cluster, s: Shape, vocab: int, seed: int, tag: str) -> lis
         out, prompt = [], docs[c]
         for t in range(s.turns):
             await asyncio.sleep(pauses[c][t])
-            req, answer = await _generate(cluster, prompt, s.output_len, f"{tag}-c{c}-t{t}", t)
+            req, answer = await generate(cluster, prompt, s.output_len, f"{tag}-c{c}-t{t}", t)
             out.append(req)
             prompt = prompt + answer + messages[c][t]
         return out
@@ -188,83 +138,31 @@ async def _multi_turn(cluster, s: Shape, vocab: int, seed: int, tag: str) -> lis
 
 async def _shared_prefix(cluster, s: Shape, vocab: int, seed: int, tag: str) -> list[Request]:
     rng = random.Random(seed)
-    systems = [_tokens(rng, s.system_len, vocab) for _ in range(s.system_prompts)]
-    prompts = [systems[rng.randrange(s.system_prompts)] + _tokens(rng, s.question_len, vocab)
+    systems = [tokens(rng, s.system_len, vocab) for _ in range(s.system_prompts)]
+    prompts = [systems[rng.randrange(s.system_prompts)] + tokens(rng, s.question_len, vocab)
                for _ in range(s.users)]
-    gate = asyncio.Semaphore(s.concurrency)
-
-    async def one(i: int) -> Request:
-        async with gate:
-            req, _ = await _generate(cluster, prompts[i], s.output_len, f"{tag}-u{i}", 0)
-            return req
-
-    return list(await asyncio.gather(*(one(i) for i in range(s.users))))
-
-
-# ---- one run ------------------------------------------------------------------------------------
-def _cluster_config(model: str | None, policy: str, pool_bytes: int, max_len: int) -> Any:
-    from engine import EngineArgs
-    from router.cluster.ray_cluster import ClusterConfig
-    from router.routing.policy import RoutingConfig
-
-    common = dict(block_size=16, num_threads=1, max_model_len=max_len,
-                  kv_cache_memory_bytes=pool_bytes)
-    return ClusterConfig(
-        model=model, mode="disaggregated", num_prefill_workers=2, num_decode_workers=2,
-        prefill_engine=EngineArgs(**common, max_num_seqs=8,
-                                  max_num_batched_tokens=max(max_len, 2048)),
-        decode_engine=EngineArgs(**common), routing=RoutingConfig(policy),
-        worker_overrides=pinned_overrides({"prefill-0": (0,), "decode-0": (0,),
-                                           "prefill-1": (1,), "decode-1": (1,)}))
+    return await send_all(cluster, prompts, s.concurrency, s.output_len, tag)
 
 
 async def _run_policy(model: str | None, workload: str, policy: str, s: Shape, vocab: int,
                       seed: int, pool_bytes: int, max_len: int) -> PolicyRun:
-    from router.cluster.ray_cluster import Cluster
-
-    cluster = await Cluster.start(_cluster_config(model, policy, pool_bytes, max_len))
-    run_ = PolicyRun(workload, policy)
-    try:
-        # Every worker's first forward, on prompts unrelated to the workload (4 > 2 workers
-        # of each kind under every policy, so each one runs at least one).
-        warm = random.Random(seed ^ 0x5EED)
-        await asyncio.gather(*(_generate(cluster, _tokens(warm, 48, vocab), 2, f"warm-{i}", 0)
-                               for i in range(4)))
-        before = await cluster.stats()
-        t0 = time.perf_counter()
-        body = _multi_turn if workload == "multi_turn" else _shared_prefix
-        run_.requests = await body(cluster, s, vocab, seed, f"{policy}-{workload}")
-        run_.wall_s = time.perf_counter() - t0
-        after = await cluster.stats()
-    finally:
-        await cluster.shutdown()
-    run_.prompt_tokens = sum(r.prompt_len for r in run_.requests)
-    run_.computed_tokens = after.prefill_computed_tokens - before.prefill_computed_tokens
-    run_.kv_bytes = after.kv_transfer_bytes_total - before.kv_transfer_bytes_total
-    hits = {role: after.prefix_hit_tokens.get(role, 0) - before.prefix_hit_tokens.get(role, 0)
-            for role in ("decode", "prefill")}
-    run_.decode_hit_tokens, run_.prefill_hit_tokens = hits["decode"], hits["prefill"]
-    return run_
-
-
-def _summary(r: PolicyRun) -> dict[str, Any]:
-    ttft = summarize([q.ttft_s for q in r.requests])
-    later = summarize([q.ttft_s for q in r.requests if q.turn > 0])
-    itl = summarize([x for q in r.requests for x in q.itls])
-    return {"ttft_p50_s": ttft.p50, "ttft_p99_s": ttft.p99, "ttft_mean_s": ttft.mean,
-            "ttft_later_turns_p50_s": later.p50 if later.count else None,
-            "itl_p50_s": itl.p50, "itl_p99_s": itl.p99, "requests": len(r.requests),
-            "wall_s": r.wall_s, "prompt_tokens": r.prompt_tokens,
-            "computed_prompt_tokens": r.computed_tokens, "kv_bytes_moved": r.kv_bytes,
-            "decode_hit_rate": r.decode_hit_tokens / max(r.prompt_tokens, 1),
-            "prefill_hit_rate": r.prefill_hit_tokens / max(r.prompt_tokens, 1)}
+    body = _multi_turn if workload == "multi_turn" else _shared_prefix
+    return await run_on_cluster(cluster_config(model, policy, pool_bytes, max_len), workload,
+                                 policy, vocab, seed,
+                                 lambda cluster, tag: body(cluster, s, vocab, seed, tag))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every (workload, policy) on one Ray; write ``prefix.json`` and ``prefix.png``."""
+    """Run every (workload, policy) on one Ray; write ``prefix.json`` and ``prefix.png``.
+    With ``--sweep``, run ``bench.cluster.prefix_sweep`` instead."""
+    from bench.cluster import prefix_sweep
+
+    if args.sweep:
+        return prefix_sweep.run_sweep(args)
+    prefix_sweep.refuse_sweep_flags(args)
     s = _shape(args)
-    policies = _names(args.policies, POLICIES, "--policies")
-    workloads = _names(args.workloads, WORKLOADS, "--workloads")
+    policies = names(args.policies, POLICIES, "--policies")
+    workloads = names(args.workloads, WORKLOADS, "--workloads")
     cfg = model_config(args.model)
     vocab, per_token = cfg.vocab_size, cfg.kv_bytes_per_token
     t_start = time.perf_counter()
@@ -272,16 +170,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizing: dict[str, Any] = {}
     with ray_session(num_workers=4):
         for k, workload in enumerate(workloads):
-            working, longest = _working_set(workload, s)
-            # No pool below 2 longest requests: each worker must still serve its share.
-            pool_tokens = max(int(s.cache_fraction * working), 2 * longest)
-            sizing[workload] = {"working_set_tokens": working, "pool_tokens": pool_tokens}
+            working, longest = working_set(workload, s)
+            pool = pool_tokens(s.cache_fraction, working, longest)
+            sizing[workload] = {"working_set_tokens": working, "pool_tokens": pool}
             results[workload] = {}
             for policy in policies:  # the same seed: every policy sees the same requests
                 r = asyncio.run(_run_policy(args.model, workload, policy, s, vocab,
-                                            args.seed + 1000 * k, pool_tokens * per_token,
+                                            args.seed + 1000 * k, pool * per_token,
                                             longest + 16))
-                results[workload][policy] = _summary(r)
+                results[workload][policy] = summary(r)
                 print(f"  {workload}/{policy}: done ({time.perf_counter() - t_start:.0f} s)")
     mt = results.get("multi_turn", {})
     ratios = {

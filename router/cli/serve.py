@@ -51,6 +51,15 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache per worker, e.g. 1GiB (default: 1GiB on CPU; on GPU what the "
                         "weights leave of --gpu-memory-utilization)")
+    p.add_argument("--kv-offload-memory", default=None,
+                   help="a second KV cache tier per worker: prefix blocks its pool evicts are "
+                        "kept in this much host memory (pinned on GPU) and restored on a hit "
+                        "instead of recomputed, e.g. 4GiB (default: off)")
+    p.add_argument("--kv-offload-dir", default=None,
+                   help="and behind it a disk tier: each worker's own directory under DIR "
+                        "(removed on exit); needs --kv-offload-disk")
+    p.add_argument("--kv-offload-disk", default=None,
+                   help="the disk tier's cap per worker, e.g. 20GiB (needs --kv-offload-dir)")
 
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:

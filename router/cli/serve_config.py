@@ -56,6 +56,10 @@ class ServeConfig:
     cuda_graphs: bool | None = None  # None: on for GPU workers
     gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
     kv_cache_memory: str | int | None = None  # per worker; None: 1 GiB on CPU, GPU: from memory
+    # The second KV cache tier per worker (engine.kv_tier): host memory, then disk.
+    kv_offload_memory: str | int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk: str | int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     prefill_block_size: int = 16
@@ -101,6 +105,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory_bytes()  # its own check: a size > 0
+        self.offload_config()  # its own checks: sizes, dir and disk together
         self._check_device_flags()
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("give --tls-cert and --tls-key together")
@@ -157,6 +162,20 @@ class ServeConfig:
             raise ValueError(f"--kv-cache-memory must be > 0, got {self.kv_cache_memory!r}")
         return size
 
+    def offload_config(self):
+        """The ``--kv-offload-*`` flags as ``engine.kv_tier.KVTierConfig`` (checked)."""
+        from engine.kv_tier import KVTierConfig
+
+        sizes = {}
+        for name in ("kv_offload_memory", "kv_offload_disk"):
+            v = getattr(self, name)
+            try:
+                sizes[name] = 0 if v is None else parse_bytes(v)
+            except ValueError as e:
+                raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
+        return KVTierConfig(sizes["kv_offload_memory"], self.kv_offload_dir,
+                            sizes["kv_offload_disk"])
+
     def _check_device_flags(self) -> None:
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, "
@@ -205,6 +224,7 @@ class ServeConfig:
 
         num_prefill = self.prefill_workers if self.mode == "disaggregated" else 0
         threads = self.thread_plan()
+        offload = self.offload_config()
         # The launcher sets each worker's device (cuda or cpu, from the placement) and
         # divides gpu_memory_utilization among workers sharing a GPU.
         common = dict(dtype=self.dtype, quantization=self.quantization,
@@ -212,6 +232,8 @@ class ServeConfig:
                       cuda_graphs=self.cuda_graphs,
                       gpu_memory_utilization=float(self.gpu_memory_utilization),
                       kv_cache_memory_bytes=self.kv_cache_memory_bytes(),
+                      kv_offload_memory_bytes=offload.memory_bytes,
+                      kv_offload_dir=offload.disk_dir, kv_offload_disk_bytes=offload.disk_bytes,
                       max_model_len=self.max_model_len, max_waiting=self.max_waiting)
         return ClusterConfig(
             model=self.model, mode=self.mode, num_prefill_workers=num_prefill,

@@ -37,7 +37,9 @@ class WorkerChooser:
             live = [s for s in slots.values() if s.view.alive]
             if not live:
                 raise WorkerUnavailableError("no live decode worker")
-            hits = self.index.match(prompt_ids, [s.info.worker_id for s in live])
+            detail = self.index.match_detail(prompt_ids, [s.info.worker_id for s in live])
+            # ranked by what the cached blocks save there (a block on disk saves less)
+            hits = {wid: m.weighted for wid, m in detail.items()}
             self._note_cached(live)
             view = self.routing.pick_decode([s.view for s in live], len(prompt_ids), num_tokens,
                                             exclude, hits)
@@ -59,20 +61,23 @@ class WorkerChooser:
     def prefill(self, slots: dict[str, WorkerSlot], prompt_ids: list[int],
                 exclude: set[str]) -> tuple[WorkerSlot, int]:
         """The prefill worker for this prompt, and the prompt tokens it will compute there
-        (what its cache does not hold: counted as queued on it meanwhile). Raises
+        (what its cache does not hold in any tier: counted as queued on it meanwhile). Raises
         WorkerUnavailableError when none is live."""
         detail = self.index.match_detail(prompt_ids, list(slots))
-        hits = {wid: m.blocks for wid, m in detail.items()}
         self._note_cached(slots.values())
+        # Ranked by what the cached blocks save there (a block on disk saves less) ...
         view = self.routing.pick_prefill([s.view for s in slots.values()], len(prompt_ids),
-                                         exclude, hits,
+                                         exclude, {wid: m.weighted for wid, m in detail.items()},
                                          {wid: m.in_flight for wid, m in detail.items()})
         if view is None:
             raise WorkerUnavailableError("no live prefill worker")
-        work = max(1, len(prompt_ids) - hits.get(view.worker_id, 0) * view.block_size)
+        # ... but a block restored from any tier is not recomputed: not queued work.
+        held = detail.get(view.worker_id)
+        work = max(1, len(prompt_ids) - (held.blocks if held else 0) * view.block_size)
         return slots[view.worker_id], work
 
     def _note_cached(self, slots) -> None:
-        """Give the policy its candidates' cache footprints (from the KV index)."""
+        """Give the policy its candidates' cache footprints in their KV pools (from the KV
+        index; blocks in a second tier take no pool room)."""
         for s in slots:
-            s.view.cached_blocks = self.index.num_cached_blocks(s.info.worker_id)
+            s.view.cached_blocks = self.index.num_cached_blocks(s.info.worker_id, "device")

@@ -55,6 +55,20 @@ class _StatsCollector(Collector):
             fams["requests_running"].add_metric(lv, w.requests_running)
             fams["requests_waiting"].add_metric(lv, w.requests_waiting)
         yield from fams.values()
+        # The second KV cache tier (engine.kv_tier): what each worker keeps there, and the
+        # prompt tokens it restored instead of recomputing (a counter per worker process).
+        tier = GaugeMetricFamily("pdcluster_kv_offload_blocks",
+                                 "KV blocks a worker keeps in its second cache tier",
+                                 labels=["worker", "role", "tier"])
+        restored = CounterMetricFamily("pdcluster_kv_offload_restored_tokens",
+                                       "Prompt tokens restored from a worker's second KV "
+                                       "cache tier instead of recomputed", labels=labels)
+        for w in s.workers:
+            tier.add_metric([w.worker_id, w.role, "host"], w.kv_offload_host_blocks)
+            tier.add_metric([w.worker_id, w.role, "disk"], w.kv_offload_disk_blocks)
+            restored.add_metric([w.worker_id, w.role], w.kv_offload_restored_tokens)
+        yield tier
+        yield restored
         # The one per-rank family (the rest label by worker): each tensor-parallel rank moves
         # its own KV heads on its own pairs.
         per_rank = CounterMetricFamily(

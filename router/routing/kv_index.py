@@ -18,6 +18,15 @@ blocks of a prompt just routed there; ``match`` counts them as held. Each such e
 the event storing its block arrives (or a snapshot lists it), or when its request is
 ``forget``-ten (the request ended, or its attempt on that worker failed), whichever is first:
 the entries are bounded by the requests in flight, never by a timer.
+
+Tiers: a worker with a second cache tier (``engine.kv_tier``) holds some blocks in host memory
+or on disk, not in its KV pool. The index keeps each held block's cheapest tier (a
+``BlockStored`` moves a block to its tier; ``BlockRemoved`` means no tier holds it), and
+``match_detail`` answers both counts a router needs: ``blocks``, the leading blocks the worker
+will not recompute (a restored block is not recomputed), and ``weighted``, the same run with
+each block worth what it saves (``TIER_BLOCK_WEIGHTS``: 1 on device, a little less where it
+must be restored first), which ranks workers: of two holding one prefix, the one holding it
+on device wins, yet a long run on disk still beats a much shorter one on device.
 """
 
 from __future__ import annotations
@@ -28,6 +37,23 @@ from engine.block_manager import hash_block
 from engine.kv_events import AllCleared, BlockRemoved, BlockStored
 from worker_protocol.kv_events import KVEventBatch, KVSnapshot
 
+# What a cached block saves a request routed to its worker, as a fraction of computing the
+# block: 1 - (cost of restoring it from its tier) / (cost of recomputing it). On the 2-core
+# CPU box with the default model (16-token blocks, ~0.7 MB of KV each), recomputing a block
+# costs ~5-8 ms of prefill, restoring it from host memory (a memcpy) ~0.2 ms (1 - 0.2/6 ~
+# 0.97), from disk (read + checksum, from the page cache) ~1-2 ms (1 - 1.5/6 ~ 0.75). Round
+# figures: the ratios move with the disk, the page cache and the accelerator, and what
+# matters is the order (device > host > disk) and that a restore is far cheaper than a
+# recompute (a long run on disk beats a much shorter one on device).
+DEVICE_BLOCK_WEIGHT = 1.0  # in the KV pool: nothing to restore
+HOST_BLOCK_WEIGHT = 0.95
+DISK_BLOCK_WEIGHT = 0.8
+TIER_BLOCK_WEIGHTS = {"device": DEVICE_BLOCK_WEIGHT, "host": HOST_BLOCK_WEIGHT,
+                      "disk": DISK_BLOCK_WEIGHT}  # one per engine.kv_events.TIERS
+# A block a request routed to the worker is computing there now (``KVIndex.expect``) will
+# be in its pool when the next request needs it.
+IN_FLIGHT_BLOCK_WEIGHT = 1.0
+
 
 @dataclass
 class _WorkerCache:
@@ -35,19 +61,48 @@ class _WorkerCache:
     incarnation: str = ""
     seq: int = 0  # last batch applied
     stale: bool = True  # no snapshot yet, or a hole since: matches nothing until reset
-    hashes: set[int] = field(default_factory=set)
+    hashes: set[int] = field(default_factory=set)  # held in any tier
+    # Of ``hashes``, those whose cheapest copy is not on device -> their tier ("host",
+    # "disk"); kept apart so a worker without a second tier costs nothing extra.
+    slow: dict[int, str] = field(default_factory=dict)
     # Blocks of prompts routed here whose stored events have not arrived yet: hash -> the
     # requests expecting it (module docstring, in-flight affinity)
     expected: dict[int, set[str]] = field(default_factory=dict)
 
+    def store(self, hashes, tier: str) -> None:
+        """The blocks' cheapest copy is now in ``tier`` (stored, or moved between tiers)."""
+        self.hashes.update(hashes)
+        if tier != "device":
+            self.slow.update(dict.fromkeys(hashes, tier))
+        elif self.slow:
+            for h in hashes:
+                self.slow.pop(h, None)
+
+    def remove(self, hashes) -> None:
+        self.hashes.difference_update(hashes)
+        if self.slow:
+            for h in hashes:
+                self.slow.pop(h, None)
+
+    def clear(self) -> None:
+        self.hashes, self.slow = set(), {}
+
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """A worker's leading run of a prompt's blocks: ``blocks`` in all, ``in_flight`` of them
-    expected from requests routed there, not yet stored (``KVIndex.expect``)."""
+    """A worker's leading run of a prompt's blocks: ``blocks`` in all (in any tier: none of
+    them is recomputed there), ``in_flight`` of them expected from requests routed there, not
+    yet stored (``KVIndex.expect``). ``weighted``: the run's blocks each weighted by what it
+    saves (``TIER_BLOCK_WEIGHTS``; in-flight ones count 1), for ranking workers; equal to
+    ``blocks`` when every block is on device (the default when not given)."""
 
     blocks: int
     in_flight: int = 0
+    weighted: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.weighted is None:
+            object.__setattr__(self, "weighted", float(self.blocks))
 
 
 @dataclass(frozen=True)
@@ -83,17 +138,22 @@ class KVIndex:
         """The worker restarted or its feed broke: match nothing until the next snapshot."""
         cache = self._workers.get(worker_id)
         if cache is not None:
-            cache.stale, cache.hashes = True, set()
+            cache.stale = True
+            cache.clear()
 
     def cursor(self, worker_id: str) -> Cursor | None:
         c = self._workers.get(worker_id)
         return None if c is None else Cursor(c.incarnation, c.seq, c.stale)
 
     def reset(self, snap: KVSnapshot) -> None:
-        """Replace a worker's entry by its snapshot (the batches after ``snap.seq`` follow)."""
+        """Replace a worker's entry by its snapshot (the batches after ``snap.seq`` follow).
+        Raises ValueError, the entry left as it was, when the snapshot's tiers are not one
+        per block or name a tier this router does not know."""
+        tiers = snap.block_tiers()
         c = self._workers.setdefault(snap.worker_id, _WorkerCache(snap.block_size))
         c.block_size, c.incarnation, c.seq = snap.block_size, snap.incarnation, snap.seq
-        c.hashes, c.stale = set(snap.block_hashes), False
+        c.hashes, c.stale = set(tiers), False
+        c.slow = {h: t for h, t in tiers.items() if t != "device"} if snap.tiers else {}
         self._arrived(snap.worker_id, c, c.hashes)
 
     def apply(self, batch: KVEventBatch) -> bool:
@@ -108,14 +168,21 @@ class KVIndex:
             self.holes += 1
             self.invalidate(batch.worker_id)
             return False
+        if any(isinstance(ev, BlockStored) and ev.tier not in TIER_BLOCK_WEIGHTS
+               for ev in batch.events):
+            # A tier this router cannot weigh (a newer worker): unusable, like a hole; the
+            # entry waits stale for a snapshot (whose reset refuses it too, until upgraded).
+            self.holes += 1
+            self.invalidate(batch.worker_id)
+            return False
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                c.hashes.update(ev.block_hashes)
+                c.store(ev.block_hashes, ev.tier)
                 self._arrived(batch.worker_id, c, ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
-                c.hashes.difference_update(ev.block_hashes)
+                c.remove(ev.block_hashes)
             elif isinstance(ev, AllCleared):
-                c.hashes.clear()
+                c.clear()
         c.seq = batch.seq
         self.batches_applied += 1
         return True
@@ -177,15 +244,17 @@ class KVIndex:
     # ---- reading --------------------------------------------------------------------------
     def match(self, prompt_ids: list[int] | None,
               worker_ids: list[str] | None = None) -> dict[str, int]:
-        """``match_detail``'s blocks alone: worker id -> leading blocks held or expected."""
+        """``match_detail``'s blocks alone: worker id -> leading blocks held (any tier) or
+        expected."""
         return {wid: m.blocks for wid, m in self.match_detail(prompt_ids, worker_ids).items()}
 
     def match_detail(self, prompt_ids: list[int] | None,
                      worker_ids: list[str] | None = None) -> dict[str, PrefixMatch]:
-        """Worker id -> the leading full blocks of the prompt its cache holds, or will hold
-        once the requests routed there are computed (``expect``); only workers with at least
-        one; a stale worker's cache counts for nothing (its in-flight blocks do).
-        ``worker_ids`` limits the answer to those workers."""
+        """Worker id -> the leading full blocks of the prompt its cache holds in any tier, or
+        will hold once the requests routed there are computed (``expect``), and their
+        tier-weighted count (``PrefixMatch.weighted``); only workers with at least one; a
+        stale worker's cache counts for nothing (its in-flight blocks do). ``worker_ids``
+        limits the answer to those workers."""
         if not prompt_ids:
             return {}
         ids = worker_ids if worker_ids is not None else list(self._workers)
@@ -201,15 +270,22 @@ class KVIndex:
             hashes = by_size.get(c.block_size)
             if hashes is None:
                 hashes = by_size[c.block_size] = self.prompt_hashes(prompt_ids, c.block_size)
+            slow = c.slow if held else {}
             n = in_flight = 0
+            weighted = 0.0
             for h in hashes:
                 if h not in held:
                     if h not in c.expected:
                         break
                     in_flight += 1
+                    weighted += IN_FLIGHT_BLOCK_WEIGHT
+                else:
+                    tier = slow.get(h)
+                    weighted += (DEVICE_BLOCK_WEIGHT if tier is None
+                                 else TIER_BLOCK_WEIGHTS[tier])
                 n += 1
             if n:
-                out[wid] = PrefixMatch(n, in_flight)
+                out[wid] = PrefixMatch(n, in_flight, weighted)
         return out
 
     def prompt_hashes(self, prompt_ids: list[int], block_size: int) -> list[int]:
@@ -224,10 +300,27 @@ class KVIndex:
         return out
 
     def cached_hashes(self, worker_id: str) -> frozenset[int]:
-        """The block hashes the index says the worker holds (none while stale or unknown)."""
+        """The block hashes the index says the worker holds in any tier (none while stale or
+        unknown)."""
         c = self._workers.get(worker_id)
         return frozenset() if c is None or c.stale else frozenset(c.hashes)
 
-    def num_cached_blocks(self, worker_id: str) -> int:
+    def cached_block_tiers(self, worker_id: str) -> dict[int, str]:
+        """Each block hash the index says the worker holds -> its cheapest tier (empty while
+        stale or unknown): what the worker's ``LLMEngine.cached_block_tiers()`` says."""
         c = self._workers.get(worker_id)
-        return 0 if c is None or c.stale else len(c.hashes)
+        if c is None or c.stale:
+            return {}
+        return {h: c.slow.get(h, "device") for h in c.hashes}
+
+    def num_cached_blocks(self, worker_id: str, tier: str | None = None) -> int:
+        """Blocks the worker holds in ``tier`` (its cheapest copy there), or in any tier when
+        None; 0 while stale or unknown. ``"device"``: the blocks taking room in its KV pool."""
+        c = self._workers.get(worker_id)
+        if c is None or c.stale:
+            return 0
+        if tier is None:
+            return len(c.hashes)
+        if tier == "device":
+            return len(c.hashes) - len(c.slow)
+        return sum(1 for t in c.slow.values() if t == tier)

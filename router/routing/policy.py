@@ -34,7 +34,8 @@ class WorkerView:
     kv_unreachable_until: float = 0.0
     inflight_blocks: int = 0
     inflight_prefill_tokens: int = 0
-    # Blocks its prefix cache holds, per the router's KV index (running requests' included).
+    # Blocks its prefix cache holds in its KV pool (on device, not in a second tier: those
+    # take no pool room), per the router's KV index (running requests' included).
     cached_blocks: int = 0
     inflight_requests: int = 0
     restarts: int = 0  # times Ray restarted the worker and it rejoined
@@ -77,15 +78,18 @@ class RoutingConfig:
 
     ``kv_aware`` (default) picks the worker with the lowest cost, in prompt tokens of work:
     ``prefix_weight`` x the prompt tokens it does NOT cache (what it must compute, or for a
-    decode worker receive) + ``queue_weight`` x the uncached prompt tokens queued there ahead
-    of this one (prefill and colocated workers: a disaggregated decode worker admits
-    arrivals at once, nothing queues; a prefill worker's queued tokens that compute blocks
-    this prompt will reuse do not count, ``pick_prefill``) + ``kv_usage_weight`` x its KV pool's used fraction
-    (blocks in use with reservations in flight, or the blocks its prefix cache holds, if more)
-    x the prompt length (a nearly full pool costs preemptions or evicts cached prefixes). With the default weights (1, 1, 1) a worker holding the
-    prefix wins unless the work queued on it exceeds the work the prefix saves: a hot
-    prefix spills to a cold worker, which then caches it too. Ties go to the least loaded,
-    then take turns.
+    decode worker receive; a cached block it must first restore from host memory or disk
+    counts for the part of a block's compute that restore costs, ``hits`` being weighted by
+    tier, ``router.routing.kv_index.TIER_BLOCK_WEIGHTS``) + ``queue_weight`` x the uncached
+    prompt tokens queued there ahead of this one (prefill and colocated workers: a
+    disaggregated decode worker admits arrivals at once, nothing queues; a prefill worker's
+    queued tokens that compute blocks this prompt will reuse do not count, ``pick_prefill``)
+    + ``kv_usage_weight`` x its KV pool's used fraction (blocks in use with reservations in
+    flight, or the blocks its prefix cache holds in the pool, if more) x the prompt length (a
+    nearly full pool costs preemptions or evicts cached prefixes). With the default weights
+    (1, 1, 1) a worker holding the prefix wins unless the work queued on it exceeds the work
+    the prefix saves: a hot prefix spills to a cold worker, which then caches it too. Ties go
+    to the least loaded, then take turns.
     ``load`` ignores caches (most free KV, fewest requests; least queued prefill tokens);
     ``round_robin`` takes turns among the workers with room.
     """
@@ -106,14 +110,17 @@ class RoutingConfig:
 
 class Routing:
     """Picks workers for one router under one ``RoutingConfig``. ``hits`` maps a worker id
-    to how many leading blocks of the prompt its cache holds (``router.routing.kv_index``)."""
+    to how many leading blocks of the prompt its cache holds, each weighted by what it saves
+    there (``PrefixMatch.weighted`` of ``router.routing.kv_index``: a plain count when all are
+    on device; a block on disk counts less, so of two workers holding one prefix the one
+    holding it on device wins)."""
 
     def __init__(self, config: RoutingConfig | None = None) -> None:
         self.config = config or RoutingConfig()
         self._turn = {"prefill": 0, "decode": 0}  # round_robin's next position per kind
 
     def pick_decode(self, workers: list[WorkerView], prompt_len: int, num_tokens: int,
-                    exclude: set[str] = frozenset(), hits: dict[str, int] | None = None
+                    exclude: set[str] = frozenset(), hits: dict[str, float] | None = None
                     ) -> WorkerView | None:
         """A live decode (or colocated) worker with room for ``num_tokens`` (prompt +
         output), or None."""
@@ -132,7 +139,7 @@ class Routing:
             _neg(_decode_headroom(w))))
 
     def pick_prefill(self, workers: list[WorkerView], prompt_len: int,
-                     exclude: set[str] = frozenset(), hits: dict[str, int] | None = None,
+                     exclude: set[str] = frozenset(), hits: dict[str, float] | None = None,
                      in_flight: dict[str, int] | None = None) -> WorkerView | None:
         """The live prefill worker to compute this prompt, or None. ``in_flight``: of each
         worker's ``hits``, the blocks still being computed there for requests routed before
@@ -156,7 +163,7 @@ class Routing:
         return self._cheapest("prefill", live, lambda w: (
             self.cost(w, prompt_len, hits, queued(w)), w.inflight_prefill_tokens))
 
-    def cost(self, w: WorkerView, prompt_len: int, hits: dict[str, int],
+    def cost(self, w: WorkerView, prompt_len: int, hits: dict[str, float],
              queued_tokens: int) -> float:
         """``kv_aware``'s cost of sending this prompt to ``w`` (tokens of work; lower wins)."""
         c = self.config

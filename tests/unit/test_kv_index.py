@@ -129,7 +129,7 @@ def test_the_log_reports_batches_it_no_longer_holds():
 
 def test_batches_round_trip_as_json():
     b = KVEventBatch("p-1", "abc", 7, 16, (BlockStored((2**64 - 1, 5)), BlockRemoved((9,)),
-                                             AllCleared()))
+                                             BlockStored((3,), "disk"), AllCleared()))
     assert KVEventBatch.from_json(b.to_json()) == b
 
 

@@ -66,3 +66,19 @@ def test_tp_flags_reach_each_roles_engine_and_bad_ones_are_named():
         serve_config_from_args(_args("--decode-tp", "0"))
     with pytest.raises(ValueError, match="--prefill-tp: colocated workers"):
         serve_config_from_args(_args("--mode", "colocated", "--prefill-tp", "2"))
+
+
+def test_kv_offload_flags_reach_every_engine_and_bad_ones_are_named(tmp_path):
+    cc = serve_config_from_args(_args("--kv-offload-memory", "64MiB", "--kv-offload-dir",
+                                      str(tmp_path), "--kv-offload-disk", "1GiB")).cluster_config()
+    for engine in (cc.prefill_engine, cc.decode_engine):
+        assert engine.kv_offload_memory_bytes == 64 << 20
+        assert (engine.kv_offload_dir, engine.kv_offload_disk_bytes) == (str(tmp_path), 1 << 30)
+    off = serve_config_from_args(_args()).cluster_config().decode_engine
+    assert off.kv_offload_memory_bytes == 0 and off.kv_offload_dir is None
+    with pytest.raises(ValueError, match="--kv-offload-dir and --kv-offload-disk go together"):
+        serve_config_from_args(_args("--kv-offload-memory", "64MiB", "--kv-offload-dir", "/x"))
+    with pytest.raises(ValueError, match="--kv-offload-disk needs --kv-offload-memory"):
+        serve_config_from_args(_args("--kv-offload-dir", "/x", "--kv-offload-disk", "1GiB"))
+    with pytest.raises(ValueError, match="--kv-offload-memory: "):
+        serve_config_from_args(_args("--kv-offload-memory", "lots"))
