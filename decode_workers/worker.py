@@ -56,6 +56,7 @@ from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import DecodeRankKV, rank_state
 from worker_protocol.messages import offload_load
+from worker_protocol.prefix_pull import PrefixSource, SendPrefixRequest
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
                                on_crash=exit_on_engine_crash(self.worker_id),
                                after_work=self._kv_events.after_work)
+        # Serves prefill workers' pulls of prefixes this one holds (worker_protocol.prefix_pull).
+        self.source = PrefixSource(self.loop, self.worker_id, self.layout, self.kv_host.address,
+                                   kv_device, config.fault_pull_delay_per_layer_s)
         self._lease_thread = threading.Thread(target=self._expire_leases, daemon=True,
                                               name=f"{self.worker_id}-leases")
         self._lease_thread.start()
@@ -279,7 +283,13 @@ class DecodeWorker:
         generator ends; a batch is taken off the queue only by the current one."""
         yield from self.delivery.subscribe(router_id)
 
+    def send_prefix(self, req: SendPrefixRequest) -> int:
+        """Serve a prefill worker's pull from this one's prefix cache (the router's
+        cluster-wide reuse); returns bytes sent."""
+        return self.source.send(req)
+
     def shutdown(self) -> None:
+        self.source.close()
         self._stopped.set()
         self.delivery.stop()
         self.loop.stop()

@@ -10,12 +10,19 @@ request (safe from any thread: no step reads those pages until ``admit``); a pre
 registers an ``exporter`` that the engine calls after each layer's KV is written, once per
 request whose prompt the step completed, with the step's identity and timing passed in.
 
+Prefix pulls (cluster-wide reuse): a worker that lacks a prompt's prefix another worker holds
+``reserve_prefix``-es pages for it, takes the other worker's ``read_prefix`` layers through
+``import_layer`` like any remote KV, and ``commit_prefix`` registers them in its prefix cache
+(or ``release``-s them when the pull fails); the request that needed them then finds them
+there instead of computing them.
+
 Workers use this and ``LLMEngine``'s public methods only; they never touch the scheduler,
 the block manager or the model runner.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +63,7 @@ class LayerExport:
 
 
 Exporter = Callable[[LayerExport], None]
+_pins = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,57 @@ class KVConnector:
         if req is not None:
             self._scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
         return had
+
+    # ---- prefix pulls (engine-loop thread) --------------------------------------------------
+    def reserve_prefix(self, pull_id: str, token_ids: list[int], end: int) -> Reservation:
+        """Hold pages for positions ``[0, end)`` of ``token_ids`` (a prompt, longer than
+        ``end``), whose KV another worker will send; ``num_cached_tokens``: the leading ones
+        this engine's prefix cache holds already (only ``[num_cached_tokens, end)`` must
+        arrive, through ``import_layer``). Then ``commit_prefix`` or ``release``."""
+        if not 0 < end < len(token_ids):
+            raise ValueError(f"prefix end {end} outside the prompt ({len(token_ids)} tokens)")
+        # One token past the prefix: the cache never serves a prompt's last token, so the
+        # prefix's own last block counts as held when it is.
+        return self.reserve(pull_id, list(token_ids[:end + 1]), SamplingParams(max_tokens=1))
+
+    def commit_prefix(self, pull_id: str, end: int) -> int:
+        """Every layer of a pull is in its pages: cache the full blocks of ``[0, end)`` and
+        free the rest (the cached ones stay, like a finished request's). Returns the tokens
+        of the prefix now cached. Raises KeyError when the reservation is gone."""
+        with self._lock:
+            if self._reserved.pop(pull_id, None) is None:
+                raise KeyError(pull_id)
+        req = self._scheduler.remote[pull_id]
+        self._blocks.cache_full_blocks(pull_id, req.prompt_token_ids, end)
+        self._scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return end // self._blocks.block_size * self._blocks.block_size
+
+    def read_prefix(self, token_ids: list[int], start: int, end: int) -> list[torch.Tensor] | None:
+        """Positions ``[start, end)`` of this engine's cached prefix of ``token_ids``, one
+        ``[2, end - start, kv_heads, head_dim]`` tensor per layer (fresh: the pages may be
+        reused at once), or None when the cache no longer holds all of ``[0, end)``. Blocks
+        in a second tier are restored first. Not under tensor parallelism (ValueError)."""
+        if self._runner.tp is not None:
+            raise ValueError("read_prefix: not with tensor_parallel_size > 1")
+        bs = self._blocks.block_size
+        cover = -(-end // bs) * bs
+        if not 0 <= start < end or cover > len(token_ids):
+            return None
+        # The probe's extra token: the cache never serves a prompt's last one.
+        computed = self._blocks.get_computed_blocks(list(token_ids[:cover]) + [0])
+        if computed.num_tokens(bs) < cover:
+            return None
+        pin = f"read-prefix-{next(_pins)}"  # holds the blocks while they are read
+        if not self._blocks.allocate_slots(pin, cover, computed):
+            return None
+        try:
+            if self._blocks.adopted_tokens(pin) < cover:
+                return None
+            block_ids = self._blocks.block_ids(pin)
+            return [self._runner.read_layer_kv(layer, block_ids, end, start=start)
+                    for layer in range(len(self._runner.kv_caches))]
+        finally:
+            self._blocks.free(pin)
 
     def _unreserve_ranks(self, request_id: str) -> None:
         """The other ranks stop taking KV into the pages before the next step (which may

@@ -46,6 +46,13 @@ from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import PrefillRankKV, rank_state
 from worker_protocol.messages import offload_load
+from worker_protocol.prefix_pull import (
+    PrefixPuller,
+    PrefixSource,
+    PullRequest,
+    PullResult,
+    SendPrefixRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +105,12 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
                                on_crash=exit_on_engine_crash(self.worker_id),
                                after_work=self._kv_events.after_work)
+        # Cluster-wide prefix reuse (worker_protocol.prefix_pull): this worker pulls prefixes
+        # other workers hold, and serves its own; endpoints open on first use.
+        self.puller = PrefixPuller(self.loop, self.worker_id, self.layout,
+                                   self.kv_host.address, kv_device)
+        self.source = PrefixSource(self.loop, self.worker_id, self.layout, self.kv_host.address,
+                                   kv_device, config.fault_pull_delay_per_layer_s)
         # Last: the model, torch and Ray are loaded; keep full collections off them (their
         # pauses would delay every prefill and layer send running then).
         freeze_startup_heap()
@@ -206,7 +219,18 @@ class PrefillWorker:
             pending.future.set_exception(KVTransferAborted(f"{rid} aborted during prefill"))
         return True
 
+    def pull_prefix(self, req: PullRequest) -> PullResult:
+        """Pull a prefix another worker holds into this one's prefix cache (the router's
+        cluster-wide reuse); a failed pull holds nothing: the request computes it."""
+        return self.puller.pull(req)
+
+    def send_prefix(self, req: SendPrefixRequest) -> int:
+        """Serve another worker's pull from this one's prefix cache; returns bytes sent."""
+        return self.source.send(req)
+
     def shutdown(self) -> None:
+        self.puller.close()
+        self.source.close()
         self.loop.stop()
         self._finisher.shutdown(wait=False, cancel_futures=True)
         self.kv.close()

@@ -173,6 +173,10 @@ class BackendStats:
     # mixed steps (decode rows beside prefill chunks) by their decode rows.
     decode_steps: dict[int, tuple[int, float]] = field(default_factory=dict)
     mixed_steps: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # Cluster-wide reuse (router.control.prefix_pull), cumulative: prefix tokens pulled from
+    # another worker instead of computed, and those held elsewhere but computed anyway.
+    prefix_pulled_tokens: int = 0
+    prefix_recomputed_tokens: int = 0
 
 
 @runtime_checkable

@@ -262,7 +262,8 @@ class WorkerConfig:
     # Fault injection for failure tests (never set in production): the prefill worker's
     # process exits after sending this many layers in total (a peer dying mid-transfer), or
     # sleeps after each layer it sends (a slow link, to hold a transfer open); the decode
-    # worker sleeps after each engine step (long-lived streams).
+    # worker sleeps after each engine step (long-lived streams); any worker serving a
+    # prefix pull sleeps before each layer it sends (a pull held open, to kill its source).
     # KV events (prefix-cache changes, for KV-aware routing) also go to Redis Streams here
     # (None: routers pull them from the worker's in-memory log through Ray).
     kv_events_redis_url: str | None = None
@@ -270,6 +271,7 @@ class WorkerConfig:
     fault_exit_after_layers: int | None = None
     fault_delay_per_layer_s: float = 0.0
     fault_delay_per_step_s: float = 0.0
+    fault_pull_delay_per_layer_s: float = 0.0
     # What KV transfers run over: "nccl" (GPU to GPU; the launcher chooses it only when every
     # worker has a GPU of its own: NCCL cannot put two ranks of a group on one device),
     # "gloo" (TCP through host memory: CPU workers, or workers sharing a GPU), or "auto"

@@ -55,6 +55,8 @@ class PolicyRun:
     kv_bytes: int = 0
     decode_hit_tokens: int = 0
     prefill_hit_tokens: int = 0
+    pulled_tokens: int = 0  # prefix tokens pulled from another worker instead of computed
+    restored_tokens: int = 0  # prompt tokens restored from a worker's second KV tier
 
 
 def names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
@@ -163,6 +165,10 @@ async def run_on_cluster(config: Any, workload: str, policy: str, vocab: int, se
     hits = {role: after.prefix_hit_tokens.get(role, 0) - before.prefix_hit_tokens.get(role, 0)
             for role in ("decode", "prefill")}
     run_.decode_hit_tokens, run_.prefill_hit_tokens = hits["decode"], hits["prefill"]
+    run_.pulled_tokens = after.prefix_pulled_tokens - before.prefix_pulled_tokens
+    restored_before = {w.worker_id: w.kv_offload_restored_tokens for w in before.workers}
+    run_.restored_tokens = sum(w.kv_offload_restored_tokens - restored_before.get(w.worker_id, 0)
+                               for w in after.workers)
     return run_
 
 
@@ -176,4 +182,5 @@ def summary(r: PolicyRun) -> dict[str, Any]:
             "wall_s": r.wall_s, "prompt_tokens": r.prompt_tokens,
             "computed_prompt_tokens": r.computed_tokens, "kv_bytes_moved": r.kv_bytes,
             "decode_hit_rate": r.decode_hit_tokens / max(r.prompt_tokens, 1),
-            "prefill_hit_rate": r.prefill_hit_tokens / max(r.prompt_tokens, 1)}
+            "prefill_hit_rate": r.prefill_hit_tokens / max(r.prompt_tokens, 1),
+            "pulled_tokens": r.pulled_tokens, "restored_tokens": r.restored_tokens}

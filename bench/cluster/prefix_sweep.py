@@ -397,7 +397,9 @@ def _print_table(cells_out: list[dict[str, Any]]) -> None:
                       f"{m['computed_prompt_tokens']:6d}/{m['prompt_tokens']} tok "
                       f"{m['computed_over_floor']:5.2f}x floor {floor}  KV moved "
                       f"{m['kv_bytes_moved'] / 1e6:7.1f} MB  hit decode "
-                      f"{m['decode_hit_rate']:.0%} prefill {m['prefill_hit_rate']:.0%}")
+                      f"{m['decode_hit_rate']:.0%} prefill {m['prefill_hit_rate']:.0%}  "
+                      f"pulled {m.get('pulled_tokens', 0)} restored "
+                      f"{m.get('restored_tokens', 0)} tok")
 
 
 def _plot(cells_out: list[dict[str, Any]], path: Path) -> None:

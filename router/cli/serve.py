@@ -150,6 +150,11 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
     rt.add_argument("--prefix-weight", type=float, default=None, help="kv_aware (default 1)")
     rt.add_argument("--queue-weight", type=float, default=None, help="kv_aware (default 1)")
     rt.add_argument("--kv-usage-weight", type=float, default=None, help="kv_aware (default 1)")
+    rt.add_argument("--prefix-pull", choices=["auto", "always", "off"], default=None,
+                    help="a prefill worker lacking a prefix another worker holds pulls its KV "
+                         "over the KV transport instead of computing it: auto (default) when "
+                         "the measured transfer rate beats its measured prefill rate; always; "
+                         "off")
     rt.add_argument("--kv-event-bus", choices=["auto", "memory"], default=None,
                     help="how workers' KV events reach the router: auto (default) = Redis "
                          "Streams with --redis-url (workers get its URL and must reach it), "

@@ -90,6 +90,7 @@ class ServeConfig:
     prefix_weight: float = 1.0
     queue_weight: float = 1.0
     kv_usage_weight: float = 1.0
+    prefix_pull: str = "auto"  # auto | always | off (router.control.prefix_pull)
     kv_event_bus: str = "auto"
     # Fault injection for failure tests only: worker id -> {fault_* WorkerConfig field: value}.
     worker_overrides: dict = field(default_factory=dict)
@@ -217,7 +218,7 @@ class ServeConfig:
         from router.routing.policy import RoutingConfig
 
         return RoutingConfig(self.routing, float(self.prefix_weight), float(self.queue_weight),
-                             float(self.kv_usage_weight))
+                             float(self.kv_usage_weight), self.prefix_pull)
 
     def cluster_config(self):
         from router.cluster.ray_cluster import ClusterConfig

@@ -436,7 +436,8 @@ class Cluster:
         return BackendStats(workers, orch.kv_transfer_bytes_total, dict(orch.migrations),
                             self.store.up, dict(orch.usage.prefix_hit_tokens),
                             orch.usage.prefill_computed_tokens, dict(orch.usage.decode_steps),
-                            dict(orch.usage.mixed_steps))
+                            dict(orch.usage.mixed_steps), orch.pulls.pulled_tokens,
+                            orch.pulls.recomputed_tokens)
 
     async def worker_loads(self) -> list:
         """Every live worker's full load report (reserved blocks included); tests use this.

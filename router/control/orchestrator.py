@@ -39,6 +39,7 @@ from router.control.chooser import WorkerChooser
 from router.control.config import MIGRATED_PRIORITY, OrchestratorConfig
 from router.control.fanout import TokenFanout
 from router.control.orphans import OrphanRescue
+from router.control.prefix_pull import PrefixPulls
 from router.control.request_state import (
     Aborted,
     ClusterMisconfiguredError,
@@ -49,6 +50,7 @@ from router.control.request_state import (
     WorkerLost,
     WorkerSlot,
     cause_of,
+    first_update,
 )
 from router.control.usage import UsageCounters
 from router.control.worker_health import WorkerHealth
@@ -96,6 +98,9 @@ class Orchestrator:
         self.choose = WorkerChooser(Routing(config.routing), self.kv_index,
                                     config.capacity_wait_s)
         self.usage = UsageCounters()
+        # Cluster-wide reuse: pull a prefix another worker holds instead of computing it.
+        self.pulls = PrefixPulls(self.kv_index, layout, config.routing.prefix_pull,
+                                 config.transfer_timeout_s)
         self._streams: dict[str, StreamState] = {}
         self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s,
                                   self.router_id)
@@ -404,6 +409,8 @@ class Orchestrator:
             self._journal(rid, "reserved", decode.info.worker_id,
                           f"{res.num_blocks} blocks for KV from {pslot.info.worker_id}"
                           + (f"; {cached} prompt tokens cached here" if cached else ""))
+            await self.pulls.before_prefill(rid, prompt_ids, pslot, [
+                *self.prefill.values(), *self.decode.values()], self._journal)
             stream.prefill_id = pslot.info.worker_id
             # The reserving process's own address: a just-restarted worker has a new port.
             destination = res.kv_address or decode.info.kv_address
@@ -429,6 +436,9 @@ class Orchestrator:
                 pslot.view.inflight_prefill_tokens -= work
         stream.committed, stream.decode_incarnation = True, res.incarnation
         self.kv_transfer_bytes_total += result.kv_bytes
+        self.pulls.note_prefill(pslot.info.worker_id,
+                                result.num_prompt_tokens - result.num_cached_tokens,
+                                result.compute_s)
         self.timings[rid] = RequestTiming(result.queue_s, result.compute_s,
                                           result.transfer_tail_s, attempt + 1)
         if len(self.timings) > 10_000:
@@ -488,11 +498,3 @@ class Orchestrator:
         from router.state.store import JournalEvent
 
         self.store.journal_append(rid, JournalEvent(time.time(), kind, worker_id, detail or ""))
-
-
-def first_update(request_id: str, first: FirstToken) -> TokenUpdate:
-    """The stream's update for the token a prefill worker sampled."""
-    return TokenUpdate(request_id, [first.token_id],
-                       first.finish_reason if first.finished else None,
-                       logprobs=None if first.logprob is None else [first.logprob],
-                       prompt_logprobs=first.prompt_logprobs)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from engine.request import TokenLogprob
 from router.contract import WorkerUnavailableError
 from router.routing.policy import WorkerView
-from worker_protocol import WorkerInfo
+from worker_protocol import TokenUpdate, WorkerInfo
 
 
 class ClusterMisconfiguredError(RuntimeError):
@@ -112,3 +112,11 @@ class RequestTiming:
     prefill_compute_s: float = 0.0
     transfer_tail_s: float = 0.0
     attempts: int = 0
+
+
+def first_update(request_id: str, first: FirstToken) -> TokenUpdate:
+    """The stream's update for the token a prefill worker sampled."""
+    return TokenUpdate(request_id, [first.token_id],
+                       first.finish_reason if first.finished else None,
+                       logprobs=None if first.logprob is None else [first.logprob],
+                       prompt_logprobs=first.prompt_logprobs)

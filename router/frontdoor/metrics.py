@@ -100,6 +100,14 @@ class _StatsCollector(Collector):
         for role, n in sorted(s.prefix_hit_tokens.items()):
             hits.add_metric([role], n)
         yield hits
+        yield CounterMetricFamily("pdcluster_prefix_pulled_tokens",
+                                  "Prompt-prefix tokens a prefill worker pulled from another "
+                                  "worker's cache instead of computing them",
+                                  value=s.prefix_pulled_tokens)
+        yield CounterMetricFamily("pdcluster_prefix_recomputed_tokens",
+                                  "Prompt-prefix tokens another worker held that a prefill "
+                                  "worker computed anyway (not worth moving, or the pull "
+                                  "failed)", value=s.prefix_recomputed_tokens)
         yield CounterMetricFamily("pdcluster_prefill_computed_tokens",
                                   "Prompt (and recomputed) tokens run through a model",
                                   value=s.prefill_computed_tokens)

@@ -288,6 +288,26 @@ class KVIndex:
                 out[wid] = PrefixMatch(n, in_flight, weighted)
         return out
 
+    def held_tokens(self, prompt_ids: list[int], worker_ids: list[str]) -> dict[str, int]:
+        """Worker id -> the leading prompt tokens its cache holds now, in any tier (whole
+        blocks of its own size; not the in-flight ones: they cannot be read yet). What a
+        prefix pull may take from it (``router.control.prefix_pull``)."""
+        out: dict[str, int] = {}
+        by_size: dict[int, list[int]] = {}
+        for wid in worker_ids:
+            c = self._workers.get(wid)
+            if c is None or c.stale or not c.hashes:
+                continue
+            hashes = by_size.get(c.block_size)
+            if hashes is None:
+                hashes = by_size[c.block_size] = self.prompt_hashes(prompt_ids, c.block_size)
+            n = 0
+            while n < len(hashes) and hashes[n] in c.hashes:
+                n += 1
+            if n:
+                out[wid] = n * c.block_size
+        return out
+
     def prompt_hashes(self, prompt_ids: list[int], block_size: int) -> list[int]:
         """Chained hashes of the prompt's full blocks, as the engine's prefix cache computes
         them. The last token never comes from a cache (it must be computed to sample), so a

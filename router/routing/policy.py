@@ -69,6 +69,7 @@ class WorkerView:
         return self.alive and self.reachable and now >= self.kv_unreachable_until
 
 
+PREFIX_PULL_MODES = ("auto", "always", "off")
 ROUTING_POLICIES = ("kv_aware", "load", "round_robin")
 
 
@@ -98,8 +99,15 @@ class RoutingConfig:
     prefix_weight: float = 1.0
     queue_weight: float = 1.0
     kv_usage_weight: float = 1.0
+    # Cluster-wide reuse (router.control.prefix_pull): a prefill worker lacking a prefix
+    # another worker holds pulls it when the estimated transfer beats the estimated
+    # recompute ("auto"), whenever another worker holds more of it ("always"), or never.
+    prefix_pull: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.prefix_pull not in PREFIX_PULL_MODES:
+            raise ValueError(f"prefix pull must be one of {', '.join(PREFIX_PULL_MODES)}, "
+                             f"got {self.prefix_pull!r}")
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.policy!r}")

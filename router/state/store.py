@@ -35,7 +35,7 @@ __all__ = [
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 JOURNAL_KINDS = ("received", "reserved", "prefilled", "committed", "finished", "aborted",
-                 "retried", "failed", "migrated")
+                 "retried", "failed", "migrated", "pulled", "recomputed")
 TERMINAL_JOURNAL_KINDS = ("finished", "aborted", "failed")  # a request's last event
 DEFAULT_JOURNAL_TTL_S = 3600.0
 DEFAULT_STREAM_TTL_S = 600.0  # a stream log lives this long after its last append

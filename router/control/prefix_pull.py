@@ -1,0 +1,169 @@
+"""Cluster-wide prefix reuse, the router's side: before a prefill worker computes a prompt, pull
+the prefix it lacks from another worker (prefill or decode) that holds more of it, when moving
+it is estimated to cost less than computing it.
+
+The decision (``PrefixPulls.plan``), per request, from the KV index and two measured rates:
+
+- what the chosen prefill worker holds (``KVIndex.held_tokens``: any tier) and which other
+  live worker holds the longest run (ties: a prefill worker, whose reads do not stall a decode
+  batch); the pull takes positions ``[held by the puller, end)``, ``end`` the source's run cut
+  to the puller's whole blocks (only those can be cached there), at least one block;
+- estimated recompute = those tokens / the puller's prefill rate (from its own
+  ``PrefillResult.compute_s``, an EWMA; 1,000 tokens/s until measured);
+- estimated transfer = their KV bytes / the effective pull bandwidth (every completed pull's
+  bytes / its wall time, reserve to commit, Ray calls included; an EWMA starting at 200 MB/s).
+
+``auto`` pulls when the transfer is estimated to cost less; ``always`` whenever another
+worker holds more; ``off`` never. Every decision with its inputs is logged (INFO) and
+counted: ``pulled_tokens`` (moved instead of computed) and ``recomputed_tokens`` (held
+elsewhere, computed anyway: not worth moving, or the pull failed). A failed pull (the
+source died, lost the prefix, a timeout) holds nothing on the puller
+(``worker_protocol.prefix_pull``): the request goes on and computes the prefix.
+Tensor-parallel workers take no part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from kv_transfer import KVLayout
+from router.control.request_state import WorkerSlot
+from router.routing.kv_index import KVIndex
+from worker_protocol.prefix_pull import PullRequest, PullResult
+
+log = logging.getLogger(__name__)
+
+_EWMA = 0.3  # weight of the newest measurement
+PRIOR_PREFILL_TOKENS_S = 1_000.0
+PRIOR_PULL_BYTES_S = 200e6
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """Pull ``[have, end)`` of the prompt from ``source`` (``pull``: False when estimated not
+    worth it: the tokens are computed)."""
+
+    source: WorkerSlot
+    have: int
+    end: int
+    est_transfer_s: float
+    est_recompute_s: float
+    pull: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.have
+
+
+@dataclass(frozen=True)
+class PullOutcome:
+    """What happened, for the request's journal."""
+
+    kind: str  # "pulled" | "recomputed"
+    source_id: str
+    detail: str
+
+
+@dataclass
+class PrefixPulls:
+    """Owned by the orchestrator (its event loop); see the module docstring."""
+
+    index: KVIndex
+    layout: KVLayout
+    mode: str = "auto"
+    timeout_s: float = 10.0
+    pulled_tokens: int = 0
+    recomputed_tokens: int = 0
+    failed_pulls: int = 0
+    pull_bytes_s: float = PRIOR_PULL_BYTES_S
+    _prefill_tokens_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bytes_per_token(self) -> int:
+        lay = self.layout
+        return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.torch_dtype.itemsize
+
+    def note_prefill(self, worker_id: str, computed_tokens: int, compute_s: float) -> None:
+        """A prefill worker's measured rate (its ``PrefillResult``)."""
+        if computed_tokens < 16 or compute_s <= 0:
+            return  # too short to say anything about the rate
+        rate = computed_tokens / compute_s
+        old = self._prefill_tokens_s.get(worker_id)
+        self._prefill_tokens_s[worker_id] = rate if old is None else old + _EWMA * (rate - old)
+
+    def plan(self, prompt_ids: list[int], puller: WorkerSlot,
+             candidates: list[WorkerSlot]) -> PullPlan | None:
+        """The pull worth considering for this prompt on ``puller``, or None (nobody holds
+        more of it than the puller, by at least one of the puller's blocks)."""
+        if self.mode == "off" or puller.info.tp_size != 1:
+            return None
+        others = [s for s in candidates if s.info.worker_id != puller.info.worker_id
+                  and s.view.alive and s.view.reachable and s.info.tp_size == 1]
+        held = self.index.held_tokens(prompt_ids,
+                                      [puller.info.worker_id] + [s.info.worker_id for s in others])
+        have = held.get(puller.info.worker_id, 0)
+        best = max(others, default=None, key=lambda s: (held.get(s.info.worker_id, 0),
+                                                         s.info.role == "prefill"))
+        bs = puller.view.block_size
+        if best is None:
+            return None
+        end = min(held.get(best.info.worker_id, 0), len(prompt_ids) - 1) // bs * bs
+        if end - have < bs:
+            return None
+        tokens = end - have
+        est_transfer = tokens * self.bytes_per_token / self.pull_bytes_s
+        est_recompute = tokens / self._prefill_tokens_s.get(puller.info.worker_id,
+                                                            PRIOR_PREFILL_TOKENS_S)
+        pull = self.mode == "always" or est_transfer < est_recompute
+        return PullPlan(best, have, end, est_transfer, est_recompute, pull)
+
+    async def before_prefill(self, request_id: str, prompt_ids: list[int], puller: WorkerSlot,
+                             candidates: list[WorkerSlot], journal=None) -> PullOutcome | None:
+        """Plan, and pull when worth it; the outcome goes to ``journal(request_id, kind,
+        source_id, detail)`` too. Never raises for a failed pull (the prefill computes what is
+        missing); None when there was nothing to decide."""
+        out = await self._decide(request_id, prompt_ids, puller, candidates)
+        if out is not None and journal is not None:
+            journal(request_id, out.kind, out.source_id, out.detail)
+        return out
+
+    async def _decide(self, request_id: str, prompt_ids: list[int], puller: WorkerSlot,
+                      candidates: list[WorkerSlot]) -> PullOutcome | None:
+        plan = self.plan(prompt_ids, puller, candidates)
+        if plan is None:
+            return None
+        src = plan.source.info.worker_id
+        inputs = (f"{plan.tokens} tokens [{plan.have}, {plan.end}) from {src}: transfer est "
+                  f"{plan.est_transfer_s * 1e3:.1f} ms vs recompute est "
+                  f"{plan.est_recompute_s * 1e3:.1f} ms")
+        if not plan.pull:
+            self.recomputed_tokens += plan.tokens
+            log.info("request %s: prefix recomputed on %s (%s)", request_id,
+                     puller.info.worker_id, inputs)
+            return PullOutcome("recomputed", src, inputs)
+        req = PullRequest(f"{request_id}/pull", list(prompt_ids), plan.end, src,
+                          plan.source.handle, self.timeout_s)
+        try:
+            res: PullResult = await asyncio.wait_for(puller.handle.pull_prefix.remote(req),
+                                                     self.timeout_s + 5.0)
+        except Exception as e:  # the puller failed or timed out: the prefill call will tell
+            res = PullResult(0, plan.have, 0, self.timeout_s, f"{type(e).__name__}: {e}"[:300])
+        if res.error:
+            self.failed_pulls += 1
+            self.recomputed_tokens += plan.tokens
+            log.warning("request %s: prefix pull to %s failed, recomputing (%s): %s",
+                        request_id, puller.info.worker_id, inputs, res.error)
+            return PullOutcome("recomputed", src, f"{inputs}; pull failed: {res.error}")
+        self.pulled_tokens += res.pulled_tokens
+        recomputed = max(0, plan.tokens - res.pulled_tokens - (res.cached_tokens - plan.have))
+        self.recomputed_tokens += recomputed
+        if res.kv_bytes and res.seconds > 0:
+            measured = res.kv_bytes / res.seconds
+            self.pull_bytes_s += _EWMA * (measured - self.pull_bytes_s)
+        log.info("request %s: prefix pulled to %s (%s): %d tokens, %.1f MB in %.1f ms",
+                 request_id, puller.info.worker_id, inputs, res.pulled_tokens,
+                 res.kv_bytes / 1e6, res.seconds * 1e3)
+        return PullOutcome("pulled", src, f"{inputs}; moved {res.pulled_tokens} tokens in "
+                                          f"{res.seconds * 1e3:.1f} ms")
