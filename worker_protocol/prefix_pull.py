@@ -147,7 +147,9 @@ class PrefixPuller:
             if receiver is not None:
                 receiver.abort(req.pull_id)
             self._release(req.pull_id)
-            return PullResult(0, start, 0, time.monotonic() - t0, f"{type(e).__name__}: {e}"[:300])
+            cause = getattr(e, "cause", None) or e  # a Ray task error's own exception
+            return PullResult(0, start, 0, time.monotonic() - t0,
+                              f"{type(cause).__name__}: {cause}"[:300])
         self.pulled_tokens += spec.num_tokens
         return PullResult(spec.num_tokens, start, spec.layer_nbytes * self.layout.num_layers,
                           time.monotonic() - t0)

@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kv_transfer import KVLayout
-from router.control.request_state import WorkerSlot
+from router.control.request_state import WorkerSlot, cause_of
 from router.routing.kv_index import KVIndex
 from worker_protocol.prefix_pull import PullRequest, PullResult
 
@@ -149,6 +149,7 @@ class PrefixPulls:
             res: PullResult = await asyncio.wait_for(puller.handle.pull_prefix.remote(req),
                                                      self.timeout_s + 5.0)
         except Exception as e:  # the puller failed or timed out: the prefill call will tell
+            e = cause_of(e)
             res = PullResult(0, plan.have, 0, self.timeout_s, f"{type(e).__name__}: {e}"[:300])
         if res.error:
             self.failed_pulls += 1
