@@ -77,6 +77,20 @@ class KVTierConfig:
         return self.memory_bytes > 0
 
 
+def offload_config(args) -> KVTierConfig:
+    """The second tier's sizes from an ``engine.EngineArgs``, refused by name where it cannot
+    work."""
+    cfg = KVTierConfig(args.kv_offload_memory_bytes, args.kv_offload_dir,
+                       args.kv_offload_disk_bytes)
+    if cfg.enabled and not args.enable_prefix_caching:
+        raise ValueError("--kv-offload-memory keeps prefix-cache blocks: it needs prefix "
+                         "caching on (enable_prefix_caching=True)")
+    if cfg.enabled and args.tensor_parallel_size > 1:
+        raise ValueError("--kv-offload-memory: not with tensor_parallel_size > 1 yet (each "
+                         "rank holds its own KV heads; the tier copies one rank's pool)")
+    return cfg
+
+
 @dataclass(frozen=True)
 class TierStats:
     """What the tier holds and did (cumulative counters)."""

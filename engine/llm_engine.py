@@ -8,7 +8,6 @@ it. Not thread-safe: one thread drives an engine.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
@@ -26,7 +25,7 @@ from engine.fused_decode import tune_fused_decode
 from engine.input_processor import InputProcessor, Prompt
 from engine.kernels import model_linear_weights, set_linear_plan, tune_linear
 from engine.kv_connector import KVConnector, StepInfo
-from engine.kv_tier import KVTier, KVTierConfig, TierStats
+from engine.kv_tier import KVTier, TierStats, offload_config
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.ranks import TPRanks, rank_device, rank_threads
@@ -43,12 +42,7 @@ from engine.scheduler import Scheduler, StepUpdate
 from engine.step_times import DecodeStepTimes
 from engine.structured import Grammars
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from engine.weights import (
-    load_model_config,
-    load_quantized_state_dict,
-    load_state_dict,
-    resolve_model,
-)
+from engine.weights import load_model_config, load_weights, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -102,40 +96,6 @@ class EngineArgs:
     kv_offload_memory_bytes: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0
-
-
-def offload_config(args: EngineArgs) -> KVTierConfig:
-    """The second tier's sizes, refused by name where it cannot work."""
-    cfg = KVTierConfig(args.kv_offload_memory_bytes, args.kv_offload_dir,
-                       args.kv_offload_disk_bytes)
-    if cfg.enabled and not args.enable_prefix_caching:
-        raise ValueError("--kv-offload-memory keeps prefix-cache blocks: it needs prefix "
-                         "caching on (enable_prefix_caching=True)")
-    if cfg.enabled and args.tensor_parallel_size > 1:
-        raise ValueError("--kv-offload-memory: not with tensor_parallel_size > 1 yet (each "
-                         "rank holds its own KV heads; the tier copies one rank's pool)")
-    return cfg
-
-
-def load_weights(model: LlamaForCausalLM, model_dir, quantization: str,
-                 select: Callable[[str], tuple | None] | None = None) -> None:
-    """Load ``model``'s weights from ``model_dir`` as ``quantization`` asks (``select``: this
-    TP rank's slices): "gguf" takes the converted GGUF's quantized tensors as they are and
-    reads only the rest in the model dtype; "int8"/"int4" quantize the fp weights after
-    loading (every TP rank its own shard) and free them."""
-    dtype = getattr(torch, model.cfg.dtype)
-    quantized = {}
-    if quantization == "gguf":
-        quantized = load_quantized_state_dict(model_dir, dtype)
-        if not quantized:
-            raise ValueError(f"quantization='gguf': {str(model_dir)!r} holds no GGUF tensors "
-                             "in Q8_0 / Q4_0 / Q4_1 / Q4_K blocks (the model is not a GGUF, "
-                             "or none of its types maps onto a layout); use int8, int4 or none")
-    model.load_hf_state_dict(load_state_dict(model_dir, dtype, select, skip=set(quantized)),
-                             quantized)
-    if quantization in ("int8", "int4"):
-        model.quantize(quantization)
-        gc.collect()
 
 
 @dataclass(frozen=True)

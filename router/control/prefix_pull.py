@@ -14,7 +14,9 @@ The decision (``PrefixPulls.plan``), per request, from the KV index and two meas
   bytes / its wall time, reserve to commit, Ray calls included; an EWMA starting at 200 MB/s).
 
 ``auto`` pulls when the transfer is estimated to cost less; ``always`` whenever another
-worker holds more; ``off`` never. Every decision with its inputs is logged (INFO) and
+worker holds more; ``off`` never. Under ``auto`` a pull is given 4x the estimated recompute
+(at least ``MIN_PULL_TIMEOUT_S``, at most the transfer timeout): a stuck source costs
+little. Every decision with its inputs is logged (INFO) and
 counted: ``pulled_tokens`` (moved instead of computed) and ``recomputed_tokens`` (held
 elsewhere, computed anyway: not worth moving, or the pull failed). A failed pull (the
 source died, lost the prefix, a timeout) holds nothing on the puller
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 _EWMA = 0.3  # weight of the newest measurement
 PRIOR_PREFILL_TOKENS_S = 1_000.0
 PRIOR_PULL_BYTES_S = 200e6
+MIN_PULL_TIMEOUT_S = 2.0  # the least a pull is given (a first pull opens its pair)
 
 
 @dataclass(frozen=True)
@@ -143,14 +146,18 @@ class PrefixPulls:
             log.info("request %s: prefix recomputed on %s (%s)", request_id,
                      puller.info.worker_id, inputs)
             return PullOutcome("recomputed", src, inputs)
+        # A pull that takes longer than a few recomputes has lost its point (a stuck source):
+        # it gives up and the prefill computes, well within the decode worker's lease.
+        timeout_s = (self.timeout_s if self.mode == "always"  # estimates ignored
+                     else min(self.timeout_s, max(MIN_PULL_TIMEOUT_S, 4 * plan.est_recompute_s)))
         req = PullRequest(f"{request_id}/pull", list(prompt_ids), plan.end, src,
-                          plan.source.handle, self.timeout_s)
+                          plan.source.handle, timeout_s)
         try:
             res: PullResult = await asyncio.wait_for(puller.handle.pull_prefix.remote(req),
-                                                     self.timeout_s + 5.0)
+                                                     timeout_s + 5.0)
         except Exception as e:  # the puller failed or timed out: the prefill call will tell
             e = cause_of(e)
-            res = PullResult(0, plan.have, 0, self.timeout_s, f"{type(e).__name__}: {e}"[:300])
+            res = PullResult(0, plan.have, 0, timeout_s, f"{type(e).__name__}: {e}"[:300])
         if res.error:
             self.failed_pulls += 1
             self.recomputed_tokens += plan.tokens

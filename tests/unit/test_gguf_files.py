@@ -8,11 +8,10 @@ from __future__ import annotations
 import torch
 
 from engine.config import CacheConfig
-from engine.llm_engine import load_weights
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, QLinear
 from engine.quant import QuantizedWeight
-from engine.weights import load_model_config, load_quantized_state_dict, resolve_model
+from engine.weights import load_model_config, load_quantized_state_dict, load_weights, resolve_model
 from tests.gguf_files import HIDDEN, INTERMEDIATE, write_tiny_gguf
 
 

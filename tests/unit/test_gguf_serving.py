@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-from engine.llm_engine import load_weights
 from engine.models.llama import LlamaForCausalLM, QEmbedding, QLinear
 from engine.quant import check_quantization
 from engine.weights import (
@@ -19,6 +18,7 @@ from engine.weights import (
     load_model_config,
     load_quantized_state_dict,
     load_state_dict,
+    load_weights,
     resolve_model,
 )
 from tests.unit.test_weights import shared_model_cache

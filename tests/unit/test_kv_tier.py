@@ -17,7 +17,7 @@ from engine import EngineArgs, LLMEngine, SamplingParams
 from engine.block_manager import RESTORE, BlockManager
 from engine.kv_events import AllCleared, BlockRemoved, BlockStored
 from engine.kv_tier import KVTier, KVTierConfig
-from tests.tiny_models import hf_greedy, random_prompts
+from tests.tiny_models import hf_greedy, random_prompts, serve_in_turn
 
 BS = 4
 LAYERS, HEADS, DIM = 3, 2, 4
@@ -213,17 +213,6 @@ def test_a_dead_process_directory_is_removed_on_the_next_start(tmp_path):
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
 
-def _serve(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    outs = []
-    for i, p in enumerate(prompts):  # one at a time: each finishes (and frees) before the next
-        engine.add_request(p, GREEDY, request_id=f"q{i}")
-        toks: list[int] = []
-        while engine.has_unfinished_requests:
-            for o in engine.step():
-                toks.extend(o.new_token_ids)
-        outs.append(toks)
-    return outs
-
 
 @pytest.mark.parametrize("tier", ["memory", "disk"])
 def test_restored_prefixes_serve_the_same_tokens_as_transformers(tiny_llama_dir, tmp_path, tier):
@@ -244,7 +233,7 @@ def test_restored_prefixes_serve_the_same_tokens_as_transformers(tiny_llama_dir,
         others = random_prompts(seed=22, count=3, max_len=60, min_len=60)
         follow = base[:40] + random_prompts(seed=23, count=1, max_len=7, min_len=7)[0]
         prompts = [base, *others, follow]
-        got = _serve(engine, prompts)
+        got = serve_in_turn(engine, prompts, GREEDY)
         bm = engine.block_manager
         assert bm.num_restored_tokens >= 40  # the 5 leading blocks came back, not recomputed
         if tier == "disk":
