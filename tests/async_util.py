@@ -86,3 +86,22 @@ async def assert_no_blocks_held(cluster, timeout_s: float = 10.0) -> None:
             return
         assert time.monotonic() < deadline, f"KV blocks still held (used, reserved): {held}"
         await asyncio.sleep(0.1)
+
+
+async def until(ok, what: str, timeout_s: float = 10.0) -> None:
+    """Await ``ok()`` until it returns true; AssertionError naming ``what`` after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def generate_tokens(cluster, params, prompt: list[int], rid: str) -> list[int]:
+    """One request through ``cluster``'s backend contract: every token it streamed."""
+    from router.contract import GenerateInput
+
+    toks: list[int] = []
+    async for ch in cluster.generate(GenerateInput(params, token_ids=prompt, request_id=rid)):
+        toks += ch.token_ids
+    return toks

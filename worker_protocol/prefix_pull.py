@@ -118,18 +118,19 @@ class PrefixPuller:
         import ray
 
         t0 = time.monotonic()
-        res = self._call(lambda e: e.kv_connector.reserve_prefix(req.pull_id, req.token_ids,
-                                                                   req.end))
-        if not res.ok:
-            return PullResult(0, 0, 0, time.monotonic() - t0, f"no pages: {res.reason}")
-        start = res.num_cached_tokens
-        if start >= req.end:  # it holds the whole prefix already
-            self._release(req.pull_id)
-            return PullResult(0, start, 0, time.monotonic() - t0)
-        spec = KVTransferSpec(req.pull_id, next(self._ids), req.end - start, self.layout,
-                              start_token=start)
-        receiver = None
+        start, receiver = 0, None
         try:
+            # In the try: a reservation whose answer came too late is released below too.
+            res = self._call(lambda e: e.kv_connector.reserve_prefix(req.pull_id, req.token_ids,
+                                                                       req.end))
+            if not res.ok:
+                return PullResult(0, 0, 0, time.monotonic() - t0, f"no pages: {res.reason}")
+            start = res.num_cached_tokens
+            if start >= req.end:  # it holds the whole prefix already
+                self._release(req.pull_id)
+                return PullResult(0, start, 0, time.monotonic() - t0)
+            spec = KVTransferSpec(req.pull_id, next(self._ids), req.end - start, self.layout,
+                                  start_token=start)
             receiver = self._receiver.get()
 
             def land(layer: int, kv: torch.Tensor) -> None:

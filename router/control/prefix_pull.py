@@ -82,6 +82,7 @@ class PrefixPulls:
     failed_pulls: int = 0
     pull_bytes_s: float = PRIOR_PULL_BYTES_S
     _prefill_tokens_s: dict[str, float] = field(default_factory=dict)
+    _num_pulls: int = 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -150,8 +151,11 @@ class PrefixPulls:
         # it gives up and the prefill computes, well within the decode worker's lease.
         timeout_s = (self.timeout_s if self.mode == "always"  # estimates ignored
                      else min(self.timeout_s, max(MIN_PULL_TIMEOUT_S, 4 * plan.est_recompute_s)))
-        req = PullRequest(f"{request_id}/pull", list(prompt_ids), plan.end, src,
-                          plan.source.handle, timeout_s)
+        # Its own id per pull: a retried attempt's pull never meets an earlier one still
+        # running on the same worker.
+        self._num_pulls += 1
+        req = PullRequest(f"{request_id}/pull-{self._num_pulls}", list(prompt_ids), plan.end,
+                          src, plan.source.handle, timeout_s)
         try:
             res: PullResult = await asyncio.wait_for(puller.handle.pull_prefix.remote(req),
                                                      timeout_s + 5.0)

@@ -6,18 +6,22 @@ transformers' greedy ones; no worker holds a block at the end."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import pytest
 
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
-from router.contract import GenerateInput
 from router.routing.kv_index import KVIndex
 from router.routing.kv_sync import KVEventSync
 from router.routing.policy import RoutingConfig
-from tests.async_util import ray_loop, run_cluster
+from tests.async_util import (
+    assert_no_blocks_held,
+    generate_tokens,
+    ray_loop,
+    run_cluster,
+    until,
+)
 from tests.redis_server import OwnRedis
 from tests.tiny_models import hf_greedy, random_prompts
 
@@ -43,20 +47,6 @@ def _config(model_dir, prefill_bs: int, decode_bs: int, **kw) -> ClusterConfig:
     return ClusterConfig(**base)
 
 
-async def _generate(cluster, prompt, rid):
-    toks = []
-    async for ch in cluster.generate(GenerateInput(GREEDY, token_ids=prompt, request_id=rid)):
-        toks += ch.token_ids
-    return toks
-
-
-async def _until(ok, what: str, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while not await ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def _index_equals_workers(index: KVIndex, cluster) -> bool:
     """Every worker's entry in ``index`` holds exactly what its prefix cache holds now."""
     orch = cluster.orchestrator
@@ -68,11 +58,6 @@ async def _index_equals_workers(index: KVIndex, cluster) -> bool:
         if index.cached_hashes(slot.info.worker_id) != set(snap.block_hashes):
             return False
     return True
-
-
-async def _no_blocks_held(cluster) -> bool:
-    return not any(lo.kv_blocks_used or lo.kv_blocks_reserved
-                   for lo in await cluster.worker_loads())
 
 
 def test_next_turns_reuse_the_decode_workers_prefix(loop, tiny_llama_dir):
@@ -92,12 +77,12 @@ def test_next_turns_reuse_the_decode_workers_prefix(loop, tiny_llama_dir):
                     turns[i].append(turns[i][-1] + outs[i][-1] + extra[(i + t) % len(extra)])
                     prompt = turns[i][-1]
                     # The index learned the last turn from the workers' events.
-                    await _until(lambda p=prompt: _has_hit(orch, p), "the index to see turn")
+                    await until(lambda p=prompt: _has_hit(orch, p), "the index to see turn")
                 rid = f"c{i}-t{t}"
-                outs[i].append(await _generate(cluster, turns[i][-1], rid))
+                outs[i].append(await generate_tokens(cluster, GREEDY, turns[i][-1], rid))
                 decode_of[rid] = [e.worker_id for e in orch.store.journal_get(rid)
                                   if e.kind == "committed"][-1]
-        await _until(lambda: _no_blocks_held(cluster), "every block to be freed")
+        await assert_no_blocks_held(cluster)
         stats = await cluster.stats()
         hits = {rid: [e.detail for e in orch.store.journal_get(rid)
                       if e.kind == "reserved" and "cached here" in e.detail]
@@ -131,12 +116,12 @@ def test_a_new_prefix_sent_twice_at_once_is_computed_once(loop, tiny_llama_dir):
     async def body(cluster):
         orch = cluster.orchestrator
         before = (await cluster.stats()).prefill_computed_tokens
-        outs = await asyncio.gather(*(_generate(cluster, p, f"twin{i}")
+        outs = await asyncio.gather(*(generate_tokens(cluster, GREEDY, p, f"twin{i}")
                                       for i, p in enumerate(prompts)))
         placed = {rid: {e.kind: e.worker_id for e in orch.store.journal_get(rid)
                         if e.kind in ("prefilled", "committed")} for rid in ("twin0", "twin1")}
         computed = (await cluster.stats()).prefill_computed_tokens - before
-        await _until(lambda: _no_blocks_held(cluster), "every block to be freed")
+        await assert_no_blocks_held(cluster)
         return outs, placed, computed, orch.kv_index.requests_expected
 
     outs, placed, computed, expected = run_cluster(loop, _config(tiny_llama_dir, 16, 16), body)
@@ -173,8 +158,8 @@ def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_ll
         orch = cluster.orchestrator
         assert orch.kv_sync.source is not None
         for i, p in enumerate(prompts[:4]):
-            await _generate(cluster, p, f"a{i}")
-        await _until(lambda: _index_equals_workers(orch.kv_index, cluster), "router index")
+            await generate_tokens(cluster, GREEDY, p, f"a{i}")
+        await until(lambda: _index_equals_workers(orch.kv_index, cluster), "router index")
         assert orch.kv_sync.stream_up and orch.kv_sync.pulls > 0  # decode-1's, pulled
         source = RedisKVEventSource(redis.url, ns)
         assert source.length("decode-0") > 0 and source.length("prefill-0") > 0
@@ -187,20 +172,20 @@ def test_redis_streams_feed_the_index_and_a_new_reader_rebuilds_it(loop, tiny_ll
             sync.track(s.info.worker_id, s.info.block_size)
         await sync.refresh(slots)
         for i, p in enumerate(prompts[4:]):
-            await _generate(cluster, p, f"b{i}")
+            await generate_tokens(cluster, GREEDY, p, f"b{i}")
         async def caught_up():  # driven as a router's load loop drives its own (4/s)
             await sync.refresh(slots)
             return await _index_equals_workers(index, cluster)
 
-        await _until(caught_up, "the second index")
+        await until(caught_up, "the second index")
         pulled = sync.snapshots
         await sync.close()
         # Redis goes away: the router's own index keeps up by pulling through Ray.
         redis.kill()
-        await _until(lambda: _false_stream(orch), "the router to notice the outage")
+        await until(lambda: _false_stream(orch), "the router to notice the outage")
         for i, p in enumerate(prompts[:3]):
-            await _generate(cluster, p + [5, 6, 7] * (i + 1), f"c{i}")
-        await _until(lambda: _index_equals_workers(orch.kv_index, cluster), "pulled index")
+            await generate_tokens(cluster, GREEDY, p + [5, 6, 7] * (i + 1), f"c{i}")
+        await until(lambda: _index_equals_workers(orch.kv_index, cluster), "pulled index")
         return pulled
 
     pulled = run_cluster(loop, config, body)

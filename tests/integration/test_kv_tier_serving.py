@@ -6,16 +6,18 @@ no block is held at the end and the tier's disk directories are gone after shutd
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
-from router.contract import GenerateInput
 from router.routing.policy import RoutingConfig
-from tests.async_util import ray_loop, run_cluster
+from tests.async_util import (
+    assert_no_blocks_held,
+    generate_tokens,
+    ray_loop,
+    run_cluster,
+    until,
+)
 from tests.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
@@ -30,20 +32,6 @@ BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # tiny model: 2 layers, 2 KV heads of 
 def loop():
     with ray_loop(num_cpus=8, resources={"prefill_slot": 4, "decode_slot": 4}) as lt:
         yield lt
-
-
-async def _generate(cluster, prompt, rid):
-    toks = []
-    async for ch in cluster.generate(GenerateInput(GREEDY, token_ids=prompt, request_id=rid)):
-        toks += ch.token_ids
-    return toks
-
-
-async def _until(ok, what: str, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while not await ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def test_an_evicted_prefix_comes_back_from_the_tier_on_both_workers(loop, tiny_llama_dir,
@@ -72,27 +60,23 @@ def test_an_evicted_prefix_comes_back_from_the_tier_on_both_workers(loop, tiny_l
                 return False
         return True
 
-    async def no_blocks_held() -> bool:
-        return not any(lo.kv_blocks_used or lo.kv_blocks_reserved
-                       for lo in await cluster_ref[0].worker_loads())
-
     cluster_ref = []
 
     async def body(cluster):
         cluster_ref.append(cluster)
-        outs = [await _generate(cluster, p, f"t{i}") for i, p in enumerate(prompts[:-1])]
-        await _until(index_follows_workers, "the index to follow the workers' tiers")
+        outs = [await generate_tokens(cluster, GREEDY, p, f"t{i}") for i, p in enumerate(prompts[:-1])]
+        await until(index_follows_workers, "the index to follow the workers' tiers")
         tiers = {t for slot in (*cluster.orchestrator.prefill.values(),
                                 *cluster.orchestrator.decode.values())
                  for t in cluster.orchestrator.kv_index.cached_block_tiers(
                      slot.info.worker_id).values()}
         before = await cluster.stats()
         loads_before = {lo.role: lo for lo in await cluster.worker_loads()}
-        outs.append(await _generate(cluster, follow, "follow"))
+        outs.append(await generate_tokens(cluster, GREEDY, follow, "follow"))
         after = await cluster.stats()
         loads = {lo.role: lo for lo in await cluster.worker_loads()}
-        await _until(no_blocks_held, "every block to be freed")
-        await _until(index_follows_workers, "the index to follow the workers' tiers")
+        await assert_no_blocks_held(cluster)
+        await until(index_follows_workers, "the index to follow the workers' tiers")
         dirs = sorted(p.name for p in tmp_path.iterdir())
         return outs, tiers, before, after, loads_before, loads, dirs
 

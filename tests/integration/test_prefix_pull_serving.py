@@ -9,16 +9,20 @@ its prefix."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import ray
 
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
-from router.contract import GenerateInput
 from router.routing.policy import RoutingConfig
-from tests.async_util import ray_loop, run_cluster
+from tests.async_util import (
+    assert_no_blocks_held,
+    generate_tokens,
+    ray_loop,
+    run_cluster,
+    until,
+)
 from tests.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
@@ -38,20 +42,6 @@ def _config(model_dir, prefill_bs: int, decode_bs: int, **kw) -> ClusterConfig:
                          decode_engine=EngineArgs(block_size=decode_bs, num_threads=1),
                          transfer_timeout_s=10.0, lease_s=10.0, worker_num_cpus=1.0,
                          routing=RoutingConfig("round_robin", prefix_pull="always"), **kw)
-
-
-async def _generate(cluster, prompt, rid):
-    toks = []
-    async for ch in cluster.generate(GenerateInput(GREEDY, token_ids=prompt, request_id=rid)):
-        toks += ch.token_ids
-    return toks
-
-
-async def _until(ok, what: str, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while not await ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def _journal(orch, rid: str) -> dict[str, tuple[str, str]]:
@@ -74,14 +64,14 @@ def test_the_second_request_pulls_the_prefix_instead_of_computing_it(
 
     async def body(cluster):
         orch = cluster.orchestrator
-        out1 = await _generate(cluster, first, "first")
+        out1 = await generate_tokens(cluster, GREEDY, first, "first")
         first_on = _journal(orch, "first")["prefilled"][0]
         holders = [first_on, *orch.decode]
-        await _until(lambda: _indexed(orch, first, holders, 32), "the index to see the prefix")
+        await until(lambda: _indexed(orch, first, holders, 32), "the index to see the prefix")
         before = await cluster.stats()
-        out2 = await _generate(cluster, second, "second")
+        out2 = await generate_tokens(cluster, GREEDY, second, "second")
         after = await cluster.stats()
-        await _until(lambda: _no_blocks_held(cluster), "every block to be freed")
+        await assert_no_blocks_held(cluster)
         return out1, out2, first_on, _journal(orch, "second"), before, after
 
     out1, out2, first_on, journal, before, after = run_cluster(
@@ -96,11 +86,6 @@ def test_the_second_request_pulls_the_prefix_instead_of_computing_it(
     assert computed == len(second) - pulled  # the puller computed only what it lacked
 
 
-async def _no_blocks_held(cluster) -> bool:
-    return not any(lo.kv_blocks_used or lo.kv_blocks_reserved
-                   for lo in await cluster.worker_loads())
-
-
 def test_a_source_killed_mid_pull_leaves_nothing_and_the_prefix_is_computed(loop,
                                                                            tiny_llama_dir):
     first = random_prompts(seed=63, count=1, max_len=41, min_len=41)[0]
@@ -112,19 +97,19 @@ def test_a_source_killed_mid_pull_leaves_nothing_and_the_prefix_is_computed(loop
 
     async def body(cluster):
         orch = cluster.orchestrator
-        out1 = await _generate(cluster, first, "first")
+        out1 = await generate_tokens(cluster, GREEDY, first, "first")
         first_on = _journal(orch, "first")["prefilled"][0]
-        await _until(lambda: _indexed(orch, first, [first_on], 40), "the index to see it")
+        await until(lambda: _indexed(orch, first, [first_on], 40), "the index to see it")
         source = orch.prefill[first_on].handle
         before = await cluster.stats()
-        task = asyncio.ensure_future(_generate(cluster, second, "second"))
+        task = asyncio.ensure_future(generate_tokens(cluster, GREEDY, second, "second"))
         await asyncio.sleep(1.5)  # reserved, pulling: the source sleeps before layer 0
         assert not task.done()
         ray.kill(source, no_restart=False)  # Ray restarts it; the pull is lost
         out2 = await task
         after = await cluster.stats()
         loads = {lo.worker_id: lo for lo in await cluster.worker_loads()}
-        await _until(lambda: _no_blocks_held(cluster), "every block to be freed")
+        await assert_no_blocks_held(cluster)
         return out1, out2, first_on, _journal(orch, "second"), before, after, loads
 
     out1, out2, first_on, journal, before, after, loads = run_cluster(loop, config, body)

@@ -66,6 +66,15 @@ class _Sim:
                     c[table[i]] = self.content(h)[layer]
         return adopted
 
+    def finish(self, rid: str) -> None:
+        """Free ``rid`` and check that the router's picture and both bookkeepings hold."""
+        self.drain()
+        assert self.mirror == self.bm.cached_tiers()
+        self.bm.free(rid)
+        self.bm.check_invariants()
+        if self.tier is not None:
+            self.tier.check_invariants()
+
     def drain(self) -> None:
         for ev in self.bm.take_events():
             if isinstance(ev, BlockStored):
@@ -93,11 +102,7 @@ def test_evicted_blocks_come_back_from_host_memory_byte_exact():
     assert sim.bm.get_computed_blocks(a).block_ids.count(RESTORE) == 4
     assert sim.run("a2", a) == 4 * BS  # restored, and the content check in run() held
     assert sim.bm.num_restored_tokens == 4 * BS
-    sim.drain()
-    assert sim.mirror == sim.bm.cached_tiers()
-    sim.bm.free("a2")
-    sim.bm.check_invariants()
-    sim.tier.check_invariants()
+    sim.finish("a2")
 
 
 def test_without_a_tier_the_same_sequence_recomputes():
@@ -177,11 +182,7 @@ def test_an_unreadable_disk_file_is_a_miss_not_a_crash(tmp_path, damage):
     # Block 0 restores, block 1 fails: the prefix ends there, blocks 1.. are recomputed.
     assert sim.run("a2", a) == BS
     assert sim.tier.stats().restore_failures == 1
-    sim.drain()
-    assert sim.mirror == sim.bm.cached_tiers()
-    sim.bm.free("a2")
-    sim.bm.check_invariants()
-    sim.tier.check_invariants()
+    sim.finish("a2")
 
 
 def test_config_is_refused_by_name():
