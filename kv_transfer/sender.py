@@ -287,7 +287,9 @@ class TorchDistSender(PairOwner, KVSender):
             store = self._stores.get(peer.worker_id)
         try:
             if store is None:
-                probe(peer, self.timeout_s)
+                # Half the transfer's deadline (at least 1 s): an address nobody answers at
+                # fails the transfer naming it, never as a bare timeout of the whole send.
+                probe(peer, max(1.0, self.timeout_s / 2))
                 store = dist.TCPStore(peer.host, peer.port, None, False,
                                       datetime.timedelta(seconds=self.timeout_s))
                 with self._store_lock:
