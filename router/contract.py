@@ -18,9 +18,10 @@ from engine.request import QueueFullError, SamplingParams, TokenLogprob
 from worker_protocol import WorkerLoad
 
 __all__ = [
-    "BackendStats", "GenerateInput", "GenerationBackend", "GenerationChunk",
+    "BackendStats", "DrainStatus", "GenerateInput", "GenerationBackend", "GenerationChunk",
     "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "StreamNotFoundError", "Usage",
-    "WORKER_STATES", "WorkerLoad", "WorkerStatus", "WorkerTimeoutError", "WorkerUnavailableError",
+    "WORKER_STATES", "WorkerLoad", "WorkerNotFoundError", "WorkerStatus", "WorkerTimeoutError",
+    "WorkerUnavailableError",
 ]
 
 
@@ -37,6 +38,10 @@ class ModelNotFoundError(LookupError):
 
 class StreamNotFoundError(LookupError):
     """Resume names a request whose stream log is unknown or expired: NOT_FOUND / 404."""
+
+
+class WorkerNotFoundError(LookupError):
+    """An operator's call names a worker this backend does not run: NOT_FOUND / 404."""
 
 
 class WorkerUnavailableError(RuntimeError):
@@ -129,7 +134,7 @@ class GenerationChunk:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-WORKER_STATES = ("starting", "ready", "unreachable", "draining", "dead")
+WORKER_STATES = ("starting", "ready", "unreachable", "draining", "drained", "dead")
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,10 @@ class WorkerStatus:
 
     ``state``: starting (spawned, not up yet) | ready | unreachable (alive for Ray, but its
     last load report or KV address did not answer in time: no new requests are routed to it)
-    | draining (the front door is draining) | dead (gone for good: out of restarts, or
-    restarts disabled). A worker Ray is restarting is unreachable until it rejoins, then
+    | draining (the front door is draining, or an operator drains this worker: it takes no
+    new work while what it holds finishes or migrates) | drained (a drain ended it: nothing
+    was lost, its process exited) | dead (gone for good: out of restarts, or restarts
+    disabled). A worker Ray is restarting is unreachable until it rejoins, then
     ready with ``restarts`` one higher. The load fields are the last report.
     """
 
@@ -157,6 +164,27 @@ class WorkerStatus:
     restarts: int = 0  # how often Ray restarted it and it rejoined (a new pid, new KV port)
     tp: int = 1  # tensor-parallel ranks; ``pid`` is rank 0's
     rank_pids: tuple[int, ...] = ()  # ranks 1.., on ``host``
+
+
+@dataclass(frozen=True)
+class DrainStatus:
+    """Where one worker's drain stands (``POST /v1/cluster/workers/{id}/drain``,
+    ``pdcluster drain``).
+
+    ``state``: draining (no new work goes there; its requests finish, and a decode worker's
+    streams still running ``migrate_after_s`` after the start move to other workers, each
+    continuing where it stood) | drained (nothing of this router's runs there any more,
+    its own scheduler is empty, the process exited). ``streams_finished`` ended there,
+    ``streams_migrated`` moved off; ``remaining`` still run there now."""
+
+    worker_id: str
+    role: str
+    state: str
+    elapsed_s: float
+    migrate_after_s: float
+    streams_finished: int = 0
+    streams_migrated: int = 0
+    remaining: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,6 +245,14 @@ class GenerationBackend(Protocol):
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (special tokens kept). InvalidRequestError for an id
         outside the vocabulary."""
+        ...
+
+    async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
+                           wait: bool = False) -> DrainStatus:
+        """Take ``worker_id`` out of service without losing anything (see DrainStatus);
+        starting a drain that runs already returns its status. ``wait``: return once it is
+        drained. Raises WorkerNotFoundError for an unknown worker, InvalidRequestError for
+        one that is dead, or the last ready one of its role (nothing could take its work)."""
         ...
 
     async def shutdown(self) -> None: ...

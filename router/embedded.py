@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from engine.step_times import merge_rows
 from router.contract import (
     BackendStats,
+    DrainStatus,
     GenerateInput,
     GenerationChunk,
     InvalidRequestError,
@@ -17,6 +18,7 @@ from router.contract import (
     ModelNotFoundError,
     Usage,
     WorkerLoad,
+    WorkerNotFoundError,
     WorkerStatus,
     as_invalid_request,
     new_request_id,
@@ -115,6 +117,12 @@ class EngineBackend:
         s = self._async.engine.stats()
         return [WorkerStatus("embedded-0", "embedded", "127.0.0.1", os.getpid(), "ready",
                              s.kv_blocks_used, s.kv_blocks_total, s.num_running, s.num_waiting)]
+
+    async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
+                           wait: bool = False) -> DrainStatus:
+        """Embedded: the one engine is this process; there is nothing to drain it onto."""
+        raise WorkerNotFoundError(f"no worker {worker_id!r} to drain: embedded mode runs one "
+                                  "in-process engine (drain workers of `pdcluster serve`)")
 
     async def shutdown(self) -> None:
         await self.streams.close()

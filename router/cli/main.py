@@ -1,4 +1,4 @@
-"""`pdcluster` command line: serve | status | stop | generate | chat | bench.
+"""`pdcluster` command line: serve | status | drain | stop | generate | chat | bench.
 
 Config is read here once (flags, optionally a YAML file whose keys are the flag names) and
 passed down as frozen dataclasses; nothing deeper reads flags or the environment.
@@ -65,6 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print GET /v1/cluster as is")
     _add_connection_args(status)
     status.set_defaults(func=cmd_status)
+
+    drain = sub.add_parser("drain", help="take a worker of a running server out of service "
+                                         "without losing a request (scale-down, maintenance)")
+    drain.add_argument("worker_id", help="the worker (as `pdcluster status` lists it)")
+    drain.add_argument("--http-address", default="127.0.0.1:8000",
+                       help="HOST:PORT of the server's HTTP front door")
+    drain.add_argument("--migrate-after", type=float, default=None, metavar="S",
+                       help="a decode worker's streams still running S seconds after the start "
+                            "move to other workers (default 30)")
+    drain.add_argument("--no-wait", action="store_true",
+                       help="return once the drain started, not once the worker is drained")
+    _add_connection_args(drain)
+    drain.set_defaults(func=cmd_drain)
 
     stop = sub.add_parser("stop", help="end a deployment's workers on a Ray cluster (they "
                                        "outlive their routers)")
@@ -153,6 +166,50 @@ def cmd_status(args: argparse.Namespace) -> int:
         for r in [list(_STATUS_COLUMNS), *rows]:
             print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
     return 0 if all(w["state"] == "ready" for w in body["workers"]) else 1
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """POST /v1/cluster/workers/ID/drain and print its status; exit 0 once drained (or, with
+    --no-wait, draining), 1 on an error (its message printed)."""
+    import json
+    import os
+    import ssl
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    tls = args.tls or args.ca_file
+    wid = urllib.parse.quote(args.worker_id, safe="")
+    url = f"{'https' if tls else 'http'}://{args.http_address}/v1/cluster/workers/{wid}/drain"
+    key = args.api_key or os.environ.get("PDCLUSTER_API_KEY")
+    body = {"wait": not args.no_wait}
+    if args.migrate_after is not None:
+        body["migrate_after_s"] = args.migrate_after
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    context = ssl.create_default_context(cafile=args.ca_file) if tls else None
+    try:
+        # No client deadline when waiting: a drain takes as long as its streams (bounded by
+        # --migrate-after plus one re-prefill each).
+        with urllib.request.urlopen(req, timeout=None if body["wait"] else 30,
+                                    context=context) as resp:
+            status = json.load(resp)
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.load(e)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        print(f"error: drain of {args.worker_id}: {e.code} {message}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as e:
+        print(f"error: cannot reach {url}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return 1
+    print(f"{status['worker_id']} ({status['role']}): {status['state']} after "
+          f"{status['elapsed_s']:.1f} s; {status['streams_finished']} streams finished there, "
+          f"{status['streams_migrated']} migrated, {status['remaining']} still running")
+    return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -179,6 +179,10 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
                      help="generations per second per API key (0: none): 429 + Retry-After")
     sec.add_argument("--max-concurrent-per-key", type=int, default=None,
                      help="generations running at once per API key (0: no cap): 429")
+    sec.add_argument("--admin-tenants", default=None,
+                     help="comma-separated key names (tenants) that may make operators' "
+                          "calls, e.g. drain a worker (with --api-keys; without keys anyone "
+                          "may): others get 403")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -103,6 +103,8 @@ class ServeConfig:
     max_request_bytes: str | int = "1MiB"
     rate_limit: float = 0.0
     max_concurrent_per_key: int = 0
+    # Tenants (key names) that may make operators' calls, e.g. drain a worker: "ops,admin".
+    admin_tenants: str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory_bytes()  # its own check: a size > 0
@@ -212,7 +214,9 @@ class ServeConfig:
                if self.tls_cert and self.tls_key else None)
         return SecurityConfig(self.api_keys, self.metrics_public,
                               parse_bytes(self.max_request_bytes), float(self.rate_limit),
-                              int(self.max_concurrent_per_key), tls)
+                              int(self.max_concurrent_per_key), tls,
+                              tuple(t.strip() for t in (self.admin_tenants or "").split(",")
+                                    if t.strip()))
 
     def routing_config(self):
         from router.routing.policy import RoutingConfig

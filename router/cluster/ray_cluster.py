@@ -44,6 +44,7 @@ from router.cluster.placement import (
 )
 from router.contract import (
     BackendStats,
+    DrainStatus,
     GenerateInput,
     GenerationChunk,
     ModelInfo,
@@ -258,6 +259,7 @@ class Cluster:
         for info, handle in zip(infos, handles, strict=True):
             orch.add_worker(info, handle)
             self.store.register_worker(_worker_record(info, model_cfg.model_id), ttl_s=15.0)
+        orch.drains.retire = self._retire
         self.orchestrator = orch
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
         for i in infos:  # one line per worker: operators (and the placement test) read these
@@ -306,7 +308,7 @@ class Cluster:
             # Dead ones too while restarts are on: a call to an actor gone for good fails at
             # once, and one that Ray brought back answers with its new incarnation.
             slots = [s for s in (*orch.prefill.values(), *orch.decode.values())
-                     if s.view.alive or self.config.worker_restarts]
+                     if s.view.alive or (self.config.worker_restarts and not s.view.drained)]
             results = await asyncio.gather(
                 *[asyncio.wait_for(control(s.handle.load).remote(orch.router_id), timeout)
                   for s in slots],
@@ -439,6 +441,28 @@ class Cluster:
                             dict(orch.usage.mixed_steps), orch.pulls.pulled_tokens,
                             orch.pulls.recomputed_tokens)
 
+    async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
+                           wait: bool = False) -> DrainStatus:
+        drains = self.orchestrator.drains
+        status = drains.start(worker_id, migrate_after_s)
+        return await drains.wait(worker_id) if wait else status
+
+    async def _retire(self, slot) -> None:
+        """End a drained worker: no longer registered, routed to or restarted; its process
+        shut down (its KV pool and second tier freed, its tier files removed)."""
+        import ray
+
+        wid = slot.info.worker_id
+        slot.view.alive, slot.view.drained = False, True
+        self.orchestrator.kv_index.invalidate(wid)
+        with contextlib.suppress(Exception):
+            self.store.deregister_worker(wid)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(slot.handle.shutdown.remote(), timeout=5)
+        ray.kill(slot.handle, no_restart=True)
+        if slot.handle in self.launcher.actors:
+            self.launcher.actors.remove(slot.handle)
+
     async def worker_loads(self) -> list:
         """Every live worker's full load report (reserved blocks included); tests use this.
         A worker Ray is restarting has no report (its new process holds nothing yet)."""
@@ -458,8 +482,9 @@ class Cluster:
         out = [WorkerStatus(wid, role, "", 0, "starting") for wid, role in self.launcher.starting.items()]
         for slot in (*orch.prefill.values(), *orch.decode.values()):
             i, v, lo = slot.info, slot.view, slot.view.load
-            state = ("dead" if not v.alive else "unreachable" if not v.routable(now)
-                     else "ready")
+            state = ("drained" if v.drained else "dead" if not v.alive
+                     else "draining" if v.draining
+                     else "unreachable" if not v.routable(now) else "ready")
             addr = i.kv_address
             out.append(WorkerStatus(
                 i.worker_id, i.role, i.node_ip, i.pid, state,

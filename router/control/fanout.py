@@ -58,6 +58,7 @@ class TokenFanout:
             if (s.decode_id == worker_id and s.committed
                     and (keep_incarnation is None or s.decode_incarnation != keep_incarnation)):
                 s.committed = False  # one loss marker per stream and worker
+                s.abandoned = worker_id  # its later tokens, if it still runs, are dropped
                 s.queue.put_nowait(WorkerLost(why, reason))
         if self.on_lost is not None:
             self.on_lost(worker_id, why)
@@ -83,7 +84,7 @@ class TokenFanout:
                         # Only the worker the stream is committed to speaks for it: an attempt
                         # the router gave up on (its commit timed out while the host was cut
                         # off) may still be admitted there later, and must not inject tokens.
-                        if s is not None and s.decode_id == wid:
+                        if s is not None and s.decode_id == wid and s.abandoned != wid:
                             s.queue.put_nowait(upd)
                         elif s is None:  # a request of a router that died: keep its log going
                             self.streams.adopt(upd, functools.partial(self._tokens_of, slot),

@@ -37,6 +37,7 @@ from router.contract import (
 )
 from router.control.chooser import WorkerChooser
 from router.control.config import MIGRATED_PRIORITY, OrchestratorConfig
+from router.control.drain import WorkerDrains
 from router.control.fanout import TokenFanout
 from router.control.orphans import OrphanRescue
 from router.control.prefix_pull import PrefixPulls
@@ -115,6 +116,8 @@ class Orchestrator:
         self.kv_transfer_bytes_total = 0
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.timings: dict[str, RequestTiming] = {}  # kept for the last requests (bounded)
+        # Operators' drains (scale-down): the cluster sets ``drains.retire`` (it owns processes).
+        self.drains = WorkerDrains(self, call_timeout_s=config.call_timeout_s)
 
     # ---- membership -----------------------------------------------------------------------
     def add_worker(self, info: WorkerInfo, handle) -> None:
@@ -151,6 +154,7 @@ class Orchestrator:
                     wid, old.pid, info.pid, info.kv_address)
 
     async def close(self) -> None:
+        await self.drains.close()
         await self.kv_sync.close()
         await self.orphans.close()
         await self.streams.close()
@@ -207,7 +211,27 @@ class Orchestrator:
         return request_id in self._streams
 
     def live_decode_slots(self) -> list[WorkerSlot]:
-        return [s for s in self.decode.values() if s.view.alive]
+        return [s for s in self.decode.values() if s.view.alive and not s.view.draining]
+
+    # ---- what a drain needs (router/control/drain.py: DrainHost) ------------------------
+    def slot_of(self, worker_id: str) -> WorkerSlot | None:
+        return self.prefill.get(worker_id) or self.decode.get(worker_id)
+
+    def slots_of_role(self, role: str) -> list[WorkerSlot]:
+        return list((self.prefill if role == "prefill" else self.decode).values())
+
+    def streams_on(self, worker_id: str) -> list[StreamState]:
+        """This router's streams that run (or are being set up) on ``worker_id``."""
+        return [s for s in self._streams.values()
+                if worker_id in (s.decode_id, s.prefill_id)]
+
+    def migrate_off(self, worker_id: str, why: str) -> list[str]:
+        """Move every stream committed on decode worker ``worker_id`` to another one (as from
+        a lost worker: re-prefill of prompt + tokens so far; not counted in migration_limit)."""
+        moved = [s.request_id for s in self._streams.values()
+                 if s.decode_id == worker_id and s.committed]
+        self.fanout.fail_committed_streams(worker_id, why, "drained")
+        return moved
 
     def add_stream(self, stream: StreamState) -> None:
         self._streams[stream.request_id] = stream
@@ -241,9 +265,14 @@ class Orchestrator:
         ttft = None
         while True:
             upd = pending.pop(0) if pending else await self._next_update(stream)
-            if isinstance(upd, WorkerLost) and stream.migrations < self.config.migration_limit:
+            # A drain's move is the operator's, not a sign of a request that kills workers:
+            # it does not count against migration_limit.
+            drained = isinstance(upd, WorkerLost) and upd.reason == "drained"
+            if isinstance(upd, WorkerLost) and (
+                    drained or stream.migrations < self.config.migration_limit):
                 self.migrations[upd.reason] = self.migrations.get(upd.reason, 0) + 1
-                resumed = await self._migrate(stream, prompt_ids, params, generated, str(upd))
+                resumed = await self._migrate(stream, prompt_ids, params, generated, str(upd),
+                                              counted=not drained)
                 if resumed is not None:
                     pending.append(resumed)
                 continue
@@ -275,13 +304,14 @@ class Orchestrator:
                 return
 
     async def _migrate(self, stream: StreamState, prompt_ids: list[int], params: SamplingParams,
-                       generated: list[int], why: str) -> TokenUpdate | None:
+                       generated: list[int], why: str, counted: bool = True
+                       ) -> TokenUpdate | None:
         """Continue a stream whose decode worker was lost: prefill prompt + every token
         already streamed on another pair and commit there. Returns the next token's update,
         so the client sees one stream with no token missing or repeated. Greedy streams equal
         an undisturbed run; seeded ones too (the sampler resumes at the same position)."""
         old = stream.decode_id
-        stream.migrations += 1
+        stream.migrations += counted
         stream.priority = MIGRATED_PRIORITY
         self._journal(stream.request_id, "migrated", old,
                       f"after {len(generated)} tokens: {why}"[:200])
@@ -338,6 +368,8 @@ class Orchestrator:
         slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
                                         lambda: stream.aborted)
         stream.decode_id, stream.committed = slot.info.worker_id, True
+        if stream.abandoned == slot.info.worker_id:  # moved back to it: its tokens count
+            stream.abandoned = None
         self.kv_index.forget(stream.request_id)  # a migrated stream's earlier worker
         self.kv_index.expect(stream.request_id, slot.info.worker_id, prompt_ids)
         slot.view.inflight_requests += 1
@@ -398,6 +430,8 @@ class Orchestrator:
         pslot.view.inflight_prefill_tokens += work
         prefill_counted = True
         stream.decode_id, stream.committed = decode.info.worker_id, False
+        if stream.abandoned == decode.info.worker_id:  # moved back to it: its tokens count
+            stream.abandoned = None
         try:
             res = await self._call(stream, decode, stream.open_call(decode.handle.reserve.remote(
                 ReserveRequest(rid, prompt_ids, params, self.layout, pslot.info.worker_id,

@@ -104,7 +104,8 @@ class PrefixPulls:
         if self.mode == "off" or puller.info.tp_size != 1:
             return None
         others = [s for s in candidates if s.info.worker_id != puller.info.worker_id
-                  and s.view.alive and s.view.reachable and s.info.tp_size == 1]
+                  and s.view.alive and s.view.reachable and not s.view.draining
+                  and s.info.tp_size == 1]
         held = self.index.held_tokens(prompt_ids,
                                       [puller.info.worker_id] + [s.info.worker_id for s in others])
         have = held.get(puller.info.worker_id, 0)

@@ -41,6 +41,10 @@ class StreamState:
     # mid-stream, so its re-prefill goes ahead of new prompts).
     priority: int = 0
     prefill_id: str | None = None
+    # The worker the stream was moved off while that worker may still be running (a drain,
+    # a silent worker): its late tokens are not this stream's any more (they would repeat
+    # the migrated sequence's). Cleared when a later attempt chooses that worker again.
+    abandoned: str | None = None
     aborted: bool = False  # Abort RPC: stop retrying, end with finish_reason "abort"
     # Calls that create the request on a worker (reserve, submit) and may still run there
     # after the router stopped waiting (a cancelled await does not cancel the Ray call). An
@@ -76,7 +80,8 @@ class WorkerLost(WorkerUnavailableError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         # worker_died | worker_silent | worker_restarted | stream_lost | token_timeout |
-        # router_lost (continued for a router that died: router/control/orphans.py)
+        # router_lost (continued for a router that died: router/control/orphans.py) |
+        # drained (an operator drains the worker: router/control/drain.py)
         self.reason = reason
 
 

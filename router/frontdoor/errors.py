@@ -14,9 +14,15 @@ from router.contract import (
     ModelNotFoundError,
     QueueFullError,
     StreamNotFoundError,
+    WorkerNotFoundError,
     WorkerUnavailableError,
 )
-from router.frontdoor.security import RateLimitedError, RequestTooLargeError, UnauthenticatedError
+from router.frontdoor.security import (
+    ForbiddenError,
+    RateLimitedError,
+    RequestTooLargeError,
+    UnauthenticatedError,
+)
 
 __all__ = ["MappedError", "map_error", "openai_error_body"]
 
@@ -32,9 +38,10 @@ class MappedError:
 
 
 def map_error(exc: BaseException) -> MappedError:
-    """Classify ``exc``: no or a bad API key -> UNAUTHENTICATED/401, a body too large ->
+    """Classify ``exc``: no or a bad API key -> UNAUTHENTICATED/401, a key that may not do
+    this (an operator's call) -> PERMISSION_DENIED/403, a body too large ->
     RESOURCE_EXHAUSTED/413, a tenant over its limits -> RESOURCE_EXHAUSTED/429 (Retry-After),
-    bad input -> INVALID_ARGUMENT/400, unknown model -> NOT_FOUND/404,
+    bad input -> INVALID_ARGUMENT/400, unknown model, stream or worker -> NOT_FOUND/404,
     queue full -> RESOURCE_EXHAUSTED/429, no live worker -> UNAVAILABLE/503, anything else ->
     INTERNAL/500.
 
@@ -45,6 +52,9 @@ def map_error(exc: BaseException) -> MappedError:
     if isinstance(exc, UnauthenticatedError):
         return MappedError(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error",
                            "invalid_api_key", msg)
+    if isinstance(exc, ForbiddenError):
+        return MappedError(grpc.StatusCode.PERMISSION_DENIED, 403, "invalid_request_error",
+                           "forbidden", msg)
     if isinstance(exc, RequestTooLargeError):
         return MappedError(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error",
                            "request_too_large", msg)
@@ -57,6 +67,9 @@ def map_error(exc: BaseException) -> MappedError:
     if isinstance(exc, StreamNotFoundError):
         return MappedError(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error",
                            "stream_not_found", msg)
+    if isinstance(exc, WorkerNotFoundError):
+        return MappedError(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error",
+                           "worker_not_found", msg)
     if isinstance(exc, InvalidRequestError | ValueError):
         return MappedError(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error",
                            None, msg)

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front door (FastAPI): ``/v1/completions``, ``/v1/chat/completions``
 (both with SSE streaming), ``/v1/models``, ``/v1/cluster`` (every worker and its state),
+``POST /v1/cluster/workers/{id}/drain`` (an operator takes a worker out of service),
 ``/health`` and ``/metrics``.
 
 Accepts vLLM's extension fields (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
@@ -39,6 +40,7 @@ from router.frontdoor.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    DrainRequest,
     TokenizeRequest,
 )
 from router.frontdoor.openapi import publish_openapi
@@ -60,7 +62,7 @@ def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None =
     app.add_middleware(GuardMiddleware, gate=gate)
     _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate,
                            tool_call_parser)
-    _add_info_routes(app, backend, metrics)
+    _add_info_routes(app, backend, metrics, gate)
     _add_token_routes(app, backend)
     publish_openapi(app, CONTENT_TYPE)
     return app
@@ -155,7 +157,8 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         return await responder.respond_resumed(backend_id, request_id, from_index, renderer)
 
 
-def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics) -> None:
+def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics,
+                     gate: Gate) -> None:
     @app.get("/v1/models")
     async def models():
         info = backend.model_info()
@@ -172,6 +175,18 @@ def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics)
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(await metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/cluster/workers/{worker_id}/drain")
+    async def drain(worker_id: str, request: Request, body: DrainRequest | None = None):
+        """Take a worker out of service losing nothing (router.control.drain): 202 with its
+        status while it drains, 200 once drained (``wait``). Operators only."""
+        body = body or DrainRequest()
+        try:
+            gate.authorize_admin(request.state.tenant)
+            st = await backend.drain_worker(worker_id, body.migrate_after_s, body.wait)
+        except (ValueError, LookupError, PermissionError) as e:
+            return error_response(e)
+        return JSONResponse(asdict(st), status_code=200 if st.state == "drained" else 202)
 
     @app.get("/v1/cluster")
     async def cluster():

@@ -22,7 +22,8 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
         "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}}
 _WHY = {"400": "a bad or unsupported field (named in the message and param), malformed JSON",
         "401": "a missing or wrong API key (when keys are configured)",
-        "404": "an unknown model, stream or path",
+        "403": "the API key's tenant may not make operators' calls (--admin-tenants)",
+        "404": "an unknown model, stream, worker or path",
         "413": "a body over the size limit",
         "429": "the queue or the caller's rate limit is full (Retry-After says when to retry)",
         "503": "no live worker can take the request, or the server is draining"}
@@ -34,7 +35,16 @@ _ERRORS = {
     "/tokenize": ("400", "404", "413"),
     "/detokenize": ("400", "404", "413"),
     "/health": ("503",),
+    "/v1/cluster/workers/{worker_id}/drain": ("400", "403", "404", "413"),
 }
+_DRAIN_STATUS = {"type": "object", "required": [
+    "worker_id", "role", "state", "elapsed_s", "migrate_after_s", "streams_finished",
+    "streams_migrated", "remaining"], "properties": {
+    "worker_id": {"type": "string"}, "role": {"type": "string"},
+    "state": {"type": "string", "enum": ["draining", "drained"]},
+    "elapsed_s": {"type": "number"}, "migrate_after_s": {"type": "number"},
+    "streams_finished": {"type": "integer"}, "streams_migrated": {"type": "integer"},
+    "remaining": {"type": "integer"}}}
 _SSE_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/streams/{request_id}")
 # One server-sent event: a JSON chunk (or "[DONE]") in ``data``, and ``id`` = "<request
 # id>:<tokens so far>" on the events a one-choice stream resumes from.
@@ -74,3 +84,8 @@ def _correct(path: str, op: dict, metrics_content_type: str) -> None:
         ok.setdefault("content", {})["text/event-stream"] = {"schema": _SSE_EVENT}
     if path == "/health":
         responses["503"]["description"] = "draining"
+    if path.endswith("/drain"):
+        ok.update(description="drained (with wait)", content={
+            "application/json": {"schema": _DRAIN_STATUS}})
+        responses["202"] = {"description": "draining: the drain has started (or was running)",
+                            "content": {"application/json": {"schema": _DRAIN_STATUS}}}

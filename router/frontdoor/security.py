@@ -32,7 +32,7 @@ from pathlib import Path
 
 from router.contract import QueueFullError
 
-__all__ = ["ANONYMOUS", "Gate", "Permit", "RateLimitedError", "RequestTooLargeError",
+__all__ = ["ANONYMOUS", "ForbiddenError", "Gate", "Permit", "RateLimitedError", "RequestTooLargeError",
            "SecurityConfig", "TLSConfig", "Tenant", "UnauthenticatedError", "load_api_keys"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -41,6 +41,11 @@ MIN_KEY_LENGTH = 16
 
 class UnauthenticatedError(PermissionError):
     """No API key, or one that is not in the key file (401 / UNAUTHENTICATED)."""
+
+
+class ForbiddenError(PermissionError):
+    """A valid key whose tenant may not make this call (an operator's call such as a drain,
+    when auth is on and the tenant is not in ``admin_tenants``): 403 / PERMISSION_DENIED."""
 
 
 class RateLimitedError(QueueFullError):
@@ -89,8 +94,14 @@ class SecurityConfig:
     rate_limit: float = 0.0  # generations per second per tenant; 0: no limit
     max_concurrent_per_key: int = 0  # 0: no cap
     tls: TLSConfig | None = None
+    # Tenants that may make operators' calls (drain a worker). With auth off, every caller may.
+    admin_tenants: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        bad = [t for t in self.admin_tenants if not _NAME.match(t)]
+        if bad:
+            raise ValueError(f"--admin-tenants: {bad[0]!r} is not a tenant name "
+                             "([A-Za-z0-9_.-], 1-64 characters)")
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
         if not math.isfinite(self.rate_limit) or self.rate_limit < 0:
@@ -207,6 +218,13 @@ class Gate:
         if name is None:
             raise UnauthenticatedError("invalid API key")
         return Tenant(name, f"{name}/")
+
+    def authorize_admin(self, tenant: Tenant) -> None:
+        """Raise ForbiddenError unless ``tenant`` may make operators' calls: anyone when
+        auth is off, else the tenants named in ``admin_tenants``."""
+        if self.auth_required and tenant.name not in self.config.admin_tenants:
+            raise ForbiddenError(f"tenant {tenant.name!r} may not do this: operators' calls "
+                                 "need a key of a tenant listed in --admin-tenants")
 
     def admit(self, tenant: Tenant) -> Permit:
         """A permit for one generation, or RateLimitedError (nothing held then)."""

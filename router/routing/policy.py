@@ -39,6 +39,10 @@ class WorkerView:
     cached_blocks: int = 0
     inflight_requests: int = 0
     restarts: int = 0  # times Ray restarted the worker and it rejoined
+    # An operator drains it (router/control/drain.py): no new work; what it holds finishes
+    # or migrates, then it is retired (``alive`` False, ``drained`` True).
+    draining: bool = False
+    drained: bool = False
 
     @property
     def kv_blocks_used(self) -> int:
@@ -66,7 +70,8 @@ class WorkerView:
 
     def routable(self, now: float) -> bool:
         """May new work be sent here?"""
-        return self.alive and self.reachable and now >= self.kv_unreachable_until
+        return (self.alive and self.reachable and not self.draining
+                and now >= self.kv_unreachable_until)
 
 
 PREFIX_PULL_MODES = ("auto", "always", "off")

@@ -277,6 +277,34 @@ def test_rate_limit_answers_429_with_retry_after(engine, server_loop, tmp_path):
         server_loop.run(fd.stop(1))
 
 
+def test_only_admin_tenants_may_drain_a_worker(engine, server_loop, tmp_path):
+    """An operator's call (POST /v1/cluster/workers/{id}/drain) needs a key of a tenant in
+    --admin-tenants: no key 401, another tenant's 403 (code "forbidden"), an admin's passes
+    the gate (here: 404 worker_not_found, an embedded backend has no workers to drain); a
+    bad body is a 400 naming the field. A bad tenant name in the setting is refused."""
+    config = SecurityConfig(_keys_file(tmp_path), admin_tenants=("team-b",))
+    fd = server_loop.run(serve_frontdoor(engine, grpc_port=0, http_port=0, drain_grace_s=1,
+                                         gate=Gate.from_config(config)))
+    try:
+        def drain(key, body=None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(f"http://127.0.0.1:{fd.http_port}/v1/cluster/workers/decode-0/drain",
+                              json=body, headers=headers, timeout=30)
+        assert drain(None).status_code == 401
+        forbidden = drain(KEY_A)
+        assert forbidden.status_code == 403
+        assert forbidden.json()["error"]["code"] == "forbidden"
+        missing = drain(KEY_B, {"migrate_after_s": 5})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "worker_not_found"
+        bad = drain(KEY_B, {"migrate_after_s": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "migrate_after_s"
+    finally:
+        server_loop.run(fd.stop(1))
+    with pytest.raises(ValueError, match="--admin-tenants"):
+        SecurityConfig(admin_tenants=("team a",))
+
+
 def test_undecodable_grpc_bytes_are_invalid_argument(secure, pki):
     """Truncated or garbage protobuf bytes on a raw channel: INVALID_ARGUMENT naming the
     message type, never INTERNAL; the server serves the next request."""

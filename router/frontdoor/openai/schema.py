@@ -36,7 +36,8 @@ from engine.structured import StructuredOutput, choice_spec
 from router.contract import GenerateInput, InvalidRequestError
 from router.frontdoor.openai.tools import ToolPlan, plan_tools, tool_constraint
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "DrainRequest",
+           "TokenizeRequest"]
 
 # The published schema (/openapi.json) states the ranges SamplingParams enforces, so a
 # schema-valid body is one the server takes (checked by a schema fuzzer in the tests).
@@ -445,3 +446,13 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[_TokenId]
+
+
+class DrainRequest(BaseModel):
+    """``POST /v1/cluster/workers/{id}/drain`` (an empty body: the defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # A decode worker's streams still running this long after the start move elsewhere
+    # (None: router.control.drain.DEFAULT_MIGRATE_AFTER_S).
+    migrate_after_s: float | None = Field(default=None, ge=0, le=86_400)
+    wait: bool = False  # answer once the worker is drained (200), not at once (202)
