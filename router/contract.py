@@ -205,6 +205,10 @@ class BackendStats:
     # another worker instead of computed, and those held elsewhere but computed anyway.
     prefix_pulled_tokens: int = 0
     prefix_recomputed_tokens: int = 0
+    # The autoscaler (``serve --autoscale``): the worker count it wants per role now, and its
+    # decisions so far by (role, direction, reason). Empty without it.
+    autoscaler_desired: dict[str, int] = field(default_factory=dict)
+    autoscaler_decisions: dict[tuple[str, str, str], int] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -141,6 +141,28 @@ def _add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_routing_flags(p: argparse.ArgumentParser) -> None:
+    auto = p.add_argument_group("autoscaling (docs/deployment.md, Autoscaling)")
+    auto.add_argument("--autoscale", action="store_true", default=None,
+                      help="add and drain workers with the load, between the bounds below "
+                           "(default: the start counts)")
+    for role in ("prefill", "decode"):
+        for end in ("min", "max"):
+            auto.add_argument(f"--{end}-{role}-workers", type=int, default=None,
+                              help=f"{end}imum {role} workers with --autoscale")
+    auto.add_argument("--autoscale-target", type=float, default=None,
+                      help="utilization each worker is kept near (default 0.7)")
+    auto.add_argument("--autoscale-interval-s", type=float, default=None,
+                      help="seconds between measurements (default 5)")
+    auto.add_argument("--autoscale-up-window-s", type=float, default=None,
+                      help="a role grows once the load asked for it this long (default 15)")
+    auto.add_argument("--autoscale-down-window-s", type=float, default=None,
+                      help="... shrinks by one once it asked for less this long (default 60)")
+    auto.add_argument("--autoscale-cooldown-s", type=float, default=None,
+                      help="no change of a role for this long after one (default 60)")
+    auto.add_argument("--autoscale-migrate-after-s", type=float, default=None,
+                      help="a drained decode worker's streams still running after this "
+                           "migrate (default 30)")
+
     rt = p.add_argument_group("routing (docs/architecture.md, KV-aware routing)")
     rt.add_argument("--routing", choices=["kv_aware", "load", "round_robin"], default=None,
                     help="kv_aware (default): lowest cost = prefix-weight x prompt tokens the "

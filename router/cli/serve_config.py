@@ -40,6 +40,19 @@ class ServeConfig:
     model: str | None = None
     prefill_workers: int = 1
     decode_workers: int = 1
+    # Add and drain workers with the load (router.cluster.autoscale); bounds default to the
+    # start counts (--prefill-workers / --decode-workers).
+    autoscale: bool = False
+    min_prefill_workers: int | None = None
+    max_prefill_workers: int | None = None
+    min_decode_workers: int | None = None
+    max_decode_workers: int | None = None
+    autoscale_target: float = 0.7
+    autoscale_interval_s: float = 5.0
+    autoscale_up_window_s: float = 15.0
+    autoscale_down_window_s: float = 60.0
+    autoscale_cooldown_s: float = 60.0
+    autoscale_migrate_after_s: float = 30.0
     mode: str = "disaggregated"
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -129,6 +142,7 @@ class ServeConfig:
         for name in ("prefill_workers", "decode_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        self.autoscale_config()  # its own checks; refuses autoscale settings without it
         for name in ("prefill_tp", "decode_tp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -224,6 +238,50 @@ class ServeConfig:
         return RoutingConfig(self.routing, float(self.prefix_weight), float(self.queue_weight),
                              float(self.kv_usage_weight), self.prefix_pull)
 
+    def autoscale_config(self):
+        """The autoscaler's settings, or None without --autoscale (whose own settings are
+        then refused, not ignored). ValueError for bad bounds or windows."""
+        from router.cluster.autoscale import AutoscaleConfig
+        from router.control.autoscaler import ScalePolicy
+
+        names = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers",
+                 "max_decode_workers", "autoscale_target", "autoscale_interval_s",
+                 "autoscale_up_window_s", "autoscale_down_window_s", "autoscale_cooldown_s",
+                 "autoscale_migrate_after_s")
+        if not self.autoscale:
+            default = ServeConfig.__dataclass_fields__
+            given = [n for n in names if getattr(self, n) != default[n].default]
+            if given:
+                raise ValueError(f"--{given[0].replace('_', '-')} needs --autoscale")
+            return None
+        if self.mode != "disaggregated" and (self.min_prefill_workers is not None
+                                             or self.max_prefill_workers is not None):
+            raise ValueError("--min/--max-prefill-workers: a colocated cluster has no prefill "
+                             "workers (its workers are --min/--max-decode-workers)")
+        prefill = self.prefill_workers if self.mode == "disaggregated" else 1
+
+        def bound(value, start):
+            return start if value is None else int(value)
+        policy = ScalePolicy(
+            min_prefill=bound(self.min_prefill_workers, prefill),
+            max_prefill=bound(self.max_prefill_workers, prefill),
+            min_decode=bound(self.min_decode_workers, self.decode_workers),
+            max_decode=bound(self.max_decode_workers, self.decode_workers),
+            target_utilization=float(self.autoscale_target),
+            interval_s=float(self.autoscale_interval_s),
+            up_window_s=float(self.autoscale_up_window_s),
+            down_window_s=float(self.autoscale_down_window_s),
+            cooldown_s=float(self.autoscale_cooldown_s))
+        for role, start in (("prefill", prefill), ("decode", self.decode_workers)):
+            lo, hi = policy.bounds(role)
+            if not lo <= start <= hi:
+                raise ValueError(f"--{role}-workers {start} is outside --min-{role}-workers "
+                                 f"{lo} .. --max-{role}-workers {hi}")
+        if self.autoscale_migrate_after_s < 0:
+            raise ValueError("--autoscale-migrate-after-s must be >= 0")
+        return AutoscaleConfig(policy, ready_timeout_s=self.startup_timeout_s,
+                               drain_migrate_after_s=float(self.autoscale_migrate_after_s))
+
     def cluster_config(self):
         from router.cluster.ray_cluster import ClusterConfig
 
@@ -259,14 +317,20 @@ class ServeConfig:
             orphan_after_s=self.orphan_after_s,
             require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
             routing=self.routing_config(), kv_event_bus=self.kv_event_bus,
-            worker_overrides=dict(self.worker_overrides), prefill_env=threads.prefill_env)
+            worker_overrides=dict(self.worker_overrides), prefill_env=threads.prefill_env,
+            autoscale=self.autoscale_config())
 
     def thread_plan(self):
         """Torch threads per worker and the workers' environment (router.cluster.threads)."""
         from router.cluster.threads import plan_threads
 
         num_prefill = self.prefill_workers if self.mode == "disaggregated" else 0
-        return plan_threads(os.cpu_count() or 2, num_prefill, max(1, self.decode_workers),
+        num_decode = self.decode_workers
+        auto = self.autoscale_config()
+        if auto is not None:  # cores for as many workers as may run, not the first ones
+            num_prefill = auto.policy.max_prefill if num_prefill else 0
+            num_decode = auto.policy.max_decode
+        return plan_threads(os.cpu_count() or 2, num_prefill, max(1, num_decode),
                             threads_per_worker=self.threads_per_worker,
                             prefill_threads=self.prefill_threads,
                             decode_threads=self.decode_threads)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from engine.parallel.sharding import TPShard
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_model_config, resolve_model
 from kv_transfer import KVLayout
+from router.cluster.autoscale import AutoscaleConfig, Autoscaler
 from router.cluster.launcher import (
     JOIN_TIMEOUT_S,
     RAY_NAMESPACE,
@@ -119,6 +121,9 @@ class ClusterConfig:
     # Environment prefill worker processes start with (router.cluster.threads: OMP_WAIT_POLICY when
     # their threads share the machine's cores with decode workers).
     prefill_env: dict = field(default_factory=dict)
+    # Add and drain workers with the load (router.cluster.autoscale); None: fixed counts.
+    # The worker counts above are the start; the policy's bounds must include them.
+    autoscale: AutoscaleConfig | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -131,6 +136,23 @@ class ClusterConfig:
             raise ValueError(f"worker_restarts must be >= 0, got {self.worker_restarts}")
         if self.kv_event_bus not in ("auto", "memory"):
             raise ValueError(f"kv_event_bus must be 'auto' or 'memory', got {self.kv_event_bus!r}")
+        if self.autoscale is not None:
+            pol = self.autoscale.policy
+            starts = [("decode", self.num_decode_workers)]
+            if self.mode == "disaggregated":
+                starts.append(("prefill", self.num_prefill_workers))
+            for role, n in starts:
+                lo, hi = pol.bounds(role)
+                if not lo <= n <= hi:
+                    raise ValueError(f"--{role}-workers {n} is outside the autoscaler's bounds "
+                                     f"{lo}..{hi} (--min/--max-{role}-workers)")
+
+    def max_workers(self, role: str) -> int:
+        """The most workers of ``role`` ("prefill" | "decode") this cluster may run at once."""
+        start = self.num_prefill_workers if role == "prefill" else self.num_decode_workers
+        if role == "prefill" and self.mode != "disaggregated":
+            return 0
+        return start if self.autoscale is None else self.autoscale.policy.bounds(role)[1]
 
     @property
     def kv_events_redis_url(self) -> str | None:
@@ -171,6 +193,9 @@ class Cluster:
         self._info: ModelInfo | None = None
         self._refresh_task: asyncio.Task | None = None
         self._rejoining: dict[str, asyncio.Task] = {}  # worker id -> its rejoin after a restart
+        self._placement = None  # what every worker shares (set at start; added workers too)
+        self._model_path = ""
+        self.autoscaler: Autoscaler | None = None
         self._progress: Callable[[str], None] = lambda step: None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -200,15 +225,16 @@ class Cluster:
                 # We connected, so we disconnect on shutdown (the cluster itself keeps running).
                 self._started_ray = True
             else:
-                n = (cfg.num_prefill_workers * cfg.prefill_engine.tensor_parallel_size
-                     + cfg.num_decode_workers * cfg.decode_engine.tensor_parallel_size)
+                # Room for as many workers as the autoscaler may run, not just the first ones.
+                n = (cfg.max_workers("prefill") * cfg.prefill_engine.tensor_parallel_size
+                     + cfg.max_workers("decode") * cfg.decode_engine.tensor_parallel_size)
                 # Logical CPUs: workers are mostly waiting on memory, and one per core would
                 # make a 2-core laptop unable to host a 1+1 cluster plus the router.
                 start_local_ray(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1),
                                 namespace=RAY_NAMESPACE, include_dashboard=False,
                                 log_to_driver=False,
-                                resources={PREFILL_RESOURCE: cfg.num_prefill_workers,
-                                           DECODE_RESOURCE: cfg.num_decode_workers})
+                                resources={PREFILL_RESOURCE: cfg.max_workers("prefill"),
+                                           DECODE_RESOURCE: cfg.max_workers("decode")})
                 self._started_ray = True
         self._progress("ray")
         # First, before loading anything: a cluster that cannot host the workers fails now.
@@ -223,6 +249,7 @@ class Cluster:
                                       dtype=placement.kv_dtype(cfg.decode_engine.dtype),
                                       model_id=resolved.model_id)
         model_path = str(resolved.model_dir)  # workers load the converted dir: no re-conversion
+        self._placement, self._model_path = placement, model_path
         tokenizer = load_tokenizer(resolved.model_dir)
         layout = KVLayout.from_model_config(model_cfg)
         check_tp_layouts(model_cfg, cfg)  # before any worker loads: names both sides
@@ -262,6 +289,9 @@ class Cluster:
         orch.drains.retire = self._retire
         self.orchestrator = orch
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
+        if cfg.autoscale is not None:
+            self.autoscaler = Autoscaler(self, cfg.autoscale)
+            self.autoscaler.start()
         for i in infos:  # one line per worker: operators (and the placement test) read these
             log.info("worker %s role=%s node=%s host=%s kv=%s transport=%s pid=%d",
                      i.worker_id, i.role, i.node_id, i.node_ip, i.kv_host, i.kv_transport, i.pid)
@@ -382,6 +412,8 @@ class Cluster:
         if keep is None:
             keep_all = self.launcher.detached and self.config.keep_workers
             keep = set(self.launcher.actors) if keep_all else set()
+        if self.autoscaler is not None:
+            await self.autoscaler.close()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
         for t in list(self._rejoining.values()):
@@ -439,13 +471,53 @@ class Cluster:
                             self.store.up, dict(orch.usage.prefix_hit_tokens),
                             orch.usage.prefill_computed_tokens, dict(orch.usage.decode_steps),
                             dict(orch.usage.mixed_steps), orch.pulls.pulled_tokens,
-                            orch.pulls.recomputed_tokens)
+                            orch.pulls.recomputed_tokens,
+                            self.autoscaler.desired() if self.autoscaler else {},
+                            dict(self.autoscaler.decisions) if self.autoscaler else {})
 
     async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
                            wait: bool = False) -> DrainStatus:
         drains = self.orchestrator.drains
         status = drains.start(worker_id, migrate_after_s)
         return await drains.wait(worker_id) if wait else status
+
+    async def add_worker(self, role: str, ready_timeout_s: float | None = None) -> WorkerInfo:
+        """Start one more worker of ``role`` ("prefill" | "decode": colocated in colocated
+        mode) like the first ones, wait until it is up (at most ``ready_timeout_s``, default
+        the start-up timeout) and route to it. A worker Ray cannot place (no node with a free
+        slot: Ray's autoscaler may be asking for one) or that fails to start raises
+        StartupError, and nothing of it is left behind."""
+        import ray
+
+        cfg, orch = self.config, self.orchestrator
+        if role not in ("prefill", "decode") or (role == "prefill"
+                                                  and cfg.mode != "disaggregated"):
+            raise ValueError(f"no {role!r} workers in a {cfg.mode} cluster")
+        taken = {*orch.prefill, *orch.decode, *self.launcher.starting}
+        wid = next(f"{role}-{i}" for i in itertools.count() if f"{role}-{i}" not in taken)
+        engine = cfg.prefill_engine if role == "prefill" else cfg.decode_engine
+        wrole = role if cfg.mode == "disaggregated" else "colocated"
+        wcfg = self.launcher.worker_config(
+            wid, wrole, dataclasses.replace(engine, model=self._model_path), self._placement)
+        handle = self.launcher.spawn(wcfg, self._placement)
+        timeout = cfg.startup_timeout_s if ready_timeout_s is None else ready_timeout_s
+        try:
+            info = await asyncio.wait_for(self._ready(wid, handle), timeout)
+        except BaseException as e:
+            self.launcher.starting.pop(wid, None)
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+            if handle in self.launcher.actors:
+                self.launcher.actors.remove(handle)
+            if isinstance(e, TimeoutError):
+                raise StartupError(f"worker {wid} was not up within {timeout:g} s (no node "
+                                   f"with a free {role} slot, or still loading)") from None
+            raise
+        orch.add_worker(info, handle)
+        with contextlib.suppress(Exception):  # a store outage must not lose the worker
+            self.store.register_worker(_worker_record(info, self._info.model_id), ttl_s=15.0)
+        log.warning("added worker %s (%s) on %s, pid %d", wid, wrole, info.node_ip, info.pid)
+        return info
 
     async def _retire(self, slot) -> None:
         """End a drained worker: no longer registered, routed to or restarted; its process

@@ -97,6 +97,11 @@ class PrefixPulls:
         old = self._prefill_tokens_s.get(worker_id)
         self._prefill_tokens_s[worker_id] = rate if old is None else old + _EWMA * (rate - old)
 
+    def prefill_rate(self, worker_id: str) -> float:
+        """Prompt tokens per second ``worker_id`` computes, as measured (a prior until it
+        ran a prompt of 16 tokens or more)."""
+        return self._prefill_tokens_s.get(worker_id, PRIOR_PREFILL_TOKENS_S)
+
     def plan(self, prompt_ids: list[int], puller: WorkerSlot,
              candidates: list[WorkerSlot]) -> PullPlan | None:
         """The pull worth considering for this prompt on ``puller``, or None (nobody holds

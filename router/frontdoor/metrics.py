@@ -83,9 +83,24 @@ class _StatsCollector(Collector):
                                     "Streams moved to another decode worker after theirs was lost",
                                     labels=["reason"])
         for reason in ("worker_died", "worker_silent", "worker_restarted", "stream_lost",
-                       "token_timeout"):
+                       "token_timeout", "router_lost", "drained"):
             moved.add_metric([reason], s.migrations.get(reason, 0))
         yield moved
+        if s.autoscaler_desired:  # serve --autoscale (router.cluster.autoscale)
+            desired = GaugeMetricFamily("pdcluster_autoscaler_desired_workers",
+                                        "Workers of a role the autoscaler wants now",
+                                        labels=["role"])
+            for role, n in sorted(s.autoscaler_desired.items()):
+                desired.add_metric([role], n)
+            yield desired
+            decided = CounterMetricFamily(
+                "pdcluster_autoscaler_decisions",
+                "Autoscaler decisions: direction up|down, reason load|below_min|above_max, "
+                "or up/unplaceable: an added worker that did not come up",
+                labels=["role", "direction", "reason"])
+            for (role, direction, reason), n in sorted(s.autoscaler_decisions.items()):
+                decided.add_metric([role, direction, reason], n)
+            yield decided
         if s.store_up is not None:
             yield GaugeMetricFamily("pdcluster_store_up",
                                     "1 while the cluster store (Redis) answers, 0 while the "

@@ -376,3 +376,53 @@ def test_tensor_parallel_component_gives_decode_pods_a_gpu_per_rank(tmp_path):
     if KUBERAY_SCHEMAS_DIR:
         errors = list(_kuberay_validator("RayCluster", "v1").iter_errors(cluster))
         assert not errors, errors[:3]
+
+
+def test_autoscaling_component_turns_on_both_autoscalers_with_matching_bounds(tmp_path):
+    """components/autoscaling on the gpu overlay: KubeRay's in-tree autoscaler is on (its
+    sidecar hardened like every container), only the head pod gets a service-account token
+    (the sidecar patches the RayCluster), the router runs with --autoscale through
+    $PDCLUSTER_SERVE_ARGS, whose bounds equal the worker groups' min/maxReplicas and parse
+    as `pdcluster serve` flags; everything still validates strictly."""
+    import shlex
+
+    import kubernetes_validate
+
+    from router.cli.main import build_parser
+    from router.cli.serve_config import serve_config_from_args
+
+    kdir = tmp_path / "with-autoscaling"
+    kdir.mkdir()
+    (kdir / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S_DIR / "overlays" / "gpu", kdir)],
+        "components": [os.path.relpath(COMPONENTS_DIR / "autoscaling", kdir)],
+    }))
+    objs = kustomize(kdir)
+    template, head = head_of(objs)
+    (cluster,) = by_kind(objs, "RayCluster")
+    spec = cluster["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    sidecar = spec["autoscalerOptions"]["securityContext"]
+    assert sidecar["runAsNonRoot"] and sidecar["readOnlyRootFilesystem"]
+    assert sidecar["capabilities"]["drop"] == ["ALL"]
+    assert not sidecar["allowPrivilegeEscalation"]
+    assert template["spec"]["automountServiceAccountToken"] is True
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert all(g["template"]["spec"]["automountServiceAccountToken"] is False
+               for g in groups.values())
+    assert "${PDCLUSTER_SERVE_ARGS:-}" in head["args"][0]
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    flags = shlex.split(env["PDCLUSTER_SERVE_ARGS"])
+    workers = ["--prefill-workers", env["PDCLUSTER_PREFILL_WORKERS"],
+               "--decode-workers", env["PDCLUSTER_DECODE_WORKERS"]]
+    policy = serve_config_from_args(build_parser().parse_args(
+        ["serve", *workers, *flags])).autoscale_config().policy
+    for role in ("prefill", "decode"):
+        assert policy.bounds(role) == (groups[role]["minReplicas"], groups[role]["maxReplicas"])
+    wrapper = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "head"},
+               "template": template}
+    kubernetes_validate.validate(wrapper, K8S_VERSION, strict=True)
+    if KUBERAY_SCHEMAS_DIR:
+        errors = list(_kuberay_validator("RayCluster", "v1").iter_errors(cluster))
+        assert not errors, errors[:3]

@@ -82,3 +82,33 @@ def test_kv_offload_flags_reach_every_engine_and_bad_ones_are_named(tmp_path):
         serve_config_from_args(_args("--kv-offload-dir", "/x", "--kv-offload-disk", "1GiB"))
     with pytest.raises(ValueError, match="--kv-offload-memory: "):
         serve_config_from_args(_args("--kv-offload-memory", "lots"))
+
+
+def test_autoscale_flags_reach_the_cluster_and_are_refused_without_it():
+    """--autoscale with bounds and windows becomes the cluster's AutoscaleConfig (bounds
+    default to the start counts; the thread split plans for the maximum); its settings
+    without --autoscale, start counts outside the bounds, prefill bounds in colocated mode
+    are refused, naming the flag."""
+    def config(*argv):
+        return serve_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+    auto = config("--autoscale", "--decode-workers", "2", "--max-decode-workers", "4",
+                  "--autoscale-target", "0.6", "--autoscale-down-window-s", "120",
+                  "--autoscale-migrate-after-s", "5").cluster_config().autoscale
+    p = auto.policy
+    assert (p.min_prefill, p.max_prefill, p.min_decode, p.max_decode) == (1, 1, 2, 4)
+    assert (p.target_utilization, p.down_window_s, auto.drain_migrate_after_s) == (0.6, 120, 5)
+    assert config().cluster_config().autoscale is None
+    for argv, match in [
+        (("--max-decode-workers", "3"), "--max-decode-workers needs --autoscale"),
+        (("--autoscale-cooldown-s", "5"), "--autoscale-cooldown-s needs --autoscale"),
+        (("--autoscale", "--decode-workers", "3", "--max-decode-workers", "2"),
+         "min <= max|outside"),
+        (("--autoscale", "--prefill-workers", "2", "--min-prefill-workers", "3",
+          "--max-prefill-workers", "4"), "--prefill-workers 2 is outside"),
+        (("--autoscale", "--mode", "colocated", "--max-prefill-workers", "2"),
+         "colocated cluster has no prefill"),
+        (("--autoscale", "--autoscale-target", "1.5"), "--autoscale-target"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            config(*argv)
