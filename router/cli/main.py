@@ -1,4 +1,4 @@
-"""`pdcluster` command line: serve | status | drain | stop | generate | chat | bench.
+"""`pdcluster` command line: serve | status | drain | profile | stop | generate | chat | bench.
 
 Config is read here once (flags, optionally a YAML file whose keys are the flag names) and
 passed down as frozen dataclasses; nothing deeper reads flags or the environment.
@@ -78,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="return once the drain started, not once the worker is drained")
     _add_connection_args(drain)
     drain.set_defaults(func=cmd_drain)
+
+    prof = sub.add_parser("profile", help="measure this host's prefill and decode step times "
+                                          "(for planning a cluster): a JSON profile")
+    prof.add_argument("--model", default=None, help="local HF dir or GGUF (default: the "
+                                                    "default model)")
+    prof.add_argument("--threads", type=int, default=1,
+                      help="torch threads, as one worker will have (default 1)")
+    prof.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    prof.add_argument("--full", action="store_true",
+                      help="more points: longer prompts, larger batches and contexts "
+                           "(default: quick, about a minute for the default model)")
+    prof.add_argument("--out", default="profile.json", help="where to write it")
+    prof.set_defaults(func=cmd_profile)
 
     stop = sub.add_parser("stop", help="end a deployment's workers on a Ray cluster (they "
                                        "outlive their routers)")
@@ -209,6 +222,31 @@ def cmd_drain(args: argparse.Namespace) -> int:
     print(f"{status['worker_id']} ({status['role']}): {status['state']} after "
           f"{status['elapsed_s']:.1f} s; {status['streams_finished']} streams finished there, "
           f"{status['streams_migrated']} migrated, {status['remaining']} still running")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure and write the engine profile (engine/profile.py); print what was measured."""
+    from pathlib import Path
+
+    from engine import EngineArgs
+    from engine.profile import ProfileGrid, profile_engine
+
+    if args.threads < 1:
+        print("error: --threads must be >= 1", file=sys.stderr)
+        return 2
+    grid = ProfileGrid.full() if args.full else ProfileGrid.quick()
+    try:
+        prof = profile_engine(EngineArgs(model=args.model, num_threads=args.threads,
+                                         device=args.device), grid,
+                              progress=lambda msg: print(f"  {msg}", flush=True))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    Path(args.out).write_text(prof.to_json())
+    print(f"wrote {args.out}: {len(prof.prefill)} prefill and {len(prof.decode)} decode points "
+          f"of {prof.model_id} on {prof.device} ({args.threads} thread(s)) in "
+          f"{prof.wall_s:.0f} s")
     return 0
 
 
