@@ -31,12 +31,13 @@ class Benchmark:
 
 
 def _builtin() -> list[Benchmark]:
-    from bench.cluster import autoscale, chaos, disagg, prefix, ttft_breakdown
+    from bench.cluster import autoscale, chaos, disagg, plan_check, prefix, ttft_breakdown
     from bench.engine import ceilings, kernels, policies, sweep
     from bench.server import compare, serve_load
 
     cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
-               for m in (ttft_breakdown, disagg, serve_load, chaos, prefix, autoscale)]
+               for m in (ttft_breakdown, disagg, serve_load, chaos, prefix, autoscale,
+                         plan_check)]
     return [
         Benchmark("ceilings", "this machine's copy/GEMV bandwidth and fp32 matmul rate",
                   ceilings.add_arguments, ceilings.run),

@@ -1,4 +1,5 @@
-"""`pdcluster` command line: serve | status | drain | profile | stop | generate | chat | bench.
+"""`pdcluster` command line: serve | status | drain | profile | plan | stop | generate | chat |
+bench.
 
 Config is read here once (flags, optionally a YAML file whose keys are the flag names) and
 passed down as frozen dataclasses; nothing deeper reads flags or the environment.
@@ -91,6 +92,33 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: quick, about a minute for the default model)")
     prof.add_argument("--out", default="profile.json", help="where to write it")
     prof.set_defaults(func=cmd_profile)
+
+    plan = sub.add_parser("plan", help="the prefill:decode split with the most goodput per "
+                                       "worker within an SLO, searched on a simulator of "
+                                       "the cluster driven by a profile")
+    plan.add_argument("--profile", required=True, help="from `pdcluster profile --out`")
+    plan.add_argument("--workload", required=True,
+                      help="a JSONL trace (arrival_s or timestamp ms, prompt_tokens or "
+                           "input_length, output_tokens or output_length) or chat | rag | mixed")
+    plan.add_argument("--rate", type=float, default=1.0,
+                      help="requests/s of a named workload (default 1)")
+    plan.add_argument("--duration", type=float, default=300.0,
+                      help="seconds of a named workload (default 300)")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--slo", required=True, help="ttft=SECONDS,tpot=SECONDS")
+    plan.add_argument("--max-prefill-workers", type=int, default=4)
+    plan.add_argument("--max-decode-workers", type=int, default=4)
+    plan.add_argument("--max-num-seqs", default="8,16,32",
+                      help="decode batch caps to try (default 8,16,32)")
+    plan.add_argument("--mode", default="disaggregated",
+                      choices=("disaggregated", "colocated", "both"))
+    plan.add_argument("--kv-tokens", type=int, default=None,
+                      help="KV pool per decode worker in tokens (default: 1 GiB's worth)")
+    plan.add_argument("--cores", type=float, default=None,
+                      help="CPU cores the workers share (default: this host's when the "
+                           "profile is of a CPU; none shared on GPUs)")
+    plan.add_argument("--json", default=None, help="also write every candidate here")
+    plan.set_defaults(func=cmd_plan)
 
     stop = sub.add_parser("stop", help="end a deployment's workers on a Ray cluster (they "
                                        "outlive their routers)")
@@ -247,6 +275,48 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {len(prof.prefill)} prefill and {len(prof.decode)} decode points "
           f"of {prof.model_id} on {prof.device} ({args.threads} thread(s)) in "
           f"{prof.wall_s:.0f} s")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Search splits on the simulator (router/planning/) and print the table, best first."""
+    import json
+    import math
+    import os
+    from pathlib import Path
+
+    from engine.profile import EngineProfile
+    from router.planning.plan import parse_slo, search, table
+    from router.planning.workload import load_workload
+
+    try:
+        profile = EngineProfile.load(args.profile)
+        slo = parse_slo(args.slo)
+        requests = load_workload(args.workload, args.rate, args.duration, args.seed)
+        seqs = [int(x) for x in args.max_num_seqs.split(",") if x.strip()]
+        if not seqs or min(seqs) < 1 or min(args.max_prefill_workers,
+                                            args.max_decode_workers) < 1:
+            raise ValueError("--max-num-seqs and the worker maxima must be >= 1")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cores = args.cores
+    if cores is None:
+        cores = float(os.cpu_count() or 1) if profile.device == "cpu" else math.inf
+    kv_tokens = args.kv_tokens or (1 << 30) // profile.kv_bytes_per_token
+    modes = ["disaggregated", "colocated"] if args.mode == "both" else [args.mode]
+    rows = search(profile, requests, slo, args.max_prefill_workers, args.max_decode_workers,
+                  seqs, modes, kv_tokens, cores, profile.num_threads or 1)
+    print(f"{len(requests)} requests over {requests[-1].arrival_s:.0f} s; SLO TTFT <= "
+          f"{slo[0]:g} s, TPOT <= {slo[1]:g} s; {cores:g} cores shared, "
+          f"{profile.num_threads or 1} thread(s) a worker; profile of {profile.model_id}")
+    print(table(rows))
+    best = rows[0].as_dict()
+    print(f"best: {best['prefill']} prefill + {best['decode']} decode, max_num_seqs "
+          f"{best['max_num_seqs']}: {best['goodput_rps']:.2f} requests/s within the SLO "
+          f"({best['goodput_per_worker']:.3f} per worker)")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_dict() for r in rows], indent=2) + "\n")
     return 0
 
 

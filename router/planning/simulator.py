@@ -1,0 +1,290 @@
+"""A discrete-event model of a pdcluster cluster, driven by a measured engine profile.
+
+What it models, after the real request path (DESIGN §2, ``router/control/orchestrator.py``):
+
+- **router**: a request reserves KV on the decode worker with the most free KV that fits its
+  prompt + output (waiting at the router while none does, as ``capacity_wait``), and goes to
+  the prefill worker with the fewest prompt tokens queued (``--routing load``);
+- **prefill worker**: FCFS steps of up to ``max_num_batched_tokens`` prompt tokens (a longer
+  prompt is chunked over steps); a step of ``n`` tokens takes ``profile.prefill_s(n)``;
+- **KV transfer**: layer-wise, overlapped with the compute; what is left exposed after the
+  step is ``max(0, transfer - step)`` at the profile's loopback bandwidth, plus
+  ``overhead_s`` for the router's calls (reserve, commit, first-token delivery); the first
+  token reaches the client then, and the KV is on the decode worker;
+- **decode worker**: continuous batching of at most ``max_num_seqs`` sequences; a step of
+  ``b`` sequences at mean context ``c`` takes ``profile.decode_step_s(b, c)`` and gives each
+  one token; a finished request frees its KV;
+- **cores** (CPU hosts): workers share ``cores`` cores, ``threads`` each; a step that starts
+  while ``k`` workers compute takes ``max(1, k * threads / cores)`` times longer (a processor
+  shared evenly, taken at the step's start). On GPUs each worker has its own: no sharing.
+
+Colocated mode: each worker runs its requests' prompts as chunks inside its decode steps,
+the prompt budget first (a step's time is the sum of its prefill and decode parts).
+
+Not modelled: prefix-cache hits (every prompt is computed: plan with a workload whose
+prompts do not repeat, or read the result as the no-reuse case), preemption (a request only
+starts where its whole output fits), the front door's own CPU.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.profile import EngineProfile
+from router.planning.workload import TraceRequest
+
+__all__ = ["ClusterShape", "SimResult", "simulate"]
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """What is planned: the split, the decode batch cap, each worker's KV pool (tokens)."""
+
+    num_prefill: int
+    num_decode: int
+    max_num_seqs: int = 32
+    kv_tokens: int = 1 << 20  # per decode worker
+    mode: str = "disaggregated"  # or "colocated" (num_prefill is ignored)
+    max_num_batched_tokens: int = 2048
+    cores: float = math.inf  # CPU cores the workers share (inf: a device each)
+    threads: int = 1  # cores each worker's step uses
+    overhead_s: float = 0.03  # router calls between the prefill's end and the first token
+
+    @property
+    def workers(self) -> int:
+        return self.num_decode + (self.num_prefill if self.mode == "disaggregated" else 0)
+
+
+@dataclass
+class _Req:
+    spec: TraceRequest
+    idx: int
+    remaining_prompt: int = 0
+    first_token_s: float | None = None
+    done_s: float | None = None
+    generated: int = 0  # tokens so far (the first one from the prefill)
+    rejected: bool = False
+    decode: _Worker | None = None  # where its KV is reserved
+
+    @property
+    def context(self) -> int:
+        return self.spec.prompt_tokens + self.generated
+
+
+@dataclass
+class SimResult:
+    """Per-request times and the summary a plan ranks by."""
+
+    shape: ClusterShape
+    ttft_s: list[float] = field(default_factory=list)  # one per completed request
+    tpot_s: list[float] = field(default_factory=list)  # one per request with > 1 token
+    completed: int = 0
+    rejected: int = 0  # prompt + output larger than a decode worker's KV pool
+    span_s: float = 0.0  # first arrival to last arrival
+    makespan_s: float = 0.0  # first arrival to last completion
+    within_slo: int = 0
+
+    def goodput_rps(self) -> float:
+        return self.within_slo / max(self.span_s, 1e-9)
+
+    def goodput_per_worker(self) -> float:
+        return self.goodput_rps() / self.shape.workers
+
+
+@dataclass
+class _Worker:
+    wid: int
+    role: str
+    queue: deque = field(default_factory=deque)  # prefill: prompts; decode: KV arrived
+    running: list = field(default_factory=list)  # decode: sequences in the batch
+    kv_used: int = 0
+    queued_tokens: int = 0
+    busy: bool = False
+
+
+class _Sim:
+    def __init__(self, profile: EngineProfile, shape: ClusterShape,
+                 requests: list[TraceRequest]) -> None:
+        self.p, self.s = profile, shape
+        self.reqs = [_Req(r, i, r.prompt_tokens) for i, r in enumerate(requests)]
+        self.events: list = []
+        self._seq = itertools.count()
+        colocated = shape.mode == "colocated"
+        self.prefill = [] if colocated else [_Worker(i, "prefill")
+                                             for i in range(shape.num_prefill)]
+        self.decode = [_Worker(i, "decode") for i in range(shape.num_decode)]
+        self.waiting_for_kv: deque = deque()  # at the router: no decode worker had room
+        self.computing = 0  # workers in a step now (for the cores they share)
+
+    def push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self.events, (t, next(self._seq), kind, payload))
+
+    def slowdown(self) -> float:
+        """How much longer a step starting now takes: this one and those running share the
+        cores."""
+        if math.isinf(self.s.cores):
+            return 1.0
+        return max(1.0, (self.computing + 1) * self.s.threads / self.s.cores)
+
+    def run(self) -> list[_Req]:
+        for r in self.reqs:
+            self.push(r.spec.arrival_s, "arrive", r)
+        while self.events:
+            t, _, kind, payload = heapq.heappop(self.events)
+            getattr(self, f"_on_{kind}")(t, payload)
+        return self.reqs
+
+    # ---- router ------------------------------------------------------------------------------
+    def _on_arrive(self, t: float, r: _Req) -> None:
+        need = r.spec.prompt_tokens + r.spec.output_tokens
+        if need > self.s.kv_tokens:
+            r.rejected = True
+            return
+        self.waiting_for_kv.append(r)
+        self._route(t)
+
+    def _route(self, t: float) -> None:
+        while self.waiting_for_kv:
+            r = self.waiting_for_kv[0]
+            need = r.spec.prompt_tokens + r.spec.output_tokens
+            fits = [w for w in self.decode if self.s.kv_tokens - w.kv_used >= need]
+            if not fits:
+                return  # FCFS at the router, as requests wait for capacity in order
+            self.waiting_for_kv.popleft()
+            d = max(fits, key=lambda w: (self.s.kv_tokens - w.kv_used, -w.wid))
+            d.kv_used += need
+            r.decode = d
+            if self.s.mode == "colocated":
+                d.queue.append(r)
+                self._start_decode(t, d)
+            else:
+                pw = min(self.prefill, key=lambda w: (w.queued_tokens, w.wid))
+                pw.queue.append(r)
+                pw.queued_tokens += r.remaining_prompt
+                self._start_prefill(t, pw)
+
+    # ---- prefill worker ----------------------------------------------------------------------
+    def _start_prefill(self, t: float, w: _Worker) -> None:
+        if w.busy or not w.queue:
+            return
+        budget, chunks = self.s.max_num_batched_tokens, []
+        for r in w.queue:
+            if budget <= 0:
+                break
+            n = min(r.remaining_prompt, budget)
+            chunks.append((r, n))
+            budget -= n
+        tokens = sum(n for _, n in chunks)
+        dt = self.p.prefill_s(tokens) * self.slowdown()
+        w.busy = True
+        self.computing += 1
+        self.push(t + dt, "prefill_done", (w, chunks, dt))
+
+    def _on_prefill_done(self, t: float, payload) -> None:
+        w, chunks, dt = payload
+        w.busy = False
+        self.computing -= 1
+        for r, n in chunks:
+            r.remaining_prompt -= n
+            w.queued_tokens -= n
+            if r.remaining_prompt == 0:
+                w.queue.remove(r)
+                transfer = (r.spec.prompt_tokens * self.p.kv_bytes_per_token
+                            / max(self.p.loopback_bytes_s, 1.0))
+                self.push(t + max(0.0, transfer - dt) + self.s.overhead_s, "first_token", r)
+        self._start_prefill(t, w)
+
+    def _on_first_token(self, t: float, r: _Req) -> None:
+        r.first_token_s, r.generated = t, 1
+        if r.spec.output_tokens == 1:
+            self._finish(t, r)
+            return
+        r.decode.queue.append(r)
+        self._start_decode(t, r.decode)
+
+    # ---- decode worker -----------------------------------------------------------------------
+    def _start_decode(self, t: float, w: _Worker) -> None:
+        if w.busy:
+            return
+        colocated = self.s.mode == "colocated"
+        while w.queue and len(w.running) < self.s.max_num_seqs:
+            w.running.append(w.queue.popleft())
+        # Colocated: prompts not done yet are computed in this step, within the budget.
+        prefill = [r for r in w.running if colocated and r.remaining_prompt > 0]
+        decoding = [r for r in w.running if r not in prefill]
+        if not w.running:
+            return
+        dt, chunks, budget = 0.0, [], self.s.max_num_batched_tokens
+        for r in prefill:
+            if budget <= 0:
+                break
+            n = min(r.remaining_prompt, budget)
+            chunks.append((r, n))
+            budget -= n
+        if chunks:
+            dt += self.p.prefill_s(sum(n for _, n in chunks))
+        if decoding:
+            ctx = sum(r.context for r in decoding) / len(decoding)
+            dt += self.p.decode_step_s(len(decoding), ctx)
+        if not chunks and not decoding:
+            return
+        dt *= self.slowdown()
+        w.busy = True
+        self.computing += 1
+        self.push(t + dt, "decode_done", (w, chunks, decoding))
+
+    def _on_decode_done(self, t: float, payload) -> None:
+        w, chunks, decoding = payload
+        w.busy = False
+        self.computing -= 1
+        for r in decoding:
+            r.generated += 1
+            if r.generated >= r.spec.output_tokens:
+                w.running.remove(r)
+                self._finish(t, r)
+        for r, n in chunks:
+            r.remaining_prompt -= n
+            if r.remaining_prompt == 0:  # its first token, from this step
+                r.first_token_s, r.generated = t + self.s.overhead_s, 1
+                if r.spec.output_tokens == 1:
+                    w.running.remove(r)
+                    self._finish(t, r)
+        self._start_decode(t, w)
+        self._route(t)
+
+    def _finish(self, t: float, r: _Req) -> None:
+        r.done_s = t
+        r.decode.kv_used -= r.spec.prompt_tokens + r.spec.output_tokens
+        self._route(t)
+
+
+def simulate(profile: EngineProfile, shape: ClusterShape, requests: list[TraceRequest],
+             slo_ttft_s: float, slo_tpot_s: float) -> SimResult:
+    """Run ``requests`` through a cluster of ``shape`` and summarize against the SLO."""
+    if shape.mode == "disaggregated" and shape.num_prefill < 1 or shape.num_decode < 1:
+        raise ValueError("a cluster needs a decode worker (and, disaggregated, a prefill one)")
+    reqs = _Sim(profile, shape, requests).run()
+    res = SimResult(shape)
+    if not reqs:
+        return res
+    t0 = reqs[0].spec.arrival_s
+    res.span_s = max(r.spec.arrival_s for r in reqs) - t0
+    for r in reqs:
+        if r.rejected:
+            res.rejected += 1
+            continue
+        res.completed += 1
+        ttft = r.first_token_s - r.spec.arrival_s
+        res.ttft_s.append(ttft)
+        tpot = None
+        if r.spec.output_tokens > 1:
+            tpot = (r.done_s - r.first_token_s) / (r.spec.output_tokens - 1)
+            res.tpot_s.append(tpot)
+        res.makespan_s = max(res.makespan_s, r.done_s - t0)
+        if ttft <= slo_ttft_s and (tpot is None or tpot <= slo_tpot_s):
+            res.within_slo += 1
+    return res
