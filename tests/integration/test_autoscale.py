@@ -114,3 +114,38 @@ def test_a_worker_that_does_not_come_up_is_reported_and_leaves_nothing(loop, tin
     assert served == ref and moved == ref
     assert added == "decode-1"
     assert [w.worker_id for w in workers] == ["decode-1"]
+
+
+def test_an_add_that_never_comes_up_is_retried_and_serving_goes_on(loop, tiny_llama_dir):
+    """Decode pressure on one colocated worker whose added peers can never be up in time
+    (a 10 ms start-up allowance, as with no node to place them on): each add is reported
+    (``unplaceable``), nothing of it stays, the rule asks again after its cooldown, and
+    every stream completes with transformers' tokens on the one worker."""
+    prompts = random_prompts(seed=17, count=8, max_len=24, min_len=6)
+    refs = hf_greedy(tiny_llama_dir, "llama", prompts, 200)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    policy = ScalePolicy(min_decode=1, max_decode=2, target_utilization=0.5, interval_s=0.2,
+                         up_window_s=0.2, down_window_s=30, cooldown_s=0.5)
+    config = ClusterConfig(
+        model=str(tiny_llama_dir), mode="colocated", num_prefill_workers=0,
+        num_decode_workers=1,
+        decode_engine=EngineArgs(block_size=8, num_threads=1, max_num_seqs=4),
+        worker_num_cpus=1.0, worker_restarts=0,
+        worker_overrides={"decode-0": {"fault_delay_per_step_s": 0.01}},
+        autoscale=AutoscaleConfig(policy, ready_timeout_s=0.01))
+
+    async def body(cluster):
+        runs = [asyncio.ensure_future(generate_tokens(cluster, params, p, f"r{i}"))
+                for i, p in enumerate(prompts)]
+
+        async def retried():
+            return cluster.autoscaler.decisions[("decode", "up", "unplaceable")] >= 2
+        await until(retried, "two failed adds", timeout_s=60)
+        got = await asyncio.gather(*runs)
+        return (got, dict(cluster.autoscaler.decisions), dict(cluster.launcher.starting),
+                [w.id for w in await cluster.cluster_status()])
+
+    got, decisions, starting, workers = run_cluster(loop, config, body)
+    assert got == refs
+    assert decisions[("decode", "up", "load")] >= 2  # asked again after each failure
+    assert starting == {} and workers == ["decode-0"]
