@@ -36,12 +36,8 @@ DEFAULT_SETTLE_S = 30.0  # then at most this long for the worker's own scheduler
 POLL_S = 0.05
 
 
-class DrainHost(Protocol):
-    """What a drain needs from the orchestrator (public methods only)."""
-
-    def slot_of(self, worker_id: str) -> WorkerSlot | None: ...
-
-    def slots_of_role(self, role: str) -> list[WorkerSlot]: ...
+class Streams(Protocol):
+    """The router's streams by worker (``router.control.fanout.TokenFanout``)."""
 
     def streams_on(self, worker_id: str) -> list[StreamState]: ...
 
@@ -50,6 +46,7 @@ class DrainHost(Protocol):
         ...
 
 
+Slots = Callable[[], list[WorkerSlot]]  # every worker the router knows, dead ones included
 Retire = Callable[[WorkerSlot], Awaitable[None]]
 
 
@@ -75,10 +72,11 @@ class _Drain:
 class WorkerDrains:
     """Every drain this router started, by worker id (a drained worker's stays, for status)."""
 
-    def __init__(self, host: DrainHost, retire: Retire | None = None,
+    def __init__(self, slots: Slots, streams: Streams, retire: Retire | None = None,
                  settle_s: float = DEFAULT_SETTLE_S, call_timeout_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.host = host
+        self.slots = slots
+        self.streams = streams
         self.retire = retire  # set by the cluster (it owns the processes)
         self.settle_s = settle_s
         self.call_timeout_s = call_timeout_s
@@ -92,7 +90,7 @@ class WorkerDrains:
         drain = self._drains.get(worker_id)
         if drain is not None:
             return drain.status(self.clock())
-        slot = self.host.slot_of(worker_id)
+        slot = next((s for s in self.slots() if s.info.worker_id == worker_id), None)
         if slot is None:
             raise WorkerNotFoundError(f"no worker {worker_id!r} in this cluster")
         after = DEFAULT_MIGRATE_AFTER_S if migrate_after_s is None else float(migrate_after_s)
@@ -101,15 +99,14 @@ class WorkerDrains:
         if not slot.view.alive:
             raise InvalidRequestError(f"worker {worker_id} is dead: there is nothing to drain")
         now = self.clock()
-        others = [s for s in self.host.slots_of_role(slot.info.role)
-                  if s is not slot and s.view.routable(now)]
+        others = [s for s in self._peers(slot) if s.view.routable(now)]
         if not others:
             raise InvalidRequestError(
                 f"worker {worker_id} is the last ready {slot.info.role} worker: draining it "
                 f"would leave nothing to take its work (start another one first)")
         slot.view.draining = True
         drain = _Drain(slot, after, now)
-        on = self.host.streams_on(worker_id)
+        on = self.streams.streams_on(worker_id)
         drain.seen, drain.remaining = {st.request_id for st in on}, len(on)
         self._drains[worker_id] = drain
         log.warning("draining %s (%s): streams still running after %.0f s migrate",
@@ -138,17 +135,22 @@ class WorkerDrains:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _peers(self, slot: WorkerSlot) -> list[WorkerSlot]:
+        """The other workers of ``slot``'s role (prefill; decode and colocated alike)."""
+        return [s for s in self.slots() if s is not slot
+                and (s.info.role == "prefill") == (slot.info.role == "prefill")]
+
     # ---- one drain ---------------------------------------------------------------------------
     async def _run(self, drain: _Drain) -> None:
         wid = drain.slot.info.worker_id
         decode_side = drain.slot.info.role != "prefill"
         while True:
-            on = self.host.streams_on(wid)
+            on = self.streams.streams_on(wid)
             drain.seen |= {s.request_id for s in on}
             drain.remaining = len(on)
             if decode_side and self.clock() - drain.started >= drain.migrate_after_s:
                 # Streams committed meanwhile (an attempt in flight at the start) move too.
-                moved = self.host.migrate_off(wid, f"worker {wid} is drained")
+                moved = self.streams.migrate_off(wid, f"worker {wid} is drained")
                 drain.migrated |= set(moved)
             if not on and not self._router_inflight(drain.slot):
                 break

@@ -48,6 +48,18 @@ class TokenFanout:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def streams_on(self, worker_id: str) -> list[StreamState]:
+        """The streams that run (or are being set up) on ``worker_id``, decode or prefill."""
+        return [s for s in self._streams.values() if worker_id in (s.decode_id, s.prefill_id)]
+
+    def migrate_off(self, worker_id: str, why: str) -> list[str]:
+        """Move every stream committed on decode worker ``worker_id`` to another one while
+        it still runs (a drain: reason ``drained``, outside migration_limit); the ids."""
+        moved = [s.request_id for s in self._streams.values()
+                 if s.decode_id == worker_id and s.committed]
+        self.fail_committed_streams(worker_id, why, "drained")
+        return moved
+
     def fail_committed_streams(self, worker_id: str, why: str, reason: str,
                                 keep_incarnation: str | None = None) -> None:
         """Tell every stream whose sequence lives on ``worker_id`` that it was lost (it then

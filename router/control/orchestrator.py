@@ -21,9 +21,7 @@ from engine.input_processor import InputProcessor
 from engine.request import QueueFullError, RequestFailedError, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_transfer import (
-    KVHandshakeError,
     KVLayout,
-    KVPeerUnreachableError,
 )
 from router.contract import (
     GenerateInput,
@@ -31,7 +29,6 @@ from router.contract import (
     InvalidRequestError,
     ModelNotFoundError,
     Usage,
-    WorkerTimeoutError,
     WorkerUnavailableError,
     new_request_id,
 )
@@ -43,7 +40,6 @@ from router.control.orphans import OrphanRescue
 from router.control.prefix_pull import PrefixPulls
 from router.control.request_state import (
     Aborted,
-    ClusterMisconfiguredError,
     FirstToken,
     RequestTiming,
     RetryElsewhere,
@@ -54,6 +50,7 @@ from router.control.request_state import (
     first_update,
 )
 from router.control.usage import UsageCounters
+from router.control.worker_calls import WorkerCalls
 from router.control.worker_health import WorkerHealth
 from router.routing.kv_index import KVIndex
 from router.routing.kv_sync import KVEventSync
@@ -108,6 +105,7 @@ class Orchestrator:
         self.health = WorkerHealth(store, config.kv_unreachable_quarantine_s,
                                    config.worker_silent_s, self.fanout.fail_committed_streams)
         self.fanout.health = self.health
+        self.calls = WorkerCalls(self.health, config.call_timeout_s)
         self.orphans = OrphanRescue(self)
         self.fanout.on_lost = self.orphans.lost
         self.streams.on_stall = self.orphans.stalled
@@ -117,7 +115,8 @@ class Orchestrator:
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.timings: dict[str, RequestTiming] = {}  # kept for the last requests (bounded)
         # Operators' drains (scale-down): the cluster sets ``drains.retire`` (it owns processes).
-        self.drains = WorkerDrains(self, call_timeout_s=config.call_timeout_s)
+        self.drains = WorkerDrains(lambda: [*self.prefill.values(), *self.decode.values()],
+                                   self.fanout, call_timeout_s=config.call_timeout_s)
 
     # ---- membership -----------------------------------------------------------------------
     def add_worker(self, info: WorkerInfo, handle) -> None:
@@ -213,25 +212,8 @@ class Orchestrator:
     def live_decode_slots(self) -> list[WorkerSlot]:
         return [s for s in self.decode.values() if s.view.alive and not s.view.draining]
 
-    # ---- what a drain needs (router/control/drain.py: DrainHost) ------------------------
-    def slot_of(self, worker_id: str) -> WorkerSlot | None:
-        return self.prefill.get(worker_id) or self.decode.get(worker_id)
-
-    def slots_of_role(self, role: str) -> list[WorkerSlot]:
-        return list((self.prefill if role == "prefill" else self.decode).values())
-
     def streams_on(self, worker_id: str) -> list[StreamState]:
-        """This router's streams that run (or are being set up) on ``worker_id``."""
-        return [s for s in self._streams.values()
-                if worker_id in (s.decode_id, s.prefill_id)]
-
-    def migrate_off(self, worker_id: str, why: str) -> list[str]:
-        """Move every stream committed on decode worker ``worker_id`` to another one (as from
-        a lost worker: re-prefill of prompt + tokens so far; not counted in migration_limit)."""
-        moved = [s.request_id for s in self._streams.values()
-                 if s.decode_id == worker_id and s.committed]
-        self.fanout.fail_committed_streams(worker_id, why, "drained")
-        return moved
+        return self.fanout.streams_on(worker_id)
 
     def add_stream(self, stream: StreamState) -> None:
         self._streams[stream.request_id] = stream
@@ -318,7 +300,7 @@ class Orchestrator:
         log.warning("migrating %s off %s after %d tokens (%s)", stream.request_id,
                     old or "its lost worker", len(generated), why)
         if old in self.decode:  # best effort: a silent worker that comes back frees the KV
-            asyncio.ensure_future(self._safe_abort(self.decode[old], stream.request_id))
+            asyncio.ensure_future(self.calls.safe_abort(self.decode[old], stream.request_id))
         if len(generated) >= params.max_tokens:  # every token arrived; only the end was lost
             return TokenUpdate(stream.request_id, [], "length")
         rest = dataclasses.replace(  # (the client has the prompt's logprobs already)
@@ -433,7 +415,7 @@ class Orchestrator:
         if stream.abandoned == decode.info.worker_id:  # moved back to it: its tokens count
             stream.abandoned = None
         try:
-            res = await self._call(stream, decode, stream.open_call(decode.handle.reserve.remote(
+            res = await self.calls.call(stream, decode, stream.open_call(decode.handle.reserve.remote(
                 ReserveRequest(rid, prompt_ids, params, self.layout, pslot.info.worker_id,
                                self.router_id, pslot.info.tp_size))),
                 cfg.call_timeout_s)
@@ -449,7 +431,7 @@ class Orchestrator:
             # The reserving process's own address: a just-restarted worker has a new port.
             destination = res.kv_address or decode.info.kv_address
             try:
-                result: PrefillResult = await self._call(
+                result: PrefillResult = await self.calls.call(
                     stream, pslot, pslot.handle.prefill.remote(PrefillRequest(
                         rid, prompt_ids, params, res.transfer, destination, cfg.prefill_timeout_s,
                         stream.priority, res.kv_rank_addresses)),
@@ -460,7 +442,7 @@ class Orchestrator:
                 prefill_counted = False
             stream.prefill_id = None
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
-            commit = await self._call(stream, decode, decode.handle.commit.remote(
+            commit = await self.calls.call(stream, decode, decode.handle.commit.remote(
                 CommitRequest(rid, result.first_token_id, cfg.transfer_timeout_s,
                               result.first_logprob)),
                 cfg.transfer_timeout_s + cfg.call_timeout_s, release=decode)
@@ -480,51 +462,6 @@ class Orchestrator:
         self._journal(rid, "committed", decode.info.worker_id, "")
         return FirstToken(result.first_token_id, commit.finished, commit.finish_reason,
                           result.first_logprob, result.prompt_logprobs)
-
-    async def _call(self, stream: StreamState, worker: WorkerSlot, call, timeout_s: float,
-                    release: WorkerSlot | None = None, peer: WorkerSlot | None = None):
-        """Await one worker call of an attempt, at most ``timeout_s``.
-
-        On failure: free the reservation held on ``release``, then raise Aborted (we aborted
-        it), ClusterMisconfiguredError (the KV handshake refused), or RetryElsewhere without
-        the workers to blame: ``peer`` alone when it was its KV address that could not be
-        reached (it is quarantined), else ``worker`` (and ``peer``, whose transfer it was)."""
-        try:
-            return await asyncio.wait_for(call, timeout_s)
-        except KVHandshakeError as e:
-            raise ClusterMisconfiguredError(str(cause_of(e))) from None
-        except RequestFailedError as e:  # the request itself is at fault: no other worker
-            if release is not None:      # would do better, so it is not retried
-                await self._safe_abort(release, stream.request_id)
-            raise RequestFailedError(str(cause_of(e))) from None
-        except Exception as e:
-            if worker.info.worker_id == stream.prefill_id:
-                stream.prefill_id = None  # the failed prefill holds nothing to abort
-            if release is not None:
-                await self._safe_abort(release, stream.request_id)
-            if stream.aborted:  # it failed because we aborted it: no retry
-                raise Aborted from None
-            if peer is not None and isinstance(e, KVPeerUnreachableError):
-                self.health.quarantine(peer, str(cause_of(e)))
-                raise RetryElsewhere(cause_of(e), [peer], peer.info.worker_id) from None
-            if isinstance(e, TimeoutError):
-                e = WorkerTimeoutError(f"worker {worker.info.worker_id} did not answer within "
-                                       f"{timeout_s:g}s")
-                self.health.unreachable(worker, str(e))
-            else:
-                self.health.on_error(worker, e)
-            blamed = [worker] if peer is None else [worker, peer]
-            raise RetryElsewhere(e, blamed, worker.info.worker_id) from None
-
-    async def _safe_abort(self, slot: WorkerSlot, rid: str) -> None:
-        """Best effort: a worker that cannot be reached frees the reservation by its lease."""
-        try:
-            await asyncio.wait_for(control(slot.handle.abort).remote(AbortRequest(rid)),
-                                   self.config.call_timeout_s)
-        except TimeoutError:
-            self.health.unreachable(slot, f"abort of {rid} timed out")
-        except Exception as e:
-            self.health.on_error(slot, e)
 
     def _journal(self, rid: str, kind: str, worker_id: str | None, detail: str | None) -> None:
         if self.store is None:

@@ -171,13 +171,7 @@ class _Sim:
     def _start_prefill(self, t: float, w: _Worker) -> None:
         if w.busy or not w.queue:
             return
-        budget, chunks = self.s.max_num_batched_tokens, []
-        for r in w.queue:
-            if budget <= 0:
-                break
-            n = min(r.remaining_prompt, budget)
-            chunks.append((r, n))
-            budget -= n
+        chunks = self._chunks(w.queue)
         tokens = sum(n for _, n in chunks)
         dt = self.p.prefill_s(tokens) * self.slowdown()
         w.busy = True
@@ -206,6 +200,17 @@ class _Sim:
         r.decode.queue.append(r)
         self._start_decode(t, r.decode)
 
+    def _chunks(self, prompts) -> list[tuple[_Req, int]]:
+        """This step's prompt chunks, FCFS within the token budget (the last one cut)."""
+        budget, chunks = self.s.max_num_batched_tokens, []
+        for r in prompts:
+            if budget <= 0:
+                break
+            n = min(r.remaining_prompt, budget)
+            chunks.append((r, n))
+            budget -= n
+        return chunks
+
     # ---- decode worker -----------------------------------------------------------------------
     def _start_decode(self, t: float, w: _Worker) -> None:
         if w.busy:
@@ -218,13 +223,7 @@ class _Sim:
         decoding = [r for r in w.running if r not in prefill]
         if not w.running:
             return
-        dt, chunks, budget = 0.0, [], self.s.max_num_batched_tokens
-        for r in prefill:
-            if budget <= 0:
-                break
-            n = min(r.remaining_prompt, budget)
-            chunks.append((r, n))
-            budget -= n
+        dt, chunks = 0.0, self._chunks(prefill)
         if chunks:
             dt += self.p.prefill_s(sum(n for _, n in chunks))
         if decoding:
