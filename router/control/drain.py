@@ -65,7 +65,8 @@ class _Drain:
         finished = len(self.seen - self.migrated) - self.remaining
         return DrainStatus(self.slot.info.worker_id, self.slot.info.role,
                            "drained" if self.ended is not None else "draining",
-                           (self.ended or now) - self.started, self.migrate_after_s,
+                           (now if self.ended is None else self.ended) - self.started,
+                           self.migrate_after_s,
                            max(finished, 0), len(self.migrated), self.remaining)
 
 
@@ -119,15 +120,11 @@ class WorkerDrains:
         return None if drain is None else drain.status(self.clock())
 
     async def wait(self, worker_id: str) -> DrainStatus:
-        """The drain's status once it ended (its error, if retiring the worker failed)."""
+        """The drain's status once it ended."""
         drain = self._drains[worker_id]
         assert drain.task is not None
         await asyncio.shield(drain.task)
         return drain.status(self.clock())
-
-    def draining(self, worker_id: str) -> bool:
-        drain = self._drains.get(worker_id)
-        return drain is not None and drain.ended is None
 
     async def close(self) -> None:
         tasks = [d.task for d in self._drains.values() if d.task is not None]
@@ -158,7 +155,10 @@ class WorkerDrains:
         drain.remaining = 0
         await self._settle(drain)
         if self.retire is not None:
-            await self.retire(drain.slot)
+            try:
+                await self.retire(drain.slot)
+            except Exception:  # it holds nothing of ours any more: the drain is done
+                log.exception("drain of %s: retiring the worker failed", wid)
         drain.ended = self.clock()
         st = drain.status(drain.ended)
         log.warning("drained %s in %.1f s: %d streams finished there, %d migrated", wid,

@@ -172,16 +172,12 @@ class _Sim:
         if w.busy or not w.queue:
             return
         chunks = self._chunks(w.queue)
-        tokens = sum(n for _, n in chunks)
-        dt = self.p.prefill_s(tokens) * self.slowdown()
-        w.busy = True
-        self.computing += 1
-        self.push(t + dt, "prefill_done", (w, chunks, dt))
+        dt = self.p.prefill_s(sum(n for _, n in chunks)) * self.slowdown()
+        self._begin_step(t, w, dt, "prefill_done", (w, chunks, dt))
 
     def _on_prefill_done(self, t: float, payload) -> None:
         w, chunks, dt = payload
-        w.busy = False
-        self.computing -= 1
+        self._end_step(w)
         for r, n in chunks:
             r.remaining_prompt -= n
             w.queued_tokens -= n
@@ -199,6 +195,15 @@ class _Sim:
             return
         r.decode.queue.append(r)
         self._start_decode(t, r.decode)
+
+    def _begin_step(self, t: float, w: _Worker, dt: float, done: str, payload) -> None:
+        w.busy = True
+        self.computing += 1
+        self.push(t + dt, done, payload)
+
+    def _end_step(self, w: _Worker) -> None:
+        w.busy = False
+        self.computing -= 1
 
     def _chunks(self, prompts) -> list[tuple[_Req, int]]:
         """This step's prompt chunks, FCFS within the token budget (the last one cut)."""
@@ -232,14 +237,11 @@ class _Sim:
         if not chunks and not decoding:
             return
         dt *= self.slowdown()
-        w.busy = True
-        self.computing += 1
-        self.push(t + dt, "decode_done", (w, chunks, decoding))
+        self._begin_step(t, w, dt, "decode_done", (w, chunks, decoding))
 
     def _on_decode_done(self, t: float, payload) -> None:
         w, chunks, decoding = payload
-        w.busy = False
-        self.computing -= 1
+        self._end_step(w)
         for r in decoding:
             r.generated += 1
             if r.generated >= r.spec.output_tokens:
