@@ -65,6 +65,11 @@ class EngineProfile:
     loopback_bytes_s: float = 0.0  # KV between two processes of this host
     host: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    # Measured while serving (router.planning.served_profile): the steps as a cluster's
+    # workers take them, and the first token's fixed cost beyond the prefill's compute
+    # (router calls, Ray hops, the exposed KV tail). None: a bare engine's profile.
+    served: bool = False
+    overhead_s: float | None = None
 
     # ---- reading it ------------------------------------------------------------------------
     def prefill_s(self, tokens: int) -> float:

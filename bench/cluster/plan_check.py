@@ -3,9 +3,10 @@
 For each split (``--splits``, default 1P+1D, 1P+2D, 2P+1D) and each named workload
 (``--workloads``, default chat and rag at ``--rate``), the same seeded requests run on a
 fresh disaggregated cluster of the default model (unpinned workers, ``--num-threads`` each
-(default 1), as
-the profile was measured) and through ``router.planning.simulator`` with this host's profile
-(measured first with ``pdcluster profile``'s quick grid, or ``--profile``). Reported per
+(default 1), as the profiles were measured) and through ``router.planning.simulator`` with this host's profiles
+(measured first: ``pdcluster profile`` and ``pdcluster profile --served``, quick grid; or
+the one ``--profile``). The targets judge the served profile's predictions (what ``plan`` is
+meant to get); the bare engine's are reported beside them (``by_profile``). Reported per
 cell: goodput (requests within ``--slo``), TTFT p50 / p99 and TPOT p50, predicted and
 measured, and their ratio. Target: every ratio within 25% (0.75..1.25).
 """
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import EngineArgs
     from engine.profile import EngineProfile, ProfileGrid, profile_engine
     from router.planning.plan import parse_slo
+    from router.planning.served_profile import profile_served
     from router.planning.simulator import ClusterShape, simulate
     from router.planning.workload import named_workload
 
@@ -114,11 +116,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     duration = args.duration or (40.0 if args.quick else 90.0)
     if args.profile:
-        profile = EngineProfile.load(args.profile)
+        profiles = {"given": EngineProfile.load(args.profile)}
     else:
-        print("measuring this host's profile (pdcluster profile, quick grid) ...", flush=True)
-        profile = profile_engine(EngineArgs(model=args.model, num_threads=threads),
-                                 ProfileGrid.quick())
+        # Both: the bare engine's steps, and the served ones `plan` is meant to get.
+        print("measuring this host's profiles (pdcluster profile [--served], quick grid) ...",
+              flush=True)
+        profiles = {"bare": profile_engine(EngineArgs(model=args.model, num_threads=threads),
+                                           ProfileGrid.quick()),
+                    "served": profile_served(args.model, threads, ProfileGrid.quick())}
+    judged = "given" if "given" in profiles else "served"
     cores = float(os.cpu_count() or 1)
     cells, targets = [], []
     with ray_session(num_workers=4):
@@ -132,11 +138,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             max_len = max(r.prompt_tokens + r.output_tokens for r in requests) + 16
             span = requests[-1].arrival_s - requests[0].arrival_s
             for split in splits:
-                shape = ClusterShape(split[0], split[1], args.max_num_seqs, 1 << 30, cores=cores,
-                                     threads=threads,
-                                     max_num_batched_tokens=profile.max_num_batched_tokens)
-                sim = simulate(profile, shape, requests, *slo)
-                predicted = _stats(sim.ttft_s, sim.tpot_s, sim.within_slo, span)
+                predictions = {}
+                for kind, profile in profiles.items():
+                    shape = ClusterShape(split[0], split[1], args.max_num_seqs, 1 << 30,
+                                         cores=cores, threads=threads,
+                                         max_num_batched_tokens=profile.max_num_batched_tokens)
+                    sim = simulate(profile, shape, requests, *slo)
+                    predictions[kind] = _stats(sim.ttft_s, sim.tpot_s, sim.within_slo, span)
+                predicted = predictions[judged]
                 outs = asyncio.run(_measure(args.model, split, args, threads, requests, prompts,
                                             max_len))
                 ok = [o for o in outs if o.error is None]
@@ -144,9 +153,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 measured = _stats([o.ttft_s for o in ok], [o.tpot_s for o in ok], within, span)
                 measured["lost"] = len(outs) - len(ok)
                 name = f"{wl} {split[0]}P+{split[1]}D"
-                cell = {"cell": name, "requests": len(requests), "predicted": predicted,
-                        "measured": measured,
-                        "ratio": {k: ratio(predicted[k], measured[k]) for k in predicted}}
+                cell = {"cell": name, "requests": len(requests), "profile": judged,
+                        "predicted": predicted, "measured": measured,
+                        "ratio": {k: ratio(predicted[k], measured[k]) for k in predicted},
+                        "by_profile": {kind: {k: ratio(pr[k], measured[k]) for k in pr}
+                                       for kind, pr in predictions.items()}}
                 cells.append(cell)
                 for k, r in cell["ratio"].items():
                     targets.append(make_target(f"{name}: {k} predicted / measured, off by",
@@ -160,8 +171,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "slo": {"ttft_s": slo[0], "tpot_s": slo[1]}, "threads": threads,
                          "max_num_seqs": args.max_num_seqs, "cores": cores,
                          "model": args.model or "default"},
-              "profile": {"prefill": profile.prefill, "decode": profile.decode,
-                          "loopback_bytes_s": profile.loopback_bytes_s},
+              "profiles": {kind: {"prefill": p.prefill, "decode": p.decode,
+                                  "loopback_bytes_s": p.loopback_bytes_s,
+                                  "overhead_s": p.overhead_s}
+                           for kind, p in profiles.items()},
               "cells": cells, "targets": targets, "wall_s": time.perf_counter() - t0,
               "machine": machine_info()}
     path = write_json(Path(args.out), NAME, result)

@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--full", action="store_true",
                       help="more points: longer prompts, larger batches and contexts "
                            "(default: quick, about a minute for the default model)")
+    prof.add_argument("--served", action="store_true",
+                      help="measure while serving, on a local 1 prefill + 1 decode cluster: "
+                           "the steps as workers take them beside the router and Ray, and "
+                           "the first token's fixed cost (what `plan` predicts best with)")
     prof.add_argument("--out", default="profile.json", help="where to write it")
     prof.set_defaults(func=cmd_profile)
 
@@ -264,10 +268,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print("error: --threads must be >= 1", file=sys.stderr)
         return 2
     grid = ProfileGrid.full() if args.full else ProfileGrid.quick()
+    progress = lambda msg: print(f"  {msg}", flush=True)  # noqa: E731
     try:
-        prof = profile_engine(EngineArgs(model=args.model, num_threads=args.threads,
-                                         device=args.device), grid,
-                              progress=lambda msg: print(f"  {msg}", flush=True))
+        if args.served:
+            if args.device != "cpu":
+                raise ValueError("--served measures a local CPU cluster (--device cpu)")
+            from router.planning.served_profile import profile_served
+
+            prof = profile_served(args.model, args.threads, grid, progress=progress)
+        else:
+            prof = profile_engine(EngineArgs(model=args.model, num_threads=args.threads,
+                                             device=args.device), grid, progress=progress)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

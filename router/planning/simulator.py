@@ -52,7 +52,9 @@ class ClusterShape:
     max_num_batched_tokens: int = 2048
     cores: float = math.inf  # CPU cores the workers share (inf: a device each)
     threads: int = 1  # cores each worker's step uses
-    overhead_s: float = 0.03  # router calls between the prefill's end and the first token
+    # Router calls between the prefill's end and the first token (a served profile's
+    # measured overhead_s replaces it).
+    overhead_s: float = 0.03
 
     @property
     def workers(self) -> int:
@@ -110,6 +112,9 @@ class _Sim:
     def __init__(self, profile: EngineProfile, shape: ClusterShape,
                  requests: list[TraceRequest]) -> None:
         self.p, self.s = profile, shape
+        # A served profile measured the first token's fixed cost; a bare one did not.
+        self.overhead_s = (shape.overhead_s if profile.overhead_s is None
+                           else profile.overhead_s)
         self.reqs = [_Req(r, i, r.prompt_tokens) for i, r in enumerate(requests)]
         self.events: list = []
         self._seq = itertools.count()
@@ -185,7 +190,7 @@ class _Sim:
                 w.queue.remove(r)
                 transfer = (r.spec.prompt_tokens * self.p.kv_bytes_per_token
                             / max(self.p.loopback_bytes_s, 1.0))
-                self.push(t + max(0.0, transfer - dt) + self.s.overhead_s, "first_token", r)
+                self.push(t + max(0.0, transfer - dt) + self.overhead_s, "first_token", r)
         self._start_prefill(t, w)
 
     def _on_first_token(self, t: float, r: _Req) -> None:
@@ -250,7 +255,7 @@ class _Sim:
         for r, n in chunks:
             r.remaining_prompt -= n
             if r.remaining_prompt == 0:  # its first token, from this step
-                r.first_token_s, r.generated = t + self.s.overhead_s, 1
+                r.first_token_s, r.generated = t + self.overhead_s, 1
                 if r.spec.output_tokens == 1:
                     w.running.remove(r)
                     self._finish(t, r)

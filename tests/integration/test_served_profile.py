@@ -1,0 +1,29 @@
+"""`pdcluster profile --served` (router/planning/served_profile.py) on a tiny model: a real
+local 1P+1D cluster serves the grid; every prompt length and decode batch gets a positive
+time from the workers' own counters, the first token's fixed cost is measured, the JSON
+reads back equal, and the simulator takes that cost instead of its default."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.profile import EngineProfile, ProfileGrid
+from router.planning.served_profile import profile_served
+from router.planning.simulator import ClusterShape, simulate
+from router.planning.workload import TraceRequest
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_served_profile_of_a_tiny_model(tiny_llama_dir):
+    grid = ProfileGrid(prompt_lens=(16, 64), prefill_batches=(1,), decode_batches=(1, 4),
+                       contexts=(32,), repeats=2, decode_steps=6)
+    prof = profile_served(str(tiny_llama_dir), 1, grid)
+    assert prof.served and prof.overhead_s is not None and 0 <= prof.overhead_s < 5
+    assert [(b, n) for b, n, _ in prof.prefill] == [(1, 16), (1, 64)]
+    assert [(b, c) for b, c, _ in prof.decode] == [(1, 32), (4, 32)]
+    assert all(s > 0 for *_, s in prof.prefill + prof.decode)
+    assert EngineProfile.from_json(prof.to_json()) == prof
+    # The simulator's first token comes the measured overhead after the prefill's compute.
+    r = simulate(prof, ClusterShape(1, 1, kv_tokens=10**6), [TraceRequest(0, 64, 1)], 9, 9)
+    assert r.ttft_s[0] == pytest.approx(prof.prefill_s(64) + prof.overhead_s, rel=1e-6)
