@@ -70,6 +70,9 @@ class EngineProfile:
     # (router calls, Ray hops, the exposed KV tail). None: a bare engine's profile.
     served: bool = False
     overhead_s: float | None = None
+    # The router process's CPU seconds per token it streams (served profiles): on a host
+    # where the workers share cores with the router, what streaming takes from them.
+    router_cpu_s_per_token: float = 0.0
 
     # ---- reading it ------------------------------------------------------------------------
     def prefill_s(self, tokens: int) -> float:

@@ -13,7 +13,9 @@ measures, through the cluster's own counters:
 - the fixed part of a first token beyond that compute (router calls, Ray hops, the exposed
   KV tail): the median of TTFT - queue - compute, ``overhead_s``;
 - decode: ``b`` requests at once with ``c``-token prompts, the decode worker's pure-decode
-  step time at batch ``b`` (its ``decode_steps`` counters over the run).
+  step time at batch ``b`` (its ``decode_steps`` counters over the run);
+- the router's CPU per streamed token (this process is the router: its CPU time over the
+  decode runs / their tokens), ``router_cpu_s_per_token``.
 
 The result is an ``EngineProfile`` like the bare one (``served`` True, ``overhead_s`` set),
 for ``pdcluster plan``.
@@ -70,6 +72,7 @@ async def _measure(cluster: Any, grid: ProfileGrid, vocab: int, seed: int,
         prefill.append((1, n, statistics.median(times)))
         progress(f"served prefill {n} tokens: {statistics.median(times) * 1e3:.1f} ms")
     decode = []
+    cpu0, tokens = time.process_time(), 0
     # Long enough that the batch's requests, admitted a few steps apart, mostly decode
     # together: the counters are per exact batch size.
     steps = max(4 * grid.decode_steps, 48)
@@ -79,13 +82,15 @@ async def _measure(cluster: Any, grid: ProfileGrid, vocab: int, seed: int,
             await asyncio.gather(*(_one(cluster, prompt(c), steps, f"d-{next(ids)}")
                                    for _ in range(b)))
             after = (await cluster.stats()).decode_steps.get(b, (0, 0.0))
+            tokens += b * steps
             n, secs = after[0] - before[0], after[1] - before[1]
             if n <= 0:  # the batch never ran whole (arrivals spread over steps): skip it
                 progress(f"served decode batch {b} at {c} tokens: no step at that batch")
                 continue
             decode.append((b, c, secs / n))
             progress(f"served decode batch {b} at {c} tokens: {secs / n * 1e3:.1f} ms")
-    return prefill, decode, overheads
+    # This process is the router: its CPU over the decode runs, per token it streamed.
+    return prefill, decode, overheads, (time.process_time() - cpu0) / max(tokens, 1)
 
 
 def profile_served(model: str | None, num_threads: int, grid: ProfileGrid | None = None,
@@ -115,10 +120,11 @@ def profile_served(model: str | None, num_threads: int, grid: ProfileGrid | None
         finally:
             await cluster.shutdown()
 
-    prefill, decode, overheads = asyncio.run(run())
+    prefill, decode, overheads, cpu_per_token = asyncio.run(run())
     prof = EngineProfile(cfg.model_id, num_threads, "cpu",
                          config.prefill_engine.max_num_batched_tokens, cfg.kv_bytes_per_token,
                          prefill, decode, measure_loopback_bytes_s(),
-                         served=True, overhead_s=statistics.median(overheads))
+                         served=True, overhead_s=statistics.median(overheads),
+                         router_cpu_s_per_token=cpu_per_token)
     prof.wall_s = time.perf_counter() - t0
     return prof

@@ -14,9 +14,12 @@ What it models, after the real request path (DESIGN §2, ``router/control/orches
 - **decode worker**: continuous batching of at most ``max_num_seqs`` sequences; a step of
   ``b`` sequences at mean context ``c`` takes ``profile.decode_step_s(b, c)`` and gives each
   one token; a finished request frees its KV;
-- **cores** (CPU hosts): workers share ``cores`` cores, ``threads`` each; a step that starts
-  while ``k`` workers compute takes ``max(1, k * threads / cores)`` times longer (a processor
-  shared evenly, taken at the step's start). On GPUs each worker has its own: no sharing.
+- **cores** (CPU hosts): workers share ``cores`` cores, ``threads`` each, with the router,
+  which takes ``router_cpu_s_per_token`` (a served profile's) for each token it streams; a
+  step that starts while ``k`` workers compute and the decode steps running produce ``r``
+  tokens/s takes ``max(1, k * threads / (cores - r * router_cpu_s_per_token))`` times
+  longer (a processor shared evenly, taken at the step's start). On GPUs each worker has
+  its own: no sharing.
 
 Colocated mode: each worker runs its requests' prompts as chunks inside its decode steps,
 the prompt budget first (a step's time is the sum of its prefill and decode parts).
@@ -124,6 +127,7 @@ class _Sim:
         self.decode = [_Worker(i, "decode") for i in range(shape.num_decode)]
         self.waiting_for_kv: deque = deque()  # at the router: no decode worker had room
         self.computing = 0  # workers in a step now (for the cores they share)
+        self.token_rates: dict[int, float] = {}  # decode worker -> tokens/s of its step now
 
     def push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self.events, (t, next(self._seq), kind, payload))
@@ -133,7 +137,11 @@ class _Sim:
         cores."""
         if math.isinf(self.s.cores):
             return 1.0
-        return max(1.0, (self.computing + 1) * self.s.threads / self.s.cores)
+        # The router streams the tokens the decode steps running now produce, on the same
+        # cores (a served profile's measured CPU per token; at most 3/4 of them).
+        router = self.p.router_cpu_s_per_token * sum(self.token_rates.values())
+        cores = self.s.cores - min(router, 0.75 * self.s.cores)
+        return max(1.0, (self.computing + 1) * self.s.threads / cores)
 
     def run(self) -> list[_Req]:
         for r in self.reqs:
@@ -241,12 +249,15 @@ class _Sim:
             dt += self.p.decode_step_s(len(decoding), ctx)
         if not chunks and not decoding:
             return
+        if decoding:
+            self.token_rates[w.wid] = len(decoding) / dt
         dt *= self.slowdown()
         self._begin_step(t, w, dt, "decode_done", (w, chunks, decoding))
 
     def _on_decode_done(self, t: float, payload) -> None:
         w, chunks, decoding = payload
         self._end_step(w)
+        self.token_rates.pop(w.wid, None)
         for r in decoding:
             r.generated += 1
             if r.generated >= r.spec.output_tokens:

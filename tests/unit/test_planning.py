@@ -126,3 +126,20 @@ def test_bench_plan_splits_parse_and_bad_ones_are_named():
     for bad in ("1x0", "2", "ax1"):
         with pytest.raises(ValueError, match="--splits"):
             _splits(bad)
+
+
+def test_the_router_streaming_tokens_takes_cores_from_the_workers():
+    """With a served profile's router CPU per token, a prefill that starts while a decode
+    step streams tokens on a shared host gets fewer cores: 1 decode sequence at 25 ms a
+    step is 40 tokens/s, x 10 ms of router CPU each = 0.4 of 2 cores; two workers computing
+    on the 1.6 left: 1.25x slower. Without the router's CPU, or on devices, no change."""
+    reqs = [TraceRequest(0.0, 10, 60), TraceRequest(0.5, 100, 1)]
+    prof = _profile()
+    prof.router_cpu_s_per_token = 0.01
+    shared = simulate(prof, ClusterShape(1, 1, cores=2), reqs, 9, 9)
+    assert shared.ttft_s[1] == pytest.approx(0.11 * 1.25 + OVERHEAD)
+    on_devices = simulate(prof, ClusterShape(1, 1), reqs, 9, 9)
+    assert on_devices.ttft_s[1] == pytest.approx(0.11 + OVERHEAD)
+    prof.router_cpu_s_per_token = 0.0
+    assert simulate(prof, ClusterShape(1, 1, cores=2), reqs, 9, 9).ttft_s[1] == pytest.approx(
+        0.11 + OVERHEAD)
