@@ -12,8 +12,9 @@ measures, through the cluster's own counters:
   finished it), the median of ``repeats``;
 - the fixed part of a first token beyond that compute (router calls, Ray hops, the exposed
   KV tail): the median of TTFT - queue - compute, ``overhead_s``;
-- decode: ``b`` requests at once with ``c``-token prompts, the decode worker's pure-decode
-  step time at batch ``b`` (its ``decode_steps`` counters over the run);
+- decode: ``b`` requests at once with ``c``-token prompts, for each ``b`` of the grid; the
+  decode worker's pure-decode step time at every batch size it stepped at (its
+  ``decode_steps`` counters over the runs, sizes seen at least 3 times);
 - the router's CPU per streamed token (this process is the router: its CPU time over the
   decode runs / their tokens), ``router_cpu_s_per_token``.
 
@@ -77,18 +78,25 @@ async def _measure(cluster: Any, grid: ProfileGrid, vocab: int, seed: int,
     # together: the counters are per exact batch size.
     steps = max(4 * grid.decode_steps, 48)
     for c in grid.contexts:
+        seen: dict[int, list[tuple[int, float]]] = {}
         for b in grid.decode_batches:
-            before = (await cluster.stats()).decode_steps.get(b, (0, 0.0))
+            before = (await cluster.stats()).decode_steps
             await asyncio.gather(*(_one(cluster, prompt(c), steps, f"d-{next(ids)}")
                                    for _ in range(b)))
-            after = (await cluster.stats()).decode_steps.get(b, (0, 0.0))
+            after = (await cluster.stats()).decode_steps
             tokens += b * steps
-            n, secs = after[0] - before[0], after[1] - before[1]
-            if n <= 0:  # the batch never ran whole (arrivals spread over steps): skip it
-                progress(f"served decode batch {b} at {c} tokens: no step at that batch")
-                continue
-            decode.append((b, c, secs / n))
-            progress(f"served decode batch {b} at {c} tokens: {secs / n * 1e3:.1f} ms")
+            # Every batch size the run stepped at counts (its requests arrive a prefill step
+            # or more apart, so the batch grows to b and shrinks as they end).
+            for size, (n, secs) in after.items():
+                n0, s0 = before.get(size, (0, 0.0))
+                if n - n0 >= 3:
+                    seen.setdefault(size, []).append((n - n0, secs - s0))
+        for size in sorted(seen):
+            n = sum(k for k, _ in seen[size])
+            secs = sum(x for _, x in seen[size])
+            decode.append((size, c, secs / n))
+        progress(f"served decode steps at {c} tokens: " + ", ".join(
+            f"batch {b} {x * 1e3:.1f} ms" for b, cc, x in decode if cc == c))
     # This process is the router: its CPU over the decode runs, per token it streamed.
     return prefill, decode, overheads, (time.process_time() - cpu0) / max(tokens, 1)
 
