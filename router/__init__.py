@@ -4,6 +4,7 @@ Imports go one way (tests/unit/test_import_rules.py keeps it so):
 
     cli -> cluster -> control -> routing, state -> contract
     cli -> frontdoor -> contract          cli -> embedded -> state, contract
+    cli -> planning -> cluster, contract
 
 - ``contract.py``: what the front doors need of a backend (request/chunk types, typed errors);
   ``embedded.py``: one in-process engine behind it.
@@ -17,5 +18,7 @@ Imports go one way (tests/unit/test_import_rules.py keeps it so):
   resumable stream logs.
 - ``cluster/``: Ray start/join, the worker launcher and placement, thread plans; ``Cluster``
   (``cluster/ray_cluster.py``) is the backend over Ray workers.
+- ``planning/``: ``pdcluster plan``'s workloads, cluster simulator and split search, and the
+  served profile (measured on a ``Cluster``).
 - ``cli/``: the ``pdcluster`` command (``python -m router.cli``).
 """

@@ -128,7 +128,9 @@ def _config(args, model: str | None, split: tuple[int, int], autoscale: bool):
         worker_num_cpus=0.5, autoscale=auto)
 
 
-async def _one(cluster, prompt: list[int], max_tokens: int, rid: str, out: Outcome) -> None:
+async def run_request(cluster, prompt: list[int], max_tokens: int, rid: str, out: Outcome) -> None:
+    """Run one greedy request to its end (``ignore_eos``); fill ``out`` with its TTFT and
+    TPOT, or its error (a lost request). Shared with ``bench.cluster.plan_check``."""
     from engine import SamplingParams
     from router.contract import GenerateInput
 
@@ -175,7 +177,7 @@ async def _run(args, model: str | None, run: Run, load: Load, arrivals: list[flo
             out = Outcome(at)
             run.outcomes.append(out)
             tasks.append(asyncio.ensure_future(
-                _one(cluster, prompts[i], args.max_tokens, f"{run.name}-{i}", out)))
+                run_request(cluster, prompts[i], args.max_tokens, f"{run.name}-{i}", out)))
         await asyncio.gather(*tasks)
         # The load's own length, not the last request's end: both runs pay for the same span.
         await asyncio.sleep(max(0.0, t0 + load.duration_s - time.perf_counter()))

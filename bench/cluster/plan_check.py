@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cluster.autoscale import Outcome, _one
+from bench.cluster.autoscale import Outcome, run_request
 from bench.cluster.ttft_breakdown import ray_session
 from bench.harness import model_config
 from bench.report import machine_info, print_targets, ratio, write_json
@@ -79,7 +79,7 @@ async def _measure(model, split, args, threads: int, requests, prompts, max_len:
     try:
         # Every worker's first steps (allocations, kernel plans) before the clock starts.
         warm = [Outcome(0.0) for _ in range(2 * (split[0] + split[1]))]
-        await asyncio.gather(*(_one(cluster, prompts[i % len(prompts)][:32], 2, f"warm-{i}", o)
+        await asyncio.gather(*(run_request(cluster, prompts[i % len(prompts)][:32], 2, f"warm-{i}", o)
                                for i, o in enumerate(warm)))
         t0 = time.perf_counter()
         outs, tasks = [], []
@@ -88,7 +88,7 @@ async def _measure(model, split, args, threads: int, requests, prompts, max_len:
             o = Outcome(r.arrival_s)
             outs.append(o)
             tasks.append(asyncio.ensure_future(
-                _one(cluster, prompts[i], r.output_tokens, f"plan-{i}", o)))
+                run_request(cluster, prompts[i], r.output_tokens, f"plan-{i}", o)))
         await asyncio.gather(*tasks)
         return outs
     finally:

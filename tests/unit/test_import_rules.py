@@ -82,8 +82,9 @@ ROUTER_RULES = {
     "router.control": ("router.contract", "router.routing", "router.state"),
     "router.embedded": ("router.contract", "router.state"),
     "router.cluster": ("router.contract", "router.control", "router.routing", "router.state"),
+    "router.planning": ("router.contract", "router.cluster"),
     "router.cli": ("router.contract", "router.embedded", "router.frontdoor", "router.cluster",
-                   "router.control", "router.routing", "router.state"),
+                   "router.control", "router.routing", "router.state", "router.planning"),
 }
 PRODUCT_PACKAGES = ("engine", "kv_transfer", "worker_protocol", "prefill_workers",
                     "decode_workers", "router", "client", "bench", "proto")
