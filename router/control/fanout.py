@@ -122,5 +122,5 @@ class TokenFanout:
                 return
 
     async def _tokens_of(self, slot: WorkerSlot, request_id: str):
-        return await asyncio.wait_for(control(slot.handle.tokens_of).remote(request_id),
-                                      self.call_timeout_s)
+        async with asyncio.timeout(self.call_timeout_s):  # not wait_for: WorkerCalls.call
+            return await control(slot.handle.tokens_of).remote(request_id)

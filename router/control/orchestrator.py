@@ -315,7 +315,9 @@ class Orchestrator:
 
     async def _next_update(self, stream: StreamState) -> TokenUpdate | BaseException:
         try:
-            return await asyncio.wait_for(stream.queue.get(), self.config.token_timeout_s)
+            # Not wait_for: see WorkerCalls.call (a cancelled client's stream must end).
+            async with asyncio.timeout(self.config.token_timeout_s):
+                return await stream.queue.get()
         except TimeoutError:
             return WorkerLost(f"decode worker {stream.decode_id} sent no token for "
                                f"{stream.request_id} in {self.config.token_timeout_s:g} s",

@@ -97,6 +97,10 @@ class PrefixPulls:
         old = self._prefill_tokens_s.get(worker_id)
         self._prefill_tokens_s[worker_id] = rate if old is None else old + _EWMA * (rate - old)
 
+    def measured_prefill_rate(self, worker_id: str) -> float | None:
+        """``worker_id``'s measured prompt tokens per second, or None before one."""
+        return self._prefill_tokens_s.get(worker_id)
+
     def prefill_rate(self, worker_id: str) -> float:
         """Prompt tokens per second ``worker_id`` computes, as measured (a prior until it
         ran a prompt of 16 tokens or more)."""
@@ -163,8 +167,8 @@ class PrefixPulls:
         req = PullRequest(f"{request_id}/pull-{self._num_pulls}", list(prompt_ids), plan.end,
                           src, plan.source.handle, timeout_s)
         try:
-            res: PullResult = await asyncio.wait_for(puller.handle.pull_prefix.remote(req),
-                                                     timeout_s + 5.0)
+            async with asyncio.timeout(timeout_s + 5.0):  # not wait_for: WorkerCalls.call
+                res: PullResult = await puller.handle.pull_prefix.remote(req)
         except Exception as e:  # the puller failed or timed out: the prefill call will tell
             e = cause_of(e)
             res = PullResult(0, plan.have, 0, timeout_s, f"{type(e).__name__}: {e}"[:300])

@@ -41,7 +41,11 @@ class WorkerCalls:
         the workers to blame: ``peer`` alone when it was its KV address that could not be
         reached (it is quarantined), else ``worker`` (and ``peer``, whose transfer it was)."""
         try:
-            return await asyncio.wait_for(call, timeout_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the call's result
+            # when it lands as the caller is cancelled, and the cancellation is lost (a client
+            # gone at that moment would leave its request running on).
+            async with asyncio.timeout(timeout_s):
+                return await call
         except KVHandshakeError as e:
             raise ClusterMisconfiguredError(str(cause_of(e))) from None
         except RequestFailedError as e:  # the request itself is at fault: no other worker
