@@ -9,8 +9,9 @@ each point the median of a few repetitions of the engine's own ``step()``, on ra
 (no prefix-cache hit). The result is a JSON file; ``EngineProfile`` reads it back and
 interpolates between the points (linearly; beyond the last point, along the last segment).
 
-Quick by default (about a minute for the default model on one core); ``full`` adds longer
-prompts, larger batches and contexts.
+Quick by default (prompts of 32 to 2048 tokens; about 2 minutes for the default model on one
+core); ``full`` adds larger batches and contexts and more repeats. A served profile
+(``router.planning.served_profile``) adds what serving does to these steps.
 """
 
 from __future__ import annotations
@@ -40,8 +41,26 @@ class ProfileGrid:
 
     @classmethod
     def quick(cls) -> ProfileGrid:
-        return cls(prompt_lens=(32, 64, 128, 256, 512), prefill_batches=(1, 4),
+        # Prompts to 2048 tokens: a step's time grows faster than its tokens (attention), so
+        # long prompts are measured rather than extrapolated from short ones.
+        return cls(prompt_lens=(32, 64, 128, 256, 512, 1024, 2048), prefill_batches=(1, 4),
                    decode_batches=(1, 4, 16), contexts=(128, 512), repeats=3, decode_steps=4)
+
+    def within(self, max_positions: int) -> ProfileGrid:
+        """This grid without the prompt lengths and contexts a model of ``max_positions``
+        cannot hold (the default grids on a short-context model)."""
+        import dataclasses
+
+        room = max_positions - self.decode_steps - 2
+        keep = lambda xs: tuple(x for x in xs if x <= room) or (min(xs),)  # noqa: E731
+        return dataclasses.replace(self, prompt_lens=keep(self.prompt_lens),
+                                   contexts=keep(self.contexts))
+
+    def prefill_points(self, budget: int) -> list[tuple[int, int]]:
+        """(prompts, tokens each) to time: several prompts only where they fit one step of a
+        worker's ``budget`` (``max_num_batched_tokens``), as a worker would step them."""
+        return [(b, n) for n in self.prompt_lens for b in self.prefill_batches
+                if b == 1 or b * n <= budget]
 
     @classmethod
     def full(cls) -> ProfileGrid:
@@ -73,13 +92,24 @@ class EngineProfile:
     # The router process's CPU seconds per token it streams (served profiles): on a host
     # where the workers share cores with the router, what streaming takes from them.
     router_cpu_s_per_token: float = 0.0
+    # How serving steps slow each other (served profiles; 1 and 0 for a bare engine, whose
+    # steps were measured alone): a prefill step's time while the decode worker steps, over
+    # its time alone; a decode step's while a prefill computes, over its time alone; and the
+    # first token's wait on a busy decode worker (its reserve and commit are answered between
+    # steps), in that worker's decode steps.
+    prefill_beside_decode: float = 1.0
+    decode_beside_prefill: float = 1.0
+    busy_overhead_steps: float = 0.0
 
     # ---- reading it ------------------------------------------------------------------------
     def prefill_s(self, tokens: int) -> float:
-        """Seconds of one prefill step computing ``tokens`` prompt tokens (one or several
-        prompts: the step's cost follows its tokens; measured batches are folded in)."""
+        """Seconds of one prefill step computing ``tokens`` prompt tokens, as one prompt's
+        (the one-prompt points; a profile without them folds its batches in by tokens). A
+        step of several shorter prompts costs a little less (less attention): an upper
+        bound there."""
+        ones = [pt for pt in self.prefill if pt[0] == 1]
         by_tokens: dict[int, list[float]] = {}
-        for b, n, s in self.prefill:
+        for b, n, s in ones or self.prefill:
             by_tokens.setdefault(b * n, []).append(s)
         pts = sorted((t, statistics.median(v)) for t, v in by_tokens.items())
         return _interp(pts, tokens)
@@ -129,17 +159,23 @@ def _interp(points: list[tuple[float, float]], x: float) -> float:
 # ---- measuring -------------------------------------------------------------------------------
 def profile_engine(args, grid: ProfileGrid | None = None, seed: int = 0,
                    progress=lambda msg: None) -> EngineProfile:
-    """Measure ``grid`` on an engine built from ``args`` (``EngineArgs``; prefix caching is
-    turned off, and the token budget raised to fit the largest prefill batch)."""
+    """Measure ``grid`` (default: the quick one; lengths the model's context cannot hold are
+    left out) on an engine
+    built from ``args`` (``EngineArgs``; prefix caching is turned off, and the token budget
+    raised to fit the largest point; the profile keeps ``args``' budget, a worker's)."""
     import dataclasses
 
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
+    from engine.weights import load_model_config, resolve_model
 
-    grid = grid or ProfileGrid.quick()
+    resolved = resolve_model(args.model)
+    grid = (grid or ProfileGrid.quick()).within(load_model_config(
+        resolved.model_dir, model_id=resolved.model_id).max_position_embeddings)
     t0 = time.perf_counter()
-    widest = max(max(grid.prompt_lens) * max(grid.prefill_batches),
-                 max(grid.decode_batches) * max(grid.contexts))
+    budget = args.max_num_batched_tokens
+    points = grid.prefill_points(budget)
+    widest = max(max(b * n for b, n in points), max(grid.decode_batches) * max(grid.contexts))
     longest = max(*grid.prompt_lens, *grid.contexts, 32) + grid.decode_steps + 8  # 32: warm-up
     args = dataclasses.replace(
         args, enable_prefix_caching=False, max_num_seqs=max(max(grid.decode_batches),
@@ -164,20 +200,19 @@ def profile_engine(args, grid: ProfileGrid | None = None, seed: int = 0,
         engine.add_request(prompt(32), one, f"warm-{next(ids)}")
         while engine.has_unfinished_requests:
             engine.step()
-        prof = EngineProfile(cfg.model_id, args.num_threads, str(engine.device),
-                             args.max_num_batched_tokens, cfg.kv_bytes_per_token)
-        for n in grid.prompt_lens:
-            for b in grid.prefill_batches:
-                times = []
-                for _ in range(grid.repeats):
-                    for _ in range(b):
-                        engine.add_request(prompt(n), one, f"p-{next(ids)}")
-                    start = time.perf_counter()
-                    while engine.has_unfinished_requests:
-                        engine.step()
-                    times.append(time.perf_counter() - start)
-                prof.prefill.append((b, n, statistics.median(times)))
-                progress(f"prefill {b} x {n} tokens: {statistics.median(times) * 1e3:.1f} ms")
+        prof = EngineProfile(cfg.model_id, args.num_threads, str(engine.device), budget,
+                             cfg.kv_bytes_per_token)
+        for b, n in points:
+            times = []
+            for _ in range(grid.repeats):
+                for _ in range(b):
+                    engine.add_request(prompt(n), one, f"p-{next(ids)}")
+                start = time.perf_counter()
+                while engine.has_unfinished_requests:
+                    engine.step()
+                times.append(time.perf_counter() - start)
+            prof.prefill.append((b, n, statistics.median(times)))
+            progress(f"prefill {b} x {n} tokens: {statistics.median(times) * 1e3:.1f} ms")
         for c in grid.contexts:
             for b in grid.decode_batches:
                 params = SamplingParams(max_tokens=grid.decode_steps + 2, temperature=0,

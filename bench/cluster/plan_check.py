@@ -173,7 +173,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "model": args.model or "default"},
               "profiles": {kind: {"prefill": p.prefill, "decode": p.decode,
                                   "loopback_bytes_s": p.loopback_bytes_s,
-                                  "overhead_s": p.overhead_s}
+                                  "overhead_s": p.overhead_s,
+                                  "router_cpu_s_per_token": p.router_cpu_s_per_token,
+                                  "prefill_beside_decode": p.prefill_beside_decode,
+                                  "decode_beside_prefill": p.decode_beside_prefill,
+                                  "busy_overhead_steps": p.busy_overhead_steps}
                            for kind, p in profiles.items()},
               "cells": cells, "targets": targets, "wall_s": time.perf_counter() - t0,
               "machine": machine_info()}

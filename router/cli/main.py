@@ -88,12 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="torch threads, as one worker will have (default 1)")
     prof.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     prof.add_argument("--full", action="store_true",
-                      help="more points: longer prompts, larger batches and contexts "
-                           "(default: quick, about a minute for the default model)")
+                      help="more points: larger batches and contexts, more repeats "
+                           "(default: quick, about 2 minutes for the default model)")
     prof.add_argument("--served", action="store_true",
                       help="measure while serving, on a local 1 prefill + 1 decode cluster: "
                            "the steps as workers take them beside the router and Ray, and "
-                           "the first token's fixed cost (what `plan` predicts best with)")
+                           "the first token's fixed cost, how the two workers' steps slow each "
+                           "other (what `plan` predicts best with)")
     prof.add_argument("--out", default="profile.json", help="where to write it")
     prof.set_defaults(func=cmd_profile)
 

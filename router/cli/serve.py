@@ -162,6 +162,10 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
     auto.add_argument("--autoscale-migrate-after-s", type=float, default=None,
                       help="a drained decode worker's streams still running after this "
                            "migrate (default 30)")
+    auto.add_argument("--autoscale-profile", default=None, metavar="PROFILE.json",
+                      help="a `pdcluster profile [--served]` of this host and model: a "
+                           "prefill worker's load is priced at its rate until the router has "
+                           "measured the worker's own (default: a prior of 1000 tokens/s)")
 
     rt = p.add_argument_group("routing (docs/architecture.md, KV-aware routing)")
     rt.add_argument("--routing", choices=["kv_aware", "load", "round_robin"], default=None,

@@ -53,6 +53,7 @@ class ServeConfig:
     autoscale_down_window_s: float = 60.0
     autoscale_cooldown_s: float = 60.0
     autoscale_migrate_after_s: float = 30.0
+    autoscale_profile: str | None = None  # a `pdcluster profile` JSON
     mode: str = "disaggregated"
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -247,7 +248,7 @@ class ServeConfig:
         names = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers",
                  "max_decode_workers", "autoscale_target", "autoscale_interval_s",
                  "autoscale_up_window_s", "autoscale_down_window_s", "autoscale_cooldown_s",
-                 "autoscale_migrate_after_s")
+                 "autoscale_migrate_after_s", "autoscale_profile")
         if not self.autoscale:
             default = ServeConfig.__dataclass_fields__
             given = [n for n in names if getattr(self, n) != default[n].default]
@@ -280,7 +281,26 @@ class ServeConfig:
         if self.autoscale_migrate_after_s < 0:
             raise ValueError("--autoscale-migrate-after-s must be >= 0")
         return AutoscaleConfig(policy, ready_timeout_s=self.startup_timeout_s,
-                               drain_migrate_after_s=float(self.autoscale_migrate_after_s))
+                               drain_migrate_after_s=float(self.autoscale_migrate_after_s),
+                               prefill_tokens_s=self._profile_prefill_rate())
+
+    def _profile_prefill_rate(self) -> float | None:
+        """--autoscale-profile's prefill rate (tokens/s of a 512-token prompt, the profile's
+        own interpolation), or None without one. ValueError for a file that is not one."""
+        if self.autoscale_profile is None:
+            return None
+        from engine.profile import EngineProfile
+
+        try:
+            prof = EngineProfile.load(self.autoscale_profile)
+            rate = 512 / prof.prefill_s(512)
+        except (OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+            raise ValueError(f"--autoscale-profile {self.autoscale_profile}: not a "
+                             f"`pdcluster profile` JSON ({e})") from e
+        if not rate > 0 or rate == float("inf"):
+            raise ValueError(f"--autoscale-profile {self.autoscale_profile}: its prefill "
+                             f"times give no rate")
+        return rate
 
     def cluster_config(self):
         from router.cluster.ray_cluster import ClusterConfig

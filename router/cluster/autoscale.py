@@ -17,7 +17,8 @@ Utilization, 0..1 (above 1 when work queues):
   + waiting) over ``max_num_seqs``: it is full when either is;
 - prefill worker: seconds of prompt compute per second, from the prompt tokens it computed
   since the last tick plus the tokens routed to it and not yet done, at its measured
-  prefill rate (``PrefixPulls.prefill_rate``).
+  prefill rate (``PrefixPulls.prefill_rate``; until there is one, a profile's,
+  ``--autoscale-profile``).
 
 Decisions are logged and exported (``pdcluster_autoscaler_desired_workers{role}``,
 ``pdcluster_autoscaler_decisions_total{role,direction,reason}``).
@@ -48,6 +49,9 @@ class AutoscaleConfig:
     ready_timeout_s: float = 300.0
     # A drained decode worker's streams still running after this move elsewhere.
     drain_migrate_after_s: float = 30.0
+    # Prompt tokens/s a prefill worker computes, from a profile (--autoscale-profile): used
+    # until the router has measured the worker's own rate. None: the router's prior.
+    prefill_tokens_s: float | None = None
 
 
 @dataclass
@@ -137,13 +141,22 @@ class Autoscaler:
         wid = slot.info.worker_id
         mark = self._marks.get(wid)
         self._marks[wid] = _PrefillMark(now, load.prefill_tokens_computed)
-        rate = self.cluster.orchestrator.pulls.prefill_rate(wid)
+        rate = self.prefill_rate(wid)
         queued_s = view.inflight_prefill_tokens / rate
         interval = self.config.policy.interval_s
         if mark is None or now <= mark.at:
             return queued_s / interval
         done = max(load.prefill_tokens_computed - mark.computed, 0)
         return (done / rate + queued_s) / (now - mark.at)
+
+    def prefill_rate(self, worker_id: str) -> float:
+        """Prompt tokens/s ``worker_id`` computes: as the router measured it, else the
+        profile's, else the router's prior."""
+        pulls = self.cluster.orchestrator.pulls
+        measured = pulls.measured_prefill_rate(worker_id)
+        if measured is not None:
+            return measured
+        return self.config.prefill_tokens_s or pulls.prefill_rate(worker_id)
 
     def _victims(self, role: str, slots: list, count: int) -> list:
         """The least busy workers (fewest of this router's streams, then the least KV used);

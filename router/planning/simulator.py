@@ -15,11 +15,17 @@ What it models, after the real request path (DESIGN §2, ``router/control/orches
   ``b`` sequences at mean context ``c`` takes ``profile.decode_step_s(b, c)`` and gives each
   one token; a finished request frees its KV;
 - **cores** (CPU hosts): workers share ``cores`` cores, ``threads`` each, with the router,
-  which takes ``router_cpu_s_per_token`` (a served profile's) for each token it streams; a
-  step that starts while ``k`` workers compute and the decode steps running produce ``r``
-  tokens/s takes ``max(1, k * threads / (cores - r * router_cpu_s_per_token))`` times
-  longer (a processor shared evenly, taken at the step's start). On GPUs each worker has
-  its own: no sharing.
+  which takes ``router_cpu_s_per_token`` (a served profile's) for each token it streams;
+  while ``k`` steps run and the decode steps among them produce ``r`` tokens/s, each runs
+  ``max(1, k * threads / (cores - r * router_cpu_s_per_token))`` times slower (a processor
+  shared evenly), or, where a prefill and a decode step run at once, the served profile's
+  measured ``prefill_beside_decode`` / ``decode_beside_prefill`` times
+  ``max(1, k * threads / cores)`` if that is more. Steps are re-rated whenever one starts
+  or ends (a prefill that a decode batch joins halfway is slowed for its second half only).
+  On GPUs each worker has its own device: no sharing;
+- **a busy decode worker** answers the router's reserve and commit between its steps: a
+  first token whose decode worker is stepping comes ``busy_overhead_steps`` (a served
+  profile's measurement) of that worker's current step later.
 
 Colocated mode: each worker runs its requests' prompts as chunks inside its decode steps,
 the prompt budget first (a step's time is the sum of its prefill and decode parts).
@@ -111,6 +117,22 @@ class _Worker:
     busy: bool = False
 
 
+@dataclass(eq=False)
+class _Step:
+    """One worker's step in progress: ``work`` seconds of it alone are left at ``since``."""
+
+    worker: _Worker
+    kind: str  # "prefill" or "decode" (a colocated step with decoding sequences: decode)
+    done: str  # _on_<done>(t, step) at its end
+    payload: object
+    solo: float  # its whole time alone
+    work: float
+    since: float
+    started: float
+    slowdown: float = 1.0
+    version: int = 0
+
+
 class _Sim:
     def __init__(self, profile: EngineProfile, shape: ClusterShape,
                  requests: list[TraceRequest]) -> None:
@@ -126,22 +148,52 @@ class _Sim:
                                              for i in range(shape.num_prefill)]
         self.decode = [_Worker(i, "decode") for i in range(shape.num_decode)]
         self.waiting_for_kv: deque = deque()  # at the router: no decode worker had room
-        self.computing = 0  # workers in a step now (for the cores they share)
+        self.steps: dict[int, _Step] = {}  # id(worker) -> its step now (re-rated together)
         self.token_rates: dict[int, float] = {}  # decode worker -> tokens/s of its step now
 
     def push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self.events, (t, next(self._seq), kind, payload))
 
-    def slowdown(self) -> float:
-        """How much longer a step starting now takes: this one and those running share the
-        cores."""
+    def slowdown(self, step: _Step) -> float:
+        """How many times slower than alone ``step`` runs beside the steps running now."""
         if math.isinf(self.s.cores):
             return 1.0
+        k = len(self.steps)
         # The router streams the tokens the decode steps running now produce, on the same
         # cores (a served profile's measured CPU per token; at most 3/4 of them).
         router = self.p.router_cpu_s_per_token * sum(self.token_rates.values())
         cores = self.s.cores - min(router, 0.75 * self.s.cores)
-        return max(1.0, (self.computing + 1) * self.s.threads / cores)
+        shared = max(1.0, k * self.s.threads / cores)
+        # A prefill beside a decode step (and the reverse) was measured while serving: the
+        # router, Ray and the KV threads of both workers were in it.
+        other = {o.kind for o in self.steps.values() if o is not step}
+        beside = 1.0
+        if step.kind == "prefill" and "decode" in other:
+            beside = self.p.prefill_beside_decode
+        elif step.kind == "decode" and "prefill" in other:
+            beside = self.p.decode_beside_prefill
+        return max(shared, beside * max(1.0, k * self.s.threads / self.s.cores))
+
+    def _rerate(self, t: float) -> None:
+        """Bring every running step's work to ``t`` and re-time its end at today's rates."""
+        for st in self.steps.values():
+            st.work = max(0.0, st.work - (t - st.since) / st.slowdown)
+            st.since = t
+        for st in self.steps.values():
+            st.slowdown = self.slowdown(st)
+            st.version += 1
+            self.push(t + st.work * st.slowdown, "step_end", (st, st.version))
+
+    def _on_step_end(self, t: float, payload) -> None:
+        st, version = payload
+        if version != st.version:
+            return  # re-rated since: a later event ends it
+        del self.steps[id(st.worker)]
+        st.worker.busy = False
+        if st.done == "decode_done":  # its tokens stream no more (before the re-rate)
+            self.token_rates.pop(st.worker.wid, None)
+        self._rerate(t)
+        getattr(self, f"_on_{st.done}")(t, st)
 
     def run(self) -> list[_Req]:
         for r in self.reqs:
@@ -185,12 +237,11 @@ class _Sim:
         if w.busy or not w.queue:
             return
         chunks = self._chunks(w.queue)
-        dt = self.p.prefill_s(sum(n for _, n in chunks)) * self.slowdown()
-        self._begin_step(t, w, dt, "prefill_done", (w, chunks, dt))
+        dt = self.p.prefill_s(sum(n for _, n in chunks))
+        self._begin_step(t, w, dt, "prefill", "prefill_done", chunks)
 
-    def _on_prefill_done(self, t: float, payload) -> None:
-        w, chunks, dt = payload
-        self._end_step(w)
+    def _on_prefill_done(self, t: float, st: _Step) -> None:
+        w, chunks, dt = st.worker, st.payload, t - st.started
         for r, n in chunks:
             r.remaining_prompt -= n
             w.queued_tokens -= n
@@ -198,7 +249,11 @@ class _Sim:
                 w.queue.remove(r)
                 transfer = (r.spec.prompt_tokens * self.p.kv_bytes_per_token
                             / max(self.p.loopback_bytes_s, 1.0))
-                self.push(t + max(0.0, transfer - dt) + self.overhead_s, "first_token", r)
+                # Its reserve and commit wait for its decode worker's step boundaries.
+                busy = self.steps.get(id(r.decode))
+                wait = 0.0 if busy is None else (self.p.busy_overhead_steps * busy.solo
+                                                 * busy.slowdown)
+                self.push(t + max(0.0, transfer - dt) + self.overhead_s + wait, "first_token", r)
         self._start_prefill(t, w)
 
     def _on_first_token(self, t: float, r: _Req) -> None:
@@ -209,14 +264,12 @@ class _Sim:
         r.decode.queue.append(r)
         self._start_decode(t, r.decode)
 
-    def _begin_step(self, t: float, w: _Worker, dt: float, done: str, payload) -> None:
+    def _begin_step(self, t: float, w: _Worker, solo_s: float, kind: str, done: str,
+                    payload) -> None:
+        """Start ``w``'s step of ``solo_s`` seconds alone; ``_on_<done>(t, step)`` at its end."""
         w.busy = True
-        self.computing += 1
-        self.push(t + dt, done, payload)
-
-    def _end_step(self, w: _Worker) -> None:
-        w.busy = False
-        self.computing -= 1
+        self.steps[id(w)] = _Step(w, kind, done, payload, solo_s, solo_s, since=t, started=t)
+        self._rerate(t)
 
     def _chunks(self, prompts) -> list[tuple[_Req, int]]:
         """This step's prompt chunks, FCFS within the token budget (the last one cut)."""
@@ -251,13 +304,11 @@ class _Sim:
             return
         if decoding:
             self.token_rates[w.wid] = len(decoding) / dt
-        dt *= self.slowdown()
-        self._begin_step(t, w, dt, "decode_done", (w, chunks, decoding))
+        self._begin_step(t, w, dt, "decode" if decoding else "prefill", "decode_done",
+                         (chunks, decoding))
 
-    def _on_decode_done(self, t: float, payload) -> None:
-        w, chunks, decoding = payload
-        self._end_step(w)
-        self.token_rates.pop(w.wid, None)
+    def _on_decode_done(self, t: float, st: _Step) -> None:
+        w, (chunks, decoding) = st.worker, st.payload
         for r in decoding:
             r.generated += 1
             if r.generated >= r.spec.output_tokens:

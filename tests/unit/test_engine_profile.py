@@ -34,10 +34,14 @@ def _profile() -> EngineProfile:
 def test_interpolation_passes_through_points_and_extends_the_end_segments():
     p = _profile()
     assert p.prefill_s(100) == pytest.approx(1.0)
-    assert p.prefill_s(200) == pytest.approx(2.2)  # 2 x 100 tokens in one step
-    assert p.prefill_s(250) == pytest.approx(2.6)
-    assert p.prefill_s(400) == pytest.approx(3.8)  # along the last segment
-    assert p.prefill_s(50) == pytest.approx(0.4)  # and the first
+    # One prompt's points where the profile has them (2 x 100 tokens, 2.2 s, is not one).
+    assert p.prefill_s(200) == pytest.approx(2.0)
+    assert p.prefill_s(250) == pytest.approx(2.5)
+    assert p.prefill_s(400) == pytest.approx(4.0)  # along the last segment
+    assert p.prefill_s(50) == pytest.approx(0.5)  # and the first
+    # A profile of batches only folds them in by tokens.
+    batched = EngineProfile("m", 1, "cpu", 2048, 100, prefill=[(2, 50, 1.1), (2, 150, 3.3)])
+    assert batched.prefill_s(200) == pytest.approx(2.2)
     assert p.decode_step_s(1, 100) == pytest.approx(0.01)
     assert p.decode_step_s(8, 500) == pytest.approx(0.06)
     assert p.decode_step_s(4.5, 300) == pytest.approx((0.02 + 0.04) / 2)
@@ -61,3 +65,14 @@ def test_the_command_writes_the_profile(tiny_llama_dir, tmp_path, monkeypatch):
     assert args.func(args) == 0
     data = json.loads(out.read_text())
     assert data["num_threads"] == 1 and len(data["prefill"]) == len(data["decode"]) == 1
+
+
+def test_the_grid_keeps_to_the_model_and_to_a_workers_step():
+    g = ProfileGrid.quick()
+    assert max(g.prompt_lens) == 2048  # long prompts measured, not extrapolated
+    short = g.within(512)
+    assert max(short.prompt_lens) <= 512 - g.decode_steps - 2 and max(short.contexts) <= 506
+    assert ProfileGrid(prompt_lens=(600,), contexts=(700,)).within(512).prompt_lens == (600,)
+    # Several prompts only where they fit one step of the worker's budget.
+    pts = ProfileGrid(prompt_lens=(256, 1024), prefill_batches=(1, 4)).prefill_points(2048)
+    assert pts == [(1, 256), (4, 256), (1, 1024)]

@@ -51,8 +51,41 @@ def test_workers_sharing_cores_slow_each_other_down():
     alone = simulate(_profile(), ClusterShape(2, 1), reqs, 9, 9)
     shared = simulate(_profile(), ClusterShape(2, 1, cores=1), reqs, 9, 9)
     assert alone.ttft_s == pytest.approx([0.11 + OVERHEAD] * 2)
-    # The second prefill worker starts while the first computes: 2 workers on 1 core.
-    assert sorted(shared.ttft_s) == pytest.approx([0.11 + OVERHEAD, 0.22 + OVERHEAD])
+    # Both prefill workers compute from t=0 on 1 core: each at half speed, both done at 0.22.
+    assert shared.ttft_s == pytest.approx([0.22 + OVERHEAD] * 2)
+    # Staggered: the second starts at 0.05, when the first has 0.06 s of work left. Shared
+    # from then, the first ends at 0.05 + 0.12 = 0.17; the second has 0.11 - 0.06 = 0.05 s
+    # left then, alone: done at 0.22 (steps are re-rated as others start and end).
+    reqs = [TraceRequest(0.0, 100, 1), TraceRequest(0.05, 100, 1)]
+    shared = simulate(_profile(), ClusterShape(2, 1, cores=1), reqs, 9, 9)
+    assert shared.ttft_s == pytest.approx([0.17 + OVERHEAD, 0.22 - 0.05 + OVERHEAD])
+
+
+def test_measured_interference_slows_a_prefill_beside_decoding_and_the_reverse():
+    """A served profile's pairwise factors: a prefill that runs while the decode worker
+    steps takes ``prefill_beside_decode`` times longer, the decode steps beside it
+    ``decode_beside_prefill``; on 2 cores for 2 workers the plain sharing says no slowdown.
+    A first token whose decode worker is busy waits ``busy_overhead_steps`` of its step."""
+    reqs = [TraceRequest(0.0, 10, 200), TraceRequest(0.5, 100, 1)]
+    prof = _profile()
+    plain = simulate(prof, ClusterShape(1, 1, cores=2), reqs, 9, 9)
+    assert plain.ttft_s[1] == pytest.approx(0.11 + OVERHEAD)
+    prof.prefill_beside_decode, prof.decode_beside_prefill = 1.5, 1.2
+    slowed = simulate(prof, ClusterShape(1, 1, cores=2), reqs, 9, 9)
+    assert slowed.ttft_s[1] == pytest.approx(0.11 * 1.5 + OVERHEAD)
+    # The decode steps beside the prefill (0.165 s of them) ran 1.2x slower: the 200-token
+    # stream's TPOT grows by (1.2 - 1) x 0.165 s / 199 tokens, within a step's rounding.
+    extra = (slowed.tpot_s[0] - plain.tpot_s[0]) * 199
+    assert 0.2 * 0.165 - 0.025 <= extra <= 0.2 * 0.165 + 0.025
+    # On devices (cores inf) nothing is shared: the factors do not apply.
+    assert simulate(prof, ClusterShape(1, 1), reqs, 9, 9).ttft_s[1] == pytest.approx(
+        0.11 + OVERHEAD)
+    # The busy decode worker (1 sequence: 25 ms steps) answers between steps.
+    prof.prefill_beside_decode, prof.decode_beside_prefill = 1.0, 1.0
+    prof.busy_overhead_steps = 2.0
+    busy = simulate(prof, ClusterShape(1, 1, cores=2), reqs, 9, 9)
+    assert busy.ttft_s[1] == pytest.approx(0.11 + OVERHEAD + 2 * 0.025)
+    assert busy.ttft_s[0] == pytest.approx(plain.ttft_s[0])  # idle then: no wait
 
 
 def test_a_full_kv_pool_makes_requests_wait_and_an_oversized_one_is_refused():

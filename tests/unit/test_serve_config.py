@@ -109,6 +109,44 @@ def test_autoscale_flags_reach_the_cluster_and_are_refused_without_it():
         (("--autoscale", "--mode", "colocated", "--max-prefill-workers", "2"),
          "colocated cluster has no prefill"),
         (("--autoscale", "--autoscale-target", "1.5"), "--autoscale-target"),
+        (("--autoscale-profile", "p.json"), "--autoscale-profile needs --autoscale"),
     ]:
         with pytest.raises(ValueError, match=match):
             config(*argv)
+
+
+def test_an_autoscale_profile_prices_a_prefill_worker_until_its_own_rate_is_measured(tmp_path):
+    """--autoscale-profile: a `pdcluster profile` JSON gives the prefill rate (a 512-token
+    prompt's) the autoscaler uses for a worker the router has not measured yet; once it has,
+    the measurement wins. A file that is not a profile is refused, naming the flag."""
+    from engine.profile import EngineProfile
+    from router.cli.main import build_parser
+    from router.cli.serve_config import serve_config_from_args
+    from router.cluster.autoscale import Autoscaler
+    from router.control.prefix_pull import PRIOR_PREFILL_TOKENS_S, PrefixPulls
+
+    def config(*argv):
+        return serve_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+    path = tmp_path / "profile.json"
+    path.write_text(EngineProfile("m", 1, "cpu", 2048, 100,
+                                  prefill=[(1, 256, 0.5), (1, 1024, 2.5)]).to_json())
+    auto = config("--autoscale", "--autoscale-profile", str(path)).cluster_config().autoscale
+    assert auto.prefill_tokens_s == pytest.approx(512 / 1.1667, rel=1e-3)  # 0.5 + 256 x 2/768
+    assert config("--autoscale").cluster_config().autoscale.prefill_tokens_s is None
+
+    # The autoscaler's rate for a prefill worker: the profile's, then the measured one.
+    pulls = PrefixPulls(index=None, layout=None)  # only its rate bookkeeping is used here
+    cluster = type("C", (), {"orchestrator": type("O", (), {"pulls": pulls})})
+    scaler = Autoscaler(cluster, auto)
+    assert scaler.prefill_rate("prefill-0") == pytest.approx(auto.prefill_tokens_s)
+    pulls.note_prefill("prefill-0", 300, 1.0)
+    assert scaler.prefill_rate("prefill-0") == pytest.approx(300.0)
+    without = Autoscaler(cluster, config("--autoscale").cluster_config().autoscale)
+    assert without.prefill_rate("prefill-1") == PRIOR_PREFILL_TOKENS_S
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_id": "m"}')
+    for f in (bad, tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match="--autoscale-profile .*not a `pdcluster profile`"):
+            config("--autoscale", "--autoscale-profile", str(f))
