@@ -37,6 +37,10 @@ NEW_TOKENS = 24
 GRAPHS_MIN_MATCH = 0.9  # graphs on vs off, both bf16: padding changes GEMM shapes, not much else
 # Explicit KV pools: a pool sized from 140 GB would give the block manager millions of blocks.
 POOL_BYTES = 4 << 30
+# The CPU engine the CUDA tokens are held to. Untuned: a first CPU start times its kernel paths
+# at every core, and on a fresh 16-core GPU host that took over 70 s (over 240 s while FlashInfer
+# compiled beside it), 2026-12-04; the reference needs the CPU's math, not its fastest paths.
+CPU_REFERENCE = dict(device="cpu", dtype="float32", tune_kernels=False)
 
 
 def match_fraction(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> float:
@@ -165,7 +169,7 @@ def check_tokens_vs_cpu() -> dict[str, Any]:
     (the default backend and graphs)."""
     from engine import LLM
 
-    cpu = LLM(device="cpu", dtype="float32")
+    cpu = LLM(**CPU_REFERENCE)
     prompts = _prompts(cpu.engine.model_config.vocab_size)
     want = _tokens(cpu, prompts)
     del cpu

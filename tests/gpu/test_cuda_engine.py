@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from bench.gpu_check import match_fraction
+from bench.gpu_check import CPU_REFERENCE, match_fraction
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import decode_buckets
 from engine.device import resolve_device
@@ -48,7 +48,7 @@ def _release(llm):
 
 def test_cuda_greedy_tokens_equal_cpu(tiny_llama_dir):
     prompts = _prompts()
-    cpu = LLM(str(tiny_llama_dir)).generate(prompts, GREEDY)
+    cpu = LLM(str(tiny_llama_dir), tune_kernels=False).generate(prompts, GREEDY)
     gpu_llm = LLM(str(tiny_llama_dir), device="cuda", max_num_seqs=5, max_num_batched_tokens=32,
                   kv_cache_memory_bytes=SMALL_POOL, **EXACT)
     gpu = gpu_llm.generate(prompts, GREEDY)
@@ -70,7 +70,7 @@ def test_resolve_device():
 
 @pytest.mark.slow
 def test_default_model_fp32_equals_cpu():
-    cpu = LLM(device="cpu", dtype="float32")
+    cpu = LLM(**CPU_REFERENCE)
     prompts = _prompts(6, cpu.engine.model_config.vocab_size)
     want = _tokens(cpu, prompts)
     gpu = LLM(device="cuda", kv_cache_memory_bytes=1 << 30, **EXACT)
@@ -83,7 +83,7 @@ def test_default_model_fp32_equals_cpu():
 @pytest.mark.parametrize("model", ["tiny", "default"])
 def test_bf16_flashinfer_mostly_matches_cpu_fp32(model, tiny_llama_hd64_dir, record_property):
     path = str(tiny_llama_hd64_dir) if model == "tiny" else None
-    cpu = LLM(path, device="cpu", dtype="float32")
+    cpu = LLM(path, **CPU_REFERENCE)
     prompts = _prompts(8, cpu.engine.model_config.vocab_size)
     want = _tokens(cpu, prompts)
     gpu = LLM(path, device="cuda", kv_cache_memory_bytes=1 << 30)  # bf16, flashinfer, graphs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.gpu_check import match_fraction
+from bench.gpu_check import CPU_REFERENCE, match_fraction
 from engine import LLM, SamplingParams
 from engine.quant import quantize
 from engine.quant_gpu import TinyGemmWeight, to_cuda
@@ -37,7 +37,7 @@ def test_tinygemm_weight_multiplies_as_the_dequantized_int4_weight(n, k):
 
 
 def test_default_model_int4_on_cuda_mostly_matches_cpu_int4(record_property):
-    cpu = LLM(device="cpu", dtype="float32", quantization="int4")
+    cpu = LLM(**CPU_REFERENCE, quantization="int4")
     prompts = random_prompts(seed=4, count=8, max_len=60)
     want = [o.token_ids for o in cpu.generate(prompts, GREEDY)]
     gpu = LLM(device="cuda", dtype="bfloat16", quantization="int4",
