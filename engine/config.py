@@ -438,8 +438,20 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048
     max_waiting: int = 4096  # queue limit; beyond it add_request raises QueueFullError
+    # At most this many prompt tokens of one request per step (None: the whole budget). A
+    # long prompt then takes several steps and leaves room in each for others: a short
+    # prompt, or a prefix-cache hit, arriving behind it starts at the next step instead of
+    # after the long one (its TTFT stops depending on what arrived just before it). Needs
+    # chunked prefill.
+    max_prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_prefill_chunk is not None:
+            if self.max_prefill_chunk <= 0:
+                raise ValueError(f"max_prefill_chunk must be > 0, got {self.max_prefill_chunk}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("max_prefill_chunk needs chunked prefill (a prompt in "
+                                 "several steps); it is off")
         if self.policy not in BATCHING_POLICIES:
             raise ValueError(
                 f"unknown batching policy {self.policy!r}; choose one of {', '.join(BATCHING_POLICIES)}"

@@ -65,6 +65,9 @@ class EngineArgs:
     dynamic_window_s: float = 0.05
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # At most this many prompt tokens of one request per step (None: the whole
+    # max_num_batched_tokens): SchedulerConfig.max_prefill_chunk.
+    max_prefill_chunk: int | None = None
     max_model_len: int | None = None  # default: the model's context
     prefix_hash_seed: int = 0
     max_waiting: int = 4096
@@ -182,7 +185,7 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.batching, dynamic_window_s=args.dynamic_window_s,
             enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
-            max_waiting=args.max_waiting)
+            max_waiting=args.max_waiting, max_prefill_chunk=args.max_prefill_chunk)
         shard = TPShard(0, tp)
         shard.check(cfg)  # before any rank starts: a clear error naming the dimension
         # The other ranks start now and load their slices while this one loads its own.

@@ -120,6 +120,8 @@ class Scheduler:
         # static/dynamic: ids of the batch launched when nothing ran. Members the token budget
         # (chunked prefill) or a preemption kept out may still join it; nobody else may.
         self._batch: set[str] = set()
+        # Prompt tokens one request may take in a step (SchedulerConfig.max_prefill_chunk).
+        self._chunk_cap = config.max_prefill_chunk or config.max_num_batched_tokens
 
     # ---- request intake ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -238,7 +240,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
             if num_new <= 0:  # nothing to compute (should not happen for a running request)
                 i += 1
                 continue
@@ -303,7 +305,7 @@ class Scheduler:
             else:  # remote KV already in our pages
                 num_computed = req.num_computed_tokens
             remaining = req.num_tokens - num_computed
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget, self._chunk_cap)
             if num_new < remaining and not cfg.enable_chunked_prefill:
                 break
             if not self.blocks.allocate_slots(req.request_id, num_computed + num_new, computed):

@@ -46,6 +46,7 @@ from bench.cluster.prefix_runs import (
     PolicyRun,
     Request,
     Shape,
+    check_prefill_chunk,
     cluster_config,
     generate,
     names,
@@ -90,6 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=4, help="shared_prefix in flight")
     p.add_argument("--cache-fraction", type=float, default=0.6,
                    help="each worker's KV pool / the workload's working set (default 0.6)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill workers' --max-prefill-chunk: at most this many prompt tokens "
+                        "of one request per step (default: none, a whole prompt a step)")
     from bench.cluster.prefix_sweep import add_sweep_arguments  # it imports this module
 
     add_sweep_arguments(p)
@@ -145,9 +149,11 @@ async def _shared_prefix(cluster, s: Shape, vocab: int, seed: int, tag: str) -> 
 
 
 async def _run_policy(model: str | None, workload: str, policy: str, s: Shape, vocab: int,
-                      seed: int, pool_bytes: int, max_len: int) -> PolicyRun:
+                      seed: int, pool_bytes: int, max_len: int,
+                      prefill_chunk: int | None) -> PolicyRun:
     body = _multi_turn if workload == "multi_turn" else _shared_prefix
-    return await run_on_cluster(cluster_config(model, policy, pool_bytes, max_len), workload,
+    config = cluster_config(model, policy, pool_bytes, max_len, prefill_chunk=prefill_chunk)
+    return await run_on_cluster(config, workload,
                                  policy, vocab, seed,
                                  lambda cluster, tag: body(cluster, s, vocab, seed, tag))
 
@@ -160,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.sweep:
         return prefix_sweep.run_sweep(args)
     prefix_sweep.refuse_sweep_flags(args)
+    check_prefill_chunk(args.prefill_chunk)
     s = _shape(args)
     policies = names(args.policies, POLICIES, "--policies")
     workloads = names(args.workloads, WORKLOADS, "--workloads")
@@ -177,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for policy in policies:  # the same seed: every policy sees the same requests
                 r = asyncio.run(_run_policy(args.model, workload, policy, s, vocab,
                                             args.seed + 1000 * k, pool * per_token,
-                                            longest + 16))
+                                            longest + 16, args.prefill_chunk))
                 results[workload][policy] = summary(r)
                 print(f"  {workload}/{policy}: done ({time.perf_counter() - t_start:.0f} s)")
     mt = results.get("multi_turn", {})

@@ -116,10 +116,19 @@ async def send_all(cluster, prompts: list[list[int]], concurrency: int, output_l
 
 
 # ---- one run ------------------------------------------------------------------------------------
+def check_prefill_chunk(chunk: int | None) -> None:
+    """``--prefill-chunk``: None or > 0 (refused before Ray starts)."""
+    if chunk is not None and chunk <= 0:
+        raise ValueError(f"--prefill-chunk must be > 0, got {chunk}")
+
+
 def cluster_config(model: str | None, policy: str, pool_bytes: int, max_len: int,
-                    engine_kwargs: dict[str, Any] | None = None) -> Any:
+                    engine_kwargs: dict[str, Any] | None = None,
+                    prefill_chunk: int | None = None) -> Any:
     """2P + 2D, pinned; ``engine_kwargs`` go to every worker's ``EngineArgs`` (prefill and
-    decode alike), e.g. the sweep's ``kv_offload_memory_bytes``."""
+    decode alike), e.g. the sweep's ``kv_offload_memory_bytes``; ``prefill_chunk`` is the
+    prefill workers' ``max_prefill_chunk`` (``--prefill-chunk``; None: a whole prompt a
+    step)."""
     from engine import EngineArgs
     from router.cluster.ray_cluster import ClusterConfig
     from router.routing.policy import RoutingConfig
@@ -129,7 +138,8 @@ def cluster_config(model: str | None, policy: str, pool_bytes: int, max_len: int
     return ClusterConfig(
         model=model, mode="disaggregated", num_prefill_workers=2, num_decode_workers=2,
         prefill_engine=EngineArgs(**common, max_num_seqs=8,
-                                  max_num_batched_tokens=max(max_len, 2048)),
+                                  max_num_batched_tokens=max(max_len, 2048),
+                                  max_prefill_chunk=prefill_chunk),
         decode_engine=EngineArgs(**common), routing=RoutingConfig(policy),
         worker_overrides=pinned_overrides({"prefill-0": (0,), "decode-0": (0,),
                                            "prefill-1": (1,), "decode-1": (1,)}))

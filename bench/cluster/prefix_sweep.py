@@ -41,6 +41,7 @@ from typing import Any
 from bench.cluster.prefix_runs import (
     POLICIES,
     Shape,
+    check_prefill_chunk,
     cluster_config,
     names,
     pool_tokens,
@@ -123,6 +124,7 @@ class SweepConfig:
     lens: Lengths
     tier_size: float  # host tier per worker / the cell's working set
     seed: int
+    prefill_chunk: int | None = None  # prefill workers' max_prefill_chunk (--prefill-chunk)
 
 
 @dataclass(frozen=True)
@@ -208,9 +210,10 @@ def sweep_config(args: argparse.Namespace) -> SweepConfig:
     tier_size = TIER_SIZE_DEFAULT if args.sweep_tier_size is None else args.sweep_tier_size
     if tier_size <= 0:
         raise ValueError(f"--sweep-tier-size must be > 0, got {tier_size:g}")
+    check_prefill_chunk(args.prefill_chunk)
     return SweepConfig(tuple(cells), tuple(dict.fromkeys(tiers)),
                        tuple(dict.fromkeys(names(args.policies, POLICIES, "--policies"))),
-                       lens, tier_size, args.seed)
+                       lens, tier_size, args.seed, args.prefill_chunk)
 
 
 # ---- one cell: sizes, floor, requests ---------------------------------------------------------------
@@ -289,11 +292,11 @@ def _require_tier() -> None:
 
 
 def _run_one(model: str | None, policy: str, tier: str, cell: Cell, sizing: Sizing,
-             work: CellWorkload, lens: Lengths, vocab: int, per_token: int, seed: int
-             ) -> dict[str, Any]:
+             work: CellWorkload, lens: Lengths, vocab: int, per_token: int, seed: int,
+             prefill_chunk: int | None) -> dict[str, Any]:
     extra = {"kv_offload_memory_bytes": sizing.tier_tokens * per_token} if tier == "on" else None
     config = cluster_config(model, policy, sizing.pool_tokens * per_token,
-                             sizing.longest_tokens + BLOCK_SIZE, extra)
+                             sizing.longest_tokens + BLOCK_SIZE, extra, prefill_chunk)
 
     def body(cluster: Any, tag: str):
         return send_all(cluster, work.prompts, cell.concurrency, lens.output_len, tag)
@@ -331,7 +334,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 runs[tier] = {}
                 for policy in cfg.policies:
                     m = _run_one(args.model, policy, tier, cell, sizing, work, cfg.lens,
-                                 vocab, per_token, seed)
+                                 vocab, per_token, seed, cfg.prefill_chunk)
                     runs[tier][policy] = m
                     done += 1
                     print(f"  [{done}/{num_runs}] {cell.name} tier {tier} {policy}: "
@@ -367,6 +370,7 @@ def _result(args: argparse.Namespace, cfg: SweepConfig, cells_out: list[dict[str
         "config": {"model": args.model or "default", **asdict(cfg.lens), "seed": cfg.seed,
                    "policies": list(cfg.policies), "tiers": list(cfg.tiers),
                    "cells": [c.name for c in cfg.cells], "tier_size": cfg.tier_size,
+                   "prefill_chunk": cfg.prefill_chunk,
                    "shape": "2 prefill + 2 decode, block size 16; prefill-i and decode-i "
                             "pinned to core i, 1 torch thread each; a fresh cluster per run",
                    "pool": "per worker: pool fraction x the cell's working set, at least 2 "

@@ -86,6 +86,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="decode batch size cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="per-step token budget (prefill chunk size)")
+    p.add_argument("--max-prefill-chunk", type=int, default=None,
+                   help="at most this many prompt tokens of one request per step (default: "
+                        "the whole budget): a short prompt or a prefix hit behind a long "
+                        "prompt starts the next step instead of after it")
     p.add_argument("--prefill-block-size", type=int, default=None)
     p.add_argument("--decode-block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -76,6 +76,9 @@ class ServeConfig:
     kv_offload_disk: str | int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
+    # At most this many prompt tokens of one request per step (None: the whole budget):
+    # short prompts and prefix hits behind a long prompt start the next step.
+    max_prefill_chunk: int | None = None
     prefill_block_size: int = 16
     decode_block_size: int = 16
     prefill_tp: int = 1  # tensor-parallel ranks per prefill worker
@@ -124,6 +127,8 @@ class ServeConfig:
         self.kv_cache_memory_bytes()  # its own check: a size > 0
         self.offload_config()  # its own checks: sizes, dir and disk together
         self._check_device_flags()
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
+            raise ValueError(f"--max-prefill-chunk must be > 0, got {self.max_prefill_chunk}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("give --tls-cert and --tls-key together")
         if self.tls_client_ca and not self.tls_cert:
@@ -317,7 +322,8 @@ class ServeConfig:
                       kv_cache_memory_bytes=self.kv_cache_memory_bytes(),
                       kv_offload_memory_bytes=offload.memory_bytes,
                       kv_offload_dir=offload.disk_dir, kv_offload_disk_bytes=offload.disk_bytes,
-                      max_model_len=self.max_model_len, max_waiting=self.max_waiting)
+                      max_model_len=self.max_model_len, max_waiting=self.max_waiting,
+                      max_prefill_chunk=self.max_prefill_chunk)
         return ClusterConfig(
             model=self.model, mode=self.mode, num_prefill_workers=num_prefill,
             num_decode_workers=self.decode_workers,

@@ -44,7 +44,9 @@ def _prefill(model_dir, prompts, **engine_kw) -> tuple[dict[str, int], list[Laye
 @pytest.mark.parametrize("prefill_kw", [
     dict(block_size=16),
     dict(block_size=4, max_num_batched_tokens=24),  # long prompts prefilled in chunks
-], ids=["one-step", "chunked"])
+    # every prompt in chunks of at most 7 tokens, several prompts' chunks in each step
+    dict(block_size=4, max_num_batched_tokens=32, max_prefill_chunk=7),
+], ids=["one-step", "chunked", "chunk-cap"])
 def test_exported_kv_imported_elsewhere_decodes_like_transformers(tiny_llama_dir, prompts_and_refs,
                                                                   prefill_kw):
     prompts, refs = prompts_and_refs

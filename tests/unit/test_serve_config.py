@@ -58,6 +58,14 @@ def test_bad_size_is_refused():
         serve_config_from_args(_args("--kv-cache-memory", "lots"))
 
 
+def test_max_prefill_chunk_reaches_every_engine_and_a_bad_one_is_named():
+    cc = serve_config_from_args(_args("--max-prefill-chunk", "64")).cluster_config()
+    assert cc.prefill_engine.max_prefill_chunk == cc.decode_engine.max_prefill_chunk == 64
+    assert serve_config_from_args(_args()).cluster_config().prefill_engine.max_prefill_chunk is None
+    with pytest.raises(ValueError, match="--max-prefill-chunk must be > 0, got 0"):
+        serve_config_from_args(_args("--max-prefill-chunk", "0"))
+
+
 def test_tp_flags_reach_each_roles_engine_and_bad_ones_are_named():
     cc = serve_config_from_args(_args("--prefill-tp", "2", "--decode-tp", "4")).cluster_config()
     assert (cc.prefill_engine.tensor_parallel_size, cc.decode_engine.tensor_parallel_size) == (2, 4)
