@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import itertools
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -125,6 +126,7 @@ class SweepConfig:
     tier_size: float  # host tier per worker / the cell's working set
     seed: int
     prefill_chunk: int | None = None  # prefill workers' max_prefill_chunk (--prefill-chunk)
+    repeats: int = 1  # runs of every (cell, tier, policy), each on other requests of the cell
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,10 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     for axis, (full, quick) in AXIS_DEFAULTS.items():
         g.add_argument(f"--sweep-{axis}", default=None,
                        help=f"{helps[axis]} (default {full}; --quick {quick})")
+    g.add_argument("--sweep-repeats", type=int, default=None,
+                   help="runs of every cell, tier and policy, each on other requests of the "
+                        "cell's shape; a cell reports each metric's median over them and the "
+                        "checks use the median of the per-repeat ratios (default 1)")
     g.add_argument("--sweep-tier-size", type=float, default=None,
                    help="tier on: each worker's host tier / the cell's working set "
                         f"(default {TIER_SIZE_DEFAULT:g})")
@@ -159,7 +165,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 def refuse_sweep_flags(args: argparse.Namespace) -> None:
     """A sweep flag without ``--sweep`` would be ignored: refuse it instead."""
-    given = [f"--sweep-{a.replace('_', '-')}" for a in (*AXIS_DEFAULTS, "tier_size")
+    given = [f"--sweep-{a.replace('_', '-')}" for a in (*AXIS_DEFAULTS, "tier_size", "repeats")
              if getattr(args, f"sweep_{a}", None) is not None]
     if given:
         raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --sweep")
@@ -211,9 +217,12 @@ def sweep_config(args: argparse.Namespace) -> SweepConfig:
     if tier_size <= 0:
         raise ValueError(f"--sweep-tier-size must be > 0, got {tier_size:g}")
     check_prefill_chunk(args.prefill_chunk)
+    repeats = 1 if args.sweep_repeats is None else args.sweep_repeats
+    if repeats < 1:
+        raise ValueError(f"--sweep-repeats must be >= 1, got {repeats}")
     return SweepConfig(tuple(cells), tuple(dict.fromkeys(tiers)),
                        tuple(dict.fromkeys(names(args.policies, POLICIES, "--policies"))),
-                       lens, tier_size, args.seed, args.prefill_chunk)
+                       lens, tier_size, args.seed, args.prefill_chunk, repeats)
 
 
 # ---- one cell: sizes, floor, requests ---------------------------------------------------------------
@@ -256,24 +265,57 @@ def cell_checks(cell: Cell, sizing: Sizing, tier: str,
     a policy that did not run (or failed) leaves its checks not measured."""
     kv, rr = by_policy.get("kv_aware", {}), by_policy.get("round_robin", {})
     label = f"{cell.name} tier {tier}"
-    kv_ttft, rr_ttft = kv.get("ttft_p50_s"), rr.get("ttft_p50_s")
 
     def check(name: str, value: float | None, goal: float, higher: bool = True) -> dict:
         # The reason is printed for a check not met, so only say it when nothing was measured.
         reason = "" if value is not None else "kv_aware or round_robin has no result"
         return make_target(f"{label}: {name}", value, goal, higher, reason)
 
-    checks = [check("TTFT p50 kv_aware / round_robin", ratio(kv_ttft, rr_ttft), TTFT_NOISE,
-                    higher=False)]
+    checks = [check("TTFT p50 kv_aware / round_robin", paired_ratio(kv, rr, "ttft_p50_s"),
+                    TTFT_NOISE, higher=False)]
     if sizing.tier_holds(tier):
         checks.append(check("kv_aware computed / floor", kv.get("computed_over_floor"),
                             FLOOR_TARGET, higher=False))
     rr_over = rr.get("computed_over_floor")
     if rr_over is not None and rr_over >= RR_WASTE:
         checks.append(check(f"TTFT p50 round_robin / kv_aware (round_robin computes "
-                            f"{rr_over:.2f}x the floor)", ratio(rr_ttft, kv_ttft),
+                            f"{rr_over:.2f}x the floor)", paired_ratio(rr, kv, "ttft_p50_s"),
                             RR_TTFT_TARGET))
     return checks
+
+
+def paired_ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+    """``a[key] / b[key]``; over repeats (``combine``), the median of the per-repeat ratios:
+    each repeat's two runs served the same requests, so its ratio is the paired comparison."""
+    ra, rb = a.get("repeats"), b.get("repeats")
+    if not (ra and rb):
+        return ratio(a.get(key), b.get(key))
+    pairs = [ratio(x.get(key), y.get(key)) for x, y in zip(ra, rb, strict=True)]
+    pairs = [p for p in pairs if p is not None]
+    return statistics.median(pairs) if pairs else None
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (cell, tier, policy)'s repeats as one result: each number the median over the
+    repeats that ran, ``repeats`` every run as measured (a failed one as its error), and
+    ``ttft_p50_s_range`` the lowest and highest TTFT p50. A single run is returned as is."""
+    if len(runs) == 1:
+        return runs[0]
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[0]["error"], "repeats": runs}
+    out: dict[str, Any] = {}
+    for key, value in ok[0].items():
+        vals = [r.get(key) for r in ok]
+        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals)
+        if not numeric:
+            out[key] = value
+        elif all(isinstance(v, int) for v in vals):  # token counts stay whole
+            out[key] = round(statistics.median(vals))
+        else:
+            out[key] = statistics.median(vals)
+    ttfts = [r["ttft_p50_s"] for r in ok]
+    return {**out, "repeats": runs, "ttft_p50_s_range": [min(ttfts), max(ttfts)]}
 
 
 def measured(summary: dict[str, Any], sizing: Sizing) -> dict[str, Any]:
@@ -317,9 +359,10 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         _require_tier()  # before Ray starts, not half an hour in
     mc = model_config(args.model)
     vocab, per_token = mc.vocab_size, mc.kv_bytes_per_token
-    num_runs = len(cfg.cells) * len(cfg.tiers) * len(cfg.policies)
+    num_runs = len(cfg.cells) * len(cfg.tiers) * len(cfg.policies) * cfg.repeats
     print(f"prefix sweep: {len(cfg.cells)} cells x {len(cfg.tiers)} tiers x "
-          f"{len(cfg.policies)} policies = {num_runs} runs, each on a fresh 2P+2D cluster")
+          f"{len(cfg.policies)} policies x {cfg.repeats} repeats = {num_runs} runs, each on a "
+          f"fresh 2P+2D cluster")
     t_start = time.perf_counter()
     cells_out: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
@@ -327,19 +370,24 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     with ray_session(num_workers=4):
         for i, cell in enumerate(cfg.cells):
             sizing = cell_sizing(cell, cfg.lens, cfg.tier_size)
-            seed = cfg.seed + 1000 * i  # every tier and policy of a cell: the same requests
-            work = cell_workload(cell, cfg.lens, vocab, seed)
-            runs: dict[str, dict[str, Any]] = {}
+            each: dict[tuple[str, str], list[dict[str, Any]]] = {}
+            for r in range(cfg.repeats):  # repeats outermost: the host's drift hits all alike
+                # every tier and policy of a cell's repeat: the same requests
+                seed = cfg.seed + 1000 * i + 100_003 * r
+                work = cell_workload(cell, cfg.lens, vocab, seed)
+                for tier in cfg.tiers:
+                    for policy in cfg.policies:
+                        m = _run_one(args.model, policy, tier, cell, sizing, work, cfg.lens,
+                                     vocab, per_token, seed, cfg.prefill_chunk)
+                        each.setdefault((tier, policy), []).append(m)
+                        done += 1
+                        print(f"  [{done}/{num_runs}] {cell.name} tier {tier} {policy}"
+                              f"{f' repeat {r + 1}' if cfg.repeats > 1 else ''}: "
+                              f"{'failed' if 'error' in m else 'done'} "
+                              f"({time.perf_counter() - t_start:.0f} s)")
+            runs = {tier: {policy: combine(each[tier, policy]) for policy in cfg.policies}
+                    for tier in cfg.tiers}
             for tier in cfg.tiers:
-                runs[tier] = {}
-                for policy in cfg.policies:
-                    m = _run_one(args.model, policy, tier, cell, sizing, work, cfg.lens,
-                                 vocab, per_token, seed, cfg.prefill_chunk)
-                    runs[tier][policy] = m
-                    done += 1
-                    print(f"  [{done}/{num_runs}] {cell.name} tier {tier} {policy}: "
-                          f"{'failed' if 'error' in m else 'done'} "
-                          f"({time.perf_counter() - t_start:.0f} s)")
                 checks += cell_checks(cell, sizing, tier, runs[tier])
             cells_out.append({"cell": cell.name, **asdict(cell), "users": cell.users,
                               "sizing": {**asdict(sizing), "pool_bytes":
@@ -370,7 +418,7 @@ def _result(args: argparse.Namespace, cfg: SweepConfig, cells_out: list[dict[str
         "config": {"model": args.model or "default", **asdict(cfg.lens), "seed": cfg.seed,
                    "policies": list(cfg.policies), "tiers": list(cfg.tiers),
                    "cells": [c.name for c in cfg.cells], "tier_size": cfg.tier_size,
-                   "prefill_chunk": cfg.prefill_chunk,
+                   "prefill_chunk": cfg.prefill_chunk, "repeats": cfg.repeats,
                    "shape": "2 prefill + 2 decode, block size 16; prefill-i and decode-i "
                             "pinned to core i, 1 torch thread each; a fresh cluster per run",
                    "pool": "per worker: pool fraction x the cell's working set, at least 2 "
@@ -396,6 +444,10 @@ def _print_table(cells_out: list[dict[str, Any]]) -> None:
                 if "error" in m:
                     print(f"{head} FAILED {m['error']}")
                     continue
+                spread = m.get("ttft_p50_s_range")
+                if spread:
+                    head += f" ({len(m['repeats'])} repeats, TTFT p50 {spread[0] * 1e3:.0f}-" \
+                            f"{spread[1] * 1e3:.0f} ms; medians:)"
                 print(f"{head} TTFT p50 {m['ttft_p50_s'] * 1e3:6.0f} ms p99 "
                       f"{m['ttft_p99_s'] * 1e3:6.0f} ms  computed "
                       f"{m['computed_prompt_tokens']:6d}/{m['prompt_tokens']} tok "

@@ -51,12 +51,16 @@ def test_flags_resolve_to_the_full_quick_and_given_grids():
     assert given.policies == ("kv_aware", "round_robin")
     assert given.lens == Lengths(460, 12, 4)
     assert (given.tier_size, given.seed) == (3.0, 7)
+    assert (full.repeats, full.prefill_chunk) == (1, None)
+    assert ps.sweep_config(_args("--sweep", "--sweep-repeats", "3", "--prefill-chunk",
+                                 "64")).repeats == 3
 
 
 @pytest.mark.parametrize("flags", [
     ("--sweep-pool", "0,1"), ("--sweep-pool", "5"), ("--sweep-reuse", "2,2"),
     ("--sweep-prefixes", "four"), ("--sweep-tier", "maybe"), ("--sweep-concurrency", ""),
     ("--question-len", "0"), ("--sweep-tier-size", "0"), ("--policies", "fastest"),
+    ("--sweep-repeats", "0"), ("--prefill-chunk", "0"),
 ])
 def test_bad_sweep_flags_are_refused(flags):
     with pytest.raises(ValueError):
@@ -66,6 +70,8 @@ def test_bad_sweep_flags_are_refused(flags):
 def test_sweep_flags_without_sweep_are_refused_not_ignored():
     with pytest.raises(ValueError, match="--sweep-reuse, --sweep-tier-size need --sweep"):
         ps.refuse_sweep_flags(_args("--sweep-reuse", "2", "--sweep-tier-size", "1"))
+    with pytest.raises(ValueError, match="--sweep-repeats needs --sweep"):
+        ps.refuse_sweep_flags(_args("--sweep-repeats", "3"))
     ps.refuse_sweep_flags(_args("--users", "8"))  # plain `bench prefix` flags pass
 
 
@@ -174,6 +180,22 @@ def test_a_failed_run_leaves_its_checks_not_measured():
     assert [c["met"] for c in checks] == [None, None, None]
     assert all(c["reason"] for c in checks)
     assert ps._tally(checks) == {"met": 0, "missed": 0, "not_measured": 3}
+
+
+def test_repeats_combine_to_medians_and_checks_pair_each_repeat():
+    kv = [_run(1.0, 1.0) | {"computed_prompt_tokens": 100}, _run(3.0, 1.2) |
+          {"computed_prompt_tokens": 120}, {"error": "RuntimeError: one lost"}]
+    rr = [_run(2.0, 1.6), _run(2.0, 1.6), _run(9.0, 1.6)]
+    k, r = ps.combine(kv), ps.combine(rr)
+    # the median of the runs that ran; counts stay whole; every run kept, the lost one too
+    assert k["ttft_p50_s"] == pytest.approx(2.0) and k["computed_prompt_tokens"] == 110
+    assert k["ttft_p50_s_range"] == [1.0, 3.0] and len(k["repeats"]) == 3
+    # kv / rr per repeat: 0.5, 1.5 (the third has no kv run): median 1.0, not 2.0 / 2.0
+    assert ps.paired_ratio(k, r, "ttft_p50_s") == pytest.approx(1.0)
+    checks = ps.cell_checks(CELL, SIZING, "off", {"kv_aware": k, "round_robin": r})
+    assert checks[0]["measured"] == pytest.approx(1.0)
+    assert ps.combine([_run(1.0, 1.0)]) == _run(1.0, 1.0)  # one run: as measured
+    assert ps.combine([{"error": "E: a"}, {"error": "E: b"}])["error"] == "E: a"
 
 
 def test_measured_adds_the_floor_ratio():
