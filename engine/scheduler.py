@@ -1,8 +1,8 @@
 """Iteration-level scheduler: decides, every step, which tokens of which requests to compute.
 
 One rule (DESIGN §3): each request has ``num_computed_tokens`` and ``num_tokens``; each step
-hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs``. That
-single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute after
+hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs`` (and
+at most ``max_prefill_chunk`` tokens to one request, when set). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute after
 preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, and the only
 clock is the injected one.
 

@@ -209,6 +209,9 @@ class BackendStats:
     # decisions so far by (role, direction, reason). Empty without it.
     autoscaler_desired: dict[str, int] = field(default_factory=dict)
     autoscaler_decisions: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    # Where committed requests' first-token time went, per phase (router.control.phase_times:
+    # PhaseHistogram by phase name), cumulative. Empty for the embedded backend.
+    phase_seconds: dict = field(default_factory=dict)
 
 
 @runtime_checkable

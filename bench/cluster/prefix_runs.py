@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench.cluster.ttft_breakdown import pinned_overrides
+from bench.report import ratio
 from bench.stats import summarize
 
 POLICIES = ("kv_aware", "load", "round_robin")
@@ -57,6 +59,10 @@ class PolicyRun:
     prefill_hit_tokens: int = 0
     pulled_tokens: int = 0  # prefix tokens pulled from another worker instead of computed
     restored_tokens: int = 0  # prompt tokens restored from a worker's second KV tier
+    # Where the requests' first-token time went: each phase's mean seconds over the run
+    # (router.control.phase_times: prefill_queue, prefill_compute, kv_transfer_tail,
+    # decode_commit).
+    phase_mean_s: dict[str, float] = field(default_factory=dict)
 
 
 def names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
@@ -179,7 +185,20 @@ async def run_on_cluster(config: Any, workload: str, policy: str, vocab: int, se
     restored_before = {w.worker_id: w.kv_offload_restored_tokens for w in before.workers}
     run_.restored_tokens = sum(w.kv_offload_restored_tokens - restored_before.get(w.worker_id, 0)
                                for w in after.workers)
+    run_.phase_mean_s = phase_means(before.phase_seconds, after.phase_seconds)
     return run_
+
+
+def phase_means(before: dict, after: dict) -> dict[str, float]:
+    """Each phase's mean seconds over the observations between two ``BackendStats``
+    snapshots' ``phase_seconds`` (phases with none left out)."""
+    out = {}
+    for phase, h in after.items():
+        b = before.get(phase)
+        n = h.count - (b.count if b else 0)
+        if n > 0:
+            out[phase] = (h.sum - (b.sum if b else 0.0)) / n
+    return out
 
 
 def summary(r: PolicyRun) -> dict[str, Any]:
@@ -193,4 +212,42 @@ def summary(r: PolicyRun) -> dict[str, Any]:
             "computed_prompt_tokens": r.computed_tokens, "kv_bytes_moved": r.kv_bytes,
             "decode_hit_rate": r.decode_hit_tokens / max(r.prompt_tokens, 1),
             "prefill_hit_rate": r.prefill_hit_tokens / max(r.prompt_tokens, 1),
-            "pulled_tokens": r.pulled_tokens, "restored_tokens": r.restored_tokens}
+            "pulled_tokens": r.pulled_tokens, "restored_tokens": r.restored_tokens,
+            "phase_mean_s": r.phase_mean_s}
+
+
+# ---- repeats of one run (bench prefix --sweep --sweep-repeats) ----------------------------------
+def paired_ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+    """``a[key] / b[key]``; over repeats (``combine``), the median of the per-repeat ratios:
+    each repeat's two runs served the same requests, so its ratio is the paired comparison."""
+    ra, rb = a.get("repeats"), b.get("repeats")
+    if not (ra and rb):
+        return ratio(a.get(key), b.get(key))
+    pairs = [ratio(x.get(key), y.get(key)) for x, y in zip(ra, rb, strict=True)]
+    pairs = [p for p in pairs if p is not None]
+    return statistics.median(pairs) if pairs else None
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (cell, tier, policy)'s repeats as one result: each number the median over the
+    repeats that ran, ``repeats`` every run as measured (a failed one as its error), and
+    ``ttft_p50_s_range`` the lowest and highest TTFT p50. A single run is returned as is."""
+    if len(runs) == 1:
+        return runs[0]
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[0]["error"], "repeats": runs}
+    out: dict[str, Any] = {}
+    for key, value in ok[0].items():
+        vals = [r.get(key) for r in ok]
+        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals)
+        if isinstance(value, dict):  # e.g. phase_mean_s: each entry's median
+            out[key] = {k: statistics.median(v[k] for v in vals if k in v) for k in value}
+        elif not numeric:
+            out[key] = value
+        elif all(isinstance(v, int) for v in vals):  # token counts stay whole
+            out[key] = round(statistics.median(vals))
+        else:
+            out[key] = statistics.median(vals)
+    ttfts = [r["ttft_p50_s"] for r in ok]
+    return {**out, "repeats": runs, "ttft_p50_s_range": [min(ttfts), max(ttfts)]}

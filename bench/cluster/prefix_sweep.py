@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import itertools
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -44,7 +43,9 @@ from bench.cluster.prefix_runs import (
     Shape,
     check_prefill_chunk,
     cluster_config,
+    combine,
     names,
+    paired_ratio,
     pool_tokens,
     run_on_cluster,
     send_all,
@@ -54,7 +55,7 @@ from bench.cluster.prefix_runs import (
 )
 from bench.cluster.ttft_breakdown import ray_session
 from bench.harness import model_config
-from bench.report import machine_info, print_targets, ratio, write_json
+from bench.report import machine_info, print_targets, write_json
 from bench.report import target as make_target
 
 NAME = "prefix_sweep"
@@ -284,40 +285,6 @@ def cell_checks(cell: Cell, sizing: Sizing, tier: str,
     return checks
 
 
-def paired_ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
-    """``a[key] / b[key]``; over repeats (``combine``), the median of the per-repeat ratios:
-    each repeat's two runs served the same requests, so its ratio is the paired comparison."""
-    ra, rb = a.get("repeats"), b.get("repeats")
-    if not (ra and rb):
-        return ratio(a.get(key), b.get(key))
-    pairs = [ratio(x.get(key), y.get(key)) for x, y in zip(ra, rb, strict=True)]
-    pairs = [p for p in pairs if p is not None]
-    return statistics.median(pairs) if pairs else None
-
-
-def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One (cell, tier, policy)'s repeats as one result: each number the median over the
-    repeats that ran, ``repeats`` every run as measured (a failed one as its error), and
-    ``ttft_p50_s_range`` the lowest and highest TTFT p50. A single run is returned as is."""
-    if len(runs) == 1:
-        return runs[0]
-    ok = [r for r in runs if "error" not in r]
-    if not ok:
-        return {"error": runs[0]["error"], "repeats": runs}
-    out: dict[str, Any] = {}
-    for key, value in ok[0].items():
-        vals = [r.get(key) for r in ok]
-        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals)
-        if not numeric:
-            out[key] = value
-        elif all(isinstance(v, int) for v in vals):  # token counts stay whole
-            out[key] = round(statistics.median(vals))
-        else:
-            out[key] = statistics.median(vals)
-    ttfts = [r["ttft_p50_s"] for r in ok]
-    return {**out, "repeats": runs, "ttft_p50_s_range": [min(ttfts), max(ttfts)]}
-
-
 def measured(summary: dict[str, Any], sizing: Sizing) -> dict[str, Any]:
     """A run's summary (``bench prefix``'s) with the cell's floor and computed / floor."""
     return {**summary, "floor_tokens": sizing.floor_tokens,
@@ -455,7 +422,17 @@ def _print_table(cells_out: list[dict[str, Any]]) -> None:
                       f"{m['kv_bytes_moved'] / 1e6:7.1f} MB  hit decode "
                       f"{m['decode_hit_rate']:.0%} prefill {m['prefill_hit_rate']:.0%}  "
                       f"pulled {m.get('pulled_tokens', 0)} restored "
-                      f"{m.get('restored_tokens', 0)} tok")
+                      f"{m.get('restored_tokens', 0)} tok{_phases(m)}")
+
+
+def _phases(m: dict[str, Any]) -> str:
+    """'  first token: queue 12 + compute 210 + tail 3 + commit 90 ms' (means), or ''."""
+    p = m.get("phase_mean_s") or {}
+    names = (("prefill_queue", "queue"), ("prefill_compute", "compute"),
+             ("kv_transfer_tail", "tail"), ("decode_commit", "commit"))
+    if not all(k in p for k, _ in names):
+        return ""
+    return "  first token: " + " + ".join(f"{short} {p[k] * 1e3:.0f}" for k, short in names) + " ms"
 
 
 def _plot(cells_out: list[dict[str, Any]], path: Path) -> None:

@@ -355,7 +355,8 @@ class Cluster:
                             dict(orch.usage.mixed_steps), orch.pulls.pulled_tokens,
                             orch.pulls.recomputed_tokens,
                             self.autoscaler.desired() if self.autoscaler else {},
-                            dict(self.autoscaler.decisions) if self.autoscaler else {})
+                            dict(self.autoscaler.decisions) if self.autoscaler else {},
+                            orch.phases.snapshot())
 
     async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
                            wait: bool = False) -> DrainStatus:

@@ -37,6 +37,7 @@ from router.control.config import MIGRATED_PRIORITY, OrchestratorConfig
 from router.control.drain import WorkerDrains
 from router.control.fanout import TokenFanout
 from router.control.orphans import OrphanRescue
+from router.control.phase_times import PhaseTimes
 from router.control.prefix_pull import PrefixPulls
 from router.control.request_state import (
     Aborted,
@@ -113,7 +114,7 @@ class Orchestrator:
         self.decode: dict[str, WorkerSlot] = {}
         self.kv_transfer_bytes_total = 0
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
-        self.timings: dict[str, RequestTiming] = {}  # kept for the last requests (bounded)
+        self.phases = PhaseTimes()  # where first tokens' time went (/metrics), last timings
         # Operators' drains (scale-down): the cluster sets ``drains.retire`` (it owns processes).
         self.drains = WorkerDrains(lambda: [*self.prefill.values(), *self.decode.values()],
                                    self.fanout, call_timeout_s=config.call_timeout_s)
@@ -444,6 +445,7 @@ class Orchestrator:
                 prefill_counted = False
             stream.prefill_id = None
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
+            prefilled_at = time.monotonic()
             commit = await self.calls.call(stream, decode, decode.handle.commit.remote(
                 CommitRequest(rid, result.first_token_id, cfg.transfer_timeout_s,
                               result.first_logprob)),
@@ -457,10 +459,9 @@ class Orchestrator:
         self.pulls.note_prefill(pslot.info.worker_id,
                                 result.num_prompt_tokens - result.num_cached_tokens,
                                 result.compute_s)
-        self.timings[rid] = RequestTiming(result.queue_s, result.compute_s,
-                                          result.transfer_tail_s, attempt + 1)
-        if len(self.timings) > 10_000:
-            self.timings.pop(next(iter(self.timings)))
+        self.phases.record(rid, RequestTiming(result.queue_s, result.compute_s,
+                                              result.transfer_tail_s, attempt + 1),
+                           time.monotonic() - prefilled_at)
         self._journal(rid, "committed", decode.info.worker_id, "")
         return FirstToken(result.first_token_id, commit.finished, commit.finish_reason,
                           result.first_logprob, result.prompt_logprobs)

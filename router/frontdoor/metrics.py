@@ -14,7 +14,12 @@ import time
 from collections.abc import AsyncIterator, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from router.contract import BackendStats, GenerationBackend, GenerationChunk
@@ -47,6 +52,9 @@ class _StatsCollector(Collector):
                 "pdcluster_requests_running", "Requests in the running batch", labels=labels),
             "requests_waiting": GaugeMetricFamily(
                 "pdcluster_requests_waiting", "Requests queued, not yet running", labels=labels),
+            "kv_usage_ratio": GaugeMetricFamily(
+                "pdcluster_kv_usage_ratio", "Fraction of the KV pool's blocks in use (0..1)",
+                labels=labels),
         }
         for w in s.workers:
             lv = [w.worker_id, w.role]
@@ -54,6 +62,8 @@ class _StatsCollector(Collector):
             fams["kv_blocks_total"].add_metric(lv, w.kv_blocks_total)
             fams["requests_running"].add_metric(lv, w.requests_running)
             fams["requests_waiting"].add_metric(lv, w.requests_waiting)
+            fams["kv_usage_ratio"].add_metric(lv, w.kv_blocks_used / w.kv_blocks_total
+                                              if w.kv_blocks_total else 0.0)
         yield from fams.values()
         # The second KV cache tier (engine.kv_tier): what each worker keeps there, and the
         # prompt tokens it restored instead of recomputing (a counter per worker process).
@@ -126,6 +136,16 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("pdcluster_prefill_computed_tokens",
                                   "Prompt (and recomputed) tokens run through a model",
                                   value=s.prefill_computed_tokens)
+        if s.phase_seconds:  # disaggregated clusters (router.control.phase_times)
+            phases = HistogramMetricFamily(
+                "pdcluster_request_phase_seconds",
+                "Where a request's time to first token went, by phase: prefill_queue and "
+                "prefill_compute on its prefill worker, kv_transfer_tail (the KV transfer "
+                "compute did not hide), decode_commit (until the decode worker admitted it)",
+                labels=["phase"])
+            for phase, h in s.phase_seconds.items():
+                phases.add_metric([phase], h.cumulative(), h.sum)
+            yield phases
         # The engine's own steps (engine.step_times), what `pdcluster bench serve` sets the
         # served time per output token beside: pure-decode steps by batch size, and mixed
         # steps (decode rows beside prefill chunks: colocated workers) by their decode rows.

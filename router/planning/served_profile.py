@@ -71,7 +71,7 @@ async def _measure(cluster: Any, grid: ProfileGrid, vocab: int, max_len: int, se
         for _ in range(grid.repeats):
             rid = f"p-{next(ids)}"
             ttft = await _one(cluster, prompt(n), 1, rid)
-            t = orch.timings[rid]
+            t = orch.phases.timings[rid]
             times.append(t.prefill_compute_s)
             overheads.append(max(0.0, ttft - t.queue_s - t.prefill_compute_s))
         prefill.append((1, n, statistics.median(times)))
@@ -204,7 +204,7 @@ async def _interference(cluster: Any, grid: ProfileGrid, prompt, ids, prefill: l
         for _ in range(max(grid.repeats, 3)):
             rid = f"ip-{next(ids)}"
             ttft = await _one(cluster, prompt(n), 1, rid)
-            t = cluster.orchestrator.timings[rid]
+            t = cluster.orchestrator.phases.timings[rid]
             computes.append(t.prefill_compute_s)
             overheads.append(max(0.0, ttft - t.queue_s - t.prefill_compute_s))
         busy1 = (await cluster.stats()).decode_steps

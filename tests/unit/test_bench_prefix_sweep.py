@@ -198,6 +198,30 @@ def test_repeats_combine_to_medians_and_checks_pair_each_repeat():
     assert ps.combine([{"error": "E: a"}, {"error": "E: b"}])["error"] == "E: a"
 
 
+def test_phase_means_between_snapshots_and_their_median_over_repeats(capsys):
+    from bench.cluster.prefix_runs import phase_means
+    from router.control.phase_times import PhaseTimes
+    from router.control.request_state import RequestTiming
+
+    pt = PhaseTimes()
+    pt.record("warm", RequestTiming(9.0, 9.0, 9.0, 1), 9.0)  # before the run: not counted
+    before = pt.snapshot()
+    pt.record("a", RequestTiming(0.01, 0.2, 0.002, 1), 0.05)
+    pt.record("b", RequestTiming(0.03, 0.4, 0.004, 1), 0.07)
+    means = phase_means(before, pt.snapshot())
+    assert means == pytest.approx({"prefill_queue": 0.02, "prefill_compute": 0.3,
+                                   "kv_transfer_tail": 0.003, "decode_commit": 0.06})
+    assert phase_means(pt.snapshot(), pt.snapshot()) == {}  # nothing between: nothing
+    runs = [_run(1.0, 1.0) | {"phase_mean_s": {"prefill_queue": q, "prefill_compute": 0.3,
+                                                "kv_transfer_tail": 0.0, "decode_commit": 0.1}}
+            for q in (0.01, 0.05, 0.02)]
+    combined = ps.combine(runs)
+    assert combined["phase_mean_s"]["prefill_queue"] == pytest.approx(0.02)
+    assert ps._phases(combined) == ("  first token: queue 20 + compute 300 + tail 0 + "
+                                    "commit 100 ms")
+    assert ps._phases(_run(1.0, 1.0)) == ""
+
+
 def test_measured_adds_the_floor_ratio():
     m = ps.measured({"computed_prompt_tokens": 1150, "ttft_p50_s": 1.0}, SIZING)
     assert m["floor_tokens"] == 1000

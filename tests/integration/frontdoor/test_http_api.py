@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from client import Client
+from router.embedded import EngineBackend
 from tests.sse import sse_events_with_ids
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -22,7 +23,7 @@ METRIC_NAMES = [
     "pdcluster_e2e_request_latency_seconds", "pdcluster_requests_running",
     "pdcluster_requests_waiting", "pdcluster_kv_blocks_used", "pdcluster_kv_blocks_total",
     "pdcluster_kv_transfer_bytes_total", "pdcluster_generation_tokens_total",
-    "pdcluster_prompt_tokens_total", "pdcluster_migrations_total",
+    "pdcluster_prompt_tokens_total", "pdcluster_migrations_total", "pdcluster_kv_usage_ratio",
 ]
 
 
@@ -249,11 +250,12 @@ def _scrape(http) -> dict[str, float]:
     return totals
 
 
-def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor):
+def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor, backend):
     # One request first: labelled histograms have no series until a request has been served,
     # and this test must not depend on the tests before it.
     http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     before = _scrape(http)
+    before_phases = _scrape_phases(http)
     for name in METRIC_NAMES:
         kind_suffix = "_count" if name.endswith("_seconds") else ""
         assert name + kind_suffix in before, name
@@ -284,6 +286,29 @@ def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor):
     mixed = "pdcluster_engine_mixed_steps_total"
     assert f"# TYPE {mixed} counter" in http.get("/metrics").text
     assert after.get(mixed, 0.0) - before.get(mixed, 0.0) == 0
+    if isinstance(backend, EngineBackend):  # no prefill / decode split to time
+        assert "pdcluster_request_phase_seconds_count" not in after
+        return
+    # Disaggregated: each request's first-token time in phases, one observation per phase
+    # each, and together no more than the TTFT the front door measured around them.
+    phases = _scrape_phases(http)
+    assert {p: n - before_phases.get(p, (0, 0.0))[0] for p, (n, _) in phases.items()} == {
+        "prefill_queue": 2, "prefill_compute": 2, "kv_transfer_tail": 2, "decode_commit": 2}
+    spent = sum(s - before_phases.get(p, (0, 0.0))[1] for p, (_, s) in phases.items())
+    ttft = "pdcluster_time_to_first_token_seconds_sum"
+    assert 0 < spent <= after[ttft] - before[ttft]
+    assert phases["prefill_compute"][1] > before_phases.get("prefill_compute", (0, 0.0))[1]
+
+
+def _scrape_phases(http) -> dict[str, tuple[int, float]]:
+    """``pdcluster_request_phase_seconds``: (count, sum) by phase."""
+    out: dict[str, list] = {}
+    for line in http.get("/metrics").text.splitlines():
+        m = re.match(r'^pdcluster_request_phase_seconds_(count|sum)\{phase="(\w+)"\} (\S+)$',
+                     line)
+        if m:
+            out.setdefault(m.group(2), [0, 0.0])[m.group(1) == "sum"] = float(m.group(3))
+    return {p: (int(n), s) for p, (n, s) in out.items()}
 
 
 def _scrape_labels(http, name: str) -> dict[str, float]:
