@@ -214,40 +214,6 @@ def test_without_chunked_prefill_a_prompt_waits_for_the_whole_budget():
     h.run()
 
 
-def _first_token_step(h: Harness, rid: str) -> int:
-    """Index (in ``h.steps``) of the step that sampled ``rid``'s first token."""
-    return next(i for i, out in enumerate(h.steps)
-                for c in out.chunks if c.request_id == rid and c.sample)
-
-
-@pytest.mark.parametrize("cap", [None, 16])
-def test_prefill_chunk_cap_lets_a_short_prompt_start_behind_a_long_one(cap):
-    """With ``max_prefill_chunk`` a long prompt takes at most ``cap`` tokens a step and the
-    rest of the budget admits a short prompt that arrives behind it: its first token comes
-    the next step. Without it the long prompt takes the whole budget until it is done."""
-    h = make(max_num_batched_tokens=32, max_prefill_chunk=cap)
-    long_req = h.add("long", 100, max_tokens=2)
-    h.step()
-    h.add("short", 5, max_tokens=2)
-    h.run()
-    if cap is None:
-        # the long prompt's 100 tokens take steps 0-3; the short one finishes in step 3 or later
-        assert _first_token_step(h, "short") >= 3
-    else:
-        assert _first_token_step(h, "short") == 1
-        assert max(c.num_tokens for out in h.steps for c in out.chunks) <= cap
-    assert len(long_req.output_token_ids) == 2  # the long one still completes, in order
-    assert _first_token_step(h, "long") == (3 if cap is None else 6)
-
-
-def test_prefill_chunk_cap_is_refused_without_chunked_prefill_or_below_one():
-    with pytest.raises(ValueError, match="max_prefill_chunk must be > 0"):
-        SchedulerConfig(max_prefill_chunk=0)
-    with pytest.raises(ValueError, match="needs chunked prefill"):
-        SchedulerConfig(max_prefill_chunk=64, enable_chunked_prefill=False,
-                        max_num_batched_tokens=4096)
-
-
 def test_prefix_cache_hit_skips_the_shared_prompt():
     h = make(block_size=4)
     prompt = list(range(50, 63))  # 13 tokens: 3 full blocks + 1
