@@ -3,7 +3,7 @@
 One prefill and one decode worker, each pinned to its own core, serve 512-token prompts
 twice in the same run: with layer-wise KV streaming (each layer sent while the next one
 computes) and with every layer sent after the prompt's last step. TTFT, as the client sees
-it, is split into the prefill worker's own measurements (``orchestrator.timings``):
+it, is split into the prefill worker's own measurements (``orchestrator.phases.timings``):
 
 - ``queue_s``: arrival on the prefill worker -> its first scheduled step;
 - ``prefill_compute_s``: that step -> the end of the step that finished the prompt;
@@ -191,7 +191,7 @@ async def _phase(cluster: Any, prompts: list[list[int]], max_tokens: int, concur
                   for p, r in zip(prompts, rids, strict=True)]
     rows = []
     for tr in traces:
-        t = orch.timings[tr.request_id]
+        t = orch.phases.timings[tr.request_id]
         other = tr.ttft_s - t.queue_s - t.prefill_compute_s - t.transfer_tail_s
         rows.append(RequestBreakdown(tr.request_id, tr.ttft_s, t.queue_s, t.prefill_compute_s,
                                      t.transfer_tail_s, max(other, 0.0)))
