@@ -57,6 +57,7 @@ from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import DecodeRankKV, rank_state
 from worker_protocol.messages import offload_load
 from worker_protocol.prefix_pull import PrefixSource, SendPrefixRequest
+from worker_protocol.tracing import Tracing, start_tracing
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,15 @@ _KEEP_OUTPUTS = 4096  # finished requests' outputs kept beyond the running ones 
 
 def _oldest_finished(outputs: OrderedDict) -> str | None:
     return next((rid for rid, t in outputs.items() if t.finish_reason is not None), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """A traced request's parent span and when its generation here began (wall ns)."""
+
+    traceparent: str
+    start_ns: int
+    prompt_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +126,10 @@ class DecodeWorker:
         # Serves prefill workers' pulls of prefixes this one holds (worker_protocol.prefix_pull).
         self.source = PrefixSource(self.loop, self.worker_id, self.layout, self.kv_host.address,
                                    kv_device, config.fault_pull_delay_per_layer_s)
+        self.tracing: Tracing | None = start_tracing(
+            config.tracing, f"pdcluster-{config.role}",
+            attributes={"pdcluster.worker_id": self.worker_id})
+        self._traced: dict[str, _Traced] = {}  # request id -> its span's parent (tracing on)
         self._lease_thread = threading.Thread(target=self._expire_leases, daemon=True,
                                               name=f"{self.worker_id}-leases")
         self._lease_thread.start()
@@ -224,21 +238,31 @@ class DecodeWorker:
         timed out.
         """
         rid = req.request_id
+        t0 = time.time_ns()
         try:
             self.kv.wait(rid, req.timeout_s or self.config.transfer_timeout_s)
-        except KVTransferError:
+        except KVTransferError as e:
             self._release(rid)
+            self._trace_span("decode.kv_wait", req.traceparent, t0, error=repr(e))
             raise
         with self._lock:
             lease = self._leases.pop(rid, None)
         if lease is None:  # lease expired or aborted while we waited
             raise KVTransferError(f"reservation for {rid} was released before commit")
         self.kv_bytes_received += lease.num_bytes
+        self._trace_span("decode.kv_wait", req.traceparent, t0,
+                         {"pdcluster.kv.bytes": lease.num_bytes})
+        if self.tracing is not None and req.traceparent:
+            with self._lock:  # before admission: its first step may finish it
+                self._traced[rid] = _Traced(req.traceparent, time.time_ns(), -1)
         try:
             admitted = self.loop.call(lambda e: e.kv_connector.admit(
                 rid, req.first_token_id, req.first_logprob)).result(_CALL_TIMEOUT_S)
         except KeyError:  # aborted between the wait and the admission
+            self._untrace(rid)
             raise KVTransferError(f"{rid} was aborted before commit") from None
+        if admitted.finished:  # its only token was the prefill's: no step will report it
+            self._trace_end(rid, 1, admitted.finish_reason)
         return CommitResult(admitted.finished, admitted.finish_reason)
 
     # ---- colocated path -------------------------------------------------------------------
@@ -247,6 +271,10 @@ class DecodeWorker:
         (the one the sequence lives on). Raises QueueFullError when full."""
         self._offsets[req.request_id] = req.sampling_params.sample_index_offset
         self.delivery.own(req.request_id, req.router_id)
+        if self.tracing is not None and req.traceparent:
+            with self._lock:
+                self._traced[req.request_id] = _Traced(req.traceparent, time.time_ns(),
+                                                       len(req.prompt_token_ids))
         self.loop.call(lambda e: e.add_request(
             list(req.prompt_token_ids), req.sampling_params, req.request_id,
             priority=req.priority)).result(_CALL_TIMEOUT_S)
@@ -257,6 +285,7 @@ class DecodeWorker:
         """Free everything the request holds here (reservation, pages, slot). Idempotent."""
         had_reservation = self._release(req.request_id)
         out = self.loop.call(lambda e: e.abort_request(req.request_id)).result(_CALL_TIMEOUT_S)
+        self._trace_end(req.request_id, -1, "abort")
         return had_reservation or out is not None
 
     def tokens_of(self, request_id: str) -> RequestTokens | None:
@@ -289,6 +318,8 @@ class DecodeWorker:
         return self.source.send(req)
 
     def shutdown(self) -> None:
+        if self.tracing is not None:
+            self.tracing.shutdown()
         self.source.close()
         self._stopped.set()
         self.delivery.stop()
@@ -316,6 +347,8 @@ class DecodeWorker:
                 self._outputs.move_to_end(o.request_id)
                 if o.finished:
                     self._offsets.pop(o.request_id, None)
+                    if self._traced:
+                        self._trace_end(o.request_id, len(o.token_ids), reason, locked=True)
             while len(self._outputs) > _KEEP_OUTPUTS and _oldest_finished(self._outputs):
                 forgotten.append(_oldest_finished(self._outputs))
                 self._outputs.pop(forgotten[-1])
@@ -333,6 +366,7 @@ class DecodeWorker:
             return False
         # It never produced a token here: nothing else would drop these.
         self._offsets.pop(request_id, None)
+        self._untrace(request_id)
         self.delivery.forget(request_id)
         if self.kv is not None:
             self.kv.abort(request_id)
@@ -352,3 +386,38 @@ class DecodeWorker:
             for rid in expired:
                 log.warning("%s: lease for %s expired; releasing its blocks", self.worker_id, rid)
                 self._release(rid)
+
+    # ---- traces (worker_protocol.tracing) -----------------------------------------------------
+    def _trace_span(self, name: str, traceparent: str, start_ns: int,
+                    attributes: dict | None = None, error: str | None = None) -> None:
+        if self.tracing is not None and traceparent:
+            self.tracing.record(name, traceparent, start_ns, time.time_ns(),
+                                {"pdcluster.worker_id": self.worker_id, **(attributes or {})},
+                                error)
+
+    def _trace_end(self, request_id: str, num_tokens: int, reason: str | None,
+                   locked: bool = False) -> None:
+        """The request's generation span here, from admission (or submission) to now."""
+        if self.tracing is None:
+            return
+        if locked:
+            traced = self._traced.pop(request_id, None)
+        else:
+            with self._lock:
+                traced = self._traced.pop(request_id, None)
+        if traced is None:
+            return
+        attrs = {"pdcluster.worker_id": self.worker_id,
+                 "gen_ai.response.finish_reasons": (reason or "",)}
+        if num_tokens >= 0:
+            attrs["gen_ai.usage.output_tokens"] = num_tokens
+        if traced.prompt_tokens >= 0:  # colocated: the prompt was computed here too
+            attrs["gen_ai.usage.input_tokens"] = traced.prompt_tokens
+        self.tracing.record("decode.generate", traced.traceparent, traced.start_ns,
+                            time.time_ns(), attrs, "aborted" if reason == "abort" else None)
+
+    def _untrace(self, request_id: str) -> None:
+        if self.tracing is None:
+            return
+        with self._lock:
+            self._traced.pop(request_id, None)

@@ -107,6 +107,7 @@ class BlockManager:
         self._computing: dict[int, str] = {}
         self.num_prefix_hit_tokens = 0  # cumulative, for metrics (restored blocks included)
         self.num_restored_tokens = 0  # cumulative: of those, restored from the second tier
+        self.num_evicted_blocks = 0  # cumulative: cached blocks the pool reused for others
         self._events: KVEventRecorder | None = None
         self._tier = tier if enable_prefix_caching else None
         if self._tier is not None:
@@ -365,6 +366,7 @@ class BlockManager:
             h = block.block_hash
             if self._cached.get(h) == bid:
                 del self._cached[h]
+                self.num_evicted_blocks += 1
                 # Its pages still hold the content: the tier copies it before reuse.
                 tier = self._tier.offload(h, block.token_ids, bid) if self._tier else None
                 if self._events is not None:

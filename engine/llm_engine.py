@@ -39,7 +39,7 @@ from engine.request import (
     SamplingParams,
 )
 from engine.scheduler import Scheduler, StepUpdate
-from engine.step_times import DecodeStepTimes
+from engine.step_times import DecodeStepTimes, StepHistogram
 from engine.structured import Grammars
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from engine.weights import load_model_config, load_weights, resolve_model
@@ -124,6 +124,12 @@ class EngineStats:
     # tokens restored from it (cumulative).
     kv_offload: TierStats | None = None
     num_restored_tokens: int = 0
+    # Cumulative: requests preempted (their KV dropped, recomputed later), cached prefix
+    # blocks evicted from the pool (to the second tier when it is on), and every step's time
+    # (engine.step_times.StepHistogram.snapshot).
+    num_preemptions: int = 0
+    num_evicted_blocks: int = 0
+    step_seconds: tuple = ()
 
 
 def tune_runner(args: EngineArgs, plan, model: LlamaForCausalLM, runner: ModelRunner) -> None:
@@ -239,6 +245,7 @@ class LLMEngine:
         self.num_prefill_tokens_computed = 0
         self.decode_step_times = DecodeStepTimes()  # steps that only decode
         self.mixed_step_times = DecodeStepTimes()  # decode rows sharing a step with prefill
+        self.step_histogram = StepHistogram()  # every step, whatever it ran
         self.last_step_idle = False  # the last step had nothing to schedule
         self._tp_failure: str | None = None
 
@@ -374,7 +381,8 @@ class LLMEngine:
                            self.num_prefill_tokens_computed, bm.num_prefix_hit_tokens,
                            self.decode_step_times.rows(), self.mixed_step_times.rows(),
                            self.kv_tier.stats() if self.kv_tier is not None else None,
-                           bm.num_restored_tokens)
+                           bm.num_restored_tokens, sched.num_preemptions,
+                           bm.num_evicted_blocks, self.step_histogram.snapshot())
 
     def record_kv_events(self) -> None:
         """Record the prefix cache's changes from now on, for ``take_kv_events`` (a worker
@@ -430,10 +438,12 @@ class LLMEngine:
         outs = [self.process_update(u) for u in updates]
         # Timed by kind, so a served time per token splits into the engine's pure decode
         # step, what prefill sharing the step adds (colocated), and the serving path.
+        took = time.perf_counter() - t0
+        self.step_histogram.record(took)
         if not prefill:
-            self.decode_step_times.record(decode_rows, time.perf_counter() - t0)
+            self.decode_step_times.record(decode_rows, took)
         elif decode_rows:
-            self.mixed_step_times.record(decode_rows, time.perf_counter() - t0)
+            self.mixed_step_times.record(decode_rows, took)
         return outs
 
     def process_update(self, u: StepUpdate) -> RequestOutput:
@@ -464,7 +474,8 @@ class LLMEngine:
             finish_reason=req.status.finish_reason,
             metrics=RequestMetrics(req.arrival_time, req.first_token_time,
                                    self.clock() if finished else None, list(req.token_times),
-                                   req.num_cached_tokens, req.first_scheduled_time),
+                                   req.num_cached_tokens, req.first_scheduled_time,
+                                   req.num_prompt_chunks),
             new_token_ids=list(new_ids),
             delta_text=delta,
             prompt=self._prompts.get(req.request_id),

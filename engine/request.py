@@ -251,6 +251,7 @@ class Request:
     priority: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # the first step that computed any of it
+    num_prompt_chunks: int = 0  # steps that computed part of its prompt (traces)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     stop_reason: int | str | None = None
@@ -302,6 +303,7 @@ class RequestMetrics:
     token_times: list[float]
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    num_prompt_chunks: int = 0  # steps that computed part of the prompt
 
     @property
     def queue_s(self) -> float | None:

@@ -332,6 +332,8 @@ class Scheduler:
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         toks = req.token_slice(start, start + num_new)
+        if start < req.num_prompt_tokens:
+            req.num_prompt_chunks += 1
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=toks,

@@ -16,6 +16,7 @@ the engine's decode step, what prefill interleaving adds, and what the serving p
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -53,3 +54,39 @@ def merge_rows(parts: Iterable[Iterable[StepRow]]) -> dict[int, tuple[int, float
             n0, s0 = out.get(int(b), (0, 0.0))
             out[int(b)] = (n0 + int(n), s0 + float(s))
     return out
+
+
+# Seconds: a decode step of milliseconds on a GPU to a long prefill step on a loaded CPU.
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class StepHistogram:
+    """Every engine step's time (schedule to outputs, whatever it ran: prefill, decode or
+    both), in ``STEP_BUCKETS``, cumulative since the engine started: what
+    ``pdcluster_engine_step_seconds{worker}`` shows."""
+
+    _counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    _seconds: float = 0.0
+
+    def record(self, seconds: float) -> None:
+        self._counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
+        self._seconds += seconds
+
+    def snapshot(self) -> tuple:
+        """``(count per bucket ..., count above the last, seconds)``: a plain tuple, as load
+        reports carry it (``step_histogram`` reads it back)."""
+        return (*self._counts, self._seconds)
+
+
+def step_histogram(snapshot: Iterable) -> tuple[list[tuple[str, int]], float] | None:
+    """A ``StepHistogram.snapshot`` as Prometheus buckets ((``le``, cumulative count) ending
+    with ``+Inf``) and the sum; None for an empty or foreign-shaped one."""
+    values = list(snapshot)
+    if len(values) != len(STEP_BUCKETS) + 2:
+        return None
+    out, total = [], 0
+    for le, n in zip((*STEP_BUCKETS, float("inf")), values[:-1], strict=True):
+        total += int(n)
+        out.append(("+Inf" if le == float("inf") else repr(le), total))
+    return out, float(values[-1])

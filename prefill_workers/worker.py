@@ -53,6 +53,7 @@ from worker_protocol.prefix_pull import (
     PullResult,
     SendPrefixRequest,
 )
+from worker_protocol.tracing import Tracing, start_tracing, wall_ns
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class _Pending:
     arrival: float  # engine clock
     layers_sent: int = 0
     kv_bytes: int = 0
+    first_layer_at: float | None = None  # engine clock: its first layer's send was posted
+    chunks: int = 0  # steps that computed part of the prompt (traces)
     # non-streaming mode: each layer's (kv, heads) until the prompt is done
     held: list[tuple[torch.Tensor, tuple[int, int] | None]] = dataclasses.field(
         default_factory=list)
@@ -111,6 +114,8 @@ class PrefillWorker:
                                    self.kv_host.address, kv_device)
         self.source = PrefixSource(self.loop, self.worker_id, self.layout, self.kv_host.address,
                                    kv_device, config.fault_pull_delay_per_layer_s)
+        self.tracing: Tracing | None = start_tracing(
+            config.tracing, "pdcluster-prefill", attributes={"pdcluster.worker_id": self.worker_id})
         # Last: the model, torch and Ray are loaded; keep full collections off them (their
         # pauses would delay every prefill and layer send running then).
         freeze_startup_heap()
@@ -196,12 +201,20 @@ class PrefillWorker:
                 raise
             timeout_s = req.timeout_s or _PREFILL_TIMEOUT_S
             try:
-                return pending.future.result(timeout_s)
+                result = pending.future.result(timeout_s)
             except TimeoutError:  # concurrent.futures' is the builtin since 3.11
                 self.abort(AbortRequest(req.request_id))  # stop computing and sending it
-                raise PrefillTimeoutError(
+                error = PrefillTimeoutError(
                     f"prefill of {req.request_id} ({len(req.prompt_token_ids)} tokens) was not "
-                    f"done within {timeout_s:g} s on {self.worker_id}") from None
+                    f"done within {timeout_s:g} s on {self.worker_id}")
+                self._trace_failure(pending, error)
+                raise error from None
+            except BaseException as e:
+                self._trace_failure(pending, e)
+                raise
+            if self.tracing is not None and req.traceparent:
+                self._trace(pending, result)
+            return result
         finally:
             with self._lock:
                 self._pending.pop(req.request_id, None)
@@ -229,6 +242,8 @@ class PrefillWorker:
         return self.source.send(req)
 
     def shutdown(self) -> None:
+        if self.tracing is not None:
+            self.tracing.shutdown()
         self.puller.close()
         self.source.close()
         self.loop.stop()
@@ -253,6 +268,8 @@ class PrefillWorker:
             return
         # The whole layer's bytes (every rank's heads), as at TP 1.
         pending.kv_bytes += pending.req.transfer.layer_nbytes
+        if pending.first_layer_at is None:
+            pending.first_layer_at = self.engine.clock()
         if self.config.stream_layers:
             self._send(pending, export.layer, export.kv, export.heads)
         else:
@@ -302,9 +319,46 @@ class PrefillWorker:
         done = self.engine.clock()
         self.kv_bytes_sent += pending.kv_bytes
         scheduled = out.metrics.first_scheduled_time or pending.arrival
+        pending.chunks = out.metrics.num_prompt_chunks
+        first_sent = pending.first_layer_at if pending.first_layer_at is not None else step_end
         result = PrefillResult(req.request_id, out.token_ids[0], len(req.prompt_token_ids),
                                out.metrics.num_cached_tokens, max(0.0, scheduled - pending.arrival),
                                step_end - scheduled, done - step_end, pending.kv_bytes,
-                               out.logprobs[0] if out.logprobs else None, out.prompt_logprobs)
+                               out.logprobs[0] if out.logprobs else None, out.prompt_logprobs,
+                               max(0.0, done - first_sent))
         if not pending.future.done():
             pending.future.set_result(result)
+
+    # ---- traces (worker_protocol.tracing) -----------------------------------------------------
+    def _trace(self, pending: _Pending, result: PrefillResult) -> None:
+        """This prefill's spans under the router's: queue, compute, and the KV transfer (which
+        overlaps compute when layers stream; its exposed tail is what follows the compute)."""
+        req, clock = pending.req, self.engine.clock
+        arrived = wall_ns(pending.arrival, clock)
+        scheduled = arrived + int(result.queue_s * 1e9)
+        computed = scheduled + int(result.compute_s * 1e9)
+        done = computed + int(result.transfer_tail_s * 1e9)
+        first_sent = (wall_ns(pending.first_layer_at, clock)
+                      if pending.first_layer_at is not None else computed)
+        tp = req.traceparent
+        self.tracing.record("prefill.queue", tp, arrived, scheduled,
+                            {"pdcluster.worker_id": self.worker_id})
+        self.tracing.record("prefill.compute", tp, scheduled, computed, {
+            "pdcluster.worker_id": self.worker_id,
+            "gen_ai.usage.input_tokens": result.num_prompt_tokens,
+            "pdcluster.prompt.cached_tokens": result.num_cached_tokens,
+            "pdcluster.prompt.computed_tokens": result.num_prompt_tokens
+            - result.num_cached_tokens,
+            "pdcluster.prefill.chunks": pending.chunks})
+        self.tracing.record("kv_transfer", tp, min(first_sent, computed), done, {
+            "pdcluster.kv.bytes": result.kv_bytes,
+            "pdcluster.kv.layers": pending.layers_sent,
+            "pdcluster.kv.pair": f"{self.worker_id}->{req.destination.worker_id}",
+            "pdcluster.kv.transport": self.kv_transport,
+            "pdcluster.kv.exposed_tail_s": result.transfer_tail_s})
+
+    def _trace_failure(self, pending: _Pending, error: BaseException) -> None:
+        if self.tracing is not None and pending.req.traceparent:
+            self.tracing.record("prefill.compute", pending.req.traceparent,
+                                wall_ns(pending.arrival, self.engine.clock), time.time_ns(),
+                                {"pdcluster.worker_id": self.worker_id}, error=repr(error))

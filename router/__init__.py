@@ -21,4 +21,7 @@ Imports go one way (tests/unit/test_import_rules.py keeps it so):
 - ``planning/``: ``pdcluster plan``'s workloads, cluster simulator and split search, and the
   served profile (measured on a ``Cluster``).
 - ``cli/``: the ``pdcluster`` command (``python -m router.cli``).
+- ``observability/``: the Grafana dashboards and Prometheus alert rules of
+  ``deploy/observability/``, generated (``python -m router.observability.dashboards``); a
+  developer's tool that imports no other router package.
 """

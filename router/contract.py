@@ -90,6 +90,9 @@ class GenerateInput:
     # The tenant's concurrency permit (router/security.Permit), released when the generation
     # ends, however it ends (StreamLogger.keep); None: no cap.
     permit: Any = None
+    # The client's W3C ``traceparent`` (HTTP header / gRPC metadata): with tracing on, the
+    # request's trace continues the caller's. A malformed one starts a new trace (W3C).
+    traceparent: str | None = None
 
     @property
     def prompt(self) -> str | list[int] | list[dict]:
@@ -212,6 +215,9 @@ class BackendStats:
     # Where committed requests' first-token time went, per phase (router.control.phase_times:
     # PhaseHistogram by phase name), cumulative. Empty for the embedded backend.
     phase_seconds: dict = field(default_factory=dict)
+    # Every KV transfer's duration by role pair ("prefill->decode", "decode->prefill" for a
+    # prefix pull, ...): PhaseHistogram by pair, cumulative. Empty for the embedded backend.
+    kv_transfer_seconds: dict = field(default_factory=dict)
 
 
 @runtime_checkable

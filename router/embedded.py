@@ -24,6 +24,14 @@ from router.contract import (
     new_request_id,
 )
 from worker_protocol.messages import offload_load
+from worker_protocol.tracing import (
+    TracingConfig,
+    close_request_span,
+    end,
+    open_request_span,
+    start_tracing,
+    wall_ns,
+)
 
 __all__ = ["EngineBackend"]
 
@@ -31,7 +39,8 @@ __all__ = ["EngineBackend"]
 class EngineBackend:
     """One in-process engine behind the backend contract (embedded mode, front-door tests)."""
 
-    def __init__(self, engine_args=None) -> None:
+    def __init__(self, engine_args=None, tracing: TracingConfig | None = None) -> None:
+        """``tracing``: export each request's trace (worker_protocol.tracing); None: off."""
         from engine.async_engine import AsyncEngine
         from engine.llm_engine import EngineArgs
         from router.state.memory import InMemoryStore
@@ -44,6 +53,7 @@ class EngineBackend:
                                tool_call_parser=eng.tokenizer.tool_call_format()
                                if eng.tokenizer is not None else None)
         self.streams = StreamLogger(InMemoryStore(), self._info.model_id, eng.tokenizer)
+        self._tracing = start_tracing(tracing, "pdcluster-embedded", is_router=True)
 
     @property
     def engine(self):
@@ -74,8 +84,12 @@ class EngineBackend:
         rid = inp.request_id or new_request_id()
         t0 = asyncio.get_running_loop().time()
         ttft = None
+        root = (open_request_span(self._tracing, rid, self._info.model_id,
+                                  inp.messages is not None, 0, inp.sampling, inp.traceparent)
+                if self._tracing is not None else None)
         gen = self._async.generate(inp.prompt, inp.sampling, rid)
         opened = finished = False
+        out = error = None
         try:
             async for out in gen:
                 if not opened:
@@ -94,11 +108,36 @@ class EngineBackend:
                                       out.finish_reason, usage, ttft, len(out.prompt_token_ids),
                                       out.new_logprobs, out.prompt_logprobs if first else None)
         except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
+            error = InvalidRequestError(str(e))
+            raise error from e
+        except Exception as e:
+            error = e
+            raise
         finally:
             if opened and not finished:
                 self.streams.append(rid, [], "abort")
             await gen.aclose()
+            if root is not None:
+                self._close_trace(root, out, finished, error)
+
+    def _close_trace(self, root, out, finished: bool, error: BaseException | None) -> None:
+        """The engine's phases of the request (from its own timings) under ``root``, then
+        the root: queue, prefill (to the first token), decode (to the last)."""
+        if out is not None:
+            root.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
+            m, clock = out.metrics, self._async.engine.clock
+            marks = [m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                     m.finished_time]
+            for name, a, b in zip(("queue", "prefill", "decode"), marks, marks[1:],
+                                  strict=False):
+                if a is not None and b is not None:
+                    span = self._tracing.start(name, root, start_ns=wall_ns(a, clock))
+                    if name == "prefill":
+                        span.set_attribute("pdcluster.prompt.cached_tokens", m.num_cached_tokens)
+                        span.set_attribute("pdcluster.prefill.chunks", m.num_prompt_chunks)
+                    end(span, end_ns=wall_ns(b, clock))
+        close_request_span(root, len(out.token_ids) if out is not None else 0,
+                           out.finish_reason if finished and out is not None else None, error)
 
     async def abort(self, request_id: str) -> bool:
         return await self._async.abort(request_id)
@@ -127,3 +166,5 @@ class EngineBackend:
     async def shutdown(self) -> None:
         await self.streams.close()
         self._async.shutdown()
+        if self._tracing is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._tracing.shutdown)

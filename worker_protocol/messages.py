@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.request import SamplingParams, TokenLogprob
 from kv_transfer import KVLayout, KVTransferSpec, PeerAddress
+from worker_protocol.tracing import TracingConfig
 
 # The Ray concurrency group of every worker's control calls (load, abort, ping): its own
 # threads, so they answer at once while the default group's threads sit in blocking
@@ -86,6 +87,11 @@ class WorkerLoad:
     kv_offload_host_blocks: int = 0
     kv_offload_disk_blocks: int = 0
     kv_offload_restored_tokens: int = 0
+    # Cumulative over this incarnation: preempted requests, cached prefix blocks evicted from
+    # the pool, and every engine step's time (engine.step_times.StepHistogram.snapshot).
+    preemptions: int = 0
+    prefix_cache_evictions: int = 0
+    step_seconds: tuple = ()
 
     def __post_init__(self) -> None:
         # Through JSON (the Redis registry) the rows come back as lists: made tuples again,
@@ -95,6 +101,8 @@ class WorkerLoad:
             if not isinstance(rows, tuple) or any(not isinstance(r, tuple) for r in rows):
                 object.__setattr__(self, name, tuple(
                     (int(b), int(n), float(s)) for b, n, s in rows))
+        if not isinstance(self.step_seconds, tuple):  # a list, through JSON
+            object.__setattr__(self, "step_seconds", tuple(self.step_seconds))
         if not isinstance(self.rank_kv_transfer_bytes, tuple):
             object.__setattr__(self, "rank_kv_transfer_bytes",
                                tuple(int(n) for n in self.rank_kv_transfer_bytes))
@@ -140,6 +148,8 @@ class CommitRequest:
     first_token_id: int
     timeout_s: float | None = None  # None: the worker's transfer timeout
     first_logprob: TokenLogprob | None = None  # the prefill's, when the request asked
+    # W3C traceparent of the router's decode span ("": untraced): worker_protocol.tracing.
+    traceparent: str = ""
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,7 @@ class SubmitRequest:
     sampling_params: SamplingParams
     priority: int = 0  # queued ahead of lower priorities (a migrated stream's re-prefill)
     router_id: str = ""  # the router that owns the request (gets its tokens)
+    traceparent: str = ""  # the router's decode span ("": untraced)
 
 
 @dataclass(frozen=True)
@@ -217,6 +228,7 @@ class PrefillRequest:
     # The decode worker's other ranks' addresses (ReserveResult.kv_rank_addresses): its TP
     # size is one more than their number.
     destination_ranks: tuple[PeerAddress, ...] = ()
+    traceparent: str = ""  # the router's prefill span ("": untraced)
 
 
 class PrefillTimeoutError(RuntimeError):
@@ -238,6 +250,9 @@ class PrefillResult:
     kv_bytes: int
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None  # ... for prompt logprobs
+    # Its first layer's send posted -> every send completed: the whole KV transfer, the part
+    # compute hid included (``transfer_tail_s`` is the rest).
+    transfer_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -277,6 +292,8 @@ class WorkerConfig:
     # "gloo" (TCP through host memory: CPU workers, or workers sharing a GPU), or "auto"
     # (follow the engine's device: workers built outside a cluster).
     kv_transport: str = "auto"
+    # Where this worker exports the spans of the requests it serves (None: tracing off).
+    tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_transport not in KV_TRANSPORTS:
@@ -295,8 +312,12 @@ class WorkerConfig:
 
 
 def offload_load(stats) -> dict:
-    """``WorkerLoad``'s second-tier fields from an ``engine.EngineStats`` (keyword args)."""
+    """``WorkerLoad``'s second-tier and engine-counter fields from an ``engine.EngineStats``
+    (keyword args)."""
     tier = stats.kv_offload
     return {"kv_offload_host_blocks": tier.memory_blocks if tier else 0,
             "kv_offload_disk_blocks": tier.disk_blocks if tier else 0,
-            "kv_offload_restored_tokens": stats.num_restored_tokens}
+            "kv_offload_restored_tokens": stats.num_restored_tokens,
+            "preemptions": stats.num_preemptions,
+            "prefix_cache_evictions": stats.num_evicted_blocks,
+            "step_seconds": stats.step_seconds}

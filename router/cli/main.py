@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_args(status)
     status.set_defaults(func=cmd_status)
 
+    from router.cli.top import add_top_subcommand
+    add_top_subcommand(sub, _add_connection_args)
+
     drain = sub.add_parser("drain", help="take a worker of a running server out of service "
                                          "without losing a request (scale-down, maintenance)")
     drain.add_argument("worker_id", help="the worker (as `pdcluster status` lists it)")

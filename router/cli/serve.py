@@ -27,6 +27,7 @@ def add_serve_subcommand(sub) -> None:
     _add_lifecycle_flags(p)
     _add_routing_flags(p)
     _add_security_flags(p)
+    _add_observability_flags(p)
     # Failure tests only (fault injection), so not in --help: JSON {worker id: {fault_*: v}}.
     p.add_argument("--worker-overrides", type=json.loads, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
@@ -213,6 +214,16 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
                      help="comma-separated key names (tenants) that may make operators' "
                           "calls, e.g. drain a worker (with --api-keys; without keys anyone "
                           "may): others get 403")
+
+
+def _add_observability_flags(p: argparse.ArgumentParser) -> None:
+    obs = p.add_argument_group("observability (docs/observability.md)")
+    obs.add_argument("--otlp-traces-endpoint", default=None,
+                     help="OTLP/gRPC collector for per-request traces, http://host:4317 (or "
+                          "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT); default: no tracing")
+    obs.add_argument("--trace-sample-ratio", type=float, default=None,
+                     help="share of requests traced, 0..1 (default 1; a client's sampled "
+                          "traceparent is always followed)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

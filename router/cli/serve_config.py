@@ -122,6 +122,10 @@ class ServeConfig:
     max_concurrent_per_key: int = 0
     # Tenants (key names) that may make operators' calls, e.g. drain a worker: "ops,admin".
     admin_tenants: str | None = None
+    # Per-request traces over OTLP/gRPC (worker_protocol.tracing): the collector, else
+    # $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; neither: off. The share of requests traced.
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         self.kv_cache_memory_bytes()  # its own check: a size > 0
@@ -129,6 +133,7 @@ class ServeConfig:
         self._check_device_flags()
         if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
             raise ValueError(f"--max-prefill-chunk must be > 0, got {self.max_prefill_chunk}")
+        self.tracing_config()  # its own checks: the endpoint's form, the ratio in [0, 1]
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("give --tls-cert and --tls-key together")
         if self.tls_client_ca and not self.tls_cert:
@@ -344,7 +349,16 @@ class ServeConfig:
             require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
             routing=self.routing_config(), kv_event_bus=self.kv_event_bus,
             worker_overrides=dict(self.worker_overrides), prefill_env=threads.prefill_env,
-            autoscale=self.autoscale_config())
+            autoscale=self.autoscale_config(), tracing=self.tracing_config())
+
+    def tracing_config(self):
+        """Where traces go (None: tracing off)."""
+        from worker_protocol.tracing import TracingConfig
+
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ValueError(f"--trace-sample-ratio must be in [0, 1], got "
+                             f"{self.trace_sample_ratio:g}")
+        return TracingConfig.resolve(self.otlp_traces_endpoint, float(self.trace_sample_ratio))
 
     def thread_plan(self):
         """Torch threads per worker and the workers' environment (router.cluster.threads)."""

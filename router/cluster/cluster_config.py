@@ -10,6 +10,7 @@ from engine.parallel.sharding import TPShard
 from router.cluster.autoscale import AutoscaleConfig
 from router.cluster.launcher import StartupError
 from router.routing.policy import RoutingConfig
+from worker_protocol.tracing import TracingConfig
 
 __all__ = ["ClusterConfig", "check_tp_layouts"]
 
@@ -73,6 +74,9 @@ class ClusterConfig:
     # Add and drain workers with the load (router.cluster.autoscale); None: fixed counts.
     # The worker counts above are the start; the policy's bounds must include them.
     autoscale: AutoscaleConfig | None = None
+    # Per-request traces over OTLP from the router and every worker (worker_protocol.tracing);
+    # None: off.
+    tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):

@@ -145,7 +145,7 @@ class WorkerLauncher:
                             transfer_timeout_s=cfg.transfer_timeout_s, lease_s=cfg.lease_s,
                             stream_layers=cfg.stream_layers,
                             kv_events_redis_url=cfg.kv_events_redis_url,
-                            kv_events_namespace=cfg.store_namespace)
+                            kv_events_namespace=cfg.store_namespace, tracing=cfg.tracing)
         if worker_id in cfg.worker_overrides:
             wcfg = dataclasses.replace(wcfg, **cfg.worker_overrides[worker_id])
         args = wcfg.engine_args

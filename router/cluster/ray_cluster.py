@@ -162,7 +162,7 @@ class Cluster:
                                orphan_after_s=cfg.orphan_after_s,
                                max_inflight_requests=cfg.max_inflight_requests,
                                prefix_hash_seed=cfg.decode_engine.prefix_hash_seed,
-                               routing=cfg.routing),
+                               routing=cfg.routing, tracing=cfg.tracing),
             tokenizer, InputProcessor(tokenizer, model_cfg.vocab_size, max_len, max_kv_tokens),
             layout, self.store, self._kv_event_source())
         for info, handle in zip(infos, handles, strict=True):
@@ -356,7 +356,7 @@ class Cluster:
                             orch.pulls.recomputed_tokens,
                             self.autoscaler.desired() if self.autoscaler else {},
                             dict(self.autoscaler.decisions) if self.autoscaler else {},
-                            orch.phases.snapshot())
+                            orch.phases.snapshot(), orch.phases.transfer_snapshot())
 
     async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
                            wait: bool = False) -> DrainStatus:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.routing.policy import RoutingConfig
+from worker_protocol.tracing import TracingConfig
 
 __all__ = ["MIGRATED_PRIORITY", "OrchestratorConfig"]
 
@@ -43,3 +44,5 @@ class OrchestratorConfig:
     # holding its request, is continued by this router: its router and its decode worker
     # both died (router/control/orphans.py).
     orphan_after_s: float = 20.0
+    # Per-request traces (worker_protocol.tracing); None: off.
+    tracing: TracingConfig | None = None

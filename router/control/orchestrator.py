@@ -20,9 +20,7 @@ from engine.config import cdiv
 from engine.input_processor import InputProcessor
 from engine.request import QueueFullError, RequestFailedError, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from kv_transfer import (
-    KVLayout,
-)
+from kv_transfer import KVLayout
 from router.contract import (
     GenerateInput,
     GenerationChunk,
@@ -50,6 +48,7 @@ from router.control.request_state import (
     cause_of,
     first_update,
 )
+from router.control.request_trace import RequestTrace, decode_call, phase
 from router.control.usage import UsageCounters
 from router.control.worker_calls import WorkerCalls
 from router.control.worker_health import WorkerHealth
@@ -57,6 +56,7 @@ from router.routing.kv_index import KVIndex
 from router.routing.kv_sync import KVEventSync
 from router.routing.policy import Routing, WorkerView
 from router.state.memory import InMemoryStore
+from router.state.store import JournalEvent
 from router.state.stream_log import StreamLogger
 from worker_protocol import (
     AbortRequest,
@@ -69,6 +69,7 @@ from worker_protocol import (
     WorkerInfo,
     control,
 )
+from worker_protocol.tracing import start_tracing
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ class Orchestrator:
         self.kv_transfer_bytes_total = 0
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.phases = PhaseTimes()  # where first tokens' time went (/metrics), last timings
+        self.pulls.on_transfer = self.phases.transfer
+        self.tracing = start_tracing(config.tracing, "pdcluster-router", is_router=True,
+                                     attributes={"pdcluster.router_id": self.router_id})
         # Operators' drains (scale-down): the cluster sets ``drains.retire`` (it owns processes).
         self.drains = WorkerDrains(lambda: [*self.prefill.values(), *self.decode.values()],
                                    self.fanout, call_timeout_s=config.call_timeout_s)
@@ -159,6 +163,8 @@ class Orchestrator:
         await self.orphans.close()
         await self.streams.close()
         await self.fanout.close()
+        if self.tracing is not None:  # its queued spans, within its export timeout
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 
     # ---- the lifecycle --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
@@ -179,6 +185,10 @@ class Orchestrator:
         stream = StreamState(rid)
         t0 = time.monotonic()
         finished = False
+        stream.trace = RequestTrace.open(self.tracing, rid, self.config.model_id,
+                                         inp.messages is not None, len(prompt_ids), params,
+                                         inp.traceparent)
+        last = error = None  # the last chunk streamed, what ended the request (traces)
         # From here every path ends in the finally below, which drops the stream's entry:
         # a leaked entry would count against max_inflight_requests forever.
         self.add_stream(stream)
@@ -197,9 +207,14 @@ class Orchestrator:
             if first is not None:
                 pending.append(first_update(rid, first))
             async for chunk in self.follow(stream, prompt_ids, params, [], pending, t0):
-                finished = chunk.finished
+                finished, last = chunk.finished, chunk
                 yield chunk
+        except BaseException as e:
+            error = e
+            raise
         finally:
+            if stream.trace is not None:
+                stream.trace.close(last, finished, stream.migrations, error)
             await self.end_stream(stream, finished)
 
     # ---- what the orphan rescue needs (router/control/orphans.py: RescueHost) -------------
@@ -294,6 +309,8 @@ class Orchestrator:
         so the client sees one stream with no token missing or repeated. Greedy streams equal
         an undisturbed run; seeded ones too (the sampler resumes at the same position)."""
         old = stream.decode_id
+        if stream.trace is not None:
+            stream.trace.end_decode(f"migrated: {why}")
         stream.migrations += counted
         stream.priority = MIGRATED_PRIORITY
         self._journal(stream.request_id, "migrated", old,
@@ -350,8 +367,9 @@ class Orchestrator:
     async def _submit_colocated(self, stream: StreamState, prompt_ids: list[int], params,
                                 avoid: set[str] = frozenset()) -> None:
         num_tokens = len(prompt_ids) + params.max_tokens
-        slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
-                                        lambda: stream.aborted)
+        with phase(stream.trace, "route"):
+            slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
+                                            lambda: stream.aborted)
         stream.decode_id, stream.committed = slot.info.worker_id, True
         if stream.abandoned == slot.info.worker_id:  # moved back to it: its tokens count
             stream.abandoned = None
@@ -359,9 +377,11 @@ class Orchestrator:
         self.kv_index.expect(stream.request_id, slot.info.worker_id, prompt_ids)
         slot.view.inflight_requests += 1
         try:
-            stream.decode_incarnation = await stream.open_call(slot.handle.submit.remote(
-                SubmitRequest(stream.request_id, prompt_ids, params, stream.priority,
-                              self.router_id)))
+            stream.decode_incarnation = await decode_call(
+                stream.trace, slot.info.worker_id, lambda tp: stream.open_call(
+                    slot.handle.submit.remote(SubmitRequest(
+                        stream.request_id, prompt_ids, params, stream.priority, self.router_id,
+                        tp))))
         finally:
             slot.view.inflight_requests -= 1
 
@@ -379,10 +399,11 @@ class Orchestrator:
             # now. That makes decode-side preemption rare, not impossible: the reservation
             # holds prompt + 1 token, and outputs of requests routed concurrently grow into
             # the same free blocks; a preempted request is recomputed on its decode worker.
-            decode = await self.choose.decode(self.decode, len(prompt_ids) + params.max_tokens,
-                                              excluded["decode"], prompt_ids,
-                                              lambda: stream.aborted)
-            pslot, work = self.choose.prefill(self.prefill, prompt_ids, excluded["prefill"])
+            with phase(stream.trace, "route", {"pdcluster.attempt": attempt + 1}):
+                decode = await self.choose.decode(
+                    self.decode, len(prompt_ids) + params.max_tokens, excluded["decode"],
+                    prompt_ids, lambda: stream.aborted)
+                pslot, work = self.choose.prefill(self.prefill, prompt_ids, excluded["prefill"])
             try:
                 return await self._attempt(stream, pslot, decode, prompt_ids, params, attempt,
                                            work)
@@ -417,28 +438,33 @@ class Orchestrator:
         stream.decode_id, stream.committed = decode.info.worker_id, False
         if stream.abandoned == decode.info.worker_id:  # moved back to it: its tokens count
             stream.abandoned = None
+        trace = stream.trace
         try:
-            res = await self.calls.call(stream, decode, stream.open_call(decode.handle.reserve.remote(
-                ReserveRequest(rid, prompt_ids, params, self.layout, pslot.info.worker_id,
-                               self.router_id, pslot.info.tp_size))),
-                cfg.call_timeout_s)
+            with phase(trace, "reserve", {"pdcluster.worker_id": decode.info.worker_id}):
+                res = await self.calls.call(stream, decode, stream.open_call(
+                    decode.handle.reserve.remote(ReserveRequest(
+                        rid, prompt_ids, params, self.layout, pslot.info.worker_id,
+                        self.router_id, pslot.info.tp_size))), cfg.call_timeout_s)
             if not res.ok:
                 raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
             cached = res.transfer.start_token if res.transfer is not None else 0
             self._journal(rid, "reserved", decode.info.worker_id,
                           f"{res.num_blocks} blocks for KV from {pslot.info.worker_id}"
                           + (f"; {cached} prompt tokens cached here" if cached else ""))
-            await self.pulls.before_prefill(rid, prompt_ids, pslot, [
-                *self.prefill.values(), *self.decode.values()], self._journal)
-            stream.prefill_id = pslot.info.worker_id
-            # The reserving process's own address: a just-restarted worker has a new port.
-            destination = res.kv_address or decode.info.kv_address
             try:
-                result: PrefillResult = await self.calls.call(
-                    stream, pslot, pslot.handle.prefill.remote(PrefillRequest(
-                        rid, prompt_ids, params, res.transfer, destination, cfg.prefill_timeout_s,
-                        stream.priority, res.kv_rank_addresses)),
-                    cfg.prefill_timeout_s + cfg.call_timeout_s, release=decode, peer=decode)
+                with phase(trace, "prefill", {"pdcluster.worker_id": pslot.info.worker_id}
+                           ) as span:
+                    await self.pulls.before_prefill(rid, prompt_ids, pslot, [
+                        *self.prefill.values(), *self.decode.values()], self._journal)
+                    stream.prefill_id = pslot.info.worker_id
+                    # The reserving process's address: a just-restarted worker has a new port.
+                    destination = res.kv_address or decode.info.kv_address
+                    result: PrefillResult = await self.calls.call(
+                        stream, pslot, pslot.handle.prefill.remote(PrefillRequest(
+                            rid, prompt_ids, params, res.transfer, destination,
+                            cfg.prefill_timeout_s, stream.priority, res.kv_rank_addresses,
+                            trace.header(span) if trace is not None else "")),
+                        cfg.prefill_timeout_s + cfg.call_timeout_s, release=decode, peer=decode)
             finally:
                 # On cancellation prefill_id stays set, so the caller aborts the prefill too.
                 pslot.view.inflight_prefill_tokens -= work
@@ -446,10 +472,11 @@ class Orchestrator:
             stream.prefill_id = None
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
             prefilled_at = time.monotonic()
-            commit = await self.calls.call(stream, decode, decode.handle.commit.remote(
-                CommitRequest(rid, result.first_token_id, cfg.transfer_timeout_s,
-                              result.first_logprob)),
-                cfg.transfer_timeout_s + cfg.call_timeout_s, release=decode)
+            # The decode phase runs from here to the last token (or a migration).
+            commit = await decode_call(trace, decode.info.worker_id, lambda tp: self.calls.call(
+                stream, decode, decode.handle.commit.remote(CommitRequest(
+                    rid, result.first_token_id, cfg.transfer_timeout_s, result.first_logprob, tp)),
+                cfg.transfer_timeout_s + cfg.call_timeout_s, release=decode))
         finally:
             decode.view.inflight_blocks -= need
             if prefill_counted:  # the reserve failed: no prefill was sent
@@ -462,13 +489,12 @@ class Orchestrator:
         self.phases.record(rid, RequestTiming(result.queue_s, result.compute_s,
                                               result.transfer_tail_s, attempt + 1),
                            time.monotonic() - prefilled_at)
+        if result.kv_bytes:
+            self.phases.transfer(f"{pslot.info.role}->{decode.info.role}", result.transfer_s)
         self._journal(rid, "committed", decode.info.worker_id, "")
         return FirstToken(result.first_token_id, commit.finished, commit.finish_reason,
                           result.first_logprob, result.prompt_logprobs)
 
     def _journal(self, rid: str, kind: str, worker_id: str | None, detail: str | None) -> None:
-        if self.store is None:
-            return
-        from router.state.store import JournalEvent
-
-        self.store.journal_append(rid, JournalEvent(time.time(), kind, worker_id, detail or ""))
+        if self.store is not None:
+            self.store.journal_append(rid, JournalEvent(time.time(), kind, worker_id, detail or ""))

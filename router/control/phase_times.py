@@ -13,6 +13,11 @@ One ``PhaseTimes`` per orchestrator. Each committed attempt records four duratio
 Histograms, cumulative since the router started (``snapshot`` for ``BackendStats``, and the
 front door renders ``pdcluster_request_phase_seconds{phase}``); the last requests' timings are
 kept by id for the planner's served profile (bounded).
+
+Also every KV transfer's whole duration by the roles it ran between (``transfer``):
+``prefill->decode`` for a prompt's KV (first layer posted to last send done, the part compute
+hid included), ``<source role>->prefill`` for a prefix pull (``transfer_snapshot``, rendered as
+``pdcluster_kv_transfer_seconds{pair}``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,18 @@ class PhaseTimes:
         self._counts = {p: [0] * (len(BUCKETS) + 1) for p in PHASES}
         self._sums = dict.fromkeys(PHASES, 0.0)
         self.timings: dict[str, RequestTiming] = {}  # by request id, the newest KEEP_TIMINGS
+        self._transfers: dict[str, tuple[list[int], list[float]]] = {}  # pair -> counts, [sum]
+
+    def transfer(self, pair: str, seconds: float) -> None:
+        """One KV transfer between roles ``pair`` ("prefill->decode", "decode->prefill", ...)."""
+        counts, total = self._transfers.setdefault(pair, ([0] * (len(BUCKETS) + 1), [0.0]))
+        seconds = max(0.0, seconds)
+        counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+        total[0] += seconds
+
+    def transfer_snapshot(self) -> dict[str, PhaseHistogram]:
+        return {pair: PhaseHistogram(tuple(c), s[0], sum(c))
+                for pair, (c, s) in sorted(self._transfers.items())}
 
     def record(self, request_id: str, timing: RequestTiming, decode_commit_s: float) -> None:
         """One committed attempt's phases."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kv_transfer import KVLayout
@@ -83,6 +84,8 @@ class PrefixPulls:
     pull_bytes_s: float = PRIOR_PULL_BYTES_S
     _prefill_tokens_s: dict[str, float] = field(default_factory=dict)
     _num_pulls: int = 0
+    # Told of every pull that moved KV: (role pair "decode->prefill", seconds).
+    on_transfer: Callable[[str, float], None] | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -184,6 +187,8 @@ class PrefixPulls:
         if res.kv_bytes and res.seconds > 0:
             measured = res.kv_bytes / res.seconds
             self.pull_bytes_s += _EWMA * (measured - self.pull_bytes_s)
+            if self.on_transfer is not None:
+                self.on_transfer(f"{plan.source.info.role}->{puller.info.role}", res.seconds)
         log.info("request %s: prefix pulled to %s (%s): %d tokens, %.1f MB in %.1f ms",
                  request_id, puller.info.worker_id, inputs, res.pulled_tokens,
                  res.kv_bytes / 1e6, res.seconds * 1e3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.request import TokenLogprob
 from router.contract import WorkerUnavailableError
@@ -51,6 +52,8 @@ class StreamState:
     # abort sent meanwhile can overtake them (it runs in the control concurrency group) and
     # find nothing, leaving what they create behind: the abort waits for them first.
     opening: list[asyncio.Future] = field(default_factory=list)
+    # Its spans (router.control.request_trace.RequestTrace), or None: tracing off/unsampled.
+    trace: Any = None
 
     def open_call(self, ref) -> asyncio.Future:
         """Track ``ref`` (a call creating the request on a worker) until it completes; the

@@ -76,7 +76,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                 p.release()
             err = map_error(e)
             await context.abort(err.grpc_code, err.message)
-        inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p)
+        traceparent = dict(context.invocation_metadata()).get("traceparent")
+        inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p,
+                                      traceparent=traceparent)
                   for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]
         calls = ToolCallCollector(gen.tools) if gen.tools is not None else None
         try:

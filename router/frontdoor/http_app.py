@@ -87,7 +87,9 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
                 p.release()
             return error_response(e)
         # The id a client knows each choice by: the request's, suffixed like the backend's.
-        inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p)
+        traceparent = request.headers.get("traceparent")
+        inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p,
+                                      traceparent=traceparent)
                   for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]
         try:
             return await responder.respond(request, inputs, renderer(rid),
@@ -189,11 +191,19 @@ def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics,
         return JSONResponse(asdict(st), status_code=200 if st.state == "drained" else 202)
 
     @app.get("/v1/cluster")
-    async def cluster():
+    async def cluster(request: Request):
         draining = app.state.draining
-        return {"workers": [
+        out = {"workers": [
             {**asdict(w), "state": "draining" if draining and w.state == "ready" else w.state}
             for w in await backend.cluster_status()]}
+        # The front door's slowest requests of the last 5 minutes (pdcluster top): every
+        # tenant's, so operators only.
+        try:
+            gate.authorize_admin(request.state.tenant)
+            out["slowest_recent"] = metrics.recent.slowest(10)
+        except PermissionError:
+            pass
+        return out
 
 
 def _add_token_routes(app: FastAPI, backend: GenerationBackend) -> None:

@@ -22,7 +22,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from engine.step_times import step_histogram
 from router.contract import BackendStats, GenerationBackend, GenerationChunk
+from router.frontdoor.recent import RecentRequest, RecentRequests
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -146,12 +148,45 @@ class _StatsCollector(Collector):
             for phase, h in s.phase_seconds.items():
                 phases.add_metric([phase], h.cumulative(), h.sum)
             yield phases
+        if s.phase_seconds:  # KV moves between workers: disaggregated clusters only
+            transfers = HistogramMetricFamily(
+                "pdcluster_kv_transfer_seconds",
+                "Whole KV transfers by the roles they ran between: prefill->decode (a "
+                "prompt's KV, first layer posted to last send done, the part compute hid "
+                "included), <source>->prefill (a prefix pull)", labels=["pair"])
+            for pair, h in s.kv_transfer_seconds.items():
+                transfers.add_metric([pair], h.cumulative(), h.sum)
+            yield transfers
+        yield from _engine_counter_families(s)
         # The engine's own steps (engine.step_times), what `pdcluster bench serve` sets the
         # served time per output token beside: pure-decode steps by batch size, and mixed
         # steps (decode rows beside prefill chunks: colocated workers) by their decode rows.
         yield from _step_families("decode", "Pure-decode engine steps", s.decode_steps)
         yield from _step_families("mixed", "Engine steps running decode rows beside prefill "
                                   "chunks", s.mixed_steps)
+
+
+def _engine_counter_families(s: BackendStats):
+    """Per worker: preemptions, prefix-cache evictions and every engine step's time."""
+    labels = ["worker", "role"]
+    preempt = CounterMetricFamily("pdcluster_preemptions",
+                                  "Requests a worker preempted (KV dropped, recomputed later)",
+                                  labels=labels)
+    evicted = CounterMetricFamily("pdcluster_prefix_cache_evictions",
+                                  "Cached prefix blocks a worker's pool evicted for other "
+                                  "requests (to the second tier when it is on)", labels=labels)
+    steps = HistogramMetricFamily("pdcluster_engine_step_seconds",
+                                  "Every engine step of a worker, schedule to outputs, whatever "
+                                  "it ran (prefill chunks, decode rows or both)", labels=labels)
+    for w in s.workers:
+        preempt.add_metric([w.worker_id, w.role], w.preemptions)
+        evicted.add_metric([w.worker_id, w.role], w.prefix_cache_evictions)
+        hist = step_histogram(w.step_seconds)
+        if hist is not None:
+            steps.add_metric([w.worker_id, w.role], *hist)
+    yield preempt
+    yield evicted
+    yield steps
 
 
 def _step_families(kind: str, what: str, rows: dict[int, tuple[int, float]]):
@@ -190,6 +225,7 @@ class Metrics:
                                      "Prompt tokens of accepted requests", ["api"], registry=r)
         self._stats = _StatsCollector()
         r.register(self._stats)
+        self.recent = RecentRequests()  # the last requests' latencies (/v1/cluster, top)
 
     async def track(self, chunks: AsyncIterator[GenerationChunk], api: str
                     ) -> AsyncIterator[GenerationChunk]:
@@ -201,17 +237,20 @@ class Metrics:
         t0 = time.monotonic()
         last_token_t: float | None = None
         counted_prompt = False
+        rid, ttft, tokens, reason = "", None, 0, "cancelled"
         try:
             async for c in chunks:
+                rid = c.request_id
                 now = time.monotonic()
                 if not counted_prompt and c.prompt_tokens:
                     self.prompt_tokens.labels(api).inc(c.prompt_tokens)
                     counted_prompt = True
                 if c.token_ids:
                     n = len(c.token_ids)
+                    tokens += n
                     if last_token_t is None:
-                        self.ttft_s.labels(api).observe(c.ttft_s if c.ttft_s is not None
-                                                        else now - t0)
+                        ttft = c.ttft_s if c.ttft_s is not None else now - t0
+                        self.ttft_s.labels(api).observe(ttft)
                     else:
                         # A chunk may carry several tokens (one decode step can emit more
                         # than one after a stall): spread the gap over them.
@@ -221,9 +260,16 @@ class Metrics:
                     last_token_t = now
                     self.generation_tokens.labels(api).inc(n)
                 if c.finished:
-                    self.e2e_s.labels(api, c.finish_reason or "unknown").observe(now - t0)
+                    reason = c.finish_reason or "unknown"
+                    self.e2e_s.labels(api, reason).observe(now - t0)
                 yield c
+        except Exception:
+            reason = "error"
+            raise
         finally:
+            if rid:
+                self.recent.note(RecentRequest(rid, api, time.time(), time.monotonic() - t0,
+                                               ttft, tokens, reason))
             await chunks.aclose()
 
     async def render(self) -> bytes:

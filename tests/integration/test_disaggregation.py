@@ -32,6 +32,15 @@ def loop():
 
 
 @pytest.fixture(scope="module")
+def otlp():
+    from bench.otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
 def workload(tiny_llama_dir):
     prompts = random_prompts(seed=7, count=32, max_len=90, min_len=3)
     return prompts, hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
@@ -300,7 +309,7 @@ def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_
                                                ("colocated", "SIGKILL", 2),
                                                ("disaggregated", "SIGSTOP", 2)])
 def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_llama_dir, mode, sig,
-                                                                  restarts):
+                                                                  restarts, otlp):
     """SIGKILL (or SIGSTOP: alive for Ray, silent for us) a decode worker while its streams
     are mid-way: each continues on the other decode worker (prompt + tokens so far
     re-prefilled) and the client's stream equals an undisturbed run, token for token; the
@@ -308,7 +317,9 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     frees what it held). Without restarts Ray reports the killed worker dead; with them its
     token stream breaks and it comes back later (test_restarted_workers_rejoin_and_serve).
     The streams ask for logprobs: the one of the first token after the seam comes from the
-    new pair's prefill, and every one equals transformers' log-softmax."""
+    new pair's prefill, and every one equals transformers' log-softmax. Traced, a migrated
+    request's trace shows it: its first decode phase ended failed ("migrated: ..."), a second
+    one after it, and the root counts one migration."""
     import os
     import signal
 
@@ -325,8 +336,11 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
                    .gather(1, torch.tensor(r)[:, None])[:, 0].tolist()
                    for p, r in zip(prompts, refs, strict=True)]
     del hf
+    from worker_protocol.tracing import TracingConfig
+
     config = _config(tiny_llama_dir, mode=mode, num_prefill_workers=2 if mode == "disaggregated"
-                     else 0, worker_restarts=restarts)
+                     else 0, worker_restarts=restarts,
+                     tracing=TracingConfig(otlp.endpoint, flush_interval_s=0.2))
 
     async def body(cluster):
         status = {w.id: w for w in await cluster.cluster_status()}  # the pids, before any stream
@@ -374,6 +388,18 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     else:  # Ray's first word on a restarting actor is "restarting" or a closed socket
         assert set(migrations) <= {"worker_restarted", "stream_lost"}
         assert sum(migrations.values()) == len(on_victim)
+    roots = {s.attributes["gen_ai.response.id"]: s for s in otlp.spans()
+             if s.parent_id == "" and s.attributes.get("gen_ai.response.id", "").startswith("m")}
+    for i in range(len(prompts)):
+        root = roots[f"m{i}"]
+        spans = otlp.wait_for(root.trace_id, {"route", "decode", "decode.generate"})
+        decodes = sorted((s for s in spans if s.name == "decode"), key=lambda s: s.start_ns)
+        assert root.attributes["pdcluster.migrations"] == (i in on_victim)
+        if i in on_victim:
+            assert [s.status for s in decodes] == [2, 0], decodes
+            assert decodes[0].end_ns <= decodes[1].start_ns
+        else:
+            assert [s.status for s in decodes] == [0]
 
 
 def test_restarted_workers_rejoin_and_serve(loop, tiny_llama_dir, workload):

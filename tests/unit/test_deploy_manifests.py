@@ -50,15 +50,20 @@ def test_overlay_renders_expected_kinds(overlay):
     kinds = sorted({o["kind"] for o in render(overlay)})
     # Secret: added with the secure defaults, the placeholder Secrets of
     # components/placeholder-secrets (API keys, TLS, Redis password) the pods refer to.
+    # ServiceMonitor: the gpu overlay's components/monitoring (the Prometheus Operator's).
+    monitor = ["ServiceMonitor"] if overlay == "gpu" else []
     assert kinds == ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "RayCluster", "Secret",
-                     "Service"]
+                     "Service", *monitor]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_core_objects_validate_strict(overlay):
     import kubernetes_validate
 
-    core = [o for o in render(overlay) if not o["apiVersion"].startswith("ray.io/")]
+    # Custom resources have no core schema: RayCluster (KubeRay's CRD, below) and the
+    # Prometheus Operator's ServiceMonitor (test_gpu_overlay_scrapes_the_router_metrics).
+    core = [o for o in render(overlay)
+            if not o["apiVersion"].startswith(("ray.io/", "monitoring.coreos.com/"))]
     assert core
     for obj in core:
         try:
@@ -305,6 +310,36 @@ def test_front_doors_and_metrics_are_open_to_the_cluster(overlay):
         assert admits(overlay, pods[name], RAY_METRICS_PORT, anyone), name
     for port in (6379, RAY_CLIENT_PORT, DASHBOARD_PORT, EPHEMERAL_PORT):
         assert not admits(overlay, pods["head"], port, anyone), port
+
+
+def test_gpu_overlay_scrapes_the_router_metrics_with_a_servicemonitor():
+    """components/monitoring: one ServiceMonitor selects the Service that exposes the router's
+    HTTP port by its name, and scrapes /metrics there over HTTPS with an API key from a Secret
+    (/metrics needs one) and the router's certificate checked against its Service name."""
+    objs = render("gpu")
+    (monitor,) = by_kind(objs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor["spec"]) == {"selector", "endpoints"}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert set(endpoint) <= {"port", "path", "scheme", "interval", "scrapeTimeout",
+                             "authorization", "tlsConfig"}
+    assert (endpoint["port"], endpoint["path"], endpoint["scheme"]) == ("http", "/metrics",
+                                                                        "https")
+    selected = [s for s in by_kind(objs, "Service")
+                if monitor["spec"]["selector"]["matchLabels"].items()
+                <= s["metadata"].get("labels", {}).items()]
+    scraped = [(s["metadata"]["name"], p["port"]) for s in selected for p in s["spec"]["ports"]
+               if p.get("name") == endpoint["port"]]
+    assert scraped == [("pdcluster-http", HTTP_PORT)]
+    head_labels = raycluster("gpu")["spec"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    (http_svc,) = [s for s in selected if s["metadata"]["name"] == "pdcluster-http"]
+    assert http_svc["spec"]["selector"].items() <= head_labels.items()
+    auth = endpoint["authorization"]
+    assert auth["type"] == "Bearer" and set(auth["credentials"]) == {"name", "key"}
+    assert endpoint["tlsConfig"]["serverName"] == "pdcluster-http"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "pdcluster-tls", "key": "tls.crt"}
+    assert not endpoint["tlsConfig"].get("insecureSkipVerify")
+    assert not by_kind(render("cpu-dev"), "ServiceMonitor")  # kind / minikube: no operator
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -83,6 +83,8 @@ ROUTER_RULES = {
     "router.embedded": ("router.contract", "router.state"),
     "router.cluster": ("router.contract", "router.control", "router.routing", "router.state"),
     "router.planning": ("router.contract", "router.cluster"),
+    # Dashboards and alert rules (a developer's generator): metric names, no router code.
+    "router.observability": (),
     "router.cli": ("router.contract", "router.embedded", "router.frontdoor", "router.cluster",
                    "router.control", "router.routing", "router.state", "router.planning"),
 }

@@ -40,10 +40,19 @@ def test_greedy_matches_transformers(tiny_llama_dir, prompts_and_refs, setup):
     assert all(o.finish_reason == "length" for o in outs)
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    stats = engine.stats()
     if "kv_cache_memory_bytes" in setup:
         assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+        # ... and what an operator reads (pdcluster_preemptions_total, _evictions_total)
+        assert stats.num_preemptions == engine.scheduler.num_preemptions
+        assert stats.num_evicted_blocks > 0  # the small pool reused cached blocks
+    else:
+        assert stats.num_preemptions == 0
     if setup.get("max_num_batched_tokens"):
         assert engine.scheduler.num_steps > len(prompts)  # prompts really were chunked/queued
+    # Every step that ran lands in the step histogram (pdcluster_engine_step_seconds).
+    *counts, seconds = stats.step_seconds
+    assert 0 < sum(counts) <= engine.scheduler.num_steps and seconds > 0
 
 
 def test_prefix_cache_hits_give_same_tokens(tiny_llama_dir, prompts_and_refs):

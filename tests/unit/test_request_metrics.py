@@ -66,3 +66,36 @@ def test_kv_usage_ratio_per_worker():
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     got = {s.labels["worker"]: s.value for s in fams["pdcluster_kv_usage_ratio"].samples}
     assert got == {"d0": 0.25, "p0": 0.0}  # an empty pool: 0, not a division by zero
+
+
+def test_kv_transfers_are_timed_by_role_pair():
+    """``pdcluster_kv_transfer_seconds{pair}``: each pair its own histogram, +Inf = count."""
+    from router.control.phase_times import PhaseTimes
+
+    p = PhaseTimes()
+    assert p.transfer_snapshot() == {}
+    p.transfer("prefill->decode", 0.004)
+    p.transfer("prefill->decode", 0.2)
+    p.transfer("decode->prefill", -1.0)  # two clocks: clamped, never negative
+    snap = p.transfer_snapshot()
+    assert list(snap) == ["decode->prefill", "prefill->decode"]
+    pd = snap["prefill->decode"]
+    assert (pd.count, round(pd.sum, 6)) == (2, 0.204)
+    assert pd.cumulative()[-1] == ("+Inf", 2)
+    assert dict(pd.cumulative())["0.005"] == 1
+    assert snap["decode->prefill"].sum == 0.0
+
+
+def test_engine_step_histogram_snapshot_round_trips_to_prometheus_buckets():
+    from engine.step_times import STEP_BUCKETS, StepHistogram, step_histogram
+
+    h = StepHistogram()
+    for s in (0.001, 0.03, 0.03, 7.0):
+        h.record(s)
+    snap = h.snapshot()
+    assert len(snap) == len(STEP_BUCKETS) + 2
+    buckets, total = step_histogram(list(snap))  # as it comes back through JSON
+    assert buckets[0] == ("0.005", 1) and buckets[-1] == ("+Inf", 4)
+    assert dict(buckets)["0.05"] == 3 and dict(buckets)["5.0"] == 3
+    assert round(total, 6) == 7.061
+    assert step_histogram(()) is None  # a report from a worker without it

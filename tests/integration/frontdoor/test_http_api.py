@@ -24,6 +24,8 @@ METRIC_NAMES = [
     "pdcluster_requests_waiting", "pdcluster_kv_blocks_used", "pdcluster_kv_blocks_total",
     "pdcluster_kv_transfer_bytes_total", "pdcluster_generation_tokens_total",
     "pdcluster_prompt_tokens_total", "pdcluster_migrations_total", "pdcluster_kv_usage_ratio",
+    "pdcluster_preemptions_total", "pdcluster_prefix_cache_evictions_total",
+    "pdcluster_engine_step_seconds",
 ]
 
 
@@ -286,9 +288,20 @@ def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor, backe
     mixed = "pdcluster_engine_mixed_steps_total"
     assert f"# TYPE {mixed} counter" in http.get("/metrics").text
     assert after.get(mixed, 0.0) - before.get(mixed, 0.0) == 0
+    # Every engine step, whichever worker ran it: per request its prompt's step and its
+    # decode steps (5 + 4 tokens: 2 + 7), in embedded and disaggregated mode alike.
+    all_steps = "pdcluster_engine_step_seconds_count"
+    assert after[all_steps] - before[all_steps] == 9
+    assert after["pdcluster_preemptions_total"] == before["pdcluster_preemptions_total"]
     if isinstance(backend, EngineBackend):  # no prefill / decode split to time
         assert "pdcluster_request_phase_seconds_count" not in after
+        assert "pdcluster_kv_transfer_seconds_count" not in after
         return
+    # Each request's prompt KV crossed once, prefill -> decode.
+    moved = "pdcluster_kv_transfer_seconds_count"
+    assert after[moved] - before.get(moved, 0.0) == 2
+    assert 'pdcluster_kv_transfer_seconds_count{pair="prefill->decode"}' in \
+        http.get("/metrics").text
     # Disaggregated: each request's first-token time in phases, one observation per phase
     # each, and together no more than the TTFT the front door measured around them.
     phases = _scrape_phases(http)

@@ -1,0 +1,73 @@
+"""`pdcluster top`'s numbers (router/cli/top.py) from two scrapes of a known exposition: rates
+over the interval, quantiles as Prometheus' histogram_quantile computes them, phase means,
+workers and the slowest requests as drawn."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from router.cli.top import Scrape, build_view, parse_samples, quantile, render
+
+
+def _exposition(requests: int, tokens: int, ttft_le: dict[str, int], phase_sum: float,
+                phase_n: int) -> str:
+    lines = [
+        "# TYPE pdcluster_e2e_request_latency_seconds histogram",
+        f'pdcluster_e2e_request_latency_seconds_count{{api="http",finish_reason="length"}} {requests}',
+        'pdcluster_e2e_request_latency_seconds_sum{api="http",finish_reason="length"} 1.0',
+        "# TYPE pdcluster_generation_tokens counter",
+        f'pdcluster_generation_tokens_total{{api="http"}} {tokens}',
+        "# TYPE pdcluster_time_to_first_token_seconds histogram"]
+    lines += [f'pdcluster_time_to_first_token_seconds_bucket{{api="http",le="{le}"}} {n}'
+              for le, n in ttft_le.items()]
+    lines += [f'pdcluster_time_to_first_token_seconds_count{{api="http"}} {ttft_le["+Inf"]}',
+              'pdcluster_time_to_first_token_seconds_sum{api="http"} 1.0',
+              "# TYPE pdcluster_request_phase_seconds histogram",
+              f'pdcluster_request_phase_seconds_bucket{{phase="prefill_compute",le="+Inf"}} {phase_n}',
+              f'pdcluster_request_phase_seconds_count{{phase="prefill_compute"}} {phase_n}',
+              f'pdcluster_request_phase_seconds_sum{{phase="prefill_compute"}} {phase_sum}']
+    return "\n".join(lines) + "\n"
+
+
+CLUSTER = {"workers": [{"id": "prefill-0", "role": "prefill", "host": "127.0.0.1",
+                        "state": "ready", "requests_running": 1, "requests_waiting": 0,
+                        "kv_blocks_used": 16, "kv_blocks_total": 64, "restarts": 0},
+                       {"id": "decode-0", "role": "decode", "host": "127.0.0.1",
+                        "state": "unreachable", "requests_running": 3, "requests_waiting": 2,
+                        "kv_blocks_used": 0, "kv_blocks_total": 64, "restarts": 1}],
+           "slowest_recent": [{"request_id": "req-slow", "api": "grpc", "ended_at": 0.0,
+                               "e2e_s": 2.5, "ttft_s": 0.4, "output_tokens": 64,
+                               "finish_reason": "length"}]}
+
+
+def test_the_view_covers_the_interval_between_two_scrapes():
+    before = Scrape(10.0, CLUSTER, parse_samples(_exposition(
+        4, 100, {"0.1": 2, "0.5": 4, "+Inf": 4}, 0.2, 4)))
+    after = Scrape(12.0, CLUSTER, parse_samples(_exposition(
+        14, 600, {"0.1": 2, "0.5": 12, "+Inf": 14}, 1.2, 14)))
+    v = build_view(before, after)
+    assert (v.req_s, v.tok_s) == (5.0, 250.0)
+    # 10 first tokens in the interval: 0 <= 0.1 s, 8 in (0.1, 0.5], 2 above 0.5 s
+    assert v.ttft_p50 == pytest.approx(0.1 + 0.4 * 5 / 8)
+    assert v.ttft_p99 == 0.5  # in +Inf: the highest finite bound, as histogram_quantile
+    assert v.phases_ms == {"prefill_compute": pytest.approx(100.0)}
+    assert v.itl_p50 is None  # no inter-token observations at all
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=160, record=True)
+    console.print(render(v, "127.0.0.1:8000"))
+    text = console.export_text()
+    for want in ("5.00 req/s", "250.0 tok/s", "TTFT p50 350 ms p99 500 ms",
+                 "prefill_compute 100 ms",
+                 "prefill-0", "25%", "unreachable", "req-slow", "2500 ms"):
+        assert want in text, (want, text)
+
+
+def test_quantile_is_prometheus_histogram_quantile():
+    assert quantile(0.5, {}) is None
+    assert quantile(0.5, {0.1: 0, float("inf"): 0}) is None
+    assert quantile(0.5, {1.0: 10, 2.0: 20, float("inf"): 20}) == pytest.approx(1.0)
+    assert quantile(0.75, {1.0: 10, 2.0: 20, float("inf"): 20}) == pytest.approx(1.5)
+    assert quantile(0.25, {1.0: 10, 2.0: 20, float("inf"): 20}) == pytest.approx(0.5)
