@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aborts", type=int, default=None,
                    help="requests aborted at random phases per round (default 200; --quick 40)")
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--suspect-after", type=float, default=1.0,
+                   help="the router's heartbeat: a silent decode worker's streams move after "
+                        "this many seconds (default 1, the product's; 0: off, only the 5 s "
+                        "load-report silence)")
     p.add_argument("--signals", default="SIGKILL,SIGSTOP",
                    help="how the decode worker is taken down, one round each, in order "
                         "(default SIGKILL,SIGSTOP)")
@@ -127,7 +131,7 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
     cfg = ClusterConfig(model=args.model, num_prefill_workers=2, num_decode_workers=2,
                         prefill_engine=EngineArgs(num_threads=1, max_num_seqs=8),
                         decode_engine=EngineArgs(num_threads=1), transfer_timeout_s=10.0,
-                        lease_s=20.0, capacity_wait_s=60.0)
+                        lease_s=20.0, capacity_wait_s=60.0, suspect_after_s=args.suspect_after)
     cluster = await Cluster.start(cfg)
     try:
         pids = {w.id: w.pid for w in await cluster.cluster_status()}
@@ -199,6 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                make_target("workers ready again after the faults", ready, 1.0)]
     result = {"benchmark": NAME, "config": {"streams": n_streams, "max_tokens": max_tokens,
                                             "aborts": n_aborts, "prompt_len": args.prompt_len,
+                                            "suspect_after_s": args.suspect_after,
                                             "model": args.model or "default"},
               "rounds": rounds, "targets": targets, "wall_s": time.perf_counter() - t0,
               "machine": machine_info()}

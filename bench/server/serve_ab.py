@@ -4,7 +4,7 @@ Each round starts every variant once, in an order that alternates round by round
 a shared host falls on all alike): a real `pdcluster serve` process with the variant's extra
 flags, loaded by a real `pdcluster bench serve` process over gRPC, then stopped (SIGTERM: it
 drains and stops its workers; its process group if it lingers). The studies built on it:
-``bench.studies.tracing_cost``.
+``bench.studies.tracing_cost``, ``bench.studies.false_suspicion``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Load:
     output_len: int = 64
 
 
-def _wait_ready(http_port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+def wait_ready(http_port: int, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -52,7 +52,7 @@ def _wait_ready(http_port: int, proc: subprocess.Popen, timeout_s: float = 300.0
     raise RuntimeError(f"pdcluster serve was not ready within {timeout_s:g} s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -72,7 +72,7 @@ def serve_once(serve_flags: list[str], load: Load, out: Path) -> dict[str, dict[
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
-            _wait_ready(http_port, proc)
+            wait_ready(http_port, proc)
             subprocess.run([sys.executable, "-m", "router.cli", "bench", "serve",
                             "--address", f"127.0.0.1:{grpc_port}",
                             "--metrics-url", f"http://127.0.0.1:{http_port}/metrics",
@@ -81,7 +81,7 @@ def serve_once(serve_flags: list[str], load: Load, out: Path) -> dict[str, dict[
                             "--output-len", str(load.output_len), "--no-progress",
                             "--out", str(out)], check=True, stdout=log, stderr=subprocess.STDOUT)
         finally:
-            _stop(proc)
+            stop(proc)
     rows = json.loads((out / "serve.json").read_text())["rates"]
     return {str(r["request_rate"]): {k: r[k] for k in METRICS} for r in rows}
 

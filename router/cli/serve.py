@@ -128,6 +128,10 @@ def _add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move to another decode worker when its own dies "
                         "(default 3; 0 fails its stream instead)")
+    p.add_argument("--suspect-after-s", type=float, default=None,
+                   help="a decode worker that answers no heartbeat and sends no token this "
+                        "long while it holds streams has them moved to another worker "
+                        "(default 1; 0: only after 5 s of missed load reports)")
     p.add_argument("--orphan-after-s", type=float, default=None,
                    help="a resumed stream that grows no more for this long, held by no live "
                         "decode worker (its router and decode worker both died), is continued "

@@ -98,6 +98,8 @@ class ServeConfig:
     startup_timeout_s: float = 300.0
     migration_limit: int = 3
     orphan_after_s: float = 20.0
+    # A decode worker silent this long (no heartbeat, no token) has its streams moved.
+    suspect_after_s: float = 1.0
     worker_restarts: int = 3
     require_redis: bool = False
     name: str = "pdcluster"
@@ -169,6 +171,8 @@ class ServeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
         if not self.orphan_after_s > 0:
             raise ValueError(f"--orphan-after-s must be > 0, got {self.orphan_after_s}")
+        if not self.suspect_after_s >= 0:
+            raise ValueError(f"--suspect-after-s must be >= 0, got {self.suspect_after_s}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.worker_restarts < 0:
@@ -345,7 +349,7 @@ class ServeConfig:
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
             kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
             migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
-            orphan_after_s=self.orphan_after_s,
+            orphan_after_s=self.orphan_after_s, suspect_after_s=self.suspect_after_s,
             require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
             routing=self.routing_config(), kv_event_bus=self.kv_event_bus,
             worker_overrides=dict(self.worker_overrides), prefill_env=threads.prefill_env,

@@ -46,6 +46,7 @@ class ClusterConfig:
     call_timeout_s: float = 10.0  # deadline of a reserve / abort / load call to one worker
     migration_limit: int = 3  # moves per request when its decode worker is lost
     orphan_after_s: float = 20.0  # see OrchestratorConfig.orphan_after_s
+    suspect_after_s: float = 1.0  # see OrchestratorConfig.suspect_after_s (0: off)
     # How often Ray restarts a worker whose process died (each comes back, loads its model
     # and rejoins under the same id); past it the worker stays dead. 0: never restart.
     worker_restarts: int = 3

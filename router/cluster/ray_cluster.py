@@ -160,6 +160,7 @@ class Cluster:
                                call_timeout_s=cfg.call_timeout_s,
                                migration_limit=cfg.migration_limit,
                                orphan_after_s=cfg.orphan_after_s,
+                               suspect_after_s=cfg.suspect_after_s,
                                max_inflight_requests=cfg.max_inflight_requests,
                                prefix_hash_seed=cfg.decode_engine.prefix_hash_seed,
                                routing=cfg.routing, tracing=cfg.tracing),

@@ -37,6 +37,11 @@ class OrchestratorConfig:
     # A decode worker that misses its load reports this long (hung, SIGSTOP'd, host cut off)
     # has its streams migrated; it gets no new work until it reports again.
     worker_silent_s: float = 5.0
+    # ... and sooner: a decode worker that answers no heartbeat (pinged every
+    # heartbeat_interval_s) and sends no token for suspect_after_s while streams are
+    # committed there has them migrated (router/control/heartbeat.py); 0: off.
+    heartbeat_interval_s: float = 0.25
+    suspect_after_s: float = 1.0
     # A decode worker whose KV address a prefill worker could not reach gets no new requests
     # for this long (then it is tried again: the address may have come back).
     kv_unreachable_quarantine_s: float = 30.0

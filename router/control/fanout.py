@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 from router.control.request_state import StreamState, WorkerLost, WorkerSlot
@@ -35,6 +36,7 @@ class TokenFanout:
         # adopted from it (their router died) are continued elsewhere (router/control/orphans.py).
         self.on_lost: Callable[[str, str], None] | None = None
         self._consumers: dict[str, asyncio.Task] = {}  # decode worker id -> its fan-out task
+        self._last_batch: dict[str, float] = {}  # decode worker id -> monotonic s (heartbeat)
 
     def start(self, slot: WorkerSlot) -> None:
         """Fan ``slot``'s tokens out (again, if its task ended: a restarted worker)."""
@@ -47,6 +49,10 @@ class TokenFanout:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def last_tokens(self, worker_id: str) -> float:
+        """When ``worker_id``'s last token batch arrived (monotonic s; 0: never)."""
+        return self._last_batch.get(worker_id, 0.0)
 
     def streams_on(self, worker_id: str) -> list[StreamState]:
         """The streams that run (or are being set up) on ``worker_id``, decode or prefill."""
@@ -91,6 +97,7 @@ class TokenFanout:
             try:
                 async for ref in slot.handle.subscribe.remote(self.router_id):
                     batch: TokenBatch = await ref
+                    self._last_batch[wid] = time.monotonic()
                     for upd in batch.updates:
                         s = self._streams.get(upd.request_id)
                         # Only the worker the stream is committed to speaks for it: an attempt

@@ -34,6 +34,7 @@ from router.control.chooser import WorkerChooser
 from router.control.config import MIGRATED_PRIORITY, OrchestratorConfig
 from router.control.drain import WorkerDrains
 from router.control.fanout import TokenFanout
+from router.control.heartbeat import Heartbeats
 from router.control.orphans import OrphanRescue
 from router.control.phase_times import PhaseTimes
 from router.control.prefix_pull import PrefixPulls
@@ -113,6 +114,11 @@ class Orchestrator:
         self.streams.on_stall = self.orphans.stalled
         self.prefill: dict[str, WorkerSlot] = {}
         self.decode: dict[str, WorkerSlot] = {}
+        # Failure detection in about a second (router/control/heartbeat.py).
+        self.heartbeats = Heartbeats(
+            self.decode.values, lambda wid: any(s.committed for s in self.streams_on(wid)),
+            self.fanout.last_tokens, self.health.silent, config.heartbeat_interval_s,
+            config.suspect_after_s)
         self.kv_transfer_bytes_total = 0
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.phases = PhaseTimes()  # where first tokens' time went (/metrics), last timings
@@ -133,6 +139,7 @@ class Orchestrator:
         else:
             self.decode[info.worker_id] = slot
             self.fanout.start(slot)
+            self.heartbeats.start()
 
     def rejoin(self, slot: WorkerSlot, info: WorkerInfo) -> None:
         """``slot``'s worker was restarted by Ray (same id and handle, new process): take its
@@ -154,11 +161,13 @@ class Orchestrator:
         self.health.reachable(slot)
         if old.role != "prefill":
             self.fanout.start(slot)
+            self.heartbeats.forget(wid)
         log.warning("worker %s rejoined after a restart: pid %d -> %d, KV address %s",
                     wid, old.pid, info.pid, info.kv_address)
 
     async def close(self) -> None:
         await self.drains.close()
+        await self.heartbeats.close()
         await self.kv_sync.close()
         await self.orphans.close()
         await self.streams.close()
@@ -262,7 +271,8 @@ class Orchestrator:
         generated = list(generated)  # every token streamed so far, in order
         ttft = None
         while True:
-            upd = pending.pop(0) if pending else await self._next_update(stream)
+            upd = (pending.pop(0) if pending
+                   else await stream.next_update(self.config.token_timeout_s))
             # A drain's move is the operator's, not a sign of a request that kills workers:
             # it does not count against migration_limit.
             drained = isinstance(upd, WorkerLost) and upd.reason == "drained"
@@ -330,16 +340,6 @@ class Orchestrator:
             return None
         first = await self._prefill(stream, prompt_ids + generated, rest, avoid_decode={old})
         return first_update(stream.request_id, first)
-
-    async def _next_update(self, stream: StreamState) -> TokenUpdate | BaseException:
-        try:
-            # Not wait_for: see WorkerCalls.call (a cancelled client's stream must end).
-            async with asyncio.timeout(self.config.token_timeout_s):
-                return await stream.queue.get()
-        except TimeoutError:
-            return WorkerLost(f"decode worker {stream.decode_id} sent no token for "
-                               f"{stream.request_id} in {self.config.token_timeout_s:g} s",
-                               "token_timeout")
 
     async def abort(self, request_id: str) -> bool:
         stream = self._streams.get(request_id)

@@ -65,6 +65,17 @@ class StreamState:
         self.opening = [f for f in self.opening if not f.done()] + [fut]
         return asyncio.shield(fut)
 
+    async def next_update(self, timeout_s: float) -> TokenUpdate | BaseException:
+        """The next item of its queue (a token update, a ``WorkerLost``, an error), or a
+        ``WorkerLost`` (``token_timeout``) when none came within ``timeout_s``."""
+        try:
+            # Not wait_for: see WorkerCalls.call (a cancelled client's stream must end).
+            async with asyncio.timeout(timeout_s):
+                return await self.queue.get()
+        except TimeoutError:
+            return WorkerLost(f"decode worker {self.decode_id} sent no token for "
+                              f"{self.request_id} in {timeout_s:g} s", "token_timeout")
+
     async def settle(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for every call still creating the request."""
         running = [f for f in self.opening if not f.done()]

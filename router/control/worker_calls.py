@@ -44,8 +44,17 @@ class WorkerCalls:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the call's result
             # when it lands as the caller is cancelled, and the cancellation is lost (a client
             # gone at that moment would leave its request running on).
-            async with asyncio.timeout(timeout_s):
-                return await call
+            # A worker (or the peer of its transfer) declared silent meanwhile ends the wait
+            # at once, as a timeout (WorkerHealth.silent).
+            async with asyncio.timeout(timeout_s) as deadline:
+                watched = [s.info.worker_id for s in (worker, peer) if s is not None]
+                for wid in watched:
+                    self.health.watch(wid, deadline)
+                try:
+                    return await call
+                finally:
+                    for wid in watched:
+                        self.health.unwatch(wid, deadline)
         except KVHandshakeError as e:
             raise ClusterMisconfiguredError(str(cause_of(e))) from None
         except RequestFailedError as e:  # the request itself is at fault: no other worker
@@ -62,13 +71,20 @@ class WorkerCalls:
             if peer is not None and isinstance(e, KVPeerUnreachableError):
                 self.health.quarantine(peer, str(cause_of(e)))
                 raise RetryElsewhere(cause_of(e), [peer], peer.info.worker_id) from None
+            if (isinstance(e, TimeoutError) and peer is not None and worker.view.reachable
+                    and not peer.view.reachable):  # the peer went silent, not this worker
+                raise RetryElsewhere(WorkerTimeoutError(
+                    f"worker {peer.info.worker_id} went silent during the call"), [peer],
+                    peer.info.worker_id) from None
             if isinstance(e, TimeoutError):
                 e = WorkerTimeoutError(f"worker {worker.info.worker_id} did not answer within "
                                        f"{timeout_s:g}s")
                 self.health.unreachable(worker, str(e))
             else:
                 self.health.on_error(worker, e)
-            blamed = [worker] if peer is None else [worker, peer]
+            # The peer shares the blame of a failed transfer, not of the worker's own death
+            # (excluding a healthy decode worker could leave the retry nowhere to go).
+            blamed = [worker] if peer is None or _worker_gone(e) else [worker, peer]
             raise RetryElsewhere(e, blamed, worker.info.worker_id) from None
 
     async def safe_abort(self, slot: WorkerSlot, rid: str) -> None:
@@ -80,3 +96,10 @@ class WorkerCalls:
             self.health.unreachable(slot, f"abort of {rid} timed out")
         except Exception as e:
             self.health.on_error(slot, e)
+
+
+def _worker_gone(e: BaseException) -> bool:
+    """Ray's word that the called actor itself died or is restarting (or unreachable)."""
+    import ray.exceptions
+
+    return isinstance(e, ray.exceptions.RayActorError)

@@ -10,6 +10,7 @@ past ``silent_s``) is reported through ``on_decode_lost``; the orchestrator migr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -39,6 +40,21 @@ class WorkerHealth:
         self.quarantine_s = quarantine_s
         self.silent_s = silent_s
         self._on_decode_lost = on_decode_lost
+        # worker id -> deadlines of calls waiting on it now (WorkerCalls.call): a worker
+        # declared silent ends them at once instead of at their own deadlines.
+        self._waiting: dict[str, set] = {}
+
+    def watch(self, worker_id: str, deadline) -> None:
+        """``deadline`` (an ``asyncio.timeout`` context) expires at once if ``worker_id`` is
+        declared silent meanwhile; ``unwatch`` when the call is over."""
+        self._waiting.setdefault(worker_id, set()).add(deadline)
+
+    def unwatch(self, worker_id: str, deadline) -> None:
+        waiting = self._waiting.get(worker_id)
+        if waiting is not None:
+            waiting.discard(deadline)
+            if not waiting:
+                del self._waiting[worker_id]
 
     def dead(self, slot: WorkerSlot, why: str) -> None:
         """Ray says the actor is gone: deregister it; its decode sequences are lost."""
@@ -81,6 +97,15 @@ class WorkerHealth:
             self.dead(slot, repr(e))
         elif not isinstance(e, KVTransferError | QueueFullError):
             log.warning("worker %s failed a call: %r", slot.info.worker_id, e)
+
+    def silent(self, slot: WorkerSlot, why: str) -> None:
+        """A decode worker neither answers heartbeats nor streams tokens
+        (router/control/heartbeat.py): no new work, and its sequences are lost."""
+        self.unreachable(slot, why)
+        self._on_decode_lost(slot.info.worker_id, why, "worker_silent")
+        now = asyncio.get_running_loop().time()
+        for deadline in self._waiting.pop(slot.info.worker_id, ()):
+            deadline.reschedule(now)  # its call fails now (a timeout): retried elsewhere
 
     def check_silent(self, decode_slots: Iterable[WorkerSlot]) -> None:
         """After each load refresh: sequences on a decode worker silent for longer than

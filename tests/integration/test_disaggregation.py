@@ -215,10 +215,14 @@ def test_dead_transfer_peer_releases_reservation_and_request_completes_elsewhere
     assert alive == {"prefill-0": False, "prefill-1": True}
     kinds = [e.kind for e in journal]
     assert "retried" in kinds
-    reserved_on = [e.worker_id for e in journal if e.kind == "reserved"]
+    reserved = [e for e in journal if e.kind == "reserved"]
     committed_on = [e.worker_id for e in journal if e.kind == "committed"]
-    assert len(reserved_on) == 2 and committed_on == [reserved_on[1]]
-    assert reserved_on[0] != reserved_on[1]  # completed on the other decode worker
+    assert len(reserved) == 2 and committed_on == [reserved[1].worker_id]
+    # The retry's KV came from the other prefill worker. Its decode worker may be the same
+    # one: the prefill worker's death is not the decode worker's fault (the first
+    # reservation was released: no block is held).
+    assert [e.detail.split(" from ")[1].split(";")[0] for e in reserved] == ["prefill-0",
+                                                                          "prefill-1"]
 
 
 def _journal_kinds(cluster, rid):
@@ -382,11 +386,14 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     for x, want in zip(lps, ref_lps, strict=True):
         assert max(abs(lp.logprob - w) for lp, w in zip(x, want, strict=True)) < 1e-3
     assert all(j.count("migrated") == 1 and j[-1] == "finished" for j in journals.values())
-    if sig == "SIGSTOP" or restarts == 0:
-        reason = "worker_silent" if sig == "SIGSTOP" else "worker_died"
-        assert migrations == {reason: len(on_victim)}
-    else:  # Ray's first word on a restarting actor is "restarting" or a closed socket
-        assert set(migrations) <= {"worker_restarted", "stream_lost"}
+    # A stopped worker is found by the heartbeat; a killed one by Ray's word ("died", or,
+    # restarting, "restarting" or a closed socket) unless the heartbeat's second of silence
+    # comes first.
+    if sig == "SIGSTOP":
+        assert migrations == {"worker_silent": len(on_victim)}
+    else:
+        said = {"worker_died"} if restarts == 0 else {"worker_restarted", "stream_lost"}
+        assert set(migrations) <= said | {"worker_silent"}
         assert sum(migrations.values()) == len(on_victim)
     roots = {s.attributes["gen_ai.response.id"]: s for s in otlp.spans()
              if s.parent_id == "" and s.attributes.get("gen_ai.response.id", "").startswith("m")}
