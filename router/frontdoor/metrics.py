@@ -213,6 +213,11 @@ class Metrics:
         self.ttft_s = Histogram("pdcluster_time_to_first_token_seconds",
                                 "Time from request arrival to its first token",
                                 ["api"], buckets=_TTFT_BUCKETS, registry=r)
+        # Per finished request: (end to end - TTFT) / (output tokens - 1), vLLM's TPOT.
+        self.tpot_s = Histogram("pdcluster_time_per_output_token_seconds",
+                                "Per finished request of 2+ tokens: its time after the first "
+                                "token divided by its later tokens", ["api"],
+                                buckets=_ITL_BUCKETS, registry=r)
         self.itl_s = Histogram("pdcluster_inter_token_latency_seconds",
                                "Time between consecutive output tokens of one request",
                                ["api"], buckets=_ITL_BUCKETS, registry=r)
@@ -237,7 +242,7 @@ class Metrics:
         t0 = time.monotonic()
         last_token_t: float | None = None
         counted_prompt = False
-        rid, ttft, tokens, reason = "", None, 0, "cancelled"
+        rid, ttft, tokens, reason, first_at = "", None, 0, "cancelled", None
         try:
             async for c in chunks:
                 rid = c.request_id
@@ -250,6 +255,7 @@ class Metrics:
                     tokens += n
                     if last_token_t is None:
                         ttft = c.ttft_s if c.ttft_s is not None else now - t0
+                        first_at = now
                         self.ttft_s.labels(api).observe(ttft)
                     else:
                         # A chunk may carry several tokens (one decode step can emit more
@@ -262,6 +268,8 @@ class Metrics:
                 if c.finished:
                     reason = c.finish_reason or "unknown"
                     self.e2e_s.labels(api, reason).observe(now - t0)
+                    if first_at is not None and tokens > 1:
+                        self.tpot_s.labels(api).observe((now - first_at) / (tokens - 1))
                 yield c
         except Exception:
             reason = "error"

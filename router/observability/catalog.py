@@ -67,6 +67,7 @@ DISAGGREGATED = "disaggregated clusters"
 # Request path (router/frontdoor/metrics.py, Metrics.track): both front doors, label api.
 TTFT = Family("pdcluster_time_to_first_token_seconds", "histogram", ("api",))
 ITL = Family("pdcluster_inter_token_latency_seconds", "histogram", ("api",))
+TPOT = Family("pdcluster_time_per_output_token_seconds", "histogram", ("api",))
 E2E = Family("pdcluster_e2e_request_latency_seconds", "histogram", ("api", "finish_reason"))
 GENERATION_TOKENS = Family("pdcluster_generation_tokens", "counter", ("api",))
 PROMPT_TOKENS = Family("pdcluster_prompt_tokens", "counter", ("api",))
@@ -106,7 +107,7 @@ AUTOSCALER_DECISIONS = Family("pdcluster_autoscaler_decisions", "counter",
                               ("role", "direction", "reason"), only="serve --autoscale")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    TTFT, ITL, E2E, GENERATION_TOKENS, PROMPT_TOKENS, PHASES, REQUESTS_RUNNING,
+    TTFT, ITL, TPOT, E2E, GENERATION_TOKENS, PROMPT_TOKENS, PHASES, REQUESTS_RUNNING,
     REQUESTS_WAITING, KV_BLOCKS_USED, KV_BLOCKS_TOTAL, KV_USAGE, KV_OFFLOAD_BLOCKS,
     KV_OFFLOAD_RESTORED, KV_TRANSFER_BYTES, KV_RANK_TRANSFER_BYTES, MIGRATIONS,
     PREFIX_HIT_TOKENS, PREFIX_PULLED_TOKENS, PREFIX_RECOMPUTED_TOKENS, PREFILL_COMPUTED_TOKENS,

@@ -179,10 +179,9 @@ def cluster_overview() -> dict:
             ts("Inter-token latency", "Gap between consecutive output tokens of a request.",
                "s", *quantiles(m.ITL)),
             ts("End-to-end latency", "Arrival to last token.", "s", *quantiles(m.E2E)),
-            ts("Time per output token", "Mean TPOT: (end-to-end - TTFT) / (tokens - 1) over "
-               "finished requests (the server exports no per-request TPOT histogram: its "
-               "percentiles are the ITL panel's closest kin), beside the engines' own mean "
-               "pure-decode step.", "s", q(tpot, "TPOT (mean)"),
+            ts("Time per output token", "Per finished request, (end-to-end - TTFT) / (tokens "
+               "- 1): its percentiles and mean, beside the engines' own mean pure-decode "
+               "step.", "s", *quantiles(m.TPOT), q(tpot, "TPOT (mean)"),
                q(f"{rate(m.DECODE_STEP_SECONDS.total)} / {rate(m.DECODE_STEPS.total)}",
                  "engine decode step (mean)")),
         ]),

@@ -25,7 +25,7 @@ METRIC_NAMES = [
     "pdcluster_kv_transfer_bytes_total", "pdcluster_generation_tokens_total",
     "pdcluster_prompt_tokens_total", "pdcluster_migrations_total", "pdcluster_kv_usage_ratio",
     "pdcluster_preemptions_total", "pdcluster_prefix_cache_evictions_total",
-    "pdcluster_engine_step_seconds",
+    "pdcluster_engine_step_seconds", "pdcluster_time_per_output_token_seconds",
 ]
 
 
@@ -274,6 +274,9 @@ def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor, backe
         "pdcluster_e2e_request_latency_seconds_count"] == 2
     assert after["pdcluster_time_to_first_token_seconds_count"] - before[
         "pdcluster_time_to_first_token_seconds_count"] == 2
+    # Both requests had tokens after their first: one TPOT each.
+    assert after["pdcluster_time_per_output_token_seconds_count"] - before[
+        "pdcluster_time_per_output_token_seconds_count"] == 2
     # 5 + 4 tokens: 4 + 3 gaps between consecutive tokens.
     assert after["pdcluster_inter_token_latency_seconds_count"] - before[
         "pdcluster_inter_token_latency_seconds_count"] == 7
