@@ -338,8 +338,6 @@ class PrefillWorker:
         scheduled = arrived + int(result.queue_s * 1e9)
         computed = scheduled + int(result.compute_s * 1e9)
         done = computed + int(result.transfer_tail_s * 1e9)
-        first_sent = (wall_ns(pending.first_layer_at, clock)
-                      if pending.first_layer_at is not None else computed)
         tp = req.traceparent
         self.tracing.record("prefill.queue", tp, arrived, scheduled,
                             {"pdcluster.worker_id": self.worker_id})
@@ -350,7 +348,8 @@ class PrefillWorker:
             "pdcluster.prompt.computed_tokens": result.num_prompt_tokens
             - result.num_cached_tokens,
             "pdcluster.prefill.chunks": pending.chunks})
-        self.tracing.record("kv_transfer", tp, min(first_sent, computed), done, {
+        # The whole transfer: its first layer posted (PrefillResult.transfer_s) to done.
+        self.tracing.record("kv_transfer", tp, done - int(result.transfer_s * 1e9), done, {
             "pdcluster.kv.bytes": result.kv_bytes,
             "pdcluster.kv.layers": pending.layers_sent,
             "pdcluster.kv.pair": f"{self.worker_id}->{req.destination.worker_id}",

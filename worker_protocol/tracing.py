@@ -46,7 +46,7 @@ class TracingConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_ratio <= 1.0:
             raise ValueError(f"trace sample ratio must be in [0, 1], got {self.sample_ratio:g}")
-        url = urlparse(self.endpoint if "://" in self.endpoint else f"http://{self.endpoint}")
+        url = self._url()
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"--otlp-traces-endpoint must be http(s)://host:port or "
                              f"host:port (OTLP over gRPC), got {self.endpoint!r}")
@@ -62,8 +62,12 @@ class TracingConfig:
     @property
     def grpc_target(self) -> tuple[str, bool]:
         """(``host:port``, insecure) for the exporter."""
-        url = urlparse(self.endpoint if "://" in self.endpoint else f"http://{self.endpoint}")
+        url = self._url()
         return url.netloc, url.scheme == "http"
+
+    def _url(self):
+        """The endpoint parsed; a bare ``host:port`` reads as plaintext ``http://``."""
+        return urlparse(self.endpoint if "://" in self.endpoint else f"http://{self.endpoint}")
 
 
 class Tracing:
