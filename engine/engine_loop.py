@@ -22,6 +22,10 @@ from engine.request import RequestOutput
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.002
+# An engine idle this long with warm-up work left (``LLMEngine.idle_warmup``: a worker's lazy
+# tokenizer) does it then: not during start-up, when a restarted worker's CPU would come out
+# of the survivors taking over its streams, and not during a step.
+_WARM_AFTER_IDLE_S = 2.0
 
 Sink = Callable[[list[RequestOutput]], None]
 
@@ -103,7 +107,11 @@ class EngineLoop:
                 # Nothing schedulable (all requests await remote KV, or a dynamic batch is still
                 # filling): wait briefly for commands instead of spinning on empty steps.
                 if not self.engine.has_unfinished_requests:
-                    self._drain(timeout_s=None)
+                    warm = self.engine.idle_warmup
+                    if warm is None:
+                        self._drain(timeout_s=None)
+                    elif not self._drain(timeout_s=_WARM_AFTER_IDLE_S):
+                        warm()  # a command arriving meanwhile waits for it, once
                 elif self.engine.last_step_idle:
                     self._drain(timeout_s=_IDLE_POLL_S)
                 else:
@@ -126,22 +134,25 @@ class EngineLoop:
                 self._stopped.set()
             self._fail_pending()
 
-    def _drain(self, timeout_s: float | None) -> None:
+    def _drain(self, timeout_s: float | None) -> bool:
+        """Run the queued commands (waiting up to ``timeout_s`` for the first); whether any
+        came."""
         try:
             cmd = (self._commands.get_nowait() if timeout_s == 0
                    else self._commands.get(timeout=timeout_s))
         except queue.Empty:
-            return
+            return False
         # stop() may come while a command runs: the ones queued behind it fail, not run.
         while cmd is not None and not self._stopped.is_set():
             self._execute(cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
         if cmd is not None:
             self._fail(cmd)
         self._stopped.set()
+        return True
 
     def _execute(self, cmd: _Command) -> None:
         if not cmd.future.set_running_or_notify_cancel():

@@ -41,7 +41,7 @@ from engine.request import (
 from engine.scheduler import Scheduler, StepUpdate
 from engine.step_times import DecodeStepTimes, StepHistogram
 from engine.structured import Grammars
-from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from engine.tokenizer import IncrementalDetokenizer, LazyTokenizer, load_tokenizer
 from engine.weights import load_model_config, load_weights, resolve_model
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,10 @@ class LLMEngine:
         resolved = resolve_model(args.model, cache_dir=args.cache_dir)
         self.model_config: ModelConfig = load_model_config(
             resolved.model_dir, dtype=self.plan.dtype, model_id=resolved.model_id)
-        self.tokenizer = load_tokenizer(resolved.model_dir)
+        # An engine that never detokenizes (a worker: token ids in, token ids out) loads the
+        # Hugging Face tokenizer only if a request needs it (a grammar): its start is ~2 s
+        # of CPU shorter.
+        self.tokenizer = load_tokenizer(resolved.model_dir, lazy=not args.detokenize)
         cfg = self.model_config
         eos = tuple(sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids
                                                           if self.tokenizer else ())))
@@ -231,7 +234,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, args.block_size,
                                           enable_prefix_caching=args.enable_prefix_caching,
                                           hash_seed=args.prefix_hash_seed, tier=self.kv_tier)
-        grammars = (Grammars(self.tokenizer.hf_tokenizer, cfg.vocab_size, eos)
+        grammars = (Grammars(self.tokenizer, cfg.vocab_size, eos)
                     if self.tokenizer is not None else None)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock, grammars)
         self.kv_connector = KVConnector(self.scheduler, self.block_manager, self.runner,
@@ -248,6 +251,13 @@ class LLMEngine:
         self.step_histogram = StepHistogram()  # every step, whatever it ran
         self.last_step_idle = False  # the last step had nothing to schedule
         self._tp_failure: str | None = None
+
+    @property
+    def idle_warmup(self) -> Callable[[], None] | None:
+        """Work an idle engine loop should do once (``engine.engine_loop``): a lazy tokenizer's
+        load; None when nothing is left. The callable never raises."""
+        tok = self.tokenizer
+        return tok.warm if isinstance(tok, LazyTokenizer) and not tok.loaded else None
 
     @property
     def tp_size(self) -> int:

@@ -6,6 +6,12 @@ at most ``max_prefill_chunk`` tokens to one request, when set). That single rule
 preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, and the only
 clock is the injected one.
 
+Priorities (``Request.priority``; a migrated stream's re-prefill is 1, new prompts 0): a
+request waits behind every waiting one of its priority or higher, and a step that admits
+requests of some priority admits none of a lower one, so the first token of a higher-priority
+request waits for its own compute only, not for lower-priority prompts batched beside it.
+(Chunks of requests already running still share its step: they hold pages and a place.)
+
 Batching policies differ only in *when waiting requests may join*:
 continuous (any step), static (only when nothing runs), dynamic (only when nothing runs and
 the batch is full or the oldest request has waited ``dynamic_window_s``).
@@ -280,9 +286,12 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
         deferred: list[Request] = []  # waiting for a prefix another request is computing
+        top = self.waiting[0].priority if self.waiting else 0  # the queue is in priority order
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             if cfg.policy != "continuous" and req.request_id not in self._batch:
+                break
+            if req.priority < top:  # not beside higher-priority admissions (module docstring)
                 break
             computed = None
             if req.num_computed_tokens == 0:

@@ -185,8 +185,10 @@ class Grammars:
     caches compiled grammars (built on first use: engines that never see a constrained
     request pay nothing)."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        self._hf = hf_tokenizer
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        """``tokenizer``: an ``engine.tokenizer.Tokenizer`` (its Hugging Face tokenizer is
+        asked for at the first compile: a lazy one loads then)."""
+        self._tokenizer = tokenizer
         self._vocab = vocab_size
         self._eos = list(eos_token_ids)
         self._compiler = None
@@ -195,7 +197,8 @@ class Grammars:
         import xgrammar as xgr
 
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self._vocab,
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf_tokenizer,
+                                                      vocab_size=self._vocab,
                                                       stop_token_ids=self._eos or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         return self._compiler.compile_grammar(structured.grammar())

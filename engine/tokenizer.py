@@ -256,10 +256,93 @@ class IncrementalDetokenizer:
         return held
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+class LazyTokenizer(Tokenizer):
+    """A ``Tokenizer`` that loads the Hugging Face tokenizer on first use (a grammar, a chat
+    template, text in or out), for engines that are given token ids and never detokenize
+    (the workers): loading it imports ``transformers``, ~2 s of CPU at every worker start,
+    which a restarted worker would take from the survivors absorbing its streams. What every
+    engine needs at start, the end-of-sequence ids, is read off the files the eager path reads
+    (``tokenizer_config.json``'s ``eos_token`` looked up in ``tokenizer.json``, plus the
+    config files' ``eos_token_id``); a model directory without ``tokenizer.json`` loads at
+    once. Thread-safe."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import threading
+
+        self._dir = model_dir
+        self._lock = threading.Lock()
+        self._loaded: Tokenizer | None = None
+        eos = _eos_from_files(model_dir)
+        if eos is None:  # no tokenizer.json, or an eos the files do not name plainly
+            eos = self._load().eos_token_ids
+        self._eos_token_ids = eos
+
+    def _load(self) -> Tokenizer:
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = Tokenizer.from_dir(self._dir)
+            return self._loaded
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded is not None
+
+    def warm(self) -> None:
+        """Load now (an idle engine does: ``LLMEngine.idle_warmup``). Never raises: a tokenizer
+        that cannot load fails the first request that needs it instead."""
+        try:
+            self._load()
+        except Exception as e:
+            import logging
+
+            logging.getLogger(__name__).warning("tokenizer of %s did not load: %r",
+                                                self._dir, e)
+
+    @property
+    def hf_tokenizer(self) -> Any:  # type: ignore[override]
+        return self._load().hf_tokenizer
+
+    @property
+    def _backend(self) -> Any:  # type: ignore[override]
+        return self._load()._backend
+
+
+def _eos_from_files(model_dir: Path) -> tuple[int, ...] | None:
+    """The eager ``Tokenizer``'s ``eos_token_ids`` from the files alone, or None when they do
+    not say it plainly (then the caller loads the tokenizer)."""
+    import tokenizers
+
+    tok_file, cfg_file = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
+    if not tok_file.is_file() or not cfg_file.is_file():
+        return None
+    with cfg_file.open() as f:
+        token = json.load(f).get("eos_token")
+    if isinstance(token, dict):
+        token = token.get("content")
+    eos: list[int] = []
+    if token is not None:
+        if not isinstance(token, str):
+            return None
+        tid = tokenizers.Tokenizer.from_file(str(tok_file)).token_to_id(token)
+        if tid is None:
+            return None
+        eos.append(tid)
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            with path.open() as f:
+                extra = json.load(f).get("eos_token_id")
+            for i in extra if isinstance(extra, list) else ([] if extra is None else [extra]):
+                if i not in eos:
+                    eos.append(i)
+    return tuple(int(i) for i in eos)
+
+
+def load_tokenizer(model_dir: str | Path, lazy: bool = False) -> Tokenizer | None:
     """The model's tokenizer, or None for a directory without one (tiny test models are
-    driven by token ids only)."""
+    driven by token ids only). ``lazy``: a ``LazyTokenizer`` (engines that never touch text
+    unless a request asks for a grammar)."""
     d = Path(model_dir)
     if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
-    return Tokenizer.from_dir(d)
+    return LazyTokenizer(d) if lazy else Tokenizer.from_dir(d)

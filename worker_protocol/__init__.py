@@ -26,6 +26,7 @@ from worker_protocol.messages import (
 )
 from worker_protocol.runtime import (
     KVHost,
+    actor_state,
     apply_cpu_affinity,
     current_node_id,
     current_node_ip,
@@ -43,7 +44,7 @@ __all__ = [
     "AbortRequest", "CommitRequest", "CommitResult", "PrefillRequest", "PrefillResult",
     "PrefillTimeoutError",
     "RequestTokens", "ReserveRequest", "ReserveResult", "SubmitRequest", "TokenBatch", "TokenUpdate",
-    "KVHost", "WorkerConfig", "WorkerInfo", "WorkerLoad", "apply_cpu_affinity",
+    "KVHost", "WorkerConfig", "WorkerInfo", "WorkerLoad", "actor_state", "apply_cpu_affinity",
     "current_node_id", "current_node_ip", "exit_on_engine_crash",
     "freeze_startup_heap", "kv_host_for", "new_incarnation",
     "pin_nccl_to", "resolve_kv_host", "restarted_by_ray",

@@ -63,6 +63,20 @@ def restarted_by_ray() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
 
+def actor_state(handle) -> str | None:
+    """Ray's own record (the GCS actor table) of the actor behind ``handle``: "ALIVE",
+    "RESTARTING" (its process died; Ray is starting a new one), "DEAD", "PENDING_CREATION",
+    ...; None when it cannot be read. The table flips within ~0.1 s of a process's death,
+    seconds before calls to it fail (calls to a restarting actor wait for the new process).
+    A blocking GCS round trip of about a millisecond: call it off an event loop."""
+    try:
+        from ray._private import state  # the public state API needs the dashboard
+
+        return state.actors(handle._actor_id.hex()).get("State")
+    except Exception:  # not connected, an unknown id, another Ray version's shape
+        return None
+
+
 def exit_on_engine_crash(worker_id: str):
     """An ``EngineLoop.on_crash`` for a Ray worker: a loop that died leaves an engine in an
     unknown state, so the process exits and Ray restarts the actor (or, past its restarts,

@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the router's heartbeat: a silent decode worker's streams move after "
                         "this many seconds (default 1, the product's; 0: off, only the 5 s "
                         "load-report silence)")
+    p.add_argument("--worker-restarts", type=int, default=3,
+                   help="how often Ray restarts a dead worker (default 3, the product's; 0: "
+                        "killed workers stay dead, so no restart competes with the migration "
+                        "for the cores, and 'ready again' cannot be met)")
     p.add_argument("--signals", default="SIGKILL,SIGSTOP",
                    help="how the decode worker is taken down, one round each, in order "
                         "(default SIGKILL,SIGSTOP)")
@@ -66,6 +70,7 @@ class StreamRun:
     tokens: list[int] = field(default_factory=list)
     e2e_s: float = 0.0
     error: str | None = None
+    chunk_times: list[float] = field(default_factory=list)  # wall clock of each token chunk
 
 
 async def _stream(cluster: Any, rid: str, prompt: list[int], max_tokens: int,
@@ -81,6 +86,8 @@ async def _stream(cluster: Any, rid: str, prompt: list[int], max_tokens: int,
             if first_token is not None and not run.tokens and ch.token_ids:
                 first_token.release()
             run.tokens += ch.token_ids
+            if ch.token_ids:
+                run.chunk_times.append(time.time())
     except Exception as e:  # counted as not completed
         run.error = f"{type(e).__name__}: {e}"
     run.e2e_s = time.perf_counter() - t0
@@ -131,7 +138,8 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
     cfg = ClusterConfig(model=args.model, num_prefill_workers=2, num_decode_workers=2,
                         prefill_engine=EngineArgs(num_threads=1, max_num_seqs=8),
                         decode_engine=EngineArgs(num_threads=1), transfer_timeout_s=10.0,
-                        lease_s=20.0, capacity_wait_s=60.0, suspect_after_s=args.suspect_after)
+                        lease_s=20.0, capacity_wait_s=60.0, suspect_after_s=args.suspect_after,
+                        worker_restarts=args.worker_restarts)
     cluster = await Cluster.start(cfg)
     try:
         pids = {w.id: w.pid for w in await cluster.cluster_status()}
@@ -145,6 +153,7 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
         victim = max(("decode-0", "decode-1"), key=live.count)
         on_victim = {rid for rid, s in cluster.orchestrator._streams.items()
                      if s.decode_id == victim and s.committed}
+        fault_ts = time.time()
         os.kill(pids[victim], getattr(signal, sig))
         # A second wave of prompts, and the prefill worker dies while they are in prefill.
         second = [asyncio.ensure_future(_stream(cluster, f"t{i}", prompts[n_streams + i],
@@ -155,9 +164,12 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
         if sig == "SIGSTOP":
             os.kill(pids[victim], signal.SIGCONT)
         await _abort_storm(cluster, prompts, n_aborts, args.seed)
-        status = await _all_ready(cluster)
+        status = await _all_ready(cluster, 120.0 if args.worker_restarts else 0.0)
         held = await _held(cluster)
         stats = await cluster.stats()
+        store = cluster.orchestrator.store
+        journals = {rid: store.journal_get(rid) for rid in on_victim} if store else {}
+        timings = {rid: cluster.orchestrator.phases.timings.get(rid) for rid in on_victim}
     finally:
         await cluster.shutdown()
     ref_of = {f"s{i}": refs[i] for i in range(n_streams)}
@@ -176,7 +188,45 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
             "restarts": {w.id: w.restarts for w in status if w.restarts},
             "added_latency_p50_s": percentile(added, 50) if added else None,
             "added_latency_p99_s": percentile(added, 99) if added else None,
+            "after_fault": _after_fault(fault_ts, [r for r in runs if r.request_id in on_victim],
+                                        journals, timings),
             "errors": sorted({r.error for r in runs if r.error})[:5]}
+
+
+_STEPS = (("detect", "migrated"), ("route_reserve", "reserved"), ("prefill", "prefilled"),
+          ("commit", "committed"))
+
+
+def _after_fault(fault_ts: float, moved: list[StreamRun], journals: dict[str, list],
+                 timings: dict[str, Any]) -> dict[str, Any]:
+    """Where a migrated stream's freeze went, p50 and max over the moved streams (s): from the
+    fault to the router's ``migrated`` journal event (detection), then route + reserve,
+    the re-prefill (split into its wait in the prefill worker's queue and its compute), the
+    commit (KV received), and the first token to the client after it; ``freeze`` is the
+    client's gap from its last token before the fault to its first after."""
+    parts: dict[str, list[float]] = {name: [] for name, _ in _STEPS}
+    parts.update(prefill_queue=[], prefill_compute=[], first_token=[], freeze=[])
+    for run in moved:
+        timing = timings.get(run.request_id)  # its last attempt's: the re-prefill's
+        if timing is not None:
+            parts["prefill_queue"].append(timing.queue_s)
+            parts["prefill_compute"].append(timing.prefill_compute_s)
+        events = [e for e in journals.get(run.request_id, []) if e.ts >= fault_ts]
+        at, t = {}, fault_ts
+        for name, kind in _STEPS:  # each step's first event after the previous one
+            ev = next((e for e in events if e.kind == kind and e.ts >= t), None)
+            if ev is None:
+                break
+            parts[name].append(ev.ts - t)
+            at[name], t = ev.ts, ev.ts
+        before = [c for c in run.chunk_times if c < fault_ts]
+        after = [c for c in run.chunk_times if c >= at.get("detect", fault_ts)]
+        if "commit" in at and after:
+            parts["first_token"].append(after[0] - at["commit"])
+        if before and after:
+            parts["freeze"].append(after[0] - before[-1])
+    return {name: {"p50": percentile(v, 50), "max": max(v), "n": len(v)}
+            for name, v in parts.items() if v}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -204,6 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {"benchmark": NAME, "config": {"streams": n_streams, "max_tokens": max_tokens,
                                             "aborts": n_aborts, "prompt_len": args.prompt_len,
                                             "suspect_after_s": args.suspect_after,
+                                            "worker_restarts": args.worker_restarts,
                                             "model": args.model or "default"},
               "rounds": rounds, "targets": targets, "wall_s": time.perf_counter() - t0,
               "machine": machine_info()}
@@ -217,6 +268,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{r['blocks_leaked'] or 0}, restarted {r['restarts'] or 'none'}, "
               f"{r['workers_ready']}/{r['workers']} ready; migration adds p50 "
               f"{(p50 or 0) * 1e3:.0f} ms, p99 {(p99 or 0) * 1e3:.0f} ms")
+        print("         after the fault (p50 / max ms): " + ", ".join(
+            f"{k} {v['p50'] * 1e3:.0f} / {v['max'] * 1e3:.0f}"
+            for k, v in r["after_fault"].items()))
     print_targets(targets)
     print(f"wrote {path}")
     return result

@@ -140,6 +140,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured", choices=STRUCTURED_VARIANTS, default=None,
                    help="also run every rate with the output held to a JSON schema, beside "
                         "the unconstrained run: the TPOT cost of the grammar mask")
+    p.add_argument("--offline-threads", type=int, default=None, metavar="N",
+                   help="with --max-concurrency 1: also run the same prompts through the "
+                        "in-process engine at N torch threads (the served worker's), one at a "
+                        "time, after the load, and report served / offline TPOT: what the "
+                        "serving path costs a stream (bench/server/serve_offline.py)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--metrics-url", default=None, metavar="URL",
                    help="our server's /metrics, for the engine's own decode steps beside the "
@@ -280,6 +285,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--num-prompts, --input-len and --output-len must be > 0")
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         raise ValueError(f"--max-concurrency must be > 0, got {args.max_concurrency}")
+    offline_threads = getattr(args, "offline_threads", None)
+    if offline_threads is not None and (offline_threads <= 0 or args.max_concurrency != 1):
+        raise ValueError("--offline-threads N (N > 0) compares one stream at a time: it needs "
+                         "--max-concurrency 1")
     t = target_from_args(args)
     facts = asyncio.run(server_facts(t))
     max_len = facts.max_model_len
@@ -308,6 +317,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for free, bound in zip(rows[::2], rows[1::2], strict=True):
             bound["tpot_p50_over_free"] = _ratio(bound["tpot_p50_s"], free["tpot_p50_s"])
             bound["tpot_mean_over_free"] = _ratio(bound["tpot_mean_s"], free["tpot_mean_s"])
+    if offline_threads is not None:  # the server is idle now: the engine alone, same prompts
+        from bench.server.serve_offline import offline_one_stream
+
+        alone = offline_one_stream(args.model, prompts[0], output_len, offline_threads)
+        for row, (_, v) in zip(rows, cells, strict=True):
+            if v is None:
+                row["offline"] = alone.to_dict()
+                row["tpot_p50_over_offline"] = _ratio(row["tpot_p50_s"], alone.tpot_p50_s)
     warnings = list(facts.warnings)
     if metrics_url and all(r["engine_decode_steps"] is None for r in rows):
         warnings.append(f"no engine step counters at {metrics_url}: serving overhead not reported")
@@ -342,6 +359,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"TTFT p50 {_ms(r['ttft_p50_s'])} p99 {_ms(r['ttft_p99_s'])}, "
               f"TPOT p50 {_ms(r['tpot_p50_s'])}, goodput {r['goodput_req_s']:.2f} req/s "
               f"({r['goodput_fraction']:.0%})")
+        if "offline" in r:
+            off = r["offline"]
+            print(f"    the engine alone ({off['num_threads']} threads, one stream at a time): "
+                  f"TPOT p50 {_ms(off['tpot_p50_s'])}, TTFT p50 {_ms(off['ttft_p50_s'])}; "
+                  f"served / offline TPOT p50 {r['tpot_p50_over_offline']:.3f}x")
         steps = r["engine_decode_steps"]
         if steps is not None:
             per = ", ".join(f"b{b} {v['mean_s'] * 1e3:.0f} ms x{v['steps']}"

@@ -1,21 +1,28 @@
-"""Decode-worker failure detection in about a second, without false alarms.
+"""Worker failure detection in well under a second for a dead process, about a second for a
+stopped one, without false alarms.
 
 Load reports cannot tell quickly that a worker stopped: each has a 2 s deadline, and a worker
 is declared lost only after ``worker_silent_s`` (5 s) of unanswered reports, so a SIGSTOP'd
-(or hung, or cut-off) decode worker froze its streams ~7 s before they moved. Here each live
-decode worker is pinged every ``interval_s`` on its control concurrency group (its own
-threads: the answer does not wait for an engine step), at most one ping in flight per worker.
-Two signals must agree before anything moves:
+(or hung, or cut-off) decode worker froze its streams ~7 s before they moved. Here every live
+worker is pinged every ``interval_s`` on its control concurrency group (its own threads: the
+answer does not wait for an engine step), at most one ping in flight per worker. Two rules act:
 
-- no ping answered for ``suspect_after_s``, and
-- no token batch from it for as long either, while streams are committed there.
+- **Gone** (any worker): no pong for ``confirm_after_s`` (1.5 intervals) makes the
+  router ask Ray's actor table (``worker_protocol.actor_state``, off the loop, one question in
+  flight per worker). "RESTARTING" or "DEAD" is Ray's own word that the process died (the
+  table flips ~0.1 s after a SIGKILL, while calls to a restarting actor just wait for the new
+  process): ``on_gone`` acts at once (``WorkerHealth.gone``: streams move, waiting calls end,
+  no new work until it rejoins). An actor Ray calls alive is left to the next rule.
+- **Silent** (decode workers): no ping answered for ``suspect_after_s`` and no token batch for
+  as long either, while streams are committed there (``on_silent``: reason
+  ``worker_silent``). A busy worker still streams tokens (a step is milliseconds to a few
+  hundred), and an idle one holds no stream, so neither is ever moved; a stopped one fails
+  both and its streams migrate (the migration counter counts them; with no fault it stays 0).
 
-A busy worker still streams tokens (a step is milliseconds to a few hundred), and an idle one
-holds no stream, so neither is ever moved; a stopped one fails both and its streams migrate
-(``WorkerHealth.silent``: reason ``worker_silent``, the migration counter counts them; with no
-fault it stays 0). A worker that answers again is simply reachable again (its late tokens for
-moved streams are dropped: ``StreamState.abandoned``). Ray's own word that an actor died
-arrives through the token stream (router.control.fanout) and usually first.
+A worker that answers again is simply reachable again (its late tokens for moved streams are
+dropped: ``StreamState.abandoned``); a restarted one rejoins (``forget``). Prefill workers
+hold no streams, so only the first rule applies to them: their in-flight calls end and no
+prefix is pulled from them.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from router.control.request_state import WorkerSlot
-from worker_protocol import control
+from worker_protocol import actor_state, control
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +43,33 @@ class Heartbeats:
 
     def __init__(self, slots: Callable[[], Iterable[WorkerSlot]],
                  holds_streams: Callable[[str], bool], last_tokens: Callable[[str], float],
-                 on_silent: Callable[[WorkerSlot, str], None], interval_s: float,
-                 suspect_after_s: float) -> None:
-        """``slots``: the decode slots to watch; ``holds_streams(worker_id)``: streams are
-        committed there; ``last_tokens(worker_id)``: monotonic time of its last token batch;
-        ``on_silent(slot, why)``: both signals agree it is gone."""
+                 on_silent: Callable[[WorkerSlot, str], None],
+                 on_gone: Callable[[WorkerSlot, str, str], None], interval_s: float,
+                 suspect_after_s: float,
+                 ray_state: Callable[[object], str | None] = actor_state) -> None:
+        """``slots``: the workers to watch (both kinds); ``holds_streams(worker_id)``: streams
+        are committed there; ``last_tokens(worker_id)``: monotonic time of its last token
+        batch; ``on_silent(slot, why)``: a decode worker failed both signals;
+        ``on_gone(slot, state, why)``: Ray says its process is gone; ``ray_state(handle)``:
+        Ray's actor-table state (blocking; run in a thread)."""
         self._slots = slots
         self._holds_streams = holds_streams
         self._last_tokens = last_tokens
         self._on_silent = on_silent
+        self._on_gone = on_gone
+        self._ray_state = ray_state
         self.interval_s = interval_s
         self.suspect_after_s = suspect_after_s
+        # A pong normally lands within milliseconds of its ping: half an interval late is
+        # already unusual, and the question costs Ray a millisecond.
+        self.confirm_after_s = 1.5 * interval_s
         self._answered: dict[str, float] = {}  # worker id -> monotonic time of its last pong
         self._in_flight: dict[str, asyncio.Future] = {}
-        self._reported: set[str] = set()  # declared silent, not answered since
+        self._asking: dict[str, asyncio.Future] = {}  # worker id -> its actor-table question
+        self._reported: set[str] = set()  # declared silent or gone, not answered since
         self._task: asyncio.Task | None = None
-        self.num_silent = 0  # workers declared silent (streams moved)
+        self.num_silent = 0  # decode workers declared silent (streams moved)
+        self.num_gone = 0  # workers Ray's table showed gone before any call failed
 
     def start(self) -> None:
         if self._task is None and self.suspect_after_s > 0:
@@ -66,7 +84,7 @@ class Heartbeats:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for fut in self._in_flight.values():
+        for fut in [*self._in_flight.values(), *self._asking.values()]:
             fut.cancel()
 
     async def _run(self) -> None:
@@ -84,9 +102,13 @@ class Heartbeats:
             self._answered.setdefault(wid, now)  # a new worker starts its clock now
             if wid not in self._in_flight:
                 self._ping(slot)
-            last = max(self._answered[wid], self._last_tokens(wid))
-            if (now - last > self.suspect_after_s and wid not in self._reported
-                    and self._holds_streams(wid)):
+            if wid in self._reported:
+                continue
+            decode = slot.info.role != "prefill"
+            last = max(self._answered[wid], self._last_tokens(wid) if decode else 0.0)
+            if now - last > self.confirm_after_s and wid not in self._asking:
+                self._ask_ray(slot)
+            if decode and now - last > self.suspect_after_s and self._holds_streams(wid):
                 self._reported.add(wid)
                 self.num_silent += 1
                 self._on_silent(slot, f"decode worker {wid} silent for {now - last:.1f} s: no "
@@ -102,7 +124,27 @@ class Heartbeats:
             if not f.cancelled() and f.exception() is None:
                 self._answered[wid] = time.monotonic()
                 if wid in self._reported:
-                    log.warning("decode worker %s answers again", wid)
+                    log.warning("worker %s answers again", wid)
                     self._reported.discard(wid)
+
+        fut.add_done_callback(done)
+
+    def _ask_ray(self, slot: WorkerSlot) -> None:
+        """Ask Ray's actor table about a worker that is late to answer (off the loop)."""
+        wid, incarnation = slot.info.worker_id, slot.info.incarnation
+        fut = asyncio.get_running_loop().run_in_executor(None, self._ray_state, slot.handle)
+        self._asking[wid] = fut
+
+        def done(f: asyncio.Future) -> None:
+            self._asking.pop(wid, None)
+            state = None if f.cancelled() or f.exception() is not None else f.result()
+            # An answer about a process that has been replaced meanwhile says nothing.
+            if (state not in ("RESTARTING", "DEAD") or wid in self._reported
+                    or slot.info.incarnation != incarnation or not slot.view.alive):
+                return
+            self._reported.add(wid)
+            self.num_gone += 1
+            self._on_gone(slot, state, f"worker {wid}'s process is gone (Ray: {state}); "
+                                       f"no heartbeat answered")
 
         fut.add_done_callback(done)

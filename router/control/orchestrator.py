@@ -99,9 +99,6 @@ class Orchestrator:
         self.choose = WorkerChooser(Routing(config.routing), self.kv_index,
                                     config.capacity_wait_s)
         self.usage = UsageCounters()
-        # Cluster-wide reuse: pull a prefix another worker holds instead of computing it.
-        self.pulls = PrefixPulls(self.kv_index, layout, config.routing.prefix_pull,
-                                 config.transfer_timeout_s)
         self._streams: dict[str, StreamState] = {}
         self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s,
                                   self.router_id)
@@ -109,6 +106,9 @@ class Orchestrator:
                                    config.worker_silent_s, self.fanout.fail_committed_streams)
         self.fanout.health = self.health
         self.calls = WorkerCalls(self.health, config.call_timeout_s)
+        # Cluster-wide reuse: pull a prefix another worker holds instead of computing it.
+        self.pulls = PrefixPulls(self.kv_index, layout, config.routing.prefix_pull,
+                                 config.transfer_timeout_s, health=self.health)
         self.orphans = OrphanRescue(self)
         self.fanout.on_lost = self.orphans.lost
         self.streams.on_stall = self.orphans.stalled
@@ -116,8 +116,9 @@ class Orchestrator:
         self.decode: dict[str, WorkerSlot] = {}
         # Failure detection in about a second (router/control/heartbeat.py).
         self.heartbeats = Heartbeats(
-            self.decode.values, lambda wid: any(s.committed for s in self.streams_on(wid)),
-            self.fanout.last_tokens, self.health.silent, config.heartbeat_interval_s,
+            lambda: [*self.prefill.values(), *self.decode.values()],
+            lambda wid: any(s.committed for s in self.streams_on(wid)), self.fanout.last_tokens,
+            self.health.silent, self.health.gone, config.heartbeat_interval_s,
             config.suspect_after_s)
         self.kv_transfer_bytes_total = 0
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
@@ -139,15 +140,14 @@ class Orchestrator:
         else:
             self.decode[info.worker_id] = slot
             self.fanout.start(slot)
-            self.heartbeats.start()
+        self.heartbeats.start()
 
     def rejoin(self, slot: WorkerSlot, info: WorkerInfo) -> None:
         """``slot``'s worker was restarted by Ray (same id and handle, new process): take its
         new ``info`` (KV port, pid), move the streams its old process held, and route to it
         again. Its KV pool starts empty; the router's in-flight counters stay, owned by the
         attempts that raised them."""
-        old = slot.info
-        wid = info.worker_id
+        old, wid = slot.info, info.worker_id
         if old.role != "prefill":
             self.fanout.fail_committed_streams(
                 wid, f"decode worker {wid} restarted (pid {old.pid} -> {info.pid})",
@@ -161,7 +161,7 @@ class Orchestrator:
         self.health.reachable(slot)
         if old.role != "prefill":
             self.fanout.start(slot)
-            self.heartbeats.forget(wid)
+        self.heartbeats.forget(wid)
         log.warning("worker %s rejoined after a restart: pid %d -> %d, KV address %s",
                     wid, old.pid, info.pid, info.kv_address)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer import KVLayout
 from router.control.request_state import WorkerSlot, cause_of
+from router.control.worker_health import WorkerHealth
 from router.routing.kv_index import KVIndex
 from worker_protocol.prefix_pull import PullRequest, PullResult
 
@@ -86,6 +87,8 @@ class PrefixPulls:
     _num_pulls: int = 0
     # Told of every pull that moved KV: (role pair "decode->prefill", seconds).
     on_transfer: Callable[[str, float], None] | None = None
+    # Ends a pull's wait at once when its source or puller is declared lost meanwhile.
+    health: WorkerHealth | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -170,8 +173,17 @@ class PrefixPulls:
         req = PullRequest(f"{request_id}/pull-{self._num_pulls}", list(prompt_ids), plan.end,
                           src, plan.source.handle, timeout_s)
         try:
-            async with asyncio.timeout(timeout_s + 5.0):  # not wait_for: WorkerCalls.call
-                res: PullResult = await puller.handle.pull_prefix.remote(req)
+            # Not wait_for (see WorkerCalls.call).
+            async with asyncio.timeout(timeout_s + 5.0) as deadline:
+                health = self.health
+                watched = [] if health is None else [src, puller.info.worker_id]
+                for wid in watched:
+                    health.watch(wid, deadline)
+                try:
+                    res: PullResult = await puller.handle.pull_prefix.remote(req)
+                finally:
+                    for wid in watched:
+                        health.unwatch(wid, deadline)
         except Exception as e:  # the puller failed or timed out: the prefill call will tell
             e = cause_of(e)
             res = PullResult(0, plan.have, 0, timeout_s, f"{type(e).__name__}: {e}"[:300])

@@ -76,15 +76,19 @@ class WorkerCalls:
                 raise RetryElsewhere(WorkerTimeoutError(
                     f"worker {peer.info.worker_id} went silent during the call"), [peer],
                     peer.info.worker_id) from None
+            # Declared gone or silent while the call waited (its deadline was ended early).
+            gone = _worker_gone(e) or (isinstance(e, TimeoutError) and not (
+                worker.view.alive and worker.view.reachable))
             if isinstance(e, TimeoutError):
-                e = WorkerTimeoutError(f"worker {worker.info.worker_id} did not answer within "
-                                       f"{timeout_s:g}s")
+                e = WorkerTimeoutError(f"worker {worker.info.worker_id} " + (
+                    "was lost during the call" if gone else
+                    f"did not answer within {timeout_s:g}s"))
                 self.health.unreachable(worker, str(e))
             else:
                 self.health.on_error(worker, e)
             # The peer shares the blame of a failed transfer, not of the worker's own death
             # (excluding a healthy decode worker could leave the retry nowhere to go).
-            blamed = [worker] if peer is None or _worker_gone(e) else [worker, peer]
+            blamed = [worker] if peer is None or gone else [worker, peer]
             raise RetryElsewhere(e, blamed, worker.info.worker_id) from None
 
     async def safe_abort(self, slot: WorkerSlot, rid: str) -> None:

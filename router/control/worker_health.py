@@ -103,8 +103,24 @@ class WorkerHealth:
         (router/control/heartbeat.py): no new work, and its sequences are lost."""
         self.unreachable(slot, why)
         self._on_decode_lost(slot.info.worker_id, why, "worker_silent")
+        self._end_waits(slot.info.worker_id)
+
+    def gone(self, slot: WorkerSlot, state: str, why: str) -> None:
+        """Ray's actor table says the worker's process is gone (router/control/heartbeat.py):
+        ``RESTARTING`` (a new process will rejoin: unreachable until then) or ``DEAD``. Its
+        decode sequences are lost and calls waiting on it end now, whichever worker kind."""
+        wid = slot.info.worker_id
+        if state == "DEAD":
+            self.dead(slot, why)
+        else:
+            self.unreachable(slot, why)
+            if slot.info.role != "prefill":
+                self._on_decode_lost(wid, why, "worker_restarted")
+        self._end_waits(wid)
+
+    def _end_waits(self, worker_id: str) -> None:
         now = asyncio.get_running_loop().time()
-        for deadline in self._waiting.pop(slot.info.worker_id, ()):
+        for deadline in self._waiting.pop(worker_id, ()):
             deadline.reschedule(now)  # its call fails now (a timeout): retried elsewhere
 
     def check_silent(self, decode_slots: Iterable[WorkerSlot]) -> None:

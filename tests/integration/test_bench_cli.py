@@ -217,6 +217,33 @@ def test_serve_target_loads_our_http_server_and_labels_the_result(tiny_frontdoor
     assert [r["request_rate"] for r in a["rates"]] == [50.0, "inf"]
 
 
+def test_serve_offline_threads_sets_the_served_tpot_beside_the_engine_alone(
+        tiny_frontdoor, tiny_llama_dir, tmp_path):
+    """One stream at a time, then the same prompts through the in-process engine: the served /
+    offline ratio is the serving path's cost per token (issue [7/7])."""
+    url = f"http://127.0.0.1:{tiny_frontdoor.http_port}"
+    assert main(["serve", "--target", url, "--request-rates", "inf", "--max-concurrency", "1",
+                 "--offline-threads", "1", "--model", str(tiny_llama_dir), *SERVE_LOAD,
+                 "--out", str(tmp_path)]) == 0
+    (row,) = _read(tmp_path, "serve")["rates"]
+    off = row["offline"]
+    assert off["num_threads"] == 1 and off["num_requests"] == 3
+    assert 0 < off["tpot_p50_s"] <= off["itl_p99_s"] and off["ttft_p50_s"] > 0
+    assert off["tpot_mean_s"] > 0
+    # (the tiny model streams no text, so its served TPOT may be 0: no ratio, null in JSON)
+    ratio = row["tpot_p50_over_offline"]
+    assert (ratio is None if not row["tpot_p50_s"]
+            else ratio == pytest.approx(row["tpot_p50_s"] / off["tpot_p50_s"]))
+
+
+def test_serve_offline_threads_needs_one_stream_at_a_time(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--target", "http://127.0.0.1:9", "--offline-threads", "2",
+              "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "--max-concurrency 1" in capsys.readouterr().err
+
+
 def test_compare_prints_one_table_per_common_rate(two_serve_results, tiny_frontdoor, tmp_path, capsys):
     a, b = two_serve_results
     capsys.readouterr()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 
@@ -201,3 +202,34 @@ def test_a_crash_is_handed_to_on_crash_and_async_requests_fail_instead_of_hangin
         eng.shutdown()
     assert [str(e) for e in crashed] == ["the step blew up"]
     assert not eng.loop.alive
+
+
+def test_an_idle_loop_does_its_warm_up_once_after_a_quiet_spell(monkeypatch, tiny_llama_dir):
+    """A worker's lazy tokenizer loads on the loop thread once the engine has been idle for
+    ``_WARM_AFTER_IDLE_S`` (not at start-up), once; a command arriving before then defers it."""
+    import engine.engine_loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "_WARM_AFTER_IDLE_S", 0.3)
+    eng = LLMEngine(EngineArgs(model=str(tiny_llama_dir), detokenize=False))
+    warmed: list[str] = []
+
+    def warm() -> None:
+        warmed.append(threading.current_thread().name)
+
+    monkeypatch.setattr(LLMEngine, "idle_warmup", property(
+        lambda self: None if warmed else warm))
+    loop = EngineLoop(eng, Sink(), name="warm-loop")
+    try:
+        time.sleep(0.15)
+        assert loop.call(lambda e: "busy").result(5) == "busy"  # restarts the quiet spell
+        time.sleep(0.2)
+        assert warmed == []
+        deadline = time.monotonic() + 5
+        while not warmed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert warmed == ["warm-loop"]
+        assert loop.call(lambda e: "after").result(5) == "after"
+    finally:
+        loop.stop()
+        eng.close()

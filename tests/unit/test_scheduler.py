@@ -203,6 +203,30 @@ def test_a_higher_priority_request_is_admitted_ahead_of_waiting_ones():
     h.assert_all_free()
 
 
+def test_a_step_that_admits_higher_priority_requests_admits_no_lower_ones():
+    """Re-prefills of migrated streams (priority 1) get a step of their own: new prompts
+    waiting beside them would lengthen it, and every moved stream's first token waits for the
+    whole step. Running chunks still share it; the new prompts follow in the next step."""
+    h = make(max_num_batched_tokens=64, max_prefill_chunk=8)
+    h.add("running", 16, max_tokens=2)
+    out, _ = h.step()
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("running", 8)]
+    for i in range(2):
+        h.add(f"new{i}", 4, max_tokens=2)
+    for k, rid in enumerate(("moved-a", "moved-b")):
+        prompt = list(range(900 + 10 * k, 906 + 10 * k))
+        h.sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=2),
+                                    arrival_time=h.clock(), eos_token_ids=(EOS,), priority=1))
+    out, _ = h.step()
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [
+        ("running", 8), ("moved-a", 6), ("moved-b", 6)]
+    out, _ = h.step()
+    assert {c.request_id for c in out.chunks} >= {"new0", "new1"}
+    h.run()
+    assert set(h.finished) == {"running", "new0", "new1", "moved-a", "moved-b"}
+    h.assert_all_free()
+
+
 def test_without_chunked_prefill_a_prompt_waits_for_the_whole_budget():
     h = make(max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
     h.add("a", 10, max_tokens=3)

@@ -131,3 +131,42 @@ def test_partial_stop_prefix_is_held_back_then_released(tok):
 def test_invalid_stop_strings_raise(tok):
     with pytest.raises(ValueError, match="stop strings"):
         IncrementalDetokenizer(tok, [], stop=[""])
+
+
+def test_a_lazy_tokenizer_knows_the_eos_ids_at_once_and_loads_on_first_use(
+        tok, tmp_path_factory, tmp_path):
+    """A worker's engine (token ids only) starts without loading the Hugging Face tokenizer:
+    the EOS ids come from the files and equal the eager tokenizer's; everything else loads on
+    first use and answers as the eager one does."""
+    import json
+    import shutil
+
+    from engine.tokenizer import LazyTokenizer, load_tokenizer
+
+    cache: Path = tmp_path_factory.getbasetemp() / "pdcluster-model-cache"
+    d = Path(resolve_model(None, cache_dir=cache).model_dir)
+    lazy = load_tokenizer(d, lazy=True)
+    assert isinstance(lazy, LazyTokenizer)
+    assert lazy.eos_token_ids == tok.eos_token_ids and lazy._loaded is None
+    text = "The capital of France is Paris. <|im_end|>"
+    assert lazy.encode(text) == tok.encode(text) and lazy._loaded is not None
+    ids = tok.encode(text)
+    assert lazy.decode(ids) == tok.decode(ids)
+    assert (lazy.vocab_size, lazy.bos_token_id, lazy.has_chat_template) == (
+        tok.vocab_size, tok.bos_token_id, tok.has_chat_template)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert lazy.apply_chat_template(msgs) == tok.apply_chat_template(msgs)
+
+    # The eos token written as an AddedToken dict reads the same.
+    other = tmp_path / "model"
+    shutil.copytree(d, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = other / "tokenizer_config.json"
+    data = json.loads(cfg.read_text())
+    data["eos_token"] = {"content": data["eos_token"], "special": True}
+    cfg.write_text(json.dumps(data))
+    lazy = LazyTokenizer(other)
+    assert lazy.eos_token_ids == tok.eos_token_ids and lazy._loaded is None
+    # One the vocabulary does not hold: the files do not say it plainly, so it loads at once.
+    data["eos_token"] = "<no such token>"
+    cfg.write_text(json.dumps(data))
+    assert LazyTokenizer(other)._loaded is not None
