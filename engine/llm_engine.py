@@ -174,9 +174,7 @@ class LLMEngine:
         resolved = resolve_model(args.model, cache_dir=args.cache_dir)
         self.model_config: ModelConfig = load_model_config(
             resolved.model_dir, dtype=self.plan.dtype, model_id=resolved.model_id)
-        # An engine that never detokenizes (a worker: token ids in, token ids out) loads the
-        # Hugging Face tokenizer only if a request needs it (a grammar): its start is ~2 s
-        # of CPU shorter.
+        # A worker's engine (token ids in and out) loads it on first need: ~2 s less to start.
         self.tokenizer = load_tokenizer(resolved.model_dir, lazy=not args.detokenize)
         cfg = self.model_config
         eos = tuple(sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids
@@ -254,10 +252,9 @@ class LLMEngine:
 
     @property
     def idle_warmup(self) -> Callable[[], None] | None:
-        """Work an idle engine loop should do once (``engine.engine_loop``): a lazy tokenizer's
-        load; None when nothing is left. The callable never raises."""
-        tok = self.tokenizer
-        return tok.warm if isinstance(tok, LazyTokenizer) and not tok.loaded else None
+        """An idle engine loop's one-off work (a lazy tokenizer's load; never raises), or None."""
+        lazy = isinstance(self.tokenizer, LazyTokenizer) and not self.tokenizer.loaded
+        return self.tokenizer.warm if lazy else None
 
     @property
     def tp_size(self) -> int:
