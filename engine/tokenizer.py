@@ -13,10 +13,13 @@ corrupts BPE output and is not prefix-consistent, so it cannot be streamed).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -46,14 +49,7 @@ class Tokenizer:
             raise ValueError(f"cannot load a tokenizer from {str(model_dir)!r}: {e}") from e
         if not getattr(hf_tok, "is_fast", False):
             raise ValueError(f"tokenizer in {str(model_dir)!r} is not a fast tokenizer")
-        extra: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            path = model_dir / name
-            if path.is_file():
-                with path.open() as f:
-                    eos = json.load(f).get("eos_token_id")
-                extra += eos if isinstance(eos, list) else ([] if eos is None else [eos])
-        return cls(hf_tok, extra)
+        return cls(hf_tok, _config_eos_ids(model_dir))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -293,10 +289,7 @@ class LazyTokenizer(Tokenizer):
         try:
             self._load()
         except Exception as e:
-            import logging
-
-            logging.getLogger(__name__).warning("tokenizer of %s did not load: %r",
-                                                self._dir, e)
+            log.warning("tokenizer of %s did not load: %r", self._dir, e)
 
     @property
     def hf_tokenizer(self) -> Any:  # type: ignore[override]
@@ -327,15 +320,20 @@ def _eos_from_files(model_dir: Path) -> tuple[int, ...] | None:
         if tid is None:
             return None
         eos.append(tid)
+    eos += [i for i in _config_eos_ids(model_dir) if i not in eos]
+    return tuple(int(i) for i in eos)
+
+
+def _config_eos_ids(model_dir: Path) -> list[int]:
+    """Every ``eos_token_id`` in ``generation_config.json`` / ``config.json``, in that order."""
+    ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         path = model_dir / name
         if path.is_file():
             with path.open() as f:
-                extra = json.load(f).get("eos_token_id")
-            for i in extra if isinstance(extra, list) else ([] if extra is None else [extra]):
-                if i not in eos:
-                    eos.append(i)
-    return tuple(int(i) for i in eos)
+                eos = json.load(f).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return ids
 
 
 def load_tokenizer(model_dir: str | Path, lazy: bool = False) -> Tokenizer | None:
