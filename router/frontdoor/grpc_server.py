@@ -9,8 +9,10 @@ aborts the request and frees its KV.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -32,7 +34,7 @@ from router.frontdoor.grpc_messages import (
 from router.frontdoor.metrics import Metrics
 from router.frontdoor.security import Gate, RateLimitedError, Tenant, UnauthenticatedError
 
-__all__ = ["SERVICE_NAME", "GenerationService", "GrpcServer", "start_grpc_server"]
+__all__ = ["SERVICE_NAME", "CallGate", "GenerationService", "GrpcServer", "start_grpc_server"]
 
 log = logging.getLogger(__name__)
 
@@ -186,40 +188,91 @@ def _lenient(message_type):
     return parse
 
 
-def _checked_stream(method):
+class CallGate:
+    """Counts the Generation calls being served and, once ``close`` is called, refuses new
+    ones with UNAVAILABLE at once.
+
+    Why not leave refusal to ``grpc.aio.Server.stop``: a call racing the core's shutdown
+    (GOAWAY, the listener going away) can hang until its deadline instead of failing fast.
+    Refusing here, on the still-open connection, answers every new call in milliseconds
+    for the whole drain; the core shutdown starts only once the calls in flight are done.
+    Calls about work already in flight (``Resume``, ``Abort``) stay open during a drain."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._running = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def close(self) -> None:
+        self.closed = True
+
+    async def wait_idle(self, timeout_s: float | None) -> bool:
+        """Wait until no admitted call runs; False when ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def enter(self, context: grpc.aio.ServicerContext, refusable: bool) -> None:
+        if self.closed and refusable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the server is draining: send new requests to another replica")
+        self._running += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self._running -= 1
+        if self._running == 0:
+            self._idle.set()
+
+
+def _checked_stream(method, calls: CallGate, refusable: bool):
     async def handler(request, context):
         if isinstance(request, _Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        async for resp in method(request, context):
-            yield resp
+        await calls.enter(context, refusable)
+        try:
+            async for resp in method(request, context):
+                yield resp
+        finally:
+            calls.leave()
     return handler
 
 
-def _checked_unary(method):
+def _checked_unary(method, calls: CallGate, refusable: bool):
     async def handler(request, context):
         if isinstance(request, _Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        return await method(request, context)
+        await calls.enter(context, refusable)
+        try:
+            return await method(request, context)
+        finally:
+            calls.leave()
     return handler
 
 
-def _add_generation_service(service: GenerationService, server: grpc.aio.Server) -> None:
+def _add_generation_service(service: GenerationService, server: grpc.aio.Server,
+                            calls: CallGate) -> None:
     """As the generated ``add_GenerationServicer_to_server``, except that undecodable
-    request bytes get INVALID_ARGUMENT naming the message type, not INTERNAL."""
-    def stream(method, req, resp):
+    request bytes get INVALID_ARGUMENT naming the message type, not INTERNAL, and every
+    call passes ``calls`` (new work refused while draining)."""
+    def stream(method, req, resp, refusable=True):
         return grpc.unary_stream_rpc_method_handler(
-            _checked_stream(method), request_deserializer=_lenient(req),
+            _checked_stream(method, calls, refusable), request_deserializer=_lenient(req),
             response_serializer=resp.SerializeToString)
 
-    def unary(method, req, resp):
+    def unary(method, req, resp, refusable=True):
         return grpc.unary_unary_rpc_method_handler(
-            _checked_unary(method), request_deserializer=_lenient(req),
+            _checked_unary(method, calls, refusable), request_deserializer=_lenient(req),
             response_serializer=resp.SerializeToString)
 
     handlers = {
         "Generate": stream(service.Generate, pb.GenerateRequest, pb.GenerateResponse),
-        "Resume": stream(service.Resume, pb.ResumeRequest, pb.GenerateResponse),
-        "Abort": unary(service.Abort, pb.AbortRequest, pb.AbortResponse),
+        "Resume": stream(service.Resume, pb.ResumeRequest, pb.GenerateResponse,
+                         refusable=False),
+        "Abort": unary(service.Abort, pb.AbortRequest, pb.AbortResponse, refusable=False),
         "GetModelInfo": unary(service.GetModelInfo, pb.GetModelInfoRequest, pb.ModelInfo),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
@@ -231,16 +284,23 @@ class GrpcServer:
     """A started grpc.aio server with health and reflection; ``port`` is the bound port."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                 port: int) -> None:
+                 port: int, calls: CallGate) -> None:
         self.server = server
         self.health = health_servicer
         self.port = port
+        self.calls = calls
 
     async def stop(self, grace_s: float | None) -> None:
-        """Report NOT_SERVING, stop accepting calls, let running calls finish for ``grace_s``
-        seconds (None: forever), then cancel the rest (which aborts their requests)."""
+        """Report NOT_SERVING, refuse new calls (UNAVAILABLE), let running calls finish for
+        ``grace_s`` seconds (None: forever), then cancel the rest (which aborts their
+        requests) and close the server."""
+        start = time.monotonic()
+        self.calls.close()
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        if grace_s is None or grace_s > 0:
+            await self.calls.wait_idle(grace_s)
+        left = None if grace_s is None else max(0.0, grace_s - (time.monotonic() - start))
+        await self.server.stop(left)
 
     async def wait_closed(self) -> None:
         await self.server.wait_for_termination()
@@ -263,7 +323,9 @@ async def start_grpc_server(backend: GenerationBackend, metrics: Metrics,
                                             require_client_auth=client_ca is not None)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", gate.config.max_request_bytes)])
-    _add_generation_service(GenerationService(backend, metrics, gate, tool_call_parser), server)
+    calls = CallGate()
+    _add_generation_service(GenerationService(backend, metrics, gate, tool_call_parser), server,
+                            calls)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -276,4 +338,4 @@ async def start_grpc_server(backend: GenerationBackend, metrics: Metrics,
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return GrpcServer(server, health_servicer, bound)
+    return GrpcServer(server, health_servicer, bound, calls)

@@ -260,21 +260,29 @@ def test_drain_finishes_in_flight_requests_then_refuses_new_ones(backend, server
         with c.stream(PROMPT, max_tokens=40, ignore_eos=True) as s:
             first = next(s)
             stopping = server_loop.submit(fd.stop())
-            # New calls are refused while the in-flight stream is still being served.
+            # New calls are refused at once (UNAVAILABLE, naming the drain: a client retries
+            # elsewhere) while the in-flight stream is still being served.
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 try:
                     other.model_info()
-                except (Unavailable, Cancelled):  # CANCELLED: the call raced the drain
+                except Unavailable as e:
+                    assert "draining" in str(e)
                     break
             else:
                 pytest.fail("the draining server still accepts new calls")
+            with pytest.raises(Unavailable, match="draining"):
+                other.generate(PROMPT, max_tokens=2)
             assert not stopping.done()
+            # Calls about work in flight stay open: following the stream from its start.
+            replay = list(other.resume(s.wait_request_id()))
             rest = list(s)
         stopping.result(60)
     server_loop.run(fd.wait_closed())
     assert rest[-1].finish_reason == "length"
     assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 40
+    assert [t for c in replay for t in c.token_ids] == \
+        first.token_ids + [t for c in rest for t in c.token_ids]
     kv_probe.wait_until_free()
 
 
