@@ -444,6 +444,10 @@ class SchedulerConfig:
     # after the long one (its TTFT stops depending on what arrived just before it). Needs
     # chunked prefill.
     max_prefill_chunk: int | None = None
+    # Continuous batching: a step that can finish the next waiting prompt runs without the
+    # decodes (their next step follows at once), so its first token does not wait for them
+    # (engine/scheduler.py's module docstring).
+    first_token_first: bool = False
 
     def __post_init__(self) -> None:
         if self.max_prefill_chunk is not None:

@@ -68,6 +68,7 @@ class EngineArgs:
     # At most this many prompt tokens of one request per step (None: the whole
     # max_num_batched_tokens): SchedulerConfig.max_prefill_chunk.
     max_prefill_chunk: int | None = None
+    first_token_first: bool = False  # SchedulerConfig.first_token_first
     max_model_len: int | None = None  # default: the model's context
     prefix_hash_seed: int = 0
     max_waiting: int = 4096
@@ -118,8 +119,7 @@ class EngineStats:
     num_prefix_hit_tokens: int = 0
     # Cumulative pure-decode steps per batch size: (batch, steps, seconds) (engine.step_times).
     decode_steps: tuple = ()
-    # The same for mixed steps (decode rows beside prefill chunks), by their decode rows.
-    mixed_steps: tuple = ()
+    mixed_steps: tuple = ()  # the same for mixed steps (decode rows beside prefill chunks)
     # The second KV cache tier (engine.kv_tier), None when off; of the prefix hits, the
     # tokens restored from it (cumulative).
     kv_offload: TierStats | None = None
@@ -192,7 +192,8 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.batching, dynamic_window_s=args.dynamic_window_s,
             enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
-            max_waiting=args.max_waiting, max_prefill_chunk=args.max_prefill_chunk)
+            max_waiting=args.max_waiting, max_prefill_chunk=args.max_prefill_chunk,
+            first_token_first=args.first_token_first)
         shard = TPShard(0, tp)
         shard.check(cfg)  # before any rank starts: a clear error naming the dimension
         # The other ranks start now and load their slices while this one loads its own.
@@ -232,8 +233,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, args.block_size,
                                           enable_prefix_caching=args.enable_prefix_caching,
                                           hash_seed=args.prefix_hash_seed, tier=self.kv_tier)
-        grammars = (Grammars(self.tokenizer, cfg.vocab_size, eos)
-                    if self.tokenizer is not None else None)
+        grammars = Grammars(self.tokenizer, cfg.vocab_size, eos) if self.tokenizer else None
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock, grammars)
         self.kv_connector = KVConnector(self.scheduler, self.block_manager, self.runner,
                                         self.eos_token_ids, clock)

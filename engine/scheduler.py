@@ -12,6 +12,13 @@ requests of some priority admits none of a lower one, so the first token of a hi
 request waits for its own compute only, not for lower-priority prompts batched beside it.
 (Chunks of requests already running still share its step: they hold pages and a place.)
 
+First token first (``SchedulerConfig.first_token_first``, continuous batching): when the
+prompt at the head of the queue fits one step, that step leaves the running decodes out, so
+its first token waits for its own compute only, not for the decode rows beside it. The
+decodes run in the next step, alone (nothing is admitted beside them): a decode's gap is one
+prompt step plus its own, what a step mixing the prompt in would have cost it, and a prompt
+arriving meanwhile waits one decode step.
+
 Batching policies differ only in *when waiting requests may join*:
 continuous (any step), static (only when nothing runs), dynamic (only when nothing runs and
 the batch is full or the oldest request has waited ``dynamic_window_s``).
@@ -128,6 +135,8 @@ class Scheduler:
         self._batch: set[str] = set()
         # Prompt tokens one request may take in a step (SchedulerConfig.max_prefill_chunk).
         self._chunk_cap = config.max_prefill_chunk or config.max_num_batched_tokens
+        # first_token_first: the last step left the decodes out (the next one is theirs)
+        self._skipped_decodes = False
 
     # ---- request intake ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -238,14 +247,53 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work. Running requests first (oldest first), then admissions."""
+        """Pick this step's work. Running requests first (oldest first), then admissions;
+        under ``first_token_first``, a step that can finish a waiting prompt leaves the
+        decodes out (module docstring)."""
         cfg = self.config
         out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
+        decodes_turn = self._skipped_decodes  # the last step left them out: theirs alone
+        first_token_step = self._first_token_step()
+        budget = self._schedule_running(out, cfg.max_num_batched_tokens, first_token_step)
+        if not out.preempted_ids and self._may_admit() and not (decodes_turn and out.chunks):
+            self._admit(out, budget)
+        if first_token_step and not out.chunks:  # nothing could be admitted after all
+            self._skipped_decodes = False
+            self._schedule_running(out, cfg.max_num_batched_tokens, False)
+        self.num_steps += 1
+        return out
+
+    def _first_token_step(self) -> bool:
+        """Whether this step leaves the running decodes out so that the prompt at the head of
+        the queue gets its first token after its own compute alone. Only when that prompt
+        fits the step whole (its first token comes out of it), some decode runs, and the
+        last step did not already leave them out: a decode waits at most one step."""
+        cfg = self.config
+        skipped, self._skipped_decodes = self._skipped_decodes, False
+        if not cfg.first_token_first or cfg.policy != "continuous" or skipped:
+            return False
+        if not self._may_admit() or not any(self._decoding(r) for r in self.running):
+            return False
+        head = self.waiting[0]
+        if head.num_tokens - head.num_computed_tokens > self._chunk_cap:
+            return False  # its first token is steps away: no reason to hold the decodes
+        self._skipped_decodes = True
+        return True
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        return req.num_computed_tokens >= req.num_prompt_tokens
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, skip_decodes: bool) -> int:
+        """Chunks for the running requests (oldest first; ``skip_decodes``: prompt chunks
+        only), preempting from the back when blocks run out. Returns the budget left."""
         scheduled: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if skip_decodes and self._decoding(req):
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
             if num_new <= 0:  # nothing to compute (should not happen for a running request)
                 i += 1
@@ -262,11 +310,7 @@ class Scheduler:
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
             i += 1
-
-        if not out.preempted_ids and self._may_admit():
-            self._admit(out, budget)
-        self.num_steps += 1
-        return out
+        return budget
 
     def _may_admit(self) -> bool:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:

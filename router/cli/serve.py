@@ -91,6 +91,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="at most this many prompt tokens of one request per step (default: "
                         "the whole budget): a short prompt or a prefix hit behind a long "
                         "prompt starts the next step instead of after it")
+    p.add_argument("--first-token-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="a step that can finish an arriving prompt leaves the running decodes "
+                        "out (they run the next step): first token after the prompt's own "
+                        "compute")
     p.add_argument("--prefill-block-size", type=int, default=None)
     p.add_argument("--decode-block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -79,6 +79,9 @@ class ServeConfig:
     # At most this many prompt tokens of one request per step (None: the whole budget):
     # short prompts and prefix hits behind a long prompt start the next step.
     max_prefill_chunk: int | None = None
+    # A step that can finish an arriving prompt leaves the decodes out (they run next step):
+    # its first token waits for its own compute only (engine/scheduler.py).
+    first_token_first: bool = False
     prefill_block_size: int = 16
     decode_block_size: int = 16
     prefill_tp: int = 1  # tensor-parallel ranks per prefill worker
@@ -135,6 +138,9 @@ class ServeConfig:
         self._check_device_flags()
         if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
             raise ValueError(f"--max-prefill-chunk must be > 0, got {self.max_prefill_chunk}")
+        if self.first_token_first not in (True, False):
+            raise ValueError(f"--first-token-first must be true or false, "
+                             f"got {self.first_token_first!r}")
         self.tracing_config()  # its own checks: the endpoint's form, the ratio in [0, 1]
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("give --tls-cert and --tls-key together")
@@ -332,7 +338,8 @@ class ServeConfig:
                       kv_offload_memory_bytes=offload.memory_bytes,
                       kv_offload_dir=offload.disk_dir, kv_offload_disk_bytes=offload.disk_bytes,
                       max_model_len=self.max_model_len, max_waiting=self.max_waiting,
-                      max_prefill_chunk=self.max_prefill_chunk)
+                      max_prefill_chunk=self.max_prefill_chunk,
+                      first_token_first=self.first_token_first)
         return ClusterConfig(
             model=self.model, mode=self.mode, num_prefill_workers=num_prefill,
             num_decode_workers=self.decode_workers,

@@ -31,7 +31,10 @@ TINY_POOL = 2 * 2 * 2 * 16 * 4 * 4 * 22
     dict(batching="static", max_num_seqs=6, block_size=4, kv_cache_memory_bytes=TINY_POOL),
     # every prompt in chunks of at most 5 tokens, several prompts sharing each step
     dict(max_num_seqs=6, max_num_batched_tokens=24, max_prefill_chunk=5, block_size=4),
-], ids=["default", "chunked", "preempt", "static", "dynamic", "static-preempt", "chunk-cap"])
+    # later prompts admitted as slots free up, each in a step without the decodes
+    dict(max_num_seqs=5, max_num_batched_tokens=96, block_size=8, first_token_first=True),
+], ids=["default", "chunked", "preempt", "static", "dynamic", "static-preempt", "chunk-cap",
+        "first-token-first"])
 def test_greedy_matches_transformers(tiny_llama_dir, prompts_and_refs, setup):
     prompts, refs = prompts_and_refs
     llm = LLM(str(tiny_llama_dir), **setup)
