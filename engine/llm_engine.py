@@ -39,7 +39,7 @@ from engine.request import (
     SamplingParams,
 )
 from engine.scheduler import Scheduler, StepUpdate
-from engine.step_times import DecodeStepTimes, StepHistogram
+from engine.step_times import StepTimes
 from engine.structured import Grammars
 from engine.tokenizer import IncrementalDetokenizer, LazyTokenizer, load_tokenizer
 from engine.weights import load_model_config, load_weights, resolve_model
@@ -244,9 +244,7 @@ class LLMEngine:
         self.args = args
         self.num_generated_tokens = 0
         self.num_prefill_tokens_computed = 0
-        self.decode_step_times = DecodeStepTimes()  # steps that only decode
-        self.mixed_step_times = DecodeStepTimes()  # decode rows sharing a step with prefill
-        self.step_histogram = StepHistogram()  # every step, whatever it ran
+        self.step_times = StepTimes()  # decode, mixed and every step (engine.step_times)
         self.last_step_idle = False  # the last step had nothing to schedule
         self._tp_failure: str | None = None
 
@@ -386,10 +384,10 @@ class LLMEngine:
                            self.kv_connector.num_reserved_blocks, sched.num_running,
                            sched.num_waiting, self.num_generated_tokens,
                            self.num_prefill_tokens_computed, bm.num_prefix_hit_tokens,
-                           self.decode_step_times.rows(), self.mixed_step_times.rows(),
+                           self.step_times.decode.rows(), self.step_times.mixed.rows(),
                            self.kv_tier.stats() if self.kv_tier is not None else None,
                            bm.num_restored_tokens, sched.num_preemptions,
-                           bm.num_evicted_blocks, self.step_histogram.snapshot())
+                           bm.num_evicted_blocks, self.step_times.histogram.snapshot())
 
     def record_kv_events(self) -> None:
         """Record the prefix cache's changes from now on, for ``take_kv_events`` (a worker
@@ -445,12 +443,8 @@ class LLMEngine:
         outs = [self.process_update(u) for u in updates]
         # Timed by kind, so a served time per token splits into the engine's pure decode
         # step, what prefill sharing the step adds (colocated), and the serving path.
-        took = time.perf_counter() - t0
-        self.step_histogram.record(took)
-        if not prefill:
-            self.decode_step_times.record(decode_rows, took)
-        elif decode_rows:
-            self.mixed_step_times.record(decode_rows, took)
+        self.step_times.record(time.perf_counter() - t0, decode_rows, prefill,
+                               sched.held_decodes)
         return outs
 
     def process_update(self, u: StepUpdate) -> RequestOutput:

@@ -73,6 +73,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    held_decodes: int = 0  # decodes left out of this step (first_token_first): they wait it
 
     @property
     def num_batched_tokens(self) -> int:
@@ -259,6 +260,7 @@ class Scheduler:
             self._admit(out, budget)
         if first_token_step and not out.chunks:  # nothing could be admitted after all
             self._skipped_decodes = False
+            out.held_decodes = 0
             self._schedule_running(out, cfg.max_num_batched_tokens, False)
         self.num_steps += 1
         return out
@@ -292,6 +294,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if skip_decodes and self._decoding(req):
+                out.held_decodes += 1
                 i += 1
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)

@@ -90,3 +90,29 @@ def step_histogram(snapshot: Iterable) -> tuple[list[tuple[str, int]], float] | 
         total += int(n)
         out.append(("+Inf" if le == float("inf") else repr(le), total))
     return out, float(values[-1])
+
+
+@dataclass
+class StepTimes:
+    """One engine's step timings by kind: pure-decode steps and mixed steps (decode rows beside
+    prefill chunks), by decode rows, and every step in the histogram.
+
+    A step that held the decodes back for a prompt's first token (``first_token_first``)
+    produced no decode token: it is counted with the decodes' own step that follows, as one
+    mixed step of the two steps' time, which is what their tokens waited for."""
+
+    decode: DecodeStepTimes = field(default_factory=DecodeStepTimes)
+    mixed: DecodeStepTimes = field(default_factory=DecodeStepTimes)
+    histogram: StepHistogram = field(default_factory=StepHistogram)
+    _held_s: float = 0.0  # the last step held the decodes back: its time
+
+    def record(self, seconds: float, decode_rows: int, prefill_tokens: int,
+               held_decodes: int) -> None:
+        self.histogram.record(seconds)
+        held, self._held_s = self._held_s, (seconds if held_decodes else 0.0)
+        if held_decodes:
+            return
+        if not (prefill_tokens or held):
+            self.decode.record(decode_rows, seconds)
+        elif decode_rows:
+            self.mixed.record(decode_rows, seconds + held)

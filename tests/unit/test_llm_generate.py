@@ -208,6 +208,32 @@ def test_engine_times_decode_rows_that_share_a_step_with_prefill_apart(tiny_llam
     assert sum(b * n for b, n, _ in s.decode_steps) == 5 + 5 + 5 - 2
 
 
+def test_a_step_that_held_the_decodes_back_is_timed_with_theirs_as_one_mixed_step(
+        tiny_llama_dir):
+    """first_token_first: c's prompt runs alone and a and b decode the step after; that pair
+    of steps is what a and b's tokens waited for, counted as one mixed step of its rows."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=4, first_token_first=True)
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request([5, 9, 2], sp, "a")
+    engine.add_request([7, 1, 3], sp, "b")
+    engine.step()  # prefill a and b (first tokens)
+    engine.step()  # decode a and b
+    engine.add_request([8, 8, 4, 4], sp, "c")
+    engine.step()  # c's prefill alone: a and b held
+    assert engine.stats().mixed_steps == ()
+    engine.step()  # a, b and c decode
+    while engine.has_unfinished_requests:
+        engine.step()
+    s = engine.stats()
+    [(rows, steps, seconds)] = s.mixed_steps
+    assert (rows, steps) == (3, 1) and seconds > 0
+    assert sum(b * n for b, n, _ in s.decode_steps) == 5 + 5 + 5 - 3
+    assert sum(s.step_seconds[:-1]) == engine.scheduler.num_steps  # every step in the histogram
+
+
 @pytest.mark.parametrize("ours,theirs", [
     (dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
     (dict(logit_bias={5: 4.0, 9: -100.0}), dict(sequence_bias={(5,): 4.0, (9,): -100.0})),
