@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from decode_workers.delivery import TokenDelivery
+from engine.compute_thread import ComputeThread
 from engine.engine_loop import EngineLoop
 from engine.kv_connector import Reservation
 from engine.llm_engine import LLMEngine
@@ -93,7 +94,13 @@ class DecodeWorker:
         self.incarnation = new_incarnation()
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
-        self.engine = LLMEngine(args)
+        # Built on the thread that will step it (engine.compute_thread says why).
+        compute = ComputeThread(f"{self.worker_id}-loop")
+        try:
+            self.engine = compute.run(lambda: LLMEngine(args))
+        except BaseException:
+            compute.close()
+            raise
         self.layout = KVLayout.from_model_config(self.engine.model_config)
         # NCCL into the GPU, or gloo (layers arrive in host memory; importing them into the
         # pages copies them to the cache's device): the launcher chose (WorkerConfig.kv_transport).
@@ -122,7 +129,7 @@ class DecodeWorker:
                                          config.kv_events_redis_url, config.kv_events_namespace)
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
                                on_crash=exit_on_engine_crash(self.worker_id),
-                               after_work=self._kv_events.after_work)
+                               after_work=self._kv_events.after_work, compute=compute)
         # Serves prefill workers' pulls of prefixes this one holds (worker_protocol.prefix_pull).
         self.source = PrefixSource(self.loop, self.worker_id, self.layout, self.kv_host.address,
                                    kv_device, config.fault_pull_delay_per_layer_s)

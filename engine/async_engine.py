@@ -11,6 +11,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
+from engine.compute_thread import ComputeThread
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineArgs, LLMEngine, Prompt
 from engine.request import RequestFailedError, RequestMetrics, RequestOutput, SamplingParams
@@ -20,11 +21,17 @@ class AsyncEngine:
     """Owns an LLMEngine and its loop thread; ``shutdown()`` stops the thread."""
 
     def __init__(self, args: EngineArgs | None = None, engine: LLMEngine | None = None) -> None:
-        self.engine = engine or LLMEngine(args or EngineArgs())
+        # Built on the thread that will step it (engine.compute_thread says why).
+        compute = ComputeThread("async-engine")
+        try:
+            self.engine = engine or compute.run(lambda: LLMEngine(args or EngineArgs()))
+        except BaseException:
+            compute.close()
+            raise
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self.loop = EngineLoop(self.engine, self._on_step, name="async-engine",
-                               on_crash=self._on_crash)
+                               on_crash=self._on_crash, compute=compute)
 
     def _on_step(self, outs: list[RequestOutput]) -> None:
         for out in outs:

@@ -13,9 +13,11 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
+from engine.compute_thread import ComputeThread
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
 
@@ -41,12 +43,15 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, sink: Sink, name: str = "engine-loop",
                  on_crash: Callable[[BaseException], None] | None = None,
-                 after_work: Callable[[LLMEngine], None] | None = None) -> None:
+                 after_work: Callable[[LLMEngine], None] | None = None,
+                 compute: ComputeThread | None = None) -> None:
         """``on_crash(error)`` runs on the loop thread if a step raises (the engine's state is
         then unknown: a worker exits so Ray reports it dead; the in-process engine fails
         every open request). Bad *requests* never get here: they fail alone inside a step.
         ``after_work(engine)`` runs on the loop thread after every step and every run of
-        commands (a worker publishes the step's KV events there); it must not raise."""
+        commands (a worker publishes the step's KV events there); it must not raise.
+        ``compute``: the thread the engine was built on, to loop on (engine.compute_thread
+        says why); None: a new one named ``name``. The loop owns it from here and closes it."""
         self.engine = engine
         self._sink = sink
         self._on_crash = on_crash
@@ -56,9 +61,10 @@ class EngineLoop:
         # Orders "check stopped + enqueue" in call() against setting stopped, so a command is
         # either rejected at once or enqueued before the final _fail_pending drain (never lost).
         self._stop_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
-        self._thread.start()
+        self._compute = compute or ComputeThread(name)
+        self._done = self._compute.submit(self._run)
+        self._compute.close()  # once the loop returns
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run ``fn(engine)`` on the loop thread between steps; the future holds its result.
@@ -95,11 +101,15 @@ class EngineLoop:
                 return
             self._stopped.set()
         self._commands.put(None)
-        self._thread.join(timeout_s)
+        wait_futures([self._done], timeout_s)
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the loop to end (stopped, or crashed); whether it has."""
+        return not wait_futures([self._done], timeout_s).not_done
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return not self._done.done()
 
     def _run(self) -> None:
         try:

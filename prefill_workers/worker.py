@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engine.compute_thread import ComputeThread
 from engine.engine_loop import EngineLoop
 from engine.kv_connector import LayerExport
 from engine.llm_engine import LLMEngine
@@ -84,7 +85,13 @@ class PrefillWorker:
         self._fault_exit_after = None if restarted_by_ray() else config.fault_exit_after_layers
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
-        self.engine = LLMEngine(args)
+        # Built on the thread that will step it (engine.compute_thread says why).
+        compute = ComputeThread(f"{self.worker_id}-loop")
+        try:
+            self.engine = compute.run(lambda: LLMEngine(args))
+        except BaseException:
+            compute.close()
+            raise
         self.layout = KVLayout.from_model_config(self.engine.model_config)
         # NCCL from the GPU, or gloo (a GPU engine's layers staged through host memory):
         # the launcher chose (WorkerConfig.kv_transport).
@@ -107,7 +114,7 @@ class PrefillWorker:
                                          config.kv_events_redis_url, config.kv_events_namespace)
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
                                on_crash=exit_on_engine_crash(self.worker_id),
-                               after_work=self._kv_events.after_work)
+                               after_work=self._kv_events.after_work, compute=compute)
         # Cluster-wide prefix reuse (worker_protocol.prefix_pull): this worker pulls prefixes
         # other workers hold, and serves its own; endpoints open on first use.
         self.puller = PrefixPuller(self.loop, self.worker_id, self.layout,

@@ -161,7 +161,7 @@ def test_a_crashing_sink_stops_the_loop_and_is_reported(engine):
 
     loop = EngineLoop(engine, bad_sink, name="crash-loop")
     loop.call(lambda e: e.add_request([1, 2], _params(3), "c")).result(TIMEOUT_S)
-    loop._thread.join(TIMEOUT_S)
+    assert loop.wait_ended(TIMEOUT_S)
     assert not loop.alive
     assert isinstance(loop.error, RuntimeError)
     with pytest.raises(RuntimeError, match="stopped"):
@@ -233,3 +233,49 @@ def test_an_idle_loop_does_its_warm_up_once_after_a_quiet_spell(monkeypatch, tin
     finally:
         loop.stop()
         eng.close()
+
+
+def test_an_engine_is_stepped_on_the_thread_it_was_built_on(tiny_llama_dir, monkeypatch):
+    """One OS thread for an engine's torch work (engine.compute_thread): a second thread
+    entering OpenMP regions leaves libgomp a second pool, and it stops spin-waiting."""
+    from engine.async_engine import AsyncEngine
+    from engine.compute_thread import ComputeThread
+
+    compute = ComputeThread("built-here")
+    built_on = compute.run(threading.get_ident)
+    assert built_on != threading.get_ident()
+    loop = EngineLoop(LLMEngine(EngineArgs(model=str(tiny_llama_dir))), Sink(),
+                      name="x", compute=compute)
+    assert loop.call(lambda e: threading.get_ident()).result(TIMEOUT_S) == built_on
+    loop.stop()
+    assert loop.wait_ended(TIMEOUT_S) and not compute.alive  # the loop closed its thread
+
+    idents = []
+    init = LLMEngine.__init__
+
+    def recording_init(self, *a, **kw):
+        idents.append(threading.get_ident())
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    ae = AsyncEngine(EngineArgs(model=str(tiny_llama_dir)))
+    try:
+        assert ae.loop.call(lambda e: threading.get_ident()).result(TIMEOUT_S) == idents[0]
+        assert idents[0] != threading.get_ident()
+    finally:
+        ae.shutdown()
+
+
+def test_a_compute_thread_hands_back_results_and_errors():
+    from engine.compute_thread import ComputeThread
+
+    c = ComputeThread("t")
+    assert c.run(lambda: 41 + 1) == 42
+    with pytest.raises(ZeroDivisionError):
+        c.run(lambda: 1 / 0)
+    c.close()
+    deadline = time.monotonic() + TIMEOUT_S
+    while c.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not c.alive
+
