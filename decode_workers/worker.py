@@ -95,12 +95,8 @@ class DecodeWorker:
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
         # Built on the thread that will step it (engine.compute_thread says why).
-        compute = ComputeThread(f"{self.worker_id}-loop")
-        try:
-            self.engine = compute.run(lambda: LLMEngine(args))
-        except BaseException:
-            compute.close()
-            raise
+        compute, self.engine = ComputeThread.building(f"{self.worker_id}-loop",
+                                                      lambda: LLMEngine(args))
         self.layout = KVLayout.from_model_config(self.engine.model_config)
         # NCCL into the GPU, or gloo (layers arrive in host memory; importing them into the
         # pages copies them to the cache's device): the launcher chose (WorkerConfig.kv_transport).

@@ -22,12 +22,8 @@ class AsyncEngine:
 
     def __init__(self, args: EngineArgs | None = None, engine: LLMEngine | None = None) -> None:
         # Built on the thread that will step it (engine.compute_thread says why).
-        compute = ComputeThread("async-engine")
-        try:
-            self.engine = engine or compute.run(lambda: LLMEngine(args or EngineArgs()))
-        except BaseException:
-            compute.close()
-            raise
+        compute, self.engine = ComputeThread.building(
+            "async-engine", lambda: engine or LLMEngine(args or EngineArgs()))
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self.loop = EngineLoop(self.engine, self._on_step, name="async-engine",

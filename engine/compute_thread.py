@@ -32,6 +32,18 @@ class ComputeThread:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
+    @classmethod
+    def building(cls, name: str, factory: Callable[[], T]) -> tuple[ComputeThread, T]:
+        """A new thread named ``name`` and what ``factory()`` returned, run on it (an engine,
+        built where it will be stepped). What the factory raised is raised here, the thread
+        closed."""
+        thread = cls(name)
+        try:
+            return thread, thread.run(factory)
+        except BaseException:
+            thread.close()
+            raise
+
     def submit(self, fn: Callable[[], T]) -> Future:
         """Run ``fn()`` on this thread after what was submitted before; its future."""
         fut: Future = Future()

@@ -86,12 +86,8 @@ class PrefillWorker:
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
         # Built on the thread that will step it (engine.compute_thread says why).
-        compute = ComputeThread(f"{self.worker_id}-loop")
-        try:
-            self.engine = compute.run(lambda: LLMEngine(args))
-        except BaseException:
-            compute.close()
-            raise
+        compute, self.engine = ComputeThread.building(f"{self.worker_id}-loop",
+                                                      lambda: LLMEngine(args))
         self.layout = KVLayout.from_model_config(self.engine.model_config)
         # NCCL from the GPU, or gloo (a GPU engine's layers staged through host memory):
         # the launcher chose (WorkerConfig.kv_transport).

@@ -185,12 +185,16 @@ def test_engine_counts_its_pure_decode_steps_by_batch_size(tiny_llama_dir):
     assert llm.engine.stats().mixed_steps == ()  # no step ran decode rows beside a prefill
 
 
-def test_engine_times_decode_rows_that_share_a_step_with_prefill_apart(tiny_llama_dir):
+@pytest.mark.parametrize("first_token_first", [False, True])
+def test_engine_times_decode_rows_that_share_a_step_with_prefill_apart(tiny_llama_dir,
+                                                                      first_token_first):
     """A prompt arriving while others decode is prefilled in the same step as their decode
-    rows: that step is counted as mixed, by its decode rows, and not as a decode step."""
+    rows: that step is counted as mixed, by its decode rows, and not as a decode step. Under
+    first_token_first the prompt's step runs alone and a and b decode the step after (with c):
+    that pair of steps is what their tokens waited for, one mixed step of its rows."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(tiny_llama_dir), max_num_seqs=4)
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=4, first_token_first=first_token_first)
     engine = llm.engine
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     engine.add_request([5, 9, 2], sp, "a")
@@ -198,39 +202,18 @@ def test_engine_times_decode_rows_that_share_a_step_with_prefill_apart(tiny_llam
     engine.step()  # prefill a and b (first tokens)
     engine.step()  # decode a and b
     engine.add_request([8, 8, 4, 4], sp, "c")
-    engine.step()  # decode a and b beside c's prefill
+    engine.step()  # decode a and b beside c's prefill; first_token_first: c alone
+    if first_token_first:
+        assert engine.stats().mixed_steps == ()  # held: counted with the next step
+        engine.step()  # a, b and c decode
     while engine.has_unfinished_requests:
         engine.step()
     s = engine.stats()
+    rows_mixed = 3 if first_token_first else 2
     [(rows, steps, seconds)] = s.mixed_steps
-    assert (rows, steps) == (2, 1) and seconds > 0
-    # a and b: 5 decode tokens each, one from the mixed step; c: 5, all in pure steps.
-    assert sum(b * n for b, n, _ in s.decode_steps) == 5 + 5 + 5 - 2
-
-
-def test_a_step_that_held_the_decodes_back_is_timed_with_theirs_as_one_mixed_step(
-        tiny_llama_dir):
-    """first_token_first: c's prompt runs alone and a and b decode the step after; that pair
-    of steps is what a and b's tokens waited for, counted as one mixed step of its rows."""
-    from engine import LLM, SamplingParams
-
-    llm = LLM(str(tiny_llama_dir), max_num_seqs=4, first_token_first=True)
-    engine = llm.engine
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    engine.add_request([5, 9, 2], sp, "a")
-    engine.add_request([7, 1, 3], sp, "b")
-    engine.step()  # prefill a and b (first tokens)
-    engine.step()  # decode a and b
-    engine.add_request([8, 8, 4, 4], sp, "c")
-    engine.step()  # c's prefill alone: a and b held
-    assert engine.stats().mixed_steps == ()
-    engine.step()  # a, b and c decode
-    while engine.has_unfinished_requests:
-        engine.step()
-    s = engine.stats()
-    [(rows, steps, seconds)] = s.mixed_steps
-    assert (rows, steps) == (3, 1) and seconds > 0
-    assert sum(b * n for b, n, _ in s.decode_steps) == 5 + 5 + 5 - 3
+    assert (rows, steps) == (rows_mixed, 1) and seconds > 0
+    # 5 decode tokens each for a, b and c; those of the mixed step are not in pure steps.
+    assert sum(b * n for b, n, _ in s.decode_steps) == 5 + 5 + 5 - rows_mixed
     assert sum(s.step_seconds[:-1]) == engine.scheduler.num_steps  # every step in the histogram
 
 
