@@ -228,14 +228,17 @@ def test_sender_death_fails_wait_then_fresh_sender_works():
         col = Collector()
         _expect_all(rx, [spec], col)
         p, _ = _spawn(rx.address, LAYOUT, [spec], die_after_layers=2)
-        with pytest.raises(KVTransferError):
-            rx.wait("req-dies", timeout_s=15)
-        p.join(30)
+        # Dead first, then waited for: on a loaded host the spawned sender may take longer to
+        # start than a short wait, which would then time out before it ever proposed a pair
+        # (and a proposal nobody was waiting for is left for the next transfer to trip on).
+        p.join(60)
         assert p.exitcode == 3
+        with pytest.raises(KVTransferError):
+            rx.wait("req-dies", timeout_s=45)  # the broken pair, or the join's own 20 s
         fresh = [KVTransferSpec("req-fresh", 2, 16, LAYOUT)]
         _expect_all(rx, fresh, col)
         p, res = _spawn(rx.address, LAYOUT, fresh)
-        rx.wait("req-fresh", timeout_s=30)
+        rx.wait("req-fresh", timeout_s=60)
         assert res.get(timeout=30) == "ok"
         p.join(30)
         _check_bit_identical(col, fresh)
