@@ -6,7 +6,7 @@ stops spin-waiting between regions (its "throttled" spin count). An engine built
 (weights, kernel tuning) and stepped on another left two pools behind, and every step paid for
 the lost spinning: a 64-token prefill took ~112 ms instead of ~87 ms and a batch-1 decode step
 ~20% more (2 threads on 2 cores; docs/figures/history.md, 2026-12-05). So a worker builds its
-engine with ``run`` here and hands this thread to its ``EngineLoop``.
+engine with ``ComputeThread.building`` and hands that thread to its ``EngineLoop``.
 """
 
 from __future__ import annotations
