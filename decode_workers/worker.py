@@ -56,6 +56,7 @@ from worker_protocol import (
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import DecodeRankKV, rank_state
+from worker_protocol.lifeline import Lifeline
 from worker_protocol.messages import offload_load
 from worker_protocol.prefix_pull import PrefixSource, SendPrefixRequest
 from worker_protocol.tracing import Tracing, start_tracing
@@ -64,6 +65,10 @@ log = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 60.0
 _KEEP_OUTPUTS = 4096  # finished requests' outputs kept beyond the running ones (tokens_of)
+# A disaggregated decode worker computes prompts only for streams it must rebuild itself (a
+# migrated one, an orphan): this many prompt tokens a step at most (unless its EngineArgs say
+# otherwise), so its running streams wait one short step, not the whole rebuild.
+DECODE_STEP_PREFILL_TOKENS = 64
 
 
 def _oldest_finished(outputs: OrderedDict) -> str | None:
@@ -94,6 +99,9 @@ class DecodeWorker:
         self.incarnation = new_incarnation()
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
+        if (config.role == "decode" and args.max_step_prefill_tokens is None
+                and args.enable_chunked_prefill):
+            args = dataclasses.replace(args, max_step_prefill_tokens=DECODE_STEP_PREFILL_TOKENS)
         # Built on the thread that will step it (engine.compute_thread says why).
         compute, self.engine = ComputeThread.building(f"{self.worker_id}-loop",
                                                       lambda: LLMEngine(args))
@@ -136,6 +144,8 @@ class DecodeWorker:
         self._lease_thread = threading.Thread(target=self._expire_leases, daemon=True,
                                               name=f"{self.worker_id}-leases")
         self._lease_thread.start()
+        # The router reads its end within milliseconds of this process's death.
+        self.lifeline = Lifeline(current_node_ip(), self.worker_id)
         # Last: the model, torch and Ray are loaded; keep full collections off them (their
         # pauses would be inter-token gaps).
         freeze_startup_heap()
@@ -148,7 +158,8 @@ class DecodeWorker:
                           self.engine.max_model_len,
                           self.kv.addresses[0] if self.kv else None,
                           current_node_ip(), self.kv_host.address, self.incarnation,
-                          self.kv_transport, self.engine.tp_size, self.engine.rank_pids)
+                          self.kv_transport, self.engine.tp_size, self.engine.rank_pids,
+                          lifeline_port=self.lifeline.port)
 
     def load(self, router_id: str = "") -> WorkerLoad:
         """``router_id``: the router asking (its reports say it is alive: see delivery)."""
@@ -331,6 +342,7 @@ class DecodeWorker:
             self.kv.close()
         self._kv_events.close()
         self.engine.close()  # after the loop: its tier's files and its TP ranks go now
+        self.lifeline.close()  # last: routers read that this worker is gone
 
     # ---- internals ------------------------------------------------------------------------
     def _on_step(self, outs: list[RequestOutput]) -> None:

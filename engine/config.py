@@ -444,6 +444,12 @@ class SchedulerConfig:
     # after the long one (its TTFT stops depending on what arrived just before it). Needs
     # chunked prefill.
     max_prefill_chunk: int | None = None
+    # At most this many prompt tokens per step, all requests together (None: the whole
+    # budget); decode tokens do not count. A step's length is mostly its prompt tokens, so
+    # this bounds how long prompt work stalls the running streams (their inter-token gap)
+    # on a worker that decodes for many while it prefills for a few (a disaggregated decode
+    # worker computing a migrated stream again). Needs chunked prefill.
+    max_step_prefill_tokens: int | None = None
     # Continuous batching: a step that can finish the next waiting prompt runs without the
     # decodes (their next step follows at once), so its first token does not wait for them
     # (engine/scheduler.py's module docstring).
@@ -455,6 +461,13 @@ class SchedulerConfig:
                 raise ValueError(f"max_prefill_chunk must be > 0, got {self.max_prefill_chunk}")
             if not self.enable_chunked_prefill:
                 raise ValueError("max_prefill_chunk needs chunked prefill (a prompt in "
+                                 "several steps); it is off")
+        if self.max_step_prefill_tokens is not None:
+            if self.max_step_prefill_tokens <= 0:
+                raise ValueError(f"max_step_prefill_tokens must be > 0, got "
+                                 f"{self.max_step_prefill_tokens}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("max_step_prefill_tokens needs chunked prefill (a prompt in "
                                  "several steps); it is off")
         if self.policy not in BATCHING_POLICIES:
             raise ValueError(

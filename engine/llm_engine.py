@@ -68,6 +68,7 @@ class EngineArgs:
     # At most this many prompt tokens of one request per step (None: the whole
     # max_num_batched_tokens): SchedulerConfig.max_prefill_chunk.
     max_prefill_chunk: int | None = None
+    max_step_prefill_tokens: int | None = None  # SchedulerConfig.max_step_prefill_tokens
     first_token_first: bool = False  # SchedulerConfig.first_token_first
     max_model_len: int | None = None  # default: the model's context
     prefix_hash_seed: int = 0
@@ -193,6 +194,7 @@ class LLMEngine:
             policy=args.batching, dynamic_window_s=args.dynamic_window_s,
             enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
             max_waiting=args.max_waiting, max_prefill_chunk=args.max_prefill_chunk,
+            max_step_prefill_tokens=args.max_step_prefill_tokens,
             first_token_first=args.first_token_first)
         shard = TPShard(0, tp)
         shard.check(cfg)  # before any rank starts: a clear error naming the dimension

@@ -2,7 +2,8 @@
 
 One rule (DESIGN §3): each request has ``num_computed_tokens`` and ``num_tokens``; each step
 hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs`` (and
-at most ``max_prefill_chunk`` tokens to one request, when set). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute after
+at most ``max_prefill_chunk`` tokens to one request, and ``max_step_prefill_tokens`` prompt
+tokens to all, when set). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute after
 preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, and the only
 clock is the injected one.
 
@@ -136,6 +137,10 @@ class Scheduler:
         self._batch: set[str] = set()
         # Prompt tokens one request may take in a step (SchedulerConfig.max_prefill_chunk).
         self._chunk_cap = config.max_prefill_chunk or config.max_num_batched_tokens
+        # Prompt tokens all requests together may take in a step (max_step_prefill_tokens),
+        # and what is left of them in the step being scheduled.
+        self._step_prefill_cap = config.max_step_prefill_tokens or config.max_num_batched_tokens
+        self._prefill_left = self._step_prefill_cap
         # first_token_first: the last step left the decodes out (the next one is theirs)
         self._skipped_decodes = False
 
@@ -255,6 +260,7 @@ class Scheduler:
         out = SchedulerOutput()
         decodes_turn = self._skipped_decodes  # the last step left them out: theirs alone
         first_token_step = self._first_token_step()
+        self._prefill_left = self._step_prefill_cap
         budget = self._schedule_running(out, cfg.max_num_batched_tokens, first_token_step)
         if not out.preempted_ids and self._may_admit() and not (decodes_turn and out.chunks):
             self._admit(out, budget)
@@ -277,7 +283,8 @@ class Scheduler:
         if not self._may_admit() or not any(self._decoding(r) for r in self.running):
             return False
         head = self.waiting[0]
-        if head.num_tokens - head.num_computed_tokens > self._chunk_cap:
+        if head.num_tokens - head.num_computed_tokens > min(self._chunk_cap,
+                                                            self._step_prefill_cap):
             return False  # its first token is steps away: no reason to hold the decodes
         self._skipped_decodes = True
         return True
@@ -297,8 +304,11 @@ class Scheduler:
                 out.held_decodes += 1
                 i += 1
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
-            if num_new <= 0:  # nothing to compute (should not happen for a running request)
+            left = req.num_tokens - req.num_computed_tokens
+            # More than one token to compute is prompt work (a decode computes one).
+            num_new = min(left, budget, self._chunk_cap,
+                          self._prefill_left if left > 1 else 1)
+            if num_new <= 0:  # nothing to compute, or no prompt tokens left in this step
                 i += 1
                 continue
             while not self.blocks.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
@@ -312,6 +322,8 @@ class Scheduler:
             scheduled.append(req)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
+            if left > 1:
+                self._prefill_left -= num_new
             i += 1
         return budget
 
@@ -361,8 +373,9 @@ class Scheduler:
             else:  # remote KV already in our pages
                 num_computed = req.num_computed_tokens
             remaining = req.num_tokens - num_computed
-            num_new = min(remaining, budget, self._chunk_cap)
-            if num_new < remaining and not cfg.enable_chunked_prefill:
+            num_new = min(remaining, budget, self._chunk_cap,
+                          self._prefill_left if remaining > 1 else 1)
+            if num_new <= 0 or (num_new < remaining and not cfg.enable_chunked_prefill):
                 break
             if not self.blocks.allocate_slots(req.request_id, num_computed + num_new, computed):
                 break
@@ -383,6 +396,8 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
+            if remaining > 1:
+                self._prefill_left -= num_new
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:

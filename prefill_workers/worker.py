@@ -46,6 +46,7 @@ from worker_protocol import (
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import PrefillRankKV, rank_state
+from worker_protocol.lifeline import Lifeline
 from worker_protocol.messages import offload_load
 from worker_protocol.prefix_pull import (
     PrefixPuller,
@@ -119,6 +120,8 @@ class PrefillWorker:
                                    kv_device, config.fault_pull_delay_per_layer_s)
         self.tracing: Tracing | None = start_tracing(
             config.tracing, "pdcluster-prefill", attributes={"pdcluster.worker_id": self.worker_id})
+        # The router reads its end within milliseconds of this process's death.
+        self.lifeline = Lifeline(current_node_ip(), self.worker_id)
         # Last: the model, torch and Ray are loaded; keep full collections off them (their
         # pauses would delay every prefill and layer send running then).
         freeze_startup_heap()
@@ -128,7 +131,8 @@ class PrefillWorker:
         return WorkerInfo(self.worker_id, "prefill", current_node_id(), os.getpid(), self.layout,
                           stats.kv_blocks_total, stats.block_size, self.engine.max_model_len,
                           None, current_node_ip(), self.kv_host.address, self.incarnation,
-                          self.kv_transport, self.engine.tp_size, self.engine.rank_pids)
+                          self.kv_transport, self.engine.tp_size, self.engine.rank_pids,
+                          lifeline_port=self.lifeline.port)
 
     def load(self, router_id: str = "") -> WorkerLoad:
         s = self.engine.stats()
@@ -254,6 +258,7 @@ class PrefillWorker:
         self.kv.close()
         self._kv_events.close()
         self.engine.close()  # after the loop: its tier's files and its TP ranks go now
+        self.lifeline.close()  # last: routers read that this worker is gone
 
     def _abort_kv(self, request_id: str) -> None:
         """Stop computing and sending the request on every rank (rank 0's sends at once,

@@ -49,6 +49,8 @@ class WorkerInfo:
     kv_transport: str = ""  # "nccl" | "gloo": what its KV transfers run over
     tp_size: int = 1  # tensor-parallel ranks (this process is rank 0)
     rank_pids: tuple[int, ...] = ()  # the other ranks' processes, on the same host
+    # Its lifeline's port on node_ip (worker_protocol.lifeline); 0: none.
+    lifeline_port: int = 0
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often Ray restarts a dead worker (default 3, the product's; 0: "
                         "killed workers stay dead, so no restart competes with the migration "
                         "for the cores, and 'ready again' cannot be met)")
+    p.add_argument("--migration-prefill", default="auto", choices=("auto", "prefill", "decode"),
+                   help="where a moved stream's prompt + tokens are computed again (default "
+                        "auto, the product's: a prefill worker if one is idle, else the new "
+                        "decode worker)")
     p.add_argument("--signals", default="SIGKILL,SIGSTOP",
                    help="how the decode worker is taken down, one round each, in order "
                         "(default SIGKILL,SIGSTOP)")
@@ -139,7 +143,8 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
                         prefill_engine=EngineArgs(num_threads=1, max_num_seqs=8),
                         decode_engine=EngineArgs(num_threads=1), transfer_timeout_s=10.0,
                         lease_s=20.0, capacity_wait_s=60.0, suspect_after_s=args.suspect_after,
-                        worker_restarts=args.worker_restarts)
+                        worker_restarts=args.worker_restarts,
+                        migration_prefill=args.migration_prefill)
     cluster = await Cluster.start(cfg)
     try:
         pids = {w.id: w.pid for w in await cluster.cluster_status()}
@@ -190,6 +195,15 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
             "added_latency_p99_s": percentile(added, 99) if added else None,
             "after_fault": _after_fault(fault_ts, [r for r in runs if r.request_id in on_victim],
                                         journals, timings),
+            # What the move cost the streams it did not touch: their longest gap between
+            # tokens after the fault (a re-prefill on their decode worker stalls them once).
+            "bystanders_gap_s": _gaps_after(fault_ts, [r for r in runs if r.request_id
+                                                       not in on_victim and r.error is None
+                                                       and r.request_id[0] == "s"]),
+            "streams": [{"id": r.request_id, "moved": r.request_id in on_victim,
+                         "e2e_s": r.e2e_s, "chunks": len(r.chunk_times),
+                         "longest_gap_after_fault_s": _longest_gap(fault_ts, r)}
+                        for r in runs],
             "errors": sorted({r.error for r in runs if r.error})[:5]}
 
 
@@ -203,15 +217,17 @@ def _after_fault(fault_ts: float, moved: list[StreamRun], journals: dict[str, li
     fault to the router's ``migrated`` journal event (detection), then route + reserve,
     the re-prefill (split into its wait in the prefill worker's queue and its compute), the
     commit (KV received), and the first token to the client after it; ``freeze`` is the
-    client's gap from its last token before the fault to its first after."""
+    client's gap from its last token before the fault to its first after. A re-prefill on
+    the new decode worker itself (``migration_prefill``) has no reserve, prefill or commit
+    step: detect and freeze only."""
     parts: dict[str, list[float]] = {name: [] for name, _ in _STEPS}
     parts.update(prefill_queue=[], prefill_compute=[], first_token=[], freeze=[])
     for run in moved:
-        timing = timings.get(run.request_id)  # its last attempt's: the re-prefill's
-        if timing is not None:
-            parts["prefill_queue"].append(timing.queue_s)
-            parts["prefill_compute"].append(timing.prefill_compute_s)
         events = [e for e in journals.get(run.request_id, []) if e.ts >= fault_ts]
+        timing = timings.get(run.request_id)  # its last attempt's: the re-prefill's ...
+        if timing is not None and any(e.kind == "prefilled" for e in events):
+            parts["prefill_queue"].append(timing.queue_s)  # ... if on a prefill worker
+            parts["prefill_compute"].append(timing.prefill_compute_s)
         at, t = {}, fault_ts
         for name, kind in _STEPS:  # each step's first event after the previous one
             ev = next((e for e in events if e.kind == kind and e.ts >= t), None)
@@ -227,6 +243,21 @@ def _after_fault(fault_ts: float, moved: list[StreamRun], journals: dict[str, li
             parts["freeze"].append(after[0] - before[-1])
     return {name: {"p50": percentile(v, 50), "max": max(v), "n": len(v)}
             for name, v in parts.items() if v}
+
+
+def _longest_gap(fault_ts: float, run: StreamRun) -> float | None:
+    """``run``'s longest gap between tokens from its last one before the fault on."""
+    before = [t for t in run.chunk_times if t < fault_ts]
+    times = before[-1:] + [t for t in run.chunk_times if t >= fault_ts]
+    if len(times) < 2:
+        return None
+    return max(b - a for a, b in zip(times[:-1], times[1:], strict=True))
+
+
+def _gaps_after(fault_ts: float, runs: list[StreamRun]) -> dict[str, float] | None:
+    """p50 and max over ``runs`` of each one's longest gap between tokens after the fault."""
+    gaps = [g for g in (_longest_gap(fault_ts, r) for r in runs) if g is not None]
+    return {"p50": percentile(gaps, 50), "max": max(gaps), "n": len(gaps)} if gaps else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -255,6 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             "aborts": n_aborts, "prompt_len": args.prompt_len,
                                             "suspect_after_s": args.suspect_after,
                                             "worker_restarts": args.worker_restarts,
+                                            "migration_prefill": args.migration_prefill,
                                             "model": args.model or "default"},
               "rounds": rounds, "targets": targets, "wall_s": time.perf_counter() - t0,
               "machine": machine_info()}
@@ -271,6 +303,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("         after the fault (p50 / max ms): " + ", ".join(
             f"{k} {v['p50'] * 1e3:.0f} / {v['max'] * 1e3:.0f}"
             for k, v in r["after_fault"].items()))
+        if r["bystanders_gap_s"]:
+            gap = r["bystanders_gap_s"]
+            print(f"         untouched streams' longest gap after it (p50 / max): "
+                  f"{gap['p50'] * 1e3:.0f} / {gap['max'] * 1e3:.0f} ms")
     print_targets(targets)
     print(f"wrote {path}")
     return result

@@ -132,6 +132,10 @@ def _add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move to another decode worker when its own dies "
                         "(default 3; 0 fails its stream instead)")
+    p.add_argument("--migration-prefill", choices=("auto", "prefill", "decode"), default=None,
+                   help="disaggregated: where a moved stream's prompt and tokens so far are "
+                        "computed again: a prefill worker (KV sent over), its new decode worker "
+                        "(one step there), or auto (default: a prefill worker if one is idle)")
     p.add_argument("--suspect-after-s", type=float, default=None,
                    help="a decode worker that answers no heartbeat and sends no token this "
                         "long while it holds streams has them moved to another worker "

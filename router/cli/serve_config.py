@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
 from engine.llm_engine import EngineArgs
 from engine.quant import CHOICES as QUANT_CHOICES
+from router.control.config import MIGRATION_PREFILL
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class ServeConfig:
     kv_interface: str | None = None  # or: the NIC whose IPv4 they advertise (every node)
     startup_timeout_s: float = 300.0
     migration_limit: int = 3
+    migration_prefill: str = "auto"  # where a moved stream is computed again: auto|prefill|decode
     orphan_after_s: float = 20.0
     # A decode worker silent this long (no heartbeat, no token) has its streams moved.
     suspect_after_s: float = 1.0
@@ -181,6 +183,9 @@ class ServeConfig:
             raise ValueError(f"--suspect-after-s must be >= 0, got {self.suspect_after_s}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.migration_prefill not in MIGRATION_PREFILL:
+            raise ValueError(f"--migration-prefill must be one of {', '.join(MIGRATION_PREFILL)}"
+                             f", got {self.migration_prefill!r}")
         if self.worker_restarts < 0:
             raise ValueError(f"--worker-restarts must be >= 0, got {self.worker_restarts}")
         if self.kv_event_bus not in ("auto", "memory"):
@@ -356,6 +361,7 @@ class ServeConfig:
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
             kv_interface=self.kv_interface, startup_timeout_s=self.startup_timeout_s,
             migration_limit=self.migration_limit, worker_restarts=self.worker_restarts,
+            migration_prefill=self.migration_prefill,
             orphan_after_s=self.orphan_after_s, suspect_after_s=self.suspect_after_s,
             require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
             routing=self.routing_config(), kv_event_bus=self.kv_event_bus,

@@ -45,6 +45,7 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     call_timeout_s: float = 10.0  # deadline of a reserve / abort / load call to one worker
     migration_limit: int = 3  # moves per request when its decode worker is lost
+    migration_prefill: str = "auto"  # see OrchestratorConfig.migration_prefill
     orphan_after_s: float = 20.0  # see OrchestratorConfig.orphan_after_s
     suspect_after_s: float = 1.0  # see OrchestratorConfig.suspect_after_s (0: off)
     # How often Ray restarts a worker whose process died (each comes back, loads its model

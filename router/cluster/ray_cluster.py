@@ -159,6 +159,7 @@ class Cluster:
                                capacity_wait_s=cfg.capacity_wait_s,
                                call_timeout_s=cfg.call_timeout_s,
                                migration_limit=cfg.migration_limit,
+                               migration_prefill=cfg.migration_prefill,
                                orphan_after_s=cfg.orphan_after_s,
                                suspect_after_s=cfg.suspect_after_s,
                                max_inflight_requests=cfg.max_inflight_requests,
@@ -421,13 +422,19 @@ class Cluster:
 
     async def worker_loads(self) -> list:
         """Every live worker's full load report (reserved blocks included); tests use this.
-        A worker Ray is restarting has no report (its new process holds nothing yet)."""
+        A worker Ray is restarting, or whose process died for good, has no report (it holds
+        nothing); the latter is declared dead here if nothing did before (a worker whose
+        lifeline closed is only unreachable until Ray's table says which)."""
+        import ray.exceptions
+
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
         loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
                                      return_exceptions=True)
-        for lo in loads:
-            if isinstance(lo, BaseException) and not is_restarting(lo):
+        for slot, lo in zip(slots, loads, strict=True):
+            if isinstance(lo, ray.exceptions.ActorDiedError):
+                orch.health.dead(slot, repr(lo))
+            elif isinstance(lo, BaseException) and not is_restarting(lo):
                 raise lo
         return [lo for lo in loads if not isinstance(lo, BaseException)]
 

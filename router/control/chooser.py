@@ -76,6 +76,23 @@ class WorkerChooser:
         work = max(1, len(prompt_ids) - (held.blocks if held else 0) * view.block_size)
         return slots[view.worker_id], work
 
+    @staticmethod
+    def reprefill_on_decode(prefill: dict[str, WorkerSlot], policy: str) -> bool:
+        """Whether a migrated stream's prompt + generated tokens are computed on its new
+        decode worker (``DecodeWorker.submit``: ahead of that worker's waiting prompts, in
+        its next step) rather than on a prefill worker and sent over: "decode" always,
+        "prefill" never, "auto" when no prefill worker is idle now (routable, no prompt
+        tokens this router routed there still in flight). The client's stream is frozen
+        until that compute ends: on a busy prefill worker it first waits for the running
+        step of new prompts (seconds on a small host, just when a fault brought extra work);
+        on the decode worker it waits for one decode step, and that worker's other streams
+        wait once for the re-prefill's step."""
+        if policy != "auto":
+            return policy == "decode"
+        now = time.monotonic()
+        return not any(s.view.routable(now) and s.view.inflight_prefill_tokens == 0
+                       for s in prefill.values())
+
     def _note_cached(self, slots) -> None:
         """Give the policy its candidates' cache footprints in their KV pools (from the KV
         index; blocks in a second tier take no pool room)."""

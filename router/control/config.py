@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from router.routing.policy import RoutingConfig
 from worker_protocol.tracing import TracingConfig
 
-__all__ = ["MIGRATED_PRIORITY", "OrchestratorConfig"]
+__all__ = ["MIGRATED_PRIORITY", "MIGRATION_PREFILL", "OrchestratorConfig"]
 
 MIGRATED_PRIORITY = 1  # a migrated stream's re-prefill is queued ahead of new prompts
+# Where a migrated stream's re-prefill runs in disaggregated mode (WorkerChooser.reprefill_on_decode).
+MIGRATION_PREFILL = ("auto", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class OrchestratorConfig:
     token_timeout_s: float = 120.0
     # How many times one request may move to another decode worker when its own dies.
     migration_limit: int = 3
+    # Where a moved stream's prompt + tokens are computed again (disaggregated mode): "auto"
+    # (on a prefill worker when one is idle, else on the new decode worker), "prefill",
+    # "decode". See WorkerChooser.reprefill_on_decode.
+    migration_prefill: str = "auto"
     # A decode worker that misses its load reports this long (hung, SIGSTOP'd, host cut off)
     # has its streams migrated; it gets no new work until it reports again.
     worker_silent_s: float = 5.0
@@ -51,3 +57,8 @@ class OrchestratorConfig:
     orphan_after_s: float = 20.0
     # Per-request traces (worker_protocol.tracing); None: off.
     tracing: TracingConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.migration_prefill not in MIGRATION_PREFILL:
+            raise ValueError(f"migration_prefill must be one of {', '.join(MIGRATION_PREFILL)}, "
+                             f"got {self.migration_prefill!r}")

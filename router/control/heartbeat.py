@@ -19,6 +19,13 @@ answer does not wait for an engine step), at most one ping in flight per worker.
   hundred), and an idle one holds no stream, so neither is ever moved; a stopped one fails
   both and its streams migrate (the migration counter counts them; with no fault it stays 0).
 
+- **Exited** (any worker): the router holds a connection to every worker's lifeline
+  (``worker_protocol.lifeline``), which only the process's end closes; end-of-file on it is
+  the kernel's word that the process died (SIGKILL, a crash, the OOM killer), read within
+  milliseconds: ``on_gone`` acts at once with state "EXITED", before any ping is late. A
+  stopped or hung process keeps it open (the silence rule finds those), and a lifeline that
+  cannot be reached leaves that worker to the two rules above.
+
 A worker that answers again is simply reachable again (its late tokens for moved streams are
 dropped: ``StreamState.abandoned``); a restarted one rejoins (``forget``). Prefill workers
 hold no streams, so only the first rule applies to them: their in-flight calls end and no
@@ -36,6 +43,9 @@ from router.control.request_state import WorkerSlot
 from worker_protocol import actor_state, control
 
 log = logging.getLogger(__name__)
+
+_CONNECT_TIMEOUT_S = 5.0
+_CLASSIFY_FOR_S = 5.0  # how long to ask Ray's table whether an exited worker comes back
 
 
 class Heartbeats:
@@ -68,8 +78,10 @@ class Heartbeats:
         self._asking: dict[str, asyncio.Future] = {}  # worker id -> its actor-table question
         self._reported: set[str] = set()  # declared silent or gone, not answered since
         self._task: asyncio.Task | None = None
+        self._lifelines: dict[str, asyncio.Task] = {}  # worker id -> its lifeline's reader
         self.num_silent = 0  # decode workers declared silent (streams moved)
         self.num_gone = 0  # workers Ray's table showed gone before any call failed
+        self.num_exited = 0  # workers whose lifeline closed (their process ended)
 
     def start(self) -> None:
         if self._task is None and self.suspect_after_s > 0:
@@ -80,10 +92,26 @@ class Heartbeats:
         self._answered.pop(worker_id, None)
         self._reported.discard(worker_id)
 
+    def watch(self, slot: WorkerSlot) -> None:
+        """A worker was added, or Ray restarted one (a rejoin): its clock starts again, and
+        the router holds its lifeline if it has one and heartbeats are on (a new process's
+        replaces the old one's). Call on the router's loop."""
+        self.start()
+        wid = slot.info.worker_id
+        self.forget(wid)
+        old = self._lifelines.pop(wid, None)
+        if old is not None:
+            old.cancel()
+        if slot.info.lifeline_port and self.suspect_after_s > 0:
+            self._lifelines[wid] = asyncio.ensure_future(
+                self._hold(slot, slot.info.incarnation))
+
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._lifelines.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._lifelines.clear()
         for fut in [*self._in_flight.values(), *self._asking.values()]:
             fut.cancel()
 
@@ -148,3 +176,42 @@ class Heartbeats:
                                        f"no heartbeat answered")
 
         fut.add_done_callback(done)
+
+    async def _hold(self, slot: WorkerSlot, incarnation: str) -> None:
+        """Read ``slot``'s lifeline until it closes, then report the process gone (unless it
+        was replaced, retired or reported meanwhile)."""
+        info = slot.info
+        wid, address = info.worker_id, f"{info.node_ip}:{info.lifeline_port}"
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(info.node_ip, info.lifeline_port), _CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError) as e:
+            log.warning("no lifeline to worker %s at %s (%r): its death is found by the "
+                        "heartbeat instead", wid, address, e)
+            return
+        try:
+            while await reader.read(4096):  # nothing is ever sent: only EOF ends this
+                pass
+        except OSError:  # reset: the same news
+            pass
+        finally:
+            writer.close()
+        if (slot.info.incarnation != incarnation or not slot.view.alive or slot.view.drained
+                or wid in self._reported):
+            return
+        self._reported.add(wid)
+        self.num_exited += 1
+        why = f"worker {wid}'s process exited (its lifeline at {address} closed)"
+        self._on_gone(slot, "EXITED", why)
+        # Whether a new process comes (RESTARTING) or none will (DEAD: never routed to again,
+        # as when a call fails with Ray's ActorDiedError) is Ray's to say: its table flips
+        # ~0.1 s after the death.
+        loop, deadline = asyncio.get_running_loop(), time.monotonic() + _CLASSIFY_FOR_S
+        while (time.monotonic() < deadline and slot.info.incarnation == incarnation
+               and slot.view.alive):
+            state = await loop.run_in_executor(None, self._ray_state, slot.handle)
+            if state in ("DEAD", "RESTARTING"):
+                if state == "DEAD":
+                    self._on_gone(slot, state, why)
+                return
+            await asyncio.sleep(0.1)

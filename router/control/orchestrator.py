@@ -140,7 +140,7 @@ class Orchestrator:
         else:
             self.decode[info.worker_id] = slot
             self.fanout.start(slot)
-        self.heartbeats.start()
+        self.heartbeats.watch(slot)
 
     def rejoin(self, slot: WorkerSlot, info: WorkerInfo) -> None:
         """``slot``'s worker was restarted by Ray (same id and handle, new process): take its
@@ -161,7 +161,7 @@ class Orchestrator:
         self.health.reachable(slot)
         if old.role != "prefill":
             self.fanout.start(slot)
-        self.heartbeats.forget(wid)
+        self.heartbeats.watch(slot)  # a new process: a new clock and lifeline
         log.warning("worker %s rejoined after a restart: pid %d -> %d, KV address %s",
                     wid, old.pid, info.pid, info.kv_address)
 
@@ -335,7 +335,8 @@ class Orchestrator:
             params, prompt_logprobs=None, max_tokens=params.max_tokens - len(generated),
             min_tokens=max(0, params.min_tokens - len(generated)),
             sample_index_offset=params.sample_index_offset + len(generated))
-        if self.config.mode == "colocated":  # the new worker prefills, then streams via the queue
+        if self.config.mode == "colocated" or self.choose.reprefill_on_decode(
+                self.prefill, self.config.migration_prefill):  # it prefills, then streams
             await self._submit_colocated(stream, prompt_ids + generated, rest, avoid={old})
             return None
         first = await self._prefill(stream, prompt_ids + generated, rest, avoid_decode={old})

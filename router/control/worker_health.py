@@ -106,16 +106,19 @@ class WorkerHealth:
         self._end_waits(slot.info.worker_id)
 
     def gone(self, slot: WorkerSlot, state: str, why: str) -> None:
-        """Ray's actor table says the worker's process is gone (router/control/heartbeat.py):
-        ``RESTARTING`` (a new process will rejoin: unreachable until then) or ``DEAD``. Its
-        decode sequences are lost and calls waiting on it end now, whichever worker kind."""
+        """The worker's process is gone (router/control/heartbeat.py): Ray's actor table says
+        ``RESTARTING`` (a new process will rejoin: unreachable until then) or ``DEAD``, or its
+        lifeline closed (``EXITED``: unreachable until it rejoins; a worker past its restarts
+        is declared dead by the next call Ray fails). Its decode sequences are lost and calls
+        waiting on it end now, whichever worker kind."""
         wid = slot.info.worker_id
         if state == "DEAD":
             self.dead(slot, why)
         else:
             self.unreachable(slot, why)
             if slot.info.role != "prefill":
-                self._on_decode_lost(wid, why, "worker_restarted")
+                reason = "worker_restarted" if state == "RESTARTING" else "worker_died"
+                self._on_decode_lost(wid, why, reason)
         self._end_waits(wid)
 
     def _end_waits(self, worker_id: str) -> None:

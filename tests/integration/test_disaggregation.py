@@ -309,14 +309,15 @@ def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_
     assert aborted and abort_s < 1.0
 
 
-@pytest.mark.parametrize("mode,sig,restarts", [("disaggregated", "SIGKILL", 0),
-                                               ("colocated", "SIGKILL", 2),
-                                               ("disaggregated", "SIGSTOP", 2)])
+@pytest.mark.parametrize("mode,sig,restarts,where", [("disaggregated", "SIGKILL", 0, "prefill"),
+                                                     ("colocated", "SIGKILL", 2, "auto"),
+                                                     ("disaggregated", "SIGSTOP", 2, "decode")])
 def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_llama_dir, mode, sig,
-                                                                  restarts, otlp):
+                                                                  restarts, where, otlp):
     """SIGKILL (or SIGSTOP: alive for Ray, silent for us) a decode worker while its streams
     are mid-way: each continues on the other decode worker (prompt + tokens so far
-    re-prefilled) and the client's stream equals an undisturbed run, token for token; the
+    re-prefilled on a prefill worker and sent over, or computed on the new decode worker
+    itself: ``where``) and the client's stream equals an undisturbed run, token for token; the
     journal records the move; no block is left held (a stopped worker, once continued,
     frees what it held). Without restarts Ray reports the killed worker dead; with them its
     token stream breaks and it comes back later (test_restarted_workers_rejoin_and_serve).
@@ -343,7 +344,7 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     from worker_protocol.tracing import TracingConfig
 
     config = _config(tiny_llama_dir, mode=mode, num_prefill_workers=2 if mode == "disaggregated"
-                     else 0, worker_restarts=restarts,
+                     else 0, worker_restarts=restarts, migration_prefill=where,
                      tracing=TracingConfig(otlp.endpoint, flush_interval_s=0.2))
 
     async def body(cluster):
@@ -377,23 +378,27 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
                 os.kill(status[victim].pid, signal.SIGCONT)
         journals = {i: [e.kind for e in cluster.store.journal_get(f"m{i}")] for i in on_victim}
         await assert_no_blocks_held(cluster, timeout_s=30)
-        return got, lps, on_victim, journals, (await cluster.stats()).migrations
+        return (got, lps, on_victim, journals, (await cluster.stats()).migrations,
+                cluster.orchestrator.heartbeats.num_exited)
 
-    got, lps, on_victim, journals, migrations = _run_cluster(loop, config, body)
+    got, lps, on_victim, journals, migrations, exited = _run_cluster(loop, config, body)
     assert on_victim, "no stream was on the lost worker"
     assert got == refs
     assert [[lp.token_id for lp in x] for x in lps] == refs
     for x, want in zip(lps, ref_lps, strict=True):
         assert max(abs(lp.logprob - w) for lp, w in zip(x, want, strict=True)) < 1e-3
     assert all(j.count("migrated") == 1 and j[-1] == "finished" for j in journals.values())
-    # A stopped worker is found by the heartbeat's second of silence; a killed one by Ray's
-    # word ("died", or, restarting, "restarting" or a closed socket), which the heartbeat
-    # reads in Ray's actor table half a second into the silence, before that second.
+    # A re-prefill on a prefill worker reserves KV on the new decode worker; one computed
+    # there reserves nothing.
+    moved = [j[j.index("migrated"):] for j in journals.values()]
+    assert all(("reserved" in j) == (where == "prefill") for j in moved), moved
+    # A stopped worker is found by the heartbeat's second of silence (its lifeline stays
+    # open); a killed one by its lifeline closing, milliseconds after the death and before
+    # Ray's table or calls say anything (worker_protocol.lifeline).
     if sig == "SIGSTOP":
-        assert migrations == {"worker_silent": len(on_victim)}
+        assert migrations == {"worker_silent": len(on_victim)} and exited == 0
     else:
-        said = {"worker_died"} if restarts == 0 else {"worker_restarted", "stream_lost"}
-        assert set(migrations) <= said
+        assert set(migrations) <= {"worker_died", "stream_lost"} and exited == 1
         assert sum(migrations.values()) == len(on_victim)
     roots = {s.attributes["gen_ai.response.id"]: s for s in otlp.spans()
              if s.parent_id == "" and s.attributes.get("gen_ai.response.id", "").startswith("m")}

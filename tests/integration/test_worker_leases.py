@@ -99,6 +99,7 @@ def test_handshake_refuses_a_different_model(decode_worker, tiny_llama_dir, tmp_
     other = DecodeWorker(WorkerConfig("decode-o", "colocated", EngineArgs(model=str(other_dir))))
     try:
         theirs: KVLayout = other.layout
+        assert other.engine.scheduler_config.max_step_prefill_tokens is None  # colocated
     finally:
         other.shutdown()
     field = "num_kv_heads" if same_name else "model_id"
@@ -148,3 +149,21 @@ def test_prefill_past_its_deadline_is_aborted_by_the_prefill_worker(tiny_llama_d
     finally:
         prefill.shutdown()
         decode_worker.shutdown()
+
+
+def test_a_decode_worker_rebuilds_streams_in_short_steps_and_offers_a_lifeline(decode_worker):
+    """A disaggregated decode worker computes prompts only for streams it rebuilds itself (a
+    migrated one): at most DECODE_STEP_PREFILL_TOKENS a step unless its EngineArgs say
+    otherwise (a colocated worker keeps its whole budget). Its info names its lifeline, which
+    a router can hold open (worker_protocol.lifeline)."""
+    import socket
+
+    from decode_workers.worker import DECODE_STEP_PREFILL_TOKENS
+
+    assert decode_worker.engine.scheduler_config.max_step_prefill_tokens == DECODE_STEP_PREFILL_TOKENS
+    info = decode_worker.info()
+    assert info.lifeline_port > 0
+    with socket.create_connection((info.node_ip, info.lifeline_port), timeout=5.0) as conn:
+        conn.settimeout(0.2)
+        with pytest.raises(TimeoutError):  # open, and silent
+            conn.recv(1)

@@ -42,3 +42,32 @@ def test_prefill_chunk_cap_is_refused_without_chunked_prefill_or_below_one():
     with pytest.raises(ValueError, match="needs chunked prefill"):
         SchedulerConfig(max_prefill_chunk=64, enable_chunked_prefill=False,
                         max_num_batched_tokens=4096)
+
+
+def test_step_prefill_cap_bounds_every_steps_prompt_tokens_and_never_holds_a_decode():
+    """``max_step_prefill_tokens``: the prompt tokens of a step, all requests together, stay
+    within the cap (three prompts arriving at once are spread over steps), while every
+    running decode still gets its token in every step: the streams' gap is one capped step."""
+    h = make(max_num_batched_tokens=256, max_step_prefill_tokens=24)
+    decoders = [h.add(f"d{i}", 4, max_tokens=40) for i in range(3)]
+    h.step()  # the three short prompts: 12 tokens
+    arrivals = [h.add(f"m{i}", 30, max_tokens=2) for i in range(3)]  # 90 prompt tokens
+    for _ in range(6):
+        out, _ = h.step()
+        prompt_tokens = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
+        assert prompt_tokens <= 24
+        # every decoder decodes in every step (none was held for the prompts)
+        assert {c.request_id for c in out.chunks if c.num_tokens == 1} >= {"d0", "d1", "d2"}
+    h.run()
+    assert all(len(r.output_token_ids) == 2 for r in arrivals)
+    assert all(len(r.output_token_ids) == 40 for r in decoders)
+    # 90 prompt tokens at 24 a step: the last first token comes out of the fourth step
+    assert _first_token_step(h, "m2") == 4
+
+
+def test_step_prefill_cap_is_refused_without_chunked_prefill_or_below_one():
+    with pytest.raises(ValueError, match="max_step_prefill_tokens must be > 0"):
+        SchedulerConfig(max_step_prefill_tokens=0)
+    with pytest.raises(ValueError, match="max_step_prefill_tokens needs chunked prefill"):
+        SchedulerConfig(max_step_prefill_tokens=64, enable_chunked_prefill=False,
+                        max_num_batched_tokens=4096)
