@@ -1,11 +1,10 @@
 """Iteration-level scheduler: decides, every step, which tokens of which requests to compute.
 
 One rule (DESIGN §3): each request has ``num_computed_tokens`` and ``num_tokens``; each step
-hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs`` (and
-at most ``max_prefill_chunk`` tokens to one request, and ``max_step_prefill_tokens`` prompt
-tokens to all, when set). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute after
-preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, and the only
-clock is the injected one.
+hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs`` (and,
+when set, ``max_prefill_chunk`` prompt tokens to one request, ``max_step_prefill_tokens`` to
+all). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute
+after preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, an injected clock.
 
 Priorities (``Request.priority``; a migrated stream's re-prefill is 1, new prompts 0): a
 request waits behind every waiting one of its priority or higher, and a step that admits
@@ -137,8 +136,8 @@ class Scheduler:
         self._batch: set[str] = set()
         # Prompt tokens one request may take in a step (SchedulerConfig.max_prefill_chunk).
         self._chunk_cap = config.max_prefill_chunk or config.max_num_batched_tokens
-        # Prompt tokens all requests together may take in a step (max_step_prefill_tokens),
-        # and what is left of them in the step being scheduled.
+        # Prompt tokens (a request's chunk of more than the one token a decode computes) of
+        # all requests in a step (max_step_prefill_tokens), and what is left of them now.
         self._step_prefill_cap = config.max_step_prefill_tokens or config.max_num_batched_tokens
         self._prefill_left = self._step_prefill_cap
         # first_token_first: the last step left the decodes out (the next one is theirs)
@@ -283,8 +282,7 @@ class Scheduler:
         if not self._may_admit() or not any(self._decoding(r) for r in self.running):
             return False
         head = self.waiting[0]
-        if head.num_tokens - head.num_computed_tokens > min(self._chunk_cap,
-                                                            self._step_prefill_cap):
+        if head.num_tokens - head.num_computed_tokens > min(self._chunk_cap, self._step_prefill_cap):
             return False  # its first token is steps away: no reason to hold the decodes
         self._skipped_decodes = True
         return True
@@ -305,9 +303,7 @@ class Scheduler:
                 i += 1
                 continue
             left = req.num_tokens - req.num_computed_tokens
-            # More than one token to compute is prompt work (a decode computes one).
-            num_new = min(left, budget, self._chunk_cap,
-                          self._prefill_left if left > 1 else 1)
+            num_new = min(left, budget, self._chunk_cap, self._prefill_left if left > 1 else 1)
             if num_new <= 0:  # nothing to compute, or no prompt tokens left in this step
                 i += 1
                 continue
@@ -322,8 +318,7 @@ class Scheduler:
             scheduled.append(req)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
-            if left > 1:
-                self._prefill_left -= num_new
+            self._prefill_left -= num_new if left > 1 else 0
             i += 1
         return budget
 
@@ -396,8 +391,7 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
-            if remaining > 1:
-                self._prefill_left -= num_new
+            self._prefill_left -= num_new if remaining > 1 else 0
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:

@@ -202,7 +202,9 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
                                                        and r.request_id[0] == "s"]),
             "streams": [{"id": r.request_id, "moved": r.request_id in on_victim,
                          "e2e_s": r.e2e_s, "chunks": len(r.chunk_times),
-                         "longest_gap_after_fault_s": _longest_gap(fault_ts, r)}
+                         "longest_gap_after_fault_s": _longest_gap(fault_ts, r),
+                         "chunk_times_after_fault_s": [round(t - fault_ts, 4)
+                                                       for t in r.chunk_times]}
                         for r in runs],
             "errors": sorted({r.error for r in runs if r.error})[:5]}
 

@@ -91,8 +91,7 @@ class Orchestrator:
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"
         self.streams = StreamLogger(store if store is not None else InMemoryStore(),
                                     config.model_id, tokenizer,
-                                    orphan_after_s=config.orphan_after_s,
-                                    owner=self.router_id)
+                                    orphan_after_s=config.orphan_after_s, owner=self.router_id)
         # Which worker caches which blocks, from the workers' own KV events (kv_sync feeds it).
         self.kv_index = KVIndex(config.prefix_hash_seed)
         self.kv_sync = KVEventSync(self.kv_index, config.call_timeout_s, kv_event_source)
