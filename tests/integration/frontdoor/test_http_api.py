@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -351,8 +352,15 @@ def test_gauges_show_a_running_request(base_url, http, kv_probe):
     with httpx.Client(base_url=base_url, timeout=120) as c, c.stream(
             "POST", "/v1/completions", json={
                 "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
-        next(line for line in r.iter_lines() if line)
+        lines = r.iter_lines()
+        next(line for line in lines if line)
+        # The gauges are read at scrape time, from a snapshot that may be one engine step
+        # old: scrape until the running request shows, while it streams (400 tokens: seconds).
+        deadline = time.monotonic() + 10.0
         during = _scrape(http)
+        while during["pdcluster_requests_running"] < 1 and time.monotonic() < deadline:
+            next(lines)
+            during = _scrape(http)
     assert during["pdcluster_requests_running"] >= 1
     assert during["pdcluster_kv_blocks_used"] >= 1
     kv_probe.wait_until_free()
