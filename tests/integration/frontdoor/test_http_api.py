@@ -352,6 +352,7 @@ def test_gauges_show_a_running_request(base_url, http, kv_probe):
     with httpx.Client(base_url=base_url, timeout=120) as c, c.stream(
             "POST", "/v1/completions", json={
                 "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
         lines = r.iter_lines()
         next(line for line in lines if line)
         # The gauges are read at scrape time, from a snapshot that may be one engine step
