@@ -58,7 +58,13 @@ from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import DecodeRankKV, rank_state
 from worker_protocol.lifeline import Lifeline
 from worker_protocol.messages import offload_load
-from worker_protocol.prefix_pull import PrefixSource, SendPrefixRequest
+from worker_protocol.prefix_pull import (
+    PrefixPuller,
+    PrefixSource,
+    PullRequest,
+    PullResult,
+    SendPrefixRequest,
+)
 from worker_protocol.tracing import Tracing, start_tracing
 
 log = logging.getLogger(__name__)
@@ -137,6 +143,10 @@ class DecodeWorker:
         # Serves prefill workers' pulls of prefixes this one holds (worker_protocol.prefix_pull).
         self.source = PrefixSource(self.loop, self.worker_id, self.layout, self.kv_host.address,
                                    kv_device, config.fault_pull_delay_per_layer_s)
+        # Pulls a moved stream's prompt from a worker that still holds it, so a rebuild here
+        # computes only what no one holds (router.control.orchestrator._migrate).
+        self.puller = PrefixPuller(self.loop, self.worker_id, self.layout, self.kv_host.address,
+                                   kv_device)
         self.tracing: Tracing | None = start_tracing(
             config.tracing, f"pdcluster-{config.role}",
             attributes={"pdcluster.worker_id": self.worker_id})
@@ -326,14 +336,20 @@ class DecodeWorker:
         generator ends; a batch is taken off the queue only by the current one."""
         yield from self.delivery.subscribe(router_id)
 
+    def pull_prefix(self, req: PullRequest) -> PullResult:
+        """Pull a prefix another worker holds into this one's prefix cache, before the router
+        submits a stream rebuilt here; a failed pull holds nothing: the rebuild computes it."""
+        return self.puller.pull(req)
+
     def send_prefix(self, req: SendPrefixRequest) -> int:
-        """Serve a prefill worker's pull from this one's prefix cache (the router's
+        """Serve another worker's pull from this one's prefix cache (the router's
         cluster-wide reuse); returns bytes sent."""
         return self.source.send(req)
 
     def shutdown(self) -> None:
         if self.tracing is not None:
             self.tracing.shutdown()
+        self.puller.close()
         self.source.close()
         self._stopped.set()
         self.delivery.stop()

@@ -213,37 +213,50 @@ class Cluster:
     async def _refresh_loads(self) -> None:
         """Keep the router's view of each worker's KV use fresh; heartbeat the registry.
 
-        Each report has a deadline: a worker whose host went silent is marked unreachable
-        (no new requests) instead of stalling every other worker's refresh. A report from a
-        new incarnation (Ray restarted the process) makes the worker rejoin first."""
+        Each worker's report is a call of its own with a deadline, started each round unless
+        its last one still waits: a worker whose host went silent (or a SIGSTOPped one) is
+        marked unreachable (no new requests) and holds back no other worker's report, nor the
+        KV events refreshed each round. A report from a new incarnation (Ray restarted the
+        process) makes the worker rejoin first."""
         timeout = min(2.0, self.config.call_timeout_s)
-        while True:
-            orch = self.orchestrator
-            # Dead ones too while restarts are on: a call to an actor gone for good fails at
-            # once, and one that Ray brought back answers with its new incarnation.
-            slots = [s for s in (*orch.prefill.values(), *orch.decode.values())
-                     if s.view.alive or (self.config.worker_restarts and not s.view.drained)]
-            results = await asyncio.gather(
-                *[asyncio.wait_for(control(s.handle.load).remote(orch.router_id), timeout)
-                  for s in slots],
-                return_exceptions=True)
-            for slot, load in zip(slots, results, strict=True):
-                if isinstance(load, TimeoutError):
-                    orch.health.unreachable(slot, f"no load report within {timeout:g} s")
-                    continue
-                if isinstance(load, BaseException):
-                    orch.health.on_error(slot, load)
-                    continue
-                if load.incarnation != slot.info.incarnation:
-                    self._start_rejoin(slot)
-                    continue
-                orch.health.reachable(slot)
-                slot.view.load = load
-                orch.usage.note(load)
-                self._heartbeat(slot, load)
-            orch.health.check_silent(orch.decode.values())
-            orch.kv_sync.kick([s for s in slots if s.view.alive and s.view.reachable])
-            await asyncio.sleep(0.25)
+        polls: dict[str, asyncio.Future] = {}
+        try:
+            while True:
+                orch = self.orchestrator
+                # Dead ones too while restarts are on: a call to an actor gone for good fails
+                # at once, and one that Ray brought back answers with its new incarnation.
+                slots = [s for s in (*orch.prefill.values(), *orch.decode.values())
+                         if s.view.alive or (self.config.worker_restarts and not s.view.drained)]
+                for slot in slots:
+                    wid = slot.info.worker_id
+                    if wid not in polls or polls[wid].done():
+                        polls[wid] = asyncio.ensure_future(self._load_report(slot, timeout))
+                orch.health.check_silent(orch.decode.values())
+                orch.kv_sync.kick([s for s in slots if s.view.alive and s.view.reachable])
+                await asyncio.sleep(0.25)
+        finally:
+            for task in polls.values():
+                task.cancel()
+            await asyncio.gather(*polls.values(), return_exceptions=True)
+
+    async def _load_report(self, slot, timeout: float) -> None:
+        orch = self.orchestrator
+        try:
+            load = await asyncio.wait_for(control(slot.handle.load).remote(orch.router_id),
+                                          timeout)
+        except TimeoutError:
+            orch.health.unreachable(slot, f"no load report within {timeout:g} s")
+            return
+        except Exception as e:
+            orch.health.on_error(slot, e)
+            return
+        if load.incarnation != slot.info.incarnation:
+            self._start_rejoin(slot)
+            return
+        orch.health.reachable(slot)
+        slot.view.load = load
+        orch.usage.note(load)
+        self._heartbeat(slot, load)
 
     def _start_rejoin(self, slot) -> None:
         wid = slot.info.worker_id

@@ -10,7 +10,6 @@ request either completes or ends with an error the client sees, never silently.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -48,6 +47,7 @@ from router.control.request_state import (
     WorkerSlot,
     cause_of,
     first_update,
+    rest_of,
 )
 from router.control.request_trace import RequestTrace, decode_call, phase
 from router.control.usage import UsageCounters
@@ -143,9 +143,8 @@ class Orchestrator:
 
     def rejoin(self, slot: WorkerSlot, info: WorkerInfo) -> None:
         """``slot``'s worker was restarted by Ray (same id and handle, new process): take its
-        new ``info`` (KV port, pid), move the streams its old process held, and route to it
-        again. Its KV pool starts empty; the router's in-flight counters stay, owned by the
-        attempts that raised them."""
+        new ``info``, move its old process's streams, route to it again (its pool is empty;
+        in-flight counters stay, owned by the attempts that raised them)."""
         old, wid = slot.info, info.worker_id
         if old.role != "prefill":
             self.fanout.fail_committed_streams(
@@ -255,10 +254,10 @@ class Orchestrator:
     async def follow(self, stream: StreamState, prompt_ids: list[int], params: SamplingParams,
                      generated: list[int], pending: list, t0: float
                      ) -> AsyncIterator[GenerationChunk]:
-        """The stream's chunks from its worker's token updates (``pending`` first), after
-        the tokens ``generated`` already (a continued request's log holds them): each is
-        logged before it is yielded; a lost worker migrates the stream (up to
-        ``migration_limit`` times); a stop string ends it. Ends after the finished chunk."""
+        """The stream's chunks from its worker's token updates (``pending`` first), after the
+        tokens ``generated`` already (a continued request's log holds them): each logged before
+        it is yielded; a lost worker migrates the stream (up to ``migration_limit`` times); a
+        stop string ends it. Ends after the finished chunk."""
         rid = stream.request_id
         detok = None
         if self.tokenizer is not None:
@@ -313,10 +312,10 @@ class Orchestrator:
     async def _migrate(self, stream: StreamState, prompt_ids: list[int], params: SamplingParams,
                        generated: list[int], why: str, counted: bool = True
                        ) -> TokenUpdate | None:
-        """Continue a stream whose decode worker was lost: prefill prompt + every token
-        already streamed on another pair and commit there. Returns the next token's update,
-        so the client sees one stream with no token missing or repeated. Greedy streams equal
-        an undisturbed run; seeded ones too (the sampler resumes at the same position)."""
+        """Continue a stream whose decode worker was lost: prompt + every token streamed,
+        computed again (what another worker holds of it pulled) on another decode worker or
+        pair. Returns the next token's update or None (it streams): the client sees one stream,
+        no token missing or repeated, equal to an undisturbed run (greedy or seeded)."""
         old = stream.decode_id
         if stream.trace is not None:
             stream.trace.end_decode(f"migrated: {why}")
@@ -330,13 +329,10 @@ class Orchestrator:
             asyncio.ensure_future(self.calls.safe_abort(self.decode[old], stream.request_id))
         if len(generated) >= params.max_tokens:  # every token arrived; only the end was lost
             return TokenUpdate(stream.request_id, [], "length")
-        rest = dataclasses.replace(  # (the client has the prompt's logprobs already)
-            params, prompt_logprobs=None, max_tokens=params.max_tokens - len(generated),
-            min_tokens=max(0, params.min_tokens - len(generated)),
-            sample_index_offset=params.sample_index_offset + len(generated))
+        rest = rest_of(params, len(generated))
         if self.config.mode == "colocated" or self.choose.reprefill_on_decode(
                 self.prefill, self.config.migration_prefill):  # it prefills, then streams
-            await self._submit_colocated(stream, prompt_ids + generated, rest, avoid={old})
+            await self._submit_colocated(stream, prompt_ids + generated, rest, {old}, pull=True)
             return None
         first = await self._prefill(stream, prompt_ids + generated, rest, avoid_decode={old})
         return first_update(stream.request_id, first)
@@ -365,11 +361,18 @@ class Orchestrator:
                 log.info("abort of %s: %r", stream.request_id, e)
 
     async def _submit_colocated(self, stream: StreamState, prompt_ids: list[int], params,
-                                avoid: set[str] = frozenset()) -> None:
+                                avoid: set[str] = frozenset(), pull: bool = False) -> None:
+        """Route to a decode (colocated) worker that prefills and streams; ``pull``: first
+        pull there what another worker holds of the prompt, when cheaper than computing it."""
         num_tokens = len(prompt_ids) + params.max_tokens
         with phase(stream.trace, "route"):
             slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
                                             lambda: stream.aborted)
+        if pull:  # a moved stream's prompt is often still cached where it was prefilled
+            await self.pulls.before_prefill(stream.request_id, prompt_ids, slot, [
+                *self.prefill.values(), *self.decode.values()], self._journal, stream.trace)
+            if stream.aborted:
+                raise Aborted
         stream.decode_id, stream.committed = slot.info.worker_id, True
         if stream.abandoned == slot.info.worker_id:  # moved back to it: its tokens count
             stream.abandoned = None
@@ -387,18 +390,16 @@ class Orchestrator:
 
     async def _prefill(self, stream: StreamState, prompt_ids: list[int], params,
                        avoid_decode: set[str] = frozenset()) -> FirstToken:
-        """Reserve, prefill, transfer, commit; each failed attempt is retried on other
-        workers, up to ``max_attempts``."""
+        """Reserve, prefill, transfer, commit; a failed attempt retried on other workers."""
         rid = stream.request_id
         excluded: dict[str, set[str]] = {"prefill": set(), "decode": set(avoid_decode)}
         last_error: BaseException | None = None
         for attempt in range(self.config.max_attempts):
             if stream.aborted:
                 raise Aborted
-            # Route only to a worker whose free blocks cover the prompt AND the whole output
-            # now. That makes decode-side preemption rare, not impossible: the reservation
-            # holds prompt + 1 token, and outputs of requests routed concurrently grow into
-            # the same free blocks; a preempted request is recomputed on its decode worker.
+            # Only to a worker whose free blocks cover prompt AND whole output now: preemption
+            # gets rare, not impossible (the reservation holds prompt + 1; outputs of requests
+            # routed meanwhile share the free blocks; a preempted one is recomputed there).
             with phase(stream.trace, "route", {"pdcluster.attempt": attempt + 1}):
                 decode = await self.choose.decode(
                     self.decode, len(prompt_ids) + params.max_tokens, excluded["decode"],
@@ -423,9 +424,8 @@ class Orchestrator:
         the reservation already released, Aborted, or ClusterMisconfiguredError."""
         rid = stream.request_id
         cfg = self.config
-        # In-flight affinity: both workers will hold the prompt's blocks once this attempt
-        # is through; until their events say so, the index counts them (an earlier
-        # attempt's workers, which failed, no longer).
+        # In-flight affinity: both workers will hold the prompt's blocks once this attempt is
+        # through; until their events say so the index counts them (not a failed attempt's).
         self.kv_index.forget(rid)
         self.kv_index.expect(rid, pslot.info.worker_id, prompt_ids)
         self.kv_index.expect(rid, decode.info.worker_id, prompt_ids)

@@ -1,17 +1,22 @@
-"""Cluster-wide prefix reuse, the router's side: before a prefill worker computes a prompt, pull
-the prefix it lacks from another worker (prefill or decode) that holds more of it, when moving
-it is estimated to cost less than computing it.
+"""Cluster-wide prefix reuse, the router's side: before a prefill worker computes a prompt (or a
+decode worker rebuilds a migrated stream: ``Orchestrator._migrate``), pull the prefix it lacks
+from another worker (prefill or decode) that holds more of it, when moving it is estimated to
+cost less than computing it.
 
 The decision (``PrefixPulls.plan``), per request, from the KV index and two measured rates:
 
 - what the chosen prefill worker holds (``KVIndex.held_tokens``: any tier) and which other
-  live worker holds the longest run (ties: a prefill worker, whose reads do not stall a decode
-  batch); the pull takes positions ``[held by the puller, end)``, ``end`` the source's run cut
-  to the puller's whole blocks (only those can be cached there), at least one block;
+  live worker holds the longest run (ties: an idle prefill worker, then a decode worker, whose
+  read stalls its batch for one short engine call, then a busy prefill worker); the pull
+  takes positions ``[held by the puller, end)``, ``end`` the source's run cut to the puller's
+  whole blocks (only those can be cached there), at least one block;
 - estimated recompute = those tokens / the puller's prefill rate (from its own
   ``PrefillResult.compute_s``, an EWMA; 1,000 tokens/s until measured);
 - estimated transfer = their KV bytes / the effective pull bandwidth (every completed pull's
-  bytes / its wall time, reserve to commit, Ray calls included; an EWMA starting at 200 MB/s).
+  bytes / its wall time, reserve to commit, Ray calls included; an EWMA starting at 200 MB/s),
+  plus, from a prefill worker with prompts in flight, the time to compute those (the source
+  reads between its engine steps, so a busy one first ends the step it runs; all of its
+  queue is counted, an upper bound).
 
 ``auto`` pulls when the transfer is estimated to cost less; ``always`` whenever another
 worker holds more; ``off`` never. Under ``auto`` a pull is given 4x the estimated recompute
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer import KVLayout
 from router.control.request_state import WorkerSlot, cause_of
+from router.control.request_trace import phase
 from router.control.worker_health import WorkerHealth
 from router.routing.kv_index import KVIndex
 from worker_protocol.prefix_pull import PullRequest, PullResult
@@ -124,8 +130,12 @@ class PrefixPulls:
         held = self.index.held_tokens(prompt_ids,
                                       [puller.info.worker_id] + [s.info.worker_id for s in others])
         have = held.get(puller.info.worker_id, 0)
-        best = max(others, default=None, key=lambda s: (held.get(s.info.worker_id, 0),
-                                                         s.info.role == "prefill"))
+        # Ties: an idle prefill worker, then a decode worker (its read stalls one step for
+        # milliseconds), then a busy prefill worker (the read waits for its step to end).
+        best = max(others, default=None, key=lambda s: (
+            held.get(s.info.worker_id, 0),
+            s.info.role == "prefill" and not s.view.inflight_prefill_tokens,
+            s.info.role != "prefill"))
         bs = puller.view.block_size
         if best is None:
             return None
@@ -133,18 +143,28 @@ class PrefixPulls:
         if end - have < bs:
             return None
         tokens = end - have
-        est_transfer = tokens * self.bytes_per_token / self.pull_bytes_s
+        # A source reads the prefix between its engine steps: a prefill worker with prompts
+        # in flight ends its running step first, counted as all of them (an upper bound).
+        wait = (best.view.inflight_prefill_tokens / self.prefill_rate(best.info.worker_id)
+                if best.info.role == "prefill" else 0.0)
+        est_transfer = tokens * self.bytes_per_token / self.pull_bytes_s + wait
         est_recompute = tokens / self._prefill_tokens_s.get(puller.info.worker_id,
                                                             PRIOR_PREFILL_TOKENS_S)
         pull = self.mode == "always" or est_transfer < est_recompute
         return PullPlan(best, have, end, est_transfer, est_recompute, pull)
 
     async def before_prefill(self, request_id: str, prompt_ids: list[int], puller: WorkerSlot,
-                             candidates: list[WorkerSlot], journal=None) -> PullOutcome | None:
+                             candidates: list[WorkerSlot], journal=None, trace=None
+                             ) -> PullOutcome | None:
         """Plan, and pull when worth it; the outcome goes to ``journal(request_id, kind,
         source_id, detail)`` too. Never raises for a failed pull (the prefill computes what is
-        missing); None when there was nothing to decide."""
-        out = await self._decide(request_id, prompt_ids, puller, candidates)
+        missing); None when there was nothing to decide. ``trace`` (a RequestTrace): a pull
+        that is not inside another phase of the request gets a ``pull`` phase of its own."""
+        if trace is not None and self.plan(prompt_ids, puller, candidates) is not None:
+            with phase(trace, "pull", {"pdcluster.worker_id": puller.info.worker_id}):
+                out = await self._decide(request_id, prompt_ids, puller, candidates)
+        else:
+            out = await self._decide(request_id, prompt_ids, puller, candidates)
         if out is not None and journal is not None:
             journal(request_id, out.kind, out.source_id, out.detail)
         return out

@@ -5,10 +5,11 @@ every instance."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request import TokenLogprob
+from engine.request import SamplingParams, TokenLogprob
 from router.contract import WorkerUnavailableError
 from router.routing.policy import WorkerView
 from worker_protocol import TokenUpdate, WorkerInfo
@@ -139,3 +140,13 @@ def first_update(request_id: str, first: FirstToken) -> TokenUpdate:
                        first.finish_reason if first.finished else None,
                        logprobs=None if first.logprob is None else [first.logprob],
                        prompt_logprobs=first.prompt_logprobs)
+
+
+def rest_of(params: SamplingParams, streamed: int) -> SamplingParams:
+    """What is left of ``params`` once ``streamed`` tokens reached the client: a migrated
+    stream's continuation (the sampler resumes at the same position; the client has the
+    prompt's logprobs already)."""
+    return dataclasses.replace(
+        params, prompt_logprobs=None, max_tokens=params.max_tokens - streamed,
+        min_tokens=max(0, params.min_tokens - streamed),
+        sample_index_offset=params.sample_index_offset + streamed)

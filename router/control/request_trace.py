@@ -10,6 +10,8 @@ phase of its lifecycle, each a child of the root, one after the other:
         decode.kv_wait / decode.generate                 spans hang here
 
 Colocated: ``route`` then ``decode`` (the worker's ``decode.generate`` includes the prompt).
+A stream rebuilt on a decode worker after a migration: ``route``, ``pull`` (when another worker
+holds part of its prompt: router.control.prefix_pull), then ``decode``.
 A migrated stream's ``decode`` ends with the reason and the next attempt's phases follow, so
 the root's children still sum to its duration. Attribute names follow the OpenTelemetry
 ``gen_ai`` conventions where they have one, ``pdcluster.*`` otherwise.

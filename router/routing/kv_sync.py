@@ -45,7 +45,9 @@ class KVEventSync:
         self._resets: dict[str, int] = {}  # worker id -> snapshots taken (drops stale reads)
         self._reader: asyncio.Task | None = None
         self._behind_since: dict[str, float] = {}  # worker id -> when its stream fell behind
-        self._refreshing: asyncio.Future | None = None
+        # worker id -> its refresh in flight: each worker's own, so one that does not answer
+        # (stopped, hung: a call waits out its deadline) never holds back the others' events
+        self._refreshing: dict[str, asyncio.Future] = {}
         self.snapshots = 0
         self.pulls = 0  # pulls through Ray (every refresh without a stream; else fallbacks)
 
@@ -57,11 +59,14 @@ class KVEventSync:
             self._reader = asyncio.ensure_future(self._follow_streams())
 
     def kick(self, slots) -> None:
-        """Start a ``refresh`` in the background unless one still runs: the load loop calls
-        this every round and never waits on it (a snapshot waits for the worker's current
-        engine step, seconds for a long prefill; load reports must not)."""
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.ensure_future(self.refresh(slots))
+        """Refresh each worker in the background unless its last refresh still runs: the
+        load loop calls this every round and never waits on it (a snapshot waits for the
+        worker's current engine step, seconds for a long prefill; load reports must not)."""
+        for slot in slots:
+            wid = slot.info.worker_id
+            task = self._refreshing.get(wid)
+            if task is None or task.done():
+                self._refreshing[wid] = asyncio.ensure_future(self._refresh_one(slot))
 
     async def refresh(self, slots) -> None:
         """Bring every given worker's entry up to date (one deadline-bound call each)."""
@@ -139,9 +144,10 @@ class KVEventSync:
                 self.index.apply(batch)
 
     async def close(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-            await asyncio.gather(self._refreshing, return_exceptions=True)
+        tasks, self._refreshing = list(self._refreshing.values()), {}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)

@@ -317,9 +317,9 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     """SIGKILL (or SIGSTOP: alive for Ray, silent for us) a decode worker while its streams
     are mid-way: each continues on the other decode worker (prompt + tokens so far
     re-prefilled on a prefill worker and sent over, or computed on the new decode worker
-    itself: ``where``) and the client's stream equals an undisturbed run, token for token; the
-    journal records the move; no block is left held (a stopped worker, once continued,
-    frees what it held). Without restarts Ray reports the killed worker dead; with them its
+    itself after pulling what a prefill worker holds of it: ``where``) and the client's
+    stream equals an undisturbed run, token for token; the journal records the move; no
+    block is left held (a stopped worker, once continued, frees what it held). Without restarts Ray reports the killed worker dead; with them its
     token stream breaks and it comes back later (test_restarted_workers_rejoin_and_serve).
     The streams ask for logprobs: the one of the first token after the seam comes from the
     new pair's prefill, and every one equals transformers' log-softmax. Traced, a migrated
@@ -392,6 +392,12 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     # there reserves nothing.
     moved = [j[j.index("migrated"):] for j in journals.values()]
     assert all(("reserved" in j) == (where == "prefill") for j in moved), moved
+    # A rebuild on the new decode worker first pulls what a prefill worker still holds of the
+    # prompt (its whole 16-token blocks) and computes only the rest; the tokens and logprobs
+    # above are the proof that the pulled KV is the right one.
+    if where == "decode":
+        pulled = {i: "pulled" in j[j.index("migrated"):] for i, j in journals.items()}
+        assert pulled == {i: len(prompts[i]) >= 16 for i in on_victim}, (pulled, journals)
     # A stopped worker is found by the heartbeat's second of silence (its lifeline stays
     # open); a killed one by its lifeline closing, milliseconds after the death and before
     # Ray's table or calls say anything (worker_protocol.lifeline).

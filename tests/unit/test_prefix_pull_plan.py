@@ -66,3 +66,22 @@ def test_tensor_parallel_and_dead_workers_take_no_part():
     p2.view.alive = False
     pulls = PrefixPulls(_index({"p2": (16, 96)}), LAYOUT)
     assert pulls.plan(PROMPT, p0, [p0, p2]) is None
+
+
+def test_a_busy_prefill_source_counts_its_queue_and_loses_a_tie_to_a_decode_worker():
+    """A source reads the prefix between its engine steps: a prefill worker computing other
+    prompts answers once its step ends. The plan adds that wait (its prompts in flight at its
+    measured rate) to the transfer, and among equal holders prefers a decode worker to it."""
+    p0, p1, d1 = _slot("p0", "prefill", 16), _slot("p1", "prefill", 16), _slot("d1", "decode", 8)
+    pulls = PrefixPulls(_index({"p1": (16, 64)}), LAYOUT)
+    pulls.note_prefill("p1", 500, 1.0)  # 500 tokens/s
+    idle = pulls.plan(PROMPT, d1, [p0, p1, d1])
+    assert idle.source is p1 and idle.pull
+    p1.view.inflight_prefill_tokens = 384  # the second wave: ~0.77 s before p1 can read
+    busy = pulls.plan(PROMPT, d1, [p0, p1, d1])
+    assert not busy.pull and busy.est_transfer_s > 0.75 > busy.est_recompute_s
+    d0 = _slot("d0", "decode", 16)
+    tie = PrefixPulls(_index({"p1": (16, 64), "d0": (16, 64)}), LAYOUT)
+    assert tie.plan(PROMPT, d1, [p1, d0, d1]).source is d0
+    p1.view.inflight_prefill_tokens = 0
+    assert tie.plan(PROMPT, d1, [d0, p1, d1]).source is p1
