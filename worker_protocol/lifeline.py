@@ -19,6 +19,7 @@ one and its old one closed with it); more are closed at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import selectors
 import socket
@@ -59,8 +60,13 @@ class Lifeline:
         if self._closed:
             return
         self._closed = True
-        self._wake_w.send(b"x")
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
         self._thread.join(timeout=5.0)
+        for sock in [*self._connections, self._listener, self._wake_r, self._wake_w]:
+            sock.close()
+        self._connections.clear()
+        self._selector.close()
 
     def _serve(self) -> None:
         try:
@@ -72,13 +78,11 @@ class Lifeline:
                     elif sock is not self._wake_r:
                         self._drain(sock)
         except Exception:  # a lifeline that broke must not take the worker with it
-            log.exception("%s: lifeline listener failed; routers fall back to heartbeats",
-                          self.worker_id)
-        finally:
-            for sock in [*self._connections, self._listener, self._wake_r, self._wake_w]:
-                sock.close()
-            self._connections.clear()
-            self._selector.close()
+            # Its sockets stay open (close() or the process's end closes them), so a router
+            # holding one still reads this process's end and never a false one; routers that
+            # connect from now on wait in the listen backlog, which closes the same way.
+            log.exception("%s: lifeline listener failed; its connections stay open until "
+                          "the process ends", self.worker_id)
 
     def _accept(self) -> None:
         try:

@@ -3,7 +3,8 @@
 Two rounds, each on a fresh cluster with the product's defaults (Ray restarts a killed
 worker, which rejoins): N concurrent greedy streams run while the benchmark kills a decode
 worker mid-stream (round 1: SIGKILL, round 2: SIGSTOP, continued after the streams finish),
-then a prefill worker while new prompts are in prefill; then it aborts requests at random
+then a prefill worker while new prompts are in prefill (``--prefill-fault off``: the decode
+worker alone); then it aborts requests at random
 phases (queued, reserving, prefilling, decoding). It reports, per round: requests completed,
 streams token-for-token equal to an undisturbed engine run of the same prompts, KV blocks
 still held by any worker afterwards (restarted ones included, once they rejoined), which
@@ -55,6 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where a moved stream's prompt + tokens are computed again (default "
                         "auto, the product's: a prefill worker if one is idle, else the new "
                         "decode worker)")
+    p.add_argument("--prefill-fault", default="on", choices=("on", "off"),
+                   help="on (default): prefill-0 is also SIGKILLed 0.3 s after the decode "
+                        "worker, while the second wave is in prefill; off: the decode worker "
+                        "alone is taken down")
+    p.add_argument("--prefix-pull", default="auto", choices=("auto", "always", "off"),
+                   help="the router's prefix pulls (default auto, the product's): a moved "
+                        "stream rebuilt on a decode worker first pulls what a prefill worker "
+                        "still holds of its prompt when that is estimated cheaper")
     p.add_argument("--signals", default="SIGKILL,SIGSTOP",
                    help="how the decode worker is taken down, one round each, in order "
                         "(default SIGKILL,SIGSTOP)")
@@ -138,13 +147,15 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
                  max_tokens: int, n_aborts: int) -> dict[str, Any]:
     from engine import EngineArgs
     from router.cluster.ray_cluster import Cluster, ClusterConfig
+    from router.routing.policy import RoutingConfig
 
     cfg = ClusterConfig(model=args.model, num_prefill_workers=2, num_decode_workers=2,
                         prefill_engine=EngineArgs(num_threads=1, max_num_seqs=8),
                         decode_engine=EngineArgs(num_threads=1), transfer_timeout_s=10.0,
                         lease_s=20.0, capacity_wait_s=60.0, suspect_after_s=args.suspect_after,
                         worker_restarts=args.worker_restarts,
-                        migration_prefill=args.migration_prefill)
+                        migration_prefill=args.migration_prefill,
+                        routing=RoutingConfig(prefix_pull=args.prefix_pull))
     cluster = await Cluster.start(cfg)
     try:
         pids = {w.id: w.pid for w in await cluster.cluster_status()}
@@ -163,8 +174,9 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
         # A second wave of prompts, and the prefill worker dies while they are in prefill.
         second = [asyncio.ensure_future(_stream(cluster, f"t{i}", prompts[n_streams + i],
                                                 max_tokens)) for i in range(n_streams)]
-        await asyncio.sleep(0.3)
-        os.kill(pids["prefill-0"], signal.SIGKILL)
+        if args.prefill_fault == "on":
+            await asyncio.sleep(0.3)
+            os.kill(pids["prefill-0"], signal.SIGKILL)
         runs = list(await asyncio.gather(*first, *second))
         if sig == "SIGSTOP":
             os.kill(pids[victim], signal.SIGCONT)
@@ -193,6 +205,9 @@ async def _round(args: argparse.Namespace, sig: str, prompts, refs, n_streams: i
             "restarts": {w.id: w.restarts for w in status if w.restarts},
             "added_latency_p50_s": percentile(added, 50) if added else None,
             "added_latency_p99_s": percentile(added, 99) if added else None,
+            # Moved streams whose rebuild pulled part of its prompt from another worker.
+            "rebuilds_pulled": sum(any(e.kind == "pulled" and e.ts >= fault_ts for e in j)
+                                   for j in journals.values()),
             "after_fault": _after_fault(fault_ts, [r for r in runs if r.request_id in on_victim],
                                         journals, timings),
             # What the move cost the streams it did not touch: their longest gap between
@@ -289,6 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             "suspect_after_s": args.suspect_after,
                                             "worker_restarts": args.worker_restarts,
                                             "migration_prefill": args.migration_prefill,
+                                            "prefill_fault": args.prefill_fault,
+                                            "prefix_pull": args.prefix_pull,
                                             "model": args.model or "default"},
               "rounds": rounds, "targets": targets, "wall_s": time.perf_counter() - t0,
               "machine": machine_info()}
@@ -302,6 +319,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{r['blocks_leaked'] or 0}, restarted {r['restarts'] or 'none'}, "
               f"{r['workers_ready']}/{r['workers']} ready; migration adds p50 "
               f"{(p50 or 0) * 1e3:.0f} ms, p99 {(p99 or 0) * 1e3:.0f} ms")
+        print(f"         rebuilds that pulled their prompt: {r['rebuilds_pulled']} of "
+              f"{r['migrated_streams']}")
         print("         after the fault (p50 / max ms): " + ", ".join(
             f"{k} {v['p50'] * 1e3:.0f} / {v['max'] * 1e3:.0f}"
             for k, v in r["after_fault"].items()))

@@ -95,6 +95,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="a step that can finish an arriving prompt leaves the running decodes "
                         "out (they run the next step): first token after the prompt's own "
                         "compute")
+    p.add_argument("--decode-step-prefill-tokens", type=int, default=None,
+                   help="decode (and colocated) workers compute at most this many prompt "
+                        "tokens a step, so streams running there still get a token each step "
+                        "while a moved stream is rebuilt (default: 64 on a disaggregated decode "
+                        "worker, no cap on a colocated one; >= --max-num-batched-tokens: none)")
     p.add_argument("--prefill-block-size", type=int, default=None)
     p.add_argument("--decode-block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)

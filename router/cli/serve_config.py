@@ -83,6 +83,10 @@ class ServeConfig:
     # A step that can finish an arriving prompt leaves the decodes out (they run next step):
     # its first token waits for its own compute only (engine/scheduler.py).
     first_token_first: bool = False
+    # Decode and colocated workers: at most this many prompt tokens of all requests a step
+    # (None: a disaggregated decode worker's own 64, decode_workers.worker; colocated: none),
+    # so a stream rebuilt there after a migration leaves its running streams a token a step.
+    decode_step_prefill_tokens: int | None = None
     prefill_block_size: int = 16
     decode_block_size: int = 16
     prefill_tp: int = 1  # tensor-parallel ranks per prefill worker
@@ -140,6 +144,9 @@ class ServeConfig:
         self._check_device_flags()
         if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
             raise ValueError(f"--max-prefill-chunk must be > 0, got {self.max_prefill_chunk}")
+        if self.decode_step_prefill_tokens is not None and self.decode_step_prefill_tokens <= 0:
+            raise ValueError(f"--decode-step-prefill-tokens must be > 0, "
+                             f"got {self.decode_step_prefill_tokens}")
         if self.first_token_first not in (True, False):
             raise ValueError(f"--first-token-first must be true or false, "
                              f"got {self.first_token_first!r}")
@@ -355,6 +362,7 @@ class ServeConfig:
             decode_engine=EngineArgs(block_size=self.decode_block_size, max_num_seqs=self.max_num_seqs,
                                      max_num_batched_tokens=self.max_num_batched_tokens,
                                      num_threads=threads.decode_threads,
+                                     max_step_prefill_tokens=self.decode_step_prefill_tokens,
                                      tensor_parallel_size=self.decode_tp, **common),
             ray_address=self.ray_address, redis_url=self.redis_url,
             use_gpus={"auto": None, "cpu": False, "cuda": True}[self.device],

@@ -58,6 +58,32 @@ def test_connections_stay_open_until_close_and_bytes_are_discarded():
     a.close()
 
 
+def test_a_listener_that_fails_keeps_its_connections_open_until_close():
+    """A bug in the listener thread must not read, to a router, as the process's death: its
+    connections stay open (and one made afterwards too) until ``close``, which still works."""
+    line = Lifeline("127.0.0.1", "w0")
+    a = _connect(line.port)
+    deadline = time.monotonic() + 5
+    while line.num_connections < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    def broken(conn):
+        raise RuntimeError("a bug")
+
+    line._drain = broken  # the next bytes that arrive kill the listener thread
+    a.sendall(b"x")
+    line._thread.join(timeout=5.0)
+    assert not line._thread.is_alive()
+    late = _connect(line.port)  # lands in the listen backlog
+    assert not _closed(a) and not _closed(late)
+    line.close()
+    a.settimeout(5.0)
+    late.settimeout(5.0)
+    assert _closed(a) and _closed(late)
+    a.close()
+    late.close()
+
+
 def test_connections_past_the_cap_are_closed_at_once():
     line = Lifeline("127.0.0.1", "w0", max_connections=2)
     kept = [_connect(line.port), _connect(line.port)]

@@ -66,6 +66,17 @@ def test_max_prefill_chunk_reaches_every_engine_and_a_bad_one_is_named():
         serve_config_from_args(_args("--max-prefill-chunk", "0"))
 
 
+def test_decode_step_prefill_tokens_reaches_the_decode_engine_only():
+    cc = serve_config_from_args(_args("--decode-step-prefill-tokens", "256")).cluster_config()
+    assert cc.decode_engine.max_step_prefill_tokens == 256
+    assert cc.prefill_engine.max_step_prefill_tokens is None
+    # unset: the decode worker applies its own default (decode_workers.worker)
+    assert serve_config_from_args(_args()).cluster_config().decode_engine.max_step_prefill_tokens \
+        is None
+    with pytest.raises(ValueError, match="--decode-step-prefill-tokens must be > 0, got 0"):
+        serve_config_from_args(_args("--decode-step-prefill-tokens", "0"))
+
+
 def test_tp_flags_reach_each_roles_engine_and_bad_ones_are_named():
     cc = serve_config_from_args(_args("--prefill-tp", "2", "--decode-tp", "4")).cluster_config()
     assert (cc.prefill_engine.tensor_parallel_size, cc.decode_engine.tensor_parallel_size) == (2, 4)
