@@ -63,10 +63,6 @@ async def _collect(cluster, prompt, params=GREEDY, request_id=None):
     return toks, last
 
 
-def _run_cluster(loop, config, body):
-    return run_cluster(loop, config, body)
-
-
 def test_32_concurrent_requests_match_transformers_and_colocated(loop, tiny_llama_dir, workload):
     prompts, refs = workload
 
@@ -76,13 +72,13 @@ def test_32_concurrent_requests_match_transformers_and_colocated(loop, tiny_llam
         stats = await cluster.stats()
         return outs, stats
 
-    outs, stats = _run_cluster(loop, _config(tiny_llama_dir), body)
+    outs, stats = run_cluster(loop, _config(tiny_llama_dir), body)
     assert [t for t, _ in outs] == refs
     assert all(last.finish_reason == "length" and last.usage.completion_tokens == MAX_TOKENS
                for _, last in outs)
     assert stats.kv_transfer_bytes_total > 0
     # both decode workers took part (KV-capacity routing spreads the load)
-    colocated, _ = _run_cluster(loop, _config(tiny_llama_dir, mode="colocated", num_prefill_workers=0),
+    colocated, _ = run_cluster(loop, _config(tiny_llama_dir, mode="colocated", num_prefill_workers=0),
                                 lambda c: _gather_then_check(c, prompts))
     assert [t for t, _ in colocated] == refs
 
@@ -104,7 +100,7 @@ def test_dynamic_batching_launches_a_lone_request_after_its_window(loop, tiny_ll
     async def body(cluster):
         return await asyncio.wait_for(_collect(cluster, [5, 6, 7, 8]), timeout=30)
 
-    toks, last = _run_cluster(loop, config, body)
+    toks, last = run_cluster(loop, config, body)
     assert len(toks) == MAX_TOKENS and last.finish_reason == "length"
 
 
@@ -168,7 +164,7 @@ def test_abort_in_every_phase_frees_all_blocks(loop, tiny_llama_dir, workload):
         after = await _collect(cluster, prompts[5])
         return kinds, after
 
-    kinds, after = _run_cluster(loop, config, body)
+    kinds, after = run_cluster(loop, config, body)
     assert kinds["queued"][-2:] == ["received", "aborted"]
     assert "reserved" in kinds["reserved"] and "prefilled" not in kinds["reserved"]
     assert "reserved" in kinds["mid-transfer"] and "committed" not in kinds["mid-transfer"]
@@ -190,7 +186,7 @@ def test_abort_by_id_during_prefill_is_not_retried(loop, tiny_llama_dir, workloa
         await assert_no_blocks_held(cluster)
         return toks, last, _journal_kinds(cluster, "by-id")
 
-    toks, last, kinds = _run_cluster(loop, config, body)
+    toks, last, kinds = run_cluster(loop, config, body)
     assert toks == [] and last.finished and last.finish_reason == "abort"
     assert "retried" not in kinds and kinds.count("reserved") == 1
 
@@ -209,7 +205,7 @@ def test_dead_transfer_peer_releases_reservation_and_request_completes_elsewhere
         alive = {wid: s.view.alive for wid, s in cluster.orchestrator.prefill.items()}
         return toks, last, journal, alive
 
-    toks, last, journal, alive = _run_cluster(loop, config, body)
+    toks, last, journal, alive = run_cluster(loop, config, body)
     assert toks == refs[6]
     assert last.finish_reason == "length"
     assert alive == {"prefill-0": False, "prefill-1": True}
@@ -263,7 +259,7 @@ def test_redis_store_holds_the_registry_and_journal(loop, tiny_llama_dir, worklo
         return toks, workers, other.get_load("decode-0")
 
     try:
-        toks, workers, load = _run_cluster(loop, config, body)
+        toks, workers, load = run_cluster(loop, config, body)
         kinds = [e.kind for e in other.journal_get("journaled")]
         assert kinds == ["received", "reserved", "prefilled", "committed", "finished"]
         assert workers == {"prefill-0": "prefill", "decode-0": "decode"}
@@ -304,7 +300,7 @@ def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_
         await assert_no_blocks_held(cluster, timeout_s=60)
         return stats, stats_s, aborted, abort_s
 
-    stats, stats_s, aborted, abort_s = _run_cluster(loop, config, body)
+    stats, stats_s, aborted, abort_s = run_cluster(loop, config, body)
     assert len(stats.workers) == 2 and stats_s < 1.0
     assert aborted and abort_s < 1.0
 
@@ -319,12 +315,12 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
     re-prefilled on a prefill worker and sent over, or computed on the new decode worker
     itself after pulling what a prefill worker holds of it: ``where``) and the client's
     stream equals an undisturbed run, token for token; the journal records the move; no
-    block is left held (a stopped worker, once continued, frees what it held). Without restarts Ray reports the killed worker dead; with them its
-    token stream breaks and it comes back later (test_restarted_workers_rejoin_and_serve).
-    The streams ask for logprobs: the one of the first token after the seam comes from the
-    new pair's prefill, and every one equals transformers' log-softmax. Traced, a migrated
-    request's trace shows it: its first decode phase ended failed ("migrated: ..."), a second
-    one after it, and the root counts one migration."""
+    block is left held (a stopped worker, once continued, frees what it held). Without
+    restarts Ray reports the killed worker dead; with them its token stream breaks and it
+    comes back later (test_restarted_workers_rejoin_and_serve). The streams ask for
+    logprobs: the first token's after the seam comes from the new pair's prefill, and every
+    one equals transformers' log-softmax. Traced, a migrated request's first decode phase
+    ended failed ("migrated: ..."), a second follows, and the root counts one migration."""
     import os
     import signal
 
@@ -381,26 +377,23 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
         return (got, lps, on_victim, journals, (await cluster.stats()).migrations,
                 cluster.orchestrator.heartbeats.num_exited)
 
-    got, lps, on_victim, journals, migrations, exited = _run_cluster(loop, config, body)
+    got, lps, on_victim, journals, migrations, exited = run_cluster(loop, config, body)
     assert on_victim, "no stream was on the lost worker"
     assert got == refs
     assert [[lp.token_id for lp in x] for x in lps] == refs
     for x, want in zip(lps, ref_lps, strict=True):
         assert max(abs(lp.logprob - w) for lp, w in zip(x, want, strict=True)) < 1e-3
     assert all(j.count("migrated") == 1 and j[-1] == "finished" for j in journals.values())
-    # A re-prefill on a prefill worker reserves KV on the new decode worker; one computed
-    # there reserves nothing.
-    moved = [j[j.index("migrated"):] for j in journals.values()]
-    assert all(("reserved" in j) == (where == "prefill") for j in moved), moved
-    # A rebuild on the new decode worker first pulls what a prefill worker still holds of the
-    # prompt (its whole 16-token blocks) and computes only the rest; the tokens and logprobs
-    # above are the proof that the pulled KV is the right one.
+    # A re-prefill on a prefill worker reserves KV on the new decode worker; a rebuild there not.
+    moved = {i: j[j.index("migrated"):] for i, j in journals.items()}
+    assert all(("reserved" in j) == (where == "prefill") for j in moved.values()), moved
+    # A rebuild on the decode worker first pulls the prompt's whole 16-token blocks a prefill
+    # worker holds (the tokens and logprobs above prove the pulled KV right).
     if where == "decode":
-        pulled = {i: "pulled" in j[j.index("migrated"):] for i, j in journals.items()}
+        pulled = {i: "pulled" in j for i, j in moved.items()}
         assert pulled == {i: len(prompts[i]) >= 16 for i in on_victim}, (pulled, journals)
-    # A stopped worker is found by the heartbeat's second of silence (its lifeline stays
-    # open); a killed one by its lifeline closing, milliseconds after the death and before
-    # Ray's table or calls say anything (worker_protocol.lifeline).
+    # A stopped worker is found by the heartbeat's second of silence (its lifeline stays open);
+    # a killed one by its lifeline closing, before Ray says anything (worker_protocol.lifeline).
     if sig == "SIGSTOP":
         assert migrations == {"worker_silent": len(on_victim)} and exited == 0
     else:
@@ -487,7 +480,7 @@ def test_restarted_workers_rejoin_and_serve(loop, tiny_llama_dir, workload):
         return (got, before, after, [warm] + [t for t, _ in results], loads, sent_before,
                 sent_mid, indexed)
 
-    got, before, after, toks, loads, sent_before, sent_mid, indexed = _run_cluster(
+    got, before, after, toks, loads, sent_before, sent_mid, indexed = run_cluster(
         loop, config, body)
     # The router's KV index dropped the dead process's entry and follows the new one.
     assert indexed[0] != indexed[1] and indexed[2] > 0
