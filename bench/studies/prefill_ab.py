@@ -1,6 +1,7 @@
 """A/B the prefill attention paths on whole prefills, interleaved in one engine.
 
     python -m bench.studies.prefill_ab [--model DIR] [--lengths 64,256,1024,1900] [--rounds 5]
+                                       [--num-threads N]
 
 One ``LLM`` (the host's kernel plans, as an engine starts), one prompt at a time with
 ``max_tokens=1`` (its prefill, the first token sampled), the torch backend's prefill attention
@@ -31,14 +32,17 @@ class PrefillRow:
         return self.sdpa_ms / self.fused_ms
 
 
-def measure(model: str | None, lengths: list[int], rounds: int, seed: int = 0) -> list[PrefillRow]:
-    """Median ms per whole prefill of each length under each path (round 0 untimed)."""
+def measure(model: str | None, lengths: list[int], rounds: int, seed: int = 0,
+            num_threads: int | None = None) -> list[PrefillRow]:
+    """Median ms per whole prefill of each length under each path (round 0 untimed);
+    ``num_threads``: the engine's torch threads (None: the engine's default)."""
     from engine import LLM, SamplingParams, cpu_ops
     from engine.attention.torch_paged import PrefillPaths
 
     if not cpu_ops.enabled():
         raise SystemExit("the fused CPU kernels are not built here: nothing to compare")
-    llm = LLM(model, max_num_seqs=1, max_model_len=max(lengths) + 8)
+    threads = {} if num_threads is None else {"num_threads": num_threads}
+    llm = LLM(model, max_num_seqs=1, max_model_len=max(lengths) + 8, **threads)
     backend = llm.engine.runner.attn_backend
     host = backend.prefill_paths
     vocab = llm.engine.model_config.vocab_size
@@ -72,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the default model)")
     p.add_argument("--lengths", type=_ints, default=[64, 256, 1024, 1900])
     p.add_argument("--rounds", type=int, default=5, help="timed prefills of each path per length")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="the engine's torch threads (default: the engine's own choice)")
     args = p.parse_args(argv)
-    for row in measure(args.model, args.lengths, args.rounds):
+    for row in measure(args.model, args.lengths, args.rounds, num_threads=args.num_threads):
         print(f"prompt {row.length}: sdpa {row.sdpa_ms:.1f} ms, fused {row.fused_ms:.1f} ms, "
               f"sdpa / fused {row.speedup:.2f}x", flush=True)
     return 0
