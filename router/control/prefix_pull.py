@@ -158,22 +158,22 @@ class PrefixPulls:
                              ) -> PullOutcome | None:
         """Plan, and pull when worth it; the outcome goes to ``journal(request_id, kind,
         source_id, detail)`` too. Never raises for a failed pull (the prefill computes what is
-        missing); None when there was nothing to decide. ``trace`` (a RequestTrace): a pull
-        that is not inside another phase of the request gets a ``pull`` phase of its own."""
-        if trace is not None and self.plan(prompt_ids, puller, candidates) is not None:
+        missing); None when there was nothing to decide. ``trace`` (a RequestTrace, given only
+        where no other phase of the request is open): a pull gets a ``pull`` phase of its own."""
+        plan = self.plan(prompt_ids, puller, candidates)
+        if plan is None:
+            return None
+        if trace is not None and plan.pull:
             with phase(trace, "pull", {"pdcluster.worker_id": puller.info.worker_id}):
-                out = await self._decide(request_id, prompt_ids, puller, candidates)
+                out = await self._decide(request_id, prompt_ids, puller, plan)
         else:
-            out = await self._decide(request_id, prompt_ids, puller, candidates)
-        if out is not None and journal is not None:
+            out = await self._decide(request_id, prompt_ids, puller, plan)
+        if journal is not None:
             journal(request_id, out.kind, out.source_id, out.detail)
         return out
 
     async def _decide(self, request_id: str, prompt_ids: list[int], puller: WorkerSlot,
-                      candidates: list[WorkerSlot]) -> PullOutcome | None:
-        plan = self.plan(prompt_ids, puller, candidates)
-        if plan is None:
-            return None
+                      plan: PullPlan) -> PullOutcome:
         src = plan.source.info.worker_id
         inputs = (f"{plan.tokens} tokens [{plan.have}, {plan.end}) from {src}: transfer est "
                   f"{plan.est_transfer_s * 1e3:.1f} ms vs recompute est "
