@@ -52,6 +52,7 @@ from worker_protocol import (
     freeze_startup_heap,
     kv_host_for,
     new_incarnation,
+    restore_priority,
 )
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
@@ -103,6 +104,7 @@ class DecodeWorker:
         self.config = config
         self.worker_id = config.worker_id
         self.incarnation = new_incarnation()
+        restore_priority()  # first: threads started later inherit it
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
         if (config.role == "decode" and args.max_step_prefill_tokens is None

@@ -36,6 +36,8 @@ bench ceilings`` prints the table and the timings behind it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import fcntl
 import hashlib
 import json
@@ -357,6 +359,23 @@ def tune_linear(weights: list, cache_dir: str | Path | None = None) -> LinearPla
     return plan
 
 
+class NotCached(LookupError):
+    """Raised by ``cached_timings`` under ``cache_only`` when this host has no entry."""
+
+
+_CACHE_ONLY = contextvars.ContextVar("pdcluster_kernels_cache_only", default=False)
+
+
+@contextlib.contextmanager
+def cache_only():
+    """Inside: ``cached_timings`` reads the cache and raises NotCached instead of timing."""
+    token = _CACHE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _CACHE_ONLY.reset(token)
+
+
 def cached_timings(kind: str, key: str, measure: Callable[[], list[Timing]],
                    cache_dir: str | Path | None = None) -> tuple[list[Timing], bool]:
     """``measure()``'s timings, cached in ``{cache_dir}/kernels/{kind}-{key}.json``, and
@@ -367,6 +386,8 @@ def cached_timings(kind: str, key: str, measure: Callable[[], list[Timing]],
     cached = _read_timings(path, key)
     if cached is not None:
         return cached, True
+    if _CACHE_ONLY.get():
+        raise NotCached(f"{kind}-{key}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 (held across the measuring)

@@ -17,13 +17,11 @@ from typing import Any
 
 import torch
 
-from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
+from engine.cpu_threads import EngineThreads
 from engine.device import kv_pool_bytes, plan_device
-from engine.fused_decode import tune_fused_decode
 from engine.input_processor import InputProcessor, Prompt
-from engine.kernels import model_linear_weights, set_linear_plan, tune_linear
 from engine.kv_connector import KVConnector, StepInfo
 from engine.kv_tier import KVTier, TierStats, offload_config
 from engine.model_runner import ModelRunner
@@ -38,6 +36,7 @@ from engine.request import (
     RequestStatus,
     SamplingParams,
 )
+from engine.runner_plans import RunnerPlans, plans_by_threads, tune_runner
 from engine.scheduler import Scheduler, StepUpdate
 from engine.step_times import StepTimes
 from engine.structured import Grammars
@@ -74,7 +73,11 @@ class EngineArgs:
     prefix_hash_seed: int = 0
     max_waiting: int = 4096
     cache_dir: str | None = None  # where converted GGUF models are cached
-    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # Torch intra-op threads at most (None: the CPUs this process may use: affinity mask and
+    # cgroup quota). adaptive_threads: fewer while other processes take CPU time from the
+    # engine's threads, back when they stop (engine.cpu_threads; CPU, tensor_parallel 1).
+    num_threads: int | None = None
+    adaptive_threads: bool = True
     # Workers leave detokenization (and stop strings) to the router, which owns the stream.
     detokenize: bool = True
     device: str = "cpu"  # "cpu", "cuda", "cuda:N", or "auto" (CUDA when available)
@@ -131,25 +134,10 @@ class EngineStats:
     num_preemptions: int = 0
     num_evicted_blocks: int = 0
     step_seconds: tuple = ()
-
-
-def tune_runner(args: EngineArgs, plan, model: LlamaForCausalLM, runner: ModelRunner) -> None:
-    """Time this host's kernel paths for ``model``'s shapes (CPU, ``tune_kernels``): linear
-    layers, decode and prefill attention, the fused decode step. Every rank of a
-    tensor-parallel engine tunes its own shard's shapes."""
-    if plan.device.type != "cpu" or not args.tune_kernels:
-        return
-    set_linear_plan(tune_linear(model_linear_weights(model)))
-    if plan.attention_backend != "torch":
-        return
-    cfg, dtype = model.cfg, getattr(torch, model.cfg.dtype)
-    runner.attn_backend.decode_paths = tune_decode_paths(
-        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.block_size, dtype)
-    runner.attn_backend.prefill_paths = tune_prefill_paths(
-        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
-    if model.comm is None:  # the fused step has no collectives: one rank only
-        runner.fused_decode = tune_fused_decode(model, args.block_size,
-                                                runner.attn_backend.decode_paths)
+    # The torch threads the engine steps on now, and the last window's fraction of its busy
+    # threads' time other processes took (engine.cpu_threads; 0 / 0.0 off the CPU).
+    num_threads: int = 0
+    cpu_stolen: float = 0.0
 
 
 class LLMEngine:
@@ -165,10 +153,14 @@ class LLMEngine:
             # Asked for explicitly, not just the GPU default: refused rather than dropped.
             raise ValueError("cuda_graphs=True: not with tensor_parallel_size > 1 (the "
                              "collectives are not captured); leave it unset or false")
-        if args.num_threads or tp > 1:
+        if tp > 1 or (args.num_threads and args.device != "cpu"):
             torch.set_num_threads(rank_threads(args.num_threads, tp))
         self.plan = plan_device(rank_device(args.device, 0) if tp > 1 else args.device,
                                 args.dtype, args.attention_backend, args.cuda_graphs)
+        # On the CPU at TP 1, the thread count follows the CPU this process gets.
+        self.threads: EngineThreads | None = (
+            EngineThreads(args.num_threads, args.adaptive_threads)
+            if self.plan.device.type == "cpu" and tp == 1 else None)
         self.device = self.plan.device
         check_quantization(args.quantization, self.device, tp, self.plan.dtype)
         offload = offload_config(args)
@@ -226,6 +218,11 @@ class LLMEngine:
                                       cuda_graphs=self.plan.cuda_graphs,
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_len)
             tune_runner(args, self.plan, model, self.runner)
+            if self.threads is not None and self.threads.adaptive:
+                plans = plans_by_threads(args, self.plan, model, self.runner,
+                                         range(1, self.threads.governor.max_threads + 1))
+                self.threads.on_change = lambda n: plans.get(n, RunnerPlans.current(
+                    self.runner)).apply(self.runner)
         except BaseException:
             self.close()
             raise
@@ -389,7 +386,9 @@ class LLMEngine:
                            self.step_times.decode.rows(), self.step_times.mixed.rows(),
                            self.kv_tier.stats() if self.kv_tier is not None else None,
                            bm.num_restored_tokens, sched.num_preemptions,
-                           bm.num_evicted_blocks, self.step_times.histogram.snapshot())
+                           bm.num_evicted_blocks, self.step_times.histogram.snapshot(),
+                           self.threads.threads if self.threads else 0,
+                           self.threads.governor.last_stolen if self.threads else 0.0)
 
     def record_kv_events(self) -> None:
         """Record the prefix cache's changes from now on, for ``take_kv_events`` (a worker
@@ -417,6 +416,8 @@ class LLMEngine:
             raise RuntimeError(self._tp_failure)
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.threads is not None and (sched.is_empty or self.last_step_idle):
+            self.threads.idle()  # time without work is not the neighbours' doing
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return []
@@ -445,8 +446,10 @@ class LLMEngine:
         outs = [self.process_update(u) for u in updates]
         # Timed by kind, so a served time per token splits into the engine's pure decode
         # step, what prefill sharing the step adds (colocated), and the serving path.
-        self.step_times.record(time.perf_counter() - t0, decode_rows, prefill,
-                               sched.held_decodes)
+        step_s = time.perf_counter() - t0
+        self.step_times.record(step_s, decode_rows, prefill, sched.held_decodes)
+        if self.threads is not None:
+            self.threads.after_step(step_s)
         return outs
 
     def process_update(self, u: StepUpdate) -> RequestOutput:

@@ -42,6 +42,7 @@ from worker_protocol import (
     kv_host_for,
     new_incarnation,
     restarted_by_ray,
+    restore_priority,
 )
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
@@ -84,6 +85,7 @@ class PrefillWorker:
         self.incarnation = new_incarnation()
         # Fault injection is for the first incarnation only: restarted, the worker serves.
         self._fault_exit_after = None if restarted_by_ray() else config.fault_exit_after_layers
+        restore_priority()  # first: threads started later inherit it
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
         # Built on the thread that will step it (engine.compute_thread says why).

@@ -167,6 +167,10 @@ class WorkerStatus:
     restarts: int = 0  # how often Ray restarted it and it rejoined (a new pid, new KV port)
     tp: int = 1  # tensor-parallel ranks; ``pid`` is rank 0's
     rank_pids: tuple[int, ...] = ()  # ranks 1.., on ``host``
+    # Torch threads its engine steps on now, and the share of their time other processes took
+    # in its last window (engine.cpu_threads; 0 off the CPU).
+    threads: int = 0
+    cpu_stolen: float = 0.0
 
 
 @dataclass(frozen=True)

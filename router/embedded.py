@@ -155,7 +155,8 @@ class EngineBackend:
     async def cluster_status(self) -> list[WorkerStatus]:
         s = self._async.engine.stats()
         return [WorkerStatus("embedded-0", "embedded", "127.0.0.1", os.getpid(), "ready",
-                             s.kv_blocks_used, s.kv_blocks_total, s.num_running, s.num_waiting)]
+                             s.kv_blocks_used, s.kv_blocks_total, s.num_running, s.num_waiting,
+                             threads=s.num_threads, cpu_stolen=s.cpu_stolen)]
 
     async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
                            wait: bool = False) -> DrainStatus:

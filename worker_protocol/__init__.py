@@ -37,6 +37,7 @@ from worker_protocol.runtime import (
     pin_nccl_to,
     resolve_kv_host,
     restarted_by_ray,
+    restore_priority,
 )
 
 __all__ = [
@@ -47,5 +48,5 @@ __all__ = [
     "KVHost", "WorkerConfig", "WorkerInfo", "WorkerLoad", "actor_state", "apply_cpu_affinity",
     "current_node_id", "current_node_ip", "exit_on_engine_crash",
     "freeze_startup_heap", "kv_host_for", "new_incarnation",
-    "pin_nccl_to", "resolve_kv_host", "restarted_by_ray",
+    "pin_nccl_to", "resolve_kv_host", "restarted_by_ray", "restore_priority",
 ]

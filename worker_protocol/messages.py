@@ -94,6 +94,10 @@ class WorkerLoad:
     preemptions: int = 0
     prefix_cache_evictions: int = 0
     step_seconds: tuple = ()
+    # The torch threads its engine steps on now, and the fraction of those threads' time
+    # other processes took in its last window (engine.cpu_threads; 0 off the CPU).
+    engine_threads: int = 0
+    cpu_stolen: float = 0.0
 
     def __post_init__(self) -> None:
         # Through JSON (the Redis registry) the rows come back as lists: made tuples again,
@@ -322,4 +326,6 @@ def offload_load(stats) -> dict:
             "kv_offload_restored_tokens": stats.num_restored_tokens,
             "preemptions": stats.num_preemptions,
             "prefix_cache_evictions": stats.num_evicted_blocks,
-            "step_seconds": stats.step_seconds}
+            "step_seconds": stats.step_seconds,
+            "engine_threads": stats.num_threads,
+            "cpu_stolen": stats.cpu_stolen}

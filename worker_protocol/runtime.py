@@ -24,6 +24,36 @@ def apply_cpu_affinity(cores: tuple[int, ...] | None) -> None:
     torch.set_num_threads(len(cores))
 
 
+def restore_priority() -> int:
+    """Give this worker process the scheduling priority of the process that started it (the
+    node's raylet), undoing Ray's default worker niceness of 15; returns the nice value the
+    process runs at. Call first in a worker's constructor: threads started later inherit it.
+
+    Why: at nice 15 a worker gets 1/29 of a core shared with any nice-0 process (a neighbour,
+    or the router itself), and a nice-19 neighbour 30% of it. ``pdcluster serve`` starts its
+    local Ray with ``worker_niceness`` 0 (router.cluster.local_ray); a cluster started by
+    ``ray start`` needs ``RAY_worker_niceness=0`` in its environment (the deploy manifests set
+    it) or, lacking that, this: lowering a nice value needs CAP_SYS_NICE, so without it the
+    worker logs a warning naming the variable and runs as it was started."""
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        parent = os.getpriority(os.PRIO_PROCESS, os.getppid())
+    except OSError:
+        return 0
+    if mine <= parent:
+        return mine
+    try:
+        for tid in os.listdir("/proc/self/task"):  # nice is per thread on Linux
+            os.setpriority(os.PRIO_PROCESS, int(tid), parent)
+    except OSError as e:
+        log.warning("worker runs at nice %d (its node's Ray runs at %d) and cannot change it "
+                    "(%s): start Ray with RAY_worker_niceness=0 in its environment", mine,
+                    parent, e.strerror)
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    log.info("worker priority restored: nice %d -> %d (Ray's worker_niceness)", mine, parent)
+    return parent
+
+
 def freeze_startup_heap() -> int:
     """Move every object alive now out of the garbage collector's reach; returns how many
     are frozen. Call once, at the end of start-up (workers, the router).

@@ -114,7 +114,7 @@ cluster_pids() {
 start_node() {  # start_node NAME TAG [ray start args...]
   local name="$1" tag="$2"; shift 2
   echo "starting ${name} node"
-  if ! env PDCLUSTER_LOCAL_RAY_TAG="${tag}" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE="${AUTH_MODE}" \
+  if ! env PDCLUSTER_LOCAL_RAY_TAG="${tag}" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE="${AUTH_MODE}" RAY_worker_niceness=0 \
       timeout "${START_TIMEOUT_S}" "${RAY_BIN}" start "$@" > "${STATE_DIR}/${name}.log" 2>&1; then
     tail -n 30 "${STATE_DIR}/${name}.log" >&2
     local log_copy="/tmp/pdc-ray-${name}-$$.log"

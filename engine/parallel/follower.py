@@ -21,13 +21,14 @@ import torch
 
 from engine.config import CacheConfig
 from engine.device import plan_device
-from engine.llm_engine import EngineArgs, tune_runner
+from engine.llm_engine import EngineArgs
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.agents import FollowerContext, RankAgent, load_agent
 from engine.parallel.comm import TPComm
 from engine.parallel.ranks import FollowerSpec, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
+from engine.runner_plans import tune_runner
 from engine.weights import load_model_config, load_state_dict, resolve_model
 
 log = logging.getLogger(__name__)

@@ -95,6 +95,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="a step that can finish an arriving prompt leaves the running decodes "
                         "out (they run the next step): first token after the prompt's own "
                         "compute")
+    p.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=None,
+                   help="engines run fewer threads while other processes take their threads' "
+                        "time, and their planned count again once they stop (default on)")
     p.add_argument("--decode-step-prefill-tokens", type=int, default=None,
                    help="decode (and colocated) workers compute at most this many prompt "
                         "tokens a step, so streams running there still get a token each step "

@@ -83,6 +83,9 @@ class ServeConfig:
     # A step that can finish an arriving prompt leaves the decodes out (they run next step):
     # its first token waits for its own compute only (engine/scheduler.py).
     first_token_first: bool = False
+    # Engines run fewer torch threads while other processes take their threads' time, and
+    # their planned count again once they stop (engine.cpu_threads). False: always planned.
+    adaptive_threads: bool = True
     # Decode and colocated workers: at most this many prompt tokens of all requests a step
     # (None: a disaggregated decode worker's own 64, decode_workers.worker; colocated: none),
     # so a stream rebuilt there after a migration leaves its running streams a token a step.
@@ -147,9 +150,10 @@ class ServeConfig:
         if self.decode_step_prefill_tokens is not None and self.decode_step_prefill_tokens <= 0:
             raise ValueError(f"--decode-step-prefill-tokens must be > 0, "
                              f"got {self.decode_step_prefill_tokens}")
-        if self.first_token_first not in (True, False):
-            raise ValueError(f"--first-token-first must be true or false, "
-                             f"got {self.first_token_first!r}")
+        for flag in ("first_token_first", "adaptive_threads"):
+            if getattr(self, flag) not in (True, False):
+                raise ValueError(f"--{flag.replace('_', '-')} must be true or false, "
+                                 f"got {getattr(self, flag)!r}")
         self.tracing_config()  # its own checks: the endpoint's form, the ratio in [0, 1]
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("give --tls-cert and --tls-key together")
@@ -351,7 +355,8 @@ class ServeConfig:
                       kv_offload_dir=offload.disk_dir, kv_offload_disk_bytes=offload.disk_bytes,
                       max_model_len=self.max_model_len, max_waiting=self.max_waiting,
                       max_prefill_chunk=self.max_prefill_chunk,
-                      first_token_first=self.first_token_first)
+                      first_token_first=self.first_token_first,
+                      adaptive_threads=self.adaptive_threads)
         return ClusterConfig(
             model=self.model, mode=self.mode, num_prefill_workers=num_prefill,
             num_decode_workers=self.decode_workers,
@@ -395,7 +400,10 @@ class ServeConfig:
         if auto is not None:  # cores for as many workers as may run, not the first ones
             num_prefill = auto.policy.max_prefill if num_prefill else 0
             num_decode = auto.policy.max_decode
-        return plan_threads(os.cpu_count() or 2, num_prefill, max(1, num_decode),
+        from engine.cpu_threads import cpu_budget
+
+        # The CPUs this process may use (affinity mask, cgroup quota), not the machine's.
+        return plan_threads(cpu_budget().threads, num_prefill, max(1, num_decode),
                             threads_per_worker=self.threads_per_worker,
                             prefill_threads=self.prefill_threads,
                             decode_threads=self.decode_threads)

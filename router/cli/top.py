@@ -169,17 +169,17 @@ def render(view: View, address: str):
         parts.append(Text("first token: " + " + ".join(
             f"{p} {ms:.0f} ms" for p, ms in view.phases_ms.items())))
     workers = Table(title="workers", title_justify="left", expand=False)
-    for col in ("id", "role", "host", "state", "running", "waiting", "KV used", "KV %",
-                "restarts"):
-        workers.add_column(col, justify="right" if col in ("running", "waiting", "KV used",
-                                                           "KV %", "restarts") else "left")
+    numeric = ("running", "waiting", "KV used", "KV %", "threads", "stolen", "restarts")
+    for col in ("id", "role", "host", "state", *numeric):
+        workers.add_column(col, justify="right" if col in numeric else "left")
     for w in view.workers:
         used, total = w.get("kv_blocks_used", 0), w.get("kv_blocks_total", 0)
         pct = f"{100 * used / total:.0f}%" if total else "-"
         style = "" if w.get("state") == "ready" else "yellow"
         workers.add_row(str(w.get("id")), str(w.get("role")), str(w.get("host", "")),
-                        str(w.get("state")), str(w.get("requests_running", "")),
-                        str(w.get("requests_waiting", "")), f"{used}/{total}", pct,
+                        str(w.get("state")), str(w.get("running", "")),
+                        str(w.get("waiting", "")), f"{used}/{total}", pct,
+                        str(w.get("threads") or "-"), f"{100 * w.get('cpu_stolen', 0.0):.0f}%",
                         str(w.get("restarts", "")), style=style)
     parts.append(workers)
     if view.slowest is not None:

@@ -32,6 +32,10 @@ def start_local_ray(attempts: int = DEFAULT_ATTEMPTS, **init_kw: Any) -> Any:
     The caller owns the started Ray (``ray.shutdown()``) exactly as after ``ray.init``."""
     import ray
 
+    # Ray renices its worker processes to 15 by default, so that its own daemons win the CPU;
+    # our workers are the latency-critical work, and at nice 15 any nice-0 neighbour takes
+    # ~97% of a shared core from them (docs/deployment.md, "Beside a neighbour").
+    init_kw["_system_config"] = {"worker_niceness": 0, **init_kw.get("_system_config", {})}
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     for attempt in range(1, attempts + 1):

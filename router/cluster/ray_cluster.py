@@ -467,7 +467,8 @@ class Cluster:
                 lo.kv_blocks_used if lo else 0, i.num_kv_blocks,
                 lo.requests_running if lo else 0, lo.requests_waiting if lo else 0,
                 lo.kv_transfer_bytes if lo else 0, f"{addr.host}:{addr.port}" if addr else "",
-                v.restarts, i.tp_size, i.rank_pids))
+                v.restarts, i.tp_size, i.rank_pids, lo.engine_threads if lo else 0,
+                lo.cpu_stolen if lo else 0.0))
         return out
 
     def worker_handle(self, worker_id: str):

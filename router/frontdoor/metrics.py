@@ -167,8 +167,17 @@ class _StatsCollector(Collector):
 
 
 def _engine_counter_families(s: BackendStats):
-    """Per worker: preemptions, prefix-cache evictions and every engine step's time."""
+    """Per worker: preemptions, prefix-cache evictions, every engine step's time, and the
+    threads its engine steps on with the share of their time other processes took."""
     labels = ["worker", "role"]
+    threads = GaugeMetricFamily("pdcluster_engine_threads",
+                                "Torch threads a worker's engine steps on now: the CPUs it may "
+                                "use (affinity, cgroup quota), fewer while other processes take "
+                                "its threads' time (engine.cpu_threads)", labels=labels)
+    stolen = GaugeMetricFamily("pdcluster_engine_cpu_stolen_ratio",
+                               "Fraction of a worker's busy engine threads' time, in its last "
+                               "window, spent waiting for a CPU or throttled by its cgroup",
+                               labels=labels)
     preempt = CounterMetricFamily("pdcluster_preemptions",
                                   "Requests a worker preempted (KV dropped, recomputed later)",
                                   labels=labels)
@@ -181,11 +190,15 @@ def _engine_counter_families(s: BackendStats):
     for w in s.workers:
         preempt.add_metric([w.worker_id, w.role], w.preemptions)
         evicted.add_metric([w.worker_id, w.role], w.prefix_cache_evictions)
+        threads.add_metric([w.worker_id, w.role], w.engine_threads)
+        stolen.add_metric([w.worker_id, w.role], w.cpu_stolen)
         hist = step_histogram(w.step_seconds)
         if hist is not None:
             steps.add_metric([w.worker_id, w.role], *hist)
     yield preempt
     yield evicted
+    yield threads
+    yield stolen
     yield steps
 
 

@@ -100,6 +100,8 @@ DECODE_STEP_SECONDS = Family("pdcluster_engine_decode_step_seconds", "counter", 
 STEP_SECONDS = Family("pdcluster_engine_step_seconds", "histogram", _WORKER)
 PREEMPTIONS = Family("pdcluster_preemptions", "counter", _WORKER)
 EVICTIONS = Family("pdcluster_prefix_cache_evictions", "counter", _WORKER)
+ENGINE_THREADS = Family("pdcluster_engine_threads", "gauge", _WORKER)
+CPU_STOLEN = Family("pdcluster_engine_cpu_stolen_ratio", "gauge", _WORKER)
 STORE_UP = Family("pdcluster_store_up", "gauge", (), only="clusters (a cluster store)")
 AUTOSCALER_DESIRED = Family("pdcluster_autoscaler_desired_workers", "gauge", ("role",),
                             only="serve --autoscale")
@@ -112,7 +114,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     KV_OFFLOAD_RESTORED, KV_TRANSFER_BYTES, KV_RANK_TRANSFER_BYTES, MIGRATIONS,
     PREFIX_HIT_TOKENS, PREFIX_PULLED_TOKENS, PREFIX_RECOMPUTED_TOKENS, PREFILL_COMPUTED_TOKENS,
     DECODE_STEPS, DECODE_STEP_SECONDS, STORE_UP, AUTOSCALER_DESIRED,
-    AUTOSCALER_DECISIONS, KV_TRANSFER_SECONDS, STEP_SECONDS, PREEMPTIONS, EVICTIONS)}
+    AUTOSCALER_DECISIONS, KV_TRANSFER_SECONDS, STEP_SECONDS, PREEMPTIONS, EVICTIONS,
+    ENGINE_THREADS, CPU_STOLEN)}
 
 
 def family_of(series: str) -> Family:

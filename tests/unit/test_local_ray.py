@@ -6,6 +6,7 @@ one, started by the real ``ray.init``."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,17 @@ def test_a_timed_out_start_is_retried_and_the_half_started_node_is_stopped(monke
         assert ray.is_initialized()
         assert len(calls) == 2 and calls[0] == calls[1]
         assert "attempt 1 of 3" in caplog.text
+        # Its workers run at this process's priority, not Ray's default niceness of 15.
+        assert calls[0]["_system_config"]["worker_niceness"] == 0
+
+        @ray.remote
+        def nice_of_every_thread():
+            import os
+
+            return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}
+
+        assert ray.get(nice_of_every_thread.remote(), timeout=60) == {
+            os.getpriority(os.PRIO_PROCESS, 0)}
 
         # A node whose constructor raised: its processes (real ones) are killed by their pids.
         node = worker._global_node

@@ -5,10 +5,12 @@ workers and the slowest requests as drawn."""
 from __future__ import annotations
 
 import io
+from dataclasses import asdict
 
 import pytest
 
 from router.cli.top import Scrape, build_view, parse_samples, quantile, render
+from router.contract import WorkerStatus
 
 
 def _exposition(requests: int, tokens: int, ttft_le: dict[str, int], phase_sum: float,
@@ -31,12 +33,13 @@ def _exposition(requests: int, tokens: int, ttft_le: dict[str, int], phase_sum: 
     return "\n".join(lines) + "\n"
 
 
-CLUSTER = {"workers": [{"id": "prefill-0", "role": "prefill", "host": "127.0.0.1",
-                        "state": "ready", "requests_running": 1, "requests_waiting": 0,
-                        "kv_blocks_used": 16, "kv_blocks_total": 64, "restarts": 0},
-                       {"id": "decode-0", "role": "decode", "host": "127.0.0.1",
-                        "state": "unreachable", "requests_running": 3, "requests_waiting": 2,
-                        "kv_blocks_used": 0, "kv_blocks_total": 64, "restarts": 1}],
+# Built from the server's own record, so the view reads the keys /v1/cluster really sends.
+CLUSTER = {"workers": [asdict(WorkerStatus("prefill-0", "prefill", "127.0.0.1", 11, "ready",
+                                           16, 64, running=1, waiting=0, threads=2,
+                                           cpu_stolen=0.0)),
+                       asdict(WorkerStatus("decode-0", "decode", "127.0.0.1", 12, "unreachable",
+                                           0, 64, running=3, waiting=7, restarts=1, threads=1,
+                                           cpu_stolen=0.4))],
            "slowest_recent": [{"request_id": "req-slow", "api": "grpc", "ended_at": 0.0,
                                "e2e_s": 2.5, "ttft_s": 0.4, "output_tokens": 64,
                                "finish_reason": "length"}]}
@@ -63,6 +66,10 @@ def test_the_view_covers_the_interval_between_two_scrapes():
                  "prefill_compute 100 ms",
                  "prefill-0", "25%", "unreachable", "req-slow", "2500 ms"):
         assert want in text, (want, text)
+    decode_row = next(line for line in text.splitlines() if "decode-0" in line)
+    # running, waiting, threads and the share of their time other processes took
+    for want in (" 3 ", " 7 ", " 1 ", "40%"):
+        assert want in decode_row, (want, decode_row)
 
 
 def test_quantile_is_prometheus_histogram_quantile():
