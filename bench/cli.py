@@ -31,13 +31,21 @@ class Benchmark:
 
 
 def _builtin() -> list[Benchmark]:
-    from bench.cluster import autoscale, chaos, disagg, plan_check, prefix, ttft_breakdown
+    from bench.cluster import (
+        autoscale,
+        chaos,
+        disagg,
+        neighbour,
+        plan_check,
+        prefix,
+        ttft_breakdown,
+    )
     from bench.engine import ceilings, kernels, policies, sweep
     from bench.server import compare, serve_load
 
     cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
                for m in (ttft_breakdown, disagg, serve_load, chaos, prefix, autoscale,
-                         plan_check)]
+                         plan_check, neighbour)]
     return [
         Benchmark("ceilings", "this machine's copy/GEMV bandwidth and fp32 matmul rate",
                   ceilings.add_arguments, ceilings.run),

@@ -1,0 +1,164 @@
+"""`bench neighbour` without a server or a model: targets and verdicts, the table (a MISSED
+and an unavailable cell included), the flags, per-token timing from SSE chunk times, the
+process-group reader and the cgroup-path parser."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from bench.cli import add_bench_subcommands
+from bench.cluster import neighbour as nb
+
+
+def _args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_subcommands(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", "neighbour", *flags])
+
+
+# ---- flags -----------------------------------------------------------------------------------
+def test_defaults_cover_every_system_load_and_both_batches():
+    args = _args()
+    assert args.func is nb.run
+    s = nb.settings(args)
+    assert s.systems == ("offline", "colocated", "colocated-t2", "disaggregated", "transformers")
+    assert s.loads == ("quiet", "nice19", "nice0", "quota1")
+    assert (s.batches, s.rounds, s.input_len, s.output_len) == ((1, 8), 2, 64, 64)
+    assert s.startup_timeout_s > 0 and s.settle_s == 1.0
+
+
+def test_quick_means_one_round_16_tokens_batch_1_unless_given():
+    s = nb.settings(_args("--quick"))
+    assert (s.batches, s.rounds, s.output_len) == ((1,), 1, 16)
+    s = nb.settings(_args("--quick", "--batches", "1,8", "--rounds", "3", "--output-len", "32"))
+    assert (s.batches, s.rounds, s.output_len) == ((1, 8), 3, 32)
+
+
+def test_lists_are_parsed_and_checked():
+    s = nb.settings(_args("--systems", "offline, colocated", "--loads", "quiet,nice0",
+                          "--batches", "8,1,8", "--startup-timeout-s", "60"))
+    assert s.systems == ("offline", "colocated") and s.loads == ("quiet", "nice0")
+    assert s.batches == (8, 1) and s.startup_timeout_s == 60
+    for flags in (("--systems", "vllm"), ("--loads", "nice5"), ("--batches", "0"),
+                  ("--batches", "x"), ("--output-len", "1"), ("--systems", ",")):
+        with pytest.raises(ValueError):
+            nb.settings(_args(*flags))
+
+
+# ---- targets, verdicts, table ----------------------------------------------------------------
+def test_goals_follow_the_issue():
+    assert nb.goal_for("offline", "nice0") == 2.0
+    for served in ("colocated", "colocated-t2", "disaggregated"):
+        assert nb.goal_for(served, "nice0") == 2.5
+        assert nb.goal_for(served, "nice19") == 1.3
+    assert nb.goal_for("offline", "nice19") == 1.3
+    assert nb.goal_for("transformers", "nice0") is None
+    assert nb.goal_for("offline", "quota1") is None and nb.goal_for("offline", "quiet") is None
+
+
+def test_verdicts():
+    assert nb.verdict("nice0", 1.9, 2.0, 30.0) == "met"
+    assert nb.verdict("nice0", 2.0, 2.0, 30.0) == "met"  # at the goal counts
+    assert nb.verdict("nice0", 2.6, 2.5, 30.0) == "MISSED"
+    assert nb.verdict("quiet", 1.0, None, 15.0) == "baseline"
+    assert nb.verdict("quota1", 1.4, None, 20.0) == "no target"
+    assert nb.verdict("nice0", None, 2.0, 20.0) == "no quiet baseline"
+    assert nb.verdict("nice0", None, 2.0, None) == "not measured"
+    assert nb.verdict("quota1", None, None, None, unavailable="no cgroup") == \
+        "unavailable: no cgroup"
+    assert nb.verdict("nice0", None, 2.0, None, error="boom") == "error: boom"
+
+
+def _cells() -> list[nb.Cell]:
+    return [nb.Cell("offline", "quiet", 1, 20.0, 2, 20.0, 2),
+            nb.Cell("offline", "nice19", 1, 24.0, 2, 24.0, 2),
+            nb.Cell("offline", "nice0", 1, 50.0, 2, 50.0, 1),  # 2.5x > 2.0: MISSED
+            nb.Cell("offline", "quota1", 1, unavailable="cannot create a cgroup (EACCES)"),
+            nb.Cell("colocated", "quiet", 1, 25.0, 4, 21.0, {"colocated-0": 2.0}),
+            nb.Cell("colocated", "nice0", 1, 50.0, 4, 40.0, {"colocated-0": 1.0}),  # 2.0x: met
+            nb.Cell("transformers", "quiet", 1, 30.0, 2),
+            nb.Cell("transformers", "nice0", 1, 90.0, 2)]
+
+
+def test_rows_ratio_to_quiet_of_the_same_system_and_batch():
+    table = {(r["system"], r["load"]): r for r in nb.rows(_cells())}
+    assert table[("offline", "nice0")]["ratio_to_quiet"] == pytest.approx(2.5)
+    assert table[("offline", "nice0")]["verdict"] == "MISSED"
+    assert table[("offline", "nice0")]["met"] is False
+    assert table[("offline", "nice19")]["verdict"] == "met"
+    assert table[("colocated", "nice0")]["ratio_to_quiet"] == pytest.approx(2.0)
+    assert table[("colocated", "nice0")]["met"] is True
+    assert table[("offline", "quota1")]["verdict"].startswith("unavailable: cannot create")
+    assert table[("offline", "quota1")]["ratio_to_quiet"] is None
+    assert table[("transformers", "nice0")]["verdict"] == "no target"
+    assert table[("transformers", "nice0")]["ratio_to_quiet"] == pytest.approx(3.0)
+
+
+def test_targets_list_every_cell_with_a_goal():
+    tg = nb.targets(nb.rows(_cells()))
+    by = {t["target"]: t for t in tg}
+    assert len(tg) == 3  # offline nice19, offline nice0, colocated nice0
+    miss = by["offline batch 1 nice0 / quiet ms per token"]
+    assert miss["met"] is False and miss["goal"] == 2.0 and miss["comparison"] == "<="
+    assert by["colocated batch 1 nice0 / quiet ms per token"]["met"] is True
+
+
+def test_table_shows_every_cell_missed_and_unavailable_included():
+    text = nb.render_table(nb.rows(_cells()))
+    lines = text.splitlines()
+    assert len(lines) == 1 + len(_cells())
+    assert lines[0].split()[:3] == ["system", "batch", "load"]
+    nice0 = next(line for line in lines if line.startswith("offline") and " nice0 " in line)
+    assert "50.0" in nice0 and "20.0" in nice0 and "2.50x" in nice0 and "<=2.0x" in nice0
+    assert nice0.rstrip().endswith("MISSED")
+    quota = next(line for line in lines if " quota1 " in line)
+    assert quota.rstrip().endswith("unavailable: cannot create a cgroup (EACCES)")
+    colo = next(line for line in lines if line.startswith("colocated") and " nice0 " in line)
+    assert colo.rstrip().endswith("met") and "<=2.5x" in colo and " 1 " in colo
+    assert sum(line.rstrip().endswith("baseline") for line in lines) == 3
+
+
+# ---- SSE timing, metrics, processes ----------------------------------------------------------
+def test_per_token_time_from_chunk_times():
+    assert nb.per_token_s([]) is None and nb.per_token_s([5.0]) is None
+    assert nb.per_token_s([10.0, 10.02]) == pytest.approx(0.02)
+    # First chunk after prefill; 4 gaps over 0.1 s: 25 ms per token, whatever the gaps' shape.
+    assert nb.per_token_s([1.0, 1.01, 1.05, 1.06, 1.1]) == pytest.approx(0.025)
+
+
+def test_threads_gauge_is_parsed_and_its_absence_tolerated():
+    page = ('# HELP pdcluster_engine_threads Torch threads\n'
+            '# TYPE pdcluster_engine_threads gauge\n'
+            'pdcluster_engine_threads{worker="decode-0",role="decode"} 2.0\n'
+            'pdcluster_engine_threads{worker="prefill-0",role="prefill"} 1.0\n'
+            'pdcluster_engine_threads_other 5\n')
+    assert nb.parse_threads(page) == {"decode-0": 2.0, "prefill-0": 1.0}
+    assert nb.parse_threads("pdcluster_engine_threads 3\n") == {"": 3.0}
+    assert nb.parse_threads('pdcluster_engine_decode_steps_total{batch="1"} 4\n') is None
+
+
+def test_pgrp_of_this_process_and_its_group():
+    assert nb.read_pgrp(os.getpid()) == os.getpgrp()
+    assert os.getpid() in nb.pgroup_pids(os.getpgrp())
+    assert nb.read_pgrp(2 ** 22 + 12345) is None  # above pid_max: no such process
+
+
+def test_pgrp_survives_odd_command_names(tmp_path):
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "stat").write_text("42 (a b) c)) S 1 777 777 0 -1 4194560 0 0\n")
+    (tmp_path / "43").mkdir()
+    (tmp_path / "43" / "stat").write_text("43 (x) S 42 778 778 0\n")
+    (tmp_path / "self").mkdir()
+    assert nb.read_pgrp(42, tmp_path) == 777
+    assert nb.pgroup_pids(777, tmp_path) == [42]
+
+
+def test_cgroup_path_of_v1_and_v2_texts():
+    v1 = "9:memory:/m\n2:cpu,cpuacct:/kubepods/pod1\n0::/\n"
+    assert nb.cgroup_path(v1, v2=False) == "/kubepods/pod1"
+    assert nb.cgroup_path("0::/user.slice/session-1.scope\n", v2=True) == \
+        "/user.slice/session-1.scope"
+    assert nb.cgroup_path("1:cpuset:/\n", v2=False) is None
