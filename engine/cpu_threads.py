@@ -141,7 +141,7 @@ class StolenTime:
     A thread counts as busy when it ran at least ``busy_fraction`` of the interval (the
     compute team; the mostly-sleeping I/O threads wait for a CPU behind our own team, which
     is not a neighbour's doing). Stolen = their run_delay growth + the cgroup's throttled
-    time (spread over the busy threads)."""
+    time, added once (the quota itself is the budget's business: ``cpu_budget``)."""
 
     def __init__(self, task_dir: Path = Path("/proc/self/task"),
                  proc_stat: Path = Path("/proc/stat"), busy_fraction: float = 0.2,
@@ -254,6 +254,7 @@ class ThreadGovernor:
             self.max_threads = max_threads
             self._backoff_s = self.config.probe_after_s
             self._next_probe = now
+            self._probe_from = None  # a probe's fallback may be above the new budget
             if self.threads > max_threads:
                 self._change(max_threads, now)
         return self.threads
@@ -336,12 +337,13 @@ class EngineThreads:
         if now - self._window_start < self.governor.window_s:
             return
         before = self.governor.threads
+        # The window is judged at the count it ran at, then a new budget clamps.
+        wall, stolen, idle = self._stolen.read()
+        self.governor.observe(Window(wall, self._busy_s, stolen, idle), now)
         if self._explicit is None and now - self._budget_at >= self.BUDGET_EVERY_S:
             self._budget_at = now
             self.budget = self._budget_fn()
             self.governor.set_max(self.budget.threads, now)
-        wall, stolen, idle = self._stolen.read()
-        self.governor.observe(Window(wall, self._busy_s, stolen, idle), now)
         self._busy_s, self._window_start = 0.0, now
         if self.governor.threads != before:
             log.info("engine threads %d -> %d (busy threads lost %.0f%% of the last %.2f s to "

@@ -576,3 +576,32 @@ def test_greedy_tokens_do_not_depend_on_the_thread_count(torch_threads):
     tokens = {name: _tokens(outs) for name, outs in runs.items()}
     assert all(len(t) == sp.max_tokens for ts in tokens.values() for t in ts)
     assert len({json.dumps(t) for t in tokens.values()}) == 1, _differences(runs)
+
+
+def test_a_budget_lowered_during_a_probe_is_never_exceeded():
+    """A probe's fallback count may be above a budget lowered meanwhile: the probe is dropped."""
+    g = ThreadGovernor(4)
+    assert g.observe(Window(1.0, 1.0, 1.0), 1.0) == 3
+    assert g.observe(Window(1.0, 1.0, 0.0), 3.0) == 4 and g.probing
+    assert g.set_max(2, 3.05) == 2 and not g.probing
+    # A contended window then lowers the count from the budget, never back above it.
+    assert g.observe(Window(0.1, 0.1, 0.1), 3.1) == 1
+    assert g.max_threads == 2
+
+
+def test_a_window_is_judged_at_the_count_it_ran_at_before_a_new_budget():
+    """4 threads each losing 10% (below high_stolen) keep 4; the budget of 2 then clamps to 2."""
+    clock = [0.0]
+    applied: list[int] = []
+    budgets = iter([CpuBudget(4, None), CpuBudget(4, 2.0)])
+
+    class Stolen:
+        def read(self):
+            return 1.0, 0.4, 0.0  # 4 threads x 10% of 1 s
+
+    t = EngineThreads(None, True, budget=lambda: next(budgets), stolen=Stolen,
+                      set_threads=applied.append, clock=lambda: clock[0])
+    clock[0] = EngineThreads.BUDGET_EVERY_S + 1.0
+    t.after_step(1.0)
+    assert t.governor.last_stolen == pytest.approx(0.1)
+    assert applied == [4, 2]
