@@ -43,12 +43,14 @@ reported without a target. Every cell is printed, the missed ones included, and 
 Process groups, not sessions: a server is started with ``process_group=0`` (its own process
 group, in this benchmark's session), not ``start_new_session``. With Linux's autogroup
 (``/proc/sys/kernel/sched_autogroup_enabled``) each session is its own scheduling group that
-gets a fair share of the CPU as a whole, so a server in a new session would get half the CPUs
-whatever the neighbour's niceness, and nice 19 vs nice 0 would not be measured. Ray's driver
-makes itself a process-group leader (``os.setpgrp`` before it starts its daemons), which it
-already is here, so Ray's daemons and workers share the server's group: the cgroup move takes
-every process in it (``/proc/*/stat``, field ``pgrp``), and the server is ended with
-``os.killpg`` (SIGTERM, then SIGKILL after a timeout). Nothing is killed by name.
+gets a fair share of the CPU as a whole, so a server in a new session would get its share
+whatever the neighbour's niceness, and nice 19 vs nice 0 would not be measured. Ray's daemons
+inherit the server's group; Ray's workers put themselves in process groups of their own but
+stay in the session. So the system's processes (``system_pids``: the group's members from
+``/proc/*/stat`` field ``pgrp``, and all their descendants) are what the cgroup move takes,
+and the server is ended with ``os.killpg`` (SIGTERM, then SIGKILL after a timeout), with any
+of its processes still there afterwards killed by pid (checked against its start time).
+Nothing is killed by name.
 
 Niceness: Ray starts its worker processes at nice 15 by default (``worker_niceness``), where a
 nice-0 neighbour takes almost all of a shared core from them; pdcluster starts Ray with
@@ -299,27 +301,69 @@ def parse_threads(text: str) -> dict[str, float] | None:
     return out or None
 
 
-def read_pgrp(pid: int, proc: str | Path = "/proc") -> int | None:
-    """The process group of ``pid`` (``/proc/<pid>/stat`` field 5), None when it is gone."""
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` used here."""
+
+    ppid: int
+    pgrp: int
+    starttime: int | None  # clock ticks after boot: tells a pid's reuse apart
+
+
+def read_stat(pid: int, proc: str | Path = "/proc") -> ProcStat | None:
+    """``pid``'s parent, process group (field 5) and start time; None when it is gone."""
     try:
         text = (Path(proc) / str(pid) / "stat").read_text()
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may hold spaces and ')'.
-    rest = text[text.rfind(")") + 1:].split()
+    rest = text[text.rfind(")") + 1:].split()  # from field 3: state, ppid, pgrp, ...
     try:
-        return int(rest[2])  # state, ppid, pgrp
+        ppid, pgrp = int(rest[1]), int(rest[2])
     except (IndexError, ValueError):
         return None
+    start = int(rest[19]) if len(rest) > 19 and rest[19].isdigit() else None
+    return ProcStat(ppid, pgrp, start)
+
+
+def read_pgrp(pid: int, proc: str | Path = "/proc") -> int | None:
+    """The process group of ``pid``, None when it is gone."""
+    st = read_stat(pid, proc)
+    return st.pgrp if st else None
+
+
+def _all_stats(proc: str | Path) -> dict[int, ProcStat]:
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return {}
+    stats = {int(e): read_stat(int(e), proc) for e in entries if e.isdigit()}
+    return {pid: st for pid, st in stats.items() if st is not None}
 
 
 def pgroup_pids(pgid: int, proc: str | Path = "/proc") -> list[int]:
     """Every live pid whose process group is ``pgid``."""
-    try:
-        entries = os.listdir(proc)
-    except OSError:
-        return []
-    return sorted(int(e) for e in entries if e.isdigit() and read_pgrp(int(e), proc) == pgid)
+    return sorted(pid for pid, st in _all_stats(proc).items() if st.pgrp == pgid)
+
+
+def system_pids(pgid: int, proc: str | Path = "/proc") -> dict[int, int | None]:
+    """The processes of a system started as process group ``pgid``: the group's members and
+    every descendant of theirs, pid -> start time. Descendants count because Ray's workers
+    put themselves in process groups of their own (same session); a cgroup move of the
+    group alone would leave the engines out."""
+    stats = _all_stats(proc)
+    children: dict[int, list[int]] = {}
+    for pid, st in stats.items():
+        children.setdefault(st.ppid, []).append(pid)
+    todo = [pid for pid, st in stats.items() if st.pgrp == pgid]
+    found: dict[int, int | None] = {}
+    while todo:
+        pid = todo.pop()
+        if pid in found:
+            continue
+        found[pid] = stats[pid].starttime
+        todo += children.get(pid, [])
+    return dict(sorted(found.items()))
 
 
 def _comm(pid: int) -> str:
@@ -554,21 +598,31 @@ def _serve_command() -> list[str]:
 
 
 def stop_group(proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
-    """End a server started with ``process_group=0``: SIGTERM to its group, SIGKILL to what is
-    left of the group after ``timeout_s``."""
+    """End a server started with ``process_group=0``: SIGTERM to its group, then SIGKILL to
+    its group and to any of its descendants (``system_pids``, taken before the SIGTERM; each
+    by pid, checked against its start time) still there after ``timeout_s``."""
     pgid = proc.pid
+    before = system_pids(pgid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout_s)
+
+    def left() -> list[int]:
+        return [pid for pid, start in before.items() if pid != pgid
+                and (st := read_stat(pid)) is not None and st.starttime == start]
+
     deadline = time.monotonic() + 10.0
-    while pgroup_pids(pgid) and time.monotonic() < deadline and proc.poll() is not None:
-        time.sleep(0.5)  # the leader is gone; its group drains on its own for a while
+    while proc.poll() is not None and left() and time.monotonic() < deadline:
+        time.sleep(0.5)  # the server is gone; Ray's processes end on their own shortly
     if proc.poll() is None or pgroup_pids(pgid):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(30)
+    for pid in left():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 async def _stream(client: Any, prompt: list[int], output_len: int,
@@ -667,17 +721,18 @@ def run_served(system: str, s: Settings, args: argparse.Namespace, prompts: Prom
             info["startup_s"] = time.perf_counter() - t0
             model = _first_model(base)
             info["model"] = model
-            pids = pgroup_pids(proc.pid)
-            info["group"] = {str(p): _comm(p) for p in pids}
+            pids = system_pids(proc.pid)
+            info["processes"] = {str(p): f"{_comm(p)} (pgrp {read_pgrp(p)})" for p in pids}
             print(f"  {system}: up in {info['startup_s']:.0f} s, model {model}, "
-                  f"{len(pids)} processes in its group", flush=True)
+                  f"{len(pids)} processes", flush=True)
             for b in sorted({1, 8, *s.batches}):  # warm-up
                 asyncio.run(_served_cell(base, model, b, [prompts.batch(b)], s.output_len))
             for load in s.loads:
                 mine = [c for c in cells if c.load == load]
                 extra: dict[str, Any] = {}
                 try:
-                    with applied(load, lambda: pgroup_pids(proc.pid), s.settle_s, extra):
+                    with applied(load, lambda: list(system_pids(proc.pid)), s.settle_s,
+                                 extra):
                         for c in mine:
                             out = asyncio.run(_served_cell(
                                 base, model, c.batch,

@@ -146,14 +146,45 @@ def test_pgrp_of_this_process_and_its_group():
     assert nb.read_pgrp(2 ** 22 + 12345) is None  # above pid_max: no such process
 
 
-def test_pgrp_survives_odd_command_names(tmp_path):
-    (tmp_path / "42").mkdir()
-    (tmp_path / "42" / "stat").write_text("42 (a b) c)) S 1 777 777 0 -1 4194560 0 0\n")
-    (tmp_path / "43").mkdir()
-    (tmp_path / "43" / "stat").write_text("43 (x) S 42 778 778 0\n")
+def _stat(pid: int, comm: str, ppid: int, pgrp: int, start: int) -> str:
+    # Fields 3..22: state ppid pgrp session tty tpgid flags 4 x faults 4 x times prio nice
+    # threads itrealvalue starttime.
+    rest = ["S", ppid, pgrp, pgrp, 0, -1, 4194560, 0, 0, 0, 0, 1, 2, 0, 0, 20, 0, 1, 0, start]
+    return f"{pid} ({comm}) " + " ".join(map(str, rest)) + " 1000 200\n"
+
+
+def _fake_proc(tmp_path, procs):
+    for pid, comm, ppid, pgrp, start in procs:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(_stat(pid, comm, ppid, pgrp, start))
     (tmp_path / "self").mkdir()
-    assert nb.read_pgrp(42, tmp_path) == 777
-    assert nb.pgroup_pids(777, tmp_path) == [42]
+    return tmp_path
+
+
+def test_pgrp_survives_odd_command_names(tmp_path):
+    proc = _fake_proc(tmp_path, [(42, "a b) c)", 1, 777, 5000), (43, "x", 42, 778, 5001)])
+    assert nb.read_pgrp(42, proc) == 777
+    assert nb.read_stat(42, proc) == nb.ProcStat(1, 777, 5000)
+    assert nb.pgroup_pids(777, proc) == [42]
+    (proc / "44").mkdir()
+    (proc / "44" / "stat").write_text("44 (short) S 1 779\n")  # no start time: still read
+    assert nb.read_stat(44, proc) == nb.ProcStat(1, 779, None)
+
+
+def test_a_system_is_its_group_and_every_descendant(tmp_path):
+    # 100 the server (group leader), 101 raylet in its group, 102 a Ray worker in a group of
+    # its own under the raylet, 103 the worker's child; 200 and 201 unrelated.
+    proc = _fake_proc(tmp_path, [(100, "pdcluster", 1, 100, 10), (101, "raylet", 100, 100, 11),
+                                 (102, "ray::DecodeWorker", 101, 102, 12),
+                                 (103, "helper", 102, 102, 13), (200, "bash", 1, 200, 14),
+                                 (201, "neighbour", 200, 200, 15)])
+    assert nb.pgroup_pids(100, proc) == [100, 101]
+    assert nb.system_pids(100, proc) == {100: 10, 101: 11, 102: 12, 103: 13}
+    assert nb.system_pids(999, proc) == {}
+
+
+def test_this_process_is_in_its_own_groups_system():
+    assert os.getpid() in nb.system_pids(os.getpgrp())
 
 
 def test_cgroup_path_of_v1_and_v2_texts():
