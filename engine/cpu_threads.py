@@ -14,9 +14,12 @@ thread beside the same loop runs on the free core at 1.3-1.9x the quiet 2-thread
   outruns its quota is stopped for the rest of the period, mid-step.
 - **Stolen time** (``StolenTime``): how long this process's busy threads sat runnable but not
   running (``/proc/self/task/*/schedstat``, run_delay) plus the time its cgroup was throttled.
-- **Governor** (``ThreadGovernor``, pure): per window of stepping, when a busy thread lost
-  ``high_stolen`` of its time or more, fewer threads; when fewer than the budget run, a probe
-  of one more thread after a back-off (sooner once CPUs sit idle), kept if it steals little.
+- **Governor** (``ThreadGovernor``, pure): per window of stepping, when the busy threads lost
+  ``high_stolen`` of their time or more, a trial of fewer threads; below the budget, a trial of
+  one more thread after a back-off (sooner once CPUs sit idle). A trial is kept only when the
+  same kinds of step ran faster at its count: stolen time says a neighbour is there, not which
+  count is faster (beside a nice-19 loop, or the router's own work, 2 threads that lose 10-25%
+  still beat 1).
 - ``EngineThreads`` drives these from the engine's step (on its compute thread: OpenMP's
   thread count is per calling thread) and applies the count with ``torch.set_num_threads``;
   the fused C kernels read it per call. Token output does not depend on the thread count
@@ -29,8 +32,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -127,12 +130,29 @@ def cpu_budget(proc_cgroup: Path = Path("/proc/self/cgroup"),
 class Window:
     """One decision window: its wall time, how much of it the engine spent stepping, and the
     busy threads' stolen seconds (waiting for a CPU, or throttled) in it; ``idle_cpus``: CPUs
-    the whole machine left idle on average (a neighbour that left shows as idle CPUs)."""
+    the whole machine left idle on average (a neighbour that left shows as idle CPUs);
+    ``steps``: its engine steps by kind (any hashable key naming steps of comparable work,
+    e.g. decode rows and bucketed prompt tokens) -> (count, seconds)."""
 
     wall_s: float
     busy_s: float
     stolen_s: float
     idle_cpus: float = 0.0
+    steps: Mapping[Hashable, tuple[int, float]] = field(default_factory=dict)
+
+
+def speed_ratio(before: Mapping[Hashable, tuple[int, float]],
+                after: Mapping[Hashable, tuple[int, float]]) -> float | None:
+    """How long ``after``'s steps took against ``before``'s, over the kinds both ran (each
+    kind weighted by the fewer of its two counts): < 1 is faster. None: no kind in common."""
+    num = den = 0.0
+    for key, (n_a, s_a) in after.items():
+        n_b, s_b = before.get(key, (0, 0.0))
+        if n_a and n_b:
+            w = min(n_a, n_b)
+            num += w * s_a / n_a
+            den += w * s_b / n_b
+    return num / den if den > 0 else None
 
 
 class StolenTime:
@@ -213,17 +233,38 @@ def _idle_s(proc_stat: Path) -> float:
 @dataclass(frozen=True)
 class GovernorConfig:
     window_s: float = 0.25  # wall time per decision
-    probe_window_s: float = 0.1  # a probe's verdict comes sooner: a failed one runs slowly
     min_busy: float = 0.5  # windows stepping less than this fraction decide nothing
-    high_stolen: float = 0.15  # a busy thread losing this much of a window is contended
-    probe_after_s: float = 2.0  # first probe of one more thread after a drop
-    max_probe_after_s: float = 16.0  # back-off cap after failed probes
+    # A busy thread losing this much of a window makes the governor try fewer threads. Only a
+    # trial that runs the same kinds of step faster keeps them: stolen time alone does not say
+    # which count is faster (2 cores, colocated serving at batch 8, 2 threads: quiet 8-25%
+    # lost to the router and the load's client, beside a nice-19 loop 11-14%, and 2 threads
+    # still beat 1 in both; beside a nice-0 loop 33-50%, where 1 thread runs 2x faster).
+    high_stolen: float = 0.15
+    keep_ratio: float = 0.95  # a trial's count is kept when its steps take <= this x before
+    trial_windows: int = 3  # windows a trial may wait for steps comparable to before
+    probe_after_s: float = 2.0  # first trial of the other direction after a change
+    max_probe_after_s: float = 16.0  # back-off cap after failed trials
     idle_cpus_to_probe: float = 0.5  # probe sooner (after probe_after_s) once this idle
 
 
+@dataclass
+class _Trial:
+    from_threads: int
+    reference: Mapping[Hashable, tuple[int, float]]  # the last window at from_threads
+    stolen: float  # the stolen fraction that started it
+    windows: int = 0
+
+
 class ThreadGovernor:
-    """Pure: given windows of (wall, busy, stolen, idle), the thread count to run. No clock
-    of its own (``now`` comes with each window); tests feed it synthetic signals."""
+    """Pure: given windows of (wall, busy, stolen, idle, steps), the thread count to run. No
+    clock of its own (``now`` comes with each window); tests feed it synthetic signals.
+
+    Hill-climbing on measured speed, started by stolen time: a window whose busy threads lost
+    ``high_stolen`` or more starts a trial of fewer threads (about the share the team got);
+    below the budget, a trial of one more thread starts after a back-off (sooner once the
+    machine shows idle CPUs). A trial's count is kept only when its window ran the same kinds
+    of step in ``keep_ratio`` of the time the last window before it took; otherwise the count
+    goes back and that direction's back-off doubles (to ``max_probe_after_s``)."""
 
     def __init__(self, max_threads: int, config: GovernorConfig | None = None,
                  now: float = 0.0) -> None:
@@ -233,28 +274,31 @@ class ThreadGovernor:
         self.max_threads = self.threads = max_threads
         self.last_stolen = 0.0  # the last deciding window's stolen fraction per busy thread
         self.num_changes = 0
-        self._probe_from: int | None = None  # a probe is running, from this count
-        self._backoff_s = self.config.probe_after_s
-        self._next_probe = now
+        self._trial: _Trial | None = None
+        self._reference: Mapping[Hashable, tuple[int, float]] = {}
+        self._backoff_s = {"up": self.config.probe_after_s, "down": self.config.probe_after_s}
+        self._next = {"up": now, "down": now}
         self._last_change = now
+        self._failed_down_stolen = 1.0  # the stolen fraction of the last slower down-trial
 
     @property
     def probing(self) -> bool:
-        return self._probe_from is not None
+        """A trial count is running (its verdict comes with the next windows)."""
+        return self._trial is not None
 
     @property
     def window_s(self) -> float:
-        """How long the next window lasts."""
-        return self.config.probe_window_s if self.probing else self.config.window_s
+        return self.config.window_s
 
     def set_max(self, max_threads: int, now: float) -> int:
         """A new budget (affinity or quota changed): clamp to it; probe up soon if raised."""
         max_threads = max(1, max_threads)
         if max_threads != self.max_threads:
             self.max_threads = max_threads
-            self._backoff_s = self.config.probe_after_s
-            self._next_probe = now
-            self._probe_from = None  # a probe's fallback may be above the new budget
+            self._backoff_s["up"] = self.config.probe_after_s
+            self._next["up"] = now
+            self._trial = None  # a trial's fallback may be above the new budget
+            self._reference = {}
             if self.threads > max_threads:
                 self._change(max_threads, now)
         return self.threads
@@ -266,24 +310,46 @@ class ThreadGovernor:
             return self.threads
         f = w.stolen_s / (w.wall_s * self.threads)
         self.last_stolen = f
-        if self._probe_from is not None:  # this window ran at the probed count
-            start, self._probe_from = self._probe_from, None
-            if f >= cfg.high_stolen:
-                self._backoff_s = min(self._backoff_s * 2, cfg.max_probe_after_s)
-                self._change(start, now)
-            else:
-                self._backoff_s = cfg.probe_after_s
-            self._next_probe = now + self._backoff_s
-            return self.threads
-        if self.threads > 1 and f >= cfg.high_stolen:
-            # What the team gets is (1 - f) of its threads' time: run on about that many.
-            self._change(max(1, min(self.threads - 1, round(self.threads * (1 - f)))), now)
-            self._next_probe = now + self._backoff_s
+        if self._trial is not None:
+            return self._judge(w, now)
+        self._reference = w.steps
+        # A neighbour clearly hungrier than at the last failed down-trial is news: try now.
+        news = f >= self._failed_down_stolen + cfg.high_stolen
+        if self.threads > 1 and f >= cfg.high_stolen and (now >= self._next["down"] or news):
+            # What the team gets is (1 - f) of its threads' time: try about that many.
+            self._start(max(1, min(self.threads - 1, round(self.threads * (1 - f)))), now)
         elif self.threads < self.max_threads and (
-                now >= self._next_probe or (w.idle_cpus >= cfg.idle_cpus_to_probe
+                now >= self._next["up"] or (w.idle_cpus >= cfg.idle_cpus_to_probe
                                             and now - self._last_change >= cfg.probe_after_s)):
-            self._probe_from = self.threads
-            self._change(self.threads + 1, now)
+            self._start(self.threads + 1, now)
+        return self.threads
+
+    def _start(self, threads: int, now: float) -> None:
+        self._trial = _Trial(self.threads, self._reference, self.last_stolen)
+        self._change(threads, now)
+
+    def _judge(self, w: Window, now: float) -> int:
+        cfg, trial = self.config, self._trial
+        ratio = speed_ratio(trial.reference, w.steps)
+        trial.windows += 1
+        if ratio is None and trial.windows < cfg.trial_windows:
+            return self.threads  # nothing comparable ran yet: wait another window
+        self._trial = None
+        direction = "up" if self.threads > trial.from_threads else "down"
+        other = "down" if direction == "up" else "up"
+        if ratio is not None and ratio <= cfg.keep_ratio:
+            self._reference = w.steps
+            self._backoff_s[direction] = cfg.probe_after_s
+            self._next[direction] = now  # a further step the same way may pay too
+            self._next[other] = now + self._backoff_s[other]
+        else:
+            if ratio is not None:  # slower: wait longer; nothing comparable ran: no evidence
+                self._backoff_s[direction] = min(self._backoff_s[direction] * 2,
+                                                 cfg.max_probe_after_s)
+                if direction == "down":
+                    self._failed_down_stolen = trial.stolen
+            self._next[direction] = now + self._backoff_s[direction]
+            self._change(trial.from_threads, now)
         return self.threads
 
     def _change(self, threads: int, now: float) -> None:
@@ -321,6 +387,7 @@ class EngineThreads:
         self.adaptive = adaptive
         self._stolen = stolen() if adaptive else None
         self._busy_s = 0.0
+        self._steps: dict[Hashable, tuple[int, float]] = {}
         self._window_start = self._budget_at = now
         self._set(self.governor.threads)
 
@@ -328,23 +395,27 @@ class EngineThreads:
     def threads(self) -> int:
         return self.governor.threads
 
-    def after_step(self, step_s: float) -> None:
-        """Count ``step_s`` of stepping; at each window's end, decide and apply."""
+    def after_step(self, step_s: float, kind: Hashable = None) -> None:
+        """Count ``step_s`` of stepping on a step of ``kind`` (steps of one kind do comparable
+        work: the governor compares thread counts on them); at each window's end, decide and
+        apply."""
         if not self.adaptive:
             return
         self._busy_s += step_s
+        n, sec = self._steps.get(kind, (0, 0.0))
+        self._steps[kind] = (n + 1, sec + step_s)
         now = self._clock()
         if now - self._window_start < self.governor.window_s:
             return
         before = self.governor.threads
         # The window is judged at the count it ran at, then a new budget clamps.
         wall, stolen, idle = self._stolen.read()
-        self.governor.observe(Window(wall, self._busy_s, stolen, idle), now)
+        self.governor.observe(Window(wall, self._busy_s, stolen, idle, self._steps), now)
         if self._explicit is None and now - self._budget_at >= self.BUDGET_EVERY_S:
             self._budget_at = now
             self.budget = self._budget_fn()
             self.governor.set_max(self.budget.threads, now)
-        self._busy_s, self._window_start = 0.0, now
+        self._busy_s, self._window_start, self._steps = 0.0, now, {}
         if self.governor.threads != before:
             log.info("engine threads %d -> %d (busy threads lost %.0f%% of the last %.2f s to "
                      "other processes; budget %s)", before, self.governor.threads,
@@ -357,7 +428,7 @@ class EngineThreads:
         """The engine waited for work: the next window starts now (idle time is not stolen)."""
         if self._stolen is not None:
             self._stolen.read()
-            self._busy_s, self._window_start = 0.0, self._clock()
+            self._busy_s, self._window_start, self._steps = 0.0, self._clock(), {}
 
 
 def _torch_set_threads(n: int) -> None:

@@ -901,11 +901,11 @@ def _child_offline(model: str | None) -> tuple[Callable[[int, int, list], dict],
 def _child_transformers(model: str | None) -> tuple[Callable[[int, int, list], dict], dict]:
     import torch
 
-    from bench.engine.baseline_hf import _pad_id, load_hf_model
+    from bench.engine.baseline_hf import load_hf_model, pad_id
 
     torch.set_num_threads(2)
     hf = load_hf_model(model)
-    pad = _pad_id(hf)
+    pad = pad_id(hf)
 
     def generate(prompts: list[list[int]], n: int) -> float:
         ids = torch.tensor(prompts, dtype=torch.long)  # [B, input_len], all the same length
@@ -962,6 +962,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.harness import model_config
 
     s = settings(args)
+    # A SIGTERM (a timeout, an operator) unwinds like Ctrl-C, so every finally below ends the
+    # neighbours, quotas and servers this run started.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     t0 = time.perf_counter()
     out = Path(args.out)
     log_dir = out / "neighbour_logs"
@@ -995,6 +998,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{len(tgts) - counts['met'] - counts['MISSED']} without a figure")
     print(f"wrote {path}")
     return result
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _autogroup() -> str | None:

@@ -54,7 +54,7 @@ def load_hf_model(model: str | None) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _pad_id(hf_model: Any) -> int:
+def pad_id(hf_model: Any) -> int:
     cfg = hf_model.config
     pad = getattr(cfg, "pad_token_id", None)
     if pad is None:
@@ -72,7 +72,7 @@ def run_static(hf_model: Any, prompts: Sequence[Sequence[int]], output_lens: Seq
         raise ValueError("need one output length per prompt, and at least one prompt")
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
-    pad = _pad_id(hf_model)
+    pad = pad_id(hf_model)
 
     def generate(batch: Sequence[Sequence[int]], new_tokens: int) -> int:
         width = max(len(p) for p in batch)
@@ -130,7 +130,7 @@ def run_generate_batch(hf_model: Any, prompts: Sequence[Sequence[int]], output_l
         longest = max(len(p) for p in prompts) + output_len
         blocks_per_req = -(-longest // block_size)
         gen = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
-                               do_sample=False, eos_token_id=None, pad_token_id=_pad_id(hf_model))
+                               do_sample=False, eos_token_id=None, pad_token_id=pad_id(hf_model))
         # Sized explicitly: its defaults are inferred from free GPU memory.
         cb = ContinuousBatchingConfig(
             max_requests_per_batch=max_batch, page_size=block_size,
