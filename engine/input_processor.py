@@ -31,16 +31,20 @@ class InputProcessor:
         # The most tokens one request may hold in a worker's KV pool (None: unchecked).
         self.max_kv_tokens = max_kv_tokens
 
-    def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> EncodedPrompt:
+    def encode(self, prompt: Prompt, tools: list[dict] | None = None,
+               add_special_tokens: bool | None = None) -> EncodedPrompt:
         """``prompt`` as token ids; chat messages through the template, which also sees
-        ``tools`` (OpenAI's tool definitions). Raises ValueError for a bad prompt."""
+        ``tools`` (OpenAI's tool definitions). ``add_special_tokens``: whether the tokenizer
+        adds its special tokens (BOS, ...); None: as a generation does (text: yes; messages:
+        no, the template holds them). Raises ValueError for a bad prompt."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return EncodedPrompt(self._require_tokenizer().encode(prompt), prompt)
+            return EncodedPrompt(self._require_tokenizer().encode(
+                prompt, add_special_tokens=add_special_tokens is not False), prompt)
         if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
             return EncodedPrompt(self._require_tokenizer().apply_chat_template(
-                list(prompt), tools=tools), None)
+                list(prompt), tools=tools, add_special_tokens=bool(add_special_tokens)), None)
         if isinstance(prompt, list | tuple):
             if not prompt:
                 raise ValueError("prompt is empty")

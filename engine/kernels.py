@@ -420,11 +420,25 @@ def _read_timings(path: Path, key: str) -> list[Timing] | None:
 
 
 def model_linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The model's linear weights in the order a step calls them: every layer's fused QKV,
-    output, fused gate/up and down projections, then the LM head (the embedding when tied)."""
+    """The model's linear weights in the order a step calls them: every layer's fused QKV and
+    output projections, then its feed-forward's (a dense layer's fused gate/up and down; a
+    routed-experts layer's router, each expert's gate/up and down, and a shared expert's
+    gate/up, down and gate), then the LM head (the embedding when tied). Each expert's weights
+    are listed once (a step at a large batch streams them all), so a plan covers every shape
+    ``engine.models.moe`` multiplies by. Quantized weights are listed as they are held."""
     out = []
     for layer in getattr(model, "layers", []):
-        out += [layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight]
+        out += [layer.qkv.weight, layer.o_proj.weight]
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            out += [layer.gate_up.weight, layer.down.weight]
+            continue
+        # Stacked [E, ...] tensors (or, quantized, lists): expert e's weights are item e.
+        out.append(moe.router)
+        for gate_up, down in zip(moe.gate_up, moe.down, strict=True):
+            out += [gate_up, down]
+        if moe.shared is not None:
+            out += [moe.shared["gate_up"], moe.shared["down"], moe.shared["gate"]]
     head = getattr(model, "lm_head", None)
     out.append(head.weight if head is not None else model.embed.weight)
     return [w.detach() for w in out]

@@ -357,7 +357,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.args.detokenize:
             self._detok[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, stop=req.sampling_params.stop,
-                include_stop_str_in_output=req.sampling_params.include_stop_str_in_output)
+                include_stop_str_in_output=req.sampling_params.include_stop_str_in_output,
+                stop_token_ids=req.sampling_params.stop_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort; returns the final output (finish_reason "abort") or None if unknown/done."""
@@ -448,8 +449,8 @@ class LLMEngine:
         # step, what prefill sharing the step adds (colocated), and the serving path.
         step_s = time.perf_counter() - t0
         self.step_times.record(step_s, decode_rows, prefill, sched.held_decodes)
-        if self.threads is not None:
-            self.threads.after_step(step_s)
+        if self.threads is not None:  # steps of one kind: the same rows, prompts bucketed
+            self.threads.after_step(step_s, (decode_rows, prefill and 1 << (prefill - 1).bit_length()))
         return outs
 
     def process_update(self, u: StepUpdate) -> RequestOutput:

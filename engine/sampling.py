@@ -5,6 +5,15 @@ The order is vLLM's: stop tokens suppressed (min_tokens), logit_bias, penalties,
 argmax or temperature -> min_p -> top-k -> top-p -> the draw. Rows that set none of the
 adjustments pay nothing for them (one attribute test per row and step).
 
+Bans are authoritative. A token whose logit is -inf when ``sample`` is called (a grammar's
+mask, ``engine.structured.mask_logits``) is never chosen, whatever the adjustments do to the
+row: they are free to be degenerate (a repetition penalty of 5e-324 is 0 in fp32, so a seen
+positive logit divides to +inf and a masked -inf one multiplies to nan; argmax takes nan for
+the largest value). So after the adjustments each such row is made sane again: nan counts as
+-inf, +inf as fp32's largest value (those tokens then win, uniformly among themselves when
+sampled), and the caller's bans are re-imposed. Temperature divides logits already shifted to
+a maximum of 0 (so a subnormal temperature cannot overflow them to inf - inf).
+
 Penalties count a request's *generated* tokens. A request that migrated carries the tokens it
 generated elsewhere at the end of its prompt (``SamplingParams.sample_index_offset`` of them),
 and they count as generated, so its stream stays the one an undisturbed run would produce.
@@ -45,11 +54,25 @@ class SampleRow:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-    """``logits [N, vocab]`` (fp32) -> one token id per row."""
+    """``logits [N, vocab]`` (fp32, finite but for -inf; adjusted in place) -> one token id
+    per row.
+
+    A token whose logit is -inf on entry (the caller's ban: a grammar's mask) is never
+    chosen, whatever the row's penalties, bias or temperature: the rows changed here before
+    the choice (min_tokens' ban, logit_bias, penalties) have their bans re-imposed after the
+    changes, and temperature and the truncations keep -inf at probability 0. Where the changes
+    leave every allowed token at -inf (or nan), the row picks among the allowed ones as if
+    their logits were equal: the first greedily, uniformly when sampled."""
+    # The bans of the rows about to change, before they do (a vocabulary-wide pass each,
+    # ~15 us at 49k tokens); rows left as they came cannot lose theirs and skip it.
+    banned = {i: torch.isneginf(logits[i]) for i, r in enumerate(rows)
+              if r.params.adjusts_logits or r.num_output_tokens < r.params.min_tokens}
     _suppress_stop_tokens(logits, rows)
     for i, r in enumerate(rows):
         if r.params.adjusts_logits:
             _adjust_logits(logits[i], r)
+    for i, ban in banned.items():
+        _reimpose_bans(logits[i], ban)
     if all(r.params.greedy for r in rows):
         return logits.argmax(dim=-1).tolist()
     out = [0] * len(rows)
@@ -72,6 +95,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
             g = torch.Generator(device=probs.device).manual_seed(
                 sp.seed * _SEED_STRIDE + sp.sample_index_offset + rows[i].num_output_tokens)
             noise[j] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
+    # A draw of exactly 0 would make a banned token's score 0 / 0 = nan, which argmax picks.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     picked = (probs / noise).argmax(dim=-1).tolist()
     for j, i in enumerate(rand_idx):
         out[i] = picked[j]
@@ -88,6 +113,17 @@ def _suppress_stop_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
                 banned += list(r.eos_token_ids)
             if banned:
                 logits[i, banned] = float("-inf")
+
+
+def _reimpose_bans(logits: torch.Tensor, banned: torch.Tensor) -> None:
+    """Make one adjusted row ``logits [vocab]`` sane again, in place: nan -> -inf, +inf ->
+    fp32's largest value (still the row's winners, and finite: a later shift by the row's
+    maximum cannot make inf - inf), the ``banned [vocab]`` tokens -inf again; and when no
+    allowed token is left above -inf, every allowed one at 0 (equally likely)."""
+    logits.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))  # +inf: the largest finite
+    logits.masked_fill_(banned, float("-inf"))
+    if bool(torch.isneginf(logits.amax())):
+        logits.masked_fill_(~banned, 0.0)
 
 
 def _adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
@@ -116,9 +152,25 @@ def _adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
 
 
 def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
+    """Each row's sampling distribution ``[R, vocab]``: temperature, top-k, min-p, top-p.
+    Every row keeps its most likely token (probability > 0) and a -inf logit stays 0."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
-    logits = logits / temps
+    # fp32 rounds a temperature under ~1e-45 to 0 (then x / 0 is inf and 0 / 0 nan): floor it
+    # at the smallest normal value, which still sends every logit below the maximum to -inf.
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                         device=dev).clamp_min_(torch.finfo(logits.dtype).tiny).unsqueeze(1)
+    top = logits.amax(dim=-1, keepdim=True)  # [R, 1]
+    if not bool(torch.isfinite(top).all()):
+        # Only a row ``sample`` left as it came can get here: a broken model's nan or +inf.
+        # nan -> -inf, +inf -> the largest finite; a row with nothing left above -inf is
+        # drawn from the whole vocabulary (its bans are not known here).
+        logits = logits.nan_to_num(nan=float("-inf"), neginf=float("-inf"))
+        dead = torch.isneginf(logits.amax(dim=-1, keepdim=True))
+        logits = logits.masked_fill(dead, 0.0)
+        top = logits.amax(dim=-1, keepdim=True)
+    # Shifted to a maximum of 0 before dividing: a tiny temperature sends the others to -inf
+    # (never inf), a huge one flattens them; softmax itself is unchanged by the shift.
+    logits = (logits - top).div_(temps)
     top_ks = [p.top_k for p in params]
     if any(k > 0 for k in top_ks):
         vocab = logits.shape[1]
@@ -140,8 +192,10 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(dim=-1)
         tp = torch.tensor(top_ps, dtype=probs.dtype, device=dev).unsqueeze(1)
-        # Drop a token when the mass before it already reaches top_p (always keeps the first).
+        # Drop a token when the mass before it already reaches top_p; never the first (a
+        # top_p under ~1e-45 is 0 in fp32, and the mass before the first, 0, reaches it).
         drop_sorted = (cum - sorted_p) >= tp
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

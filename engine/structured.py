@@ -2,7 +2,9 @@
 JSON object, a regex, one of a list of strings, or an EBNF / GBNF grammar).
 
 At every sampling step a constrained row's logits keep only the tokens its grammar allows next
-(a bitmask from xgrammar, applied before the sampler's own adjustments); after the token is
+(a bitmask from xgrammar, applied before the sampler's own adjustments: the masked tokens
+arrive at ``engine.sampling.sample`` as -inf, which it re-imposes after penalties, biases and
+temperature, so no sampling field can pick a token the grammar refuses); after the token is
 sampled, the grammar state consumes it. Whichever engine samples does this: the prefill worker
 for a request's first token, the decode worker for the rest, the colocated engine for all.
 
@@ -222,7 +224,8 @@ class Grammars:
 
 def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
     """Keep, in each row ``rows[i]`` of ``logits [N, vocab]``, only the tokens ``states[i]``
-    allows next (in place; the others become -inf)."""
+    allows next (in place; the others become -inf, which ``engine.sampling.sample`` treats as
+    a ban no logit adjustment lifts: pass it the masked logits)."""
     import torch
 
     from engine import cpu_ops

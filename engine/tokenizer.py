@@ -96,12 +96,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            add_special_tokens: bool = False) -> list[int]:
         """Render ``messages`` ([{"role": str, "content": str}, ...]) with the model's template.
 
         The rendered text already holds any BOS the template wants, so it is encoded without
-        adding special tokens. Raises ValueError if the model has no chat template, the messages
-        are malformed, or the template rejects them (e.g. roles that do not alternate).
+        adding special tokens unless ``add_special_tokens`` (vLLM's /tokenize flag: the
+        tokenizer's own on top of the template's). Raises ValueError if the model has no chat
+        template, the messages are malformed, or the template rejects them (e.g. roles that do
+        not alternate).
         """
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
@@ -112,7 +115,7 @@ class Tokenizer:
                 tools=tools)
         except Exception as e:  # jinja2 TemplateError from raise_exception() in the template
             raise ValueError(f"chat template rejected the messages: {e}") from e
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _validate_messages(messages: Any) -> None:
@@ -130,7 +133,8 @@ def _validate_messages(messages: Any) -> None:
 
 @dataclass(frozen=True)
 class DetokenizerUpdate:
-    """What one ``update`` produced: text safe to stream now, and whether a stop string hit."""
+    """What one ``update`` produced: text safe to stream now, and whether the output stopped
+    (``stop_str``: the stop string that hit; None when a stop token id ended it)."""
 
     delta_text: str
     stopped: bool
@@ -145,6 +149,10 @@ class IncrementalDetokenizer:
     if any), and the concatenated ``delta_text``s plus ``flush()`` equal ``text``, however the
     ids were chunked.
 
+    A token of ``stop_token_ids`` ends the output where it stands (the engine stops on it):
+    vLLM's rule, its text is left out unless ``include_stop_str_in_output``, as a stop
+    string's is; ``output_token_ids`` still holds it (it was generated, and usage counts it).
+
     Per token it decodes only a short window (prefix_offset..end), so the cost does not grow
     with the output length. A window whose text ends in U+FFFD (an incomplete UTF-8 character)
     is not emitted until a later token completes it.
@@ -155,7 +163,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, stop_token_ids: Sequence[int] = ()) -> None:
         if isinstance(stop, str):
             stop = [stop]
         if any(not isinstance(s, str) or not s for s in stop):
@@ -165,6 +173,7 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
         self._decode = tokenizer._backend.decode
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._token_ids: list[int] = []
@@ -196,8 +205,25 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
         """Feed newly generated ids; returns the text that is now safe to stream.
 
-        After a stop string was hit, further calls return an empty, stopped update.
+        A stop token among them ends the output: the update is stopped (``stop_str`` None)
+        and carries everything held back, as ``flush`` would. After a stop, further calls
+        return an empty, stopped update.
         """
+        if self._stopped:
+            return DetokenizerUpdate("", True, self._stop_str)
+        at = next((i for i, t in enumerate(new_token_ids) if t in self.stop_token_ids), None)
+        if at is None:
+            return self._feed(new_token_ids)
+        keep = at + 1 if self.include_stop_str_in_output else at
+        delta = self._feed(new_token_ids[:keep]).delta_text
+        if not self._stopped:  # no stop string came first: the stop token ends the output
+            delta += self.flush()
+            self._stopped = True
+        # Kept as generated, never decoded: the text was cut before it (or includes it).
+        self._token_ids.extend(new_token_ids[keep:at + 1])
+        return DetokenizerUpdate(delta, True, self._stop_str)
+
+    def _feed(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
         if self._stopped:
             return DetokenizerUpdate("", True, self._stop_str)
         self._token_ids.extend(new_token_ids)

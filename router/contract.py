@@ -93,6 +93,9 @@ class GenerateInput:
     # The client's W3C ``traceparent`` (HTTP header / gRPC metadata): with tracing on, the
     # request's trace continues the caller's. A malformed one starts a new trace (W3C).
     traceparent: str | None = None
+    # OpenAI's ``user``: the caller's own name for its end user (unauthenticated, as the
+    # client sent it). Recorded on the request's trace (``enduser.id``), never acted on.
+    user: str | None = None
 
     @property
     def prompt(self) -> str | list[int] | list[dict]:
@@ -252,11 +255,14 @@ class GenerationBackend(Protocol):
         """Every worker the backend started (dead ones included), for operators."""
         ...
 
-    def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
+    def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None,
+                 add_special_tokens: bool | None = None) -> list[int]:
         """The token ids a generation of ``prompt`` runs on: a text, or chat messages through
         the model's chat template (generation prompt included; the template also sees
-        ``tools``, OpenAI's tool definitions). InvalidRequestError for an empty or malformed
-        prompt."""
+        ``tools``, OpenAI's tool definitions). ``add_special_tokens`` (vLLM's /tokenize flag):
+        whether the tokenizer adds its special tokens (BOS, ...) to the text, or to the
+        rendered messages on top of the template's; None: as a generation does (text: yes,
+        messages: no). InvalidRequestError for an empty or malformed prompt."""
         ...
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -62,8 +62,10 @@ class EngineBackend:
     def model_info(self) -> ModelInfo:
         return self._info
 
-    def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
-        return as_invalid_request(self._async.engine.inputs.encode, prompt, tools).token_ids
+    def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None,
+                 add_special_tokens: bool | None = None) -> list[int]:
+        return as_invalid_request(self._async.engine.inputs.encode, prompt, tools,
+                                  add_special_tokens).token_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
         return as_invalid_request(self._async.engine.inputs.decode, token_ids)
@@ -85,7 +87,8 @@ class EngineBackend:
         t0 = asyncio.get_running_loop().time()
         ttft = None
         root = (open_request_span(self._tracing, rid, self._info.model_id,
-                                  inp.messages is not None, 0, inp.sampling, inp.traceparent)
+                                  inp.messages is not None, 0, inp.sampling, inp.traceparent,
+                                  inp.user)
                 if self._tracing is not None else None)
         gen = self._async.generate(inp.prompt, inp.sampling, rid)
         opened = finished = False

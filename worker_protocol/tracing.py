@@ -181,9 +181,11 @@ def wall_ns(clock_s: float, clock=time.monotonic) -> int:
 
 # ---- the root span of a request (the router's, or the embedded engine's) --------------------------
 def open_request_span(tracing: Tracing, request_id: str, model_id: str, chat: bool,
-                      num_prompt_tokens: int, params: Any, traceparent: str | None) -> Any:
+                      num_prompt_tokens: int, params: Any, traceparent: str | None,
+                      user: str | None = None) -> Any:
     """A request's root span (SERVER; ``gen_ai`` attributes), under the client's
-    ``traceparent`` when it sent a valid one. ``params``: its ``SamplingParams``."""
+    ``traceparent`` when it sent a valid one. ``params``: its ``SamplingParams``; ``user``:
+    the end user the client named (OpenAI's ``user``), as ``enduser.id``."""
     op = "chat" if chat else "text_completion"
     attrs = {"gen_ai.operation.name": op, "gen_ai.request.model": model_id,
              "gen_ai.response.id": request_id, "gen_ai.usage.input_tokens": num_prompt_tokens,
@@ -192,6 +194,8 @@ def open_request_span(tracing: Tracing, request_id: str, model_id: str, chat: bo
              "gen_ai.request.top_p": params.top_p}
     if params.seed is not None:
         attrs["gen_ai.request.seed"] = params.seed
+    if user:
+        attrs["enduser.id"] = user
     return tracing.start(f"{op} {model_id}", traceparent or None, attrs, server=True)
 
 

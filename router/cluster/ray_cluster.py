@@ -338,8 +338,10 @@ class Cluster:
     def model_info(self) -> ModelInfo:
         return self._info
 
-    def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
-        return as_invalid_request(self.orchestrator.inputs.encode, prompt, tools).token_ids
+    def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None,
+                 add_special_tokens: bool | None = None) -> list[int]:
+        return as_invalid_request(self.orchestrator.inputs.encode, prompt, tools,
+                                  add_special_tokens).token_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
         return as_invalid_request(self.orchestrator.inputs.decode, token_ids)

@@ -194,7 +194,7 @@ class Orchestrator:
         finished = False
         stream.trace = RequestTrace.open(self.tracing, rid, self.config.model_id,
                                          inp.messages is not None, len(prompt_ids), params,
-                                         inp.traceparent)
+                                         inp.traceparent, inp.user)
         last = error = None  # the last chunk streamed, what ended the request (traces)
         # From here every path ends in the finally below, which drops the stream's entry:
         # a leaked entry would count against max_inflight_requests forever.
@@ -262,7 +262,7 @@ class Orchestrator:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, stop=params.stop,
+                self.tokenizer, prompt_ids, stop=params.stop, stop_token_ids=params.stop_token_ids,
                 include_stop_str_in_output=params.include_stop_str_in_output)
             if generated:
                 detok.update(generated)  # the text so far, so stop strings span the seam

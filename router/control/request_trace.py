@@ -39,12 +39,13 @@ class RequestTrace:
     @classmethod
     def open(cls, tracing: Tracing | None, request_id: str, model_id: str, chat: bool,
              num_prompt_tokens: int, params: SamplingParams,
-             traceparent: str | None) -> RequestTrace | None:
-        """The root span, under the client's ``traceparent`` when it sent a valid one."""
+             traceparent: str | None, user: str | None = None) -> RequestTrace | None:
+        """The root span, under the client's ``traceparent`` when it sent a valid one;
+        ``user``: the client's end user (``enduser.id``)."""
         if tracing is None:
             return None
         return cls(tracing, open_request_span(tracing, request_id, model_id, chat,
-                                              num_prompt_tokens, params, traceparent))
+                                              num_prompt_tokens, params, traceparent, user))
 
     def phase(self, name: str, attributes: dict[str, Any] | None = None) -> Any:
         """A phase span under the root; end it with ``worker_protocol.tracing.end``."""

@@ -4,8 +4,11 @@
 ``/health`` and ``/metrics``.
 
 Accepts vLLM's extension fields (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``). Every error, malformed JSON included, is answered in OpenAI's
-error shape with 400 / 404 / 429 / 500 (``router.frontdoor.errors.map_error``), never FastAPI's 422.
+``include_stop_str_in_output``) and OpenAI's ``user`` (recorded on the request's trace as
+``enduser.id`` and in ``slowest_recent``); the OpenAI fields refused on purpose are
+``router.frontdoor.openai.refused``'s, each 400 saying why. Every error, malformed JSON
+included, is answered in OpenAI's error shape with 400 / 404 / 429 / 500
+(``router.frontdoor.errors.map_error``), never FastAPI's 422.
 A client that disconnects (streaming or not) aborts its request, which frees its KV.
 
 This module owns the routes only: request bodies live in ``router.frontdoor.openai.schema``, response
@@ -34,6 +37,7 @@ from router.contract import (
 from router.frontdoor.http_guard import GuardMiddleware
 from router.frontdoor.metrics import CONTENT_TYPE, Metrics
 from router.frontdoor.openai.logprobs import TokenNames
+from router.frontdoor.openai.refused import refusal
 from router.frontdoor.openai.render import ChatRenderer, CompletionRenderer
 from router.frontdoor.openai.responder import OpenAIResponder, error_response, stream_position
 from router.frontdoor.openai.schema import (
@@ -219,7 +223,7 @@ def _add_token_routes(app: FastAPI, backend: GenerationBackend) -> None:
     async def tokenize(body: TokenizeRequest):
         try:
             check_model(body.model)
-            ids = backend.tokenize(body.to_prompt())
+            ids = backend.tokenize(body.to_prompt(), add_special_tokens=body.add_special_tokens)
         except (ValueError, LookupError) as e:
             return error_response(e)
         return {"count": len(ids), "max_model_len": backend.model_info().max_model_len,
@@ -247,9 +251,10 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
                         status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
-async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     """Pydantic's validation errors (malformed JSON included) as OpenAI's 400, not FastAPI's
-    422: the first error names the field (``param``) and says what is wrong with it."""
+    422: the first error names the field (``param``) and says what is wrong with it (for a
+    field refused on purpose, why: ``router.frontdoor.openai.refused``)."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
@@ -257,7 +262,9 @@ async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":
         msg = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}"
     elif first.get("type") == "extra_forbidden":
-        msg = f"{loc}: this server does not support this field (refused, not ignored)"
+        why = refusal(request.url.path, loc or "")
+        msg = (f"{loc}: refused, not ignored: {why}" if why is not None
+               else f"{loc}: this server does not support this field (refused, not ignored)")
     elif loc:
         msg = f"{loc}: {msg}"
     return error_response(InvalidRequestError(msg), param=loc)

@@ -245,12 +245,13 @@ class Metrics:
         r.register(self._stats)
         self.recent = RecentRequests()  # the last requests' latencies (/v1/cluster, top)
 
-    async def track(self, chunks: AsyncIterator[GenerationChunk], api: str
-                    ) -> AsyncIterator[GenerationChunk]:
+    async def track(self, chunks: AsyncIterator[GenerationChunk], api: str,
+                    user: str | None = None) -> AsyncIterator[GenerationChunk]:
         """Re-yield ``chunks`` unchanged while recording latency and token metrics.
 
-        ``api`` ("grpc" | "http") labels the series. Closing this iterator closes ``chunks``
-        (which aborts the request in the backend).
+        ``api`` ("grpc" | "http") labels the series. ``user`` (OpenAI's) goes into the
+        recent-requests log only: a label per end user would grow the series without bound.
+        Closing this iterator closes ``chunks`` (which aborts the request in the backend).
         """
         t0 = time.monotonic()
         last_token_t: float | None = None
@@ -290,7 +291,7 @@ class Metrics:
         finally:
             if rid:
                 self.recent.note(RecentRequest(rid, api, time.time(), time.monotonic() - t0,
-                                               ttft, tokens, reason))
+                                               ttft, tokens, reason, user))
             await chunks.aclose()
 
     async def render(self) -> bytes:

@@ -21,6 +21,7 @@ class RecentRequest:
     ttft_s: float | None  # None: ended before a first token
     output_tokens: int
     finish_reason: str  # "stop" | "length" | "abort" | ... | "cancelled" | "error"
+    user: str | None = None  # OpenAI's ``user``, as the client sent it (None: none)
 
 
 class RecentRequests:

@@ -252,7 +252,8 @@ class StreamLogger:
                                       f"after its last token)")
         rec = first.record
         detok = (IncrementalDetokenizer(self.tokenizer, [], stop=rec.stop,
-                                        include_stop_str_in_output=rec.include_stop_str_in_output)
+                                        include_stop_str_in_output=rec.include_stop_str_in_output,
+                                        stop_token_ids=rec.sampling.get("stop_token_ids", ()))
                  if self.tokenizer is not None else None)
         seen, last_growth, current = 0, time.monotonic(), first
         stall_reported = False

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -770,7 +771,8 @@ def test_greedy_tokens_do_not_depend_on_the_thread_count(torch_threads):
     llm = LLM(max_num_seqs=4, num_threads=2, adaptive_threads=True)
     threads = llm.engine.threads
     assert threads.adaptive and threads.on_change is not None and threads.threads == 2
-    clock, stolen = FakeClock(), FakeStolen()
+    # The fake clock goes on from the real one the governor was built on (its back-offs).
+    clock, stolen = FakeClock(time.monotonic() + 1.0), FakeStolen()
     threads._clock, threads._stolen = clock, stolen  # no window ends until the test says so
     threads.idle()
     final, switched_at = {}, None

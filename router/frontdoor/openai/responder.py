@@ -174,7 +174,7 @@ class OpenAIResponder:
                                  headers={"x-request-id": request_id})
 
     def _open(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
-        return self.metrics.track(self.backend.generate(inp), api="http")
+        return self.metrics.track(self.backend.generate(inp), api="http", user=inp.user)
 
     async def _collect(self, inp: GenerateInput) -> Collected:
         out = Collected(_public_id(inp))

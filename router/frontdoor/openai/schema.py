@@ -4,10 +4,11 @@ Pydantic models for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's f
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``), and pdcluster's ``resumable``. A field
 that is not declared here is refused (``extra="forbid"``: a 400 naming it), never accepted and
-ignored. Shape errors are pydantic's (the app maps them to 400); semantic ones (a declared field
-this server does not implement yet, batch prompt, bad sampling value) raise ValueError /
-InvalidRequestError from ``to_inputs``, which makes one ``GenerateInput`` per choice (``n`` for
-each prompt of a batch).
+ignored; the fields of OpenAI's own API refused on purpose are listed, with why, in
+``router.frontdoor.openai.refused``. Shape errors are pydantic's (the app maps them to 400);
+semantic ones (a declared field this server does not implement yet, batch prompt, bad sampling
+value) raise ValueError / InvalidRequestError from ``to_inputs``, which makes one
+``GenerateInput`` per choice (``n`` for each prompt of a batch).
 
 The request models carry no docstrings on purpose: FastAPI publishes a model's docstring as its
 description in ``/openapi.json``, which would change what that endpoint serves.
@@ -37,7 +38,7 @@ from router.contract import GenerateInput, InvalidRequestError
 from router.frontdoor.openai.tools import ToolPlan, plan_tools, tool_constraint
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "DrainRequest",
-           "TokenizeRequest"]
+           "MAX_USER_CHARS", "TokenizeRequest"]
 
 # The published schema (/openapi.json) states the ranges SamplingParams enforces, so a
 # schema-valid body is one the server takes (checked by a schema fuzzer in the tests).
@@ -47,6 +48,8 @@ _Penalty = Annotated[float, Field(ge=-2, le=2)]
 _MaxTokens = Annotated[int, Field(ge=1)]
 # Choices one request may ask for (n x prompts): each is a generation of its own.
 MAX_CHOICES = 64
+# OpenAI's ``user`` states no limit; this bounds what one request writes into its trace.
+MAX_USER_CHARS = 512
 
 
 class _StreamOptions(BaseModel):
@@ -141,6 +144,9 @@ class _SamplingFields(BaseModel):
     structured_outputs: _StructuredOutputs | None = None
     # pdcluster: keep generating if the client goes away; resume with GET /v1/streams/{id}
     resumable: bool = False
+    # OpenAI's end-user id: on every generation's trace (enduser.id) and in the front door's
+    # recent-requests log (/v1/cluster's slowest_recent); nothing else acts on it.
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
 
     def top_logprobs_k(self) -> int | None:
         """How many alternatives each token's logprobs list (0: the token alone), or None
@@ -207,7 +213,7 @@ class _SamplingFields(BaseModel):
                     sampling, seed=(sampling.seed + j) % (MAX_SEED + 1))
                 out.append(GenerateInput(params, request_id=request_id if k == 0
                                          else f"{request_id}-{k}", model=self.model,
-                                         resumable=self.resumable, **prompt))
+                                         resumable=self.resumable, user=self.user, **prompt))
         return out
 
     def to_sampling(self, default_max_tokens: int | None) -> SamplingParams:
@@ -430,6 +436,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Annotated[str, Field(min_length=1)] | None = None
     messages: Annotated[list[_ChatMessage], Field(min_length=1)] | None = None
+    # vLLM's: the tokenizer's special tokens (BOS, ...) added or not; unset: as a generation
+    # does (a prompt: added; messages: not, the chat template holds its own)
+    add_special_tokens: bool | None = None
 
     def to_prompt(self) -> str | list[dict]:
         """The text, or the messages as the chat template takes them; exactly one is given."""

@@ -41,7 +41,8 @@ VALUES = {
 # Fields this server implements, with the value above. Everything else must be a 400.
 HONOURED = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
             "max_tokens", "n", "parallel_tool_calls", "presence_penalty", "response_format",
-            "seed", "stop", "temperature", "tool_choice", "tools", "top_logprobs", "top_p"}
+            "seed", "stop", "temperature", "tool_choice", "tools", "top_logprobs", "top_p",
+            "user"}
 # Where an endpoint spells a field's value its own way, and what a field needs beside it.
 ENDPOINT_VALUES = {"/v1/chat/completions": {"logprobs": True}}
 # (The default model's chat template has no tool-call format, so tool_choice "auto", the
@@ -157,7 +158,7 @@ def test_tokenize_counts_what_a_generation_runs_on_and_detokenize_inverts_it(htt
     ("/tokenize", {"prompt": PROMPT, "messages": PARIS}, 400, "prompt"),
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": ""}, 400, "prompt"),
-    ("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": PROMPT, "return_token_strs": True}, 400, "return_token_strs"),
     ("/tokenize", {"prompt": PROMPT, "model": "other"}, 404, None),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
