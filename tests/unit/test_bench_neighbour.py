@@ -11,6 +11,8 @@ import pytest
 
 from bench.cli import add_bench_subcommands
 from bench.cluster import neighbour as nb
+from bench.cluster import neighbour_loads as nl
+from bench.cluster import neighbour_table as nt
 
 
 def _args(*flags: str) -> argparse.Namespace:
@@ -50,41 +52,41 @@ def test_lists_are_parsed_and_checked():
 
 # ---- targets, verdicts, table ----------------------------------------------------------------
 def test_goals_follow_the_issue():
-    assert nb.goal_for("offline", "nice0") == 2.0
+    assert nt.goal_for("offline", "nice0") == 2.0
     for served in ("colocated", "colocated-t2", "disaggregated"):
-        assert nb.goal_for(served, "nice0") == 2.5
-        assert nb.goal_for(served, "nice19") == 1.3
-    assert nb.goal_for("offline", "nice19") == 1.3
-    assert nb.goal_for("transformers", "nice0") is None
-    assert nb.goal_for("offline", "quota1") is None and nb.goal_for("offline", "quiet") is None
+        assert nt.goal_for(served, "nice0") == 2.5
+        assert nt.goal_for(served, "nice19") == 1.3
+    assert nt.goal_for("offline", "nice19") == 1.3
+    assert nt.goal_for("transformers", "nice0") is None
+    assert nt.goal_for("offline", "quota1") is None and nt.goal_for("offline", "quiet") is None
 
 
 def test_verdicts():
-    assert nb.verdict("nice0", 1.9, 2.0, 30.0) == "met"
-    assert nb.verdict("nice0", 2.0, 2.0, 30.0) == "met"  # at the goal counts
-    assert nb.verdict("nice0", 2.6, 2.5, 30.0) == "MISSED"
-    assert nb.verdict("quiet", 1.0, None, 15.0) == "baseline"
-    assert nb.verdict("quota1", 1.4, None, 20.0) == "no target"
-    assert nb.verdict("nice0", None, 2.0, 20.0) == "no quiet baseline"
-    assert nb.verdict("nice0", None, 2.0, None) == "not measured"
-    assert nb.verdict("quota1", None, None, None, unavailable="no cgroup") == \
+    assert nt.verdict("nice0", 1.9, 2.0, 30.0) == "met"
+    assert nt.verdict("nice0", 2.0, 2.0, 30.0) == "met"  # at the goal counts
+    assert nt.verdict("nice0", 2.6, 2.5, 30.0) == "MISSED"
+    assert nt.verdict("quiet", 1.0, None, 15.0) == "baseline"
+    assert nt.verdict("quota1", 1.4, None, 20.0) == "no target"
+    assert nt.verdict("nice0", None, 2.0, 20.0) == "no quiet baseline"
+    assert nt.verdict("nice0", None, 2.0, None) == "not measured"
+    assert nt.verdict("quota1", None, None, None, unavailable="no cgroup") == \
         "unavailable: no cgroup"
-    assert nb.verdict("nice0", None, 2.0, None, error="boom") == "error: boom"
+    assert nt.verdict("nice0", None, 2.0, None, error="boom") == "error: boom"
 
 
-def _cells() -> list[nb.Cell]:
-    return [nb.Cell("offline", "quiet", 1, 20.0, 2, 20.0, 2),
-            nb.Cell("offline", "nice19", 1, 24.0, 2, 24.0, 2),
-            nb.Cell("offline", "nice0", 1, 50.0, 2, 50.0, 1),  # 2.5x > 2.0: MISSED
-            nb.Cell("offline", "quota1", 1, unavailable="cannot create a cgroup (EACCES)"),
-            nb.Cell("colocated", "quiet", 1, 25.0, 4, 21.0, {"colocated-0": 2.0}),
-            nb.Cell("colocated", "nice0", 1, 50.0, 4, 40.0, {"colocated-0": 1.0}),  # 2.0x: met
-            nb.Cell("transformers", "quiet", 1, 30.0, 2),
-            nb.Cell("transformers", "nice0", 1, 90.0, 2)]
+def _cells() -> list[nt.Cell]:
+    return [nt.Cell("offline", "quiet", 1, 20.0, 2, 20.0, 2),
+            nt.Cell("offline", "nice19", 1, 24.0, 2, 24.0, 2),
+            nt.Cell("offline", "nice0", 1, 50.0, 2, 50.0, 1),  # 2.5x > 2.0: MISSED
+            nt.Cell("offline", "quota1", 1, unavailable="cannot create a cgroup (EACCES)"),
+            nt.Cell("colocated", "quiet", 1, 25.0, 4, 21.0, {"colocated-0": 2.0}),
+            nt.Cell("colocated", "nice0", 1, 50.0, 4, 40.0, {"colocated-0": 1.0}),  # 2.0x: met
+            nt.Cell("transformers", "quiet", 1, 30.0, 2),
+            nt.Cell("transformers", "nice0", 1, 90.0, 2)]
 
 
 def test_rows_ratio_to_quiet_of_the_same_system_and_batch():
-    table = {(r["system"], r["load"]): r for r in nb.rows(_cells())}
+    table = {(r["system"], r["load"]): r for r in nt.rows(_cells())}
     assert table[("offline", "nice0")]["ratio_to_quiet"] == pytest.approx(2.5)
     assert table[("offline", "nice0")]["verdict"] == "MISSED"
     assert table[("offline", "nice0")]["met"] is False
@@ -98,7 +100,7 @@ def test_rows_ratio_to_quiet_of_the_same_system_and_batch():
 
 
 def test_targets_list_every_cell_with_a_goal():
-    tg = nb.targets(nb.rows(_cells()))
+    tg = nt.targets(nt.rows(_cells()))
     by = {t["target"]: t for t in tg}
     assert len(tg) == 3  # offline nice19, offline nice0, colocated nice0
     miss = by["offline batch 1 nice0 / quiet ms per token"]
@@ -107,7 +109,7 @@ def test_targets_list_every_cell_with_a_goal():
 
 
 def test_table_shows_every_cell_missed_and_unavailable_included():
-    text = nb.render_table(nb.rows(_cells()))
+    text = nt.render_table(nt.rows(_cells()))
     lines = text.splitlines()
     assert len(lines) == 1 + len(_cells())
     assert lines[0].split()[:3] == ["system", "batch", "load"]
@@ -123,10 +125,10 @@ def test_table_shows_every_cell_missed_and_unavailable_included():
 
 # ---- SSE timing, metrics, processes ----------------------------------------------------------
 def test_per_token_time_from_chunk_times():
-    assert nb.per_token_s([]) is None and nb.per_token_s([5.0]) is None
-    assert nb.per_token_s([10.0, 10.02]) == pytest.approx(0.02)
+    assert nt.per_token_s([]) is None and nt.per_token_s([5.0]) is None
+    assert nt.per_token_s([10.0, 10.02]) == pytest.approx(0.02)
     # First chunk after prefill; 4 gaps over 0.1 s: 25 ms per token, whatever the gaps' shape.
-    assert nb.per_token_s([1.0, 1.01, 1.05, 1.06, 1.1]) == pytest.approx(0.025)
+    assert nt.per_token_s([1.0, 1.01, 1.05, 1.06, 1.1]) == pytest.approx(0.025)
 
 
 def test_threads_gauge_is_parsed_and_its_absence_tolerated():
@@ -135,15 +137,15 @@ def test_threads_gauge_is_parsed_and_its_absence_tolerated():
             'pdcluster_engine_threads{worker="decode-0",role="decode"} 2.0\n'
             'pdcluster_engine_threads{worker="prefill-0",role="prefill"} 1.0\n'
             'pdcluster_engine_threads_other 5\n')
-    assert nb.parse_threads(page) == {"decode-0": 2.0, "prefill-0": 1.0}
-    assert nb.parse_threads("pdcluster_engine_threads 3\n") == {"": 3.0}
-    assert nb.parse_threads('pdcluster_engine_decode_steps_total{batch="1"} 4\n') is None
+    assert nt.parse_threads(page) == {"decode-0": 2.0, "prefill-0": 1.0}
+    assert nt.parse_threads("pdcluster_engine_threads 3\n") == {"": 3.0}
+    assert nt.parse_threads('pdcluster_engine_decode_steps_total{batch="1"} 4\n') is None
 
 
 def test_pgrp_of_this_process_and_its_group():
-    assert nb.read_pgrp(os.getpid()) == os.getpgrp()
-    assert os.getpid() in nb.pgroup_pids(os.getpgrp())
-    assert nb.read_pgrp(2 ** 22 + 12345) is None  # above pid_max: no such process
+    assert nl.read_pgrp(os.getpid()) == os.getpgrp()
+    assert os.getpid() in nl.pgroup_pids(os.getpgrp())
+    assert nl.read_pgrp(2 ** 22 + 12345) is None  # above pid_max: no such process
 
 
 def _stat(pid: int, comm: str, ppid: int, pgrp: int, start: int) -> str:
@@ -163,12 +165,12 @@ def _fake_proc(tmp_path, procs):
 
 def test_pgrp_survives_odd_command_names(tmp_path):
     proc = _fake_proc(tmp_path, [(42, "a b) c)", 1, 777, 5000), (43, "x", 42, 778, 5001)])
-    assert nb.read_pgrp(42, proc) == 777
-    assert nb.read_stat(42, proc) == nb.ProcStat(1, 777, 5000)
-    assert nb.pgroup_pids(777, proc) == [42]
+    assert nl.read_pgrp(42, proc) == 777
+    assert nl.read_stat(42, proc) == nl.ProcStat(1, 777, 5000)
+    assert nl.pgroup_pids(777, proc) == [42]
     (proc / "44").mkdir()
     (proc / "44" / "stat").write_text("44 (short) S 1 779\n")  # no start time: still read
-    assert nb.read_stat(44, proc) == nb.ProcStat(1, 779, None)
+    assert nl.read_stat(44, proc) == nl.ProcStat(1, 779, None)
 
 
 def test_a_system_is_its_group_and_every_descendant(tmp_path):
@@ -178,18 +180,18 @@ def test_a_system_is_its_group_and_every_descendant(tmp_path):
                                  (102, "ray::DecodeWorker", 101, 102, 12),
                                  (103, "helper", 102, 102, 13), (200, "bash", 1, 200, 14),
                                  (201, "neighbour", 200, 200, 15)])
-    assert nb.pgroup_pids(100, proc) == [100, 101]
-    assert nb.system_pids(100, proc) == {100: 10, 101: 11, 102: 12, 103: 13}
-    assert nb.system_pids(999, proc) == {}
+    assert nl.pgroup_pids(100, proc) == [100, 101]
+    assert nl.system_pids(100, proc) == {100: 10, 101: 11, 102: 12, 103: 13}
+    assert nl.system_pids(999, proc) == {}
 
 
 def test_this_process_is_in_its_own_groups_system():
-    assert os.getpid() in nb.system_pids(os.getpgrp())
+    assert os.getpid() in nl.system_pids(os.getpgrp())
 
 
 def test_cgroup_path_of_v1_and_v2_texts():
     v1 = "9:memory:/m\n2:cpu,cpuacct:/kubepods/pod1\n0::/\n"
-    assert nb.cgroup_path(v1, v2=False) == "/kubepods/pod1"
-    assert nb.cgroup_path("0::/user.slice/session-1.scope\n", v2=True) == \
+    assert nl.cgroup_path(v1, v2=False) == "/kubepods/pod1"
+    assert nl.cgroup_path("0::/user.slice/session-1.scope\n", v2=True) == \
         "/user.slice/session-1.scope"
-    assert nb.cgroup_path("1:cpuset:/\n", v2=False) is None
+    assert nl.cgroup_path("1:cpuset:/\n", v2=False) is None

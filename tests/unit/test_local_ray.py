@@ -72,7 +72,7 @@ def test_a_timed_out_start_is_retried_and_the_half_started_node_is_stopped(monke
         def node_constructor(self):  # the frame shape of ray's Node.__init__
             raise Exception(RAY_TIMEOUT)
 
-        with pytest.raises(Exception) as raised:
+        with pytest.raises(Exception, match=STARTUP_TIMEOUT_TEXT) as raised:
             node_constructor(node)
         assert stop_half_started_node(raised.value.__traceback__) == len(pids)
         assert not any(_alive(pid) for pid in pids)
