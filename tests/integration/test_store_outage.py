@@ -13,6 +13,7 @@ import asyncio
 import time
 
 import pytest
+import redis
 
 from router.state.factory import make_store
 from router.state.redis_store import RedisStore
@@ -127,8 +128,9 @@ def test_password_urls_work_and_never_reach_a_message():
         assert [w.worker_id for w in store.list_workers()] == ["decode-0"]
         store.close()
         wrong = r.url.replace(secret, "wrong")
-        with pytest.raises(Exception) as exc:  # redis' AuthenticationError: not an outage
+        with pytest.raises(StoreUnavailableError, match="invalid username-password") as exc:
             RedisStore(wrong)
+        assert isinstance(exc.value.__cause__, redis.exceptions.AuthenticationError)
         assert "wrong" not in str(exc.value)
         r.kill()
         with pytest.raises(StoreUnavailableError) as exc:
