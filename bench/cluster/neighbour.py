@@ -70,7 +70,7 @@ from typing import Any
 from bench.cluster.neighbour_systems import (
     Prompts,
     Settings,
-    _child_main,
+    child_main,
     run_child,
     run_served,
 )
@@ -200,4 +200,4 @@ def _autogroup() -> str | None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_child_main(sys.argv[1:]))
+    raise SystemExit(child_main(sys.argv[1:]))

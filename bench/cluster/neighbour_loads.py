@@ -85,7 +85,7 @@ def system_pids(pgid: int, proc: str | Path = "/proc") -> dict[int, int | None]:
     return dict(sorted(found.items()))
 
 
-def _comm(pid: int) -> str:
+def process_name(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:

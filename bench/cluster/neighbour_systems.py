@@ -22,9 +22,9 @@ from typing import Any
 
 from bench.cluster.neighbour_loads import (
     Unavailable,
-    _comm,
     applied,
     free_port_pair,
+    process_name,
     read_pgrp,
     stop_group,
     system_pids,
@@ -175,7 +175,7 @@ def run_served(system: str, s: Settings, args: argparse.Namespace, prompts: Prom
             model = _first_model(base)
             info["model"] = model
             pids = system_pids(proc.pid)
-            info["processes"] = {str(p): f"{_comm(p)} (pgrp {read_pgrp(p)})" for p in pids}
+            info["processes"] = {str(p): f"{process_name(p)} (pgrp {read_pgrp(p)})" for p in pids}
             print(f"  {system}: up in {info['startup_s']:.0f} s, model {model}, "
                   f"{len(pids)} processes", flush=True)
             for b in sorted({1, 8, *s.batches}):  # warm-up
@@ -381,7 +381,7 @@ def _child_transformers(model: str | None) -> tuple[Callable[[int, int, list], d
     return measure, {"torch_threads": torch.get_num_threads()}
 
 
-def _child_main(argv: Sequence[str]) -> int:
+def child_main(argv: Sequence[str]) -> int:
     """``python -m bench.cluster.neighbour --child KIND``: load, say ready, then answer one
     ``measure`` request per stdin line until ``quit`` (protocol lines start with ``NBR ``)."""
     ap = argparse.ArgumentParser()
