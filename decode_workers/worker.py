@@ -25,7 +25,7 @@ from engine.compute_thread import ComputeThread
 from engine.engine_loop import EngineLoop
 from engine.kv_connector import Reservation
 from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput
+from engine.request import RequestOutput, RequestProgress
 from kv_transfer import (
     KVHandshakeError,
     KVLayout,
@@ -330,6 +330,18 @@ class DecodeWorker:
             if request_id in self._leases or (rec is not None and rec.finish_reason is None):
                 return True
         return rec is None and request_id in self._offsets  # admitted, no step yet
+
+    def progress(self, request_id: str) -> RequestProgress:
+        """Where the request stands here: queued (reserved, waiting for a slot, preempted),
+        running (for how long) or unknown, and how long the engine has been in its current
+        step. A router whose stream got no token for its token timeout asks this before
+        taking a busy worker's queue for a lost stream. Never waits for the engine (a
+        liveness call: worker_protocol.LIVENESS_GROUP)."""
+        stalled = time.monotonic() - self.loop.turned_at
+        with self._lock:
+            if request_id in self._leases:  # its prompt's KV has not arrived yet
+                return RequestProgress(RequestProgress.QUEUED, stalled_s=stalled)
+        return dataclasses.replace(self.engine.request_progress(request_id), stalled_s=stalled)
 
     def subscribe(self, router_id: str = "") -> Iterator[TokenBatch]:
         """Ray streaming generator: one TokenBatch per engine step for the requests

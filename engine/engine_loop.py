@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -53,6 +54,9 @@ class EngineLoop:
         ``compute``: the thread the engine was built on, to loop on (engine.compute_thread
         says why); None: a new one named ``name``. The loop owns it from here and closes it."""
         self.engine = engine
+        # When the loop last came round between two steps (monotonic): a step that never
+        # ends leaves it behind (a worker tells a busy engine from a stuck one by it).
+        self.turned_at = time.monotonic()
         self._sink = sink
         self._on_crash = on_crash
         self._after_work = after_work
@@ -114,6 +118,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
+                self.turned_at = time.monotonic()
                 # Nothing schedulable (all requests await remote KV, or a dynamic batch is still
                 # filling): wait briefly for commands instead of spinning on empty steps.
                 if not self.engine.has_unfinished_requests:

@@ -33,6 +33,7 @@ from engine.request import (
     Request,
     RequestMetrics,
     RequestOutput,
+    RequestProgress,
     RequestStatus,
     SamplingParams,
 )
@@ -370,6 +371,11 @@ class LLMEngine:
         self.kv_connector.release(request_id)
         self.scheduler.abort_request(request_id)
         return self._output(req, [], "")
+
+    def request_progress(self, request_id: str) -> RequestProgress:
+        """Queued, running (for how long) or unknown here. Safe from any thread: it reads
+        one request's fields, each written whole by the engine thread."""
+        return self.scheduler.progress(request_id)
 
     @property
     def has_unfinished_requests(self) -> bool:

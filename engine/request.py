@@ -251,6 +251,9 @@ class Request:
     priority: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # the first step that computed any of it
+    # When it last entered the running batch (a preemption sends it back to the queue): a
+    # router's token timeout counts from here, never from time spent queued.
+    running_since: float | None = None
     num_prompt_chunks: int = 0  # steps that computed part of its prompt (traces)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -291,6 +294,23 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """Where a request stands in its engine (``LLMEngine.request_progress``): ``queued`` (waiting
+    for a slot, for its prompt's KV, or preempted), ``running`` (in the batch for
+    ``running_s`` seconds of the engine's clock) or ``unknown`` (never added, or ended).
+    ``stalled_s``: how long the engine's loop has been inside one step (a worker fills it in;
+    a loop that stops coming round is stuck, not busy)."""
+
+    state: str
+    running_s: float = 0.0
+    stalled_s: float = 0.0
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    UNKNOWN = "unknown"
 
 
 @dataclass

@@ -35,7 +35,14 @@ from itertools import islice
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import QueueFullError, Request, RequestStatus, SamplingParams, TokenLogprob
+from engine.request import (
+    QueueFullError,
+    Request,
+    RequestProgress,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+)
 from engine.structured import Grammars, GrammarState
 
 
@@ -213,6 +220,15 @@ class Scheduler:
             self.waiting.appendleft(req)
         return StepUpdate(req, [first_token_id])
 
+    def progress(self, request_id: str) -> RequestProgress:
+        """Queued, running (and for how long) or unknown: see RequestProgress."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return RequestProgress(RequestProgress.UNKNOWN)
+        if req.status is RequestStatus.RUNNING and req.running_since is not None:
+            return RequestProgress(RequestProgress.RUNNING, self.clock() - req.running_since)
+        return RequestProgress(RequestProgress.QUEUED)
+
     def abort_request(self, request_id: str) -> bool:
         """Finish a request as aborted, freeing its blocks. False if unknown or already done."""
         req = self.requests.get(request_id)
@@ -386,8 +402,9 @@ class Scheduler:
                 if not wants_all:
                     self.blocks.note_computing(req.request_id, req.all_token_ids, computed)
             req.status = RequestStatus.RUNNING
+            req.running_since = self.clock()
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = self.clock()
+                req.first_scheduled_time = req.running_since
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new

@@ -7,6 +7,8 @@ Neither worker package imports the other; both, and the router, import this one.
 from worker_protocol.messages import (
     CONTROL_GROUP,
     CONTROL_GROUP_THREADS,
+    LIVENESS_GROUP,
+    LIVENESS_GROUP_THREADS,
     AbortRequest,
     CommitRequest,
     CommitResult,
@@ -23,6 +25,7 @@ from worker_protocol.messages import (
     WorkerInfo,
     WorkerLoad,
     control,
+    liveness,
 )
 from worker_protocol.runtime import (
     KVHost,
@@ -42,6 +45,7 @@ from worker_protocol.runtime import (
 
 __all__ = [
     "CONTROL_GROUP", "CONTROL_GROUP_THREADS", "control",
+    "LIVENESS_GROUP", "LIVENESS_GROUP_THREADS", "liveness",
     "AbortRequest", "CommitRequest", "CommitResult", "PrefillRequest", "PrefillResult",
     "PrefillTimeoutError",
     "RequestTokens", "ReserveRequest", "ReserveResult", "SubmitRequest", "TokenBatch", "TokenUpdate",

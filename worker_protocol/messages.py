@@ -19,6 +19,11 @@ from worker_protocol.tracing import TracingConfig
 # prefill / commit calls. The router picks the group per call (``control(handle.load)``).
 CONTROL_GROUP = "control"
 CONTROL_GROUP_THREADS = 8
+# ... and the calls that say a worker is alive (ping, load, progress): never blocking on the
+# engine, in a group of their own, so a burst of control calls that wait for a slow engine
+# step (aborts of many streams at once) cannot starve them into a worker taken for dead.
+LIVENESS_GROUP = "liveness"
+LIVENESS_GROUP_THREADS = 4
 
 KV_TRANSPORTS = ("auto", "nccl", "gloo")
 
@@ -26,6 +31,11 @@ KV_TRANSPORTS = ("auto", "nccl", "gloo")
 def control(method):
     """``method`` of a worker actor handle, to run in the control concurrency group."""
     return method.options(concurrency_group=CONTROL_GROUP)
+
+
+def liveness(method):
+    """``method`` (ping, load, progress) of a worker actor handle, in the liveness group."""
+    return method.options(concurrency_group=LIVENESS_GROUP)
 
 
 @dataclass(frozen=True)

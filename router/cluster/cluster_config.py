@@ -44,6 +44,9 @@ class ClusterConfig:
     # Every start-up wait (each worker loading its model) fails after this, naming the worker.
     startup_timeout_s: float = 300.0
     call_timeout_s: float = 10.0  # deadline of a reserve / abort / load call to one worker
+    # A stream in its decode worker's batch this long with no token is taken for lost
+    # (time queued there does not count: router/control/token_wait.py).
+    token_timeout_s: float = 120.0
     migration_limit: int = 3  # moves per request when its decode worker is lost
     migration_prefill: str = "auto"  # see OrchestratorConfig.migration_prefill
     orphan_after_s: float = 20.0  # see OrchestratorConfig.orphan_after_s

@@ -32,7 +32,14 @@ from router.cluster.placement import (
     plan_gpu_share,
     worker_gpus,
 )
-from worker_protocol import CONTROL_GROUP, CONTROL_GROUP_THREADS, WorkerConfig, control
+from worker_protocol import (
+    CONTROL_GROUP,
+    CONTROL_GROUP_THREADS,
+    LIVENESS_GROUP,
+    LIVENESS_GROUP_THREADS,
+    WorkerConfig,
+    control,
+)
 
 __all__ = ["JOIN_TIMEOUT_S", "RAY_NAMESPACE", "Placement", "StartupError", "WorkerLauncher",
            "death_cause", "join_ray", "stop_deployment"]
@@ -172,8 +179,11 @@ class WorkerLauncher:
         # A tensor-parallel worker's ranks are its own child processes: it asks for their
         # CPUs and GPUs (one each) together, so Ray places them on one node.
         tp = wcfg.engine_args.tensor_parallel_size
-        # Control calls (load, abort) get threads of their own: see CONTROL_GROUP.
-        actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_GROUP_THREADS})(cls).options(
+        # Control calls (abort, ...) and liveness calls (ping, load) get threads of their
+        # own: see CONTROL_GROUP, LIVENESS_GROUP.
+        actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_GROUP_THREADS,
+                                               LIVENESS_GROUP: LIVENESS_GROUP_THREADS}
+                           )(cls).options(
             name=self.actor_name(worker_id), namespace=RAY_NAMESPACE,
             lifetime="detached" if self.detached else None,
             num_cpus=cfg.worker_num_cpus * tp, num_gpus=placement.gpus.num_gpus * tp,

@@ -58,6 +58,7 @@ from worker_protocol import (
     WorkerInfo,
     WorkerLoad,
     control,
+    liveness,
 )
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class Cluster:
             OrchestratorConfig(model_cfg.model_id, cfg.mode, transfer_timeout_s=cfg.transfer_timeout_s,
                                capacity_wait_s=cfg.capacity_wait_s,
                                call_timeout_s=cfg.call_timeout_s,
+                               token_timeout_s=cfg.token_timeout_s,
                                migration_limit=cfg.migration_limit,
                                migration_prefill=cfg.migration_prefill,
                                orphan_after_s=cfg.orphan_after_s,
@@ -242,7 +244,7 @@ class Cluster:
     async def _load_report(self, slot, timeout: float) -> None:
         orch = self.orchestrator
         try:
-            load = await asyncio.wait_for(control(slot.handle.load).remote(orch.router_id),
+            load = await asyncio.wait_for(liveness(slot.handle.load).remote(orch.router_id),
                                           timeout)
         except TimeoutError:
             orch.health.unreachable(slot, f"no load report within {timeout:g} s")
@@ -361,7 +363,7 @@ class Cluster:
     async def stats(self) -> BackendStats:
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
-        loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
+        loads = await asyncio.gather(*[liveness(s.handle.load).remote() for s in slots],
                                      return_exceptions=True)
         workers = [lo for lo in loads if not isinstance(lo, BaseException)]
         for lo in workers:
@@ -444,7 +446,7 @@ class Cluster:
 
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
-        loads = await asyncio.gather(*[control(s.handle.load).remote() for s in slots],
+        loads = await asyncio.gather(*[liveness(s.handle.load).remote() for s in slots],
                                      return_exceptions=True)
         for slot, lo in zip(slots, loads, strict=True):
             if isinstance(lo, ray.exceptions.ActorDiedError):

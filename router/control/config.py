@@ -31,8 +31,10 @@ class OrchestratorConfig:
     # prefill_timeout_s; the router waits call_timeout_s longer for that answer).
     call_timeout_s: float = 10.0
     prefill_timeout_s: float = 300.0
-    # A committed stream that gets no token update for this long has lost its decode worker
-    # (a step takes milliseconds to a second): it ends with UNAVAILABLE instead of hanging.
+    # A committed stream in its decode worker's batch this long with no token update was
+    # lost there (a step takes milliseconds to a second): it migrates, or past the limit ends
+    # with UNAVAILABLE instead of hanging. Time queued on a live worker does not count
+    # (router/control/token_wait.py).
     token_timeout_s: float = 120.0
     # How many times one request may move to another decode worker when its own dies.
     migration_limit: int = 3

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from router.contract import DrainStatus, InvalidRequestError, WorkerNotFoundError
 from router.control.request_state import StreamState, WorkerSlot
-from worker_protocol import control
+from worker_protocol import liveness
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class WorkerDrains:
         deadline = self.clock() + self.settle_s
         while self.clock() < deadline:
             try:
-                load = await asyncio.wait_for(control(drain.slot.handle.load).remote(),
+                load = await asyncio.wait_for(liveness(drain.slot.handle.load).remote(),
                                               self.call_timeout_s)
             except Exception as e:  # gone already: nothing left to wait for
                 log.info("drain of %s: load report failed (%r)", drain.slot.info.worker_id, e)

@@ -4,8 +4,9 @@ stopped one, without false alarms.
 Load reports cannot tell quickly that a worker stopped: each has a 2 s deadline, and a worker
 is declared lost only after ``worker_silent_s`` (5 s) of unanswered reports, so a SIGSTOP'd
 (or hung, or cut-off) decode worker froze its streams ~7 s before they moved. Here every live
-worker is pinged every ``interval_s`` on its control concurrency group (its own threads: the
-answer does not wait for an engine step), at most one ping in flight per worker. Two rules act:
+worker is pinged every ``interval_s`` on its liveness concurrency group (its own threads: the
+answer waits neither for an engine step nor behind control calls that do), at most one ping
+in flight per worker. Two rules act:
 
 - **Gone** (any worker): no pong for ``confirm_after_s`` (1.5 intervals) makes the
   router ask Ray's actor table (``worker_protocol.actor_state``, off the loop, one question in
@@ -40,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from router.control.request_state import WorkerSlot
-from worker_protocol import actor_state, control
+from worker_protocol import actor_state, liveness
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class Heartbeats:
 
     def _ping(self, slot: WorkerSlot) -> None:
         wid = slot.info.worker_id
-        fut = asyncio.ensure_future(control(slot.handle.ping).remote())
+        fut = asyncio.ensure_future(liveness(slot.handle.ping).remote())
         self._in_flight[wid] = fut
 
         def done(f: asyncio.Future) -> None:

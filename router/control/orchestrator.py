@@ -1,6 +1,5 @@
-"""The request lifecycle (DESIGN §2): reserve -> prefill -> transfer -> commit -> decode -> stream.
-
-Runs on the router's asyncio loop. Owns, per request, the global request id, the stream of
+"""The request lifecycle: reserve -> prefill -> transfer -> commit -> decode -> stream (see
+"The request lifecycle" in docs/architecture.md). Runs on the router's asyncio loop. Owns, per request, the global request id, the stream of
 token updates from its decode worker, the incremental detokenizer (stop strings are decided
 here), and the duty to free the request's KV on every path: finish, client cancel, error,
 worker death. Failed reserve / prefill / transfer steps are retried on other workers; a
@@ -50,6 +49,7 @@ from router.control.request_state import (
     rest_of,
 )
 from router.control.request_trace import RequestTrace, decode_call, phase
+from router.control.token_wait import next_update
 from router.control.usage import UsageCounters
 from router.control.worker_calls import WorkerCalls
 from router.control.worker_health import WorkerHealth
@@ -269,8 +269,8 @@ class Orchestrator:
         generated = list(generated)  # every token streamed so far, in order
         ttft = None
         while True:
-            upd = (pending.pop(0) if pending
-                   else await stream.next_update(self.config.token_timeout_s))
+            upd = (pending.pop(0) if pending else await next_update(
+                stream, self.decode.get(stream.decode_id), self.config.token_timeout_s))
             # A drain's move is the operator's, not a sign of a request that kills workers:
             # it does not count against migration_limit.
             drained = isinstance(upd, WorkerLost) and upd.reason == "drained"
@@ -326,7 +326,8 @@ class Orchestrator:
         log.warning("migrating %s off %s after %d tokens (%s)", stream.request_id,
                     old or "its lost worker", len(generated), why)
         if old in self.decode:  # best effort: a silent worker that comes back frees the KV
-            asyncio.ensure_future(self.calls.safe_abort(self.decode[old], stream.request_id))
+            stream.moved_off[old] = asyncio.ensure_future(
+                self.calls.safe_abort(self.decode[old], stream.request_id))
         if len(generated) >= params.max_tokens:  # every token arrived; only the end was lost
             return TokenUpdate(stream.request_id, [], "length")
         rest = rest_of(params, len(generated))
@@ -373,9 +374,8 @@ class Orchestrator:
                 *self.prefill.values(), *self.decode.values()], self._journal, stream.trace)
             if stream.aborted:
                 raise Aborted
+        await stream.rejoin(slot.info.worker_id, self.config.call_timeout_s)
         stream.decode_id, stream.committed = slot.info.worker_id, True
-        if stream.abandoned == slot.info.worker_id:  # moved back to it: its tokens count
-            stream.abandoned = None
         self.kv_index.forget(stream.request_id)  # a migrated stream's earlier worker
         self.kv_index.expect(stream.request_id, slot.info.worker_id, prompt_ids)
         slot.view.inflight_requests += 1
@@ -424,6 +424,7 @@ class Orchestrator:
         the reservation already released, Aborted, or ClusterMisconfiguredError."""
         rid = stream.request_id
         cfg = self.config
+        await stream.rejoin(decode.info.worker_id, cfg.call_timeout_s)  # before any count
         # In-flight affinity: both workers will hold the prompt's blocks once this attempt is
         # through; until their events say so the index counts them (not a failed attempt's).
         self.kv_index.forget(rid)
@@ -436,8 +437,6 @@ class Orchestrator:
         pslot.view.inflight_prefill_tokens += work
         prefill_counted = True
         stream.decode_id, stream.committed = decode.info.worker_id, False
-        if stream.abandoned == decode.info.worker_id:  # moved back to it: its tokens count
-            stream.abandoned = None
         trace = stream.trace
         try:
             with phase(trace, "reserve", {"pdcluster.worker_id": decode.info.worker_id}):

@@ -48,6 +48,9 @@ class StreamState:
     # the migrated sequence's). Cleared when a later attempt chooses that worker again.
     abandoned: str | None = None
     aborted: bool = False  # Abort RPC: stop retrying, end with finish_reason "abort"
+    # The aborts sent to workers the stream moved off (worker id -> the call), not awaited
+    # then (a silent worker may never answer): see ``rejoin``.
+    moved_off: dict[str, asyncio.Future] = field(default_factory=dict)
     # Calls that create the request on a worker (reserve, submit) and may still run there
     # after the router stopped waiting (a cancelled await does not cancel the Ray call). An
     # abort sent meanwhile can overtake them (it runs in the control concurrency group) and
@@ -76,6 +79,16 @@ class StreamState:
         except TimeoutError:
             return WorkerLost(f"decode worker {self.decode_id} sent no token for "
                               f"{self.request_id} in {timeout_s:g} s", "token_timeout")
+
+    async def rejoin(self, worker_id: str, timeout_s: float) -> None:
+        """Before an attempt on ``worker_id``: its late tokens count again (``abandoned``),
+        and the abort sent there when the stream moved off it lands first (waiting at most
+        ``timeout_s``): the same request id arriving before it is a duplicate there."""
+        if self.abandoned == worker_id:
+            self.abandoned = None
+        leaving = self.moved_off.pop(worker_id, None)
+        if leaving is not None and not leaving.done():
+            await asyncio.wait({leaving}, timeout=timeout_s)
 
     async def settle(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for every call still creating the request."""
