@@ -114,10 +114,21 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         def make_inputs(scoped_id: str) -> list:
             inputs = body.to_inputs(scoped_id)
             if body.echo:  # keyed by returned choice; a token-id prompt echoes as its text
-                texts = [inp.text if inp.text is not None else backend.detokenize(inp.token_ids)
+                texts = [inp.text if inp.text is not None else echo_text(inp.token_ids)
                          for inp in inputs[::body.generations_per_prompt]]
                 echo.update({i: texts[i // body.n] for i in range(len(texts) * body.n)})
             return inputs
+
+        def echo_text(ids: list[int]) -> str:
+            """A token-id prompt's text. An id outside the vocabulary is the prompt's fault:
+            refused naming ``prompt``, as its generation would be, not /detokenize's
+            ``tokens`` (the echo is decoded before the prompt is checked)."""
+            vocab = backend.model_info().vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt: token id {bad[0]} is outside the "
+                                          f"vocabulary [0, {vocab})")
+            return backend.detokenize(ids)
 
         return await respond(request, body, make_inputs,
                              lambda rid: CompletionRenderer(f"cmpl-{rid}", int(time.time()),
