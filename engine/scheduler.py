@@ -1,6 +1,6 @@
 """Iteration-level scheduler: decides, every step, which tokens of which requests to compute.
 
-One rule (DESIGN §3): each request has ``num_computed_tokens`` and ``num_tokens``; each step
+One rule (as in vLLM's v1 scheduler): each request has ``num_computed_tokens`` and ``num_tokens``; each step
 hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs`` (and,
 when set, ``max_prefill_chunk`` prompt tokens to one request, ``max_step_prefill_tokens`` to
 all). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute

@@ -1,5 +1,5 @@
 """What every worker process does at start-up, whichever its kind: CPU pinning, which Ray
-node it is on, which address its KV endpoints bind and advertise (DESIGN §6b), and putting
+node it is on, which address its KV endpoints bind and advertise (docs/deployment.md, "Across real machines: addresses and ports"), and putting
 its start-up heap out of the garbage collector's reach."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Simulated hosts on one Linux machine: network namespaces on a private bridge, each with its
-own IP, running a real multi-node Ray cluster (DESIGN §6b).
+own IP, running a real multi-node Ray cluster (docs/deployment.md, "Three simulated hosts on one machine").
 
 Every host is a network namespace with one veth into a bridge that lives in a namespace of
 its own (the "switch"), so nothing touches the machine's own network stack and no packet can

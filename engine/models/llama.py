@@ -8,7 +8,7 @@ scores live in the attention backends (``AttentionShape``).
 Tokens of all sequences in a step are flattened into one ``[num_tokens]`` batch, so every
 linear layer runs once per step for the whole batch (the batching gain on memory-bound decode).
 Q/K/V and gate/up are fused into single GEMMs: on CPU small-M GEMMs are far below the roof, and
-fewer, wider ones are measurably faster (DESIGN §9). Every projection goes through
+fewer, wider ones are measurably faster (docs/benchmarks.md). Every projection goes through
 ``engine.kernels.linear``, whose path per weight shape and batch size was timed on this host;
 the norms, rotary embedding and SiLU-gate go through ``engine.cpu_ops`` (fused C kernels on
 fp32 CPU, their torch twins elsewhere).

@@ -179,7 +179,7 @@ def _step_mean(before: dict, after: dict) -> tuple[float, int]:
 async def _interference(cluster: Any, grid: ProfileGrid, prompt, ids, prefill: list,
                         decode: list, max_len: int, quiet_overhead_s: float, progress
                         ) -> tuple[float, float, float]:
-    """How the two workers' steps slow each other while both work (DESIGN: on a CPU host
+    """How the two workers' steps slow each other while both work (on a CPU host
     they share cores with the router, Ray and each other's KV threads): ``b`` streams decode
     on the decode worker (b: 4, or the grid's nearest), their steps are timed for a quiet
     window, then prompts are prefilled one after another beside them. Returns (prefill

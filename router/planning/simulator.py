@@ -1,6 +1,6 @@
 """A discrete-event model of a pdcluster cluster, driven by a measured engine profile.
 
-What it models, after the real request path (DESIGN §2, ``router/control/orchestrator.py``):
+What it models, after the real request path (docs/architecture.md, "The request lifecycle"; ``router/control/orchestrator.py``):
 
 - **router**: a request reserves KV on the decode worker with the most free KV that fits its
   prompt + output (waiting at the router while none does, as ``capacity_wait``), and goes to

@@ -1,4 +1,5 @@
-"""ClusterStore: the control plane's shared metadata (DESIGN §6).
+"""ClusterStore: the control plane's shared metadata (docs/architecture.md, "The state the
+control plane keeps").
 
 Owns three things, behind one interface with two backends:
 
@@ -74,7 +75,7 @@ class _Serde:
 
 @dataclass(frozen=True)
 class WorkerRecord(_Serde):
-    """A worker's identity and how to reach its KV endpoint (its TCPStore, DESIGN §5)."""
+    """A worker's identity and how to reach its KV endpoint (its TCPStore: kv_transfer/)."""
 
     worker_id: str
     role: str  # one of WORKER_ROLES

@@ -1,4 +1,5 @@
-"""The dependency rules of DESIGN §1, checked on the source: who may import (and reach into) whom.
+"""The dependency rules of docs/architecture.md ("Module map"), checked on the source: who may
+import (and reach into) whom.
 
 ``router -> {prefill_workers, decode_workers} -> {worker_protocol, kv_transfer} -> engine``;
 the engine imports neither Ray nor gRPC; workers use the engine's seams (``kv_connector``, the
@@ -226,8 +227,8 @@ def test_the_checker_sees_a_violation(tmp_path):
 
 
 def test_pure_core_loads_without_torch():
-    """The scheduler and block manager are plain Python (DESIGN §8): importing them, and the
-    config they share, must not pull torch in."""
+    """The scheduler and block manager are plain Python (docs/architecture.md): importing
+    them, and the config they share, must not pull torch in."""
     code = ("import sys, engine.scheduler, engine.block_manager, engine.config; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
