@@ -363,8 +363,10 @@ class Cluster:
     async def stats(self) -> BackendStats:
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
-        loads = await asyncio.gather(*[liveness(s.handle.load).remote() for s in slots],
-                                     return_exceptions=True)
+        # Each report within call_timeout_s: a hung worker must not hang a /metrics scrape.
+        loads = await asyncio.gather(*[asyncio.wait_for(liveness(s.handle.load).remote(),
+                                                        self.config.call_timeout_s)
+                                       for s in slots], return_exceptions=True)
         workers = [lo for lo in loads if not isinstance(lo, BaseException)]
         for lo in workers:
             orch.usage.note(lo)
@@ -446,8 +448,9 @@ class Cluster:
 
         orch = self.orchestrator
         slots = [s for s in (*orch.prefill.values(), *orch.decode.values()) if s.view.alive]
-        loads = await asyncio.gather(*[liveness(s.handle.load).remote() for s in slots],
-                                     return_exceptions=True)
+        loads = await asyncio.gather(*[asyncio.wait_for(liveness(s.handle.load).remote(),
+                                                        self.config.call_timeout_s)
+                                       for s in slots], return_exceptions=True)
         for slot, lo in zip(slots, loads, strict=True):
             if isinstance(lo, ray.exceptions.ActorDiedError):
                 orch.health.dead(slot, repr(lo))
