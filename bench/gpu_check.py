@@ -280,8 +280,8 @@ def _run_cmd(cmd: list[str], timeout_s: float) -> dict[str, Any]:
 
 def check_nccl_transport() -> dict[str, Any]:
     """Two GPUs: the KV transport's NCCL tests."""
-    return _run_cmd([sys.executable, "-m", "pytest", "-q", "tests/integration/test_kv_transport.py",
-                     "-k", "nccl"], timeout_s=110)
+    return _run_cmd([sys.executable, "-m", "pytest", "-q", "tests/gpu/test_kv_transport_nccl.py"],
+                    timeout_s=110)
 
 
 def check_disagg_run() -> dict[str, Any]:

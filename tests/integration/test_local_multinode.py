@@ -68,7 +68,7 @@ def test_up_places_workers_by_role_serves_and_down_stops_everything(tmp_path, ti
     import socket
     import time
 
-    from client import Client
+    from client import Client, RetryPolicy
 
     state_dir = Path("/tmp") / f"pdc-ray-test-{os.getpid()}"  # short: unix socket path limit
     env = dict(os.environ, PDC_RAY_PORT=str(PORT), PDC_RAY_STATE_DIR=str(state_dir),
@@ -116,7 +116,8 @@ def test_up_places_workers_by_role_serves_and_down_stops_everything(tmp_path, ti
             time.sleep(0.5)
         placed = dict(re.findall(r"worker (\S+) role=\S+ node=(\S+)", log.read_text()))
         assert placed == {"prefill-0": prefill_nodes[0], "decode-0": decode_nodes[0]}
-        with Client(f"127.0.0.1:{grpc_port}") as c:
+        # No retries: a retried UNAVAILABLE would hide a router that refused.
+        with Client(f"127.0.0.1:{grpc_port}", retry=RetryPolicy(max_retries=0)) as c:
             res = c.generate(prompt_token_ids=[5, 6, 7, 8], max_tokens=6, temperature=0,
                              ignore_eos=True, timeout=60)
         assert len(res.token_ids) == 6 and res.finish_reason == "length"

@@ -27,7 +27,10 @@ def loop():
 
 
 def _engine(**kw) -> EngineArgs:
-    return EngineArgs(num_threads=1, tune_kernels=False, kv_cache_memory_bytes=8 << 20, **kw)
+    # One thread a worker (each holds one of Ray's CPUs): the kernel timing at start-up takes
+    # ~0.5 s there, where on all of a busy 2-core host's threads it took 10-15 s. Small pools:
+    # a worker's default 1 GiB of KV is memory four short prompts never use.
+    return EngineArgs(num_threads=1, kv_cache_memory_bytes=8 << 20, **kw)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",

@@ -74,10 +74,11 @@ def _python(sim: SimCluster, code_or_path: str, *args: str, timeout_s: float = 2
 CLIENT = """
 import json, sys, time, urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from client import Client
+from client import Client, RetryPolicy
 
 prompts, max_tokens = json.loads(sys.argv[1]), int(sys.argv[2])
-with Client("127.0.0.1:GRPC_PORT") as c, ThreadPoolExecutor(len(prompts)) as ex:
+no_retry = RetryPolicy(max_retries=0)  # a retried UNAVAILABLE would hide a router that refused
+with Client("127.0.0.1:GRPC_PORT", retry=no_retry) as c, ThreadPoolExecutor(len(prompts)) as ex:
     futs = [ex.submit(c.generate, prompt_token_ids=p, max_tokens=max_tokens, temperature=0,
                       ignore_eos=True, timeout=180) for p in prompts]
     tokens = [f.result().token_ids for f in futs]

@@ -33,6 +33,9 @@ def _open(namespace: str, **kwargs) -> RedisStore:
 
 
 def _poll(pred: Callable[[], bool], ttl_s: float) -> None:
+    # As the in-memory harness does: an expiry test whose state never reached Redis would
+    # otherwise pass without exercising it.
+    assert not pred(), "condition already true before the TTL passed"
     deadline = time.monotonic() + ttl_s + 5.0  # generous: Redis expiry is lazy + sampled
     while not pred():
         if time.monotonic() > deadline:
@@ -121,10 +124,15 @@ def test_unreachable_redis_fails_fast_with_a_clear_error():
         make_store("redis://127.0.0.1:1/0", require=True)
 
 
-def test_make_store_with_url_is_redis_behind_the_outage_guard(namespace):
+def test_make_store_with_url_is_redis_behind_the_outage_guard(namespace, raw_redis):
     from router.state.resilient import ResilientStore
 
     store = make_store(REDIS_URL, namespace=namespace)
     assert isinstance(store, ResilientStore) and store.up
     assert isinstance(store._backend, RedisStore)
+    # What it writes lands in Redis: a plain client reads it there.
+    store.register_worker(worker("d1"), ttl_s=60)
+    store.journal_append("req-1", JournalEvent(1.0, "received", None))
+    assert store.flush(5.0)
+    assert raw_redis.exists(f"{namespace}:worker:d1", f"{namespace}:journal:req-1") == 2
     store.close()

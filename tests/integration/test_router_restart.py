@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client
+from client import Client, RetryPolicy
 from tests.redis_server import OwnRedis, free_port
 from tests.tiny_models import hf_greedy, random_prompts
 
@@ -97,7 +97,10 @@ def _start_clients(prompts, addresses):
 
     def client(i: int) -> None:
         try:
-            with Client(addresses[i], timeout=240) as c, c.stream(
+            # Resumes only (what the test is about): a retried UNAVAILABLE before the first
+            # token would hide a router that refused the request.
+            resume_only = RetryPolicy(max_retries=0)
+            with Client(addresses[i], timeout=240, retry=resume_only) as c, c.stream(
                     prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS, temperature=0,
                     ignore_eos=True, resume=True) as s:
                 for chunk in s:

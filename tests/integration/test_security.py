@@ -37,6 +37,8 @@ KEY_A = "sk-team-a-0123456789abcdef"
 KEY_B = "sk-team-b-fedcba9876543210"
 PROMPT = [5, 6, 7, 8, 9]
 MAX_REQUEST_BYTES = 64 * 1024
+# Test clients retry nothing: a retried UNAVAILABLE would hide the refusal under test.
+NO_RETRY = RetryPolicy(max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,8 @@ def _http(secure, pki, key: str | None, client: str | None = "team-a") -> httpx.
 def _sdk(secure, pki, key: str | None, client: str = "team-a") -> Client:
     ca, _, clients, _ = pki
     return Client(f"127.0.0.1:{secure.grpc_port}", api_key=key, ca_file=ca.ca_file,
-                  client_cert=clients[client].cert, client_key=clients[client].key, timeout=60)
+                  client_cert=clients[client].cert, client_key=clients[client].key, timeout=60,
+                  retry=NO_RETRY)
 
 
 def _creds(pki, client: str) -> grpc.ChannelCredentials:
@@ -145,12 +148,11 @@ def test_tls_refuses_plaintext_and_unknown_client_certificates(secure, pki):
         httpx.get(url, verify=_tls(ca.ca_file, stranger), timeout=10)
     with pytest.raises(httpx.HTTPError):  # the server's certificate is not one we trust
         httpx.get(url, verify=_tls(None, clients["team-a"]), timeout=10)
-    no_retry = RetryPolicy(max_retries=0)
-    plain = Client(f"127.0.0.1:{secure.grpc_port}", api_key=KEY_A, timeout=10, retry=no_retry)
+    plain = Client(f"127.0.0.1:{secure.grpc_port}", api_key=KEY_A, timeout=10, retry=NO_RETRY)
     with plain, pytest.raises(Unavailable):
         plain.model_info()
     no_cert = Client(f"127.0.0.1:{secure.grpc_port}", api_key=KEY_A, ca_file=ca.ca_file,
-                     timeout=10, retry=no_retry)
+                     timeout=10, retry=NO_RETRY)
     with no_cert, pytest.raises(Unavailable):
         no_cert.model_info()
 
@@ -170,7 +172,8 @@ def test_grpc_needs_a_key_and_health_stays_open(secure, pki):
     async def with_async_client(key):
         async with AsyncClient(f"127.0.0.1:{secure.grpc_port}", api_key=key, ca_file=ca.ca_file,
                                client_cert=clients["team-b"].cert,
-                               client_key=clients["team-b"].key, timeout=60) as ac:
+                               client_key=clients["team-b"].key, timeout=60,
+                               retry=NO_RETRY) as ac:
             return (await ac.generate(prompt_token_ids=PROMPT, max_tokens=3,
                                       ignore_eos=True)).token_ids
     assert len(asyncio.run(with_async_client(KEY_B))) == 3
@@ -270,7 +273,7 @@ def test_rate_limit_answers_429_with_retry_after(engine, server_loop, tmp_path):
         limited = post(KEY_A)
         assert limited.status_code == 429 and limited.headers["retry-after"] in ("1", "2")
         assert post(KEY_B).status_code == 200  # per key
-        with Client(f"127.0.0.1:{fd.grpc_port}", api_key=KEY_B, timeout=10) as c, \
+        with Client(f"127.0.0.1:{fd.grpc_port}", api_key=KEY_B, timeout=10, retry=NO_RETRY) as c, \
                 pytest.raises(ResourceExhausted, match="rate limit"):
             c.generate(prompt_token_ids=PROMPT, max_tokens=1)
     finally:

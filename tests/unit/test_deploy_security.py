@@ -21,7 +21,6 @@ from tests.k8s_manifests import (
     HTTP_PORT,
     K8S_DIR,
     K8S_VERSION,
-    KUBERAY_SCHEMAS_DIR,
     OVERLAYS,
     _kuberay_validator,
     by_kind,
@@ -340,10 +339,9 @@ def test_mtls_component_adds_the_client_ca(overlay, tmp_path):
     wrapper = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "head"},
                "template": template}
     kubernetes_validate.validate(wrapper, K8S_VERSION, strict=True)
-    if KUBERAY_SCHEMAS_DIR:  # else test_raycluster_validates_against_kuberay_crd skips too
-        validator = _kuberay_validator("RayCluster", "v1")
-        errors = list(validator.iter_errors(by_kind(objs, "RayCluster")[0]))
-        assert not errors, errors[:3]
+    validator = _kuberay_validator("RayCluster", "v1")
+    errors = list(validator.iter_errors(by_kind(objs, "RayCluster")[0]))
+    assert not errors, errors[:3]
 
 
 def test_tensor_parallel_component_gives_decode_pods_a_gpu_per_rank(tmp_path):
@@ -373,9 +371,8 @@ def test_tensor_parallel_component_gives_decode_pods_a_gpu_per_rank(tmp_path):
         wrapper = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "w"},
                    "template": g["template"]}
         kubernetes_validate.validate(wrapper, K8S_VERSION, strict=True)
-    if KUBERAY_SCHEMAS_DIR:
-        errors = list(_kuberay_validator("RayCluster", "v1").iter_errors(cluster))
-        assert not errors, errors[:3]
+    errors = list(_kuberay_validator("RayCluster", "v1").iter_errors(cluster))
+    assert not errors, errors[:3]
 
 
 def test_autoscaling_component_turns_on_both_autoscalers_with_matching_bounds(tmp_path):
@@ -423,6 +420,5 @@ def test_autoscaling_component_turns_on_both_autoscalers_with_matching_bounds(tm
     wrapper = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "head"},
                "template": template}
     kubernetes_validate.validate(wrapper, K8S_VERSION, strict=True)
-    if KUBERAY_SCHEMAS_DIR:
-        errors = list(_kuberay_validator("RayCluster", "v1").iter_errors(cluster))
-        assert not errors, errors[:3]
+    errors = list(_kuberay_validator("RayCluster", "v1").iter_errors(cluster))
+    assert not errors, errors[:3]

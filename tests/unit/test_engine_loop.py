@@ -102,7 +102,7 @@ def test_command_errors_reach_the_caller_and_the_loop_survives(loop_and_sink):
     fut = loop.call(lambda e: e.add_request([], _params(2), "empty"))
     with pytest.raises(ValueError, match="prompt is empty"):
         fut.result(TIMEOUT_S)
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(ZeroDivisionError, match="division by zero"):
         loop.call(lambda e: 1 / 0).result(TIMEOUT_S)
     assert loop.alive and loop.error is None
     assert loop.call(lambda e: e.model_config.vocab_size).result(TIMEOUT_S) == 256
@@ -206,30 +206,71 @@ def test_a_crash_is_handed_to_on_crash_and_async_requests_fail_instead_of_hangin
 
 def test_an_idle_loop_does_its_warm_up_once_after_a_quiet_spell(monkeypatch, tiny_llama_dir):
     """A worker's lazy tokenizer loads on the loop thread once the engine has been idle for
-    ``_WARM_AFTER_IDLE_S`` (not at start-up), once; a command arriving before then defers it."""
+    ``_WARM_AFTER_IDLE_S`` (not at start-up), once; a command arriving before then defers it.
+    The test, not a clock, ends each quiet spell, so only the order of events is asserted."""
+    import types
+
     import engine.engine_loop as engine_loop
 
-    monkeypatch.setattr(engine_loop, "_WARM_AFTER_IDLE_S", 0.3)
+    spell_s = 1e6  # marks the loop's quiet-spell waits; the test ends them, none runs out
+
+    class QuietSpells(queue.SimpleQueue):
+        """The loop's command queue: a wait of ``spell_s`` is a quiet spell, which ends with
+        a command or when the test calls ``end_spell``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.begun = 0
+            self.in_spell = threading.Event()
+            self._over = threading.Event()
+
+        def get(self, block=True, timeout=None):
+            if timeout != spell_s:
+                return super().get(block, timeout)
+            self.begun += 1
+            self.in_spell.set()
+            try:
+                while True:
+                    try:
+                        return super().get(timeout=0.005)
+                    except queue.Empty:
+                        if self._over.is_set():
+                            self._over.clear()
+                            raise
+            finally:
+                self.in_spell.clear()  # before the command that ended it runs
+
+        def end_spell(self) -> None:
+            self._over.set()
+
+    monkeypatch.setattr(engine_loop, "_WARM_AFTER_IDLE_S", spell_s)
+    monkeypatch.setattr(engine_loop, "queue",
+                        types.SimpleNamespace(SimpleQueue=QuietSpells, Empty=queue.Empty))
     eng = LLMEngine(EngineArgs(model=str(tiny_llama_dir), detokenize=False))
     warmed: list[str] = []
+    warm_done = threading.Event()
 
     def warm() -> None:
         warmed.append(threading.current_thread().name)
+        warm_done.set()
 
     monkeypatch.setattr(LLMEngine, "idle_warmup", property(
         lambda self: None if warmed else warm))
     loop = EngineLoop(eng, Sink(), name="warm-loop")
+    commands = loop._commands
     try:
-        time.sleep(0.15)
-        assert loop.call(lambda e: "busy").result(5) == "busy"  # restarts the quiet spell
-        time.sleep(0.2)
-        assert warmed == []
-        deadline = time.monotonic() + 5
-        while not warmed and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
+        assert commands.in_spell.wait(TIMEOUT_S)
+        assert warmed == []  # not at start-up: it waits out a quiet spell first
+        assert loop.call(lambda e: "busy").result(TIMEOUT_S) == "busy"
+        assert commands.in_spell.wait(TIMEOUT_S)
+        # The command ended the first spell without a warm-up; a new spell began after it.
+        assert (commands.begun, warmed) == (2, [])
+        commands.end_spell()
+        assert warm_done.wait(TIMEOUT_S)
         assert warmed == ["warm-loop"]
-        assert loop.call(lambda e: "after").result(5) == "after"
+        assert loop.call(lambda e: "after").result(TIMEOUT_S) == "after"
+        # Nothing left to warm: the loop waited for that command without a quiet spell.
+        assert (commands.begun, warmed) == (2, ["warm-loop"])
     finally:
         loop.stop()
         eng.close()
@@ -271,7 +312,7 @@ def test_a_compute_thread_hands_back_results_and_errors():
 
     c = ComputeThread("t")
     assert c.run(lambda: 41 + 1) == 42
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(ZeroDivisionError, match="division by zero"):
         c.run(lambda: 1 / 0)
     c.close()
     deadline = time.monotonic() + TIMEOUT_S

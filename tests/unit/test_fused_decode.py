@@ -155,8 +155,7 @@ def test_engine_with_fused_steps_matches_transformers_greedy(tiny_llama_dir, max
 
     prompts = random_prompts(seed=4, count=20, max_len=40)
     refs = hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
-    llm = LLM(str(tiny_llama_dir), max_num_seqs=max_num_seqs, block_size=BLOCK,
-              tune_kernels=False)
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=max_num_seqs, block_size=BLOCK)
     runner = llm.engine.runner
     runner.fused_decode = FusedDecodePlan.everywhere(step)
     model = runner.model

@@ -74,6 +74,7 @@ def test_a_timed_out_start_is_retried_and_the_half_started_node_is_stopped(monke
 
         with pytest.raises(Exception, match=STARTUP_TIMEOUT_TEXT) as raised:
             node_constructor(node)
+        assert type(raised.value) is Exception  # Ray's own type for it: a bare Exception
         assert stop_half_started_node(raised.value.__traceback__) == len(pids)
         assert not any(_alive(pid) for pid in pids)
     finally:
@@ -91,14 +92,17 @@ def test_other_errors_and_the_last_attempt_are_raised_at_once(monkeypatch):
         raise Exception(error[0])
 
     monkeypatch.setattr(ray, "init", failing_init)
-    with pytest.raises(Exception, match="some other start-up error"):
+    # Ray raises a bare Exception (not a subclass): the very error is raised, not wrapped.
+    with pytest.raises(Exception, match="some other start-up error") as raised:
         start_local_ray(num_cpus=1)
+    assert type(raised.value) is Exception
     assert len(calls) == 1  # not retried
 
     calls.clear()
     error[0] = RAY_TIMEOUT
-    with pytest.raises(Exception, match="timed out during startup"):
+    with pytest.raises(Exception, match="timed out during startup") as raised:
         start_local_ray(attempts=2, num_cpus=1)
+    assert type(raised.value) is Exception
     assert len(calls) == 2  # retried once, then the last attempt's error
     assert not ray.is_initialized()
     assert stop_half_started_node(None) == 0

@@ -23,8 +23,9 @@ from tests.tiny_models import VOCAB, hf_greedy, random_prompts, save_tiny_model
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-# Small pools and no kernel timing: each rank starts in about a second.
-FAST = dict(tune_kernels=False, num_threads=1, kv_cache_memory_bytes=1 << 22)
+# One thread a rank (a 2-core host's share anyway): its kernel timing at start-up takes ~0.5 s,
+# where on more threads of a busy host it took 10-15 s. Small pools: a few short prompts.
+FAST = dict(num_threads=1, kv_cache_memory_bytes=1 << 22)
 
 
 def _cfg(heads: int, kv_heads: int, vocab: int = 259, inter: int = 128) -> ModelConfig:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -28,6 +30,9 @@ from router.frontdoor.lifecycle import serve_frontdoor
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
+# The SDK's default retries UNAVAILABLE three times: a test client that did would hide the
+# very refusal it should report. The tests of retrying say so, and count the retries.
+NO_RETRY = RetryPolicy(max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,7 @@ def address(frontdoor) -> str:
 
 @pytest.fixture(scope="module")
 def client(address):
-    with Client(address, timeout=60) as c:
+    with Client(address, timeout=60, retry=NO_RETRY) as c:
         yield c
 
 
@@ -80,7 +85,7 @@ def test_token_id_prompt_generates_exactly_max_tokens(client):
 
 def test_async_client_generate_stream_and_chat(address):
     async def main():
-        async with AsyncClient(address, timeout=60) as c:
+        async with AsyncClient(address, timeout=60, retry=NO_RETRY) as c:
             info = await c.model_info()
             whole = await c.generate(PROMPT, max_tokens=6, temperature=0, ignore_eos=True)
             chunks = [ch async for ch in c.stream(PROMPT, max_tokens=6, temperature=0,
@@ -107,7 +112,7 @@ def test_closing_a_sync_stream_aborts_and_frees_kv(client, kv_probe):
 def test_cancelling_an_async_stream_aborts_and_frees_kv(address, kv_probe):
     async def main():
         seen = asyncio.Event()
-        async with AsyncClient(address) as c:
+        async with AsyncClient(address, retry=NO_RETRY) as c:
             async def consume():
                 async for chunk in c.stream(PROMPT, max_tokens=400, ignore_eos=True):
                     if chunk.token_ids:
@@ -181,7 +186,7 @@ def test_unknown_model_is_not_found(client):
 
 def test_flooding_the_queue_is_resource_exhausted(address, kv_probe):
     async def main():
-        async with AsyncClient(address, timeout=120) as c:
+        async with AsyncClient(address, timeout=120, retry=NO_RETRY) as c:
             return await asyncio.gather(
                 *(c.generate(PROMPT, max_tokens=24, ignore_eos=True) for _ in range(16)),
                 return_exceptions=True)
@@ -194,7 +199,7 @@ def test_flooding_the_queue_is_resource_exhausted(address, kv_probe):
     assert len(refused) + len(served) == len(results), results
     assert all(len(r.token_ids) == 24 for r in served)
     kv_probe.wait_until_free()
-    with Client(address) as c:
+    with Client(address, retry=NO_RETRY) as c:
         assert len(c.generate(PROMPT, max_tokens=2, ignore_eos=True).token_ids) == 2
 
 
@@ -223,32 +228,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class CountedRetry(RetryPolicy):
+    """A RetryPolicy that records each retry it grants (the status code it retried), and
+    sets ``retried`` at the first: a test that relies on retries asserts that they ran."""
+
+    granted: list = field(default_factory=list)
+    retried: threading.Event = field(default_factory=threading.Event)
+
+    def should_retry(self, code: grpc.StatusCode, attempt: int, got_tokens: bool) -> bool:
+        ok = super().should_retry(code, attempt, got_tokens)
+        if ok:
+            self.granted.append(code)
+            self.retried.set()
+        return ok
+
+
 def test_unreachable_server_is_unavailable_after_retries():
-    with Client(f"127.0.0.1:{_free_port()}",
-                retry=RetryPolicy(max_retries=2, initial_backoff_s=0.01)) as c:
-        with pytest.raises(Unavailable) as exc:
+    retry = CountedRetry(max_retries=2, initial_backoff_s=0.01)
+    port = _free_port()
+    with Client(f"127.0.0.1:{port}", retry=retry) as c:
+        with pytest.raises(Unavailable, match=f"127.0.0.1:{port}: .*Connection refused") as exc:
             c.generate(PROMPT, max_tokens=2)
         assert exc.value.code == grpc.StatusCode.UNAVAILABLE
-        with pytest.raises(Unavailable):
+        assert retry.granted == [grpc.StatusCode.UNAVAILABLE] * 2  # both retries, then it gave up
+        with pytest.raises(Unavailable, match=f"127.0.0.1:{port}: .*Connection refused"):
             c.model_info()
+        assert retry.granted == [grpc.StatusCode.UNAVAILABLE] * 4
 
 
 def test_retry_reaches_a_server_that_comes_up_late(backend, server_loop):
     port = _free_port()
+    retry = CountedRetry(max_retries=60, initial_backoff_s=0.05, max_backoff_s=0.2)
 
-    async def start_late():
-        await asyncio.sleep(0.5)
+    async def start_once_refused():
+        # Up only after the client was refused once: what reaches it is a retry.
+        assert await asyncio.to_thread(retry.retried.wait, 60), "the client never retried"
         return await serve_frontdoor(backend, grpc_port=port, http_port=0)
 
-    fut = server_loop.submit(start_late())
+    fut = server_loop.submit(start_once_refused())
     try:
-        with Client(f"127.0.0.1:{port}", timeout=60,
-                    retry=RetryPolicy(max_retries=60, initial_backoff_s=0.05,
-                                      max_backoff_s=0.2)) as c:
+        with Client(f"127.0.0.1:{port}", timeout=60, retry=retry) as c:
             res = c.generate(PROMPT, max_tokens=3, ignore_eos=True)
         assert len(res.token_ids) == 3
+        assert retry.granted and set(retry.granted) == {grpc.StatusCode.UNAVAILABLE}
     finally:
-        server_loop.run(fut.result(30).stop(1))
+        server_loop.run(fut.result(60).stop(1))
 
 
 def test_fuzzed_requests_get_an_answer_or_invalid_argument_naming_the_field(address, client,
@@ -264,7 +289,7 @@ def test_fuzzed_requests_get_an_answer_or_invalid_argument_naming_the_field(addr
 
     alone = client.generate(PROMPT, max_tokens=64, temperature=0, ignore_eos=True).token_ids
     def bystander() -> list[int]:
-        with Client(address, timeout=300) as c:
+        with Client(address, timeout=300, retry=NO_RETRY) as c:
             return c.generate(PROMPT, max_tokens=64, temperature=0, ignore_eos=True).token_ids
 
     bg = BackgroundStream(bystander)
@@ -355,7 +380,7 @@ def test_sdk_resumes_by_itself_when_the_connection_is_cut(address, client, kv_pr
     alone = _greedy_alone(client, 40)
     proxy = CuttableProxy(int(address.rsplit(":", 1)[1]))
     try:
-        with Client(f"127.0.0.1:{proxy.port}", timeout=120) as c, c.stream(
+        with Client(f"127.0.0.1:{proxy.port}", timeout=120, retry=NO_RETRY) as c, c.stream(
                 PROMPT, max_tokens=40, temperature=0, ignore_eos=True, resume=True) as s:
             tokens, cut_at = [], [6, 20]
             for chunk in s:
@@ -381,7 +406,7 @@ def test_async_sdk_resumes_by_itself_too(address, client, kv_probe):
     proxy = CuttableProxy(int(address.rsplit(":", 1)[1]))
 
     async def go():
-        async with AsyncClient(f"127.0.0.1:{proxy.port}", timeout=120) as c:
+        async with AsyncClient(f"127.0.0.1:{proxy.port}", timeout=120, retry=NO_RETRY) as c:
             s = c.stream(PROMPT, max_tokens=24, temperature=0, ignore_eos=True, resume=True)
             tokens, cut = [], False
             async for chunk in s:

@@ -12,12 +12,14 @@ import httpx
 import openai
 import pytest
 
-from client import Client
+from client import Client, RetryPolicy
 from router.embedded import EngineBackend
 from tests.sse import sse_events_with_ids
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
+# Test clients retry nothing: a retried UNAVAILABLE would hide the refusal under test.
+NO_RETRY = RetryPolicy(max_retries=0)
 
 METRIC_NAMES = [
     "pdcluster_time_to_first_token_seconds", "pdcluster_inter_token_latency_seconds",
@@ -265,7 +267,7 @@ def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor, backe
     assert before["pdcluster_kv_blocks_total"] > 0
 
     http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
-    with Client(f"127.0.0.1:{frontdoor.grpc_port}", timeout=60) as c:
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}", timeout=60, retry=NO_RETRY) as c:
         c.generate(PROMPT, max_tokens=4, ignore_eos=True)
     after = _scrape(http)
     assert after["pdcluster_generation_tokens_total"] - before[

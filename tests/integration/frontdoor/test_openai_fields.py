@@ -11,7 +11,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from client import Client
+from client import Client, RetryPolicy
 from engine.tokenizer import load_tokenizer
 from engine.weights import resolve_model
 from tests.hf_reference import greedy_logprobs
@@ -19,6 +19,8 @@ from tests.http_asserts import assert_400_naming
 
 PROMPT = "The capital of France is"
 PARIS = [{"role": "user", "content": "Name three things to see in Paris."}]
+# Test clients retry nothing: a retried UNAVAILABLE would hide the refusal under test.
+NO_RETRY = RetryPolicy(max_retries=0)
 
 # A value of each OpenAI request field that differs from its default. A field OpenAI adds that
 # is missing here fails the walk below: decide whether it is honoured or refused.
@@ -131,7 +133,7 @@ def test_bad_adjustments_are_400_naming_the_field(http):
 
 def test_grpc_sdk_carries_the_logit_adjustments(frontdoor, tokenizer):
     tok = tokenizer.encode(" Lyon")[-1]
-    with Client(f"127.0.0.1:{frontdoor.grpc_port}") as c:
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}", retry=NO_RETRY) as c:
         forced = c.generate(PROMPT, max_tokens=3, temperature=0, logit_bias={tok: 100.0})
         assert forced.token_ids == [tok] * 3
         plain = c.generate(PROMPT, max_tokens=24, temperature=0)
@@ -395,7 +397,7 @@ def test_logprobs_it_cannot_serve_are_400_naming_the_field(http, endpoint, body,
 def test_grpc_logprobs_are_the_same_numbers(frontdoor, reference):
     from client import InvalidArgument
 
-    with Client(f"127.0.0.1:{frontdoor.grpc_port}") as c:
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}", retry=NO_RETRY) as c:
         res = c.generate(prompt_token_ids=reference["prompt"], max_tokens=LOGPROB_TOKENS,
                          temperature=0, ignore_eos=True, logprobs=2)
         assert [lp.token_id for lp in res.logprobs] == res.token_ids == reference["tokens"]
@@ -439,7 +441,7 @@ def test_best_of_it_cannot_serve_is_400_naming_it(http, body, field):
 def test_grpc_n_choices_with_the_sdk(frontdoor, kv_probe):
     from client import InvalidArgument
 
-    with Client(f"127.0.0.1:{frontdoor.grpc_port}") as c:
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}", retry=NO_RETRY) as c:
         greedy = c.choices(PROMPT, n=3, max_tokens=6, temperature=0, ignore_eos=True)
         one = c.generate(PROMPT, max_tokens=6, temperature=0, ignore_eos=True)
         assert [r.token_ids for r in greedy] == [one.token_ids] * 3

@@ -15,12 +15,14 @@ import jsonschema
 import openai
 import pytest
 
-from client import Client, InvalidArgument
+from client import Client, InvalidArgument, RetryPolicy
 from tests.http_asserts import assert_400_naming
 from tests.schemas import SCIENTIST
 from tests.sse import sse_events_with_ids
 
 QUESTION = [{"role": "user", "content": "Describe one famous scientist."}]
+# Test clients retry nothing: a retried UNAVAILABLE would hide the refusal under test.
+NO_RETRY = RetryPolicy(max_retries=0)
 SCHEMA = SCIENTIST
 JSON_SCHEMA_FORMAT = {"type": "json_schema",
                       "json_schema": {"name": "scientist", "schema": SCHEMA, "strict": True}}
@@ -99,7 +101,7 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_it(http, kv_probe, b
 
 
 def test_grpc_structured_output_with_the_sdk(frontdoor):
-    with Client(f"127.0.0.1:{frontdoor.grpc_port}") as c:
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}", retry=NO_RETRY) as c:
         res = c.generate(messages=QUESTION, max_tokens=150, temperature=0,
                          structured={"json": SCHEMA})
         jsonschema.validate(json.loads(res.text), SCHEMA)
@@ -257,7 +259,7 @@ def test_grpc_tool_calls_with_the_sdk_match_the_http_apis(frontdoor, oai, model_
     """The SDK's named / required / none choices: the same calls the OpenAI API returns for
     the same greedy request, the raw output alongside, refusals by field name."""
     named_choice = {"type": "function", "function": {"name": "get_weather"}}
-    with Client(f"127.0.0.1:{frontdoor.grpc_port}") as c:
+    with Client(f"127.0.0.1:{frontdoor.grpc_port}", retry=NO_RETRY) as c:
         named = c.chat(ASK, tools=TOOLS, tool_choice=named_choice, max_tokens=80, temperature=0)
         (call,) = named.tool_calls
         assert (call.name, named.finish_reason, named.content) == ("get_weather", "stop", None)
@@ -290,7 +292,7 @@ def test_grpc_tool_calls_with_the_sdk_match_the_http_apis(frontdoor, oai, model_
 def test_grpc_auto_parses_each_choices_own_calls(hermes_frontdoor):
     """tool_choice auto over gRPC with n=2: the output pinned to a Hermes call after prose,
     each choice's complete carries its parsed call and the prose as content."""
-    with Client(f"127.0.0.1:{hermes_frontdoor.grpc_port}") as c:
+    with Client(f"127.0.0.1:{hermes_frontdoor.grpc_port}", retry=NO_RETRY) as c:
         results = c.choices(messages=ASK, n=2, tools=TOOLS, max_tokens=80, temperature=0,
                             structured={"choice": [FORCED_CALL]})
     for r in results:

@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from tests.async_util import wait_until
+
 PROMPT = "The capital of France is"
 BODY = {"prompt": PROMPT, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
 
@@ -111,15 +113,17 @@ def test_without_a_traceparent_each_request_starts_its_own_trace(base_url, otlp,
                 ids.append(r.headers["x-request-id"])
                 for _line in r.iter_lines():
                     pass
-    roots = {}
-    deadline = time.monotonic() + 30
-    while len(roots) < 2 and time.monotonic() < deadline:
-        roots = {s.attributes.get("gen_ai.response.id"): s for s in otlp.spans()
-                 if s.parent_id == "" and s.attributes.get("gen_ai.response.id") in ids}
-        time.sleep(0.1)
-    assert set(roots) == set(ids)
-    assert roots[ids[0]].trace_id != roots[ids[1]].trace_id
-    for root in roots.values():
+
+    def roots() -> dict:
+        return {s.attributes.get("gen_ai.response.id"): s for s in otlp.spans()
+                if s.parent_id == "" and s.attributes.get("gen_ai.response.id") in ids}
+
+    # Bounded as otlp.wait_for bounds a trace's arrival (its 30 s default).
+    wait_until(lambda: set(roots()) == set(ids), timeout_s=30,
+               what="a root span for each response id")
+    found = roots()
+    assert found[ids[0]].trace_id != found[ids[1]].trace_id
+    for root in found.values():
         spans = otlp.wait_for(root.trace_id, _expected(backend))
         _check_tree(spans, root)
 
