@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 60.0
 _PREFILL_TIMEOUT_S = 300.0  # a PrefillRequest without its own deadline
+_MAX_ABORTED = 65536  # aborts remembered for prefill calls not arrived yet
 
 
 @dataclasses.dataclass
@@ -104,6 +106,9 @@ class PrefillWorker:
                                 self.kv_transport, kv_device, config.transfer_timeout_s,
                                 config.stream_layers)
         self._pending: dict[str, _Pending] = {}
+        # Aborts that found no prefill here (request id -> monotonic time): the call may still
+        # wait in Ray's queue behind busy request threads, and must not run once it arrives.
+        self._aborted: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{self.worker_id}-send")
         self._layers_sent_total = 0
@@ -191,6 +196,8 @@ class PrefillWorker:
         params = dataclasses.replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1), stop=[])
         pending = _Pending(req, Future(), self.engine.clock())
         with self._lock:
+            if self._aborted.pop(req.request_id, None) is not None:
+                raise KVTransferAborted(f"{req.request_id} aborted before its prefill started")
             if req.request_id in self._pending:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._pending[req.request_id] = pending
@@ -230,16 +237,29 @@ class PrefillWorker:
 
     def abort(self, req: AbortRequest) -> bool:
         """Stop computing and sending ``req.request_id``; its ``prefill`` call raises
-        KVTransferAborted. False when it is not (or no longer) here."""
+        KVTransferAborted, also when it arrives after this (it waited in Ray's queue). False
+        when it is not (or no longer) here."""
         rid = req.request_id
         with self._lock:
             pending = self._pending.get(rid)
+            if pending is None:  # not here yet, or done: a call arriving later is refused
+                self._remember_abort(rid)
         if pending is None:
             return False
         self._abort_kv(rid)
         if not pending.future.done():
             pending.future.set_exception(KVTransferAborted(f"{rid} aborted during prefill"))
         return True
+
+    def _remember_abort(self, request_id: str) -> None:
+        """(Under the lock.) Kept as long as a router may still wait for that call (its
+        prefill deadline and one call timeout), at most _MAX_ABORTED ids."""
+        now = time.monotonic()
+        self._aborted[request_id] = now
+        self._aborted.move_to_end(request_id)
+        while self._aborted and (len(self._aborted) > _MAX_ABORTED or next(
+                iter(self._aborted.values())) < now - _PREFILL_TIMEOUT_S - _CALL_TIMEOUT_S):
+            self._aborted.popitem(last=False)
 
     def pull_prefix(self, req: PullRequest) -> PullResult:
         """Pull a prefix another worker holds into this one's prefix cache (the router's

@@ -274,9 +274,10 @@ def test_redis_store_holds_the_registry_and_journal(loop, tiny_llama_dir, worklo
 
 
 def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_dir, workload):
-    """64 prompts held on a slow prefill worker occupy all 64 of its request threads; load
-    reports and aborts run in their own concurrency groups and still answer, each before its
-    own deadline and before any of those prompts' prefills returned."""
+    """70 prompts on a slow prefill worker: 64 occupy all its request threads, 6 wait in Ray's
+    queue. Load reports and aborts run in their own concurrency groups and still answer, each
+    before its own deadline and before any of those prompts' prefills returned; the queued
+    calls, aborted before they arrived, are refused when they do, so nothing stays held."""
     prompts, _ = workload
     # 8 s a layer: no prefill returns, and so no request thread frees, for 16 s (the first
     # step sends 2 layers of at least one prompt). A control call queued behind them would
@@ -285,10 +286,10 @@ def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_
                      max_inflight_requests=200, capacity_wait_s=60.0, transfer_timeout_s=60.0,
                      lease_s=60.0,
                      worker_overrides={"prefill-0": {"fault_delay_per_layer_s": 8.0}})
-    # As many as the worker has request threads (its max_concurrency): one more would wait in
-    # Ray's queue, start after the aborts below (which find nothing of it there) and run its
-    # whole held prefill.
-    rids = [f"busy-{i}" for i in range(64)]
+    # Six more than the worker has request threads (its max_concurrency): they wait in Ray's
+    # queue and arrive after the aborts below found nothing of them there; run, they would
+    # hold their prompts' blocks through their whole slow prefill (past the check below).
+    rids = [f"busy-{i}" for i in range(70)]
 
     def journaled(cluster, kind: str) -> list[str]:
         return [r for r in rids if kind in {e.kind for e in cluster.store.journal_get(r)}]
@@ -301,7 +302,7 @@ def test_control_calls_answer_while_every_request_thread_waits(loop, tiny_llama_
                 return len(journaled(cluster, "reserved")) == len(rids)
             await until(all_sent, "every prompt sent to the prefill worker", timeout_s=60)
             t0 = time.monotonic()
-            aborted = await cluster.abort("busy-63")
+            aborted = await cluster.abort("busy-69")
             abort_s = time.monotonic() - t0
             t0 = time.monotonic()
             stats = await cluster.stats()
