@@ -1,4 +1,4 @@
-"""Multi-host disaggregation on simulated hosts (DESIGN §6b): three network namespaces on a
+"""Multi-host disaggregation on simulated hosts (docs/deployment.md, "Three simulated hosts on one machine"): three network namespaces on a
 private bridge, each its own IP and Ray node, KV crossing between them.
 
   head     10.231.N.1  Ray head + router + both prefill workers   {"router", "prefill_slot": 2}
