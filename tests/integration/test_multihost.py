@@ -1,5 +1,6 @@
 """Multi-host disaggregation on simulated hosts (docs/deployment.md, "Three simulated hosts on
-one machine"): three network namespaces on a private bridge, each its own IP and Ray node, KV crossing between them.
+one machine"): three network namespaces on a private bridge, each its own IP and Ray node, KV
+crossing between them.
 
   head     10.231.N.1  Ray head + router + both prefill workers   {"router", "prefill_slot": 2}
   decode-a 10.231.N.2  one decode worker                          {"decode_slot": 1}
