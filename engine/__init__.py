@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["LLM", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
+    from engine.args import EngineArgs
     from engine.llm import LLM
-    from engine.llm_engine import EngineArgs, LLMEngine
+    from engine.llm_engine import LLMEngine
     from engine.request import RequestOutput, SamplingParams
 
 
@@ -20,9 +21,12 @@ def __getattr__(name: str) -> Any:
     if name == "LLM":
         from engine.llm import LLM
         return LLM
-    if name in ("EngineArgs", "LLMEngine"):
-        from engine import llm_engine
-        return getattr(llm_engine, name)
+    if name == "EngineArgs":  # plain data: no torch (a router's door imports it)
+        from engine.args import EngineArgs
+        return EngineArgs
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+        return LLMEngine
     if name in ("RequestOutput", "SamplingParams"):
         from engine import request
         return getattr(request, name)

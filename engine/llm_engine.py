@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine.args import EngineArgs  # re-exported: its home is engine.args (no torch)
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
 from engine.cpu_threads import EngineThreads
@@ -45,66 +46,6 @@ from engine.tokenizer import IncrementalDetokenizer, LazyTokenizer, load_tokeniz
 from engine.weights import load_model_config, load_weights, resolve_model
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    """Everything needed to build an engine; the offline API and the workers share it."""
-
-    model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
-    # "auto": bfloat16 on CUDA, float32 on CPU (engine.device has every default).
-    dtype: str = "auto"
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    # None: 1 GiB on CPU; on CUDA what the weights leave of gpu_memory_utilization.
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    batching: str = "continuous"
-    dynamic_window_s: float = 0.05
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # At most this many prompt tokens of one request per step (None: the whole
-    # max_num_batched_tokens): SchedulerConfig.max_prefill_chunk.
-    max_prefill_chunk: int | None = None
-    max_step_prefill_tokens: int | None = None  # SchedulerConfig.max_step_prefill_tokens
-    first_token_first: bool = False  # SchedulerConfig.first_token_first
-    max_model_len: int | None = None  # default: the model's context
-    prefix_hash_seed: int = 0
-    max_waiting: int = 4096
-    cache_dir: str | None = None  # where converted GGUF models are cached
-    # Torch intra-op threads at most (None: the CPUs this process may use: affinity mask and
-    # cgroup quota). adaptive_threads: fewer while other processes take CPU time from the
-    # engine's threads, back when they stop (engine.cpu_threads; CPU, tensor_parallel 1).
-    num_threads: int | None = None
-    adaptive_threads: bool = True
-    # Workers leave detokenization (and stop strings) to the router, which owns the stream.
-    detokenize: bool = True
-    device: str = "cpu"  # "cpu", "cuda", "cuda:N", or "auto" (CUDA when available)
-    # Paged-attention implementation (engine.attention): "torch" runs everywhere,
-    # "flashinfer" on CUDA; "auto" picks flashinfer on CUDA when installed.
-    attention_backend: str = "auto"
-    # Replay decode steps from captured CUDA graphs (None: on for CUDA, off for CPU).
-    cuda_graphs: bool | None = None
-    # CPU: time each linear kernel path and each decode-attention path on this host at
-    # start-up (cached per host in ~/.cache/pdcluster/kernels; engine.kernels). False:
-    # F.linear everywhere and the "gather" decode path.
-    tune_kernels: bool = True
-    # Ranks the model is sharded over (engine.parallel): one process each (this one is rank
-    # 0), one GPU each on CUDA; on the CPU each takes num_threads (default: the cores shared
-    # out). kv_cache_memory_bytes is per rank, so the pool grows with the ranks.
-    tensor_parallel_size: int = 1
-    # Weight-only quantization of the linear layers (engine.quant): "int8" | "int4" quantize
-    # the fp weights at load, "gguf" serves a GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks (no fp
-    # copy of them is read), "none" keeps fp weights; activations and the KV cache are
-    # unchanged. On CUDA only "int4", in bfloat16 (PyTorch's tinygemm kernel, engine.quant_gpu).
-    quantization: str = "none"
-    # A second KV cache tier (engine.kv_tier) for prefix blocks the pool evicts: host memory
-    # (bytes; 0: off), and optionally a disk tier under a directory (both or neither).
-    kv_offload_memory_bytes: int = 0
-    kv_offload_dir: str | None = None
-    kv_offload_disk_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.config import DTYPE_BYTES
+
+# torch is imported where tensors are touched: a router's front door, which reads layouts and
+# addresses only, loads without it.
+if TYPE_CHECKING:
+    import torch
 
 # Reserved tag, used only to tear a pair's gloo connection down on purpose (data uses tag 0).
 KILL_TAG = 2**31 - 1
@@ -43,6 +46,15 @@ class KVTransferAborted(KVTransferError):
 
 
 @dataclass(frozen=True)
+class PeerAddress:
+    """Where a decode worker's KV endpoint listens (for torch_dist: its TCPStore)."""
+
+    worker_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """What both sides must agree on before any KV byte moves."""
 
@@ -67,6 +79,8 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
     def check_compatible(self, other: KVLayout, self_role: str = "decode",
@@ -141,7 +155,7 @@ class KVTransferSpec:
         n = 1
         for d in self.layer_shape:
             n *= d
-        return n * self.layout.torch_dtype.itemsize
+        return n * DTYPE_BYTES[self.layout.dtype]
 
 
 def check_layer_tensor(spec: KVTransferSpec, layer: int, kv: torch.Tensor) -> None:

@@ -13,23 +13,13 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.protocol import KVTransferSpec
+from kv_transfer.protocol import KVTransferSpec, PeerAddress
 
 # on_layer(layer, kv) with kv [2, num_tokens, num_kv_heads, head_dim]; kv is owned by the callee.
 OnLayer = Callable[[int, torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class PeerAddress:
-    """Where a decode worker's KV endpoint listens (for torch_dist: its TCPStore)."""
-
-    worker_id: str
-    host: str
-    port: int
 
 
 class KVSender(ABC):

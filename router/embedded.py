@@ -41,8 +41,8 @@ class EngineBackend:
 
     def __init__(self, engine_args=None, tracing: TracingConfig | None = None) -> None:
         """``tracing``: export each request's trace (worker_protocol.tracing); None: off."""
+        from engine.args import EngineArgs
         from engine.async_engine import AsyncEngine
-        from engine.llm_engine import EngineArgs
         from router.state.memory import InMemoryStore
         from router.state.stream_log import StreamLogger
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.args import EngineArgs
 from engine.request import SamplingParams, TokenLogprob
 from kv_transfer import KVLayout, KVTransferSpec, PeerAddress
 from worker_protocol.tracing import TracingConfig
@@ -277,7 +278,7 @@ class WorkerConfig:
 
     worker_id: str
     role: str  # "prefill" | "decode" | "colocated"
-    engine_args: object  # engine.llm_engine.EngineArgs (untyped: importing it loads the model code)
+    engine_args: EngineArgs
     # Where KV endpoints bind and advertise (worker_protocol.runtime.resolve_kv_host): an
     # explicit address, else this interface's IPv4, else $PDCLUSTER_KV_HOST, else the Ray
     # node IP. The router passes 127.0.0.1 when every worker shares one host.

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.args import EngineArgs
 from engine.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
-from engine.llm_engine import EngineArgs
 from engine.quant import CHOICES as QUANT_CHOICES
 from router.control.config import MIGRATION_PREFILL
 

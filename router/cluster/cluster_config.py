@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.llm_engine import EngineArgs
+from engine.args import EngineArgs
 from engine.parallel.sharding import TPShard
 from router.cluster.autoscale import AutoscaleConfig
 from router.cluster.launcher import StartupError

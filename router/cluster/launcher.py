@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.args import EngineArgs
 from engine.device import resolve_dtype
-from engine.llm_engine import EngineArgs
 from router.cluster.placement import (
     DECODE_RESOURCE,
     PREFILL_RESOURCE,

@@ -23,8 +23,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from engine.args import EngineArgs
 from engine.input_processor import InputProcessor
-from engine.llm_engine import EngineArgs
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_model_config, resolve_model
 from kv_transfer import KVLayout

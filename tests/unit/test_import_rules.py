@@ -234,3 +234,16 @@ def test_pure_core_loads_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_front_door_loads_without_torch():
+    """A router's front doors (the backend contract, HTTP and gRPC servers, their lifecycle)
+    and the engine arguments they pass on are plain Python: a door process pays neither
+    torch's import time nor its memory. (The cluster side of the router reads model configs
+    through engine.weights, which does load torch: docs/architecture.md.)"""
+    code = ("import sys, router.contract, router.frontdoor.http_app, router.frontdoor.grpc_server, "
+            "router.frontdoor.lifecycle, engine.args, kv_transfer, worker_protocol; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
