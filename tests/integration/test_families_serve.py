@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.async_util import LoopThread
+from tests.async_util import LoopThread, ray_loop
 from tests.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
@@ -53,25 +53,16 @@ def loop() -> Iterator[LoopThread]:
     ``Cluster.start`` gives ``ray.init`` for the default ``pdcluster serve`` (its CPUs, its
     namespace, one prefill and one decode slot): a cluster that finds Ray running uses it,
     so each family's cluster is the default one without a Ray start of its own (~5 s each)."""
-    import ray
-
     from router.cluster.launcher import RAY_NAMESPACE
-    from router.cluster.local_ray import start_local_ray
     from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 
     cfg = _serve_config(["serve"]).cluster_config()
     n = (cfg.max_workers("prefill") * cfg.prefill_engine.tensor_parallel_size
          + cfg.max_workers("decode") * cfg.decode_engine.tensor_parallel_size)
-    start_local_ray(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1), namespace=RAY_NAMESPACE,
-                    include_dashboard=False, log_to_driver=False,
-                    resources={PREFILL_RESOURCE: cfg.max_workers("prefill"),
-                               DECODE_RESOURCE: cfg.max_workers("decode")})
-    lt = LoopThread()
-    try:
+    with ray_loop(num_cpus=max(4, int(n * cfg.worker_num_cpus) + 1), namespace=RAY_NAMESPACE,
+                  resources={PREFILL_RESOURCE: cfg.max_workers("prefill"),
+                             DECODE_RESOURCE: cfg.max_workers("decode")}) as lt:
         yield lt
-    finally:
-        lt.close()
-        ray.shutdown()
 
 
 @contextlib.contextmanager

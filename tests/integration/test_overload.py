@@ -59,30 +59,35 @@ async def _stream(client: httpx.AsyncClient, i: int) -> tuple[int, str, float, i
         return 200, reason, gap, tokens, ""
 
 
+async def _flood(config, request, count: int, settle_s: float) -> tuple[list, dict]:
+    """Start the cluster ``config`` describes behind its front doors, send ``count`` requests
+    at once (``request(client, i)``), wait (at most ``settle_s``) until no KV block is held,
+    shut it all down: (their answers in order, the router's migrations by reason)."""
+    from router.cluster.ray_cluster import Cluster
+
+    cluster = await Cluster.start(config)
+    fd = await serve_frontdoor(cluster, grpc_port=0, http_port=0, drain_grace_s=1)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{fd.http_port}",
+                                     timeout=120) as client:
+            got = await asyncio.gather(*[request(client, i) for i in range(count)])
+        await assert_no_blocks_held(cluster, timeout_s=settle_s)
+        return got, dict(cluster.orchestrator.migrations)
+    finally:
+        await fd.stop(1)
+        await cluster.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_queue_past_the_token_timeout_completes_with_no_migration(loop, mode):
     """Eight streams on a slowed two-slot decode worker: some wait several token timeouts
     between two chunks, all answer 200 with every token, and the router migrated none."""
-    from router.cluster.ray_cluster import Cluster
-
     serve = ServeConfig(mode=mode, max_num_seqs=2,
                         worker_overrides={"decode-0": {"fault_delay_per_step_s": 0.05}})
     config = dataclasses.replace(serve.cluster_config(), token_timeout_s=TOKEN_TIMEOUT_S)
 
-    async def body():
-        cluster = await Cluster.start(config)
-        fd = await serve_frontdoor(cluster, grpc_port=0, http_port=0, drain_grace_s=1)
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{fd.http_port}",
-                                         timeout=120) as client:
-                got = await asyncio.gather(*[_stream(client, i) for i in range(STREAMS)])
-            await assert_no_blocks_held(cluster, timeout_s=config.call_timeout_s)
-            return got, dict(cluster.orchestrator.migrations)
-        finally:
-            await fd.stop(1)
-            await cluster.shutdown()
-
-    got, migrations = loop.run(body(), timeout_s=300)
+    got, migrations = loop.run(_flood(config, _stream, STREAMS, config.call_timeout_s),
+                               timeout_s=300)
     assert [(s, r, n, e) for s, r, _, n, e in got] == [(200, "length", MAX_TOKENS, "")] * STREAMS
     assert migrations == {}
     # The regime was reached: a queued stream went longer than the token timeout without a
@@ -97,8 +102,6 @@ def test_streams_lost_on_their_only_worker_move_back_onto_it_and_end_unavailable
     once keep the worker's control threads busy, so an abort can trail its resubmission: the
     same request id twice was a duplicate there, answered 400 with a Ray traceback. Past the
     migration limit each ends 503, and nothing stays held."""
-    from router.cluster.ray_cluster import Cluster
-
     serve = ServeConfig(mode="colocated",
                         worker_overrides={"decode-0": {"fault_delay_per_step_s": 1.5}})
     config = dataclasses.replace(serve.cluster_config(), token_timeout_s=TOKEN_TIMEOUT_S)
@@ -108,20 +111,9 @@ def test_streams_lost_on_their_only_worker_move_back_onto_it_and_end_unavailable
             "prompt": f"Hello {i}", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
         return r.status_code, r.json()
 
-    async def body():
-        cluster = await Cluster.start(config)
-        fd = await serve_frontdoor(cluster, grpc_port=0, http_port=0, drain_grace_s=1)
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{fd.http_port}",
-                                         timeout=120) as client:
-                got = await asyncio.gather(*[one(client, i) for i in range(12)])
-            await assert_no_blocks_held(cluster, timeout_s=config.call_timeout_s + 2 * 1.5)
-            return got, dict(cluster.orchestrator.migrations)
-        finally:
-            await fd.stop(1)
-            await cluster.shutdown()
-
-    got, migrations = loop.run(body(), timeout_s=300)
+    # An abort lands between two 1.5 s steps: the last ones may take two steps to land.
+    got, migrations = loop.run(_flood(config, one, 12, config.call_timeout_s + 2 * 1.5),
+                               timeout_s=300)
     assert [(status, answer["error"]["code"]) for status, answer in got] == \
         [(503, "no_worker")] * 12, got
     assert all("sent no token" in answer["error"]["message"] for _, answer in got)
