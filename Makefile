@@ -29,7 +29,7 @@ serve: $(STAMP)
 	$(BIN)/pdcluster serve $(ARGS)
 
 # Two pytest workers: much of the suite waits on processes starting and on timeouts, so two
-# share 2 cores well (tests/conftest.py says what must stay together; docs/testing.md). Their
+# share 2 cores well (each module whole on one worker: its module-scoped servers start once; docs/testing.md). Their
 # engines then share cores, where OpenMP threads that spin between parallel regions burn the
 # other worker's time: they sleep instead (PASSIVE; ~20% less wall time measured), unless the
 # caller chose a policy. The engines' own code and defaults are the same either way.
@@ -37,7 +37,7 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
-		--dist loadgroup $(PYTEST_ARGS)
+		--dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

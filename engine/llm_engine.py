@@ -314,9 +314,14 @@ class LLMEngine:
         return self._output(req, [], "")
 
     def request_progress(self, request_id: str) -> RequestProgress:
-        """Queued, running (for how long) or unknown here. Safe from any thread: it reads
-        one request's fields, each written whole by the engine thread."""
-        return self.scheduler.progress(request_id)
+        """Queued, running (for how long) or unknown here (see RequestProgress). Safe from
+        any thread: it reads one request's fields, each written whole by the engine thread."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.is_finished:
+            return RequestProgress(RequestProgress.UNKNOWN)
+        if req.status is RequestStatus.RUNNING and req.running_since is not None:
+            return RequestProgress(RequestProgress.RUNNING, self.clock() - req.running_since)
+        return RequestProgress(RequestProgress.QUEUED)
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -1,10 +1,10 @@
 """Iteration-level scheduler: decides, every step, which tokens of which requests to compute.
 
-One rule (as in vLLM's v1 scheduler): each request has ``num_computed_tokens`` and ``num_tokens``; each step
+One rule (vLLM v1's): each request has ``num_computed_tokens`` and ``num_tokens``; each step
 hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs`` (and,
 when set, ``max_prefill_chunk`` prompt tokens to one request, ``max_step_prefill_tokens`` to
 all). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute
-after preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, an injected clock.
+after preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, a clock.
 
 Priorities (``Request.priority``; a migrated stream's re-prefill is 1, new prompts 0): a
 request waits behind every waiting one of its priority or higher, and a step that admits
@@ -35,14 +35,7 @@ from itertools import islice
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import (
-    QueueFullError,
-    Request,
-    RequestProgress,
-    RequestStatus,
-    SamplingParams,
-    TokenLogprob,
-)
+from engine.request import QueueFullError, Request, RequestStatus, SamplingParams, TokenLogprob
 from engine.structured import Grammars, GrammarState
 
 
@@ -219,15 +212,6 @@ class Scheduler:
         else:
             self.waiting.appendleft(req)
         return StepUpdate(req, [first_token_id])
-
-    def progress(self, request_id: str) -> RequestProgress:
-        """Queued, running (and for how long) or unknown: see RequestProgress."""
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return RequestProgress(RequestProgress.UNKNOWN)
-        if req.status is RequestStatus.RUNNING and req.running_since is not None:
-            return RequestProgress(RequestProgress.RUNNING, self.clock() - req.running_since)
-        return RequestProgress(RequestProgress.QUEUED)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request as aborted, freeing its blocks. False if unknown or already done."""
@@ -495,8 +479,7 @@ class Scheduler:
         if structured is None:
             return
         if self.grammars is None:
-            raise ValueError("structured output: this model has no tokenizer to build "
-                             "a grammar for")
+            raise ValueError("structured output: this model has no tokenizer to build a grammar")
         moved = req.sampling_params.sample_index_offset
         req.grammar = self.grammars.start(
             structured, req.prompt_token_ids[len(req.prompt_token_ids) - moved:] if moved else ())

@@ -101,24 +101,6 @@ def tiny_gemma3_dir(tmp_path_factory):
                                                      "rope_theta": 10_000.0}})
 
 
-# ---- parallel runs: what must share one pytest worker -----------------------------------------
-# `make test` runs two workers (pytest-xdist, --dist loadgroup), which hand out whole groups:
-# a module is a group (its module-scoped servers and clusters start once), the front-door
-# package is one (its two backends are package-scoped: started once for all its modules), and
-# the simulated-host modules are one, run one after another (network namespaces, bridges and
-# routes belong to the machine, not to a process).
-_GROUPS = {"tests/integration/frontdoor/": "frontdoor",
-           "tests/integration/test_multihost.py": "netns",
-           "tests/integration/test_local_multinode.py": "netns"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group = next((g for prefix, g in _GROUPS.items() if path.startswith(prefix)), path)
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 # ---- memory: engines must not outlive the tests that built them ------------------------------
 # Each engine holds its weights and a KV pool (1 GiB by default on CPU), and this one process
 # builds dozens. Two things kept finished ones alive, so the process grew to ~19 GB:
