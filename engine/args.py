@@ -11,7 +11,7 @@ class EngineArgs:
     """Everything needed to build an engine; the offline API and the workers share it."""
 
     model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
-    # "auto": bfloat16 on CUDA, float32 on CPU (engine.device has every default).
+    # "auto": bfloat16 on CUDA, float32 on CPU (engine.executor.device has every default).
     dtype: str = "auto"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
@@ -34,7 +34,7 @@ class EngineArgs:
     cache_dir: str | None = None  # where converted GGUF models are cached
     # Torch intra-op threads at most (None: the CPUs this process may use: affinity mask and
     # cgroup quota). adaptive_threads: fewer while other processes take CPU time from the
-    # engine's threads, back when they stop (engine.cpu_threads; CPU, tensor_parallel 1).
+    # engine's threads, back when they stop (engine.runtime.cpu_threads; CPU, tensor_parallel 1).
     num_threads: int | None = None
     adaptive_threads: bool = True
     # Workers leave detokenization (and stop strings) to the router, which owns the stream.
@@ -46,19 +46,19 @@ class EngineArgs:
     # Replay decode steps from captured CUDA graphs (None: on for CUDA, off for CPU).
     cuda_graphs: bool | None = None
     # CPU: time each linear kernel path and each decode-attention path on this host at
-    # start-up (cached per host in ~/.cache/pdcluster/kernels; engine.kernels). False:
+    # start-up (cached per host in ~/.cache/pdcluster/kernels; engine.ops.kernels). False:
     # F.linear everywhere and the "gather" decode path.
     tune_kernels: bool = True
     # Ranks the model is sharded over (engine.parallel): one process each (this one is rank
     # 0), one GPU each on CUDA; on the CPU each takes num_threads (default: the cores shared
     # out). kv_cache_memory_bytes is per rank, so the pool grows with the ranks.
     tensor_parallel_size: int = 1
-    # Weight-only quantization of the linear layers (engine.quant): "int8" | "int4" quantize
+    # Weight-only quantization of the linear layers (engine.quant.layouts): "int8" | "int4" quantize
     # the fp weights at load, "gguf" serves a GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks (no fp
     # copy of them is read), "none" keeps fp weights; activations and the KV cache are
-    # unchanged. On CUDA only "int4", in bfloat16 (PyTorch's tinygemm kernel, engine.quant_gpu).
+    # unchanged. On CUDA only "int4", in bfloat16 (PyTorch's tinygemm kernel, engine.quant.gpu).
     quantization: str = "none"
-    # A second KV cache tier (engine.kv_tier) for prefix blocks the pool evicts: host memory
+    # A second KV cache tier (engine.executor.kv_tier) for prefix blocks the pool evicts: host memory
     # (bytes; 0: off), and optionally a disk tier under a directory (both or neither).
     kv_offload_memory_bytes: int = 0
     kv_offload_dir: str | None = None

@@ -452,7 +452,7 @@ class SchedulerConfig:
     max_step_prefill_tokens: int | None = None
     # Continuous batching: a step that can finish the next waiting prompt runs without the
     # decodes (their next step follows at once), so its first token does not wait for them
-    # (engine/scheduler.py's module docstring).
+    # (engine/core/scheduler.py's module docstring).
     first_token_first: bool = False
 
     def __post_init__(self) -> None:

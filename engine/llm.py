@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from engine.llm_engine import EngineArgs, LLMEngine, Prompt
-from engine.request import RequestOutput, SamplingParams
+from engine.core.request import RequestOutput, SamplingParams
+from engine.runtime.llm_engine import EngineArgs, LLMEngine, Prompt
 
 
 class LLM:

@@ -21,11 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.compute_thread import ComputeThread
-from engine.engine_loop import EngineLoop
-from engine.kv_connector import LayerExport
-from engine.llm_engine import LLMEngine
-from engine.request import RequestFailedError, RequestOutput
+from engine.core.request import RequestFailedError, RequestOutput
+from engine.runtime.compute_thread import ComputeThread
+from engine.runtime.engine_loop import EngineLoop
+from engine.runtime.kv_connector import LayerExport
+from engine.runtime.llm_engine import LLMEngine
 from kv_transfer import KVLayout, KVTransferAborted
 from worker_protocol import (
     AbortRequest,
@@ -90,7 +90,7 @@ class PrefillWorker:
         restore_priority()  # first: threads started later inherit it
         apply_cpu_affinity(config.cpu_affinity)
         args = dataclasses.replace(config.engine_args, detokenize=False)
-        # Built on the thread that will step it (engine.compute_thread says why).
+        # Built on the thread that will step it (engine.runtime.compute_thread says why).
         compute, self.engine = ComputeThread.building(f"{self.worker_id}-loop",
                                                       lambda: LLMEngine(args))
         self.layout = KVLayout.from_model_config(self.engine.model_config)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from engine.request import QueueFullError, SamplingParams, TokenLogprob
+from engine.core.request import QueueFullError, SamplingParams, TokenLogprob
 from worker_protocol import WorkerLoad
 
 __all__ = [
@@ -52,7 +52,7 @@ class WorkerTimeoutError(WorkerUnavailableError, TimeoutError):
     """A worker did not answer a call within its deadline (its host may be cut off)."""
 
 
-# QueueFullError (engine.request) -> gRPC RESOURCE_EXHAUSTED / HTTP 429.
+# QueueFullError (engine.core.request) -> gRPC RESOURCE_EXHAUSTED / HTTP 429.
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     mode: str = "disaggregated"  # or "colocated" / "embedded"
-    # The model's tool-call format, read off its chat template (engine.tokenizer
+    # The model's tool-call format, read off its chat template (engine.text.tokenizer
     # Tokenizer.tool_call_format): "hermes" | "llama3_json" | None.
     tool_call_parser: str | None = None
 
@@ -171,7 +171,7 @@ class WorkerStatus:
     tp: int = 1  # tensor-parallel ranks; ``pid`` is rank 0's
     rank_pids: tuple[int, ...] = ()  # ranks 1.., on ``host``
     # Torch threads its engine steps on now, and the share of their time other processes took
-    # in its last window (engine.cpu_threads; 0 off the CPU).
+    # in its last window (engine.runtime.cpu_threads; 0 off the CPU).
     threads: int = 0
     cpu_stolen: float = 0.0
 

@@ -7,7 +7,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 
-from engine.step_times import merge_rows
+from engine.core.step_times import merge_rows
 from router.contract import (
     BackendStats,
     DrainStatus,
@@ -42,7 +42,7 @@ class EngineBackend:
     def __init__(self, engine_args=None, tracing: TracingConfig | None = None) -> None:
         """``tracing``: export each request's trace (worker_protocol.tracing); None: off."""
         from engine.args import EngineArgs
-        from engine.async_engine import AsyncEngine
+        from engine.runtime.async_engine import AsyncEngine
         from router.state.memory import InMemoryStore
         from router.state.stream_log import StreamLogger
 

@@ -1,9 +1,9 @@
-"""Stand-ins for the clock and the stolen-time reader that engine.cpu_threads.EngineThreads
+"""Stand-ins for the clock and the stolen-time reader that engine.runtime.cpu_threads.EngineThreads
 takes, so a test decides when a window ends and what it lost."""
 
 from __future__ import annotations
 
-from engine.cpu_threads import GovernorConfig
+from engine.runtime.cpu_threads import GovernorConfig
 
 CFG = GovernorConfig()
 

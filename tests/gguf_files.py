@@ -20,7 +20,7 @@ DEFAULT_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_out
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter's rotary permutation of q/k rows (the inverse of
-    ``engine.gguf_convert.unpermute_rows``)."""
+    ``engine.weights.gguf_convert.unpermute_rows``)."""
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
 
@@ -141,7 +141,7 @@ def _add_tokenizer(w, vocab: int) -> None:
 def _tokenizer_fields(vocab: int) -> tuple:
     import gguf
 
-    from engine.weights import default_gguf_path
+    from engine.weights.loader import default_gguf_path
 
     src = gguf.GGUFReader(str(default_gguf_path()))  # ~7 s: read once per process
     tokens = src.fields["tokenizer.ggml.tokens"].contents()[:vocab]

@@ -15,7 +15,7 @@ def greedy_logprobs(prompt: list[int], new_tokens: int, top: int = 5) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.weights import load_state_dict, resolve_model
+    from engine.weights.loader import load_state_dict, resolve_model
 
     model_dir = resolve_model(None).model_dir
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))

@@ -1,6 +1,6 @@
 """A worker's KV events on their way to routers: numbered batches, a bounded log, snapshots.
 
-Every engine step's prefix-cache changes (``engine.kv_events``) leave the worker as one
+Every engine step's prefix-cache changes (``engine.core.kv_events``) leave the worker as one
 ``KVEventBatch`` numbered ``seq`` = 1, 2, ... within the worker's incarnation (its process),
 so a reader can tell a complete run from one with a hole. The worker keeps the last
 ``keep`` batches in a ``KVEventLog`` (the in-memory bus: routers pull ``since(seq)`` through
@@ -10,7 +10,7 @@ down) or a new incarnation asks the worker for a ``KVSnapshot`` and replays from
 
 Batch 1 of every incarnation is ``AllCleared``: a restarted worker's old entries are void.
 
-Tiers (``engine.kv_events.TIERS``): a stored event's tier travels as a third element of its
+Tiers (``engine.core.kv_events.TIERS``): a stored event's tier travels as a third element of its
 JSON list, left out for ``device`` so batches written before tiers existed still parse (and
 read as all on device); a tier this code does not know is refused (ValueError), never read
 as device. A snapshot carries each block's tier beside its hash (``KVSnapshot.tiers``).
@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.kv_events import TIERS, AllCleared, BlockRemoved, BlockStored, KVEvent
+from engine.core.kv_events import TIERS, AllCleared, BlockRemoved, BlockStored, KVEvent
 
 DEFAULT_KEEP_BATCHES = 4096
 

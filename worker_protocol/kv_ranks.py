@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.llm_engine import LLMEngine
+from engine.runtime.llm_engine import LLMEngine
 from kv_transfer import (
     KVHandshakeError,
     KVLayout,

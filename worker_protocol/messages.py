@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
-from engine.request import SamplingParams, TokenLogprob
+from engine.core.request import SamplingParams, TokenLogprob
 from kv_transfer import KVLayout, KVTransferSpec, PeerAddress
 from worker_protocol.tracing import TracingConfig
 
@@ -88,25 +88,25 @@ class WorkerLoad:
     # router whose index lags it for long pulls the batches itself (see router.routing.kv_sync).
     kv_event_seq: int = 0
     # Cumulative over this incarnation: pure-decode engine steps per batch size, as
-    # (batch, steps, seconds) rows (engine.step_times); empty for a prefill worker. And the
+    # (batch, steps, seconds) rows (engine.core.step_times); empty for a prefill worker. And the
     # same for mixed steps (decode rows beside prefill chunks: colocated), by decode rows.
     decode_steps: tuple = ()
     mixed_steps: tuple = ()
     # KV bytes each tensor-parallel rank sent (prefill) or received (decode) on its own
     # pairs, rank order (one entry at TP 1; empty for a colocated worker).
     rank_kv_transfer_bytes: tuple = ()
-    # The second KV cache tier (engine.kv_tier): blocks held in host memory and on disk now,
+    # The second KV cache tier (engine.executor.kv_tier): blocks held in host memory and on disk now,
     # and prompt tokens restored from it instead of recomputed (cumulative).
     kv_offload_host_blocks: int = 0
     kv_offload_disk_blocks: int = 0
     kv_offload_restored_tokens: int = 0
     # Cumulative over this incarnation: preempted requests, cached prefix blocks evicted from
-    # the pool, and every engine step's time (engine.step_times.StepHistogram.snapshot).
+    # the pool, and every engine step's time (engine.core.step_times.StepHistogram.snapshot).
     preemptions: int = 0
     prefix_cache_evictions: int = 0
     step_seconds: tuple = ()
     # The torch threads its engine steps on now, and the fraction of those threads' time
-    # other processes took in its last window (engine.cpu_threads; 0 off the CPU).
+    # other processes took in its last window (engine.runtime.cpu_threads; 0 off the CPU).
     engine_threads: int = 0
     cpu_stolen: float = 0.0
 

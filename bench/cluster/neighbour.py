@@ -16,7 +16,7 @@ Loads, one after another on the same running system: ``quiet``; ``nice19`` and `
 cgroup v2 ``cpu.max`` = ``100000 100000``, or v1 ``cpu.cfs_quota_us`` = ``cpu.cfs_period_us``
 = 100000; moved back and the cgroup removed afterwards; where the host does not let us create
 it, the cell says ``unavailable`` and why). After a load is applied the benchmark waits
-``--settle-s`` (so the engine's thread governor, ``engine.cpu_threads``, sees it), then measures
+``--settle-s`` (so the engine's thread governor, ``engine.runtime.cpu_threads``, sees it), then measures
 every batch size.
 
 Per cell (system, load, batch B), on ``--input-len``-token prompts that are new for every

@@ -104,7 +104,7 @@ def _stats(ttfts: list[float], tpots: list[float], within: int, span: float) -> 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import EngineArgs
-    from engine.profile import EngineProfile, ProfileGrid, profile_engine
+    from engine.tuning.profile import EngineProfile, ProfileGrid, profile_engine
     from router.planning.plan import parse_slo
     from router.planning.served_profile import profile_served
     from router.planning.simulator import ClusterShape, simulate

@@ -3,12 +3,12 @@
 - copy bandwidth: ``dst.copy_(src)`` on a tensor far larger than the caches; bytes counted
   are read + written (2 x size), the convention of STREAM's "copy".
 - GEMV bandwidth: one input row through each linear path the engine can take (``F.linear``,
-  ``mm(W, x.T)``, oneDNN's inner product: ``engine.kernels``), the fastest on this host; bytes
+  ``mm(W, x.T)``, oneDNN's inner product: ``engine.ops.kernels``), the fastest on this host; bytes
   counted are the weight matrix (what a batch-1 decode step streams). This is the decode
   floor's denominator, so the floor is the best this torch does.
-- the engine's linear-kernel plan for the default model (``engine.kernels``): which of the
+- the engine's linear-kernel plan for the default model (``engine.ops.kernels``): which of the
   two paths it takes per weight shape and batch size on this host, and by how much.
-- the fused CPU kernels (``engine.cpu_ops``): built for this host or not, and the decode
+- the fused CPU kernels (``engine.ops.cpu_ops``): built for this host or not, and the decode
   attention path the engine takes per batch and context (timed at start-up, cached).
 - matmul rate: a large square fp32 matmul, 2 n^3 FLOPs, by MKL (``a @ b``) and by oneDNN,
   the faster (on an AMD EPYC with AVX-512, oneDNN ran it ~2x faster than MKL).
@@ -63,7 +63,7 @@ def _time_copy(n: int, repeats: int) -> float:
 def _time_gemv(rows: int, cols: int, repeats: int) -> float:
     import torch
 
-    from engine.kernels import available_paths, linear_by_path
+    from engine.ops.kernels import available_paths, linear_by_path
 
     w = torch.rand(rows, cols)  # [out, in]
     x = torch.rand(1, cols)  # [1, in]: one decode row
@@ -73,7 +73,7 @@ def _time_gemv(rows: int, cols: int, repeats: int) -> float:
 def _time_matmul(n: int, repeats: int) -> float:
     import torch
 
-    from engine.kernels import available_paths
+    from engine.ops.kernels import available_paths
 
     a = torch.rand(n, n)
     b = torch.rand(n, n)
@@ -122,7 +122,7 @@ def _default_model():
     import torch
 
     from engine.models.llama import LlamaForCausalLM
-    from engine.weights import load_model_config, load_state_dict, resolve_model
+    from engine.weights.loader import load_model_config, load_state_dict, resolve_model
 
     model_dir = resolve_model(None).model_dir
     model = LlamaForCausalLM(load_model_config(model_dir))
@@ -132,8 +132,8 @@ def _default_model():
 
 def default_model_linear_plan(model=None):
     """The engine's per-host linear-kernel plan for the default model (cached, or timed now
-    on its weights exactly as an engine starting on this host would: engine.kernels)."""
-    from engine.kernels import model_linear_weights, tune_linear
+    on its weights exactly as an engine starting on this host would: engine.ops.kernels)."""
+    from engine.ops.kernels import model_linear_weights, tune_linear
 
     return tune_linear(model_linear_weights(model or _default_model()))
 
@@ -143,10 +143,10 @@ def fused_kernels_and_decode_paths():
     attention paths the engine times for the default model's attention shapes."""
     import torch
 
-    from engine import cpu_ops
     from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
     from engine.config import CacheConfig
-    from engine.weights import load_model_config, resolve_model
+    from engine.ops import cpu_ops
+    from engine.weights.loader import load_model_config, resolve_model
 
     lib = cpu_ops.library()
     kernels = lib._name if lib is not None else "not built (torch paths serve; see the log)"
@@ -159,10 +159,10 @@ def fused_kernels_and_decode_paths():
 
 def fused_decode_plan(model, linear_plan, decode_paths):
     """Per batch bucket, whether the engine runs the default model's pure-decode steps as one
-    fused call on this host (engine.fused_decode; timed against the layers as they run)."""
+    fused call on this host (engine.executor.fused_decode; timed against the layers as they run)."""
     from engine.config import CacheConfig
-    from engine.fused_decode import tune_fused_decode
-    from engine.kernels import set_linear_plan
+    from engine.executor.fused_decode import tune_fused_decode
+    from engine.ops.kernels import set_linear_plan
 
     set_linear_plan(linear_plan)
     return tune_fused_decode(model, CacheConfig().block_size, decode_paths)
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
     for line in plan.summary():
         print("  " + line, flush=True)
     kernels, decode, prefill = fused_kernels_and_decode_paths()
-    print(f"fused CPU kernels (engine.cpu_ops): {kernels}", flush=True)
+    print(f"fused CPU kernels (engine.ops.cpu_ops): {kernels}", flush=True)
     print("decode attention path per batch and context (and how much faster than the "
           "runner-up):", flush=True)
     for line in decode.summary():
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict:
         print("  " + line, flush=True)
     fused = fused_decode_plan(model, plan, decode)
     print("pure-decode step per batch bucket: layer by layer, or every layer in one fused call "
-          "(engine.fused_decode; the faster is used):", flush=True)
+          "(engine.executor.fused_decode; the faster is used):", flush=True)
     for line in fused.summary() or ["not offered (no fused kernels here)"]:
         print("  " + line, flush=True)
     payload = {"benchmark": "ceilings", "machine": machine_info(), "ceilings": c,

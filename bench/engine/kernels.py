@@ -1,15 +1,15 @@
 """`pdcluster bench kernels`: does this host's linear-kernel plan pay? Decode steps, one process.
 
 The engine picks, per weight shape and batch size, ``F.linear`` or ``mm(W, x.T)`` by timing
-them on this host at start-up (``engine.kernels``). This benchmark runs real decode steps of
+them on this host at start-up (``engine.ops.kernels``). This benchmark runs real decode steps of
 the model at each batch size under three plans, interleaved round by round in one process so
 drift and noisy neighbours hit all three alike, each round starting with the next plan:
 
 - ``host plan``: what the engine chose on this host (cached per host), with the fused C
-  kernels of ``engine.cpu_ops`` (norms, rotary, SiLU-gate, paged decode attention) where built,
-  and the whole-step decode kernel at the batch sizes where it timed faster (``engine.fused_decode``);
+  kernels of ``engine.ops.cpu_ops`` (norms, rotary, SiLU-gate, paged decode attention) where built,
+  and the whole-step decode kernel at the batch sizes where it timed faster (``engine.executor.fused_decode``);
 - ``layer by layer``: the host plan without the whole-step kernel;
-- ``no wide tiles``: the host plan without the wide tiles (``engine.cpu_ops.wide_linear`` and
+- ``no wide tiles``: the host plan without the wide tiles (``engine.ops.cpu_ops.wide_linear`` and
   ``decode_layers``' wide projections): each weight shape and bucket that chose ``cwide`` takes
   its runner-up from the same tuning, each fused bucket on wide tiles the dot tiles;
 - ``mm_t < 128 rows``: the rule hard-coded before (tuned on one AMD EPYC) (this and the two
@@ -42,7 +42,7 @@ PLANS = ("host plan", "layer by layer", "no wide tiles", "mm_t < 128 rows", "F.l
 
 
 def _plans(tuned):
-    from engine.kernels import FP, LINEAR_BUCKETS, M_BUCKETS, LinearPlan
+    from engine.ops.kernels import FP, LINEAR_BUCKETS, M_BUCKETS, LinearPlan
 
     # The fp set-ups below are for fp weights (a quantized model's keys keep the host plan's).
     shapes = {(t.n, t.k) for t in tuned.timings if t.kind == FP}
@@ -64,7 +64,7 @@ def _without_wide(fused):
     """``fused`` with each bucket on wide tiles moved to the dot tiles. (Not to the layers
     where those timed faster than the dot tiles: the layers were timed under a linear plan
     with ``cwide`` in it, which this set-up takes away.)"""
-    from engine.fused_decode import FusedDecodePlan
+    from engine.executor.fused_decode import FusedDecodePlan
 
     return FusedDecodePlan({m: "fused" if c == "wide" else c for m, c in fused.choices.items()})
 
@@ -73,10 +73,11 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
             prompt_len: int = 64) -> tuple[dict[str, float], StepSplit]:
     """Median ms per decode step at ``batch`` under each plan (see the module docstring), and
     where a step goes under the host plan (``bench.engine.step_split``)."""
-    import engine.kernels as kernels
-    from engine import LLM, SamplingParams, cpu_ops
+    import engine.ops.kernels as kernels
+    from engine import LLM, SamplingParams
     from engine.attention.torch_paged import DecodePaths
-    from engine.fused_decode import FusedDecodePlan
+    from engine.executor.fused_decode import FusedDecodePlan
+    from engine.ops import cpu_ops
 
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len))
     eng = llm.engine
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     """Entry point of the ``kernels`` subcommand; returns the JSON payload it wrote."""
     import torch
 
-    import engine.kernels as kernels
+    import engine.ops.kernels as kernels
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

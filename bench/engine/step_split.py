@@ -2,9 +2,9 @@
 
 Wraps, for the duration of a measurement only, the calls that bound each layer: the
 scheduler's ``schedule`` and ``update_from_output``, the model runner's ``execute``, the
-model's ``forward`` and ``compute_logits``, every linear-kernel call (``engine.kernels.linear_by_path``)
-and every fused CPU kernel (``engine.cpu_ops``). A step that runs as one whole-step call
-(``engine.fused_decode``) has its GEMMs inside that call: they count as C kernels then. What is left of the step outside the model
+model's ``forward`` and ``compute_logits``, every linear-kernel call (``engine.ops.kernels.linear_by_path``)
+and every fused CPU kernel (``engine.ops.cpu_ops``). A step that runs as one whole-step call
+(``engine.executor.fused_decode``) has its GEMMs inside that call: they count as C kernels then. What is left of the step outside the model
 (forward + logits) is the scheduler and the Python around the model: input preparation,
 sampling, output bookkeeping. The wrappers add ~1 us per wrapped call (~250 calls a step).
 """
@@ -44,8 +44,8 @@ class StepSplit:
 
 def measure_step_split(engine, steps: int = 10) -> StepSplit:
     """Run ``steps`` engine steps (the caller has a full decode batch running) and split them."""
-    import engine.kernels as kernels
-    from engine import cpu_ops
+    import engine.ops.kernels as kernels
+    from engine.ops import cpu_ops
 
     acc: dict[str, float] = defaultdict(float)
     patched: list[tuple[object, str, object, bool]] = []

@@ -102,8 +102,8 @@ def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, ou
     ``tp``: tensor-parallel ranks, ``num_threads`` each (None: the cores shared out);
     ``quantization``: the engine's weight layout."""
     from engine import SamplingParams
-    from engine.kernels import model_linear_weights
-    from engine.quant import weight_bytes
+    from engine.ops.kernels import model_linear_weights
+    from engine.quant.layouts import weight_bytes
 
     tokens_per_seq = len(prompts[0]) + output_len
     llm = load_llm(model, max_num_seqs=batch, num_threads=num_threads,
@@ -364,8 +364,8 @@ def greedy_agreement(model: str | None, quants: list[str], num_threads: int | No
 
 
 def parse_quantizations(text: str) -> list[str]:
-    """"none,int8,int4" -> the list; each one of ``engine.quant.CHOICES``, no repeats."""
-    from engine.quant import CHOICES
+    """"none,int8,int4" -> the list; each one of ``engine.quant.layouts.CHOICES``, no repeats."""
+    from engine.quant.layouts import CHOICES
 
     names = [x.strip() for x in text.split(",") if x.strip()]
     if not names or len(set(names)) != len(names) or any(n not in CHOICES for n in names):

@@ -2,7 +2,7 @@
 
 Our servers export ``pdcluster_engine_decode_steps_total{batch}`` and
 ``pdcluster_engine_decode_step_seconds_total{batch}`` (every worker's pure-decode engine steps,
-cumulative; ``engine.step_times``). ``scrape`` reads them from ``/metrics`` before and after a
+cumulative; ``engine.core.step_times``). ``scrape`` reads them from ``/metrics`` before and after a
 rate; ``engine_steps`` turns the difference into the steps the engines ran during the rate:
 per batch size, the count and mean step, and the token-weighted mean step (a step of batch b
 produced b tokens, so it counts b times, as in a per-token average). ``serving_overhead`` sets
@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-# Per kind (engine.step_times): pure-decode steps, and mixed steps (decode rows beside
+# Per kind (engine.core.step_times): pure-decode steps, and mixed steps (decode rows beside
 # prefill chunks), each by batch size = the step's decode rows.
 FAMILIES = {"pdcluster_engine_decode_steps_total": ("decode", 0),
             "pdcluster_engine_decode_step_seconds_total": ("decode", 1),

@@ -61,7 +61,7 @@ class Row:
     apply_us: float  # the library's own apply (outlines-core has none: a torch index fill)
     advance_us: float
     tokens: int
-    our_apply_us: float | None = None  # engine.cpu_ops.apply_bitmask on the same bitmask
+    our_apply_us: float | None = None  # engine.ops.cpu_ops.apply_bitmask on the same bitmask
 
 
 def _walk(make: Callable[[], object], mask: Callable, apply: Callable, advance: Callable,
@@ -94,7 +94,7 @@ def _walk(make: Callable[[], object], mask: Callable, apply: Callable, advance: 
 
 def _our_apply(make, mask, advance, tokens, bitmask, vocab: int, repeats: int) -> float:
     """Median us/token of the engine's own bitmask apply over the same walk's masks."""
-    from engine import cpu_ops
+    from engine.ops import cpu_ops
 
     state = make()
     logits = torch.zeros(1, vocab)
@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from engine.tokenizer import load_tokenizer
-    from engine.weights import resolve_model
+    from engine.text.tokenizer import load_tokenizer
+    from engine.weights.loader import resolve_model
 
     model = resolve_model(args.model)
     tok = load_tokenizer(model.model_dir)

@@ -3,8 +3,8 @@
     python -m bench.studies.kernel_ab --base REV [--batches 1,32] [--contexts 300,600,1200,2000]
                               [--calls 15]
 
-Builds ``engine/csrc/cpu_ops.c`` as it is at git revision ``REV`` and as it is in the working
-tree (the machine's compiler, the engine's flags: ``engine.cpu_ops.CFLAGS``), loads both
+Builds ``engine/ops/csrc/cpu_ops.c`` as it is at git revision ``REV`` and as it is in the working
+tree (the machine's compiler, the engine's flags: ``engine.ops.cpu_ops.CFLAGS``), loads both
 libraries, and times ``paged_decode`` over the default model's attention shapes (9 query
 heads over 3 KV heads of 64, 16-token pages scattered through the pool as a serving engine's
 are) with the two builds alternating call by call, so a noisy neighbour hits both alike. Prints
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_ops
+from engine.ops import cpu_ops
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 WARM_CALLS = 3
@@ -67,9 +67,9 @@ def build(source: str, out_dir: Path, name: str) -> ctypes.CDLL:
 
 
 def source_at(rev: str) -> str:
-    """``engine/csrc/cpu_ops.c`` at git revision ``rev`` (raises CalledProcessError if absent)."""
+    """``engine/ops/csrc/cpu_ops.c`` at git revision ``rev`` (raises CalledProcessError if absent)."""
     root = Path(__file__).resolve().parents[2]
-    return subprocess.run(["git", "show", f"{rev}:engine/csrc/cpu_ops.c"], cwd=root, check=True,
+    return subprocess.run(["git", "show", f"{rev}:engine/ops/csrc/cpu_ops.c"], cwd=root, check=True,
                           capture_output=True, text=True).stdout
 
 

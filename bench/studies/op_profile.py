@@ -7,9 +7,9 @@
    ``aten::mm`` per step with the bandwidth it implies (weight bytes / mm time: at batch 1 a
    step streams every weight once). The fused C kernels are ctypes calls, not torch ops: they
    and the Python between ops are the wall time the table does not account for. Where the
-   host runs pure-decode steps as one fused call (``engine.fused_decode``) that call is all
+   host runs pure-decode steps as one fused call (``engine.executor.fused_decode``) that call is all
    there is: ``--layer-by-layer`` profiles the op-by-op step instead.
-2. One-row passes over the model's linear weights in step order (``engine.kernels.
+2. One-row passes over the model's linear weights in step order (``engine.ops.kernels.
    time_passes``), with and without the LM head: if the smaller working set streams faster,
    the CPU's cache holds part of the weights across a step; if not, every step reads them all
    from memory.
@@ -39,17 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from engine import LLM, SamplingParams
-    from engine.kernels import model_linear_weights, time_passes
+    from engine.ops.kernels import model_linear_weights, time_passes
 
     llm = LLM(args.model, max_num_seqs=args.batch,
               max_num_batched_tokens=max(2048, args.batch * PROMPT_LEN))
     eng = llm.engine
     if args.layer_by_layer:
-        from engine.fused_decode import FusedDecodePlan
+        from engine.executor.fused_decode import FusedDecodePlan
 
         eng.runner.fused_decode = FusedDecodePlan()
     fused = eng.runner.fused_decode.use(args.batch)
-    print(f"decode step: {'one fused call (engine.fused_decode)' if fused else 'layer by layer'}")
+    print(f"decode step: {'one fused call (engine.executor.fused_decode)' if fused else 'layer by layer'}")
     rng = random.Random(0)
     params = SamplingParams(max_tokens=WARM_STEPS + args.steps + 2, temperature=0, ignore_eos=True)
     for _ in range(args.batch):

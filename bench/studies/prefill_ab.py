@@ -5,7 +5,7 @@
 
 One ``LLM`` (the host's kernel plans, as an engine starts), one prompt at a time with
 ``max_tokens=1`` (its prefill, the first token sampled), the torch backend's prefill attention
-forced to torch's ``scaled_dot_product_attention`` and to ``engine.cpu_ops.prefill_attention``
+forced to torch's ``scaled_dot_product_attention`` and to ``engine.ops.cpu_ops.prefill_attention``
 alternately, a fresh random prompt each call (no prefix-cache hits). Prints per prompt length
 the median ms of each, sdpa / fused, and the layers' FLOP rate under the fused path.
 ``pdcluster bench ceilings`` prints the attention-alone timings the engine chose by; this is
@@ -36,8 +36,9 @@ def measure(model: str | None, lengths: list[int], rounds: int, seed: int = 0,
             num_threads: int | None = None) -> list[PrefillRow]:
     """Median ms per whole prefill of each length under each path (round 0 untimed);
     ``num_threads``: the engine's torch threads (None: the engine's default)."""
-    from engine import LLM, SamplingParams, cpu_ops
+    from engine import LLM, SamplingParams
     from engine.attention.torch_paged import PrefillPaths
+    from engine.ops import cpu_ops
 
     if not cpu_ops.enabled():
         raise SystemExit("the fused CPU kernels are not built here: nothing to compare")

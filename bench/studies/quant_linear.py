@@ -1,10 +1,10 @@
 """How fast the quantized C kernels read weights: one pass over the default model's
-projection shapes (x30 layers) through ``engine.quant_ops.quantized_linear`` for int8 and
+projection shapes (x30 layers) through ``engine.ops.quant_ops.quantized_linear`` for int8 and
 int4, beside torch's fp32 ``F.linear`` on the same shapes, at a batch of ``--rows``; median of
 11 interleaved rounds, in ms and G weights/s.
 
 Run: ``python -m bench.studies.quant_linear [--threads 2] [--rows 1]``. To compare two builds
-of ``engine/csrc/cpu_ops.c`` (the library is rebuilt when the source changes), run it once per
+of ``engine/ops/csrc/cpu_ops.c`` (the library is rebuilt when the source changes), run it once per
 build, alternating, several times: a shared VM's spells move single runs by 1.3x.
 """
 
@@ -22,8 +22,8 @@ LAYERS = 30
 def main() -> None:
     import torch
 
-    from engine.quant import quantize
-    from engine.quant_ops import quantized_linear
+    from engine.ops.quant_ops import quantized_linear
+    from engine.quant.layouts import quantize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -166,7 +166,7 @@ class FlashInferBackend:
         p.prefill[left].run(q[nd:], kv_cache, out=out[nd:])
         return out.view(num_tokens, num_heads * head_dim)
 
-    # ---- CUDA graphs (engine/cuda_graphs.py) -------------------------------------------
+    # ---- CUDA graphs (engine/executor/cuda_graphs.py) -------------------------------------------
     def new_decode_graph_slot(self, batch_size: int, max_pages: int) -> DecodeGraphSlot:
         """A decode wrapper in CUDA-graph mode for ``batch_size`` sequences holding at most
         ``max_pages`` pages in all (size it for every sequence at the longest context)."""

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_ops
 from engine.attention.backend import AttentionMetadata, AttentionShape, write_kv
-from engine.kernels import M_BUCKETS
+from engine.ops import cpu_ops
+from engine.ops.kernels import M_BUCKETS
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class _PrefillPlan:
         return self.start_pos + self.q_len
 
 
-DECODE_PATHS = ("gather", "rows", "fused")  # "fused": engine.cpu_ops, where it was built
+DECODE_PATHS = ("gather", "rows", "fused")  # "fused": engine.ops.cpu_ops, where it was built
 CONTEXT_BUCKETS = (128, 512, 2048)  # decode paths are timed at these padded lengths
 
 
@@ -52,7 +52,7 @@ class DecodePaths:
     ``"gather"``: one broadcast gather of ``kv_cache[page, kv, offset, head]`` straight into
     ``[2, B, KVH, L, D]``, then two batched matmuls. ``"rows"``: an ``index_select`` of whole
     ``KVH * D`` rows, then two strided ``bmm`` per KV head (no per-element index arithmetic,
-    but a Python loop over heads). ``"fused"``: the C kernel of ``engine.cpu_ops``, reading
+    but a Python loop over heads). ``"fused"``: the C kernel of ``engine.ops.cpu_ops``, reading
     K/V in place through the page table (fp32 CPU, offered only where the library was built).
     Which wins depends on the host, the batch and the context (on one 2-core EPYC: rows 1.8x
     faster than gather at batch 32 with 100-token contexts, 1.7x slower at batch 1), so the
@@ -60,7 +60,7 @@ class DecodePaths:
     """
 
     choices: dict[tuple[int, int], str] = field(default_factory=dict)
-    timings: list = field(default_factory=list)  # engine.kernels.Timing (n=context, m=batch)
+    timings: list = field(default_factory=list)  # engine.ops.kernels.Timing (n=context, m=batch)
     from_cache: bool = False
 
     def path(self, batch: int, context: int) -> str:
@@ -81,7 +81,7 @@ class DecodePaths:
         return lines
 
 
-PREFILL_PATHS = ("sdpa", "fused")  # "fused": engine.cpu_ops.prefill_attention, where built
+PREFILL_PATHS = ("sdpa", "fused")  # "fused": engine.ops.cpu_ops.prefill_attention, where built
 PREFILL_BUCKETS = (128, 512, 2048)  # prefill attention is timed at these KV lengths
 
 
@@ -90,12 +90,12 @@ class PrefillPaths:
     """Which causal prefill attention to run, per KV-length bucket (the chunk's tokens plus
     the ones cached before it). ``"sdpa"``: torch's ``scaled_dot_product_attention`` (its CPU
     flash kernel; 100-130 GFLOP/s on a 2-core AVX-512 EPYC). ``"fused"``:
-    ``engine.cpu_ops.prefill_attention``, 32 query rows in vector lanes, keys and values read
+    ``engine.ops.cpu_ops.prefill_attention``, 32 query rows in vector lanes, keys and values read
     as broadcast scalars, lane-wise online softmax (fp32 CPU, offered where the library was
     built). Timed per host at start-up (``tune_prefill_paths``); untimed: sdpa."""
 
     choices: dict[int, str] = field(default_factory=dict)
-    timings: list = field(default_factory=list)  # engine.kernels.Timing (n=KV length, m=1)
+    timings: list = field(default_factory=list)  # engine.ops.kernels.Timing (n=KV length, m=1)
     from_cache: bool = False
 
     @classmethod

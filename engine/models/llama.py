@@ -9,8 +9,8 @@ Tokens of all sequences in a step are flattened into one ``[num_tokens]`` batch,
 linear layer runs once per step for the whole batch (the batching gain on memory-bound decode).
 Q/K/V and gate/up are fused into single GEMMs: on CPU small-M GEMMs are far below the roof, and
 fewer, wider ones are measurably faster (docs/benchmarks.md). Every projection goes through
-``engine.kernels.linear``, whose path per weight shape and batch size was timed on this host;
-the norms, rotary embedding and SiLU-gate go through ``engine.cpu_ops`` (fused C kernels on
+``engine.ops.kernels.linear``, whose path per weight shape and batch size was timed on this host;
+the norms, rotary embedding and SiLU-gate go through ``engine.ops.cpu_ops`` (fused C kernels on
 fp32 CPU, their torch twins elsewhere).
 """
 
@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine import cpu_ops
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
-from engine.kernels import linear
 from engine.models.gemma import gelu_tanh_mul, load_norms, norm_weight
 from engine.models.moe import SparseMoE
 from engine.models.quantized import QEmbedding, QLinear, placer
 from engine.models.rope import RotaryEmbedding
+from engine.ops import cpu_ops
+from engine.ops.kernels import linear
 from engine.parallel.sharding import TPShard
-from engine.quant import QuantizedWeight, cat_rows, quantize
-from engine.quant_gpu import TinyGemmWeight, to_cuda
+from engine.quant.gpu import TinyGemmWeight, to_cuda
+from engine.quant.layouts import QuantizedWeight, cat_rows, quantize
 
 if TYPE_CHECKING:
     from engine.parallel.comm import TPComm
@@ -47,7 +47,7 @@ LayerHook = Callable[[int, torch.Tensor], None]
 # instead, their initializers imported ~900 modules (150 MB).
 class Linear(nn.Module):
     """A linear layer's weight ``[out, in]`` (and bias), uninitialized; read by
-    ``engine.kernels.linear``, never called."""
+    ``engine.ops.kernels.linear``, never called."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
                      kv_caches: list[torch.Tensor], tables: torch.Tensor, kv_lens: torch.Tensor,
                      block_size: int, wide_from: int = cpu_ops.NEVER_WIDE) -> torch.Tensor | None:
         """``forward`` for a pure-decode step (one new token per sequence, ``input_ids [M]``)
-        as one call of ``engine.cpu_ops.decode_layers``: every layer in one OpenMP region,
+        as one call of ``engine.ops.cpu_ops.decode_layers``: every layer in one OpenMP region,
         the new K/V written into each sequence's slot (``tables [M, max_pages]``, ``kv_lens
         [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles).
         Same math as ``forward``; None, computing
@@ -328,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
 
     def quantize(self, kind: str) -> None:
         """Replace every linear weight (QKV, O, gate/up, down or every expert's, the LM head,
-        and the embedding where the head is tied to it) by its ``engine.quant`` layout
+        and the embedding where the head is tied to it) by its ``engine.quant.layouts`` layout
         ``kind`` ("int8" or "int4"), dropping the fp tensors: what ``--quantization`` does
         after loading. Norms, biases, MoE routers and the KV cache stay in the model dtype.
         Raises ValueError for layouts a weight cannot take."""
@@ -351,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
     def place_quantized(self, device: torch.device) -> None:
         """Move the quantized weights to ``device`` (``Module.to`` moves parameters and
         buffers; these are neither). On CUDA, int4 projections are packed for PyTorch's
-        tinygemm kernel (``engine.quant_gpu``), every expert's too, and a tied head gets a
+        tinygemm kernel (``engine.quant.gpu``), every expert's too, and a tied head gets a
         packed copy of the table beside the embedding's rows. Nothing to do on the CPU."""
         if not self.quantization or device.type == "cpu":
             return
@@ -377,8 +377,8 @@ class LlamaForCausalLM(nn.Module):
                            quantized: dict[str, QuantizedWeight] | None = None) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up. Under tensor
         parallelism ``sd`` holds this rank's slices (``load_state_dict(..., shard=...)``).
-        ``quantized``: linear weights (and the embedding) already in an ``engine.quant``
-        layout (a GGUF's own blocks, ``engine.weights.load_quantized_state_dict``), served as
+        ``quantized``: linear weights (and the embedding) already in an ``engine.quant.layouts``
+        layout (a GGUF's own blocks, ``engine.weights.loader.load_quantized_state_dict``), served as
         they are; a fused weight whose parts do not share one layout is dequantized instead
         (exact, in the model dtype). Raises ValueError on a missing or mis-shaped tensor (the
         checkpoint does not match the config)."""

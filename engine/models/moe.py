@@ -14,7 +14,7 @@ rank routes alike, and the layer's one all-reduce sums the partial outputs (the 
 is cut the same way by its own size; its gate is replicated and scales each partial sum).
 
 ``quantize`` puts every expert's gate/up and down (and the shared expert's) in an
-``engine.quant`` layout, one ``QuantizedWeight`` per expert; the router and the shared
+``engine.quant.layouts`` layout, one ``QuantizedWeight`` per expert; the router and the shared
 expert's gate stay in the model dtype (tiny, and they choose the experts).
 """
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import cpu_ops
 from engine.config import ModelConfig
-from engine.kernels import linear
-from engine.quant import QuantizedWeight, cat_rows, quantize
+from engine.ops import cpu_ops
+from engine.ops.kernels import linear
+from engine.quant.layouts import QuantizedWeight, cat_rows, quantize
 
 
 class SparseMoE(nn.Module):
@@ -101,7 +101,7 @@ class SparseMoE(nn.Module):
         """Fill from HF tensors ``{prefix}gate.weight`` (the router) and, per expert j,
         ``{prefix}experts.{j}.{gate,up,down}.weight`` under the family's ``names`` (and
         Qwen2-MoE's ``shared_expert.*``). ``quantized``: projections already in an
-        ``engine.quant`` layout (a GGUF's blocks), held as they are when every expert's (or
+        ``engine.quant.layouts`` layout (a GGUF's blocks), held as they are when every expert's (or
         the shared expert's) are in one layout, else dequantized into the stacked tensors;
         what is not there comes from ``take``."""
         quantized = quantized or {}

@@ -1,4 +1,4 @@
-"""Layers that hold ``engine.quant`` weights where a model's fp ones were, and moving such
+"""Layers that hold ``engine.quant.layouts`` weights where a model's fp ones were, and moving such
 weights to a device (``Module.to`` moves parameters and buffers; these are neither)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.quant import QuantizedWeight
-from engine.quant_gpu import to_cuda
+from engine.quant.gpu import to_cuda
+from engine.quant.layouts import QuantizedWeight
 
 
 class QLinear(nn.Module):
-    """A linear layer whose weight is quantized (``engine.quant``): stands where the
-    fp ``Linear`` was (``.weight``, ``.bias``), read by ``engine.kernels.linear``."""
+    """A linear layer whose weight is quantized (``engine.quant.layouts``): stands where the
+    fp ``Linear`` was (``.weight``, ``.bias``), read by ``engine.ops.kernels.linear``."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -37,7 +37,7 @@ class QEmbedding(nn.Module):
 
 def placer(device: torch.device) -> Callable[[Any, str], Any]:
     """``place(weight, name)``: a quantized weight ready to multiply on ``device`` (on CUDA,
-    int4 packed for tinygemm: ``engine.quant_gpu.to_cuda``; ``name`` for its log line), any
+    int4 packed for tinygemm: ``engine.quant.gpu.to_cuda``; ``name`` for its log line), any
     other weight unchanged."""
     def place(w, name: str):
         if not isinstance(w, QuantizedWeight):

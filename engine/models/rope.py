@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import cpu_ops
 from engine.config import ModelConfig
+from engine.ops import cpu_ops
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The other ranks of a tensor-parallel engine: rank 0 (the engine's own process, which owns
 the scheduler and samples) starts ranks 1..N-1 as processes of their own
-(``engine.parallel.follower``), sends each step to them and ends them.
+(``engine.runtime.tp_follower``), sends each step to them and ends them.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class TPRanks:
             for rank in range(1, size):
                 spec = FollowerSpec(dataclasses.asdict(args), rank, size, address, os.getpid())
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "engine.parallel.follower", spec.to_json()]))
+                    [sys.executable, "-m", "engine.runtime.tp_follower", spec.to_json()]))
             wait_for_ranks(store, size, self._exited)
             self.comm = TPComm(TPShard(0, size), address, device, store, shm)
             if shm is not None:  # stop waiting in an all-reduce for a rank that died

@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -262,11 +262,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """Measure and write the engine profile (engine/profile.py); print what was measured."""
+    """Measure and write the engine profile (engine/tuning/profile.py); print what was measured."""
     from pathlib import Path
 
     from engine import EngineArgs
-    from engine.profile import ProfileGrid, profile_engine
+    from engine.tuning.profile import ProfileGrid, profile_engine
 
     if args.threads < 1:
         print("error: --threads must be >= 1", file=sys.stderr)
@@ -300,7 +300,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from engine.profile import EngineProfile
+    from engine.tuning.profile import EngineProfile
     from router.planning.plan import parse_slo, search, table
     from router.planning.workload import load_workload
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.args import EngineArgs
-from engine.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
-from engine.quant import CHOICES as QUANT_CHOICES
+from engine.executor.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
+from engine.quant.layouts import CHOICES as QUANT_CHOICES
 from router.control.config import MIGRATION_PREFILL
 
 log = logging.getLogger(__name__)
@@ -61,17 +61,17 @@ class ServeConfig:
     http_port: int = 8000
     ray_address: str | None = None
     redis_url: str | None = None
-    # The engines' device settings (engine.device resolves every "auto"; docs/deployment.md,
+    # The engines' device settings (engine.executor.device resolves every "auto"; docs/deployment.md,
     # GPUs). device: auto = GPUs when the Ray cluster has them, cuda = require them.
     device: str = "auto"
     dtype: str = "auto"
-    # Weight-only int8 / int4 linear layers on CPU workers (engine.quant); "none" keeps fp.
+    # Weight-only int8 / int4 linear layers on CPU workers (engine.quant.layouts); "none" keeps fp.
     quantization: str = "none"
     attention_backend: str = "auto"
     cuda_graphs: bool | None = None  # None: on for GPU workers
     gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
     kv_cache_memory: str | int | None = None  # per worker; None: 1 GiB on CPU, GPU: from memory
-    # The second KV cache tier per worker (engine.kv_tier): host memory, then disk.
+    # The second KV cache tier per worker (engine.executor.kv_tier): host memory, then disk.
     kv_offload_memory: str | int | None = None
     kv_offload_dir: str | None = None
     kv_offload_disk: str | int | None = None
@@ -81,10 +81,10 @@ class ServeConfig:
     # short prompts and prefix hits behind a long prompt start the next step.
     max_prefill_chunk: int | None = None
     # A step that can finish an arriving prompt leaves the decodes out (they run next step):
-    # its first token waits for its own compute only (engine/scheduler.py).
+    # its first token waits for its own compute only (engine/core/scheduler.py).
     first_token_first: bool = False
     # Engines run fewer torch threads while other processes take their threads' time, and
-    # their planned count again once they stop (engine.cpu_threads). False: always planned.
+    # their planned count again once they stop (engine.runtime.cpu_threads). False: always planned.
     adaptive_threads: bool = True
     # Decode and colocated workers: at most this many prompt tokens of all requests a step
     # (None: a disaggregated decode worker's own 64, decode_workers.worker; colocated: none),
@@ -205,7 +205,7 @@ class ServeConfig:
             raise ValueError(f"--startup-timeout-s must be > 0, got {self.startup_timeout_s}")
 
     def kv_cache_memory_bytes(self) -> int | None:
-        """``--kv-cache-memory`` in bytes; None: engine.device sizes the pool."""
+        """``--kv-cache-memory`` in bytes; None: engine.executor.device sizes the pool."""
         if self.kv_cache_memory is None:
             return None
         try:
@@ -217,8 +217,8 @@ class ServeConfig:
         return size
 
     def offload_config(self):
-        """The ``--kv-offload-*`` flags as ``engine.kv_tier.KVTierConfig`` (checked)."""
-        from engine.kv_tier import KVTierConfig
+        """The ``--kv-offload-*`` flags as ``engine.executor.kv_tier.KVTierConfig`` (checked)."""
+        from engine.executor.kv_tier import KVTierConfig
 
         sizes = {}
         for name in ("kv_offload_memory", "kv_offload_disk"):
@@ -325,7 +325,7 @@ class ServeConfig:
         own interpolation), or None without one. ValueError for a file that is not one."""
         if self.autoscale_profile is None:
             return None
-        from engine.profile import EngineProfile
+        from engine.tuning.profile import EngineProfile
 
         try:
             prof = EngineProfile.load(self.autoscale_profile)
@@ -400,7 +400,7 @@ class ServeConfig:
         if auto is not None:  # cores for as many workers as may run, not the first ones
             num_prefill = auto.policy.max_prefill if num_prefill else 0
             num_decode = auto.policy.max_decode
-        from engine.cpu_threads import cpu_budget
+        from engine.runtime.cpu_threads import cpu_budget
 
         # The CPUs this process may use (affinity mask, cgroup quota), not the machine's.
         return plan_threads(cpu_budget().threads, num_prefill, max(1, num_decode),

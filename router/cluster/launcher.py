@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.args import EngineArgs
-from engine.device import resolve_dtype
+from engine.executor.device import resolve_dtype
 from router.cluster.placement import (
     DECODE_RESOURCE,
     PREFILL_RESOURCE,
@@ -159,7 +159,7 @@ class WorkerLauncher:
         if placement.use_gpus:
             # Ray shows the actor its GPU (CUDA_VISIBLE_DEVICES): cuda:0 there. Workers
             # sharing a GPU split gpu_memory_utilization, so their pools together stay under
-            # it (each counts only its own allocations: engine.device.kv_pool_bytes).
+            # it (each counts only its own allocations: engine.executor.device.kv_pool_bytes).
             share = args.gpu_memory_utilization / placement.gpus.workers_per_gpu
             args = dataclasses.replace(args, device="cuda", gpu_memory_utilization=share)
         else:  # Ray gave it no GPU: an "auto" engine must not take one anyway

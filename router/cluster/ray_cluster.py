@@ -24,9 +24,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.args import EngineArgs
-from engine.input_processor import InputProcessor
-from engine.tokenizer import load_tokenizer
-from engine.weights import load_model_config, resolve_model
+from engine.text.input_processor import InputProcessor
+from engine.text.tokenizer import load_tokenizer
+from engine.weights.loader import load_model_config, resolve_model
 from kv_transfer import KVLayout
 from router.cluster.autoscale import Autoscaler
 from router.cluster.cluster_config import ClusterConfig, check_tp_layouts

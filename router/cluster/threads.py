@@ -27,9 +27,9 @@ the step time as much as the kernels do. Measured on a 2-core box (docs/figures/
   took 35 ms with PASSIVE, 24 ms without, on an otherwise idle box).
 
 The cores counted are the CPUs the router's process may use (its affinity mask and cgroup
-quota: ``engine.cpu_threads.cpu_budget``): on a multi-node Ray cluster, set the thread flags
+quota: ``engine.runtime.cpu_threads.cpu_budget``): on a multi-node Ray cluster, set the thread flags
 for the worker nodes. Each engine then runs fewer threads than planned while other processes
-take its threads' time, and the planned count again once they stop (``engine.cpu_threads``).
+take its threads' time, and the planned count again once they stop (``engine.runtime.cpu_threads``).
 """
 
 from __future__ import annotations

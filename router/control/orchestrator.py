@@ -15,9 +15,9 @@ import uuid
 from collections.abc import AsyncIterator
 
 from engine.config import cdiv
-from engine.input_processor import InputProcessor
-from engine.request import QueueFullError, RequestFailedError, SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.core.request import QueueFullError, RequestFailedError, SamplingParams
+from engine.text.input_processor import InputProcessor
+from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_transfer import KVLayout
 from router.contract import (
     GenerateInput,

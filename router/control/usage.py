@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.step_times import merge_rows
+from engine.core.step_times import merge_rows
 from worker_protocol import WorkerLoad
 
 StepTotals = dict[int, tuple[int, float]]  # batch size -> (steps, seconds)

@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine.step_times import step_histogram
+from engine.core.step_times import step_histogram
 from router.contract import BackendStats, GenerationBackend, GenerationChunk
 from router.frontdoor.recent import RecentRequest, RecentRequests
 
@@ -67,7 +67,7 @@ class _StatsCollector(Collector):
             fams["kv_usage_ratio"].add_metric(lv, w.kv_blocks_used / w.kv_blocks_total
                                               if w.kv_blocks_total else 0.0)
         yield from fams.values()
-        # The second KV cache tier (engine.kv_tier): what each worker keeps there, and the
+        # The second KV cache tier (engine.executor.kv_tier): what each worker keeps there, and the
         # prompt tokens it restored instead of recomputing (a counter per worker process).
         tier = GaugeMetricFamily("pdcluster_kv_offload_blocks",
                                  "KV blocks a worker keeps in its second cache tier",
@@ -158,7 +158,7 @@ class _StatsCollector(Collector):
                 transfers.add_metric([pair], h.cumulative(), h.sum)
             yield transfers
         yield from _engine_counter_families(s)
-        # The engine's own steps (engine.step_times), what `pdcluster bench serve` sets the
+        # The engine's own steps (engine.core.step_times), what `pdcluster bench serve` sets the
         # served time per output token beside: pure-decode steps by batch size, and mixed
         # steps (decode rows beside prefill chunks: colocated workers) by their decode rows.
         yield from _step_families("decode", "Pure-decode engine steps", s.decode_steps)
@@ -173,7 +173,7 @@ def _engine_counter_families(s: BackendStats):
     threads = GaugeMetricFamily("pdcluster_engine_threads",
                                 "Torch threads a worker's engine steps on now: the CPUs it may "
                                 "use (affinity, cgroup quota), fewer while other processes take "
-                                "its threads' time (engine.cpu_threads)", labels=labels)
+                                "its threads' time (engine.runtime.cpu_threads)", labels=labels)
     stolen = GaugeMetricFamily("pdcluster_engine_cpu_stolen_ratio",
                                "Fraction of a worker's busy engine threads' time, in its last "
                                "window, spent waiting for a CPU or throttled by its cgroup",

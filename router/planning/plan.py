@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.profile import EngineProfile
+from engine.tuning.profile import EngineProfile
 from router.planning.simulator import ClusterShape, SimResult, simulate
 from router.planning.workload import TraceRequest
 

@@ -1,7 +1,7 @@
 """`pdcluster profile --served`: the step times a cluster's workers really take, measured while
 they serve.
 
-A bare engine's steps (``engine.profile``) leave out what serving adds on the same cores: the
+A bare engine's steps (``engine.tuning.profile``) leave out what serving adds on the same cores: the
 router, Ray, each prefill worker's KV export and sender, each decode worker's receiver. On a
 small host that is a third or more of a prefill's time (``docs/figures/history.md``, the
 planner's check). This profile starts a local 1 prefill + 1 decode cluster of the model and
@@ -34,7 +34,7 @@ import statistics
 import time
 from typing import Any
 
-from engine.profile import EngineProfile, ProfileGrid, measure_loopback_bytes_s
+from engine.tuning.profile import EngineProfile, ProfileGrid, measure_loopback_bytes_s
 
 __all__ = ["profile_served"]
 
@@ -224,7 +224,7 @@ def profile_served(model: str | None, num_threads: int, grid: ProfileGrid | None
     """Measure ``grid`` (its prompt lengths, decode batches and contexts; prefill batches are
     not: a served step's cost follows its tokens) on a fresh local 1P+1D cluster."""
     from engine import EngineArgs
-    from engine.weights import load_model_config, resolve_model
+    from engine.weights.loader import load_model_config, resolve_model
     from router.cluster.ray_cluster import Cluster, ClusterConfig
 
     t0 = time.perf_counter()

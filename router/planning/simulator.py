@@ -43,7 +43,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.profile import EngineProfile
+from engine.tuning.profile import EngineProfile
 from router.planning.workload import TraceRequest
 
 __all__ = ["ClusterShape", "SimResult", "simulate"]

@@ -1,6 +1,6 @@
 """The router's picture of every worker's prefix cache, built only from the workers' KV events.
 
-Per worker: the set of chained block hashes its cache holds (``engine.kv_events``), its block
+Per worker: the set of chained block hashes its cache holds (``engine.core.kv_events``), its block
 size, and a cursor (incarnation, last batch applied). No TTLs and no guesses: a block is in
 the index from the batch that stored it until the batch that evicted it. A batch that does
 not follow the cursor (a hole: batches trimmed or dropped; a new incarnation) is refused, and
@@ -19,7 +19,7 @@ the event storing its block arrives (or a snapshot lists it), or when its reques
 ``forget``-ten (the request ended, or its attempt on that worker failed), whichever is first:
 the entries are bounded by the requests in flight, never by a timer.
 
-Tiers: a worker with a second cache tier (``engine.kv_tier``) holds some blocks in host memory
+Tiers: a worker with a second cache tier (``engine.executor.kv_tier``) holds some blocks in host memory
 or on disk, not in its KV pool. The index keeps each held block's cheapest tier (a
 ``BlockStored`` moves a block to its tier; ``BlockRemoved`` means no tier holds it), and
 ``match_detail`` answers both counts a router needs: ``blocks``, the leading blocks the worker
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import hash_block
-from engine.kv_events import AllCleared, BlockRemoved, BlockStored
+from engine.core.block_manager import hash_block
+from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
 from worker_protocol.kv_events import KVEventBatch, KVSnapshot
 
 # What a cached block saves a request routed to its worker, as a fraction of computing the
@@ -49,7 +49,7 @@ DEVICE_BLOCK_WEIGHT = 1.0  # in the KV pool: nothing to restore
 HOST_BLOCK_WEIGHT = 0.95
 DISK_BLOCK_WEIGHT = 0.8
 TIER_BLOCK_WEIGHTS = {"device": DEVICE_BLOCK_WEIGHT, "host": HOST_BLOCK_WEIGHT,
-                      "disk": DISK_BLOCK_WEIGHT}  # one per engine.kv_events.TIERS
+                      "disk": DISK_BLOCK_WEIGHT}  # one per engine.core.kv_events.TIERS
 # A block a request routed to the worker is computing there now (``KVIndex.expect``) will
 # be in its pool when the next request needs it.
 IN_FLIGHT_BLOCK_WEIGHT = 1.0

@@ -34,8 +34,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from engine.request import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.core.request import SamplingParams
+from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from router.contract import GenerateInput, GenerationChunk, StreamNotFoundError, Usage
 from router.state.store import ClusterStore, StreamRecord
 from worker_protocol import RequestTokens, TokenUpdate

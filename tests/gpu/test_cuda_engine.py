@@ -16,8 +16,8 @@ import torch
 
 from bench.gpu_check import CPU_REFERENCE, match_fraction
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import decode_buckets
-from engine.device import resolve_device
+from engine.executor.cuda_graphs import decode_buckets
+from engine.executor.device import resolve_device
 from tests.gpu.marks import needs_flashinfer
 from tests.tiny_models import VOCAB
 

@@ -8,7 +8,7 @@ import torch
 
 from engine.attention.backend import AttentionShape, SeqSlice, build_metadata
 from engine.attention.factory import create_backend
-from engine.cuda_graphs import DecodePadding, decode_buckets
+from engine.executor.cuda_graphs import DecodePadding, decode_buckets
 from tests.gpu.marks import needs_flashinfer
 
 pytestmark = [pytest.mark.gpu, needs_flashinfer]

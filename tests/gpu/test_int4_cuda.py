@@ -1,5 +1,5 @@
 """``--quantization int4`` on CUDA: every projection packed for PyTorch's tinygemm kernel
-(``engine.quant_gpu``), multiplying as our int4 weights do (to bf16), and the default model's
+(``engine.quant.gpu``), multiplying as our int4 weights do (to bf16), and the default model's
 greedy tokens mostly those of the CPU engine's int4 (fp32 activations there, bf16 here).
 
 Skipped cleanly without CUDA (all CI machines): ``bash bench/gpu_check.sh`` runs them.
@@ -12,8 +12,8 @@ import torch
 
 from bench.gpu_check import CPU_REFERENCE, match_fraction
 from engine import LLM, SamplingParams
-from engine.quant import quantize
-from engine.quant_gpu import TinyGemmWeight, to_cuda
+from engine.quant.gpu import TinyGemmWeight, to_cuda
+from engine.quant.layouts import quantize
 from tests.tiny_models import random_prompts
 
 pytestmark = [pytest.mark.gpu,

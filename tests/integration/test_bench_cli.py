@@ -76,8 +76,8 @@ def test_kernels_no_wide_set_up_takes_each_runner_up():
     """``no wide tiles``: a shape/bucket that chose ``cwide`` takes its runner-up, a fused
     bucket on wide tiles the dot tiles."""
     from bench.engine.kernels import _plans, _without_wide
-    from engine.fused_decode import FusedDecodePlan
-    from engine.kernels import LinearPlan, Timing
+    from engine.executor.fused_decode import FusedDecodePlan
+    from engine.ops.kernels import LinearPlan, Timing
 
     tuned = LinearPlan.from_timings([
         Timing(64, 32, 8, {"cwide": 1.0, "onednn": 2.0, "linear": 3.0}),

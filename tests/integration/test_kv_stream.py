@@ -15,7 +15,7 @@ import time
 import pytest
 import redis
 
-from engine.kv_events import AllCleared, BlockRemoved, BlockStored
+from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
 from tests.async_util import wait_until
 from tests.redis_server import OwnRedis
 from worker_protocol.kv_events import KVEventBatch, KVEventLog

@@ -25,7 +25,7 @@ from client import (
     Unauthenticated,
     Unavailable,
 )
-from engine.llm_engine import EngineArgs
+from engine.runtime.llm_engine import EngineArgs
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
 from router.embedded import EngineBackend

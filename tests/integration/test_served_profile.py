@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from engine.profile import EngineProfile, ProfileGrid
+from engine.tuning.profile import EngineProfile, ProfileGrid
 from router.planning.served_profile import profile_served
 from router.planning.simulator import ClusterShape, simulate
 from router.planning.workload import TraceRequest

@@ -29,9 +29,9 @@ from engine.attention.torch_paged import (
 )
 from engine.attention.torch_tuning import tune_decode_paths
 from engine.config import cdiv
-from engine.fused_decode import FusedDecodePlan
-from engine.kernels import M_BUCKETS
-from engine.llm_engine import EngineArgs, LLMEngine
+from engine.executor.fused_decode import FusedDecodePlan
+from engine.ops.kernels import M_BUCKETS
+from engine.runtime.llm_engine import EngineArgs, LLMEngine
 
 # One step, decode-first: two decodes (one with 9 cached tokens, one a 1-token prompt), a prefill
 # chunk over 6 cached tokens whose block table has a spare trailing block, and a fresh prompt.

@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 
 BS = 4
 

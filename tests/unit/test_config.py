@@ -10,7 +10,7 @@ from engine.config import (
     SchedulerConfig,
     num_blocks_for_budget,
 )
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 _LLAMA_HF = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
@@ -220,8 +220,8 @@ def test_serve_gpu_memory_utilization_of_one_is_allowed():
 
 
 def test_serve_flag_choices_are_the_engines():
-    # router/cli/serve.py spells them out (importing engine.device would import torch).
-    from engine.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
+    # router/cli/serve.py spells them out (importing engine.executor.device would import torch).
+    from engine.executor.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
     from router.cli import serve as serve_cli  # the flags
     from router.cli import serve_config as serve  # ServeConfig's own lists
 

@@ -1,4 +1,4 @@
-"""The CPUs an engine may use (engine.cpu_threads.cpu_budget: the affinity mask and the
+"""The CPUs an engine may use (engine.runtime.cpu_threads.cpu_budget: the affinity mask and the
 cgroup quota, v1 and v2) and what other processes take of its threads' time (StolenTime, on
 files laid out as /proc and /sys/fs/cgroup lay them out)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu_threads import (
+from engine.runtime.cpu_threads import (
     CpuBudget,
     GovernorConfig,
     StolenTime,

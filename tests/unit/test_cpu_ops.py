@@ -1,4 +1,4 @@
-"""The fused CPU kernels (engine/csrc/cpu_ops.c) against their torch twins and a float64
+"""The fused CPU kernels (engine/ops/csrc/cpu_ops.c) against their torch twins and a float64
 reference, the build (cached per host, a broken compiler leaves the twins in charge), and the
 process state the library must not touch."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import cpu_ops
+from engine.ops import cpu_ops
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +48,7 @@ def test_loading_the_library_keeps_subnormal_floats():
     # whole process at load time; the library is linked without it.
     code = textwrap.dedent("""
         import numpy as np
-        from engine import cpu_ops
+        from engine.ops import cpu_ops
         assert cpu_ops.enabled()
         tiny = np.float32(1e-38) * np.float32(1e-3)
         print(tiny > 0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu_threads import (
+from engine.runtime.cpu_threads import (
     CpuBudget,
     EngineThreads,
     GovernorConfig,
@@ -201,7 +201,7 @@ import json, os
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 import torch
 from engine import LLM, SamplingParams
-from engine.cpu_threads import cpu_budget
+from engine.runtime.cpu_threads import cpu_budget
 budget = cpu_budget()
 llm = LLM(max_num_seqs=2)
 threads_built = torch.get_num_threads()

@@ -9,15 +9,15 @@ import functools
 import pytest
 import torch
 
-import engine.llm_engine as llm_engine_mod
+import engine.runtime.llm_engine as llm_engine_mod
 from engine import LLM, SamplingParams
 from engine.attention.backend import SeqSlice, build_metadata
 from engine.config import CacheConfig
-from engine.cuda_graphs import PAD_TOKEN_ID, DecodePadding, decode_buckets
-from engine.model_runner import ModelRunner
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.executor.cuda_graphs import PAD_TOKEN_ID, DecodePadding, decode_buckets
+from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.weights import load_model_config, load_state_dict
+from engine.weights.loader import load_model_config, load_state_dict
 from tests.tiny_models import random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.fused_decode import FusedDecodePlan
-from engine.kernels import (
+from engine.executor.fused_decode import FusedDecodePlan
+from engine.ops.kernels import (
     FP,
     LINEAR_BUCKETS,
     LinearPlan,
@@ -27,7 +27,7 @@ from engine.kernels import (
     set_linear_plan,
     weight_key,
 )
-from engine.llm_engine import EngineArgs
+from engine.runtime.llm_engine import EngineArgs
 from tests.tiny_models import hf_greedy, load_hf, random_prompts
 
 # Every family with a tiny fixture in tests/conftest.py (Phi-3's LongRoPE variant and Gemma 3's
@@ -75,9 +75,9 @@ def test_every_linear_path_serves_the_experts(arch, request):
     order, and whichever path it may choose for them computes transformers' logits: each
     path on every weight shape the list names, every bucket."""
     from engine.config import CacheConfig
-    from engine.model_runner import ModelRunner
+    from engine.executor.model_runner import ModelRunner
     from engine.models.llama import LlamaForCausalLM
-    from engine.weights import load_model_config, load_state_dict
+    from engine.weights.loader import load_model_config, load_state_dict
 
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     model = LlamaForCausalLM(load_model_config(model_dir))

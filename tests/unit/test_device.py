@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.device import (
+from engine.executor.device import (
     kv_pool_bytes,
     resolve_attention_backend,
     resolve_cuda_graphs,
@@ -30,7 +30,7 @@ def test_unknown_device():
         resolve_device("mps")
 
 
-# ---- every "auto" resolved once (engine.device) ---------------------------------------------
+# ---- every "auto" resolved once (engine.executor.device) ---------------------------------------------
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 

@@ -17,9 +17,9 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import ValidationError
 
-from engine.input_processor import InputProcessor
-from engine.tokenizer import Tokenizer
-from engine.weights import resolve_model
+from engine.text.input_processor import InputProcessor
+from engine.text.tokenizer import Tokenizer
+from engine.weights.loader import resolve_model
 from router.frontdoor.openai.refused import REFUSED_FIELDS, refusal
 from router.frontdoor.openai.schema import (
     MAX_USER_CHARS,

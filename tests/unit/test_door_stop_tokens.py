@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.weights import resolve_model
+from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.weights.loader import resolve_model
 
 BODY = "The capital of France is Paris. It is a big city."
 

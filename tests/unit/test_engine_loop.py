@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import EngineArgs, LLMEngine
-from engine.request import RequestOutput, SamplingParams
+from engine.core.request import RequestOutput, SamplingParams
+from engine.runtime.engine_loop import EngineLoop
+from engine.runtime.llm_engine import EngineArgs, LLMEngine
 
 TIMEOUT_S = 30
 
@@ -176,8 +176,8 @@ def test_a_crash_is_handed_to_on_crash_and_async_requests_fail_instead_of_hangin
     in-process engine ends every open request with an error rather than leaving it waiting."""
     import asyncio
 
-    from engine.async_engine import AsyncEngine
-    from engine.request import RequestFailedError
+    from engine.core.request import RequestFailedError
+    from engine.runtime.async_engine import AsyncEngine
 
     eng = AsyncEngine(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory_bytes=1 << 20))
     crashed = []
@@ -210,7 +210,7 @@ def test_an_idle_loop_does_its_warm_up_once_after_a_quiet_spell(monkeypatch, tin
     The test, not a clock, ends each quiet spell, so only the order of events is asserted."""
     import types
 
-    import engine.engine_loop as engine_loop
+    import engine.runtime.engine_loop as engine_loop
 
     spell_s = 1e6  # marks the loop's quiet-spell waits; the test ends them, none runs out
 
@@ -277,10 +277,10 @@ def test_an_idle_loop_does_its_warm_up_once_after_a_quiet_spell(monkeypatch, tin
 
 
 def test_an_engine_is_stepped_on_the_thread_it_was_built_on(tiny_llama_dir, monkeypatch):
-    """One OS thread for an engine's torch work (engine.compute_thread): a second thread
+    """One OS thread for an engine's torch work (engine.runtime.compute_thread): a second thread
     entering OpenMP regions leaves libgomp a second pool, and it stops spin-waiting."""
-    from engine.async_engine import AsyncEngine
-    from engine.compute_thread import ComputeThread
+    from engine.runtime.async_engine import AsyncEngine
+    from engine.runtime.compute_thread import ComputeThread
 
     compute = ComputeThread("built-here")
     built_on = compute.run(threading.get_ident)
@@ -308,7 +308,7 @@ def test_an_engine_is_stepped_on_the_thread_it_was_built_on(tiny_llama_dir, monk
 
 
 def test_a_compute_thread_hands_back_results_and_errors():
-    from engine.compute_thread import ComputeThread
+    from engine.runtime.compute_thread import ComputeThread
 
     c = ComputeThread("t")
     assert c.run(lambda: 41 + 1) == 42

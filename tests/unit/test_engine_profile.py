@@ -1,4 +1,4 @@
-"""`pdcluster profile` (engine/profile.py): a tiny grid measured on a tiny model gives every
+"""`pdcluster profile` (engine/tuning/profile.py): a tiny grid measured on a tiny model gives every
 point, positive and ordered the way compute is (more tokens, more time); the JSON reads back
 equal; interpolation goes through the measured points and along the end segments; the
 loopback bandwidth is measured, not assumed; the command writes the file."""
@@ -10,7 +10,12 @@ import json
 import pytest
 
 from engine import EngineArgs
-from engine.profile import EngineProfile, ProfileGrid, measure_loopback_bytes_s, profile_engine
+from engine.tuning.profile import (
+    EngineProfile,
+    ProfileGrid,
+    measure_loopback_bytes_s,
+    profile_engine,
+)
 
 
 def test_a_tiny_grid_on_a_tiny_model(tiny_llama_dir):
@@ -53,7 +58,7 @@ def test_loopback_bandwidth_is_measured():
 
 
 def test_the_command_writes_the_profile(tiny_llama_dir, tmp_path, monkeypatch):
-    from engine import profile as mod
+    from engine.tuning import profile as mod
     from router.cli.main import build_parser
 
     small = ProfileGrid(prompt_lens=(16,), prefill_batches=(1,), decode_batches=(1,),

@@ -1,4 +1,4 @@
-"""The whole-step decode kernel (engine/csrc/cpu_ops.c ``decode_layers``, driven by
+"""The whole-step decode kernel (engine/ops/csrc/cpu_ops.c ``decode_layers``, driven by
 ``LlamaForCausalLM.decode_fused``), on both sets of projection tiles (dot products and wide):
 its logits equal transformers' forward pass, it writes the K/V the layer-by-layer path writes
 and nothing else, the runner takes it exactly where the host's plan says, and the plan is
@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import cpu_ops
 from engine.attention.backend import SeqSlice, build_metadata
 from engine.attention.torch_paged import DecodePaths, TorchPagedBackend, decode_tables
 from engine.config import CacheConfig, cdiv
-from engine.fused_decode import FUSED_BUCKETS, STEPS, FusedDecodePlan, tune_fused_decode
-from engine.model_runner import ModelRunner
+from engine.executor.fused_decode import FUSED_BUCKETS, STEPS, FusedDecodePlan, tune_fused_decode
+from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.weights import load_model_config, load_state_dict
+from engine.ops import cpu_ops
+from engine.weights.loader import load_model_config, load_state_dict
 from tests.tiny_models import VOCAB, hf_greedy, load_hf, random_prompts
 
 BLOCK = 4

@@ -13,8 +13,8 @@ import json
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.quant import QuantizedWeight
-from engine.weights import load_quantized_state_dict, resolve_model
+from engine.quant.layouts import QuantizedWeight
+from engine.weights.loader import load_quantized_state_dict, resolve_model
 from tests.gguf_files import write_gguf_from_hf
 from tests.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts, save_tiny_model
 

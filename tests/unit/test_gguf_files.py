@@ -8,10 +8,15 @@ from __future__ import annotations
 import torch
 
 from engine.config import CacheConfig
-from engine.model_runner import ModelRunner
+from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, QLinear
-from engine.quant import QuantizedWeight
-from engine.weights import load_model_config, load_quantized_state_dict, load_weights, resolve_model
+from engine.quant.layouts import QuantizedWeight
+from engine.weights.loader import (
+    load_model_config,
+    load_quantized_state_dict,
+    load_weights,
+    resolve_model,
+)
 from tests.gguf_files import HIDDEN, INTERMEDIATE, write_tiny_gguf
 
 
@@ -70,7 +75,7 @@ def test_q4_k_q4_0_and_q8_0_blocks_load_as_stored_and_compute_transformers_logit
     assert all(isinstance(getattr(lay, n), QLinear) for lay in model.layers
                for n in ("qkv", "o_proj", "gate_up", "down"))
     # Q4_0 is exact, so its weights equal the fp32 conversion's; Q4_K within its fp16 scales.
-    from engine.weights import load_state_dict
+    from engine.weights.loader import load_state_dict
 
     fp = load_state_dict(resolved.model_dir, torch.float32)
     assert torch.equal(model.layers[1].o_proj.weight.dequantize(), fp[p + "self_attn.o_proj.weight"])

@@ -1,4 +1,4 @@
-"""GGUF quantized tensors loaded into engine.quant's layouts (engine.gguf_quant): each
+"""GGUF quantized tensors loaded into engine.quant.layouts's layouts (engine.quant.gguf): each
 supported type dequantizes to what the gguf package's own dequantization gives (exactly, or for
 Q4_K within the fp16 rounding of its multiplied-out scales), on random blocks, quantized
 blocks and the default model's tensors."""
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.gguf_quant import SUPPORTED, from_gguf, permute_rows
-from engine.quant import INT4_GROUP, QuantizedWeight
+from engine.quant.gguf import SUPPORTED, from_gguf, permute_rows
+from engine.quant.layouts import INT4_GROUP, QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 SHAPES = [(24, 256), (5, 512)]
@@ -149,7 +149,7 @@ def test_permute_rows_matches_permuting_dequantized_rows(qtype):
 
 @pytest.fixture(scope="module")
 def default_reader():
-    from engine.weights import default_gguf_path
+    from engine.weights.loader import default_gguf_path
 
     try:
         path = default_gguf_path()

@@ -1,5 +1,5 @@
 """``--quantization gguf``: the default model's own Q4_1 / Q8_0 blocks served as they are —
-loaded into ``engine.quant``'s layouts with no fp32 copy read or held, computing with exactly
+loaded into ``engine.quant.layouts``'s layouts with no fp32 copy read or held, computing with exactly
 the weights the fp32 conversion holds, so its greedy tokens are transformers' fp32 ones."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine.models.llama import LlamaForCausalLM, QEmbedding, QLinear
-from engine.quant import check_quantization
-from engine.weights import (
+from engine.quant.layouts import check_quantization
+from engine.weights.loader import (
     QUANTIZED_FILE,
     load_model_config,
     load_quantized_state_dict,

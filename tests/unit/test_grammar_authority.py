@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.cpu_ops import apply_bitmask
-from engine.sampling import SampleRow, sample
-from engine.structured import Grammars, StructuredOutput
+from engine.core.structured import Grammars, StructuredOutput
+from engine.executor.sampling import SampleRow, sample
+from engine.ops.cpu_ops import apply_bitmask
 
 JSON_OBJECT = StructuredOutput("json_object")
 EOS = 2

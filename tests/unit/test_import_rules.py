@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_PACKAGES = ("prefill_workers", "decode_workers")
-ENGINE_INSIDES = ("engine.scheduler", "engine.block_manager", "engine.model_runner")
+ENGINE_INSIDES = ("engine.core.scheduler", "engine.core.block_manager", "engine.executor.model_runner")
 
 
 def _modules(package: str) -> list[Path]:
@@ -222,14 +222,14 @@ def test_no_module_imports_another_modules_private_names():
 def test_the_checker_sees_a_violation(tmp_path):
     """The rule checks above would pass vacuously if the scan found nothing."""
     mod = tmp_path / "bad.py"
-    mod.write_text("def f():\n    from engine.scheduler import Scheduler\n    import ray.util\n")
-    assert {"engine.scheduler", "engine.scheduler.Scheduler", "ray.util"} <= _imports(mod)
+    mod.write_text("def f():\n    from engine.core.scheduler import Scheduler\n    import ray.util\n")
+    assert {"engine.core.scheduler", "engine.core.scheduler.Scheduler", "ray.util"} <= _imports(mod)
 
 
 def test_pure_core_loads_without_torch():
     """The scheduler and block manager are plain Python (docs/architecture.md): importing
     them, and the config they share, must not pull torch in."""
-    code = ("import sys, engine.scheduler, engine.block_manager, engine.config; "
+    code = ("import sys, engine.core.scheduler, engine.core.block_manager, engine.config; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
@@ -240,7 +240,7 @@ def test_the_front_door_loads_without_torch():
     """A router's front doors (the backend contract, HTTP and gRPC servers, their lifecycle)
     and the engine arguments they pass on are plain Python: a door process pays neither
     torch's import time nor its memory. (The cluster side of the router reads model configs
-    through engine.weights, which does load torch: docs/architecture.md.)"""
+    through engine.weights.loader, which does load torch: docs/architecture.md.)"""
     code = ("import sys, router.contract, router.frontdoor.http_app, router.frontdoor.grpc_server, "
             "router.frontdoor.lifecycle, engine.args, kv_transfer, worker_protocol; "
             "print('torch' in sys.modules)")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.kernels as kernels
-from engine import cpu_ops
-from engine.kernels import (
+import engine.ops.kernels as kernels
+from engine.ops import cpu_ops
+from engine.ops.kernels import (
     LINEAR_BUCKETS,
     PREFILL_ROWS,
     LinearPlan,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import EngineArgs, LLMEngine, SamplingParams
-from engine.kv_connector import LayerExport
+from engine.runtime.kv_connector import LayerExport
 from tests.tiny_models import hf_greedy, random_prompts
 
 MAX_TOKENS = 8

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.kv_events import AllCleared, BlockRemoved, BlockStored
+from engine.core.block_manager import BlockManager
+from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
 from router.routing.kv_index import KVIndex
 from router.routing.policy import Routing, RoutingConfig, WorkerView
 from worker_protocol import WorkerLoad

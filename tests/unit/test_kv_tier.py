@@ -1,4 +1,4 @@
-"""The second KV cache tier (engine.kv_tier): blocks the pool evicts go to host memory (and on
+"""The second KV cache tier (engine.executor.kv_tier): blocks the pool evicts go to host memory (and on
 to disk), come back on a hit byte-exact, and the served tokens equal transformers' greedy
 ones; caps hold under random operations, the KV events mirror every tier, an unreadable file
 is a miss, and the disk directory is gone after close."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from engine import EngineArgs, LLMEngine, SamplingParams
-from engine.block_manager import RESTORE, BlockManager
-from engine.kv_events import AllCleared, BlockRemoved, BlockStored
-from engine.kv_tier import KVTier, KVTierConfig
+from engine.core.block_manager import RESTORE, BlockManager
+from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
+from engine.executor.kv_tier import KVTier, KVTierConfig
 from tests.tiny_models import hf_greedy, random_prompts, serve_in_turn
 
 BS = 4
@@ -196,7 +196,7 @@ def test_config_is_refused_by_name():
 
 def test_a_dead_process_directory_is_removed_on_the_next_start(tmp_path):
     # A tier in a child process that is SIGKILLed leaves its directory behind ...
-    code = ("import os, torch; from engine.kv_tier import KVTier, KVTierConfig;"
+    code = ("import os, torch; from engine.executor.kv_tier import KVTier, KVTierConfig;"
             f"t = KVTier([torch.zeros(2, 2, 4, 2, 4)], KVTierConfig(1 << 16, {str(tmp_path)!r},"
             " 1 << 16)); print(t.dir, flush=True); os.kill(os.getpid(), 9)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -13,10 +13,10 @@ from engine.attention.torch_paged import (
     PrefillPaths,
 )
 from engine.config import CacheConfig, cdiv
-from engine.kernels import M_BUCKETS
-from engine.model_runner import ModelRunner
+from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.weights import load_model_config, load_state_dict
+from engine.ops.kernels import M_BUCKETS
+from engine.weights.loader import load_model_config, load_state_dict
 from tests.tiny_models import VOCAB, load_hf
 
 

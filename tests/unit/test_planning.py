@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.profile import EngineProfile
+from engine.tuning.profile import EngineProfile
 from router.planning.plan import parse_slo, search
 from router.planning.simulator import ClusterShape, simulate
 from router.planning.workload import TraceRequest, load_workload, named_workload, read_trace

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.input_processor import InputProcessor
-from engine.request import MAX_SEED
+from engine.core.request import MAX_SEED
+from engine.text.input_processor import InputProcessor
 from tests.tiny_models import VOCAB, hf_greedy, random_prompts
 
 

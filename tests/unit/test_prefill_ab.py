@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from bench.studies import prefill_ab
-from engine import cpu_ops
+from engine.ops import cpu_ops
 
 
 def test_prefill_ab_times_both_paths_per_length(tiny_llama_dir, capsys, monkeypatch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineArgs, LLMEngine, SamplingParams
-from engine.kv_connector import LayerExport
+from engine.runtime.kv_connector import LayerExport
 from tests.tiny_models import hf_greedy, random_prompts
 
 MAX_TOKENS = 6

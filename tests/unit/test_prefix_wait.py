@@ -5,7 +5,7 @@ fake runner and clock (``tests/unit/test_scheduler.py``), every block free at th
 
 from __future__ import annotations
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from tests.unit.test_scheduler import chunk_ids, make
 
 

@@ -1,4 +1,4 @@
-"""Weight-only quantization (engine.quant, ``--quantization``): the layouts, our C kernels and
+"""Weight-only quantization (engine.quant.layouts, ``--quantization``): the layouts, our C kernels and
 every linear path against the dequantized reference, the tuning, and whole models — logits and
 greedy tokens equal transformers' forward on the *dequantized* weights (the quantization error
 itself is the bench's to state: ``pdcluster bench sweep --quantization none,int8,int4``)."""
@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_ops, quant_ops
 from engine.config import CacheConfig, cdiv
-from engine.kernels import QPATHS, quantized_linear_by_path, time_choices
-from engine.model_runner import ModelRunner
+from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, QLinear
-from engine.quant import (
+from engine.ops import cpu_ops, quant_ops
+from engine.ops.kernels import QPATHS, quantized_linear_by_path, time_choices
+from engine.quant.layouts import (
     INT4_GROUP,
     QuantizedWeight,
     check_quantization,
@@ -22,7 +22,7 @@ from engine.quant import (
     quantize,
     unpack_int4,
 )
-from engine.weights import load_model_config, load_state_dict
+from engine.weights.loader import load_model_config, load_state_dict
 from tests.tiny_models import VOCAB, hf_greedy, load_hf, random_prompts
 
 BLOCK_SIZE = 4
@@ -254,7 +254,7 @@ def test_quantization_is_refused_where_it_cannot_be_honoured(tiny_qwen3_moe_dir)
 
 
 def test_serve_refuses_a_bad_quantization_and_passes_a_good_one():
-    from engine.quant import CHOICES
+    from engine.quant.layouts import CHOICES
     from router.cli import serve as serve_cli
     from router.cli.serve_config import ServeConfig
 

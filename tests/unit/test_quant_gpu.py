@@ -1,4 +1,4 @@
-"""int4 on CUDA (``engine.quant_gpu``), the parts a CPU can check: our int4 layout maps onto
+"""int4 on CUDA (``engine.quant.gpu``), the parts a CPU can check: our int4 layout maps onto
 PyTorch's tinygemm operands with the same 4-bit values, and PyTorch's CPU twin of the CUDA
 kernel (``_weight_int4pack_mm_for_cpu``, the same scales-and-zeros convention) multiplies them
 into what our weights stand for, to the one rounding tinygemm adds (bf16 scales and zeros).
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quant import quantize
-from engine.quant_gpu import inner_k_tiles, tinygemm_operands
+from engine.quant.gpu import inner_k_tiles, tinygemm_operands
+from engine.quant.layouts import quantize
 
 BF16_REL = 2.0 ** -8  # bf16 keeps 8 significant bits: round-to-nearest is within 2^-9 of each
 

@@ -68,7 +68,7 @@ def test_local_script_uses_the_same_resource_names():
 
 # ---- what each worker is built with, from the placement plan ------------------------------
 def _worker_configs(share: GpuShare, num_prefill: int = 1, num_decode: int = 1):
-    from engine.llm_engine import EngineArgs
+    from engine.runtime.llm_engine import EngineArgs
     from router.cluster.launcher import Placement, WorkerLauncher
     from router.cluster.ray_cluster import ClusterConfig
 

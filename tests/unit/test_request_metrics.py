@@ -87,7 +87,7 @@ def test_kv_transfers_are_timed_by_role_pair():
 
 
 def test_engine_step_histogram_snapshot_round_trips_to_prometheus_buckets():
-    from engine.step_times import STEP_BUCKETS, StepHistogram, step_histogram
+    from engine.core.step_times import STEP_BUCKETS, StepHistogram, step_histogram
 
     h = StepHistogram()
     for s in (0.001, 0.03, 0.03, 7.0):

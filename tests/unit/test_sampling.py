@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import SamplingParams
-from engine.sampling import SampleRow, sample
+from engine.core.request import SamplingParams
+from engine.executor.sampling import SampleRow, sample
 
 VOCAB = 32
 EOS = 3

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import QueueFullError, Request, RequestStatus, SamplingParams
-from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, StepUpdate
+from engine.core.block_manager import BlockManager
+from engine.core.request import QueueFullError, Request, RequestStatus, SamplingParams
+from engine.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, StepUpdate
 
 EOS = 2
 

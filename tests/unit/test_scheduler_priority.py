@@ -3,7 +3,7 @@ prompts and gets a step of its own (helpers and per-step checks: tests/unit/test
 
 from __future__ import annotations
 
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
 from tests.unit.test_scheduler import EOS, chunk_ids, make
 
 

@@ -138,7 +138,7 @@ def test_an_autoscale_profile_prices_a_prefill_worker_until_its_own_rate_is_meas
     """--autoscale-profile: a `pdcluster profile` JSON gives the prefill rate (a 512-token
     prompt's) the autoscaler uses for a worker the router has not measured yet; once it has,
     the measurement wins. A file that is not a profile is refused, naming the flag."""
-    from engine.profile import EngineProfile
+    from engine.tuning.profile import EngineProfile
     from router.cli.main import build_parser
     from router.cli.serve_config import serve_config_from_args
     from router.cluster.autoscale import Autoscaler

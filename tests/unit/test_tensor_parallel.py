@@ -220,7 +220,7 @@ def test_an_impossible_split_fails_before_any_rank_starts(tiny_llama_dir):
 def _is_rank(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"engine.parallel.follower" in f.read()
+            return b"engine.runtime.tp_follower" in f.read()
     except OSError:
         return False
 

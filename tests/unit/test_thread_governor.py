@@ -1,4 +1,4 @@
-"""The thread governor (engine.cpu_threads.ThreadGovernor) on synthetic windows of stolen
+"""The thread governor (engine.runtime.cpu_threads.ThreadGovernor) on synthetic windows of stolen
 time and step times."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu_threads import (
+from engine.runtime.cpu_threads import (
     CpuBudget,
     EngineThreads,
     GovernorConfig,

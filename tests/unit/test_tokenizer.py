@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.weights import resolve_model
+from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.weights.loader import resolve_model
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_a_lazy_tokenizer_knows_the_eos_ids_at_once_and_loads_on_first_use(
     import json
     import shutil
 
-    from engine.tokenizer import LazyTokenizer, load_tokenizer
+    from engine.text.tokenizer import LazyTokenizer, load_tokenizer
 
     cache: Path = tmp_path_factory.getbasetemp() / "pdcluster-model-cache"
     d = Path(resolve_model(None, cache_dir=cache).model_dir)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from bench.otlp_receiver import OtlpReceiver, free_port
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from worker_protocol.tracing import (
     TRACES_ENDPOINT_ENV,
     TracingConfig,

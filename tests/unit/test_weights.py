@@ -28,7 +28,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from engine.weights import (
+from engine.weights.loader import (
     default_gguf_path,
     gguf_content_key,
     load_model_config,

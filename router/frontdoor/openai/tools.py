@@ -10,7 +10,7 @@ how its output becomes OpenAI's ``tool_calls``.
   (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen / Hermes / many
   fine-tunes) or ``llama3_json`` (a bare ``{"name": ..., "parameters": {...}}``, optionally
   after ``<|python_tag|>``). Which one: read off the chat template
-  (``engine.tokenizer.Tokenizer.tool_call_format``), or the
+  (``engine.text.tokenizer.Tokenizer.tool_call_format``), or the
   server's ``--tool-call-parser``. A model with neither refuses ``auto`` (a 400 saying so)
   rather than returning prose where the client expects calls.
 - ``none``: the template still sees the tools; nothing is parsed.
@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured import StructuredOutput
+from engine.core.structured import StructuredOutput
 from router.contract import InvalidRequestError
 
 __all__ = ["PARSERS", "ToolCall", "ToolCallStream", "ToolPlan", "new_call_id", "parse_calls",

@@ -33,7 +33,7 @@ def backend(request, server_loop, otlp) -> GenerationBackend:
     backend), started once, shut down before the package's last test is done, so no other
     package's Ray meets this one. Tests leave it as they found it: no KV block held
     (``kv_probe``), no server of theirs running."""
-    from engine.llm_engine import EngineArgs
+    from engine.runtime.llm_engine import EngineArgs
     from worker_protocol.tracing import TracingConfig
 
     tracing = TracingConfig(otlp.endpoint, flush_interval_s=0.2, export_timeout_s=2.0)

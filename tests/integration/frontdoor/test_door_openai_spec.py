@@ -24,8 +24,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenizer import load_tokenizer
-from engine.weights import resolve_model
+from engine.text.tokenizer import load_tokenizer
+from engine.weights.loader import resolve_model
 from router.embedded import EngineBackend
 from router.frontdoor.lifecycle import serve_frontdoor
 from router.frontdoor.openai.refused import REFUSED_FIELDS

@@ -62,7 +62,7 @@ def test_stop_with_zero_grace_cancels_in_flight_and_frees_kv(backend, server_loo
 
 _SIGTERM_SERVER = """
 import asyncio, sys
-from engine.llm_engine import EngineArgs
+from engine.runtime.llm_engine import EngineArgs
 from router.embedded import EngineBackend
 from router.frontdoor.lifecycle import install_signal_handlers, serve_frontdoor
 

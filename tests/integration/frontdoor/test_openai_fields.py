@@ -12,8 +12,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from client import Client, RetryPolicy
-from engine.tokenizer import load_tokenizer
-from engine.weights import resolve_model
+from engine.text.tokenizer import load_tokenizer
+from engine.weights.loader import resolve_model
 from tests.hf_reference import greedy_logprobs
 from tests.http_asserts import assert_400_naming
 

@@ -13,7 +13,7 @@ import schemathesis  # a declared dev dependency: missing, the module fails, it 
 
 @pytest.fixture(scope="module")
 def base_url(server_loop):
-    from engine.llm_engine import EngineArgs
+    from engine.runtime.llm_engine import EngineArgs
     from router.embedded import EngineBackend
     from router.frontdoor.lifecycle import serve_frontdoor
 

@@ -1,0 +1,500 @@
+"""Iteration-level scheduler: decides, every step, which tokens of which requests to compute.
+
+One rule (vLLM v1's): each request has ``num_computed_tokens`` and ``num_tokens``; each step
+hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs`` (and,
+when set, ``max_prefill_chunk`` prompt tokens to one request, ``max_step_prefill_tokens`` to
+all). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute
+after preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, a clock.
+
+Priorities (``Request.priority``; a migrated stream's re-prefill is 1, new prompts 0): a
+request waits behind every waiting one of its priority or higher, and a step that admits
+requests of some priority admits none of a lower one, so the first token of a higher-priority
+request waits for its own compute only, not for lower-priority prompts batched beside it.
+(Chunks of requests already running still share its step: they hold pages and a place.)
+
+First token first (``SchedulerConfig.first_token_first``, continuous batching): when the
+prompt at the head of the queue fits one step, that step leaves the running decodes out, so
+its first token waits for its own compute only, not for the decode rows beside it. The
+decodes run in the next step, alone (nothing is admitted beside them): a decode's gap is one
+prompt step plus its own, what a step mixing the prompt in would have cost it, and a prompt
+arriving meanwhile waits one decode step.
+
+Batching policies differ only in *when waiting requests may join*:
+continuous (any step), static (only when nothing runs), dynamic (only when nothing runs and
+the batch is full or the oldest request has waited ``dynamic_window_s``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import islice
+
+from engine.config import SchedulerConfig
+from engine.core.block_manager import BlockManager
+from engine.core.request import QueueFullError, Request, RequestStatus, SamplingParams, TokenLogprob
+from engine.core.structured import Grammars, GrammarState
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request to compute this step.
+
+    ``token_ids`` are positions ``[start_pos, start_pos + len)``; ``sample`` is True when the
+    chunk reaches the end of the request's known tokens, so the step produces its next token.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int  # tokens generated before this step (seeds per-token sampling)
+    output_token_ids: list[int]  # generated so far (for min_tokens / penalties); do not mutate
+    prompt_token_ids: list[int] = field(default_factory=list)  # (repetition penalty); do not mutate
+    export_kv: bool = False
+    export_from: int = 0  # first prompt position whose KV leaves (Request.export_from)
+    grammar: GrammarState | None = None  # the request's (SamplingParams.structured)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    held_decodes: int = 0  # decodes left out of this step (first_token_first): they wait it
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled token per request id (only for chunks with ``sample=True``)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Requests whose row raised (request id -> why): they fail alone, the batch goes on.
+    failed: dict[str, str] = field(default_factory=dict)
+    # The sampled token's log-probability, for requests that asked (SamplingParams.logprobs).
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: request id -> (first prompt position, its logprobs).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What one step did to one request: its new token (if any) and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and (through BlockManager) their KV blocks."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic,
+                 grammars: Grammars | None = None) -> None:
+        self.config = config
+        # Grammar states for requests with SamplingParams.structured (None: a model without
+        # a tokenizer, which refuses them).
+        self.grammars = grammars
+        self.blocks = block_manager
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Decode side of disaggregation: blocks reserved, KV in flight from a prefill worker.
+        self.remote: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+        # admissions deferred because a running request was computing the prompt's next
+        # block (``_admit``): each is one step a duplicate computation was avoided
+        self.num_prefix_waits = 0
+        # static/dynamic: ids of the batch launched when nothing ran. Members the token budget
+        # (chunked prefill) or a preemption kept out may still join it; nobody else may.
+        self._batch: set[str] = set()
+        # Prompt tokens one request may take in a step (SchedulerConfig.max_prefill_chunk).
+        self._chunk_cap = config.max_prefill_chunk or config.max_num_batched_tokens
+        # Prompt tokens (a request's chunk of more than the one token a decode computes) of
+        # all requests in a step (max_step_prefill_tokens), and what is left of them now.
+        self._step_prefill_cap = config.max_step_prefill_tokens or config.max_num_batched_tokens
+        self._prefill_left = self._step_prefill_cap
+        # first_token_first: the last step left the decodes out (the next one is theirs)
+        self._skipped_decodes = False
+
+    # ---- request intake ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request behind every waiting one of its priority or higher.
+        Raises QueueFullError past ``max_waiting``."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        self._start_grammar(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        ahead = next((i for i, r in enumerate(self.waiting) if r.priority < request.priority),
+                     None)
+        if ahead is None:
+            self.waiting.append(request)
+        else:
+            self.waiting.insert(ahead, request)
+
+    def add_remote_request(self, request: Request) -> bool:
+        """Reserve blocks for a prompt whose KV will arrive from a prefill worker, reusing
+        the longest cached prefix (``request.num_cached_tokens`` says how long: only the
+        tokens after it must arrive).
+
+        Returns False (nothing reserved) when the pool is too small right now.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self._start_grammar(request)
+        # The leading blocks our own prefix cache already holds are pinned, not received:
+        # the prefill worker sends only the tokens after them (``num_cached_tokens``).
+        computed = self.blocks.get_computed_blocks(request.prompt_token_ids)
+        # +1: room for the first generated token, which the prefill worker sends with the KV.
+        if not self.blocks.allocate_slots(request.request_id, request.num_prompt_tokens + 1,
+                                          computed):
+            return False
+        # Pool hits and blocks restored from a second tier (fewer if a restore failed).
+        request.num_cached_tokens = self.blocks.adopted_tokens(request.request_id)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.remote[request.request_id] = request
+        return True
+
+    def finish_remote_kv(self, request_id: str, first_token_id: int,
+                         first_logprob: TokenLogprob | None = None) -> StepUpdate:
+        """The prompt's KV is in our pages: the request joins the batch with its first token
+        (ahead of new arrivals), or finishes at once if that token already stops it.
+        ``first_logprob`` keeps ``output_logprobs`` one per output token."""
+        req = self.remote.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        # The arrived prompt is a prefix like any computed one: the next turn of this
+        # conversation routed here reuses it instead of receiving it again.
+        self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
+        now = self.clock()
+        req.output_token_ids.append(first_token_id)
+        if first_logprob is not None:
+            req.output_logprobs.append(first_logprob)
+        req.first_token_time = req.first_token_time or now
+        req.token_times.append(now)
+        req.status = RequestStatus.WAITING
+        if req.grammar is not None and not req.grammar.accept(first_token_id):
+            req.error = f"structured output: {req.grammar.error}"
+            req.status = RequestStatus.FINISHED_ERROR
+        else:
+            self._check_stop(req, first_token_id)
+        if req.is_finished:
+            self._free(req)
+        else:
+            self.waiting.appendleft(req)
+        return StepUpdate(req, [first_token_id])
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request as aborted, freeing its blocks. False if unknown or already done."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop string found by the detokenizer, abort, ...)."""
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req.request_id in self.remote:
+            del self.remote[req.request_id]
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        self.blocks.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.remote)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.remote)
+
+    # ---- the step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Running requests first (oldest first), then admissions;
+        under ``first_token_first``, a step that can finish a waiting prompt leaves the
+        decodes out (module docstring)."""
+        cfg = self.config
+        out = SchedulerOutput()
+        decodes_turn = self._skipped_decodes  # the last step left them out: theirs alone
+        first_token_step = self._first_token_step()
+        self._prefill_left = self._step_prefill_cap
+        budget = self._schedule_running(out, cfg.max_num_batched_tokens, first_token_step)
+        if not out.preempted_ids and self._may_admit() and not (decodes_turn and out.chunks):
+            self._admit(out, budget)
+        if first_token_step and not out.chunks:  # nothing could be admitted after all
+            self._skipped_decodes = False
+            out.held_decodes = 0
+            self._schedule_running(out, cfg.max_num_batched_tokens, False)
+        self.num_steps += 1
+        return out
+
+    def _first_token_step(self) -> bool:
+        """Whether this step leaves the running decodes out so that the prompt at the head of
+        the queue gets its first token after its own compute alone. Only when that prompt
+        fits the step whole (its first token comes out of it), some decode runs, and the
+        last step did not already leave them out: a decode waits at most one step."""
+        cfg = self.config
+        skipped, self._skipped_decodes = self._skipped_decodes, False
+        if not cfg.first_token_first or cfg.policy != "continuous" or skipped:
+            return False
+        if not self._may_admit() or not any(self._decoding(r) for r in self.running):
+            return False
+        head = self.waiting[0]
+        if head.num_tokens - head.num_computed_tokens > min(self._chunk_cap, self._step_prefill_cap):
+            return False  # its first token is steps away: no reason to hold the decodes
+        self._skipped_decodes = True
+        return True
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        return req.num_computed_tokens >= req.num_prompt_tokens
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, skip_decodes: bool) -> int:
+        """Chunks for the running requests (oldest first; ``skip_decodes``: prompt chunks
+        only), preempting from the back when blocks run out. Returns the budget left."""
+        scheduled: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if skip_decodes and self._decoding(req):
+                out.held_decodes += 1
+                i += 1
+                continue
+            left = req.num_tokens - req.num_computed_tokens
+            num_new = min(left, budget, self._chunk_cap, self._prefill_left if left > 1 else 1)
+            if num_new <= 0:  # nothing to compute, or no prompt tokens left in this step
+                i += 1
+                continue
+            while not self.blocks.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: nothing behind it remains either
+            scheduled.append(req)
+            out.chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+            self._prefill_left -= num_new if left > 1 else 0
+            i += 1
+        return budget
+
+    def _may_admit(self) -> bool:
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        policy = self.config.policy
+        if policy == "continuous":
+            return True
+        if self.running:  # static/dynamic: a batch runs to completion before the next forms
+            return self.waiting[0].request_id in self._batch
+        # dynamic: launch when full, or when the oldest has waited long enough
+        if (policy == "dynamic" and len(self.waiting) < self.config.max_num_seqs
+                and self.clock() - self.waiting[0].arrival_time < self.config.dynamic_window_s):
+            return False
+        self._batch = {r.request_id for r in islice(self.waiting, self.config.max_num_seqs)}
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        cfg = self.config
+        deferred: list[Request] = []  # waiting for a prefix another request is computing
+        top = self.waiting[0].priority if self.waiting else 0  # the queue is in priority order
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            if cfg.policy != "continuous" and req.request_id not in self._batch:
+                break
+            if req.priority < top:  # not beside higher-priority admissions (module docstring)
+                break
+            computed = None
+            if req.num_computed_tokens == 0:
+                # Prompt logprobs need every prompt position computed: no prefix-cache hit.
+                wants_all = req.sampling_params.prompt_logprobs is not None
+                computed = self.blocks.get_computed_blocks([] if wants_all else req.all_token_ids)
+                if (cfg.policy == "continuous" and not wants_all
+                        and self.blocks.in_progress(req.all_token_ids, computed)):
+                    # A running request is computing the next block of this prompt (the
+                    # second of two requests with one new prefix): it is cached within that
+                    # request's next chunks, so waiting for it costs no more than computing
+                    # it again here, which would also slow every request of those steps
+                    # (a step's cost grows with its tokens). Later requests may go first.
+                    # Continuous batching only: under static / dynamic ones it could not
+                    # join until the whole batch had finished.
+                    deferred.append(self.waiting.popleft())
+                    self.num_prefix_waits += 1
+                    continue
+                num_computed = computed.num_tokens(self.blocks.block_size)
+            else:  # remote KV already in our pages
+                num_computed = req.num_computed_tokens
+            remaining = req.num_tokens - num_computed
+            num_new = min(remaining, budget, self._chunk_cap,
+                          self._prefill_left if remaining > 1 else 1)
+            if num_new <= 0 or (num_new < remaining and not cfg.enable_chunked_prefill):
+                break
+            if not self.blocks.allocate_slots(req.request_id, num_computed + num_new, computed):
+                break
+            self.waiting.popleft()
+            if computed is not None:
+                # A second-tier block that could not be read is recomputed in this chunk
+                # (the allocation already covers it: it ends where it would have).
+                adopted = self.blocks.adopted_tokens(req.request_id)
+                num_new += num_computed - adopted
+                num_computed = adopted
+                req.num_computed_tokens = num_computed
+                req.num_cached_tokens = num_computed
+                if not wants_all:
+                    self.blocks.note_computing(req.request_id, req.all_token_ids, computed)
+            req.status = RequestStatus.RUNNING
+            req.running_since = self.clock()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = req.running_since
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+            self._prefill_left -= num_new if remaining > 1 else 0
+        self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        toks = req.token_slice(start, start + num_new)
+        if start < req.num_prompt_tokens:
+            req.num_prompt_chunks += 1
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=toks,
+            start_pos=start,
+            block_ids=self.blocks.block_ids(req.request_id),
+            sample=start + num_new == req.num_tokens,
+            sampling_params=req.sampling_params,
+            num_output_tokens=len(req.output_token_ids),
+            output_token_ids=req.output_token_ids,
+            prompt_token_ids=req.prompt_token_ids,
+            export_kv=req.export_kv,
+            export_from=req.export_from,
+            grammar=req.grammar,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free the blocks, keep generated tokens, requeue at the front."""
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[StepUpdate]:
+        """Advance computed counts, append sampled tokens, finish requests that stopped."""
+        now = self.clock()
+        updates: list[StepUpdate] = []
+        for chunk in sched.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            before = req.num_computed_tokens
+            req.num_computed_tokens += chunk.num_tokens
+            bs = self.blocks.block_size
+            if req.num_computed_tokens // bs > before // bs:  # a block just filled up
+                self.blocks.cache_full_blocks(req.request_id, req.all_token_ids,
+                                              req.num_computed_tokens)
+            if chunk.request_id in result.prompt_logprobs:
+                first, lps = result.prompt_logprobs[chunk.request_id]
+                if req.prompt_logprobs is None:  # the first token has no logprob: NaN
+                    req.prompt_logprobs = [TokenLogprob(req.prompt_token_ids[0], math.nan, 0)]
+                    req.prompt_logprobs += [None] * (req.num_prompt_tokens - 1)
+                req.prompt_logprobs[first:first + len(lps)] = lps
+            if not chunk.sample:
+                continue
+            if chunk.request_id in result.failed:
+                req.error = result.failed[chunk.request_id]
+                self.finish_request(req, RequestStatus.FINISHED_ERROR)
+                updates.append(StepUpdate(req, []))
+                continue
+            token = result.sampled_token_ids[chunk.request_id]
+            if req.grammar is not None and not req.grammar.accept(token):
+                # The mask allowed only what the grammar allows: this is the grammar's fault.
+                req.error = f"structured output: {req.grammar.error}"
+                self.finish_request(req, RequestStatus.FINISHED_ERROR)
+                updates.append(StepUpdate(req, []))
+                continue
+            req.output_token_ids.append(token)
+            if chunk.request_id in result.logprobs:
+                req.output_logprobs.append(result.logprobs[chunk.request_id])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.token_times.append(now)
+            self._check_stop(req, token)
+            if req.is_finished:
+                self.running.remove(req)
+                self._free(req)
+            updates.append(StepUpdate(req, [token]))
+        return updates
+
+    def _start_grammar(self, req: Request) -> None:
+        """Give a constrained request its grammar state, after the tokens it generated
+        elsewhere (the last ``sample_index_offset`` of its prompt). Raises ValueError."""
+        structured = req.sampling_params.structured
+        if structured is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured output: this model has no tokenizer to build a grammar")
+        moved = req.sampling_params.sample_index_offset
+        req.grammar = self.grammars.start(
+            structured, req.prompt_token_ids[len(req.prompt_token_ids) - moved:] if moved else ())
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        sp = req.sampling_params
+        n = len(req.output_token_ids)
+        if req.grammar is not None and req.grammar.stopped:  # complete: nothing may follow
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token
+            return
+        is_stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
+        if is_stop and n >= sp.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token
+            return
+        if n >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,1091 @@
+/* Fused CPU kernels for the engine's decode step (fp32). Built per host by engine/ops/cpu_ops.py
+ * with the machine's C compiler (-O3 -march=native -fopenmp) and called through ctypes; every
+ * kernel has a pure-torch twin that the tests compare it with, and that runs when this library
+ * cannot be built.
+ *
+ * Why C: a decode step of a small model is ~40 tiny torch ops per layer around four GEMMs;
+ * each op costs a dispatch and a pass over memory. At batch 32 the paged-attention gather
+ * alone copied every sequence's K/V once per layer before reading it. These kernels read the
+ * paged cache in place and fuse the elementwise chains; decode_layers (at the end) runs a
+ * whole pure-decode step through every layer in one call, its projections on dot-product
+ * tiles or on wide tiles (which wide_linear also offers to any linear layer).
+ *
+ * Threads: the library links the process's libgomp (the one torch loaded), and every parallel
+ * region names its thread count (torch's), so the two never oversubscribe the cores.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+/* 16 floats as one vector (GCC's vector extension: one zmm register with AVX-512, two ymm
+ * with AVX2); v16u for loads and stores at any float-aligned address. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+#define LANES 16
+
+/* Paged decode attention: one query token per sequence, K/V read in place from the cache.
+ *
+ * q:        [B, q_stride] rows, head h at q + b*q_stride + h*D
+ * kv_cache: [num_pages, 2, block_size, KVH, D] (K at 0, V at 1)
+ * tables:   [B, max_pages] page ids; kv_lens: [B] tokens to attend (>= 1)
+ * out:      [B, H, D]
+ * Query head h reads KV head h / (H / KVH). Softmax is exact (max, then sum of exp) in fp32,
+ * computed over tiles of TILE tokens with a running max (no buffer proportional to L).
+ * Built with -ffast-math (vectorized expf), so no infinities are used as sentinels.
+ */
+#define TILE 128
+#define PF_AHEAD 8
+#define MAX_GROUP 16
+#define MAX_D 256
+
+/* One (sequence, KV head) task. Per tile of TILE tokens: the K/V rows' addresses, walking
+ * the page table (an integer division per token cost as much as all the arithmetic); then
+ * each K row is read once for every query head of the group (scores), the online-softmax
+ * update, and each V row is read once into every head's accumulator. Inlined into copies
+ * with D a compile-time constant (64, 128), so the D loops unroll into vector registers. */
+static inline __attribute__((always_inline)) void decode_task(
+        const float *q_b, const float *kv_cache, const int64_t *tab, int64_t L, float *out_b,
+        int64_t G, int64_t kvh, const int64_t D, int64_t row, int64_t page, int64_t block_size,
+        float scale) {
+    float qs[MAX_GROUP][MAX_D], acc[MAX_GROUP][MAX_D], m[MAX_GROUP], l[MAX_GROUP];
+    float s[MAX_GROUP][TILE];
+    const float *krow[TILE];
+    for (int64_t g = 0; g < G; g++) {
+        const float *qh = q_b + (kvh * G + g) * D;
+        for (int64_t d = 0; d < D; d++) qs[g][d] = qh[d] * scale;
+        for (int64_t d = 0; d < D; d++) acc[g][d] = 0.f;
+        m[g] = l[g] = 0.f; /* m is set by the first tile (no infinities: -ffast-math) */
+    }
+    const int64_t v_off = block_size * row; /* V rows sit block_size rows after K's */
+    int64_t p = 0, off = 0;                 /* page-table index and slot of the next token */
+    for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+        const int64_t n = L - t0 < TILE ? L - t0 : TILE;
+        for (int64_t i = 0; i < n; i++) {
+            krow[i] = kv_cache + tab[p] * page + off * row + kvh * D;
+            if (++off == block_size) {
+                off = 0;
+                p++;
+            }
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float *k = krow[i];
+            /* Pages are scattered, so the hardware prefetcher loses the stream at every page
+             * boundary: ask for the K row PF_AHEAD tokens on, and for this token's V row
+             * (read after the tile's scores). Batch 32, contexts of 600-2000 tokens (K/V
+             * beyond L3), 2-core AVX-512 EPYC: 14-21 -> 22-33 GB/s, 1.55x per call; with
+             * the K/V cache-resident (batch 1) ~8% slower per call. */
+            if (i + PF_AHEAD < n)
+                for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(krow[i + PF_AHEAD] + d);
+            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(k + v_off + d);
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qs[g][d] * k[d];
+                s[g][i] = dot;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float mt = t0 ? m[g] : s[g][0];
+            for (int64_t i = 0; i < n; i++) mt = s[g][i] > mt ? s[g][i] : mt;
+            const float corr = t0 ? expf(m[g] - mt) : 1.f; /* acc and l are 0 on tile 0 */
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < n; i++) {
+                s[g][i] = expf(s[g][i] - mt);
+                sum += s[g][i];
+            }
+            l[g] = l[g] * corr + sum;
+            m[g] = mt;
+            if (corr != 1.f)
+                for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = krow[i] + v_off;
+            for (int64_t g = 0; g < G; g++) {
+                const float w = s[g][i];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) acc[g][d] += w * v[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *o = out_b + (kvh * G + g) * D;
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; d++) o[d] = acc[g][d] * inv;
+    }
+}
+
+/* decode_task with D a compile-time constant for the common head sizes. */
+static void decode_task_d(const float *q_b, const float *kv_cache, const int64_t *tab, int64_t L,
+                          float *out_b, int64_t G, int64_t kvh, int64_t D, int64_t row,
+                          int64_t page, int64_t block_size, float scale) {
+    if (D == 64)
+        decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, 64, row, page, block_size, scale);
+    else if (D == 128)
+        decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, 128, row, page, block_size, scale);
+    else
+        decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, D, row, page, block_size, scale);
+}
+
+void paged_decode(const float *q, int64_t q_stride, const float *kv_cache,
+                  const int64_t *tables, int64_t max_pages, const int64_t *kv_lens,
+                  float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                  int64_t block_size, float scale, int nthreads) {
+    const int64_t G = H / KVH;
+    const int64_t row = KVH * D;             /* floats per token slot (all KV heads) */
+    const int64_t page = 2 * block_size * row; /* floats per page (K and V) */
+    int64_t work = 0; /* K/V floats read: below ~64K, waking the thread team costs more */
+    for (int64_t b = 0; b < B; b++) work += kv_lens[b] * row * 2;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (work >= 65536)
+    for (int64_t task = 0; task < B * KVH; task++) {
+        const int64_t b = task / KVH, kvh = task % KVH;
+        const float *q_b = q + b * q_stride;
+        const int64_t *tab = tables + b * max_pages;
+        float *out_b = out + b * H * D;
+        decode_task_d(q_b, kv_cache, tab, kv_lens[b], out_b, G, kvh, D, row, page, block_size,
+                      scale);
+    }
+}
+
+/* o = weight * (x * rsqrt(mean(x^2) + eps)) for one row of n floats. */
+static inline void norm_row_(const float *xr, const float *weight, float *o, int64_t n,
+                             float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (xr[i] * r);
+}
+
+/* Rotary embedding of one head of D floats in place (rotate-half; c/s rows of D, halves equal). */
+static inline void rope_head_(float *x, const float *c, const float *s, int64_t D) {
+    const int64_t half = D / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[half + i];
+        x[i] = a * c[i] - b * s[i];
+        x[half + i] = b * c[half + i] + a * s[half + i];
+    }
+}
+
+/* out[t, :] = weight * (x[t, :] * rsqrt(mean(x[t, :]^2) + eps)), x rows of n floats.
+ * With residual != NULL, first x[t] += residual[t] in place (the layer's skip connection),
+ * so one pass does "h = h + o; x = norm(h)". */
+void rms_norm(float *x, const float *residual, const float *weight, float *out,
+              int64_t T, int64_t n, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (T * n >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        float *xr = x + t * n;
+        if (residual) {
+            const float *rr = residual + t * n;
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) xr[i] += rr[i];
+        }
+        norm_row_(xr, weight, out + t * n, n, eps);
+    }
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i] for gu rows [gate (I) | up (I)].
+ * exp's argument is capped at 80: under -ffast-math, g / (1 + inf) is not reliably 0. */
+void silu_mul(const float *gu, float *out, int64_t T, int64_t I, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(fminf(-g[i], 80.f))) * u[i];
+    }
+}
+
+/* Rotary embedding in place, rotate-half convention, on the first `heads` heads of each row:
+ * x[t, h, :D/2], x[t, h, D/2:] = x1*cos - x2*sin, x2*cos + x1*sin with cos/sin rows [T, D]
+ * (halves equal, as the tables are cat(freqs, freqs)). x rows are `stride` floats apart. */
+void rope(float *x, int64_t stride, int64_t T, int64_t heads, int64_t D,
+          const float *cos_, const float *sin_, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (T * heads * D >= 65536)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++)
+            rope_head_(x + t * stride + h * D, cos_ + t * D, sin_ + t * D, D);
+}
+
+/* y[m, :] = W x[m, :] (+ bias) for a few rows x (M <= 8): each weight row is streamed from
+ * memory once, by one thread, and dotted with every x (in cache). MKL's and oneDNN's
+ * small-M paths streamed the default model's 576-wide weights at 22-28 GB/s on a 2-core
+ * AVX-512 EPYC; this loop at 36-50 GB/s. x: [M, K] contiguous; W: [N, K]; y: [M, N]. */
+void gemv(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+          int64_t K, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const float *wr = w + n * K;
+        const float b = bias ? bias[n] : 0.f;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xr = x + m * K;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < K; k++) acc += wr[k] * xr[k];
+            y[m * N + n] = acc + b;
+        }
+    }
+}
+
+/* y[r * M + m] = dot(w[r], x[m * K:]) for R weight rows of K floats and M input rows
+ * (R x M <= 16): each 16-float chunk of a weight row is loaded once and multiplied into M
+ * accumulators, all R x M of them in vector registers (where one dot product at a time
+ * does 1 FMA per 2 loads: R = 2, M = 8 does 16 FMAs per 10 loads, R = 4, M = 4 per 8).
+ * Always inlined with R and M constants (the switches below), so the loops unroll. */
+#define CHUNK 16
+static inline __attribute__((always_inline)) void dots_(
+        const float *const *w, const int64_t R, const float *x, const int64_t M, int64_t K,
+        float *y) {
+    float a[16][CHUNK] = {{0.f}}; /* a[r * M + m] */
+    int64_t k = 0;
+    for (; k + CHUNK <= K; k += CHUNK)
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K + k;
+            for (int64_t r = 0; r < R; r++) {
+                const float *wr = w[r] + k;
+#pragma omp simd
+                for (int64_t j = 0; j < CHUNK; j++) a[r * M + m][j] += wr[j] * xm[j];
+            }
+        }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t m = 0; m < M; m++) {
+            float s = 0.f;
+            for (int64_t j = 0; j < CHUNK; j++) s += a[r * M + m][j];
+            for (int64_t q = k; q < K; q++) s += w[r][q] * x[m * K + q];
+            y[r * M + m] = s;
+        }
+}
+
+/* Two weight rows against M <= 8 input rows: y[r * M + m]. */
+static void row_dots(const float *w0, const float *w1, const float *x, int64_t M, int64_t K,
+                     float *y) {
+    const float *w[2] = {w0, w1};
+    switch (M) {
+    case 1: dots_(w, 2, x, 1, K, y); break;
+    case 2: dots_(w, 2, x, 2, K, y); break;
+    case 3: dots_(w, 2, x, 3, K, y); break;
+    case 4: dots_(w, 2, x, 4, K, y); break;
+    case 5: dots_(w, 2, x, 5, K, y); break;
+    case 6: dots_(w, 2, x, 6, K, y); break;
+    case 7: dots_(w, 2, x, 7, K, y); break;
+    default: dots_(w, 2, x, 8, K, y); break;
+    }
+}
+
+/* Four weight rows against M <= 4 input rows: y[r * M + m]. */
+static void quad_dots(const float *w0, const float *w1, const float *w2, const float *w3,
+                      const float *x, int64_t M, int64_t K, float *y) {
+    const float *w[4] = {w0, w1, w2, w3};
+    switch (M) {
+    case 1: dots_(w, 4, x, 1, K, y); break;
+    case 2: dots_(w, 4, x, 2, K, y); break;
+    case 3: dots_(w, 4, x, 3, K, y); break;
+    default: dots_(w, 4, x, 4, K, y); break;
+    }
+}
+
+/* A block of row pairs against all M input rows: pair i in [i0, i1) is the weight rows at
+ * w0 + i * ws and w1 + i * ws (K floats each); their products with input row m go to
+ * y0[m * ys + i * os] and y1[m * ys + i * os], assigned or (accumulate) added. Input rows in
+ * tiles outside, weight rows inside: the first tile reads the block's weights from memory,
+ * the other tiles find them in L2 while their input rows stay in L1. Up to 3 rows: one pair
+ * at a time against all of them (row_dots); from 4 rows: two pairs against tiles of 4
+ * (quad_dots: 16 FMAs per 8 loads; on a 2-core AVX-512 EPYC a 32-row step went from 48-53
+ * to 42-44 ms, and tiles of 6 were slower again). */
+static void pair_block(const float *w0, const float *w1, int64_t ws, const float *x, int64_t M,
+                       int64_t K, int64_t i0, int64_t i1, float *y0, float *y1, int64_t os,
+                       int64_t ys, int accumulate) {
+    if (M >= 4) { /* two pairs (four rows) at a time against tiles of 4 input rows */
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mt = M - m0 < 4 ? M - m0 : 4;
+            for (int64_t i = i0; i < i1; i += 2) {
+                float a[16];
+                if (i + 1 < i1)
+                    quad_dots(w0 + i * ws, w1 + i * ws, w0 + (i + 1) * ws, w1 + (i + 1) * ws,
+                              x + m0 * K, mt, K, a);
+                else
+                    row_dots(w0 + i * ws, w1 + i * ws, x + m0 * K, mt, K, a);
+                const int64_t np = i + 1 < i1 ? 2 : 1;
+                for (int64_t p = 0; p < np; p++)
+                    for (int64_t m = 0; m < mt; m++) {
+                        const int64_t at = (m0 + m) * ys + (i + p) * os;
+                        const float u = a[(2 * p) * mt + m], v = a[(2 * p + 1) * mt + m];
+                        y0[at] = accumulate ? y0[at] + u : u;
+                        y1[at] = accumulate ? y1[at] + v : v;
+                    }
+            }
+        }
+        return;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t mt = M - m0 < 8 ? M - m0 : 8;
+        for (int64_t i = i0; i < i1; i++) {
+            float a[16];
+            row_dots(w0 + i * ws, w1 + i * ws, x + m0 * K, mt, K, a);
+            for (int64_t m = 0; m < mt; m++) {
+                const int64_t at = (m0 + m) * ys + i * os;
+                y0[at] = accumulate ? y0[at] + a[m] : a[m];
+                y1[at] = accumulate ? y1[at] + a[mt + m] : a[mt + m];
+            }
+        }
+    }
+}
+
+/* Pairs per work block: up to 16 (the block's weights stay in L2 across input tiles), fewer
+ * where that would leave threads without at least 4 blocks each. */
+static int64_t pairs_per_block(int64_t pairs, int nthreads) {
+    const int64_t pb = pairs / (4 * (int64_t)nthreads);
+    return pb < 1 ? 1 : pb > 16 ? 16 : pb;
+}
+
+/* Wide tiles (from a few rows up): the dot-product tiles above end each output in a
+ * horizontal sum and load one input vector per weight vector, which held a 32-row step to
+ * ~40% of the cores' FMA rate. Here the roles turn: the input rows are transposed once (xT
+ * [K][MP], MP lanes = M rounded up to 16, the padding lanes zero) so each vector holds one k
+ * of 16 rows, and each weight scalar, read in place from its row, is broadcast into an FMA
+ * against every lane vector: NR x MV accumulators, MV vector loads and NR broadcasts per
+ * NR x MV FMAs, no horizontal sums, each weight read from memory once per step. The outputs
+ * come out transposed (out[r][lane]), the layout the next projection's input wants. While a
+ * tile runs, the next tile's rows are prefetched into L2 (12 row streams are more than the
+ * hardware prefetcher follows). 2-core AVX-512 EPYC, whole 32-row decode step: 40-44 ms on the
+ * dot tiles, 28-31 on these without the prefetch, 24-27 with it (8 rows: 1.4x from the
+ * prefetch); the LM head (49152 x 576) at 32 rows 360-420 GFLOP/s, near the matmul peak. Tried and
+ * dropped: 8 or 16 rows per tile (0.86-1.0x), prefetching two or four tiles ahead or into L1
+ * (within 3%). */
+#define WIDE_NR 12 /* weight rows per tile: 12 x 2 lane vectors = 24 accumulators */
+
+/* out[r * os + lane] = dot(w[r * ws:], column lane of xT) for r < NR, lane < 16 * MV. */
+static inline __attribute__((always_inline)) void wide_tile_(
+        const float *w, int64_t ws, const int NR, const float *xT, int64_t MP, const int MV,
+        int64_t K, float *out, int64_t os) {
+    v16 a[WIDE_NR][2];
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < MV; v++) a[r][v] = (v16){0};
+    for (int64_t k = 0; k < K; k++) {
+        if ((k & 15) == 0) /* the next tile's rows into L2, a cache line per row */
+            for (int r = 0; r < NR; r++) __builtin_prefetch(w + (r + NR) * ws + k, 0, 2);
+        const float *xk = xT + k * MP;
+        v16 xv[2];
+        for (int v = 0; v < MV; v++) xv[v] = *(const v16u *)(xk + v * LANES);
+        for (int r = 0; r < NR; r++) {
+            const float s = w[r * ws + k];
+            for (int v = 0; v < MV; v++) a[r][v] += s * xv[v];
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < MV; v++) *(v16u *)(out + r * os + v * LANES) = a[r][v];
+}
+
+/* out[r * MP + lane] for weight rows r < nr (nr <= WIDE_NR, row r at w + r * ws) and every
+ * lane < MP: lane vectors two at a time, rows WIDE_NR, then 4, then 1 at a time. */
+static void wide_rows(const float *w, int64_t ws, int64_t nr, const float *xT, int64_t MP,
+                      int64_t K, float *out) {
+    for (int64_t c0 = 0; c0 < MP; c0 += 2 * LANES) {
+        const int two = MP - c0 >= 2 * LANES;
+        const float *xc = xT + c0;
+        float *oc = out + c0;
+        int64_t r = 0;
+        for (; r + WIDE_NR <= nr; r += WIDE_NR)
+            if (two) wide_tile_(w + r * ws, ws, WIDE_NR, xc, MP, 2, K, oc + r * MP, MP);
+            else wide_tile_(w + r * ws, ws, WIDE_NR, xc, MP, 1, K, oc + r * MP, MP);
+        for (; r + 4 <= nr; r += 4)
+            if (two) wide_tile_(w + r * ws, ws, 4, xc, MP, 2, K, oc + r * MP, MP);
+            else wide_tile_(w + r * ws, ws, 4, xc, MP, 1, K, oc + r * MP, MP);
+        for (; r < nr; r++)
+            if (two) wide_tile_(w + r * ws, ws, 1, xc, MP, 2, K, oc + r * MP, MP);
+            else wide_tile_(w + r * ws, ws, 1, xc, MP, 1, K, oc + r * MP, MP);
+    }
+}
+
+/* xT[i * MP + m] = row m of x normalized (norm_row_'s formula), written transposed. */
+static inline void norm_row_t_(const float *xr, const float *weight, float *xT, int64_t MP,
+                               int64_t m, int64_t n, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) xT[i * MP + m] = weight[i] * (xr[i] * r);
+}
+
+static inline int64_t lanes_for(int64_t M) { return (M + LANES - 1) / LANES * LANES; }
+
+/* h[m * E + n] += dot(W[n], lane m of xT) for the E rows of W (K floats each) and m < M: a
+ * projection into the residual stream on the wide tiles, its rows shared among the team (an
+ * orphaned omp for: called inside decode_layers' parallel region; tile: this thread's). */
+static void wide_residual_(const float *w, int64_t K, const float *xT, int64_t MP, int64_t M,
+                           int64_t E, float *tile, float *h) {
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < E; n0 += WIDE_NR) {
+        const int64_t nr = E - n0 < WIDE_NR ? E - n0 : WIDE_NR;
+        wide_rows(w + n0 * K, K, nr, xT, MP, K, tile);
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t m = 0; m < M; m++) h[m * E + n0 + r] += tile[r * MP + m];
+    }
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) by the wide tiles, for a linear layer outside the fused
+ * step (the LM head: 49152 x 576 for the default model). x is transposed into work
+ * (wide_linear_work_floats: MP x K floats, the padding lanes zero, plus a tile per thread),
+ * then each thread takes a share of the weight rows, WIDE_NR at a time. */
+int64_t wide_linear_work_floats(int64_t M, int64_t K, int nthreads) {
+    const int64_t MP = lanes_for(M);
+    return MP * K + (int64_t)nthreads * WIDE_NR * MP;
+}
+
+void wide_linear(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                 int64_t N, int64_t K, float *work, int nthreads) {
+    const int64_t MP = lanes_for(M);
+    float *xT = work;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *tile = work + MP * K + (int64_t)omp_get_thread_num() * WIDE_NR * MP;
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t m = 0; m < MP; m++) xT[k * MP + m] = m < M ? x[m * K + k] : 0.f;
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += WIDE_NR) {
+            const int64_t nr = N - n0 < WIDE_NR ? N - n0 : WIDE_NR;
+            wide_rows(w + n0 * K, K, nr, xT, MP, K, tile);
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t r = 0; r < nr; r++)
+                    y[m * N + n0 + r] = tile[r * MP + m] + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+}
+
+/* Causal prefill attention, the wide tiles' way: 32 query rows of one head in the vector
+ * lanes (QB), keys and values read in place as broadcast scalars, so neither the scores nor
+ * the output need a horizontal sum and the online softmax's row max and sum are lane-wise.
+ *
+ * q:   [Lq, H, D] rows q_stride floats apart; k, v: [Lkv, KVH, D] rows kv_stride apart
+ * out: [Lq, H, D] rows o_stride apart. Query row i sits at position q_start + i and attends
+ *      keys 0 .. q_start + i (q_start = Lkv - Lq: the tokens cached before this chunk).
+ * Tasks: (head, block of 32 query rows), the longest (last) blocks first. Per task, keys in
+ * blocks of KB: scores S^T[key][lane] (12 keys x 32 lanes per tile, over d), the causal mask
+ * on the diagonal block, the online softmax (max, correction, exp, sum) lane-wise, then
+ * O^T[d][lane] += P[key][lane] * V[key][d] (12 d x 32 lanes per tile, over the keys).
+ * Scratch on the stack per task: QB x (2 MAX_D + KB) floats, 72 KB (the Q and output tiles
+ * sized for the largest head). */
+#define QB 32
+#define KB 64
+#define ATT_T 12 /* keys (scores) or head dims (values) per register tile */
+
+static inline __attribute__((always_inline)) void att_scores_(
+        const float *qT, const float *k, int64_t kv_stride, const int NT, int64_t D,
+        float *sT) {
+    v16 a[ATT_T][2];
+    for (int t = 0; t < NT; t++) a[t][0] = a[t][1] = (v16){0};
+    for (int64_t d = 0; d < D; d++) {
+        const v16 x0 = *(const v16 *)(qT + d * QB), x1 = *(const v16 *)(qT + d * QB + LANES);
+        for (int t = 0; t < NT; t++) {
+            const float s = k[t * kv_stride + d];
+            a[t][0] += s * x0;
+            a[t][1] += s * x1;
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        *(v16 *)(sT + t * QB) = a[t][0];
+        *(v16 *)(sT + t * QB + LANES) = a[t][1];
+    }
+}
+
+static inline __attribute__((always_inline)) void att_values_(
+        const float *pT, int64_t nk, const float *v, int64_t kv_stride, const int NT,
+        float *oT) {
+    v16 a[ATT_T][2];
+    for (int t = 0; t < NT; t++) {
+        a[t][0] = *(v16 *)(oT + t * QB);
+        a[t][1] = *(v16 *)(oT + t * QB + LANES);
+    }
+    for (int64_t j = 0; j < nk; j++) {
+        const v16 p0 = *(const v16 *)(pT + j * QB), p1 = *(const v16 *)(pT + j * QB + LANES);
+        const float *vj = v + j * kv_stride;
+        for (int t = 0; t < NT; t++) {
+            a[t][0] += vj[t] * p0;
+            a[t][1] += vj[t] * p1;
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        *(v16 *)(oT + t * QB) = a[t][0];
+        *(v16 *)(oT + t * QB + LANES) = a[t][1];
+    }
+}
+
+void prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                       int64_t kv_stride, float *out, int64_t o_stride, int64_t Lq,
+                       int64_t q_start, int64_t H, int64_t KVH, int64_t D, float scale,
+                       int nthreads) {
+    const int64_t G = H / KVH, blocks = (Lq + QB - 1) / QB;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (Lq * (q_start + Lq) * H * D >= 1 << 20)
+    for (int64_t task = 0; task < blocks * H; task++) {
+        const int64_t r0 = (blocks - 1 - task / H) * QB, h = task % H, kh = h / G;
+        const int64_t rows = Lq - r0 < QB ? Lq - r0 : QB;
+        float qT[MAX_D * QB] __attribute__((aligned(64)));
+        float oT[MAX_D * QB] __attribute__((aligned(64)));
+        float sT[KB * QB] __attribute__((aligned(64)));
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t i = 0; i < QB; i++) {
+                qT[d * QB + i] = i < rows ? q[(r0 + i) * q_stride + h * D + d] * scale : 0.f;
+                oT[d * QB + i] = 0.f;
+            }
+        float m[QB] __attribute__((aligned(64))), l[QB] __attribute__((aligned(64)));
+        float c[QB] __attribute__((aligned(64)));
+        for (int64_t i = 0; i < QB; i++) m[i] = -1e30f, l[i] = 0.f;
+        const float *kh_k = k + kh * D, *kh_v = v + kh * D;
+        const int64_t first = q_start + r0; /* the block's first row's position */
+        const int64_t nkeys = first + rows; /* keys the block's last row sees */
+        for (int64_t j0 = 0; j0 < nkeys; j0 += KB) {
+            const int64_t nk = nkeys - j0 < KB ? nkeys - j0 : KB;
+            int64_t t = 0;
+            for (; t + ATT_T <= nk; t += ATT_T)
+                att_scores_(qT, kh_k + (j0 + t) * kv_stride, kv_stride, ATT_T, D, sT + t * QB);
+            for (; t < nk; t++)
+                att_scores_(qT, kh_k + (j0 + t) * kv_stride, kv_stride, 1, D, sT + t * QB);
+            if (j0 + nk - 1 > first) /* keys past some row's position: masked in that lane */
+                for (int64_t j = 0; j < nk; j++)
+                    for (int64_t i = 0; i < QB; i++)
+                        if (j0 + j > first + i) sT[j * QB + i] = -1e30f;
+            /* Online softmax, lane by lane: the new max, the old sums' correction, exp. */
+            for (int64_t i = 0; i < QB; i++) c[i] = m[i];
+            for (int64_t j = 0; j < nk; j++)
+#pragma omp simd
+                for (int64_t i = 0; i < QB; i++) m[i] = fmaxf(m[i], sT[j * QB + i]);
+#pragma omp simd
+            for (int64_t i = 0; i < QB; i++) c[i] = expf(c[i] - m[i]);
+            float sum[QB] __attribute__((aligned(64))) = {0.f};
+            for (int64_t j = 0; j < nk; j++)
+#pragma omp simd
+                for (int64_t i = 0; i < QB; i++) {
+                    const float e = expf(sT[j * QB + i] - m[i]);
+                    sT[j * QB + i] = e;
+                    sum[i] += e;
+                }
+#pragma omp simd
+            for (int64_t i = 0; i < QB; i++) l[i] = l[i] * c[i] + sum[i];
+            for (int64_t d = 0; d < D; d++)
+#pragma omp simd
+                for (int64_t i = 0; i < QB; i++) oT[d * QB + i] *= c[i];
+            int64_t d0 = 0;
+            for (; d0 + ATT_T <= D; d0 += ATT_T)
+                att_values_(sT, nk, kh_v + j0 * kv_stride + d0, kv_stride, ATT_T, oT + d0 * QB);
+            for (; d0 < D; d0++)
+                att_values_(sT, nk, kh_v + j0 * kv_stride + d0, kv_stride, 1, oT + d0 * QB);
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            const float inv = 1.f / l[i];
+            for (int64_t d = 0; d < D; d++)
+                out[(r0 + i) * o_stride + h * D + d] = oT[d * QB + i] * inv;
+        }
+    }
+}
+
+/* ---- weight-only quantized products (engine/quant/layouts.py's layouts) ----------------------------
+ * y[m * N + n] = sum_k x[m * K + k] * w[n][k] (+ bias[n]), the weight read in its quantized
+ * layout and never expanded in memory: a decode step is bound by the bytes of weights it
+ * reads, and int8 / int4 weights are a quarter / an eighth of fp32's (plus fp16 scales).
+ *
+ * int8: w[n][k] = q[n * K + k] * scale[n * (K / G) + k / G], G a multiple of 16.
+ * int4: per 32-weight block b of row n, byte 8h + j of its 16 (h 0..1, j 0..7) holds
+ *       q_{16h+j} (low nibble) and q_{16h+8+j} (high nibble): 8 bytes widened to 32-bit lanes
+ *       are 8 consecutive weights after a mask and 8 more after a shift;
+ *       w = q * scale[n][b] + offset[n][b]. The offset's share is
+ *       offset * sum(x over the block): those sums are made once per call (xsum), so the inner
+ *       loop is the unsigned nibbles times x, scaled once per block.
+ * Rows of x are taken QM at a time against each weight row (the row stays in L1 between
+ * chunks); each weight row is converted to floats once per chunk, 16 lanes at a time. */
+#define QM 4
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+/* AVX2 intrinsics (8 lanes; every x86 server CPU of the last decade, AVX-512 ones included),
+ * not GCC's vector extension: GCC 12 turns a conversion of bytes to floats written portably
+ * into scalar conversions, slower than the fp32 GEMV it should beat.
+ * R weight rows at a time against M rows of x (R * M <= 4 accumulators, each group walked in
+ * two interleaved halves: 12 of the 16 registers): one accumulator chain per (row, x row)
+ * left the FMA units waiting on its latency. */
+static inline __attribute__((always_inline)) __m256 bytes8_(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float hsum8_(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void q8_tile_(
+        const int8_t *q, const _Float16 *sc, const float *x, const int64_t R, const int64_t M,
+        int64_t K, int64_t G, float *out /* [R][M] */) {
+    __m256 acc[4], part[4][2];
+    for (int64_t i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+        for (int64_t i = 0; i < R * M; i++) part[i][0] = part[i][1] = _mm256_setzero_ps();
+        for (int64_t k = g0; k < g0 + G; k += 16) {
+            if (!(k & 63))  /* each 64-byte line of these rows: fetch the next tile's */
+                for (int64_t r = 0; r < R; r++)
+                    _mm_prefetch((const char *)(q + (r + R) * K + k), _MM_HINT_T0);
+            for (int h = 0; h < 2; h++)
+                for (int64_t r = 0; r < R; r++) {
+                    const __m256 wf = bytes8_(q + r * K + k + 8 * h);
+                    for (int64_t m = 0; m < M; m++)
+                        part[r * M + m][h] = _mm256_fmadd_ps(
+                            wf, _mm256_loadu_ps(x + m * K + k + 8 * h), part[r * M + m][h]);
+                }
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const __m256 s = _mm256_set1_ps((float)sc[r * (K / G) + g0 / G]);
+            for (int64_t m = 0; m < M; m++)
+                acc[r * M + m] = _mm256_fmadd_ps(
+                    s, _mm256_add_ps(part[r * M + m][0], part[r * M + m][1]), acc[r * M + m]);
+        }
+    }
+    for (int64_t i = 0; i < R * M; i++) out[i] = hsum8_(acc[i]);
+}
+
+/* sum over blocks of a[b] * c[b] for fp16 a, fp32 c (nb values): a row's offset term. */
+static inline float dot_h_(const _Float16 *a, const float *c, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= nb; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))),
+                              _mm256_loadu_ps(c + i), acc);
+    float s = hsum8_(acc);
+    for (; i < nb; i++) s += (float)a[i] * c[i];
+    return s;
+}
+
+static inline __attribute__((always_inline)) void q4_tile_(
+        const uint8_t *q, const _Float16 *sc, const _Float16 *off, const float *x,
+        const float *xsum, const int64_t R, const int64_t M, int64_t K, float *out) {
+    const int64_t nb = K / 32;
+    __m256 acc[4];
+    for (int64_t i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r = 0; r < R; r++) {
+            const uint8_t *qb = q + r * (K / 2) + b * 16;
+            if (!(b & 3))  /* each 64-byte line of these rows: fetch the next tile's */
+                _mm_prefetch((const char *)(qb + R * (K / 2)), _MM_HINT_T0);
+            const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
+            const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
+            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
+            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+            const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(c, low4));
+            const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+            const __m256 s = _mm256_set1_ps((float)sc[r * nb + b]);
+            for (int64_t m = 0; m < M; m++) {
+                const float *xm = x + m * K + b * 32;
+                __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xm));
+                t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), t);
+                t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), t);
+                t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), t);
+                acc[r * M + m] = _mm256_fmadd_ps(s, t, acc[r * M + m]);
+            }
+        }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t m = 0; m < M; m++)
+            out[r * M + m] = hsum8_(acc[r * M + m]) + dot_h_(off + r * nb, xsum + m * nb, nb);
+}
+#define Q_ROWS(MC) ((MC) == 1 ? 4 : (MC) == 2 ? 2 : 1)
+#else
+/* Portable twins (correct, not fast: the tuning then picks the dequantizing path). */
+static inline void q8_tile_(const int8_t *q, const _Float16 *sc, const float *x, const int64_t R,
+                            const int64_t M, int64_t K, int64_t G, float *out) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t g0 = 0; g0 < K; g0 += G) {
+                float part = 0.f;
+                for (int64_t k = g0; k < g0 + G; k++) part += (float)q[r * K + k] * x[m * K + k];
+                acc += (float)sc[r * (K / G) + g0 / G] * part;
+            }
+            out[r * M + m] = acc;
+        }
+}
+
+static inline void q4_tile_(const uint8_t *q, const _Float16 *sc, const _Float16 *off,
+                            const float *x, const float *xsum, const int64_t R, const int64_t M,
+                            int64_t K, float *out) {
+    const int64_t nb = K / 32;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *qb = q + r * (K / 2) + b * 16;
+                const float *xb = x + m * K + b * 32;
+                float part = 0.f;
+                for (int h = 0; h < 2; h++)
+                    for (int j = 0; j < 8; j++)
+                        part += (float)(qb[8 * h + j] & 15) * xb[16 * h + j]
+                                + (float)(qb[8 * h + j] >> 4) * xb[16 * h + 8 + j];
+                acc += (float)sc[r * nb + b] * part + (float)off[r * nb + b] * xsum[m * nb + b];
+            }
+            out[r * M + m] = acc;
+        }
+}
+#define Q_ROWS(MC) 1
+#endif
+
+/* y[m * ldy + n] (+ y when acc) = sum_k x[m * K + k] w[n][k] for the rows n0 <= n < n1 of a
+ * quantized weight (fmt 1: int8 in groups of G, 2: int4), the M rows of x QM at a time, the
+ * weight rows in tiles of Q_ROWS(rows in the chunk); R and the chunk's rows compile-time
+ * constants in each case, so the tiles' loops unroll into registers. xsum: for int4, the sums
+ * of x over each 32-weight block [M, K / 32]. */
+#define Q_CASES(CALL)                                                                        \
+    switch (mc) {                                                                            \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;                  \
+    default: CALL(4); break;                                                                 \
+    }
+#define Q_TILES(TILE, ...)                                                                   \
+    if (r == 4) TILE(4, __VA_ARGS__);                                                        \
+    else if (r == 2) TILE(2, __VA_ARGS__);                                                   \
+    else TILE(1, __VA_ARGS__);
+#define Q8_TILE(R, MC) q8_tile_(q + n * K, scale + n * (K / G), x + m0 * K, R, MC, K, G, out)
+#define Q4_TILE(R, MC) q4_tile_(q + n * (K / 2), scale + n * nb, offset + n * nb, x + m0 * K, \
+                                xsum + m0 * nb, R, MC, K, out)
+#define Q_PICK_R(MC)                                                                         \
+    r = (Q_ROWS(MC) == 4 && n + 4 <= n1) ? 4 : (Q_ROWS(MC) >= 2 && n + 2 <= n1) ? 2 : 1;
+#define Q8_CALL(MC) Q_PICK_R(MC) Q_TILES(Q8_TILE, MC)
+#define Q4_CALL(MC) Q_PICK_R(MC) Q_TILES(Q4_TILE, MC)
+
+static void q_rows_(int64_t fmt, int64_t G, const void *data, const _Float16 *scale,
+                    const _Float16 *offset, const float *x, const float *xsum, int64_t M,
+                    int64_t K, int64_t n0, int64_t n1, float *y, int64_t ldy, int acc) {
+    const int64_t nb = K / 32;
+    for (int64_t m0 = 0; m0 < M; m0 += QM) {
+        const int64_t mc = M - m0 < QM ? M - m0 : QM;
+        for (int64_t n = n0; n < n1;) {
+            float out[4 * QM];
+            int64_t r = 1;
+            if (fmt == 1) {
+                const int8_t *q = (const int8_t *)data;
+                Q_CASES(Q8_CALL)
+            } else {
+                const uint8_t *q = (const uint8_t *)data;
+                Q_CASES(Q4_CALL)
+            }
+            for (int64_t i = 0; i < r; i++)
+                for (int64_t m = 0; m < mc; m++) {
+                    float *d = y + (m0 + m) * ldy + n + i;
+                    *d = acc ? *d + out[i * mc + m] : out[i * mc + m];
+                }
+            n += r;
+        }
+    }
+}
+
+/* Sums of each row of x [M, K] over its 32-weight blocks: xsum [M, K / 32] (int4's offsets). */
+static void block_sums_(const float *x, int64_t M, int64_t K, float *xsum) {
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.f;
+            for (int j = 0; j < 32; j++) s += x[m * K + b * 32 + j];
+            xsum[m * nb + b] = s;
+        }
+}
+
+#define Q_BLOCK 16 /* weight rows per parallel task */
+
+static void q_linear_(int64_t fmt, const float *x, const void *q, const _Float16 *scale,
+                      const _Float16 *offset, const float *bias, float *y, int64_t M, int64_t N,
+                      int64_t K, int64_t G, float *xsum, int nthreads) {
+    if (fmt == 2) block_sums_(x, M, K, xsum);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K >= 65536)
+    for (int64_t n0 = 0; n0 < N; n0 += Q_BLOCK) {
+        const int64_t n1 = n0 + Q_BLOCK < N ? n0 + Q_BLOCK : N;
+        q_rows_(fmt, G, q, scale, offset, x, xsum, M, K, n0, n1, y, N, 0);
+        if (bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
+    }
+}
+
+/* w [N, K] fp32 = the quantized weight expanded (fmt 1: int8 in groups of G, 2: int4): the
+ * "dequant" linear path's scratch weight, one pass (torch's unpack-and-scale ops took five). */
+void q_dequantize(int64_t fmt, const void *data, const _Float16 *scale, const _Float16 *offset,
+                  float *w, int64_t N, int64_t K, int64_t G, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float *wr = w + n * K;
+        if (fmt == 1) {
+            const int8_t *q = (const int8_t *)data + n * K;
+            for (int64_t g0 = 0; g0 < K; g0 += G) {
+                const float s = (float)scale[n * (K / G) + g0 / G];
+#pragma omp simd
+                for (int64_t k = g0; k < g0 + G; k++) wr[k] = (float)q[k] * s;
+            }
+        } else {
+            const uint8_t *q = (const uint8_t *)data + n * (K / 2);
+            for (int64_t b = 0; b < K / 32; b++) {
+                const float s = (float)scale[n * (K / 32) + b], o = (float)offset[n * (K / 32) + b];
+                for (int h = 0; h < 2; h++)
+#pragma omp simd
+                    for (int j = 0; j < 8; j++) {
+                        const uint8_t v = q[b * 16 + 8 * h + j];
+                        wr[b * 32 + 16 * h + j] = (float)(v & 15) * s + o;
+                        wr[b * 32 + 16 * h + 8 + j] = (float)(v >> 4) * s + o;
+                    }
+            }
+        }
+    }
+}
+
+void q8_linear(const float *x, const int8_t *q, const _Float16 *scale, const float *bias,
+               float *y, int64_t M, int64_t N, int64_t K, int64_t G, int nthreads) {
+    q_linear_(1, x, q, scale, 0, bias, y, M, N, K, G, 0, nthreads);
+}
+
+void q4_linear(const float *x, const uint8_t *q, const _Float16 *scale, const _Float16 *offset,
+               const float *bias, float *y, int64_t M, int64_t N, int64_t K, float *xsum,
+               int nthreads) {
+    q_linear_(2, x, q, scale, offset, bias, y, M, N, K, 32, xsum, nthreads);
+}
+
+/* A whole pure-decode step through every decoder layer, in one parallel region.
+ *
+ * At batch 1-8 the layers' weights stream in ~20 ms on two cores, but the layer-by-layer path
+ * pays a Python call, a tensor allocation and an OpenMP team wake-up per op (about ten per
+ * layer, 300 a step): 5-12 ms of a 25-35 ms step on the hosts measured. Here the threads stay
+ * in one team for all layers and meet at four barriers per layer. The math is the kernels'
+ * above (the same row helpers as rms_norm and rope, the same decode_task as paged_decode,
+ * silu_mul's formula), the projections dots_ tiles (weights read from memory once per
+ * step), and the new K/V are written into the cache in place.
+ *
+ * h:      [M, E] residual stream in, the last layer's sum out (before the final norm)
+ * ptrs:   per layer DL_PTRS addresses: input norm, post norm, QKV weight [(H + 2 KVH) D, E],
+ *         QKV bias (0: none), O weight [E, H D], gate/up weight [2 I, E], down weight [E, I],
+ *         query-head norm [D] and key-head norm [D] (Qwen3; 0: none), KV cache
+ *         [pages, 2, block_size, KVH, D]; then for quantized weights (qfmt 1: int8 in groups
+ *         of qgroup, 2: int4; the four weight addresses above are then their data) each
+ *         weight's fp16 scales and offsets (int4) in the order QKV, O, gate/up, down (0 when
+ *         qfmt is 0). Quantized projections take the dot-product tiles (q_rows_) at any M.
+ * cos/sin:[M, D] rows at each sequence's new position; tables [M, max_pages];
+ * kv_lens [M]: tokens to attend including the new one (its slot: position kv_lens - 1)
+ * wide_from: from this many rows the projections run the wide tiles (wide_rows: rows in
+ *         vector lanes), below it the dot-product tiles (pair_block); chosen per host
+ * work:   scratch of decode_layers_work_floats(...) floats
+ */
+#define DL_PTRS 18
+
+/* act[m][i] = silu(act[m][i]) * up[m][i] for columns i0 <= i < i1 of the M rows (I wide). */
+static inline void silu_gate_(float *act, const float *up, int64_t M, int64_t I, int64_t i0,
+                              int64_t i1) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = i0; i < i1; i++) {
+            const float g = act[m * I + i];
+            act[m * I + i] = g / (1.f + expf(fminf(-g, 80.f))) * up[m * I + i];
+        }
+}
+/* Per thread: int4's block sums of the widest input of a projection. */
+static int64_t dl_xsum_floats(int64_t M, int64_t E, int64_t HD, int64_t I) {
+    const int64_t k = E > HD ? (E > I ? E : I) : (HD > I ? HD : I);
+    return M * (k / 32 + 1);
+}
+
+int64_t decode_layers_work_floats(int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D,
+                                  int64_t I, int nthreads) {
+    /* per thread: its normed copy of the rows (transposed, MP lanes, in the wide layout), two
+     * wide tiles' outputs and one attention task's heads; shared: qkv, attention out (wide:
+     * transposed), gate (then the activations; wide: transposed) and up */
+    const int64_t MP = lanes_for(M);
+    return (int64_t)nthreads * (MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I))
+           + M * (H + 2 * KVH) * D + MP * H * D + MP * I + M * I;
+}
+
+void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M, int64_t E,
+                   int64_t H, int64_t KVH, int64_t D, int64_t I, const float *cos_,
+                   const float *sin_, const int64_t *tables, int64_t max_pages,
+                   const int64_t *kv_lens, int64_t block_size, float eps, float scale,
+                   int64_t wide_from, int64_t qfmt, int64_t qgroup, float *work, int nthreads) {
+    const int64_t NQKV = (H + 2 * KVH) * D, G = H / KVH, MP = lanes_for(M);
+    const int64_t row = KVH * D, page = 2 * block_size * row;
+    const int wide = !qfmt && M >= wide_from;
+    const int64_t per_thread = MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I);
+    float *qkv = work + (int64_t)nthreads * per_thread, *att = qkv + M * NQKV;
+    float *act = att + MP * H * D, *up = act + MP * I;
+    const int64_t HD = H * D;
+    const int64_t pb_qkv = pairs_per_block(NQKV / 2, nthreads),
+                  pb_e = pairs_per_block(E / 2, nthreads), pb_i = pairs_per_block(I, nthreads);
+    if (wide) /* the lanes past M stay zero: every wide product of them is zero */
+        memset(att, 0, MP * HD * sizeof(float));
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *x = work + (int64_t)omp_get_thread_num() * per_thread; /* normed rows */
+        float *tile = x + MP * E, *heads = tile + 2 * WIDE_NR * MP, *xs = heads + H * D;
+        if (wide) memset(x, 0, MP * E * sizeof(float));
+        for (int64_t l = 0; l < num_layers; l++) {
+            const int64_t *p = ptrs + DL_PTRS * l;
+            typedef const _Float16 *h16;
+            const float *in_norm = (const float *)p[0], *post_norm = (const float *)p[1];
+            const float *wqkv = (const float *)p[2], *bqkv = (const float *)p[3];
+            const float *wo = (const float *)p[4], *wgu = (const float *)p[5];
+            const float *wdown = (const float *)p[6];
+            const float *qnorm = (const float *)p[7], *knorm = (const float *)p[8];
+            float *cache = (float *)p[9];
+            /* Every thread normalizes the rows itself (M x E floats: cheaper than a barrier). */
+            for (int64_t m = 0; m < M; m++)
+                if (wide) norm_row_t_(h + m * E, in_norm, x, MP, m, E, eps);
+                else norm_row_(h + m * E, in_norm, x + m * E, E, eps);
+            if (qfmt) {
+                if (qfmt == 2) block_sums_(x, M, E, xs);
+#pragma omp for schedule(static)
+                for (int64_t n0 = 0; n0 < NQKV; n0 += Q_BLOCK) {
+                    const int64_t n1 = n0 + Q_BLOCK < NQKV ? n0 + Q_BLOCK : NQKV;
+                    q_rows_(qfmt, qgroup, wqkv, (h16)p[10], (h16)p[11], x, xs, M, E, n0, n1,
+                            qkv, NQKV, 0);
+                    if (bqkv)
+                        for (int64_t m = 0; m < M; m++)
+                            for (int64_t n = n0; n < n1; n++) qkv[m * NQKV + n] += bqkv[n];
+                }
+            } else if (wide) {
+#pragma omp for schedule(static)
+                for (int64_t n0 = 0; n0 < NQKV; n0 += WIDE_NR) {
+                    const int64_t nr = NQKV - n0 < WIDE_NR ? NQKV - n0 : WIDE_NR;
+                    wide_rows(wqkv + n0 * E, E, nr, x, MP, E, tile);
+                    for (int64_t r = 0; r < nr; r++) {
+                        const float b = bqkv ? bqkv[n0 + r] : 0.f;
+                        for (int64_t m = 0; m < M; m++)
+                            qkv[m * NQKV + n0 + r] = tile[r * MP + m] + b;
+                    }
+                }
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t i0 = 0; i0 < NQKV / 2; i0 += pb_qkv) {
+                    const int64_t i1 = i0 + pb_qkv < NQKV / 2 ? i0 + pb_qkv : NQKV / 2;
+                    pair_block(wqkv, wqkv + E, 2 * E, x, M, E, i0, i1, qkv, qkv + 1, 2, NQKV, 0);
+                    if (bqkv)
+                        for (int64_t m = 0; m < M; m++)
+                            for (int64_t n = 2 * i0; n < 2 * i1; n++)
+                                qkv[m * NQKV + n] += bqkv[n];
+                }
+            }
+            /* One task per (sequence, KV head): rotate its query heads and key, write K/V
+             * into the new token's slot, then attend (the new slot included). */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < M * KVH; task++) {
+                const int64_t b = task / KVH, kvh = task % KVH;
+                float *qb = qkv + b * NQKV;
+                const float *c = cos_ + b * D, *s = sin_ + b * D;
+                float *k = qb + (H + kvh) * D;
+                if (qnorm) { /* Qwen3: each query head and the key normed before rotation */
+                    for (int64_t g = 0; g < G; g++)
+                        norm_row_(qb + (kvh * G + g) * D, qnorm, qb + (kvh * G + g) * D, D, eps);
+                    norm_row_(k, knorm, k, D, eps);
+                }
+                for (int64_t g = 0; g < G; g++) rope_head_(qb + (kvh * G + g) * D, c, s, D);
+                rope_head_(k, c, s, D);
+                const int64_t *tab = tables + b * max_pages;
+                const int64_t pos = kv_lens[b] - 1;
+                float *slot = cache + tab[pos / block_size] * page + (pos % block_size) * row + kvh * D;
+                memcpy(slot, k, D * sizeof(float));
+                memcpy(slot + block_size * row, k + KVH * D, D * sizeof(float));
+                if (wide) { /* this task's heads, then into their lanes of the transpose */
+                    decode_task_d(qb, cache, tab, kv_lens[b], heads, G, kvh, D, row, page,
+                                  block_size, scale);
+                    for (int64_t j = kvh * G * D; j < (kvh + 1) * G * D; j++)
+                        att[j * MP + b] = heads[j];
+                } else {
+                    decode_task_d(qb, cache, tab, kv_lens[b], att + b * HD, G, kvh, D, row,
+                                  page, block_size, scale);
+                }
+            }
+            if (qfmt) {
+                if (qfmt == 2) block_sums_(att, M, HD, xs);
+#pragma omp for schedule(static)
+                for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
+                    q_rows_(qfmt, qgroup, wo, (h16)p[12], (h16)p[13], att, xs, M, HD, n0,
+                            n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
+            } else if (wide) {
+                wide_residual_(wo, HD, att, MP, M, E, tile, h);
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t i0 = 0; i0 < E / 2; i0 += pb_e)
+                    pair_block(wo, wo + HD, 2 * HD, att, M, HD, i0,
+                               i0 + pb_e < E / 2 ? i0 + pb_e : E / 2, h, h + 1, 2, E, 1);
+            }
+            for (int64_t m = 0; m < M; m++)
+                if (wide) norm_row_t_(h + m * E, post_norm, x, MP, m, E, eps);
+                else norm_row_(h + m * E, post_norm, x + m * E, E, eps);
+            if (wide) { /* gate and up tiles, SiLU-gated straight into the transposed act */
+#pragma omp for schedule(static)
+                for (int64_t n0 = 0; n0 < I; n0 += WIDE_NR) {
+                    const int64_t nr = I - n0 < WIDE_NR ? I - n0 : WIDE_NR;
+                    float *gt = tile, *ut = tile + WIDE_NR * MP;
+                    wide_rows(wgu + n0 * E, E, nr, x, MP, E, gt);
+                    wide_rows(wgu + (I + n0) * E, E, nr, x, MP, E, ut);
+                    for (int64_t r = 0; r < nr; r++) {
+                        float *o = act + (n0 + r) * MP;
+#pragma omp simd
+                        for (int64_t m = 0; m < MP; m++) {
+                            const float g = gt[r * MP + m];
+                            o[m] = g / (1.f + expf(fminf(-g, 80.f))) * ut[r * MP + m];
+                        }
+                    }
+                }
+                wide_residual_(wdown, I, act, MP, M, E, tile, h);
+                continue;
+            }
+            if (qfmt) {
+                /* gate rows i0..i1 into act, up rows (I + i0 ..) into up, then SiLU-gated */
+                const int64_t up_data = qfmt == 1 ? I * E : I * E / 2;
+                const int64_t up_scales = qfmt == 1 ? I * (E / qgroup) : I * (E / 32);
+                if (qfmt == 2) block_sums_(x, M, E, xs);
+#pragma omp for schedule(static)
+                for (int64_t i0 = 0; i0 < I; i0 += Q_BLOCK) {
+                    const int64_t i1 = i0 + Q_BLOCK < I ? i0 + Q_BLOCK : I;
+                    q_rows_(qfmt, qgroup, wgu, (h16)p[14], (h16)p[15], x, xs, M, E, i0, i1,
+                            act, I, 0);
+                    q_rows_(qfmt, qgroup, (const int8_t *)wgu + up_data, (h16)p[14] + up_scales,
+                            p[15] ? (h16)p[15] + up_scales : 0, x, xs, M, E, i0, i1, up, I, 0);
+                    silu_gate_(act, up, M, I, i0, i1);
+                }
+                if (qfmt == 2) block_sums_(act, M, I, xs);
+#pragma omp for schedule(static)
+                for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
+                    q_rows_(qfmt, qgroup, wdown, (h16)p[16], (h16)p[17], act, xs, M, I, n0,
+                            n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
+                continue;
+            }
+#pragma omp for schedule(static)
+            for (int64_t i0 = 0; i0 < I; i0 += pb_i) {
+                const int64_t i1 = i0 + pb_i < I ? i0 + pb_i : I;
+                pair_block(wgu, wgu + I * E, E, x, M, E, i0, i1, act, up, 1, I, 0);
+                silu_gate_(act, up, M, I, i0, i1);
+            }
+#pragma omp for schedule(static)
+            for (int64_t i0 = 0; i0 < E / 2; i0 += pb_e)
+                pair_block(wdown, wdown + I, 2 * I, act, M, I, i0,
+                           i0 + pb_e < E / 2 ? i0 + pb_e : E / 2, h, h + 1, 2, E, 1);
+        }
+    }
+}
+
+/* Grammar masks: in logits row rows[r] (rows `stride` floats apart) every token i whose bit
+ * (mask[r * words + i / 32] >> i % 32) & 1 is 0 becomes -inf. A word of all ones (the common
+ * case in a permissive state) is skipped whole, one of all zeros filled whole. -inf is
+ * written as its bit pattern: -ffast-math assumes no infinities in arithmetic. */
+void apply_bitmask(float *logits, int64_t stride, const int64_t *rows, int64_t nrows,
+                   const int32_t *mask, int64_t words, int64_t vocab) {
+    const uint32_t neg_inf = 0xFF800000u;
+    for (int64_t r = 0; r < nrows; r++) {
+        uint32_t *row = (uint32_t *)(logits + rows[r] * stride);
+        const uint32_t *m = (const uint32_t *)(mask + r * words);
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            int64_t base = w * 32, end = base + 32 < vocab ? base + 32 : vocab;
+            if (bits == 0) {
+#pragma omp simd
+                for (int64_t i = base; i < end; i++) row[i] = neg_inf;
+                continue;
+            }
+            for (int64_t i = base; i < end; i++)
+                if (!((bits >> (i - base)) & 1u)) row[i] = neg_inf;
+        }
+    }
+}

@@ -1,0 +1,60 @@
+"""The C kernels for ``engine.quant.layouts``'s layouts: thin wrappers over ``engine/ops/csrc/cpu_ops.c``'s
+``q8_linear``, ``q4_linear`` and ``q_dequantize`` (the library is ``engine.ops.cpu_ops``', built and
+loaded there; the whole-step decode kernel reads the same layouts, ``cpu_ops.decode_layers``).
+Each returns None, computing nothing, where it does not apply (no library, activations not
+fp32 on CPU, a layout the kernels do not take): the caller runs another path
+(``engine.ops.kernels``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.ops.cpu_ops import library
+from engine.quant.layouts import QuantizedWeight
+
+
+def _fp32_cpu(t: torch.Tensor) -> bool:
+    return t.is_cpu and t.dtype == torch.float32
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
+                     bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` for a ``engine.quant.layouts.QuantizedWeight`` read in its layout
+    (``x [M, K]`` fp32): the ``"cquant"`` linear path. Any M (rows 4 at a time against each
+    tile of weight rows). None, computing nothing, when the kernel does not apply."""
+    lib = library()
+    if (lib is None or not _fp32_cpu(x) or x.dim() != 2 or not x.is_contiguous()
+            or (bias is not None and not _fp32_cpu(bias)) or weight.scale.dtype != torch.float16):
+        return None
+    m, k = x.shape
+    n = weight.shape[0]
+    if k != weight.shape[1] or k % 32 or weight.group % 16:
+        return None
+    out = torch.empty(m, n, dtype=x.dtype)
+    b = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if weight.kind == "int8":
+        lib.q8_linear(x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(), b,
+                      out.data_ptr(), m, n, k, weight.group, threads)
+    else:
+        xsum = torch.empty(m * (k // 32))
+        lib.q4_linear(x.data_ptr(), weight.data.data_ptr(), weight.scale.data_ptr(),
+                      weight.offset.data_ptr(), b, out.data_ptr(), m, n, k, xsum.data_ptr(),
+                      threads)
+    return out
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor | None:
+    """The fp32 ``[N, K]`` a quantized weight stands for, in one pass (the
+    ``"dequant"`` linear path's scratch weight); None where the kernel does not apply."""
+    lib = library()
+    if lib is None or weight.scale.dtype != torch.float16 or weight.dtype != torch.float32:
+        return None
+    n, k = weight.shape
+    out = torch.empty(n, k)
+    lib.q_dequantize(1 if weight.kind == "int8" else 2, weight.data.data_ptr(),
+                     weight.scale.data_ptr(),
+                     None if weight.offset is None else weight.offset.data_ptr(),
+                     out.data_ptr(), n, k, weight.group, torch.get_num_threads())
+    return out

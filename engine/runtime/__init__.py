@@ -1,0 +1,2 @@
+"""The drivers: the single-process engine and its KV connector, the compute thread, the engine
+loop, the asyncio face, thread counts, and a tensor-parallel follower rank."""
