@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report import DEFAULT_OUT_DIR
+from bench.harness.report import DEFAULT_OUT_DIR
 
 
 @dataclass(frozen=True)

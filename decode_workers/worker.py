@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from decode_workers.delivery import TokenDelivery
-from engine.core.request import RequestOutput, RequestProgress
+from engine.contract import RequestOutput, RequestProgress
 from engine.runtime.compute_thread import ComputeThread
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.kv_connector import Reservation

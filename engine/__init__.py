@@ -12,7 +12,7 @@ __all__ = ["LLM", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs
-    from engine.core.request import RequestOutput, SamplingParams
+    from engine.contract import RequestOutput, SamplingParams
     from engine.llm import LLM
     from engine.runtime.llm_engine import LLMEngine
 
@@ -28,6 +28,6 @@ def __getattr__(name: str) -> Any:
         from engine.runtime.llm_engine import LLMEngine
         return LLMEngine
     if name in ("RequestOutput", "SamplingParams"):
-        from engine.core import request
-        return getattr(request, name)
+        from engine import contract
+        return getattr(contract, name)
     raise AttributeError(name)

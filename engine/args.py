@@ -46,7 +46,7 @@ class EngineArgs:
     # Replay decode steps from captured CUDA graphs (None: on for CUDA, off for CPU).
     cuda_graphs: bool | None = None
     # CPU: time each linear kernel path and each decode-attention path on this host at
-    # start-up (cached per host in ~/.cache/pdcluster/kernels; engine.ops.kernels). False:
+    # start-up (cached per host in ~/.cache/pdcluster/kernels; engine.tuning.linear). False:
     # F.linear everywhere and the "gather" decode path.
     tune_kernels: bool = True
     # Ranks the model is sharded over (engine.parallel): one process each (this one is rank

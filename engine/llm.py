@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from engine.core.request import RequestOutput, SamplingParams
+from engine.contract import RequestOutput, SamplingParams
 from engine.runtime.llm_engine import EngineArgs, LLMEngine, Prompt
 
 

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.core.request import RequestFailedError, RequestOutput
+from engine.contract import RequestFailedError, RequestOutput
 from engine.runtime.compute_thread import ComputeThread
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.kv_connector import LayerExport

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from engine.core.request import QueueFullError, SamplingParams, TokenLogprob
+from engine.contract import QueueFullError, SamplingParams, TokenLogprob
 from worker_protocol import WorkerLoad
 
 __all__ = [
@@ -52,7 +52,7 @@ class WorkerTimeoutError(WorkerUnavailableError, TimeoutError):
     """A worker did not answer a call within its deadline (its host may be cut off)."""
 
 
-# QueueFullError (engine.core.request) -> gRPC RESOURCE_EXHAUSTED / HTTP 429.
+# QueueFullError (engine.contract) -> gRPC RESOURCE_EXHAUSTED / HTTP 429.
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
-from engine.core.request import SamplingParams, TokenLogprob
+from engine.contract import SamplingParams, TokenLogprob
 from kv_transfer import KVLayout, KVTransferSpec, PeerAddress
 from worker_protocol.tracing import TracingConfig
 

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster.ttft_breakdown import ray_session
-from bench.harness import model_config
-from bench.report import machine_info, print_targets, ratio, write_json
-from bench.report import target as make_target
-from bench.stats import summarize
-from bench.workload import make_prompts
+from bench.harness.engine_under_test import model_config
+from bench.harness.report import machine_info, print_targets, ratio, write_json
+from bench.harness.report import target as make_target
+from bench.harness.stats import summarize
+from bench.harness.workload import make_prompts
 
 NAME = "autoscale"
 HELP = "a load that ramps up, holds and drops: --autoscale vs the fixed split for its peak"

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster.ttft_breakdown import ray_session
-from bench.harness import model_config
-from bench.report import machine_info, print_targets, write_json
-from bench.report import target as make_target
-from bench.stats import percentile
-from bench.workload import make_prompts
+from bench.harness.engine_under_test import model_config
+from bench.harness.report import machine_info, print_targets, write_json
+from bench.harness.report import target as make_target
+from bench.harness.stats import percentile
+from bench.harness.workload import make_prompts
 
 NAME = "chaos"
 HELP = "kill / stop decode and prefill workers mid-stream, abort at random: is anything lost?"

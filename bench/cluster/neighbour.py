@@ -83,7 +83,7 @@ from bench.cluster.neighbour_table import (
     rows,
     targets,
 )
-from bench.report import machine_info, write_json
+from bench.harness.report import machine_info, write_json
 
 NAME = "neighbour"
 HELP = ("time per output token beside a busy neighbour (nice 19, nice 0, a 1-core quota): "
@@ -147,7 +147,7 @@ def settings(args: argparse.Namespace) -> Settings:
 # ---- the benchmark ---------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.harness import model_config
+    from bench.harness.engine_under_test import model_config
 
     s = settings(args)
     # A SIGTERM (a timeout, an operator) unwinds like Ctrl-C, so every finally below ends the

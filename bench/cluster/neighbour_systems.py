@@ -64,7 +64,7 @@ class Prompts:
         self.count = 0
 
     def batch(self, n: int) -> list[list[int]]:
-        from bench.workload import make_prompts
+        from bench.harness.workload import make_prompts
 
         self.count += 1
         return make_prompts(n, self.input_len, self.vocab_size,
@@ -153,7 +153,7 @@ def _first_model(base: str) -> str | None:
 
 def run_served(system: str, s: Settings, args: argparse.Namespace, prompts: Prompts,
                log_dir: Path, info: dict[str, Any]) -> list[Cell]:
-    from bench.server.serve_ab import wait_ready
+    from bench.harness.serve_ab import wait_ready
 
     port = free_port_pair()
     base = f"http://127.0.0.1:{port}"
@@ -178,31 +178,43 @@ def run_served(system: str, s: Settings, args: argparse.Namespace, prompts: Prom
             info["processes"] = {str(p): f"{process_name(p)} (pgrp {read_pgrp(p)})" for p in pids}
             print(f"  {system}: up in {info['startup_s']:.0f} s, model {model}, "
                   f"{len(pids)} processes", flush=True)
-            for b in sorted({1, 8, *s.batches}):  # warm-up
-                asyncio.run(_served_cell(base, model, b, [prompts.batch(b)], s.output_len))
-            for load in s.loads:
-                mine = [c for c in cells if c.load == load]
-                extra: dict[str, Any] = {}
-                try:
-                    with applied(load, lambda: list(system_pids(proc.pid)), s.settle_s,
-                                 extra):
-                        for c in mine:
-                            out = asyncio.run(_served_cell(
-                                base, model, c.batch,
-                                [prompts.batch(c.batch) for _ in range(s.rounds)],
-                                s.output_len))
-                            _fill_served(c, out)
-                except Unavailable as e:
-                    for c in mine:
-                        c.unavailable = str(e)
-                for c in mine:
-                    c.extra.update(extra)
-                _progress(mine)
+
+            def rounds(batch: int, n: int) -> dict[str, Any]:
+                return asyncio.run(_served_cell(base, model, batch,
+                                                [prompts.batch(batch) for _ in range(n)],
+                                                s.output_len))
+
+            _measure_loads(s, cells, lambda: list(system_pids(proc.pid)),
+                           warm=lambda b: rounds(b, 1),
+                           measure=lambda c: _fill_served(c, rounds(c.batch, s.rounds)))
         except Exception as e:
             _system_failed(system, cells, info, log_path, e)
         finally:
             stop_group(proc)
     return cells
+
+
+def _measure_loads(s: Settings, cells: Sequence[Cell], pids: Callable[[], list[int]],
+                   warm: Callable[[int], object], measure: Callable[[Cell], None]) -> None:
+    """What a served and a child system run alike once up: ``warm`` at batch 1, 8 and every
+    measured size, then per load, that load applied around ``measure`` of each of its cells
+    (a load the host refuses marks its cells unavailable), its facts on every one of them,
+    and a progress line per cell."""
+    for b in sorted({1, 8, *s.batches}):  # warm-up
+        warm(b)
+    for load in s.loads:
+        mine = [c for c in cells if c.load == load]
+        extra: dict[str, Any] = {}
+        try:
+            with applied(load, pids, s.settle_s, extra):
+                for c in mine:
+                    measure(c)
+        except Unavailable as e:
+            for c in mine:
+                c.unavailable = str(e)
+        for c in mine:
+            c.extra.update(extra)
+        _progress(mine)
 
 
 def _system_failed(system: str, cells: Sequence[Cell], info: dict[str, Any], log_path,
@@ -293,37 +305,28 @@ def run_child(system: str, s: Settings, args: argparse.Namespace, prompts: Promp
         info.update(startup_s=time.perf_counter() - t0, pid=child.proc.pid,
                     **{k: v for k, v in ready.items() if k != "ready"})
         print(f"  {system}: up in {info['startup_s']:.0f} s (pid {child.proc.pid})", flush=True)
-        for b in sorted({1, 8, *s.batches}):  # warm-up
-            child.ask({"cmd": "measure", "batch": b, "output_len": s.output_len,
-                       "rounds": [prompts.batch(b)]})
-        for load in s.loads:
-            mine = [c for c in cells if c.load == load]
-            extra: dict[str, Any] = {}
+
+        def rounds(batch: int, n: int) -> dict[str, Any]:
+            return child.ask({"cmd": "measure", "batch": batch, "output_len": s.output_len,
+                              "rounds": [prompts.batch(batch) for _ in range(n)]})
+
+        def measure(c: Cell) -> None:
             try:
-                with applied(load, lambda: [child.proc.pid], s.settle_s, extra):
-                    for c in mine:
-                        try:
-                            out = child.ask({"cmd": "measure", "batch": c.batch,
-                                             "output_len": s.output_len,
-                                             "rounds": [prompts.batch(c.batch)
-                                                        for _ in range(s.rounds)]})
-                        except RuntimeError as e:  # the child's own error: this cell only
-                            c.error = str(e)[:200]
-                            continue
-                        vals = out["ms"]
-                        c.samples = len(vals)
-                        c.ms_per_token = statistics.median(vals) if vals else None
-                        c.engine_step_ms = c.ms_per_token if system == "offline" else None
-                        c.engine_threads = out.get("threads")
-                        c.extra["ms_rounds"] = vals
-                        if not vals:
-                            c.error = f"no decode steps at batch {c.batch} were counted"
-            except Unavailable as e:
-                for c in mine:
-                    c.unavailable = str(e)
-            for c in mine:
-                c.extra.update(extra)
-            _progress(mine)
+                out = rounds(c.batch, s.rounds)
+            except RuntimeError as e:  # the child's own error: this cell only
+                c.error = str(e)[:200]
+                return
+            vals = out["ms"]
+            c.samples = len(vals)
+            c.ms_per_token = statistics.median(vals) if vals else None
+            c.engine_step_ms = c.ms_per_token if system == "offline" else None
+            c.engine_threads = out.get("threads")
+            c.extra["ms_rounds"] = vals
+            if not vals:
+                c.error = f"no decode steps at batch {c.batch} were counted"
+
+        _measure_loads(s, cells, lambda: [child.proc.pid], warm=lambda b: rounds(b, 1),
+                       measure=measure)
     except Exception as e:
         _system_failed(system, cells, info, log_path, e)
     finally:
@@ -332,7 +335,7 @@ def run_child(system: str, s: Settings, args: argparse.Namespace, prompts: Promp
 
 
 def _child_offline(model: str | None) -> tuple[Callable[[int, int, list], dict], dict]:
-    from bench.harness import load_llm
+    from bench.harness.engine_under_test import load_llm
     from engine import SamplingParams
 
     llm = load_llm(model)  # the engine's defaults: threads, adaptive threads, batch cap

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.report import target as make_target
+from bench.harness.report import target as make_target
 
 SYSTEMS = ("offline", "colocated", "colocated-t2", "disaggregated", "transformers")
 SERVED = {"colocated": ["--mode", "colocated"],
@@ -90,7 +90,7 @@ def rows(cells: Sequence[Cell]) -> list[dict[str, Any]]:
 
 
 def targets(table: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """bench.report's targets lines for every cell that has a goal."""
+    """bench.harness.report's targets lines for every cell that has a goal."""
     return [make_target(f"{r['system']} batch {r['batch']} {r['load']} / quiet ms per token",
                         r["ratio_to_quiet"], r["goal"], higher_is_better=False,
                         reason="" if r["verdict"] in ("met", "MISSED") else r["verdict"])

@@ -23,10 +23,10 @@ from typing import Any
 
 from bench.cluster.autoscale import Outcome, run_request
 from bench.cluster.ttft_breakdown import ray_session
-from bench.harness import model_config
-from bench.report import machine_info, print_targets, ratio, write_json
-from bench.report import target as make_target
-from bench.stats import percentile
+from bench.harness.engine_under_test import model_config
+from bench.harness.report import machine_info, print_targets, ratio, write_json
+from bench.harness.report import target as make_target
+from bench.harness.stats import percentile
 
 NAME = "plan"
 HELP = "the planner's simulator vs the real cluster: goodput, TTFT, TPOT for 3 splits x 2 loads"
@@ -105,6 +105,7 @@ def _stats(ttfts: list[float], tpots: list[float], within: int, span: float) -> 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import EngineArgs
     from engine.tuning.profile import EngineProfile, ProfileGrid, profile_engine
+    from router.planning.loopback import add_loopback
     from router.planning.plan import parse_slo
     from router.planning.served_profile import profile_served
     from router.planning.simulator import ClusterShape, simulate
@@ -121,8 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Both: the bare engine's steps, and the served ones `plan` is meant to get.
         print("measuring this host's profiles (pdcluster profile [--served], quick grid) ...",
               flush=True)
-        profiles = {"bare": profile_engine(EngineArgs(model=args.model, num_threads=threads),
-                                           ProfileGrid.quick()),
+        profiles = {"bare": add_loopback(profile_engine(
+                        EngineArgs(model=args.model, num_threads=threads), ProfileGrid.quick())),
                     "served": profile_served(args.model, threads, ProfileGrid.quick())}
     judged = "given" if "given" in profiles else "served"
     cores = float(os.cpu_count() or 1)

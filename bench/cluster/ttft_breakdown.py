@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness import model_config
-from bench.report import machine_info, print_targets, ratio, write_json
-from bench.report import target as make_target
-from bench.stats import summarize
-from bench.workload import make_prompts
+from bench.harness.engine_under_test import model_config
+from bench.harness.report import machine_info, print_targets, ratio, write_json
+from bench.harness.report import target as make_target
+from bench.harness.stats import summarize
+from bench.harness.workload import make_prompts
 
 NAME = "ttft_breakdown"
 HELP = "TTFT split into queueing, prefill compute and KV transfer tail (streamed vs at end)"

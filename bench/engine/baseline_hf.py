@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.stats import summarize
+from bench.harness.stats import summarize
 
 
 @dataclass

@@ -3,10 +3,10 @@
 - copy bandwidth: ``dst.copy_(src)`` on a tensor far larger than the caches; bytes counted
   are read + written (2 x size), the convention of STREAM's "copy".
 - GEMV bandwidth: one input row through each linear path the engine can take (``F.linear``,
-  ``mm(W, x.T)``, oneDNN's inner product: ``engine.ops.kernels``), the fastest on this host; bytes
+  ``mm(W, x.T)``, oneDNN's inner product: ``engine.ops.linear``), the fastest on this host; bytes
   counted are the weight matrix (what a batch-1 decode step streams). This is the decode
   floor's denominator, so the floor is the best this torch does.
-- the engine's linear-kernel plan for the default model (``engine.ops.kernels``): which of the
+- the engine's linear-kernel plan for the default model (``engine.tuning.linear``): which of the
   two paths it takes per weight shape and batch size on this host, and by how much.
 - the fused CPU kernels (``engine.ops.cpu_ops``): built for this host or not, and the decode
   attention path the engine takes per batch and context (timed at start-up, cached).
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.report import machine_info, write_json
+from bench.harness.report import machine_info, write_json
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def _time_copy(n: int, repeats: int) -> float:
 def _time_gemv(rows: int, cols: int, repeats: int) -> float:
     import torch
 
-    from engine.ops.kernels import available_paths, linear_by_path
+    from engine.ops.linear import available_paths, linear_by_path
 
     w = torch.rand(rows, cols)  # [out, in]
     x = torch.rand(1, cols)  # [1, in]: one decode row
@@ -73,7 +73,7 @@ def _time_gemv(rows: int, cols: int, repeats: int) -> float:
 def _time_matmul(n: int, repeats: int) -> float:
     import torch
 
-    from engine.ops.kernels import available_paths
+    from engine.ops.linear import available_paths
 
     a = torch.rand(n, n)
     b = torch.rand(n, n)
@@ -132,8 +132,8 @@ def _default_model():
 
 def default_model_linear_plan(model=None):
     """The engine's per-host linear-kernel plan for the default model (cached, or timed now
-    on its weights exactly as an engine starting on this host would: engine.ops.kernels)."""
-    from engine.ops.kernels import model_linear_weights, tune_linear
+    on its weights exactly as an engine starting on this host would: engine.tuning.linear)."""
+    from engine.tuning.linear import model_linear_weights, tune_linear
 
     return tune_linear(model_linear_weights(model or _default_model()))
 
@@ -159,10 +159,10 @@ def fused_kernels_and_decode_paths():
 
 def fused_decode_plan(model, linear_plan, decode_paths):
     """Per batch bucket, whether the engine runs the default model's pure-decode steps as one
-    fused call on this host (engine.executor.fused_decode; timed against the layers as they run)."""
+    fused call on this host (engine.tuning.fused_decode; timed against the layers as they run)."""
     from engine.config import CacheConfig
-    from engine.executor.fused_decode import tune_fused_decode
-    from engine.ops.kernels import set_linear_plan
+    from engine.ops.linear import set_linear_plan
+    from engine.tuning.fused_decode import tune_fused_decode
 
     set_linear_plan(linear_plan)
     return tune_fused_decode(model, CacheConfig().block_size, decode_paths)

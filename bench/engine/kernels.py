@@ -1,7 +1,7 @@
 """`pdcluster bench kernels`: does this host's linear-kernel plan pay? Decode steps, one process.
 
 The engine picks, per weight shape and batch size, ``F.linear`` or ``mm(W, x.T)`` by timing
-them on this host at start-up (``engine.ops.kernels``). This benchmark runs real decode steps of
+them on this host at start-up (``engine.tuning.linear``). This benchmark runs real decode steps of
 the model at each batch size under three plans, interleaved round by round in one process so
 drift and noisy neighbours hit all three alike, each round starting with the next plan:
 
@@ -32,7 +32,7 @@ import statistics
 import time
 
 from bench.engine.step_split import StepSplit, measure_step_split
-from bench.report import machine_info, write_json
+from bench.harness.report import machine_info, write_json
 
 NAME = "kernels"
 HELP = "decode step time under this host's linear-kernel plan vs fixed kernel choices"
@@ -42,7 +42,7 @@ PLANS = ("host plan", "layer by layer", "no wide tiles", "mm_t < 128 rows", "F.l
 
 
 def _plans(tuned):
-    from engine.ops.kernels import FP, LINEAR_BUCKETS, M_BUCKETS, LinearPlan
+    from engine.ops.linear import FP, LINEAR_BUCKETS, M_BUCKETS, LinearPlan
 
     # The fp set-ups below are for fp weights (a quantized model's keys keep the host plan's).
     shapes = {(t.n, t.k) for t in tuned.timings if t.kind == FP}
@@ -73,7 +73,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
             prompt_len: int = 64) -> tuple[dict[str, float], StepSplit]:
     """Median ms per decode step at ``batch`` under each plan (see the module docstring), and
     where a step goes under the host plan (``bench.engine.step_split``)."""
-    import engine.ops.kernels as kernels
+    import engine.ops.linear as linear_ops
     from engine import LLM, SamplingParams
     from engine.attention.torch_paged import DecodePaths
     from engine.executor.fused_decode import FusedDecodePlan
@@ -81,7 +81,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
 
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len))
     eng = llm.engine
-    tuned = kernels.linear_plan()
+    tuned = linear_ops.linear_plan()
     plans = _plans(tuned)
     fused_on = cpu_ops.enabled()
     backend = eng.runner.attn_backend
@@ -108,7 +108,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
             # plan takes every position equally often.
             for name in order[r % len(order):] + order[:r % len(order)]:
                 plan = plans[name]
-                kernels.set_linear_plan(plan)
+                linear_ops.set_linear_plan(plan)
                 cpu_ops.set_enabled(fused_on and name != "no C kernels")
                 backend.decode_paths = torch_paths if name == "no C kernels" else decode_paths
                 eng.runner.fused_decode = fused_plans.get(name, FusedDecodePlan())
@@ -118,7 +118,7 @@ def measure(model: str | None, batch: int, rounds: int, steps: int, seed: int,
                     eng.step()
                 times[name].append((time.perf_counter() - t0) / steps * 1e3)
     finally:
-        kernels.set_linear_plan(tuned)
+        linear_ops.set_linear_plan(tuned)
         cpu_ops.set_enabled(fused_on)
         backend.decode_paths = decode_paths
         eng.runner.fused_decode = fused_plan
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     """Entry point of the ``kernels`` subcommand; returns the JSON payload it wrote."""
     import torch
 
-    import engine.ops.kernels as kernels
+    import engine.ops.linear as linear_ops
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"where a decode step goes under the host plan ({SPLIT_STEPS} steps):")
     for b, split in splits:
         print(f"  batch {b}: {split.line()}")
-    plan = kernels.linear_plan()
+    plan = linear_ops.linear_plan()
     print("host plan (path per batch bucket, and by how much it beat the other in tuning):")
     for line in plan.summary():
         print("  " + line)

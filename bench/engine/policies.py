@@ -20,12 +20,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench.batching import BatchingSimulation, simulate_batching, slot_utilization
 from bench.engine import baseline_hf
-from bench.harness import load_llm, model_config
-from bench.report import machine_info, print_targets, ratio, target, write_json
-from bench.stats import summarize
-from bench.workload import heavy_tailed_lengths, make_prompts, poisson_arrivals
+from bench.harness.batching import BatchingSimulation, simulate_batching, slot_utilization
+from bench.harness.engine_under_test import load_llm, model_config
+from bench.harness.report import machine_info, print_targets, ratio, target, write_json
+from bench.harness.stats import summarize
+from bench.harness.workload import heavy_tailed_lengths, make_prompts, poisson_arrivals
 
 POLICIES = ("static", "dynamic", "continuous")
 HOL_OUTPUT_LENS = (10, 50, 1000)

@@ -2,7 +2,7 @@
 
 Wraps, for the duration of a measurement only, the calls that bound each layer: the
 scheduler's ``schedule`` and ``update_from_output``, the model runner's ``execute``, the
-model's ``forward`` and ``compute_logits``, every linear-kernel call (``engine.ops.kernels.linear_by_path``)
+model's ``forward`` and ``compute_logits``, every linear-kernel call (``engine.ops.linear.linear_by_path``)
 and every fused CPU kernel (``engine.ops.cpu_ops``). A step that runs as one whole-step call
 (``engine.executor.fused_decode``) has its GEMMs inside that call: they count as C kernels then. What is left of the step outside the model
 (forward + logits) is the scheduler and the Python around the model: input preparation,
@@ -44,7 +44,7 @@ class StepSplit:
 
 def measure_step_split(engine, steps: int = 10) -> StepSplit:
     """Run ``steps`` engine steps (the caller has a full decode batch running) and split them."""
-    import engine.ops.kernels as kernels
+    import engine.ops.linear as linear_ops
     from engine.ops import cpu_ops
 
     acc: dict[str, float] = defaultdict(float)
@@ -70,7 +70,7 @@ def measure_step_split(engine, steps: int = 10) -> StepSplit:
     wrap(runner.model, "forward", "model")
     wrap(runner.model, "decode_fused", "model")
     wrap(runner.model, "compute_logits", "model")
-    wrap(kernels, "linear_by_path", "gemm")
+    wrap(linear_ops, "linear_by_path", "gemm")
     for name in CPU_KERNELS:
         wrap(cpu_ops, name, "cpu")
     try:

@@ -23,17 +23,23 @@ from typing import Any
 
 from bench.engine import baseline_hf
 from bench.engine.ceilings import format_ceilings, measure_ceilings, quick_ceilings
-from bench.harness import ModelSize, StepRecorder, load_llm, model_config, model_size
-from bench.report import machine_info, print_targets, ratio, target, write_json
-from bench.roofline import (
+from bench.harness.engine_under_test import (
+    ModelSize,
+    StepRecorder,
+    load_llm,
+    model_config,
+    model_size,
+)
+from bench.harness.report import machine_info, print_targets, ratio, target, write_json
+from bench.harness.roofline import (
     Knee,
     RooflinePoint,
     find_knee,
     roofline_step_time,
     roofline_workload_throughput,
 )
-from bench.stats import summarize
-from bench.workload import make_prompts
+from bench.harness.stats import summarize
+from bench.harness.workload import make_prompts
 
 PROFILE_ROWS = 12
 
@@ -102,8 +108,8 @@ def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, ou
     ``tp``: tensor-parallel ranks, ``num_threads`` each (None: the cores shared out);
     ``quantization``: the engine's weight layout."""
     from engine import SamplingParams
-    from engine.ops.kernels import model_linear_weights
     from engine.quant.layouts import weight_bytes
+    from engine.tuning.linear import model_linear_weights
 
     tokens_per_seq = len(prompts[0]) + output_len
     llm = load_llm(model, max_num_seqs=batch, num_threads=num_threads,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import ratio, write_json
+from bench.harness.report import ratio, write_json
 
 NAME = "compare"
 HELP = "side-by-side table and plot of `bench serve` results (e.g. ours vs vllm serve)"

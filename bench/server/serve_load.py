@@ -39,12 +39,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine_info, write_json
+from bench.harness.report import machine_info, write_json
+from bench.harness.stats import summarize
+from bench.harness.workload import make_prompts, poisson_arrivals
 from bench.server.serve_clients import RequestResult, grpc_request, http_request
 from bench.server.serve_engine import EngineSteps, engine_steps, scrape, serving_overhead
 from bench.server.serve_target import Target, headers, http_client, server_facts, target_from_args
-from bench.stats import summarize
-from bench.workload import make_prompts, poisson_arrivals
 
 NAME = "serve"
 HELP = "load a running server (gRPC or HTTP): Poisson rate sweep, TTFT/TPOT/ITL/E2E, goodput"

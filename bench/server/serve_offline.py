@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from bench.stats import percentile
+from bench.harness.stats import percentile
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     if not batches or min(batches) < 1 or args.rounds < 1:
         raise SystemExit("--batches: positive integers; --rounds >= 1")
-    from bench.report import machine_info, write_json
+    from bench.harness.report import machine_info, write_json
 
     result = {**run(args.model, batches, args.rounds, args.seed), "machine": machine_info()}
     for b, r in result["bf16_over_fp32"].items():

@@ -20,8 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.otlp_receiver import free_port
-from bench.server.serve_ab import stop, wait_ready
+from bench.harness.otlp_receiver import free_port
+from bench.harness.serve_ab import stop, wait_ready
 
 NAME = "false_suspicion"
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
-    from bench.report import machine_info, write_json
+    from bench.harness.report import machine_info, write_json
 
     grpc_port, http_port = free_port(), free_port()
     out = Path(args.out)

@@ -9,7 +9,7 @@
    and the Python between ops are the wall time the table does not account for. Where the
    host runs pure-decode steps as one fused call (``engine.executor.fused_decode``) that call is all
    there is: ``--layer-by-layer`` profiles the op-by-op step instead.
-2. One-row passes over the model's linear weights in step order (``engine.ops.kernels.
+2. One-row passes over the model's linear weights in step order (``engine.tuning.linear.
    time_passes``), with and without the LM head: if the smaller working set streams faster,
    the CPU's cache holds part of the weights across a step; if not, every step reads them all
    from memory.
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from engine import LLM, SamplingParams
-    from engine.ops.kernels import model_linear_weights, time_passes
+    from engine.tuning.linear import model_linear_weights, time_passes
 
     llm = LLM(args.model, max_num_seqs=args.batch,
               max_num_batched_tokens=max(2048, args.batch * PROMPT_LEN))

@@ -4,7 +4,7 @@ serve` with tracing off and with every request traced, in one run.
     python -m bench.studies.tracing_cost [--rounds 5] [--rates 2,inf] [--num-prompts 32]
 
 Each round starts the server twice, tracing off and on, in alternating order
-(``bench.server.serve_ab``): the default disaggregated cluster, loaded over gRPC, exporting
+(``bench.harness.serve_ab``): the default disaggregated cluster, loaded over gRPC, exporting
 (when on) to an OTLP/gRPC receiver in this process at a sample ratio of 1 — the collector
 shares the box, the worst case. Reports, per rate, the medians over rounds of output
 throughput and TPOT p50 for both, their ratios (on / off), and the spans received; writes
@@ -18,8 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.otlp_receiver import OtlpReceiver
-from bench.server.serve_ab import Load, run_ab
+from bench.harness.otlp_receiver import OtlpReceiver
+from bench.harness.serve_ab import Load, run_ab
 
 NAME = "tracing_cost"
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
-    from bench.report import machine_info, write_json
+    from bench.harness.report import machine_info, write_json
 
     load = Load(args.rates, args.num_prompts, args.input_len, args.output_len)
     otlp = OtlpReceiver().start()

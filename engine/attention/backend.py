@@ -2,7 +2,8 @@
 
 Owns ``AttentionMetadata`` (FlashInfer's page-table format, built once per step by
 ``build_metadata``), the ``AttentionBackend`` protocol (``plan`` once per step, ``forward`` once
-per layer), ``AttentionShape`` (what a backend must know of the model) and the names of the implementations
+per layer), ``AttentionShape`` (what a backend must know of the model), the paged KV cache's
+layout every backend shares (``write_kv``, ``gather_kv``) and the names of the implementations
 (``ATTENTION_BACKENDS``); ``engine/attention/factory.py`` picks one by name. The model only sees
 the protocol; the runner only builds metadata; each backend turns the metadata into whatever its
 kernels want in ``plan``, so per-layer calls reuse it.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -156,14 +157,38 @@ def write_kv(kv_cache: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tens
     kv_cache[page_ids, 1, offsets] = v
 
 
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first ``num_tokens`` tokens of a block table, each ``[num_tokens, H, D]``
+    (``write_kv``'s reverse, over whole pages)."""
+    pages = kv_cache[block_ids]  # [nb, 2, bs, H, D]
+    nb, _, bs, h, d = pages.shape
+    k = pages[:, 0].reshape(nb * bs, h, d)[:num_tokens]
+    v = pages[:, 1].reshape(nb * bs, h, d)[:num_tokens]
+    return k, v
+
+
+class DecodeTables(NamedTuple):
+    """A step's decode rows as the whole-step CPU decode kernel reads them (the model's
+    ``decode_fused``), int64 on the host."""
+
+    tables: torch.Tensor  # [num_decode, max_pages]: each row's pages, padded with page 0
+    kv_lens: torch.Tensor  # [num_decode]: each row's KV length, the new token included
+
+
 class AttentionBackend(Protocol):
     """Paged attention over per-layer KV caches ``[num_blocks, 2, block_size, kv_heads, head_dim]``.
 
     ``plan`` runs once per step with the host-built metadata and precomputes what every layer
     reuses (moving it to the backend's device); ``forward`` runs once per layer.
+
+    ``whole_step_decode``: whether the model's whole-step CPU decode kernel may stand in for
+    this backend on a pure-decode step (reading the same caches through ``decode_tables``);
+    True for the torch backend, False for FlashInfer (the kernel is CPU-only).
     """
 
     name: str
+    whole_step_decode: bool
 
     def plan(self, meta: AttentionMetadata) -> None: ...
 
@@ -174,4 +199,9 @@ class AttentionBackend(Protocol):
         q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
         Returns ``[num_tokens, num_heads * head_dim]``.
         """
+        ...
+
+    def decode_tables(self, meta: AttentionMetadata) -> DecodeTables:
+        """The decode rows of ``meta`` (on the host) for the whole-step decode kernel.
+        NotImplementedError where ``whole_step_decode`` is False."""
         ...

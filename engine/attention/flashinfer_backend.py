@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.backend import AttentionMetadata, AttentionShape, write_kv
+from engine.attention.backend import AttentionMetadata, AttentionShape, DecodeTables, write_kv
 
 # FlashInfer's recommended size; one buffer serves every wrapper (see __init__).
 WORKSPACE_BYTES = 128 << 20
@@ -71,6 +71,7 @@ class FlashInferBackend:
     """
 
     name = "flashinfer"
+    whole_step_decode = False  # the whole-step decode kernel is CPU-only (engine.ops.cpu_ops)
 
     def __init__(self, device: torch.device | str, shape: AttentionShape,
                  workspace_bytes: int = WORKSPACE_BYTES) -> None:
@@ -165,6 +166,9 @@ class FlashInferBackend:
             p.decode[left].run(q[:nd], kv_cache, out=out[:nd])
         p.prefill[left].run(q[nd:], kv_cache, out=out[nd:])
         return out.view(num_tokens, num_heads * head_dim)
+
+    def decode_tables(self, meta: AttentionMetadata) -> DecodeTables:
+        raise NotImplementedError("the whole-step decode kernel runs on the CPU backend only")
 
     # ---- CUDA graphs (engine/executor/cuda_graphs.py) -------------------------------------------
     def new_decode_graph_slot(self, batch_size: int, max_pages: int) -> DecodeGraphSlot:

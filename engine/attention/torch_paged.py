@@ -1,6 +1,7 @@
 """Paged attention in plain torch: the CPU backend and the reference the GPU backend is tested against.
 
-Owns ``TorchPagedBackend`` (the ``"torch"`` ``AttentionBackend``) and ``gather_kv``.
+Owns ``TorchPagedBackend`` (the ``"torch"`` ``AttentionBackend``) and the decode and prefill
+paths it chooses between (``DecodePaths``, ``PrefillPaths``; timed by ``torch_tuning``).
 
 KV cache layout (one tensor per layer, FlashInfer's NHD): ``[num_blocks, 2, block_size,
 num_kv_heads, head_dim]`` with K at index 0 and V at index 1 of dim 1. The math is FlashInfer's:
@@ -19,9 +20,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionMetadata, AttentionShape, write_kv
+from engine.attention.backend import (
+    AttentionMetadata,
+    AttentionShape,
+    DecodeTables,
+    gather_kv,
+    write_kv,
+)
 from engine.ops import cpu_ops
-from engine.ops.kernels import M_BUCKETS
+from engine.ops.linear import M_BUCKETS
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ class DecodePaths:
     """
 
     choices: dict[tuple[int, int], str] = field(default_factory=dict)
-    timings: list = field(default_factory=list)  # engine.ops.kernels.Timing (n=context, m=batch)
+    timings: list = field(default_factory=list)  # engine.tuning.cache.Timing (n=context, m=batch)
     from_cache: bool = False
 
     def path(self, batch: int, context: int) -> str:
@@ -95,7 +102,7 @@ class PrefillPaths:
     built). Timed per host at start-up (``tune_prefill_paths``); untimed: sdpa."""
 
     choices: dict[int, str] = field(default_factory=dict)
-    timings: list = field(default_factory=list)  # engine.ops.kernels.Timing (n=KV length, m=1)
+    timings: list = field(default_factory=list)  # engine.tuning.cache.Timing (n=KV length, m=1)
     from_cache: bool = False
 
     @classmethod
@@ -173,6 +180,7 @@ class TorchPagedBackend:
     layers take the same fast paths as global ones (the math is the same)."""
 
     name = "torch"
+    whole_step_decode = True  # the whole-step kernel reads these caches: decode_tables
 
     def __init__(self, device: torch.device | str = "cpu", shape: AttentionShape | None = None
                  ) -> None:
@@ -183,6 +191,9 @@ class TorchPagedBackend:
         self._head_index: torch.Tensor | None = None
         self.decode_paths = DecodePaths()  # the engine sets the host's (tune_decode_paths)
         self.prefill_paths = PrefillPaths()  # likewise (tune_prefill_paths)
+
+    def decode_tables(self, meta: AttentionMetadata) -> DecodeTables:
+        return decode_tables(meta)
 
     def _heads(self, num_kv_heads: int) -> torch.Tensor:
         """``[1, 1, KVH, 1]`` head index of the decode gather (made once: same every layer)."""
@@ -226,7 +237,7 @@ class TorchPagedBackend:
                                self._masked_plan(meta, tables, prefills))
 
     def _masked_plan(self, meta: AttentionMetadata,
-                     decode: tuple[torch.Tensor, torch.Tensor] | None,
+                     decode: DecodeTables | None,
                      prefills: list[_PrefillPlan]) -> _MaskedPlan | None:
         """The masks of this step's windowed and soft-capped layers (``decode``: the decode
         rows' page tables and KV lengths); None when no layer needs them (no soft-cap, and
@@ -354,7 +365,7 @@ class TorchPagedBackend:
             out[rows] = _prefill_masked(q[rows], ks, vs, masks[window], self.softcap)
 
 
-def decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_tables(meta: AttentionMetadata) -> DecodeTables:
     """The decode rows' page tables ``[num_decode, max_pages]`` (padded with page 0) and KV
     lengths ``[num_decode]`` (the new token included), int64 on the host; ``meta`` on the host."""
     bs, nd = meta.block_size, meta.num_decode
@@ -367,17 +378,8 @@ def decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [pages[kv_indptr[i]:kv_indptr[i + 1]] + [0] * (max_pages - num_pages[i])
             for i in range(nd)]
     kv_lens = [(n - 1) * bs + last for n, last in zip(num_pages, last_page_len, strict=True)]
-    return torch.tensor(rows, dtype=torch.int64), torch.tensor(kv_lens, dtype=torch.int64)
-
-
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first ``num_tokens`` tokens of a block table, each ``[num_tokens, H, D]``."""
-    pages = kv_cache[block_ids]  # [nb, 2, bs, H, D]
-    nb, _, bs, h, d = pages.shape
-    k = pages[:, 0].reshape(nb * bs, h, d)[:num_tokens]
-    v = pages[:, 1].reshape(nb * bs, h, d)[:num_tokens]
-    return k, v
+    return DecodeTables(torch.tensor(rows, dtype=torch.int64),
+                        torch.tensor(kv_lens, dtype=torch.int64))
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

@@ -1,6 +1,6 @@
 """Start-up timing of the torch backend's paths on this host: causal prefill attention (SDPA
 against ``cpu_ops.prefill_attention``) and batched decode (``"gather"``, ``"rows"``, the fused
-C kernel), cached per host like the linear kernels (``engine.ops.kernels.cached_timings``). The
+C kernel), cached per host like the linear kernels (``engine.tuning.cache.cached_timings``). The
 backend runs what these choose (``TorchPagedBackend.prefill_paths`` / ``.decode_paths``)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from engine.attention.torch_paged import (
     sdpa_prefill,
 )
 from engine.ops import cpu_ops
-from engine.ops.kernels import M_BUCKETS
+from engine.ops.linear import M_BUCKETS
 
 
 def tune_prefill_paths(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -30,7 +30,7 @@ def tune_prefill_paths(num_heads: int, num_kv_heads: int, head_dim: int, dtype: 
     fresh prompts of each ``PREFILL_BUCKETS`` length for these head shapes (interleaved,
     median of 5; cached per host like the other plans, under a second here). Only SDPA where
     the kernel is not built: an empty plan."""
-    from engine.ops.kernels import Timing, cached_timings, host_key
+    from engine.tuning.cache import Timing, cached_timings, host_key
 
     probe = torch.zeros(1, num_heads, head_dim, dtype=dtype)
     kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype)
@@ -66,10 +66,10 @@ def tune_prefill_paths(num_heads: int, num_kv_heads: int, head_dim: int, dtype: 
 def tune_decode_paths(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                       dtype: torch.dtype, cache_dir: str | None = None) -> DecodePaths:
     """Time the decode paths on this host for every batch bucket and context bucket (cached
-    per host like the linear kernels: ``engine.ops.kernels.cached_timings``; about a second).
+    per host like the linear kernels: ``engine.tuning.cache.cached_timings``; about a second).
     ``"fused"`` is offered only where ``engine.ops.cpu_ops`` is built and takes these shapes."""
     from engine.attention.backend import SeqSlice, build_metadata
-    from engine.ops.kernels import Timing, cached_timings, host_key
+    from engine.tuning.cache import Timing, cached_timings, host_key
 
     paths = [p for p in DECODE_PATHS if p != "fused"
              or cpu_ops.decode_applies(num_heads, num_kv_heads, head_dim, dtype)]

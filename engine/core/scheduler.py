@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from engine.config import SchedulerConfig
+from engine.contract import QueueFullError, SamplingParams, TokenLogprob
 from engine.core.block_manager import BlockManager
-from engine.core.request import QueueFullError, Request, RequestStatus, SamplingParams, TokenLogprob
-from engine.core.structured import Grammars, GrammarState
+from engine.core.grammar import Grammars, GrammarState
+from engine.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,7 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic,
                  grammars: Grammars | None = None) -> None:
         self.config = config
-        # Grammar states for requests with SamplingParams.structured (None: a model without
-        # a tokenizer, which refuses them).
+        # Grammar states for SamplingParams.structured (None: a tokenizer-less model refuses it).
         self.grammars = grammars
         self.blocks = block_manager
         self.clock = clock

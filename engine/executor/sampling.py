@@ -6,8 +6,8 @@ argmax or temperature -> min_p -> top-k -> top-p -> the draw. Rows that set none
 adjustments pay nothing for them (one attribute test per row and step).
 
 Bans are authoritative. A token whose logit is -inf when ``sample`` is called (a grammar's
-mask, ``engine.core.structured.mask_logits``) is never chosen, whatever the adjustments do to the
-row: they are free to be degenerate (a repetition penalty of 5e-324 is 0 in fp32, so a seen
+mask, ``engine.executor.grammar_mask.mask_logits``) is never chosen, whatever the adjustments
+do to the row: they are free to be degenerate (a repetition penalty of 5e-324 is 0 in fp32, so a seen
 positive logit divides to +inf and a masked -inf one multiplies to nan; argmax takes nan for
 the largest value). So after the adjustments each such row is made sane again: nan counts as
 -inf, +inf as fp32's largest value (those tokens then win, uniformly among themselves when
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.request import SamplingParams, TokenLogprob
+from engine.contract import SamplingParams, TokenLogprob
 
 _SEED_STRIDE = 1_000_003
 

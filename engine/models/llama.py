@@ -9,7 +9,7 @@ Tokens of all sequences in a step are flattened into one ``[num_tokens]`` batch,
 linear layer runs once per step for the whole batch (the batching gain on memory-bound decode).
 Q/K/V and gate/up are fused into single GEMMs: on CPU small-M GEMMs are far below the roof, and
 fewer, wider ones are measurably faster (docs/benchmarks.md). Every projection goes through
-``engine.ops.kernels.linear``, whose path per weight shape and batch size was timed on this host;
+``engine.ops.linear.linear``, whose path per weight shape and batch size was timed on this host;
 the norms, rotary embedding and SiLU-gate go through ``engine.ops.cpu_ops`` (fused C kernels on
 fp32 CPU, their torch twins elsewhere).
 """
@@ -23,13 +23,13 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.gemma import gelu_tanh_mul, load_norms, norm_weight
 from engine.models.moe import SparseMoE
 from engine.models.quantized import QEmbedding, QLinear, placer
 from engine.models.rope import RotaryEmbedding
 from engine.ops import cpu_ops
-from engine.ops.kernels import linear
+from engine.ops.linear import linear
 from engine.parallel.sharding import TPShard
 from engine.quant.gpu import TinyGemmWeight, to_cuda
 from engine.quant.layouts import QuantizedWeight, cat_rows, quantize
@@ -47,7 +47,7 @@ LayerHook = Callable[[int, torch.Tensor], None]
 # instead, their initializers imported ~900 modules (150 MB).
 class Linear(nn.Module):
     """A linear layer's weight ``[out, in]`` (and bias), uninitialized; read by
-    ``engine.ops.kernels.linear``, never called."""
+    ``engine.ops.linear.linear``, never called."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()

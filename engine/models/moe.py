@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.ops import cpu_ops
-from engine.ops.kernels import linear
+from engine.ops.linear import linear
 from engine.quant.layouts import QuantizedWeight, cat_rows, quantize
 
 

@@ -15,7 +15,7 @@ from engine.quant.layouts import QuantizedWeight
 
 class QLinear(nn.Module):
     """A linear layer whose weight is quantized (``engine.quant.layouts``): stands where the
-    fp ``Linear`` was (``.weight``, ``.bias``), read by ``engine.ops.kernels.linear``."""
+    fp ``Linear`` was (``.weight``, ``.bias``), read by ``engine.ops.linear.linear``."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.ops import cpu_ops
 
 

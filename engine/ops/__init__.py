@@ -1,2 +1,2 @@
 """Compute kernels: the C library built for this host (csrc/), its quantized linear wrappers and
-the per-host choice of linear kernel."""
+the linear layer's paths and their dispatch (``linear``; timed per host by engine.tuning)."""

@@ -5,7 +5,7 @@ layer, and the torch paged attention copies every sequence's K/V out of the cach
 reads them. ``engine/ops/csrc/cpu_ops.c`` holds four fp32 kernels that read the paged cache in
 place and fuse the elementwise chains: ``paged_decode``, ``rms_norm`` (optionally adding the
 residual first), ``silu_mul`` and ``rope_``; ``gemv``, a small-M product that streams each
-weight row once (a linear path ``engine.ops.kernels`` times against MKL's and oneDNN's); and
+weight row once (a linear path ``engine.tuning.linear`` times against MKL's and oneDNN's); and
 ``decode_layers``, a whole pure-decode step through every layer in one call (the same math;
 ``engine.executor.fused_decode`` decides per host and batch whether it runs; its projections fp32, or
 int8 / int4 in ``engine.quant.layouts``'s layouts, whose stand-alone products ``engine.ops.quant_ops``
@@ -271,7 +271,7 @@ def _linear_library(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ weight.T + bias`` for a few rows (``x [M, K]``, M small), each weight row streamed
     once; None, computing nothing, when the kernel does not apply (the caller runs another
-    path). ``engine.ops.kernels`` offers it as the ``"cgemv"`` linear path, timed like the others."""
+    path). ``engine.ops.linear`` offers it as the ``"cgemv"`` linear path, timed like the others."""
     lib = _linear_library(x, weight, bias)
     if lib is None:
         return None
@@ -289,7 +289,7 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     of x in vector lanes, each weight scalar broadcast against all of them, each weight row
     streamed once (from a few rows up, no horizontal sums: ~2x the FMA rate of a dot-product
     loop at 32 rows). None, computing nothing, when the kernel does not apply.
-    ``engine.ops.kernels`` offers it as the ``"cwide"`` linear path, timed like the others."""
+    ``engine.ops.linear`` offers it as the ``"cwide"`` linear path, timed like the others."""
     lib = _linear_library(x, weight, bias)
     if lib is None:
         return None

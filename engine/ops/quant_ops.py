@@ -3,7 +3,7 @@
 loaded there; the whole-step decode kernel reads the same layouts, ``cpu_ops.decode_layers``).
 Each returns None, computing nothing, where it does not apply (no library, activations not
 fp32 on CPU, a layout the kernels do not take): the caller runs another path
-(``engine.ops.kernels``).
+(``engine.ops.linear``).
 """
 
 from __future__ import annotations

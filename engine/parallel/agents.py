@@ -59,12 +59,13 @@ def load_agent(factory: str):
 class FollowerContext:
     """What an agent on rank > 0 may use: its rank, its heads, its pages, rank 0's ear."""
 
-    def __init__(self, comm, runner) -> None:
+    def __init__(self, comm, pages) -> None:
+        """``pages``: the rank's runner's KV pages (``engine.executor.rank_kv.RankKV``)."""
         self.rank = comm.rank
         self.size = comm.size
-        self.heads: tuple[int, int] = runner.own_kv_heads
-        self.device = runner.device
-        self._runner = runner
+        self.heads: tuple[int, int] = pages.own_kv_heads
+        self.device = pages.device
+        self._pages = pages
         self._store = comm.store
         self._lock = threading.Lock()  # one store client, several agent threads
 
@@ -72,11 +73,11 @@ class FollowerContext:
                   heads: tuple[int, int]) -> None:
         """Write one arriving layer (this rank's heads ``heads``) into the pages rank 0
         reserved for the request. Any thread; KeyError once the reservation has ended."""
-        self._runner.import_heads(request_id, layer, kv, heads)
+        self._pages.import_heads(request_id, layer, kv, heads)
 
     def num_held_pages(self) -> int:
         """Reservations whose pages arriving KV may still write on this rank."""
-        return self._runner.num_held
+        return self._pages.num_held
 
     def reply(self, key: str, value: str) -> None:
         """Answer rank 0's ``Replies.wait(key)``."""

@@ -1,6 +1,6 @@
 """The other ranks of a tensor-parallel engine: rank 0 (the engine's own process, which owns
-the scheduler and samples) starts ranks 1..N-1 as processes of their own
-(``engine.runtime.tp_follower``), sends each step to them and ends them.
+the scheduler and samples) starts ranks 1..N-1 as processes of their own (the follower module
+its builder names: ``engine.runtime.tp_follower``), sends each step to them and ends them.
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ class TPRanks:
     """Rank 0's handle on its group: ``comm`` is rank 0's end; the follower processes are
     ended by ``close``, when this object is collected, or at interpreter exit."""
 
-    def __init__(self, args: Any, device: torch.device) -> None:
-        """``args``: the engine's EngineArgs (the followers are started with the same)."""
+    def __init__(self, args: Any, device: torch.device, follower_module: str) -> None:
+        """``args``: the engine's EngineArgs (the followers are started with the same);
+        ``follower_module``: what each follower runs (``python -m <module> <FollowerSpec>``)."""
         size = args.tensor_parallel_size
         store, address = host_store(size)
         shm = host_shm(store, size) if device.type == "cpu" else None
@@ -89,7 +90,7 @@ class TPRanks:
             for rank in range(1, size):
                 spec = FollowerSpec(dataclasses.asdict(args), rank, size, address, os.getpid())
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "engine.runtime.tp_follower", spec.to_json()]))
+                    [sys.executable, "-m", follower_module, spec.to_json()]))
             wait_for_ranks(store, size, self._exited)
             self.comm = TPComm(TPShard(0, size), address, device, store, shm)
             if shm is not None:  # stop waiting in an all-reduce for a rank that died

@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.config import ModelConfig, cdiv
+from engine.config import cdiv
+from engine.models.config import ModelConfig
 
 __all__ = ["TPShard", "kv_head_range"]
 

@@ -38,7 +38,7 @@ _INNER_K_TILES = (8, 4, 2)  # tinygemm's K packing: the widest tile count that d
 @dataclass(eq=False)
 class TinyGemmWeight:
     """An int4 weight ``[N, K]`` packed for ``torch._weight_int4pack_mm`` on a CUDA device:
-    stands where a weight tensor would for ``engine.ops.kernels.linear`` (``shape``, ``dtype``,
+    stands where a weight tensor would for ``engine.ops.linear.linear`` (``shape``, ``dtype``,
     ``kind``, ``nbytes``, ``device``)."""
 
     packed: torch.Tensor

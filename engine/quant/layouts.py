@@ -25,7 +25,7 @@ Scales are fp16 because they are streamed with the weights every step: fp32 scal
 quarter byte per int4 weight (half again its bytes) to a step that is bound by bytes read.
 
 Activations stay in the model's dtype (fp32 or bf16); only the weights are quantized. The
-kernels that multiply by these layouts are in ``engine.ops.kernels`` (``cquant``: our C kernels,
+kernels that multiply by these layouts are in ``engine.ops.linear`` (``cquant``: our C kernels,
 ``dequant``: dequantize, then the fp GEMM) and are chosen per host and batch bucket like every
 other linear path. PyTorch's own packed kernels (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm_for_cpu``) were measured and are not used: with fp32 activations they ran

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
-from engine.core.request import RequestFailedError, RequestMetrics, RequestOutput, SamplingParams
+from engine.contract import RequestFailedError, RequestMetrics, RequestOutput, SamplingParams
 from engine.runtime.compute_thread import ComputeThread
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.llm_engine import EngineArgs, LLMEngine, Prompt

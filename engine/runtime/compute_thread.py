@@ -5,8 +5,9 @@ per thread that enters a parallel region, and once the pools' threads outnumber 
 stops spin-waiting between regions (its "throttled" spin count). An engine built on one thread
 (weights, kernel tuning) and stepped on another left two pools behind, and every step paid for
 the lost spinning: a 64-token prefill took ~112 ms instead of ~87 ms and a batch-1 decode step
-~20% more (2 threads on 2 cores; docs/figures/history.md, 2026-12-05). So a worker builds its
-engine with ``ComputeThread.building`` and hands that thread to its ``EngineLoop``.
+~20% more (2 threads on 2 cores; docs/history/2026-12-04-wave-3-tracing-and-faults.md, "One
+thread for an engine's torch work"). So a worker builds its engine with
+``ComputeThread.building`` and hands that thread to its ``EngineLoop``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Why it matters: a CPU engine step is ~300 OpenMP parallel regions, each ending a
 that waits for the team's slowest thread. When a neighbour process (a log shipper, a build,
 another pod) takes a core from one member of a 2-thread team, every barrier waits for that
 member's next time slice: the default model's decode step went from 17-28 ms to 60-100 ms
-beside one busy loop (2 cores; docs/figures/history.md, "Speed beside a neighbour"), while one
-thread beside the same loop runs on the free core at 1.3-1.9x the quiet 2-thread step. So:
+beside one busy loop (2 cores; docs/history/2026-12-06-wave-4.md, "Speed beside a neighbour"),
+while one thread beside the same loop runs on the free core at 1.3-1.9x the quiet 2-thread
+step. So:
 
 - **Budget** (``cpu_budget``): at most as many threads as the CPUs this process may run on
   (its affinity mask) and is allowed (its cgroup's CPU quota: ``cpu.max`` on cgroup v2,

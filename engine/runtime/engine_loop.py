@@ -18,7 +18,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.request import RequestOutput
+from engine.contract import RequestOutput
 from engine.runtime.compute_thread import ComputeThread
 from engine.runtime.llm_engine import LLMEngine
 

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.contract import SamplingParams, TokenLogprob
 from engine.core.block_manager import BlockManager
-from engine.core.request import Request, RequestStatus, SamplingParams, TokenLogprob
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.executor.model_runner import ModelRunner
 
@@ -130,7 +131,7 @@ class KVConnector:
         if self.per_rank and self._runner.tp is not None:
             # Sent with the next message to the other ranks: the caller's tell_ranks(now=True)
             # or the next step, which cannot touch these pages before then.
-            self._runner.tell(("reserve", request_id, block_ids, req.num_cached_tokens))
+            self._runner.rank_kv.tell(("reserve", request_id, block_ids, req.num_cached_tokens))
         return Reservation(True, num_blocks=len(block_ids), num_cached_tokens=req.num_cached_tokens)
 
     def admit(self, request_id: str, first_token_id: int,
@@ -203,7 +204,7 @@ class KVConnector:
             if self._blocks.adopted_tokens(pin) < cover:
                 return None
             block_ids = self._blocks.block_ids(pin)
-            return [self._runner.read_layer_kv(layer, block_ids, end, start=start)
+            return [self._runner.rank_kv.read_layer_kv(layer, block_ids, end, start=start)
                     for layer in range(len(self._runner.kv_caches))]
         finally:
             self._blocks.free(pin)
@@ -212,7 +213,7 @@ class KVConnector:
         """The other ranks stop taking KV into the pages before the next step (which may
         give them to another request) runs there: the message goes ahead of it."""
         if self.per_rank and self._runner.tp is not None:
-            self._runner.tell(("unreserve", request_id))
+            self._runner.rank_kv.tell(("unreserve", request_id))
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -233,7 +234,7 @@ class KVConnector:
             if reserved is None:
                 raise KeyError(f"no reservation for {request_id!r} (released)")
             block_ids, start = reserved
-            self._runner.write_layer_kv(layer, block_ids, kv, start=start, heads=heads)
+            self._runner.rank_kv.write_layer_kv(layer, block_ids, kv, start=start, heads=heads)
 
     # ---- called by LLMEngine.step ----------------------------------------------------------
     def begin_step(self, sched: SchedulerOutput, step: StepInfo) -> bool:
@@ -254,8 +255,9 @@ class KVConnector:
         """Layer ``layer``'s KV for this step is written: hand each completed prompt's copy
         to the exporter (which sends it while the next layer computes)."""
         assert self.exporter is not None and self._step is not None
-        heads = self._runner.own_kv_heads if self.per_rank else None
+        heads = self._runner.rank_kv.own_kv_heads if self.per_rank else None
         for chunk in self._exports:
-            kv = self._runner.read_layer_kv(layer, chunk.block_ids, chunk.end_pos,
-                                            start=chunk.export_from, gather=not self.per_rank)
+            kv = self._runner.rank_kv.read_layer_kv(layer, chunk.block_ids, chunk.end_pos,
+                                                    start=chunk.export_from,
+                                                    gather=not self.per_rank)
             self.exporter(LayerExport(chunk.request_id, layer, kv, self._step, heads))

@@ -1,51 +1,30 @@
-"""The single-process engine: validation, scheduling, model execution, detokenization.
+"""The single-process engine's step loop: validation, scheduling, model execution, detokenization.
 
 ``LLMEngine.step()`` runs one iteration (schedule -> execute -> update -> detokenize) and returns
 a ``RequestOutput`` for every request that produced a token or finished. It is the loop body
 for the offline ``LLM``, the prefill worker and the decode worker alike; none of them reimplement
-it. Not thread-safe: one thread drives an engine.
+it. Not thread-safe: one thread drives an engine. Its parts (model, runner, scheduler, block
+manager, tensor-parallel ranks) are built by ``engine.runtime.build``.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from engine.args import EngineArgs  # re-exported: its home is engine.args (no torch)
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, num_blocks_for_budget
-from engine.core.block_manager import BlockManager
-from engine.core.request import (
-    Request,
-    RequestMetrics,
-    RequestOutput,
-    RequestProgress,
-    RequestStatus,
-    SamplingParams,
-)
-from engine.core.scheduler import Scheduler, StepUpdate
+from engine.contract import RequestMetrics, RequestOutput, RequestProgress, SamplingParams
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import StepUpdate
 from engine.core.step_times import StepTimes
-from engine.core.structured import Grammars
-from engine.executor.device import kv_pool_bytes, plan_device
-from engine.executor.kv_tier import KVTier, TierStats, offload_config
-from engine.executor.model_runner import ModelRunner
-from engine.models.llama import LlamaForCausalLM
-from engine.parallel.ranks import TPRanks, rank_device, rank_threads
-from engine.parallel.sharding import TPShard
-from engine.quant.layouts import check_quantization
-from engine.runtime.cpu_threads import EngineThreads
-from engine.runtime.kv_connector import KVConnector, StepInfo
-from engine.text.input_processor import InputProcessor, Prompt
-from engine.text.tokenizer import IncrementalDetokenizer, LazyTokenizer, load_tokenizer
-from engine.tuning.runner_plans import RunnerPlans, plans_by_threads, tune_runner
-from engine.weights.loader import load_model_config, load_weights, resolve_model
-
-log = logging.getLogger(__name__)
+from engine.executor.kv_tier import TierStats
+from engine.runtime.build import build_engine
+from engine.runtime.kv_connector import StepInfo
+from engine.text.input_processor import Prompt
+from engine.text.tokenizer import IncrementalDetokenizer, LazyTokenizer
 
 
 @dataclass(frozen=True)
@@ -88,96 +67,15 @@ class LLMEngine:
     (so does collecting the engine, or this process's exit)."""
 
     def __init__(self, args: EngineArgs, clock: Callable[[], float] = time.monotonic) -> None:
-        tp = args.tensor_parallel_size
-        if tp < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-        if tp > 1 and args.cuda_graphs:
-            # Asked for explicitly, not just the GPU default: refused rather than dropped.
-            raise ValueError("cuda_graphs=True: not with tensor_parallel_size > 1 (the "
-                             "collectives are not captured); leave it unset or false")
-        if tp > 1 or (args.num_threads and args.device != "cpu"):
-            torch.set_num_threads(rank_threads(args.num_threads, tp))
-        self.plan = plan_device(rank_device(args.device, 0) if tp > 1 else args.device,
-                                args.dtype, args.attention_backend, args.cuda_graphs)
-        # On the CPU at TP 1, the thread count follows the CPU this process gets.
-        self.threads: EngineThreads | None = (
-            EngineThreads(args.num_threads, args.adaptive_threads)
-            if self.plan.device.type == "cpu" and tp == 1 else None)
-        self.device = self.plan.device
-        check_quantization(args.quantization, self.device, tp, self.plan.dtype)
-        offload = offload_config(args)
-        resolved = resolve_model(args.model, cache_dir=args.cache_dir)
-        self.model_config: ModelConfig = load_model_config(
-            resolved.model_dir, dtype=self.plan.dtype, model_id=resolved.model_id)
-        # A worker's engine (token ids in and out) loads it on first need: ~2 s less to start.
-        self.tokenizer = load_tokenizer(resolved.model_dir, lazy=not args.detokenize)
-        cfg = self.model_config
-        eos = tuple(sorted(set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids
-                                                          if self.tokenizer else ())))
-        self.eos_token_ids = eos
-        max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
-        self.max_model_len = max_len
-        rs = cfg.rope_scaling
-        if rs is not None and rs.kind == "longrope":
-            log.info("LongRoPE: serving up to %d tokens with its %s factors for every sequence "
-                     "(--max-model-len <= %d serves the short ones)", max_len,
-                     "long" if max_len > rs.original_max_position_embeddings else "short",
-                     rs.original_max_position_embeddings)
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            policy=args.batching, dynamic_window_s=args.dynamic_window_s,
-            enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
-            max_waiting=args.max_waiting, max_prefill_chunk=args.max_prefill_chunk,
-            max_step_prefill_tokens=args.max_step_prefill_tokens,
-            first_token_first=args.first_token_first)
-        shard = TPShard(0, tp)
-        shard.check(cfg)  # before any rank starts: a clear error naming the dimension
-        # The other ranks start now and load their slices while this one loads its own.
-        self.ranks = TPRanks(args, self.device) if tp > 1 else None
-        try:
-            model = LlamaForCausalLM(cfg, max_len, self.ranks.comm if self.ranks else None)
-            load_weights(model, resolved.model_dir, args.quantization,
-                         lambda n: shard.slice_of(n, cfg))
-            self.model = model.to(self.device)
-            model.place_quantized(self.device)  # model.to leaves quantized weights behind
-            # Sized after the weights are on the device: on CUDA the pool takes what they
-            # left. Per rank: each holds its KV heads only (model.cfg: this rank's shapes).
-            pool_bytes = kv_pool_bytes(args.kv_cache_memory_bytes, self.device,
-                                       args.gpu_memory_utilization)
-            self.cache_config = CacheConfig(
-                block_size=args.block_size, kv_cache_memory_bytes=pool_bytes,
-                enable_prefix_caching=args.enable_prefix_caching,
-                prefix_hash_seed=args.prefix_hash_seed)
-            num_blocks = num_blocks_for_budget(model.cfg, args.block_size, pool_bytes)
-            if num_blocks < 1:
-                raise ValueError(
-                    f"kv_cache_memory_bytes={pool_bytes} holds no block of "
-                    f"{args.block_size} tokens ({model.cfg.kv_bytes_per_token} bytes per token)")
-            if self.ranks is not None:
-                self.ranks.start(max_len, num_blocks)
-            self.runner = ModelRunner(model, self.cache_config, num_blocks,
-                                      attention_backend=self.plan.attention_backend,
-                                      cuda_graphs=self.plan.cuda_graphs,
-                                      max_num_seqs=args.max_num_seqs, max_model_len=max_len)
-            tune_runner(args, self.plan, model, self.runner)
-            if self.threads is not None and self.threads.adaptive:
-                plans = plans_by_threads(args, self.plan, model, self.runner,
-                                         range(1, self.threads.governor.max_threads + 1))
-                self.threads.on_change = lambda n: plans.get(n, RunnerPlans.current(
-                    self.runner)).apply(self.runner)
-        except BaseException:
-            self.close()
-            raise
-        self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len,
-                                     max_kv_tokens=num_blocks * args.block_size)
-        self.kv_tier = KVTier(self.runner.kv_caches, offload) if offload.enabled else None
-        self.block_manager = BlockManager(num_blocks, args.block_size,
-                                          enable_prefix_caching=args.enable_prefix_caching,
-                                          hash_seed=args.prefix_hash_seed, tier=self.kv_tier)
-        grammars = Grammars(self.tokenizer, cfg.vocab_size, eos) if self.tokenizer else None
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, clock, grammars)
-        self.kv_connector = KVConnector(self.scheduler, self.block_manager, self.runner,
-                                        self.eos_token_ids, clock)
+        parts = build_engine(args, clock)  # engine.runtime.build
+        self.plan, self.device, self.threads = parts.plan, parts.plan.device, parts.threads
+        self.model_config, self.model, self.ranks = parts.model_config, parts.model, parts.ranks
+        self.tokenizer, self.eos_token_ids = parts.tokenizer, parts.eos_token_ids
+        self.max_model_len, self.inputs = parts.max_model_len, parts.inputs
+        self.scheduler_config, self.cache_config = parts.scheduler_config, parts.cache_config
+        self.runner, self.kv_tier = parts.runner, parts.kv_tier
+        self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
+        self.kv_connector = parts.kv_connector
         self.clock = clock
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
@@ -218,8 +116,8 @@ class LLMEngine:
         self.kv_connector.per_rank = True
         if self.ranks is None:
             return []
-        self.runner.tell(("agent", factory, config))
-        self.runner.flush_ranks()
+        self.runner.rank_kv.tell(("agent", factory, config))
+        self.runner.rank_kv.flush_ranks()
         return self.ranks.replies.wait("ready", timeout_s)
 
     def tell_ranks(self, payload: Any, now: bool = False) -> None:
@@ -227,9 +125,9 @@ class LLMEngine:
         step (``now``: at once, for a message that must not wait for a step). No-op at TP 1."""
         if self.ranks is None:
             return
-        self.runner.tell(("tell", payload))
+        self.runner.rank_kv.tell(("tell", payload))
         if now:
-            self.runner.flush_ranks()
+            self.runner.rank_kv.flush_ranks()
 
     def rank_replies(self, key: str, timeout_s: float) -> list[str]:
         """Any thread: every follower agent's answer to ``key`` (rank order; empty at TP 1).

@@ -71,7 +71,7 @@ def serve(spec: FollowerSpec) -> None:
                          cuda_graphs=False, max_num_seqs=args.max_num_seqs,
                          max_model_len=max_len)
     tune_runner(args, plan, model, runner)
-    ctx = FollowerContext(comm, runner)
+    ctx = FollowerContext(comm, runner.rank_kv)
     agent = None
     while True:
         ctl, main = comm.broadcast()
@@ -92,11 +92,11 @@ def _control(runner: ModelRunner, agent: RankAgent | None, msg: tuple,
     """Apply one of rank 0's control messages; returns the rank's agent (built by "agent")."""
     kind = msg[0]
     if kind == "kv_writes":
-        runner.follow_kv_writes(msg[1])
+        runner.rank_kv.follow_kv_writes(msg[1])
     elif kind == "reserve":
-        runner.hold_pages(*msg[1:])
+        runner.rank_kv.hold_pages(*msg[1:])
     elif kind == "unreserve":
-        runner.drop_pages(msg[1])
+        runner.rank_kv.drop_pages(msg[1])
         if agent is not None:
             agent.on_unreserve(msg[1])
     elif kind == "agent":

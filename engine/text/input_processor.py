@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.request import SamplingParams
+from engine.contract import SamplingParams
 from engine.text.tokenizer import Tokenizer
 
 Prompt = str | list[int] | list[dict]

@@ -1,8 +1,8 @@
 """Time this host's kernel choices for a model ahead of its first start (``make setup``).
 
-An engine on CPU times its linear-kernel paths (``engine.ops.kernels.tune_linear``) and its decode
+An engine on CPU times its linear-kernel paths (``engine.tuning.linear.tune_linear``) and its decode
 attention paths (``tune_decode_paths``), then whether its whole-step decode kernel beats them
-(``engine.executor.fused_decode``), at start-up, once per host, model shapes and torch
+(``engine.tuning.fused_decode``), at start-up, once per host, model shapes and torch
 thread count, and caches the result. For the default model that first timing is not small: on
 a 2-vCPU host it took 30 s at 2 threads and 55 s at 1 thread (every batch bucket, every path,
 interleaved repeats over the model's 538 MB), paid by the first ``pdcluster serve`` and, on a
@@ -59,9 +59,10 @@ def pretune(model: str | None = None, thread_counts: list[int] | None = None,
     torch's thread count afterwards."""
     from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
     from engine.config import CacheConfig
-    from engine.executor.fused_decode import tune_fused_decode
     from engine.models.llama import LlamaForCausalLM
-    from engine.ops.kernels import linear_plan, model_linear_weights, set_linear_plan, tune_linear
+    from engine.ops.linear import linear_plan, set_linear_plan
+    from engine.tuning.fused_decode import tune_fused_decode
+    from engine.tuning.linear import model_linear_weights, tune_linear
     from engine.weights.loader import load_model_config, load_state_dict, resolve_model
 
     model_dir = resolve_model(model).model_dir

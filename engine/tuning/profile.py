@@ -2,11 +2,11 @@
 
 What a planner needs to predict a cluster (``pdcluster plan``, the autoscaler): the time of a
 prefill step by prompt tokens in the step (one prompt, or several batched), the time of a
-pure-decode step by batch size and context length, and how fast KV moves between two
-processes on this host (a loopback TCP stream: gloo's path on one machine). Measured on an
-``LLMEngine`` built from the same ``EngineArgs`` a worker gets (same threads, same kernels),
-each point the median of a few repetitions of the engine's own ``step()``, on random prompts
-(no prefix-cache hit). The result is a JSON file; ``EngineProfile`` reads it back and
+pure-decode step by batch size and context length (and how fast KV moves between two
+processes on this host: ``loopback_bytes_s``, measured beside this by the planner's
+``router.planning.loopback``). Measured on an ``LLMEngine`` built from the same ``EngineArgs``
+a worker gets (same threads, same kernels), each point the median of a few repetitions of the
+engine's own ``step()``, on random prompts (no prefix-cache hit). The result is a JSON file; ``EngineProfile`` reads it back and
 interpolates between the points (linearly; beyond the last point, along the last segment).
 
 Quick by default (prompts of 32 to 2048 tokens; about 2 minutes for the default model on one
@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["EngineProfile", "ProfileGrid", "measure_loopback_bytes_s", "profile_engine"]
+__all__ = ["EngineProfile", "ProfileGrid", "profile_engine"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +79,7 @@ class EngineProfile:
     # (prompts in the step, tokens of each, seconds) and (batch, context, seconds)
     prefill: list[tuple[int, int, float]] = field(default_factory=list)
     decode: list[tuple[int, int, float]] = field(default_factory=list)
-    loopback_bytes_s: float = 0.0  # KV between two processes of this host
+    loopback_bytes_s: float = 0.0  # KV between two processes of this host (router.planning.loopback)
     host: dict = field(default_factory=dict)
     wall_s: float = 0.0
     # Measured while serving (router.planning.served_profile): the steps as a cluster's
@@ -162,10 +160,11 @@ def profile_engine(args, grid: ProfileGrid | None = None, seed: int = 0,
     """Measure ``grid`` (default: the quick one; lengths the model's context cannot hold are
     left out) on an engine
     built from ``args`` (``EngineArgs``; prefix caching is turned off, and the token budget
-    raised to fit the largest point; the profile keeps ``args``' budget, a worker's)."""
+    raised to fit the largest point; the profile keeps ``args``' budget, a worker's). The
+    loopback bandwidth is left at 0 (``router.planning.loopback.add_loopback`` measures it)."""
     import dataclasses
 
-    from engine.core.request import SamplingParams
+    from engine.contract import SamplingParams
     from engine.runtime.llm_engine import LLMEngine
     from engine.weights.loader import load_model_config, resolve_model
 
@@ -235,38 +234,6 @@ def profile_engine(args, grid: ProfileGrid | None = None, seed: int = 0,
                 progress(f"decode batch {b} at {c} tokens: {statistics.median(times) * 1e3:.1f} ms")
     finally:
         engine.close()
-    prof.loopback_bytes_s = measure_loopback_bytes_s()
-    progress(f"loopback: {prof.loopback_bytes_s / 1e9:.2f} GB/s")
     prof.wall_s = time.perf_counter() - t0
     return prof
 
-
-def measure_loopback_bytes_s(total_bytes: int = 64 << 20, chunk: int = 1 << 20) -> float:
-    """Bytes per second one TCP stream on 127.0.0.1 carries here (gloo's path between two
-    processes of one host), sent by a thread of this process."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    received = [0]
-
-    def sink() -> None:
-        conn, _ = server.accept()
-        with conn:
-            while received[0] < total_bytes:
-                data = conn.recv(chunk)
-                if not data:
-                    break
-                received[0] += len(data)
-
-    t = threading.Thread(target=sink, daemon=True)
-    t.start()
-    payload = b"\0" * chunk
-    try:
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            start = time.perf_counter()
-            for _ in range(total_bytes // chunk):
-                s.sendall(payload)
-            t.join(30)
-            elapsed = time.perf_counter() - start
-    finally:
-        server.close()
-    return received[0] / max(elapsed, 1e-9)

@@ -2,11 +2,11 @@
 cache) at start-up, switched when the engine's thread count changes (engine.runtime.cpu_threads).
 
 Why per count: a plan timed at 2 threads and run at 1 chose paths that are slower there (the
-default model's batch-1 decode step at 1 thread: 29.0 ms on the 2-thread plan, 24.9 ms on its
-own; docs/figures/history.md, "Speed beside a neighbour"). The engine's own count is timed as
-before; the lower counts it may drop to come from the cache only (``make setup`` times 1
-thread and every core for the default model, ``engine.tuning.pretune``; timing them at a neighbour's
-mercy would cache wrong answers), and a count without cached plans keeps the current ones.
+default model's batch-1 decode step at 1 thread: 29.0 ms on the 2-thread plan, 24.9 ms on its own;
+docs/history/2026-12-06-wave-4.md, "Speed beside a neighbour"). The engine's own count is timed as
+before; the lower counts it may drop to come from the cache only (``make setup`` times 1 thread and
+every core for the default model, ``engine.tuning.pretune``; timing them at a neighbour's mercy
+would cache wrong answers), and a count without cached plans keeps the current ones.
 """
 
 from __future__ import annotations
@@ -18,15 +18,10 @@ from typing import Any
 import torch
 
 from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
-from engine.executor.fused_decode import tune_fused_decode
-from engine.ops.kernels import (
-    NotCached,
-    cache_only,
-    linear_plan,
-    model_linear_weights,
-    set_linear_plan,
-    tune_linear,
-)
+from engine.ops.linear import linear_plan, set_linear_plan
+from engine.tuning.cache import NotCached, cache_only
+from engine.tuning.fused_decode import tune_fused_decode
+from engine.tuning.linear import model_linear_weights, tune_linear
 
 log = logging.getLogger(__name__)
 

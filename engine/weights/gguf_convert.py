@@ -321,7 +321,7 @@ def _experts_config(reader: Any, arch: str, family: _Family,
     used = int(_required(reader, f"{arch}.expert_used_count", name))
     per_expert = int(field_value(reader, f"{arch}.expert_feed_forward_length", 0)
                      or config["intermediate_size"])
-    if family.model_type == "mixtral":  # always renormalised (engine.config)
+    if family.model_type == "mixtral":  # always renormalised (engine.models.config)
         return {"num_local_experts": count, "num_experts_per_tok": used,
                 "intermediate_size": per_expert}
     out = {"num_experts": count, "num_experts_per_tok": used,
@@ -343,7 +343,7 @@ def _phi3_config(reader: Any, arch: str, tensors: dict[str, Any], tensor: Any,
     window = int(field_value(reader, f"{arch}.attention.sliding_window", 0) or 0)
     out: dict[str, Any] = {"sliding_window": window or None}
     rotary = int(field_value(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rotary != head_dim:  # engine.config refuses it by name
+    if rotary != head_dim:  # engine.models.config refuses it by name
         out["partial_rotary_factor"] = rotary / head_dim
     if "rope_factors_long.weight" in tensors:
         original = int(_required(reader, f"{arch}.rope.scaling.original_context_length",

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.quant.layouts import QuantizedWeight
 from engine.weights.gguf_convert import CONVERTER_VERSION, QUANTIZED_FILE, convert_gguf
 

@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from engine.core.request import SamplingParams
+from engine.contract import SamplingParams
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -281,8 +281,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
             prof = profile_served(args.model, args.threads, grid, progress=progress)
         else:
-            prof = profile_engine(EngineArgs(model=args.model, num_threads=args.threads,
-                                             device=args.device), grid, progress=progress)
+            from router.planning.loopback import add_loopback
+
+            prof = add_loopback(profile_engine(EngineArgs(model=args.model,
+                                                          num_threads=args.threads,
+                                                          device=args.device),
+                                               grid, progress=progress), progress)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

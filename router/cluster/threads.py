@@ -2,8 +2,8 @@
 
 A CPU engine's step is ~300 OpenMP parallel regions; each waits for the slowest thread of its
 team. So how many threads each worker gets, and whether anything else wants those cores, sets
-the step time as much as the kernels do. Measured on a 2-core box (docs/figures/history.md,
-"Cores on small machines"):
+the step time as much as the kernels do. Measured on a 2-core box
+(docs/history/2026-11-30-waves-1-2-serving.md, "Cores on small machines"):
 
 - The router and Ray cost ~1 ms of CPU per output token (router process ~1.1 ms, Ray's
   daemons ~0.4 ms): a few percent of a core at the rates a small box serves, a whole core at

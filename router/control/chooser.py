@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from engine.core.request import QueueFullError
+from engine.contract import QueueFullError
 from router.contract import WorkerUnavailableError
 from router.control.request_state import Aborted, WorkerSlot
 from router.routing.kv_index import KVIndex

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from engine.config import cdiv
-from engine.core.request import QueueFullError, RequestFailedError, SamplingParams
+from engine.contract import QueueFullError, RequestFailedError, SamplingParams
 from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_transfer import KVLayout

@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from engine.core.request import SamplingParams
+from engine.contract import SamplingParams
 from router.contract import GenerationChunk
 from router.control.request_state import StreamState, WorkerLost, WorkerSlot
 from router.state.store import StreamLog, from_dict

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.request import SamplingParams, TokenLogprob
+from engine.contract import SamplingParams, TokenLogprob
 from router.contract import WorkerUnavailableError
 from router.routing.policy import WorkerView
 from worker_protocol import TokenUpdate, WorkerInfo

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from engine.core.request import SamplingParams
+from engine.contract import SamplingParams
 from worker_protocol.tracing import Tracing, close_request_span, end, open_request_span
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.core.request import RequestProgress
+from engine.contract import RequestProgress
 from router.control.request_state import StreamState, WorkerLost, WorkerSlot
 from worker_protocol import TokenUpdate, liveness
 

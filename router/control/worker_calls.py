@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.core.request import RequestFailedError
+from engine.contract import RequestFailedError
 from kv_transfer import KVHandshakeError, KVPeerUnreachableError
 from router.contract import WorkerTimeoutError
 from router.control.request_state import (

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from engine.core.request import QueueFullError
+from engine.contract import QueueFullError
 from kv_transfer import KVTransferError
 from router.control.request_state import WorkerSlot
 

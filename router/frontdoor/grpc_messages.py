@@ -17,8 +17,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.core.request import MAX_SEED, SamplingParams
-from engine.core.structured import StructuredOutput
+from engine.contract import MAX_SEED, SamplingParams
+from engine.core.grammar import StructuredOutput
 from proto.pdcluster.v1 import generation_pb2 as pb
 from router.contract import GenerateInput, GenerationChunk, InvalidRequestError
 from router.frontdoor.openai.tools import ToolPlan, parse_calls, plan_tools, tool_constraint

@@ -18,7 +18,7 @@ import ssl
 
 import uvicorn
 
-from engine.core.structured import preload as preload_grammars
+from engine.core.grammar import preload as preload_grammars
 from router.contract import GenerationBackend
 from router.frontdoor.grpc_server import GrpcServer, start_grpc_server
 from router.frontdoor.http_app import create_app

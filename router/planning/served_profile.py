@@ -3,8 +3,8 @@ they serve.
 
 A bare engine's steps (``engine.tuning.profile``) leave out what serving adds on the same cores: the
 router, Ray, each prefill worker's KV export and sender, each decode worker's receiver. On a
-small host that is a third or more of a prefill's time (``docs/figures/history.md``, the
-planner's check). This profile starts a local 1 prefill + 1 decode cluster of the model and
+small host that is a third or more of a prefill's time
+(``docs/history/2026-12-03-wave-3-prefix-and-planner.md``, the planner's check). This profile starts a local 1 prefill + 1 decode cluster of the model and
 measures, through the cluster's own counters:
 
 - prefill: each prompt length sent alone (nothing queued), the prefill worker's own compute
@@ -34,7 +34,8 @@ import statistics
 import time
 from typing import Any
 
-from engine.tuning.profile import EngineProfile, ProfileGrid, measure_loopback_bytes_s
+from engine.tuning.profile import EngineProfile, ProfileGrid
+from router.planning.loopback import measure_loopback_bytes_s
 
 __all__ = ["profile_served"]
 

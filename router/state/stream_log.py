@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from engine.core.request import SamplingParams
+from engine.contract import SamplingParams
 from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from router.contract import GenerateInput, GenerationChunk, StreamNotFoundError, Usage
 from router.state.store import ClusterStore, StreamRecord

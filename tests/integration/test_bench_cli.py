@@ -15,8 +15,8 @@ import socket
 
 import pytest
 
-from bench.batching import simulate_batching
 from bench.cli import main
+from bench.harness.batching import simulate_batching
 from tests.async_util import LoopThread
 
 
@@ -77,7 +77,8 @@ def test_kernels_no_wide_set_up_takes_each_runner_up():
     bucket on wide tiles the dot tiles."""
     from bench.engine.kernels import _plans, _without_wide
     from engine.executor.fused_decode import FusedDecodePlan
-    from engine.ops.kernels import LinearPlan, Timing
+    from engine.ops.linear import LinearPlan
+    from engine.tuning.cache import Timing
 
     tuned = LinearPlan.from_timings([
         Timing(64, 32, 8, {"cwide": 1.0, "onednn": 2.0, "linear": 3.0}),

@@ -33,7 +33,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def otlp():
-    from bench.otlp_receiver import OtlpReceiver
+    from bench.harness.otlp_receiver import OtlpReceiver
 
     receiver = OtlpReceiver().start()
     yield receiver

@@ -18,6 +18,7 @@ from engine.attention.backend import (
     AttentionShape,
     SeqSlice,
     build_metadata,
+    gather_kv,
 )
 from engine.attention.factory import create_backend
 from engine.attention.torch_paged import (
@@ -25,12 +26,11 @@ from engine.attention.torch_paged import (
     DECODE_PATHS,
     DecodePaths,
     TorchPagedBackend,
-    gather_kv,
 )
 from engine.attention.torch_tuning import tune_decode_paths
 from engine.config import cdiv
 from engine.executor.fused_decode import FusedDecodePlan
-from engine.ops.kernels import M_BUCKETS
+from engine.ops.linear import M_BUCKETS
 from engine.runtime.llm_engine import EngineArgs, LLMEngine
 
 # One step, decode-first: two decodes (one with 9 cached tokens, one a 1-token prompt), a prefill

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from bench.batching import simulate_batching, slot_utilization
-from bench.report import target, to_jsonable
-from bench.roofline import find_knee, roofline_step_time, roofline_workload_throughput
-from bench.stats import percentile, summarize
-from bench.workload import heavy_tailed_lengths, make_prompts, poisson_arrivals
+from bench.harness.batching import simulate_batching, slot_utilization
+from bench.harness.report import target, to_jsonable
+from bench.harness.roofline import find_knee, roofline_step_time, roofline_workload_throughput
+from bench.harness.stats import percentile, summarize
+from bench.harness.workload import heavy_tailed_lengths, make_prompts, poisson_arrivals
 
 
 # ---- slot utilization ------------------------------------------------------------------------

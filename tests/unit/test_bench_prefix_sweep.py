@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from bench.cli import add_bench_subcommands
-from bench.cluster import prefix_sweep as ps
-from bench.cluster.prefix_sweep import Cell, Lengths, Sizing
+from bench.cluster.prefix import sweep as ps
+from bench.cluster.prefix.sweep import Cell, Lengths, Sizing
 
 
 def _args(*flags: str) -> argparse.Namespace:
@@ -77,8 +77,9 @@ def test_sweep_flags_without_sweep_are_refused_not_ignored():
 
 # ---- floor and sizes ----------------------------------------------------------------------------
 def test_floor_counts_each_system_prompts_full_blocks_once():
-    # The issue's workload (docs/figures/history.md): 16 system prompts of 460 tokens (28 full
-    # blocks = 448 tokens), 48 requests with 12-token questions: 16 x 448 + 48 x (12 + 12).
+    # The issue's workload (docs/history/2026-12-03-wave-3-prefix-and-planner.md, "In-flight
+    # affinity"): 16 system prompts of 460 tokens (28 full blocks = 448 tokens), 48 requests
+    # with 12-token questions: 16 x 448 + 48 x (12 + 12).
     assert ps.floor_tokens(16, 48, 460, 12) == 16 * 448 + 48 * 24 == 8320
     assert ps.floor_tokens(16, 48, 460, 48) == 10048
     # 2 prompts of 40 tokens (2 full blocks), 6 requests of 8-token questions.
@@ -199,7 +200,7 @@ def test_repeats_combine_to_medians_and_checks_pair_each_repeat():
 
 
 def test_phase_means_between_snapshots_and_their_median_over_repeats(capsys):
-    from bench.cluster.prefix_runs import phase_means
+    from bench.cluster.prefix.runs import phase_means
     from router.control.phase_times import PhaseTimes
     from router.control.request_state import RequestTiming
 
@@ -247,7 +248,7 @@ def test_table_and_plot_from_synthetic_cells(tmp_path, capsys):
 
 
 def test_tier_runs_pass_the_host_tier_to_prefill_and_decode_engines():
-    from bench.cluster.prefix_runs import cluster_config
+    from bench.cluster.prefix.runs import cluster_config
 
     cfg = cluster_config(None, "kv_aware", 1 << 20, 300, {"kv_offload_memory_bytes": 4096})
     assert cfg.prefill_engine.kv_offload_memory_bytes == 4096

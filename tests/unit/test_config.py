@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import (
-    CacheConfig,
-    ModelConfig,
-    SchedulerConfig,
-    num_blocks_for_budget,
-)
-from engine.core.request import SamplingParams
+from engine.config import CacheConfig, SchedulerConfig, num_blocks_for_budget
+from engine.contract import SamplingParams
+from engine.models.config import ModelConfig
 
 _LLAMA_HF = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,

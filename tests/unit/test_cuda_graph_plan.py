@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-import engine.runtime.llm_engine as llm_engine_mod
+import engine.runtime.build as engine_build
 from engine import LLM, SamplingParams
 from engine.attention.backend import SeqSlice, build_metadata
 from engine.config import CacheConfig
@@ -73,7 +73,7 @@ def test_dummies_write_and_read_only_the_scratch_page():
 
 def _padded_llm(monkeypatch, model_dir, max_num_seqs, **kwargs):
     """An LLM whose runner pads decode steps (what CUDA graphs do), run eagerly on CPU."""
-    monkeypatch.setattr(llm_engine_mod, "ModelRunner", functools.partial(
+    monkeypatch.setattr(engine_build, "ModelRunner", functools.partial(
         ModelRunner, pad_decode_batches=True, max_num_seqs=max_num_seqs))
     llm = LLM(str(model_dir), max_num_seqs=max_num_seqs, **kwargs)
     monkeypatch.undo()

@@ -17,17 +17,17 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.executor.fused_decode import FusedDecodePlan
-from engine.ops.kernels import (
+from engine.ops.linear import (
     FP,
     LINEAR_BUCKETS,
     LinearPlan,
     available_paths,
     linear_plan,
-    model_linear_weights,
     set_linear_plan,
     weight_key,
 )
 from engine.runtime.llm_engine import EngineArgs
+from engine.tuning.linear import model_linear_weights
 from tests.tiny_models import hf_greedy, load_hf, random_prompts
 
 # Every family with a tiny fixture in tests/conftest.py (Phi-3's LongRoPE variant and Gemma 3's

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine.core.request import RequestOutput, SamplingParams
+from engine.contract import RequestOutput, SamplingParams
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.llm_engine import EngineArgs, LLMEngine
 
@@ -176,7 +176,7 @@ def test_a_crash_is_handed_to_on_crash_and_async_requests_fail_instead_of_hangin
     in-process engine ends every open request with an error rather than leaving it waiting."""
     import asyncio
 
-    from engine.core.request import RequestFailedError
+    from engine.contract import RequestFailedError
     from engine.runtime.async_engine import AsyncEngine
 
     eng = AsyncEngine(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory_bytes=1 << 20))

@@ -1,7 +1,8 @@
 """`pdcluster profile` (engine/tuning/profile.py): a tiny grid measured on a tiny model gives every
 point, positive and ordered the way compute is (more tokens, more time); the JSON reads back
 equal; interpolation goes through the measured points and along the end segments; the
-loopback bandwidth is measured, not assumed; the command writes the file."""
+loopback bandwidth (router/planning/loopback.py) is measured, not assumed; the command writes
+the file, loopback included."""
 
 from __future__ import annotations
 
@@ -10,12 +11,8 @@ import json
 import pytest
 
 from engine import EngineArgs
-from engine.tuning.profile import (
-    EngineProfile,
-    ProfileGrid,
-    measure_loopback_bytes_s,
-    profile_engine,
-)
+from engine.tuning.profile import EngineProfile, ProfileGrid, profile_engine
+from router.planning.loopback import measure_loopback_bytes_s
 
 
 def test_a_tiny_grid_on_a_tiny_model(tiny_llama_dir):
@@ -25,7 +22,7 @@ def test_a_tiny_grid_on_a_tiny_model(tiny_llama_dir):
     assert [(b, n) for b, n, _ in prof.prefill] == [(1, 16), (2, 16), (1, 128), (2, 128)]
     assert [(b, c) for b, c, _ in prof.decode] == [(1, 16), (4, 16), (1, 64), (4, 64)]
     assert all(s > 0 for *_, s in prof.prefill + prof.decode)
-    assert prof.loopback_bytes_s > 1e6
+    assert prof.loopback_bytes_s == 0.0  # the planner measures it (router.planning.loopback)
     assert prof.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers, kv heads, head dim, fp32
     assert EngineProfile.from_json(prof.to_json()) == prof
 
@@ -70,6 +67,7 @@ def test_the_command_writes_the_profile(tiny_llama_dir, tmp_path, monkeypatch):
     assert args.func(args) == 0
     data = json.loads(out.read_text())
     assert data["num_threads"] == 1 and len(data["prefill"]) == len(data["decode"]) == 1
+    assert data["loopback_bytes_s"] > 1e6
 
 
 def test_the_grid_keeps_to_the_model_and_to_a_workers_step():

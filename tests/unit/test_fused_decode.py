@@ -12,10 +12,11 @@ import torch
 from engine.attention.backend import SeqSlice, build_metadata
 from engine.attention.torch_paged import DecodePaths, TorchPagedBackend, decode_tables
 from engine.config import CacheConfig, cdiv
-from engine.executor.fused_decode import FUSED_BUCKETS, STEPS, FusedDecodePlan, tune_fused_decode
+from engine.executor.fused_decode import FUSED_BUCKETS, STEPS, FusedDecodePlan
 from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.ops import cpu_ops
+from engine.tuning.fused_decode import tune_fused_decode
 from engine.weights.loader import load_model_config, load_state_dict
 from tests.tiny_models import VOCAB, hf_greedy, load_hf, random_prompts
 

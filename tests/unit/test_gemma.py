@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from tests.tiny_models import (
     GEMMA_WINDOW,
     hf_greedy,

@@ -1,7 +1,7 @@
 """``bench/gpu_check.sh`` on a machine without CUDA (every CI machine): it runs end to end with
 the interpreter ``PDCLUSTER_PY`` names, keeps the pytest log beside its JSON, records per check
 that CUDA is missing, and exits non-zero (nothing was checked). The GPU side itself runs only
-on a GPU machine (docs/figures/history.md, "GPU path")."""
+on a GPU machine (docs/history/2026-12-03-wave-3-engine.md, "GPU path")."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.core.structured import Grammars, StructuredOutput
+from engine.core.grammar import Grammars, StructuredOutput
 from engine.executor.sampling import SampleRow, sample
 from engine.ops.cpu_ops import apply_bitmask
 

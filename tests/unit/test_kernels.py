@@ -6,24 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.ops.kernels as kernels
+import engine.ops.linear as linear_ops
+import engine.tuning.linear as tuning
 from engine.ops import cpu_ops
-from engine.ops.kernels import (
-    LINEAR_BUCKETS,
-    PREFILL_ROWS,
-    LinearPlan,
-    Timing,
-    host_key,
-    linear,
-    model_linear_weights,
-    set_linear_plan,
-    tune_linear,
-)
+from engine.ops.linear import LINEAR_BUCKETS, PREFILL_ROWS, LinearPlan, linear, set_linear_plan
+from engine.tuning.cache import Timing, host_key
+from engine.tuning.linear import model_linear_weights, tune_linear
 
 
 @pytest.fixture(autouse=True)
 def _restore_plan():
-    before = kernels.linear_plan()
+    before = linear_ops.linear_plan()
     yield
     set_linear_plan(before)
 
@@ -31,15 +24,15 @@ def _restore_plan():
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 33, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_path_computes_the_same_product(m, bias):
-    assert "onednn" in kernels.available_paths()  # torch's CPU wheels ship oneDNN
+    assert "onednn" in linear_ops.available_paths()  # torch's CPU wheels ship oneDNN
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 96, generator=g), torch.randn(160, 96, generator=g)
     b = torch.randn(160, generator=g) if bias else None
     want = torch.nn.functional.linear(x, w, b)
-    for path in kernels.PATHS:
+    for path in linear_ops.PATHS:
         set_linear_plan(LinearPlan.from_timings(
             [Timing(160, 96, bk, {path: 0.0, "other": 1.0}) for bk in LINEAR_BUCKETS]))
-        assert kernels.linear_plan().path(160, 96, m) == path
+        assert linear_ops.linear_plan().path(160, 96, m) == path
         got = linear(x, w, b)
         assert got.shape == (m, 160) and got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -72,8 +65,8 @@ def test_plan_follows_the_bucket_and_leaves_untuned_buckets_and_shapes_to_f_line
 
 def test_linear_dispatches_on_the_plan(monkeypatch):
     calls = []
-    real = kernels._mm_t
-    monkeypatch.setattr(kernels, "_mm_t", lambda *a: calls.append("mm_t") or real(*a))
+    real = linear_ops._mm_t
+    monkeypatch.setattr(linear_ops, "_mm_t", lambda *a: calls.append("mm_t") or real(*a))
     set_linear_plan(LinearPlan.from_timings([Timing(32, 16, 1, {"linear": 2.0, "mm_t": 1.0})]))
     linear(torch.randn(1, 16), torch.randn(32, 16))
     linear(torch.randn(2, 16), torch.randn(32, 16))  # bucket 2 was not tuned: F.linear
@@ -86,7 +79,7 @@ def _weights(*shapes):
 
 
 def test_tuning_times_whole_passes_and_is_cached_per_host_key(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels, "LINEAR_BUCKETS", (1, 4))
+    monkeypatch.setattr(tuning, "LINEAR_BUCKETS", (1, 4))
     # two "layers" of two tuned shapes, and one under MIN_TUNED_BYTES
     weights = _weights((512, 256), (256, 512), (512, 256), (256, 512), (16, 16))
     plan = tune_linear(weights, cache_dir=tmp_path)
@@ -94,7 +87,7 @@ def test_tuning_times_whole_passes_and_is_cached_per_host_key(tmp_path, monkeypa
     assert {(t.n, t.k, t.m) for t in plan.timings} == {(512, 256, 1), (512, 256, 4),
                                                        (256, 512, 1), (256, 512, 4)}
     for t in plan.timings:
-        assert set(t.seconds) == set(kernels.PATHS) and all(v > 0 for v in t.seconds.values())
+        assert set(t.seconds) == set(linear_ops.PATHS) and all(v > 0 for v in t.seconds.values())
         assert plan.path(t.n, t.k, t.m) == min(t.seconds, key=t.seconds.get)
     assert plan.path(16, 16, 1) == "linear"  # too small to time
     again = tune_linear(weights, cache_dir=tmp_path)
@@ -119,15 +112,15 @@ def test_a_change_is_kept_only_when_the_whole_pass_gets_faster(monkeypatch):
     """Greedy per bucket: from the fastest uniform pass (mm_t here), each shape moves to
     another path when that makes the pass faster; the recorded times are the ones the
     decision was made on."""
-    monkeypatch.setattr(kernels, "_available", ("linear", "mm_t", "onednn"))
+    monkeypatch.setattr(linear_ops, "_available", ("linear", "mm_t", "onednn"))
     cost = {(512, 256, "fp"): {"linear": 1.0, "mm_t": 1.5, "onednn": 3.0},  # F.linear wins here only
             (256, 512, "fp"): {"linear": 2.0, "mm_t": 1.4, "onednn": 1.6}}
 
     def fake_pass(weights, m, choice, repeats=3, warm_up=False):
         return sum(cost[s][choice[s]] for s in choice)
 
-    monkeypatch.setattr(kernels, "time_passes", fake_pass)
-    timings = kernels.time_choices(_weights((512, 256), (256, 512)), buckets=(1,))
+    monkeypatch.setattr(tuning, "time_passes", fake_pass)
+    timings = tuning.time_choices(_weights((512, 256), (256, 512)), buckets=(1,))
     plan = LinearPlan.from_timings(timings)
     assert plan.path(512, 256, 1) == "linear" and plan.path(256, 512, 1) == "mm_t"
     first = next(t for t in timings if (t.n, t.k) == (512, 256))
@@ -135,7 +128,7 @@ def test_a_change_is_kept_only_when_the_whole_pass_gets_faster(monkeypatch):
 
 
 def test_a_corrupt_cache_file_is_tuned_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels, "LINEAR_BUCKETS", (1,))
+    monkeypatch.setattr(tuning, "LINEAR_BUCKETS", (1,))
     weights = _weights((512, 256))
     key = host_key([(512, 256, "fp")], torch.float32)  # what tune_linear keys this weight by
     (tmp_path / "kernels").mkdir()

@@ -15,7 +15,7 @@ from engine.attention.torch_paged import (
 from engine.config import CacheConfig, cdiv
 from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.ops.kernels import M_BUCKETS
+from engine.ops.linear import M_BUCKETS
 from engine.weights.loader import load_model_config, load_state_dict
 from tests.tiny_models import VOCAB, load_hf
 

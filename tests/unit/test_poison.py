@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.core.request import MAX_SEED
+from engine.contract import MAX_SEED
 from engine.text.input_processor import InputProcessor
 from tests.tiny_models import VOCAB, hf_greedy, random_prompts
 

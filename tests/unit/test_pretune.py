@@ -16,7 +16,7 @@ def test_default_thread_counts_are_one_and_every_core():
 
 def test_pretuned_plans_are_the_ones_an_engine_starts_from(tiny_llama_dir, tmp_path):
     from engine import EngineArgs, LLMEngine
-    from engine.ops.kernels import linear_plan
+    from engine.ops.linear import linear_plan
 
     before = torch.get_num_threads()
     # Into a fresh cache: timed now; a second time: found.

@@ -13,7 +13,7 @@ from engine.config import CacheConfig, cdiv
 from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, QLinear
 from engine.ops import cpu_ops, quant_ops
-from engine.ops.kernels import QPATHS, quantized_linear_by_path, time_choices
+from engine.ops.linear import QPATHS, quantized_linear_by_path
 from engine.quant.layouts import (
     INT4_GROUP,
     QuantizedWeight,
@@ -22,6 +22,7 @@ from engine.quant.layouts import (
     quantize,
     unpack_int4,
 )
+from engine.tuning.linear import time_choices
 from engine.weights.loader import load_model_config, load_state_dict
 from tests.tiny_models import VOCAB, hf_greedy, load_hf, random_prompts
 

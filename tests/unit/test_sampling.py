@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.request import SamplingParams
+from engine.contract import SamplingParams
 from engine.executor.sampling import SampleRow, sample
 
 VOCAB = 32

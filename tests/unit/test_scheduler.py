@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine.config import SchedulerConfig
+from engine.contract import QueueFullError, SamplingParams
 from engine.core.block_manager import BlockManager
-from engine.core.request import QueueFullError, Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, StepUpdate
 
 EOS = 2

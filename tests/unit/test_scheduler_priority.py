@@ -3,7 +3,8 @@ prompts and gets a step of its own (helpers and per-step checks: tests/unit/test
 
 from __future__ import annotations
 
-from engine.core.request import Request, SamplingParams
+from engine.contract import SamplingParams
+from engine.core.request import Request
 from tests.unit.test_scheduler import EOS, chunk_ids, make
 
 

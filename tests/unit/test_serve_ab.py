@@ -1,9 +1,9 @@
-"""bench.server.serve_ab's bookkeeping: variants alternate their order round by round, and a
+"""bench.harness.serve_ab's bookkeeping: variants alternate their order round by round, and a
 cell is each metric's median over the rounds (the servers themselves: the studies' runs)."""
 
 from __future__ import annotations
 
-from bench.server import serve_ab
+from bench.harness import serve_ab
 
 
 def test_variants_alternate_and_cells_are_medians(monkeypatch):

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.structured import StructuredOutput, choice_spec
+from engine.core.grammar import StructuredOutput, choice_spec
 from tests.schemas import SCIENTIST
 
 PROMPT = ("<|im_start|>user\nDescribe one famous scientist.<|im_end|>\n"

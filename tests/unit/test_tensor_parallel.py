@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from engine.parallel.sharding import TPShard
 from tests.tiny_models import VOCAB, hf_greedy, random_prompts, save_tiny_model
 

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from engine.core.structured import StructuredOutput
+from engine.core.grammar import StructuredOutput
 from router.frontdoor.openai.tools import (
     ToolCallStream,
     ToolPlan,

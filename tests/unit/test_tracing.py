@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from bench.otlp_receiver import OtlpReceiver, free_port
-from engine.core.request import SamplingParams
+from bench.harness.otlp_receiver import OtlpReceiver, free_port
+from engine.contract import SamplingParams
 from worker_protocol.tracing import (
     TRACES_ENDPOINT_ENV,
     TracingConfig,

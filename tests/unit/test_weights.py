@@ -201,7 +201,7 @@ def test_unsupported_hf_architecture_raises(tmp_path):
 
 
 def test_moe_configs_read_their_expert_fields_and_refuse_mixed_layers():
-    from engine.config import ModelConfig
+    from engine.models.config import ModelConfig
 
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2)
@@ -223,7 +223,7 @@ def test_moe_configs_read_their_expert_fields_and_refuse_mixed_layers():
 def test_rope_variants_we_do_not_compute_are_refused_by_name():
     """Phi-4-mini's partial rotary and YaRN would load and run with the wrong rotation:
     refused at start-up, naming the field; LongRoPE's factors must fit the heads."""
-    from engine.config import ModelConfig
+    from engine.models.config import ModelConfig
 
     base = dict(architectures=["Phi3ForCausalLM"], vocab_size=64, hidden_size=32,
                 intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

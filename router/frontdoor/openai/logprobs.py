@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.core.request import TokenLogprob
+from engine.contract import TokenLogprob
 
 __all__ = ["CompletionLogprobs", "TokenNames", "chat_logprobs"]
 

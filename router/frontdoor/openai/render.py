@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from engine.core.request import TokenLogprob
+from engine.contract import TokenLogprob
 from router.contract import GenerationChunk, Usage
 from router.frontdoor.openai.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
 from router.frontdoor.openai.tools import (

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.core.request import (
+from engine.contract import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_SEED,
@@ -33,7 +33,7 @@ from engine.core.request import (
     MAX_TEMPERATURE,
     SamplingParams,
 )
-from engine.core.structured import StructuredOutput, choice_spec
+from engine.core.grammar import StructuredOutput, choice_spec
 from router.contract import GenerateInput, InvalidRequestError
 from router.frontdoor.openai.tools import ToolPlan, plan_tools, tool_constraint
 

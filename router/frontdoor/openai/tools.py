@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.structured import StructuredOutput
+from engine.core.grammar import StructuredOutput
 from router.contract import InvalidRequestError
 
 __all__ = ["PARSERS", "ToolCall", "ToolCallStream", "ToolPlan", "new_call_id", "parse_calls",

@@ -18,7 +18,7 @@ MAX_WAITING = 4
 def otlp():
     """The OTLP trace receiver both backends export to (test_tracing.py reads it): tracing
     is on for every front-door test, so each also shows it costs no request anything."""
-    from bench.otlp_receiver import OtlpReceiver
+    from bench.harness.otlp_receiver import OtlpReceiver
 
     receiver = OtlpReceiver().start()
     yield receiver

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
-from engine.core.request import (
+from engine.contract import (
     MAX_LOGPROBS,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,

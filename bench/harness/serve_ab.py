@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.otlp_receiver import free_port
+from bench.harness.otlp_receiver import free_port
 
 # What each variant's run reports per rate (bench serve's row keys).
 METRICS = ("output_throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "itl_p50_s", "itl_p99_s")

@@ -1,7 +1,7 @@
 """The runs `pdcluster bench prefix` and its ``--sweep`` share: the request shapes, one request
 as the client saw it, a fresh 2P + 2D cluster per (workload, policy) run with its counters
-before and after, and a run's summary. ``bench.cluster.prefix`` (the workloads) and
-``bench.cluster.prefix_sweep`` (the grid) both build on it."""
+before and after, and a run's summary. ``bench.cluster.prefix.workloads`` (the two chat
+workloads) and ``bench.cluster.prefix.sweep`` (the grid) both build on it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.cluster.ttft_breakdown import pinned_overrides
-from bench.report import ratio
-from bench.stats import summarize
+from bench.harness.report import ratio
+from bench.harness.stats import summarize
 
 POLICIES = ("kv_aware", "load", "round_robin")
 

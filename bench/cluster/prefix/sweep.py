@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from bench.cluster.prefix_runs import (
+from bench.cluster.prefix.runs import (
     POLICIES,
     Shape,
     check_prefill_chunk,
@@ -54,12 +54,12 @@ from bench.cluster.prefix_runs import (
     working_set,
 )
 from bench.cluster.ttft_breakdown import ray_session
-from bench.harness import model_config
-from bench.report import machine_info, print_targets, write_json
-from bench.report import target as make_target
+from bench.harness.engine_under_test import model_config
+from bench.harness.report import machine_info, print_targets, write_json
+from bench.harness.report import target as make_target
 
 NAME = "prefix_sweep"
-BLOCK_SIZE = 16  # the sweep's clusters' (bench.cluster.prefix_runs.cluster_config)
+BLOCK_SIZE = 16  # the sweep's clusters' (bench.cluster.prefix.runs.cluster_config)
 TIERS = ("off", "on")
 TTFT_NOISE = 1.10  # kv_aware TTFT p50 / round_robin's, at most
 FLOOR_TARGET = 1.15  # kv_aware computed / floor, at most (tier on, tiers hold the working set)

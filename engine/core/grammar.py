@@ -1,20 +1,18 @@
-"""Structured outputs: a request's generated text constrained to a grammar (a JSON schema, any
-JSON object, a regex, one of a list of strings, or an EBNF / GBNF grammar).
+"""Structured outputs' grammar bookkeeping: a request's spec, its compiled grammar, and where
+its output stands in that grammar.
 
-At every sampling step a constrained row's logits keep only the tokens its grammar allows next
-(a bitmask from xgrammar, applied before the sampler's own adjustments: the masked tokens
-arrive at ``engine.executor.sampling.sample`` as -inf, which it re-imposes after penalties, biases and
-temperature, so no sampling field can pick a token the grammar refuses); after the token is
-sampled, the grammar state consumes it. Whichever engine samples does this: the prefill worker
-for a request's first token, the decode worker for the rest, the colocated engine for all.
+A spec (``StructuredOutput``) holds a request's generated text to a JSON schema, any JSON
+object, a regex, one of a list of strings, or an EBNF / GBNF grammar. At every sampling step
+the executor keeps only the tokens a constrained row's ``GrammarState`` allows next
+(``engine/executor/grammar_mask.py``); after the token is sampled, the scheduler feeds it to
+the state. Whichever engine samples does this: the prefill worker for a request's first
+token, the decode worker for the rest, the colocated engine for all.
 
 Why xgrammar (``python -m bench.studies.grammar_mask``, docs/benchmarks.md): on this CPU and
 the default model's 49k-token vocabulary, walking JSON documents token by token, its mask
 costs 4-16 us per token inside strings as well as between them; llguidance's is as cheap
 between strings but up to 120-230 us inside bounded (``maxLength``) strings, 5-7 ms a step at
 32 constrained rows; outlines-core needs seconds to index "any JSON object".
-xgrammar's own CPU apply is slow on sparse masks (~200 us a row), so the mask is applied by
-our C loop (``engine.ops.cpu_ops.apply_bitmask``).
 
 Who owns what: ``StructuredOutput`` is the request's spec (a frozen value in
 ``SamplingParams``; validated where the request is built, so a grammar that does not compile
@@ -23,7 +21,8 @@ as xgrammar sees it, and a compiler with a cache); it makes one ``GrammarState``
 constrained request, which the request owns. A request that migrates or resumes elsewhere
 arrives with the tokens it already generated at the end of its prompt
 (``SamplingParams.sample_index_offset`` of them): its new state consumes them first, so the
-grammar continues where it was.
+grammar continues where it was. Nothing here imports torch or xgrammar at module level: the
+request side (``SamplingParams``, the scheduler) loads without them.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the request side (SamplingParams, the scheduler) stays free of torch
     import torch
 
-__all__ = ["STRUCTURED_KINDS", "GrammarState", "Grammars", "StructuredOutput", "choice_spec",
-           "mask_logits"]
+__all__ = ["STRUCTURED_KINDS", "GrammarState", "Grammars", "StructuredOutput", "choice_spec"]
 
 # json_object: any JSON object; json_schema: ``spec`` is the schema (JSON text); regex: a
 # regular expression the whole output matches; choice: ``spec`` is a JSON list of strings, the
@@ -220,19 +218,3 @@ class Grammars:
                 raise ValueError(f"structured output: the tokens generated so far do not "
                                  f"match the grammar ({state.error})")
         return state
-
-
-def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
-    """Keep, in each row ``rows[i]`` of ``logits [N, vocab]``, only the tokens ``states[i]``
-    allows next (in place; the others become -inf, which ``engine.executor.sampling.sample`` treats as
-    a ban no logit adjustment lifts: pass it the masked logits)."""
-    import torch
-
-    from engine.ops import cpu_ops
-
-    # Our own apply: xgrammar's CPU apply takes ~200 us a row on a sparse mask, ours ~13 us
-    # (a C loop that skips all-ones words and fills all-zeros ones).
-    bitmask = torch.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
-    for i, s in enumerate(states):
-        s.fill_mask(bitmask, i)
-    cpu_ops.apply_bitmask(logits, rows, bitmask)

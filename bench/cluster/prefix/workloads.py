@@ -1,4 +1,5 @@
-"""`pdcluster bench prefix`: routing policies on prefix-heavy chat traffic, 2 prefill + 2 decode.
+"""`pdcluster bench prefix` without ``--sweep``: routing policies on two prefix-heavy chat
+workloads, 2 prefill + 2 decode.
 
 Two seeded workloads, each run once per routing policy (``kv_aware``, ``load``,
 ``round_robin``) on a fresh cluster of the same shape, in one invocation:
@@ -21,9 +22,6 @@ everything everywhere and routing stops mattering. (With 2 decode workers, round
 still lands a conversation's next turn on the worker that served its last one about half
 the time: that sets how far apart the policies can get.)
 
-``--sweep`` runs ``bench.cluster.prefix_sweep`` instead: shared-prefix cells over prefix count
-x reuse count x concurrency x pool fraction, with and without the host KV tier.
-
 Per run: TTFT p50/p99 (client side), ITL p99, prompt tokens computed by the workers, KV bytes
 moved prefill -> decode, and hit rates (prompt tokens served from a prefix cache, decode and
 prefill side). Targets (``multi_turn``): kv_aware vs round_robin TTFT p50 >= 3x better and
@@ -41,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.cluster.prefix_runs import (
+from bench.cluster.prefix.runs import (
     POLICIES,
     PolicyRun,
     Request,
@@ -58,45 +56,14 @@ from bench.cluster.prefix_runs import (
     working_set,
 )
 from bench.cluster.ttft_breakdown import ray_session
-from bench.harness import model_config
-from bench.report import machine_info, print_targets, ratio, write_json
-from bench.report import target as make_target
+from bench.harness.engine_under_test import model_config
+from bench.harness.report import machine_info, print_targets, ratio, write_json
+from bench.harness.report import target as make_target
 
-NAME = "prefix"
-HELP = "KV-aware vs load vs round-robin routing on multi-turn and shared-prefix chat (2P+2D)"
+NAME = "prefix"  # the benchmark's name and its results: prefix.json, prefix.png
 WORKLOADS = ("multi_turn", "shared_prefix")
 TTFT_TARGET = 3.0  # round_robin TTFT p50 / kv_aware TTFT p50, multi_turn
 BYTES_TARGET = 3.0  # round_robin KV bytes moved / kv_aware, multi_turn
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"comma-separated, from {', '.join(POLICIES)}")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"comma-separated, from {', '.join(WORKLOADS)}")
-    p.add_argument("--conversations", type=int, default=None, help="multi_turn (default 8)")
-    p.add_argument("--turns", type=int, default=None, help="multi_turn (default 12)")
-    p.add_argument("--doc-len", type=int, default=None, help="multi_turn opening context (512)")
-    p.add_argument("--user-len", type=int, default=24, help="multi_turn new message per turn")
-    p.add_argument("--think-s", type=float, default=0.3,
-                   help="multi_turn: most seconds between an answer and the next turn")
-    p.add_argument("--output-len", type=int, default=None,
-                   help="answer tokens per request (default 16; --sweep: 4)")
-    p.add_argument("--system-prompts", type=int, default=None, help="shared_prefix (default 8)")
-    p.add_argument("--system-len", type=int, default=None,
-                   help="shared_prefix (default 1024, --quick 192; --sweep: 256, --quick 128)")
-    p.add_argument("--users", type=int, default=None, help="shared_prefix requests (default 40)")
-    p.add_argument("--question-len", type=int, default=None,
-                   help="shared_prefix question (default 48; --sweep: 16)")
-    p.add_argument("--concurrency", type=int, default=4, help="shared_prefix in flight")
-    p.add_argument("--cache-fraction", type=float, default=0.6,
-                   help="each worker's KV pool / the workload's working set (default 0.6)")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill workers' --max-prefill-chunk: at most this many prompt tokens "
-                        "of one request per step (default: none, a whole prompt a step)")
-    from bench.cluster.prefix_sweep import add_sweep_arguments  # it imports this module
-
-    add_sweep_arguments(p)
 
 
 def _shape(args: argparse.Namespace) -> Shape:
@@ -158,14 +125,8 @@ async def _run_policy(model: str | None, workload: str, policy: str, s: Shape, v
                                  lambda cluster, tag: body(cluster, s, vocab, seed, tag))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every (workload, policy) on one Ray; write ``prefix.json`` and ``prefix.png``.
-    With ``--sweep``, run ``bench.cluster.prefix_sweep`` instead."""
-    from bench.cluster import prefix_sweep
-
-    if args.sweep:
-        return prefix_sweep.run_sweep(args)
-    prefix_sweep.refuse_sweep_flags(args)
+def run_workloads(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every (workload, policy) on one Ray; write ``prefix.json`` and ``prefix.png``."""
     check_prefill_chunk(args.prefill_chunk)
     s = _shape(args)
     policies = names(args.policies, POLICIES, "--policies")

@@ -1,0 +1,194 @@
+"""The linear layer's kernel paths and the dispatch that follows this host's plan (``LinearPlan``).
+
+A decode step is a handful of small-M GEMMs (M = batch size) that stream every weight once.
+Which torch call runs them fastest depends on the host, and by a lot:
+
+- ``F.linear``: MKL's GEMM (a single-threaded GEMV at M=1);
+- ``mm_t``: ``mm(W, x.T)``, MKL's threaded transposed GEMM; on one 2-core AMD EPYC it took
+  16 ms per pass over the default model's 538 MB at M=1 and ``F.linear`` 32 ms, while on an
+  Intel Xeon with AVX-512 and AMX the same pass took 61 ms and 26 ms, the reverse;
+- ``onednn``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) on the same dense
+  weight, no copy. oneDNN picks its kernels by the CPU's instructions, MKL does not on AMD: on
+  a 2-core AMD EPYC with AVX-512 it ran the M=32 LM-head GEMM 2.7x faster than ``F.linear``;
+- ``cgemv``: ``engine.ops.cpu_ops.gemv``, a plain loop streaming each weight row once (M <= 8);
+  on that EPYC it streamed the model's weights at M=1 1.5-2x faster than either library;
+- ``cwide``: ``engine.ops.cpu_ops.wide_linear``, the whole-step decode kernel's wide tiles (the
+  rows of x in vector lanes, each weight scalar broadcast against all of them; decode buckets
+  only); on that EPYC the LM head streamed from memory took 5.0 ms at M=32 against oneDNN's 8.1.
+
+Quantized weights (``engine.quant.layouts.QuantizedWeight``, ``--quantization``) have their own paths,
+``QPATHS``: ``cquant`` (``engine.ops.quant_ops.quantized_linear``: the weight read in its int8 / int4
+layout, never expanded), ``dequant`` and ``dequant_onednn`` (expand into a scratch fp weight
+in one pass, then ``F.linear`` or oneDNN's GEMM: where the GEMM's compute dwarfs the
+expansion, i.e. prefill rows; which GEMM is the host's to say, as for fp weights). A plan's
+entries are keyed by the weight's kind as well as its shape.
+
+So nothing is hard-coded: ``engine.tuning.linear.tune_linear`` times the paths per weight shape
+and batch bucket (the decode buckets, and ``PREFILL_ROWS`` rows for prefill) and the engine
+makes the result this process's plan (``set_linear_plan``); ``linear`` then dispatches on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.ops import cpu_ops, quant_ops
+from engine.quant.gpu import TinyGemmWeight
+from engine.quant.layouts import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+# F.linear(x, W) | mm(W, x.T).T | oneDNN inner product | engine.ops.cpu_ops.gemv (small M only) |
+# engine.ops.cpu_ops.wide_linear (decode buckets only)
+PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
+# For quantized weights: engine.ops.quant_ops.quantized_linear | expand, then F.linear | expand,
+# then oneDNN's GEMM (where this torch has it).
+QPATHS = ("cquant", "dequant", "dequant_onednn")
+FP = "fp"  # the kind of an unquantized weight in plans and timings
+CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
+# Decode batch sizes tuned (the attention paths use the same buckets); a batch uses the
+# largest bucket <= its M. From PREFILL_ROWS rows on it is a prefill GEMM: one more bucket.
+M_BUCKETS = (1, 2, 4, 8, 16, 32)
+PREFILL_ROWS = 128
+LINEAR_BUCKETS = (*M_BUCKETS, PREFILL_ROWS)
+
+
+@dataclass
+class LinearPlan:
+    """The chosen path per ``(n, k)`` weight shape, M bucket (``LINEAR_BUCKETS``) and weight
+    kind (``FP`` or a quantized layout); anything not in the table (tiny weights, shapes or
+    buckets not tuned) takes ``F.linear`` (a quantized weight ``cquant``)."""
+
+    choices: dict[tuple[int, int, int, str], str] = field(default_factory=dict)
+    timings: list = field(default_factory=list)  # engine.tuning.cache.Timing, one per key and bucket
+    key: str = ""
+    from_cache: bool = False
+
+    def path(self, n: int, k: int, m: int, kind: str = FP) -> str:
+        bucket = max((b for b in LINEAR_BUCKETS if b <= m), default=1)
+        return self.choices.get((n, k, bucket, kind), "linear" if kind == FP else "cquant")
+
+    def summary(self) -> list[str]:
+        """One line per weight shape: the path per bucket and the speed-up over the other."""
+        lines = []
+        shapes = sorted({(t.n, t.k, t.kind) for t in self.timings})
+        for n, k, kind in shapes:
+            parts = []
+            for t in sorted((t for t in self.timings if (t.n, t.k, t.kind) == (n, k, kind)),
+                            key=lambda t: t.m):
+                other = min(v for p, v in t.seconds.items() if p != t.best)
+                parts.append(f"M={t.m}: {t.best} ({other / t.seconds[t.best]:.2f}x)")
+            parts = parts or ["F.linear (not tuned)"]
+            lines.append(f"W[{n}x{k}]{'' if kind == FP else ' ' + kind} " + ", ".join(parts))
+        return lines
+
+    @classmethod
+    def from_timings(cls, timings: list, key: str = "", from_cache: bool = False) -> LinearPlan:
+        """Each timed key and bucket on its fastest path (``timings``: ``Timing``s)."""
+        return cls({(t.n, t.k, t.m, t.kind): t.best for t in timings}, timings, key, from_cache)
+
+
+_plan = LinearPlan()
+
+
+def set_linear_plan(plan: LinearPlan) -> None:
+    """Make ``plan`` the one ``linear`` follows in this process (one host, one plan)."""
+    global _plan
+    _plan = plan
+
+
+def linear_plan() -> LinearPlan:
+    return _plan
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x [M, K]`` by the path the host's plan chose for this
+    weight shape (and kind) and M (``F.linear`` when untuned and on GPU; a quantized weight
+    untuned: ``cquant``). Returns a contiguous ``[M, N]``."""
+    n, k = weight.shape
+    if isinstance(weight, TinyGemmWeight):  # int4 on CUDA (engine.quant.gpu)
+        return weight.linear(x, bias)
+    if isinstance(weight, QuantizedWeight):
+        path = _plan.path(n, k, x.shape[0], weight.kind) if x.is_cpu else "dequant"
+        return quantized_linear_by_path(path, x, weight, bias)
+    if not x.is_cpu:
+        return F.linear(x, weight, bias)
+    return linear_by_path(_plan.path(n, k, x.shape[0]), x, weight, bias)
+
+
+def quantized_linear_by_path(path: str, x: torch.Tensor, weight: QuantizedWeight,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` of a quantized weight by the named path (one of ``QPATHS``); where the C
+    kernel does not apply (not built, bf16 activations) ``dequant`` runs instead."""
+    if path == "cquant":
+        out = quant_ops.quantized_linear(x, weight, bias)
+        if out is not None:
+            return out
+    w = quant_ops.dequantize(weight) if x.is_cpu and x.dtype == torch.float32 else None
+    if w is None:
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+    gemm = "onednn" if path == "dequant_onednn" and "onednn" in available_paths() else "linear"
+    return linear_by_path(gemm, x, w, bias)
+
+
+def weight_kind(weight: torch.Tensor | QuantizedWeight) -> str:
+    return weight.kind if isinstance(weight, QuantizedWeight) else FP
+
+
+def weight_key(weight: torch.Tensor | QuantizedWeight) -> tuple[int, int, str]:
+    """What a plan keys a weight by: its shape and kind."""
+    n, k = weight.shape
+    return (n, k, weight_kind(weight))
+
+
+def linear_by_path(path: str, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` by the named path (one of ``available_paths()``), whatever the plan says:
+    what the tuning and the benchmarks time."""
+    if path == "linear":
+        return F.linear(x, weight, bias)
+    if path == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if path in ("cgemv", "cwide"):
+        out = (cpu_ops.gemv if path == "cgemv" else cpu_ops.wide_linear)(x, weight, bias)
+        return out if out is not None else F.linear(x, weight, bias)
+    return _mm_t(x, weight, bias)
+
+
+_available: tuple[str, ...] | None = None
+
+
+def available_paths() -> tuple[str, ...]:
+    """The paths this torch build can run here: ``onednn`` only where torch has oneDNN and its
+    inner product gives ``F.linear``'s answer on a probe (checked once per process)."""
+    global _available
+    if _available is None:
+        paths = ["linear", "mm_t"]
+        try:
+            g = torch.Generator().manual_seed(0)
+            x, w, b = torch.randn(3, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+            got = linear_by_path("onednn", x, w, b)
+            if torch.backends.mkldnn.is_available() and torch.allclose(got, F.linear(x, w, b), atol=1e-4):
+                paths.append("onednn")
+        except (RuntimeError, AttributeError) as e:  # no such op in this build
+            log.info("oneDNN linear unavailable: %s", e)
+        for path, kernel in (("cgemv", cpu_ops.gemv), ("cwide", cpu_ops.wide_linear)):
+            got = kernel(x, w, b)  # None where the fused kernels are not built
+            if got is not None and torch.allclose(got, F.linear(x, w, b), atol=1e-4):
+                paths.append(path)
+        _available = tuple(paths)
+    return _available
+
+
+def _mm_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m = x.shape[0]
+    # MKL sends a one-column product back to its GEMV: give it two columns (the row twice;
+    # cat, not repeat: 1 us instead of 7 at this size, 91 times a step).
+    rows = torch.cat((x, x)) if m == 1 else x
+    out = torch.mm(weight, rows.t())[:, :m].t().contiguous()  # [M, N]
+    return out if bias is None else out + bias

@@ -1,0 +1,155 @@
+"""Building an engine's parts (``EngineParts``) from its ``EngineArgs``.
+
+``build_engine`` resolves every ``"auto"`` once (``engine.executor.device``), loads the model
+(starting the other tensor-parallel ranks first, so they load their slices meanwhile), sizes
+the KV pool after the weights are placed, tunes this host's kernels for the model, and wires the
+runner, block manager, scheduler and KV connector together. ``LLMEngine`` steps what it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.args import EngineArgs
+from engine.config import CacheConfig, SchedulerConfig, num_blocks_for_budget
+from engine.core.block_manager import BlockManager
+from engine.core.grammar import Grammars
+from engine.core.scheduler import Scheduler
+from engine.executor.device import DevicePlan, kv_pool_bytes, plan_device
+from engine.executor.kv_tier import KVTier, offload_config
+from engine.executor.model_runner import ModelRunner
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel.ranks import TPRanks, rank_device, rank_threads
+from engine.parallel.sharding import TPShard
+from engine.quant.layouts import check_quantization
+from engine.runtime.cpu_threads import EngineThreads
+from engine.runtime.kv_connector import KVConnector
+from engine.text.input_processor import InputProcessor
+from engine.text.tokenizer import Tokenizer, load_tokenizer
+from engine.tuning.runner_plans import RunnerPlans, plans_by_threads, tune_runner
+from engine.weights.loader import load_model_config, load_weights, resolve_model
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineParts", "build_engine"]
+
+TP_FOLLOWER_MODULE = "engine.runtime.tp_follower"  # what each other rank runs (python -m)
+
+
+@dataclass
+class EngineParts:
+    """What ``build_engine`` makes of one ``EngineArgs``: everything an ``LLMEngine`` steps with."""
+
+    plan: DevicePlan  # every "auto" resolved
+    threads: EngineThreads | None  # the CPU thread governor (CPU at TP 1), else None
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None  # None: a model without one; lazy where text is rarely needed
+    eos_token_ids: tuple[int, ...]  # the model's and the tokenizer's
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+    ranks: TPRanks | None  # the other tensor-parallel ranks (TP > 1)
+    model: LlamaForCausalLM
+    cache_config: CacheConfig
+    runner: ModelRunner
+    inputs: InputProcessor
+    kv_tier: KVTier | None  # the second KV tier, None when off
+    block_manager: BlockManager
+    scheduler: Scheduler
+    kv_connector: KVConnector
+
+
+def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) -> EngineParts:
+    """Build an engine's parts from ``args``. Raises ValueError for what this machine or model
+    cannot do; on any failure the tensor-parallel ranks it started are ended."""
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if tp > 1 and args.cuda_graphs:
+        # Asked for explicitly, not just the GPU default: refused rather than dropped.
+        raise ValueError("cuda_graphs=True: not with tensor_parallel_size > 1 (the "
+                         "collectives are not captured); leave it unset or false")
+    if tp > 1 or (args.num_threads and args.device != "cpu"):
+        torch.set_num_threads(rank_threads(args.num_threads, tp))
+    plan = plan_device(rank_device(args.device, 0) if tp > 1 else args.device,
+                       args.dtype, args.attention_backend, args.cuda_graphs)
+    # On the CPU at TP 1, the thread count follows the CPU this process gets.
+    threads = (EngineThreads(args.num_threads, args.adaptive_threads)
+               if plan.device.type == "cpu" and tp == 1 else None)
+    check_quantization(args.quantization, plan.device, tp, plan.dtype)
+    offload = offload_config(args)
+    resolved = resolve_model(args.model, cache_dir=args.cache_dir)
+    cfg = load_model_config(resolved.model_dir, dtype=plan.dtype, model_id=resolved.model_id)
+    # A worker's engine (token ids in and out) loads it on first need: ~2 s less to start.
+    tokenizer = load_tokenizer(resolved.model_dir, lazy=not args.detokenize)
+    eos = tuple(sorted(set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids
+                                                     if tokenizer else ())))
+    max_len = min(args.max_model_len or cfg.max_model_len, cfg.max_model_len)
+    rs = cfg.rope_scaling
+    if rs is not None and rs.kind == "longrope":
+        log.info("LongRoPE: serving up to %d tokens with its %s factors for every sequence "
+                 "(--max-model-len <= %d serves the short ones)", max_len,
+                 "long" if max_len > rs.original_max_position_embeddings else "short",
+                 rs.original_max_position_embeddings)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        policy=args.batching, dynamic_window_s=args.dynamic_window_s,
+        enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
+        max_waiting=args.max_waiting, max_prefill_chunk=args.max_prefill_chunk,
+        max_step_prefill_tokens=args.max_step_prefill_tokens,
+        first_token_first=args.first_token_first)
+    shard = TPShard(0, tp)
+    shard.check(cfg)  # before any rank starts: a clear error naming the dimension
+    # The other ranks start now and load their slices while this one loads its own.
+    ranks = TPRanks(args, plan.device, TP_FOLLOWER_MODULE) if tp > 1 else None
+    try:
+        model = LlamaForCausalLM(cfg, max_len, ranks.comm if ranks else None)
+        load_weights(model, resolved.model_dir, args.quantization,
+                     lambda n: shard.slice_of(n, cfg))
+        model = model.to(plan.device)
+        model.place_quantized(plan.device)  # model.to leaves quantized weights behind
+        # Sized after the weights are on the device: on CUDA the pool takes what they
+        # left. Per rank: each holds its KV heads only (model.cfg: this rank's shapes).
+        pool_bytes = kv_pool_bytes(args.kv_cache_memory_bytes, plan.device,
+                                   args.gpu_memory_utilization)
+        cache_config = CacheConfig(
+            block_size=args.block_size, kv_cache_memory_bytes=pool_bytes,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_hash_seed=args.prefix_hash_seed)
+        num_blocks = num_blocks_for_budget(model.cfg, args.block_size, pool_bytes)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={pool_bytes} holds no block of "
+                f"{args.block_size} tokens ({model.cfg.kv_bytes_per_token} bytes per token)")
+        if ranks is not None:
+            ranks.start(max_len, num_blocks)
+        runner = ModelRunner(model, cache_config, num_blocks,
+                             attention_backend=plan.attention_backend,
+                             cuda_graphs=plan.cuda_graphs,
+                             max_num_seqs=args.max_num_seqs, max_model_len=max_len)
+        tune_runner(args, plan, model, runner)
+        if threads is not None and threads.adaptive:
+            plans = plans_by_threads(args, plan, model, runner,
+                                     range(1, threads.governor.max_threads + 1))
+            threads.on_change = lambda n: plans.get(n, RunnerPlans.current(runner)).apply(runner)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+    inputs = InputProcessor(tokenizer, cfg.vocab_size, max_len,
+                            max_kv_tokens=num_blocks * args.block_size)
+    kv_tier = KVTier(runner.kv_caches, offload) if offload.enabled else None
+    block_manager = BlockManager(num_blocks, args.block_size,
+                                 enable_prefix_caching=args.enable_prefix_caching,
+                                 hash_seed=args.prefix_hash_seed, tier=kv_tier)
+    grammars = Grammars(tokenizer, cfg.vocab_size, eos) if tokenizer else None
+    scheduler = Scheduler(scheduler_config, block_manager, clock, grammars)
+    kv_connector = KVConnector(scheduler, block_manager, runner, eos, clock)
+    return EngineParts(plan, threads, cfg, tokenizer, eos, max_len, scheduler_config, ranks,
+                       model, cache_config, runner, inputs, kv_tier, block_manager, scheduler,
+                       kv_connector)
