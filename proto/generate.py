@@ -3,7 +3,7 @@
 protoc names the stubs' imports after the ``-I`` root (``from pdcluster.v1 import ...``), but
 the package is imported as ``proto.pdcluster.v1``; this script runs protoc and rewrites that one
 import, so regenerating reproduces the committed files byte for byte
-(tests/unit/test_proto_fresh.py checks it).
+(tests/unit/proto/test_proto_fresh.py checks it).
 
     python -m proto.generate            # rewrite the files in proto/
     python -m proto.generate OUT_DIR    # write them under OUT_DIR instead (same layout)

@@ -1,6 +1,6 @@
 """The router: the front doors and everything behind them up to the workers.
 
-Imports go one way (tests/unit/test_import_rules.py keeps it so):
+Imports go one way (tests/unit/project/test_import_rules.py keeps it so):
 
     cli -> cluster -> control -> routing, state -> contract
     cli -> frontdoor -> contract          cli -> embedded -> state, contract

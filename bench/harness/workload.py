@@ -1,5 +1,6 @@
 """Benchmark workloads: seeded token-id prompts of exact length, heavy-tailed output lengths,
-Poisson arrival times. Pure arithmetic on plain numbers (``tests/unit/test_bench_math.py``)."""
+Poisson arrival times. Pure arithmetic on plain numbers
+(``tests/unit/bench/test_bench_math.py``)."""
 
 from __future__ import annotations
 

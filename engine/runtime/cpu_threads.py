@@ -24,7 +24,7 @@ step. So:
 - ``EngineThreads`` drives these from the engine's step (on its compute thread: OpenMP's
   thread count is per calling thread) and applies the count with ``torch.set_num_threads``;
   the fused C kernels read it per call. Token output does not depend on the thread count
-  (tests/unit/test_cpu_threads.py).
+  (tests/unit/engine/runtime/test_cpu_threads.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import json
 
 # Spelled here, not imported: engine.executor.device (and router.cli.serve_config) import torch, which would add a
 # second to every `pdcluster` command. ServeConfig validates against the real lists, and
-# tests/unit/test_config.py keeps these equal to them.
+# tests/unit/engine/test_config.py keeps these equal to them.
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANT_CHOICES = ("none", "int8", "int4", "gguf")  # engine.quant.layouts.CHOICES (kept import-light here)

@@ -7,7 +7,7 @@ node pool (deploy/ray/cluster.yaml, deploy/k8s/, deploy/ray/local_multinode.sh).
 advertises how many workers of a kind it can host as a custom resource, and each worker
 actor asks for one unit of it (plus its GPU share, ``plan_gpu_share``), so Ray puts prefill
 workers only on prefill nodes and decode workers only on decode nodes. The deployment files
-spell these same strings; tests/unit/test_ray_launcher.py keeps the two in step.
+spell these same strings; tests/unit/router/cluster/test_ray_launcher.py keeps the two in step.
 """
 
 from __future__ import annotations

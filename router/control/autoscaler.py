@@ -18,8 +18,9 @@ The rule is Kubernetes' HPA rule per role, with its stabilization:
 - a count outside ``[min, max]`` (a worker died, bounds changed) is brought back at once.
 
 Under a constant load (a total utilization that the workers share) this moves once, in one
-direction, to ``ceil(load / target)`` and stays: ``tests/unit/test_autoscaler.py`` checks
-that, and the bounds, over random loads and starts.
+direction, to ``ceil(load / target)`` and stays:
+``tests/unit/router/control/test_autoscaler.py`` checks that, and the bounds, over random loads
+and starts.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.tiny_models import save_tiny_model
+from tests.helpers.tiny_models import save_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.executor.cuda_graphs import decode_buckets
 from engine.executor.device import resolve_device
 from tests.gpu.marks import needs_flashinfer
-from tests.tiny_models import VOCAB
+from tests.helpers.tiny_models import VOCAB
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

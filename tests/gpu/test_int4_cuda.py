@@ -14,7 +14,7 @@ from bench.gpu_check import CPU_REFERENCE, match_fraction
 from engine import LLM, SamplingParams
 from engine.quant.gpu import TinyGemmWeight, to_cuda
 from engine.quant.layouts import quantize
-from tests.tiny_models import random_prompts
+from tests.helpers.tiny_models import random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

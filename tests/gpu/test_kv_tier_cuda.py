@@ -1,6 +1,6 @@
 """The second KV cache tier on CUDA: evicted pool blocks go to pinned host memory (and disk),
 come back into the GPU pool on a hit, and the tokens equal the same engine's without a tier
-(the CPU path is checked against transformers in tests/unit/test_kv_tier.py).
+(the CPU path is checked against transformers in tests/unit/engine/executor/test_kv_tier.py).
 
 Skipped cleanly without CUDA (all CI machines): ``bash bench/gpu_check.sh`` runs them.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import EngineArgs, LLMEngine, SamplingParams
-from tests.tiny_models import random_prompts, serve_in_turn
+from tests.helpers.tiny_models import random_prompts, serve_in_turn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

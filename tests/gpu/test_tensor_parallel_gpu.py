@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, random_prompts
+from tests.helpers.tiny_models import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]

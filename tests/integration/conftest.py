@@ -22,13 +22,14 @@ import pytest
 from router.contract import BackendStats, GenerationBackend
 from router.embedded import EngineBackend
 from router.frontdoor.lifecycle import FrontDoor, serve_frontdoor
-from tests.async_util import LoopThread
+from tests.helpers.async_util import LoopThread
 
 
 @pytest.fixture
 def own_redis():
-    """A redis-server of this test's own on a free port (tests/redis_server.py); killed after."""
-    from tests.redis_server import OwnRedis
+    """A redis-server of this test's own on a free port (tests/helpers/redis_server.py);
+    killed after."""
+    from tests.helpers.redis_server import OwnRedis
 
     r = OwnRedis()
     r.start()

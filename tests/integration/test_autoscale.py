@@ -14,8 +14,14 @@ from router.cluster.autoscale import AutoscaleConfig
 from router.cluster.launcher import StartupError
 from router.cluster.ray_cluster import ClusterConfig
 from router.control.autoscaler import ScalePolicy
-from tests.async_util import assert_no_blocks_held, generate_tokens, ray_loop, run_cluster, until
-from tests.tiny_models import hf_greedy, random_prompts
+from tests.helpers.async_util import (
+    assert_no_blocks_held,
+    generate_tokens,
+    ray_loop,
+    run_cluster,
+    until,
+)
+from tests.helpers.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import pytest
 
 from bench.cli import main
 from bench.harness.batching import simulate_batching
-from tests.async_util import LoopThread
+from tests.helpers.async_util import LoopThread
 
 
 def _read(out_dir, name):

@@ -12,8 +12,8 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
-from tests.async_util import assert_no_blocks_held, ray_loop, run_cluster
-from tests.tiny_models import random_prompts
+from tests.helpers.async_util import assert_no_blocks_held, ray_loop, run_cluster
+from tests.helpers.tiny_models import random_prompts
 
 pytestmark = pytest.mark.slow
 

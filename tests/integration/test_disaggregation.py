@@ -16,8 +16,8 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
-from tests.async_util import assert_no_blocks_held, ray_loop, run_cluster, until
-from tests.tiny_models import hf_greedy, random_prompts
+from tests.helpers.async_util import assert_no_blocks_held, ray_loop, run_cluster, until
+from tests.helpers.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -343,7 +343,7 @@ def test_lost_decode_worker_streams_migrate_with_identical_tokens(loop, tiny_lla
 
     import torch
 
-    from tests.tiny_models import load_hf
+    from tests.helpers.tiny_models import load_hf
 
     prompts = random_prompts(seed=21, count=4, max_len=40, min_len=8)
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, logprobs=1)

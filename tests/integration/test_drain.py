@@ -18,8 +18,14 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import InvalidRequestError, WorkerNotFoundError
-from tests.async_util import assert_no_blocks_held, generate_tokens, ray_loop, run_cluster, until
-from tests.tiny_models import hf_greedy, random_prompts
+from tests.helpers.async_util import (
+    assert_no_blocks_held,
+    generate_tokens,
+    ray_loop,
+    run_cluster,
+    until,
+)
+from tests.helpers.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from tests.async_util import LoopThread, ray_loop
-from tests.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts
+from tests.helpers.async_util import LoopThread, ray_loop
+from tests.helpers.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
-from tests.async_util import ray_loop, run_cluster
+from tests.helpers.async_util import ray_loop, run_cluster
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.is_available(),

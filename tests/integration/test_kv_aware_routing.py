@@ -15,15 +15,15 @@ from router.cluster.ray_cluster import ClusterConfig
 from router.routing.kv_index import KVIndex
 from router.routing.kv_sync import KVEventSync
 from router.routing.policy import RoutingConfig
-from tests.async_util import (
+from tests.helpers.async_util import (
     assert_no_blocks_held,
     generate_tokens,
     ray_loop,
     run_cluster,
     until,
 )
-from tests.redis_server import OwnRedis
-from tests.tiny_models import hf_greedy, random_prompts
+from tests.helpers.redis_server import OwnRedis
+from tests.helpers.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ async def _index_equals_workers(index: KVIndex, cluster) -> bool:
 
 def test_next_turns_reuse_the_decode_workers_prefix(loop, tiny_llama_dir):
     """Prefill block size 16, decode 8 (the other way round, and equal sizes, are in
-    tests/unit/test_prefix_reuse.py, engine to engine)."""
+    tests/unit/engine/runtime/test_prefix_reuse.py, engine to engine)."""
     convs = random_prompts(seed=21, count=3, max_len=60, min_len=50)
     extra = random_prompts(seed=22, count=6, max_len=10, min_len=6)
 
@@ -107,7 +107,8 @@ def test_a_new_prefix_sent_twice_at_once_is_computed_once(loop, tiny_llama_dir):
     together, go to the same prefill and decode workers (the router counts the first one's
     blocks before any event says so; without that they split over both pairs), and the
     prefix is computed once (from the worker's cache, or, when both reach its scheduler
-    together, by waiting for the blocks the first is computing: tests/unit/test_scheduler.py).
+    together, by waiting for the blocks the first is computing:
+    tests/unit/engine/core/test_scheduler.py).
     Tokens equal transformers'; every in-flight entry and every block is gone at the end."""
     prefix = random_prompts(seed=41, count=1, max_len=48, min_len=48)[0]
     tails = random_prompts(seed=42, count=2, max_len=7, min_len=5)

@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
-from tests.async_util import wait_until
-from tests.redis_server import OwnRedis
+from tests.helpers.async_util import wait_until
+from tests.helpers.redis_server import OwnRedis
 from worker_protocol.kv_events import KVEventBatch, KVEventLog
 from worker_protocol.kv_stream import (
     KVStreamUnavailable,

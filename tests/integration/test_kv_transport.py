@@ -25,7 +25,7 @@ from kv_transfer import (
     TorchDistReceiver,
     TorchDistSender,
 )
-from tests.async_util import wait_until
+from tests.helpers.async_util import wait_until
 
 LAYOUT = KVLayout("tiny", "float32", num_layers=4, num_kv_heads=2, head_dim=8)
 

@@ -11,8 +11,8 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
-from tests.async_util import assert_no_blocks_held, ray_loop, run_cluster
-from tests.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts
+from tests.helpers.async_util import assert_no_blocks_held, ray_loop, run_cluster
+from tests.helpers.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_quantized_workers_serve_the_dequantized_models_tokens(loop, kind, tiny_
                                                               tmp_path):
     """Both workers quantize at load (``--quantization``); the KV they move is the model
     dtype's, as before: greedy tokens equal transformers' on the dequantized weights."""
-    from tests.unit.test_quant import _dequantized_hf
+    from tests.unit.engine.quant.test_quant import _dequantized_hf
 
     _dequantized_hf(tiny_qwen2_dir, "qwen2", kind, tmp_path / "deq")
     prompts = random_prompts(seed=37, count=4, max_len=40, min_len=5)

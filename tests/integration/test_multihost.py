@@ -27,7 +27,7 @@ import pytest
 from bench.cluster.simhosts import HostSpec, SimCluster, unavailable_reason
 from engine import LLM, SamplingParams
 from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
-from tests.tiny_models import random_prompts
+from tests.helpers.tiny_models import random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ import pytest
 
 from router.cli.serve_config import ServeConfig
 from router.frontdoor.lifecycle import serve_frontdoor
-from tests.async_util import assert_no_blocks_held, ray_loop
+from tests.helpers.async_util import assert_no_blocks_held, ray_loop
 
 pytestmark = pytest.mark.slow
 

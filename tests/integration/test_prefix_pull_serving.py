@@ -16,14 +16,14 @@ import ray
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.routing.policy import RoutingConfig
-from tests.async_util import (
+from tests.helpers.async_util import (
     assert_no_blocks_held,
     generate_tokens,
     ray_loop,
     run_cluster,
     until,
 )
-from tests.tiny_models import hf_greedy, random_prompts
+from tests.helpers.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """RedisStore against a real Redis at 127.0.0.1:6379 (CI starts one; locally: `redis-server`).
 
-Runs the shared ``StoreContract`` from tests/unit/test_store.py plus Redis-only checks
+Runs the shared ``StoreContract`` from tests/unit/router/state/test_store.py plus Redis-only checks
 (namespacing, real key TTLs, two stores sharing state, unreachable servers). Each test uses
 a fresh random namespace and deletes its keys afterwards. If Redis is not reachable these
 tests FAIL (never skip): CI is expected to provide it.
@@ -18,7 +18,7 @@ import redis
 from router.state.factory import make_store
 from router.state.redis_store import RedisStore
 from router.state.store import JournalEvent, StoreUnavailableError
-from tests.unit.test_store import Harness, StoreContract, load, worker
+from tests.unit.router.state.test_store import Harness, StoreContract, load, worker
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 pytestmark = pytest.mark.redis

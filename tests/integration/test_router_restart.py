@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from client import Client, RetryPolicy
-from tests.redis_server import OwnRedis, free_port
-from tests.tiny_models import hf_greedy, random_prompts
+from tests.helpers.redis_server import OwnRedis, free_port
+from tests.helpers.tiny_models import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -204,7 +204,7 @@ def test_two_routers_front_one_deployment_and_the_survivor_takes_over(deployment
       growing, and B continues them (orphaned outright; after --orphan-after-s 6 here);
     - B's own requests migrate as usual.
     All 16 streams equal transformers' greedy run."""
-    from tests.tcp_proxy import CuttableProxy
+    from tests.helpers.tcp_proxy import CuttableProxy
 
     env, address, redis = deployment
     a_ports, b_ports = (free_port(), free_port()), (free_port(), free_port())

@@ -1,7 +1,8 @@
 """The front doors behind API keys, TLS and mTLS, per-tenant request ids and limits, tried the
 way a user meets them: the real ``openai`` client and ``httpx`` over HTTPS, the SDK and raw
 gRPC channels over TLS with client certificates, all against certificates this test makes
-(tests/tls_certs.py). Two tenants share one server (an in-process engine with the tiny model).
+(tests/helpers/tls_certs.py). Two tenants share one server (an in-process engine with the tiny
+model).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
 from router.embedded import EngineBackend
 from router.frontdoor.lifecycle import serve_frontdoor
 from router.frontdoor.security import Gate, SecurityConfig, TLSConfig
-from tests.tls_certs import TestCA
+from tests.helpers.tls_certs import TestCA
 
 KEY_A = "sk-team-a-0123456789abcdef"
 KEY_B = "sk-team-b-fedcba9876543210"

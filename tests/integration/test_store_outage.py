@@ -20,9 +20,9 @@ import redis
 from router.state.factory import make_store
 from router.state.redis_store import RedisStore
 from router.state.store import JournalEvent, StoreUnavailableError, StreamRecord
-from tests.async_util import wait_until
-from tests.redis_server import OwnRedis
-from tests.unit.test_store import load, worker
+from tests.helpers.async_util import wait_until
+from tests.helpers.redis_server import OwnRedis
+from tests.unit.router.state.test_store import load, worker
 
 pytestmark = pytest.mark.redis
 
@@ -162,8 +162,8 @@ def test_cluster_serves_through_a_redis_outage(own_redis, tiny_llama_dir):
     from engine import EngineArgs, SamplingParams
     from router.cluster.ray_cluster import ClusterConfig
     from router.contract import GenerateInput
-    from tests.async_util import ray_loop, run_cluster
-    from tests.tiny_models import hf_greedy, random_prompts
+    from tests.helpers.async_util import ray_loop, run_cluster
+    from tests.helpers.tiny_models import hf_greedy, random_prompts
 
     prompts = random_prompts(seed=31, count=40, max_len=40, min_len=4)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -9,7 +9,7 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
-from tests.async_util import assert_no_blocks_held, ray_loop, run_cluster
+from tests.helpers.async_util import assert_no_blocks_held, ray_loop, run_cluster
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from engine import EngineArgs, SamplingParams
 from kv_transfer.routes import kv_routes, rank_peer_id
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
-from tests.async_util import assert_no_blocks_held, ray_loop, run_cluster
-from tests.tiny_models import hf_greedy, random_prompts
+from tests.helpers.async_util import assert_no_blocks_held, ray_loop, run_cluster
+from tests.helpers.tiny_models import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from decode_workers.worker import DecodeWorker
 from engine import EngineArgs, SamplingParams
 from kv_transfer import KVHandshakeError, KVLayout, KVTransferError
 from prefill_workers.worker import PrefillWorker
-from tests.tiny_models import save_tiny_model
+from tests.helpers.tiny_models import save_tiny_model
 from worker_protocol import (
     AbortRequest,
     CommitRequest,

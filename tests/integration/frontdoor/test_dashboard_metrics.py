@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.frontdoor.lifecycle import serve_frontdoor
 from router.observability import catalog
-from tests.observability_queries import all_queries, selectors
+from tests.helpers.observability_queries import all_queries, selectors
 
 PROMPT = "The capital of France is"
 # Families only a disaggregated cluster exports (the embedded engine has no prefill / decode

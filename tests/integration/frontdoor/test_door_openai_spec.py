@@ -29,8 +29,8 @@ from engine.weights.loader import resolve_model
 from router.embedded import EngineBackend
 from router.frontdoor.lifecycle import serve_frontdoor
 from router.frontdoor.openai.refused import REFUSED_FIELDS
-from tests.async_util import LoopThread
-from tests.unit.test_door_fields import bos_tokenizer_dir, openai_fields
+from tests.helpers.async_util import LoopThread
+from tests.unit.router.frontdoor.test_door_fields import bos_tokenizer_dir, openai_fields
 
 PROMPT = "The capital of France is"
 PARIS = [{"role": "user", "content": "Name three things to see in Paris."}]

@@ -285,7 +285,7 @@ def test_fuzzed_requests_get_an_answer_or_invalid_argument_naming_the_field(addr
     equal its run alone, and no KV block is left held."""
     from hypothesis import HealthCheck, example, given, settings
 
-    from tests.fuzz_inputs import BackgroundStream, names_a_field, proto_fields
+    from tests.helpers.fuzz_inputs import BackgroundStream, names_a_field, proto_fields
 
     alone = client.generate(PROMPT, max_tokens=64, temperature=0, ignore_eos=True).token_ids
     def bystander() -> list[int]:
@@ -375,7 +375,7 @@ def test_sdk_resumes_by_itself_when_the_connection_is_cut(address, client, kv_pr
     """Through a proxy that resets every connection mid-stream (twice): the SDK's
     ``stream(..., resume=True)`` reconnects, resumes from the last token received, and the
     caller sees one stream equal to an unbroken run."""
-    from tests.tcp_proxy import CuttableProxy
+    from tests.helpers.tcp_proxy import CuttableProxy
 
     alone = _greedy_alone(client, 40)
     proxy = CuttableProxy(int(address.rsplit(":", 1)[1]))
@@ -400,7 +400,7 @@ def test_sdk_resumes_by_itself_when_the_connection_is_cut(address, client, kv_pr
 def test_async_sdk_resumes_by_itself_too(address, client, kv_probe):
     """The asyncio client's ``stream(..., resume=True)`` through a proxy cut mid-stream, and
     its ``resume`` by hand after the end: both equal the unbroken run."""
-    from tests.tcp_proxy import CuttableProxy
+    from tests.helpers.tcp_proxy import CuttableProxy
 
     alone = _greedy_alone(client, 24)
     proxy = CuttableProxy(int(address.rsplit(":", 1)[1]))

@@ -14,7 +14,7 @@ import pytest
 
 from client import Client, RetryPolicy
 from router.embedded import EngineBackend
-from tests.sse import sse_events_with_ids
+from tests.helpers.sse import sse_events_with_ids
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
@@ -378,7 +378,7 @@ def test_fuzzed_requests_get_an_answer_or_a_400_naming_the_field(base_url, http,
     equals its run alone, every worker stays ready and no KV block is left held."""
     from hypothesis import HealthCheck, example, given, settings
 
-    from tests.fuzz_inputs import BackgroundStream, json_bodies, names_a_field
+    from tests.helpers.fuzz_inputs import BackgroundStream, json_bodies, names_a_field
 
     good = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
     alone = http.post("/v1/completions", json=good).json()["choices"][0]["text"]

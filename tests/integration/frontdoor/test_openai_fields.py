@@ -14,8 +14,8 @@ from openai.types.chat import completion_create_params as chat_create_params
 from client import Client, RetryPolicy
 from engine.text.tokenizer import load_tokenizer
 from engine.weights.loader import resolve_model
-from tests.hf_reference import greedy_logprobs
-from tests.http_asserts import assert_400_naming
+from tests.helpers.hf_reference import greedy_logprobs
+from tests.helpers.http_asserts import assert_400_naming
 
 PROMPT = "The capital of France is"
 PARIS = [{"role": "user", "content": "Name three things to see in Paris."}]
@@ -305,7 +305,7 @@ LOGPROB_TOKENS = 8
 @pytest.fixture(scope="module")
 def reference(tokenizer):
     """transformers' greedy continuation of PROMPT on the served weights, with the logprobs
-    of its tokens and of the prompt's (tests/hf_reference.py)."""
+    of its tokens and of the prompt's (tests/helpers/hf_reference.py)."""
     return greedy_logprobs(tokenizer.encode(PROMPT), LOGPROB_TOKENS)
 
 

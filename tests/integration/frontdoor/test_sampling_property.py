@@ -9,7 +9,8 @@ it). Afterwards no KV block is held. Over both of the package's backends (confte
 
 The bug that started this: ``{"prompt": "0", "max_tokens": 8, "temperature": 0,
 "repetition_penalty": 5e-324, "response_format": {"type": "json_object"}}`` answered 500 (a
-masked logit times 0 in fp32 made nan, which argmax chose; tests/unit/test_grammar_authority.py).
+masked logit times 0 in fp32 made nan, which argmax chose;
+tests/unit/engine/executor/test_grammar_authority.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from engine.contract import (
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
 )
-from tests.sse import sse_events_with_ids
+from tests.helpers.sse import sse_events_with_ids
 
 pytestmark = pytest.mark.slow
 

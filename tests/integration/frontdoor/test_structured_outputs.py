@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from client import Client, InvalidArgument, RetryPolicy
-from tests.http_asserts import assert_400_naming
-from tests.schemas import SCIENTIST
-from tests.sse import sse_events_with_ids
+from tests.helpers.http_asserts import assert_400_naming
+from tests.helpers.schemas import SCIENTIST
+from tests.helpers.sse import sse_events_with_ids
 
 QUESTION = [{"role": "user", "content": "Describe one famous scientist."}]
 # Test clients retry nothing: a retried UNAVAILABLE would hide the refusal under test.

@@ -1,6 +1,6 @@
 """Per-request traces (worker_protocol.tracing) as an operator's collector receives them: an
-OTLP/gRPC receiver on 127.0.0.1 (tests/otlp_receiver.py) gets one complete trace per request,
-from the router and, in the cluster, the prefill and decode worker processes, with parent
+OTLP/gRPC receiver on 127.0.0.1 (bench/harness/otlp_receiver.py) gets one complete trace per
+request, from the router and, in the cluster, the prefill and decode worker processes, with parent
 links that hold, phases that add up to what the client measured, and the client's own
 ``traceparent`` continued. A collector that is down costs no request anything."""
 
@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.async_util import wait_until
+from tests.helpers.async_util import wait_until
 
 PROMPT = "The capital of France is"
 BODY = {"prompt": PROMPT, "max_tokens": 32, "temperature": 0, "ignore_eos": True}

@@ -1,0 +1,53 @@
+"""Scheduler priorities: a migrated stream's re-prefill (priority 1) is queued ahead of new
+prompts and gets a step of its own (helpers and per-step checks:
+tests/unit/engine/core/test_scheduler.py)."""
+
+from __future__ import annotations
+
+from engine.contract import SamplingParams
+from engine.core.request import Request
+from tests.unit.engine.core.test_scheduler import EOS, chunk_ids, make
+
+
+def test_a_higher_priority_request_is_admitted_ahead_of_waiting_ones():
+    """A migrated stream's re-prefill (priority 1) goes ahead of prompts already waiting,
+    behind the running batch and behind earlier requests of its own priority."""
+    h = make(max_num_seqs=1)
+    for i in range(3):
+        h.add(f"new{i}", 4, max_tokens=2)
+    h.step()  # new0 runs; new1, new2 wait
+    for rid in ("moved-a", "moved-b"):
+        req = Request(rid, list(range(900, 904)), SamplingParams(max_tokens=2),
+                      arrival_time=h.clock(), eos_token_ids=(EOS,), priority=1)
+        h.sched.add_request(req)
+    assert [r.request_id for r in h.sched.waiting] == ["moved-a", "moved-b", "new1", "new2"]
+    order = []
+    while h.sched.has_unfinished:
+        out, _ = h.step()
+        order += [rid for rid in chunk_ids(out) if rid not in order]
+    assert order == ["new0", "moved-a", "moved-b", "new1", "new2"]
+    h.assert_all_free()
+
+
+def test_a_step_that_admits_higher_priority_requests_admits_no_lower_ones():
+    """Re-prefills of migrated streams (priority 1) get a step of their own: new prompts
+    waiting beside them would lengthen it, and every moved stream's first token waits for the
+    whole step. Running chunks still share it; the new prompts follow in the next step."""
+    h = make(max_num_batched_tokens=64, max_prefill_chunk=8)
+    h.add("running", 16, max_tokens=2)
+    out, _ = h.step()
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("running", 8)]
+    for i in range(2):
+        h.add(f"new{i}", 4, max_tokens=2)
+    for k, rid in enumerate(("moved-a", "moved-b")):
+        prompt = list(range(900 + 10 * k, 906 + 10 * k))
+        h.sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=2),
+                                    arrival_time=h.clock(), eos_token_ids=(EOS,), priority=1))
+    out, _ = h.step()
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [
+        ("running", 8), ("moved-a", 6), ("moved-b", 6)]
+    out, _ = h.step()
+    assert {c.request_id for c in out.chunks} >= {"new0", "new1"}
+    h.run()
+    assert set(h.finished) == {"running", "new0", "new1", "moved-a", "moved-b"}
+    h.assert_all_free()
