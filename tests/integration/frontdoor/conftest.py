@@ -25,28 +25,49 @@ def otlp():
     receiver.stop()
 
 
-@pytest.fixture(scope="package", params=["embedded", "cluster"])
-def backend(request, server_loop, otlp) -> GenerationBackend:
-    """The same front-door tests run over one in-process engine and over the real Ray
-    cluster (1 prefill + 1 decode worker, disaggregated) that `pdcluster serve` builds: one
-    of each for every module of this package (pytest runs the package's tests grouped by
-    backend), started once, shut down before the package's last test is done, so no other
-    package's Ray meets this one. Tests leave it as they found it: no KV block held
-    (``kv_probe``), no server of theirs running."""
-    from engine.runtime.llm_engine import EngineArgs
+@pytest.fixture(scope="package")
+def tracing(otlp):
     from worker_protocol.tracing import TracingConfig
 
-    tracing = TracingConfig(otlp.endpoint, flush_interval_s=0.2, export_timeout_s=2.0)
-    if request.param == "embedded":
-        b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING),
-                          tracing=tracing)
-    else:
-        from router.cluster.ray_cluster import Cluster, ClusterConfig
+    return TracingConfig(otlp.endpoint, flush_interval_s=0.2, export_timeout_s=2.0)
 
-        engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1)
-        b = server_loop.run(Cluster.start(ClusterConfig(
-            prefill_engine=engine, decode_engine=engine,
-            max_inflight_requests=MAX_NUM_SEQS + MAX_WAITING, capacity_wait_s=5.0,
-            tracing=tracing)), 180)
+
+@pytest.fixture(scope="package")
+def embedded_backend(server_loop, tracing) -> GenerationBackend:
+    """One in-process engine (the default model) for every module of this package that a
+    pytest process runs."""
+    from engine.args import EngineArgs
+
+    b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING),
+                      tracing=tracing)
     yield b
     server_loop.run(b.shutdown(), 60)
+
+
+@pytest.fixture(scope="package")
+def cluster_backend(server_loop, tracing) -> GenerationBackend:
+    """The real Ray cluster (1 prefill + 1 decode worker, disaggregated) that `pdcluster
+    serve` builds, for every module of this package that a pytest process runs."""
+    from engine.args import EngineArgs
+    from router.cluster.ray_cluster import Cluster, ClusterConfig
+
+    engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1)
+    b = server_loop.run(Cluster.start(ClusterConfig(
+        prefill_engine=engine, decode_engine=engine,
+        max_inflight_requests=MAX_NUM_SEQS + MAX_WAITING, capacity_wait_s=5.0,
+        tracing=tracing)), 180)
+    yield b
+    server_loop.run(b.shutdown(), 60)
+
+
+@pytest.fixture(scope="package", params=["embedded", "cluster"])
+def backend(request) -> GenerationBackend:
+    """The same front-door tests run over one in-process engine and over the real Ray
+    cluster. Both are package-scoped fixtures of their own, so both stay up while a pytest
+    process runs this package's modules: xdist hands out whole modules (`--dist loadfile`),
+    and one parametrized fixture would have started each again for every module, since a
+    module runs its tests of both backends before the next module's. Both are shut down
+    before the package's last test is done, so no other package's Ray meets this one. Tests
+    leave them as they found them: no KV block held (``kv_probe``), no server of theirs
+    running."""
+    return request.getfixturevalue(f"{request.param}_backend")
