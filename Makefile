@@ -37,7 +37,7 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
-		--dist loadfile $(PYTEST_ARGS)
+		--dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -8,6 +8,7 @@ import ctypes
 import gc
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,26 @@ def pytest_runtest_protocol(item, nextitem):
         rss, hwm = _rss_mb()
         with open(log_path, "a") as f:
             f.write(f"{item.nodeid}\t{rss}\t{hwm}\t{'released' if released else ''}\n")
+
+
+# ---- order: what two xdist workers are handed, module by module -------------------------------
+# `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole modules in
+# the collection's order (its default reorder, by number of tests, scattered the front-door
+# package's modules over the run, and every return to the package started its two backends
+# again: 10-30 s each). Here, after pytest's own reordering: the integration modules first, the
+# front-door package as one block among them (each worker then starts its backends once), the
+# unit modules last (many small modules: the two workers finish close together), the GPU tests
+# (which skip without CUDA) at the very end. Order inside a module is pytest's.
+def _module_rank(path: Path) -> int:
+    parts = path.relative_to(Path(__file__).parent).parts
+    if parts[0] == "integration":
+        return 0 if parts[1] == "frontdoor" else 1
+    return {"unit": 2, "gpu": 3}.get(parts[0], 2)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    first_seen: dict[Path, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.path, i)
+    items.sort(key=lambda it: (_module_rank(it.path), first_seen[it.path]))
