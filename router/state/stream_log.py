@@ -18,9 +18,10 @@ they stream, and any router of the deployment can replay a log and follow it liv
   router received but never logged) is filled from the worker's own record of the request.
   Should that worker die too, ``take_adopted`` tells the router which requests to continue
   itself (router/control/orphans.py);
-- a followed log that stops growing for ``orphan_after_s`` calls ``on_stall``: a request whose
-  router and decode worker both died has nobody to hand it over, and the router the client
-  resumed on continues it (router/control/orphans.py).
+- a followed log that stops growing for ``orphan_after_s`` calls ``on_stall``, and again after
+  each further ``orphan_after_s`` without growth: a request whose router and decode worker
+  both died has nobody to hand it over, and the router the client resumed on continues it
+  (router/control/orphans.py) once it can tell no live worker holds it.
 
 A log lives ``stream_ttl_s`` (10 min) after its last append, in Redis with ``--redis-url``
 (so another router can resume it), else in the router's memory.
@@ -60,8 +61,10 @@ class StreamLogger:
         self.tokenizer = tokenizer
         self.poll_s = poll_s
         self.stall_s = stall_s  # a followed log that grows no more for this long ends
-        # ... and after this long without growth, on_stall(request_id) is awaited (once per
-        # follower): the owner may have lost the request (router/control/orphans.py).
+        # ... and after this long without growth, on_stall(request_id) is awaited, and again
+        # after each further orphan_after_s it stays still: the owner may have lost the
+        # request (router/control/orphans.py), and a rescue that could not decide (a decode
+        # worker restarting, not answering yet) must be asked again, not given up.
         self.orphan_after_s = orphan_after_s
         self.on_stall: Callable[[str], Awaitable[None]] | None = None
         self._drains: set[asyncio.Task] = set()
@@ -256,7 +259,7 @@ class StreamLogger:
                                         stop_token_ids=rec.sampling.get("stop_token_ids", ()))
                  if self.tokenizer is not None else None)
         seen, last_growth, current = 0, time.monotonic(), first
-        stall_reported = False
+        stall_reported_at: float | None = None
         while True:
             reason = current.finish_reason
             for tok in current.token_ids:  # one token per chunk, as the original streamed
@@ -285,9 +288,11 @@ class StreamLogger:
             elif time.monotonic() - last_growth > self.stall_s:
                 raise StreamNotFoundError(f"stream {request_id!r} stopped growing "
                                           f"{self.stall_s:g} s ago without an end")
-            elif (not stall_reported and self.on_stall is not None
-                  and time.monotonic() - last_growth > self.orphan_after_s):
-                stall_reported = True
+            elif (self.on_stall is not None
+                  and time.monotonic() - last_growth > self.orphan_after_s
+                  and (stall_reported_at is None
+                       or time.monotonic() - stall_reported_at > self.orphan_after_s)):
+                stall_reported_at = time.monotonic()
                 await self.on_stall(request_id)
             await asyncio.sleep(self.poll_s)
             nxt = await asyncio.to_thread(self.store.stream_read, request_id, seen)
