@@ -169,6 +169,32 @@ def pytest_runtest_protocol(item, nextitem):
             f.write(f"{item.nodeid}\t{rss}\t{hwm}\t{'released' if released else ''}\n")
 
 
+# ---- the shared local Ray (tests/helpers/shared_ray.py) ----------------------------------------
+# Up only while modules that ask for it (``shared_ray_loop``) run: any other module may start a
+# Ray of its own (a benchmark, `Cluster.start`, a placement test), so it is stopped first.
+_modules_sharing_ray: dict[Path, bool] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_ray_only_where_asked(request):
+    from tests.helpers.shared_ray import shared_ray_up, stop_shared_ray
+
+    if shared_ray_up() and not _modules_sharing_ray.get(request.path, False):
+        stop_shared_ray()
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        shares = "shared_ray_loop" in getattr(item, "fixturenames", ())
+        _modules_sharing_ray[item.path] = _modules_sharing_ray.get(item.path, False) or shares
+
+
+def pytest_sessionfinish(session):
+    from tests.helpers.shared_ray import stop_shared_ray
+
+    stop_shared_ray()
+
+
 # ---- order: what two xdist workers are handed, module by module -------------------------------
 # `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole modules in
 # the collection's order (its default reorder, by number of tests, scattered the front-door

@@ -29,6 +29,7 @@ from engine.core.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOu
 from engine.executor.cuda_graphs import CudaGraphRunner, DecodePadding, decode_buckets
 from engine.executor.fused_decode import FusedDecodePlan
 from engine.executor.grammar_mask import mask_logits
+from engine.executor.kv_pages import zeroed_kv_pages
 from engine.executor.rank_kv import KVRead, RankKV, ShardExport
 from engine.executor.sampling import SampleRow, logprobs_of, sample, token_logprobs
 from engine.executor.step_inputs import PromptLogits, StepInputs, prepare_step, prompt_logit_plan
@@ -121,7 +122,7 @@ class ModelRunner:
                                if pad else None)
         num_pages = num_blocks + 1 if pad else num_blocks
         shape = (num_pages, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_caches = [zeroed_kv_pages(shape, dtype, self.device)
                           for _ in range(cfg.num_layers)]
         # KV in and out as whole-model layers; under tensor parallelism, rank 0's messages
         # to the other ranks and the pages they hold for arriving KV.

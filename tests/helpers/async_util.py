@@ -40,7 +40,9 @@ def ray_loop(**ray_init_kw) -> Iterator[LoopThread]:
     import ray
 
     from router.cluster.local_ray import start_local_ray
+    from tests.helpers.shared_ray import stop_shared_ray
 
+    stop_shared_ray()  # a Ray of the caller's own settings: the shared one makes way
     start_local_ray(include_dashboard=False, log_to_driver=False, **ray_init_kw)
     lt = LoopThread()
     try:

@@ -37,6 +37,21 @@ def own_redis():
     r.kill()
 
 
+@pytest.fixture(scope="module")
+def shared_ray_loop():
+    """A ``LoopThread`` for the module's clusters on this pytest process's shared local Ray
+    (tests/helpers/shared_ray.py); at the module's end, no actor of it may still be alive."""
+    from tests.helpers.shared_ray import assert_no_live_actors, ensure_shared_ray
+
+    ensure_shared_ray()
+    lt = LoopThread()
+    try:
+        yield lt
+    finally:
+        lt.close()
+    assert_no_live_actors()
+
+
 @pytest.fixture(scope="session")
 def server_loop():
     lt = LoopThread()

@@ -17,7 +17,6 @@ from router.control.autoscaler import ScalePolicy
 from tests.helpers.async_util import (
     assert_no_blocks_held,
     generate_tokens,
-    ray_loop,
     run_cluster,
     until,
 )
@@ -29,9 +28,8 @@ MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
-def loop():
-    with ray_loop(num_cpus=16, resources={"prefill_slot": 8, "decode_slot": 8}) as lt:
-        yield lt
+def loop(shared_ray_loop):
+    return shared_ray_loop  # this pytest process's local Ray (tests/helpers/shared_ray.py)
 
 
 def test_decode_pressure_adds_a_worker_and_its_end_drains_one_losing_nothing(

@@ -3,7 +3,7 @@
 They measure speed; these tests check what does not depend on it: the JSON keys the docs and
 the lead's tooling read, byte and token counts fixed by the workload, goodput's arithmetic at
 SLOs every request meets or none can, the PNG, and that Ray is shut down afterwards (other
-test modules start their own Ray).
+test modules may share one: tests/helpers/shared_ray.py).
 """
 
 from __future__ import annotations

@@ -12,16 +12,15 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
-from tests.helpers.async_util import assert_no_blocks_held, ray_loop, run_cluster
+from tests.helpers.async_util import assert_no_blocks_held, run_cluster
 from tests.helpers.tiny_models import random_prompts
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def loop():
-    with ray_loop(num_cpus=4, resources={"prefill_slot": 2, "decode_slot": 2}) as lt:
-        yield lt
+def loop(shared_ray_loop):
+    return shared_ray_loop  # this pytest process's local Ray (tests/helpers/shared_ray.py)
 
 
 async def _collect(cluster, prompt, params):

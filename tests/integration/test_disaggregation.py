@@ -1,8 +1,8 @@
 """Disaggregated serving over a real local Ray: prefill workers stream KV to decode workers.
 
-One Ray for the module; each test starts the cluster shape it needs. Tokens are compared with
-transformers' own greedy generate, and every test ends by checking that no worker holds a
-reserved or used KV block.
+One local Ray for the pytest process (tests/helpers/shared_ray.py); each test starts the
+cluster shape it needs. Tokens are compared with transformers' own greedy generate, and every
+test ends by checking that no worker holds a reserved or used KV block.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from engine import EngineArgs, SamplingParams
 from router.contract import GenerateInput
-from tests.helpers.async_util import assert_no_blocks_held, ray_loop, run_cluster, until
+from tests.helpers.async_util import assert_no_blocks_held, run_cluster, until
 from tests.helpers.disagg import (
     MAX_TOKENS,
     collect,
@@ -29,9 +29,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def loop():
-    with ray_loop(num_cpus=16, resources={"prefill_slot": 8, "decode_slot": 8}) as lt:
-        yield lt
+def loop(shared_ray_loop):
+    return shared_ray_loop  # this pytest process's local Ray (tests/helpers/shared_ray.py)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from router.contract import InvalidRequestError, WorkerNotFoundError
 from tests.helpers.async_util import (
     assert_no_blocks_held,
     generate_tokens,
-    ray_loop,
     run_cluster,
     until,
 )
@@ -33,9 +32,8 @@ MAX_TOKENS = 120
 
 
 @pytest.fixture(scope="module")
-def loop():
-    with ray_loop(num_cpus=16, resources={"prefill_slot": 8, "decode_slot": 8}) as lt:
-        yield lt
+def loop(shared_ray_loop):
+    return shared_ray_loop  # this pytest process's local Ray (tests/helpers/shared_ray.py)
 
 
 def _config(model_dir, prefill: int, decode: int, overrides: dict,

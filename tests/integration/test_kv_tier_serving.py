@@ -14,7 +14,6 @@ from router.routing.policy import RoutingConfig
 from tests.helpers.async_util import (
     assert_no_blocks_held,
     generate_tokens,
-    ray_loop,
     run_cluster,
     until,
 )
@@ -29,9 +28,8 @@ BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # tiny model: 2 layers, 2 KV heads of 
 
 
 @pytest.fixture(scope="module")
-def loop():
-    with ray_loop(num_cpus=8, resources={"prefill_slot": 4, "decode_slot": 4}) as lt:
-        yield lt
+def loop(shared_ray_loop):
+    return shared_ray_loop  # this pytest process's local Ray (tests/helpers/shared_ray.py)
 
 
 def test_an_evicted_prefix_comes_back_from_the_tier_on_both_workers(loop, tiny_llama_dir,

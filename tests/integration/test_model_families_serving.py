@@ -11,7 +11,7 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
-from tests.helpers.async_util import assert_no_blocks_held, ray_loop, run_cluster
+from tests.helpers.async_util import assert_no_blocks_held, run_cluster
 from tests.helpers.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
@@ -21,9 +21,8 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loop():
-    with ray_loop(num_cpus=8, resources={"prefill_slot": 4, "decode_slot": 4}) as lt:
-        yield lt
+def loop(shared_ray_loop):
+    return shared_ray_loop  # this pytest process's local Ray (tests/helpers/shared_ray.py)
 
 
 def _engine(**kw) -> EngineArgs:

@@ -21,7 +21,7 @@ import pytest
 
 from router.cli.serve_config import ServeConfig
 from router.frontdoor.lifecycle import serve_frontdoor
-from tests.helpers.async_util import assert_no_blocks_held, ray_loop
+from tests.helpers.async_util import assert_no_blocks_held
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,8 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def loop():
-    with ray_loop(num_cpus=8) as lt:
-        yield lt
+def loop(shared_ray_loop):
+    return shared_ray_loop  # this pytest process's local Ray (tests/helpers/shared_ray.py)
 
 
 async def _stream(client: httpx.AsyncClient, i: int) -> tuple[int, str, float, int, str]:

@@ -19,7 +19,6 @@ from router.routing.policy import RoutingConfig
 from tests.helpers.async_util import (
     assert_no_blocks_held,
     generate_tokens,
-    ray_loop,
     run_cluster,
     until,
 )
@@ -31,9 +30,8 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loop():
-    with ray_loop(num_cpus=8, resources={"prefill_slot": 4, "decode_slot": 4}) as lt:
-        yield lt
+def loop(shared_ray_loop):
+    return shared_ray_loop  # this pytest process's local Ray (tests/helpers/shared_ray.py)
 
 
 def _config(model_dir, prefill_bs: int, decode_bs: int, **kw) -> ClusterConfig:

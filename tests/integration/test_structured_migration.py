@@ -9,13 +9,12 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from router.cluster.ray_cluster import ClusterConfig
 from router.contract import GenerateInput
-from tests.helpers.async_util import assert_no_blocks_held, ray_loop, run_cluster
+from tests.helpers.async_util import assert_no_blocks_held, run_cluster
 
 
 @pytest.fixture(scope="module")
-def loop():
-    with ray_loop(num_cpus=16, resources={"prefill_slot": 8, "decode_slot": 8}) as lt:
-        yield lt
+def loop(shared_ray_loop):
+    return shared_ray_loop  # this pytest process's local Ray (tests/helpers/shared_ray.py)
 
 
 @pytest.mark.slow

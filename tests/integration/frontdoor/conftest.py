@@ -50,7 +50,9 @@ def cluster_backend(server_loop, tracing) -> GenerationBackend:
     serve` builds, for every module of this package that a pytest process runs."""
     from engine.args import EngineArgs
     from router.cluster.ray_cluster import Cluster, ClusterConfig
+    from tests.helpers.shared_ray import stop_shared_ray
 
+    stop_shared_ray()  # this cluster starts the Ray it owns, as `pdcluster serve` does
     engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1)
     b = server_loop.run(Cluster.start(ClusterConfig(
         prefill_engine=engine, decode_engine=engine,
