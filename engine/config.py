@@ -1,4 +1,6 @@
-"""Frozen, validated configuration for the engine's KV cache and scheduler.
+"""Frozen, validated configuration for the engine's KV cache (its pool, its dtype, its second
+tier) and scheduler, and the choices the engine's settings accept. No torch: the router reads
+and checks all of it before any engine exists.
 
 Config is read once (CLI / YAML / LLM(...) kwargs) into these dataclasses and passed down;
 nothing below reads the environment. Every ``__post_init__`` raises ``ValueError`` naming
@@ -15,6 +17,25 @@ BATCHING_POLICIES = ("continuous", "static", "dynamic")
 # The one dtype table: names every config, layout and checkpoint loader accepts, and their
 # sizes. Torch dtypes are ``getattr(torch, name)`` (this module stays torch-free).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_CHOICES = ("auto", *DTYPE_BYTES)
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer")
+# What ``--quantization`` accepts: ``none`` keeps the checkpoint's fp weights (a GGUF's
+# dequantized copy), a kind of ``engine.quant.layouts.KINDS`` quantizes them at load, ``gguf``
+# serves a GGUF's own Q8_0 / Q4_0 / Q4_1 / Q4_K blocks in those layouts (engine.quant.gguf).
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf")
+
+
+def resolve_dtype(name: str, device_type: str) -> str:
+    """``"auto"`` -> bfloat16 on CUDA (half the bytes every decode step reads), float32 on CPU
+    (these CPUs have no fast bf16 GEMM, and fp32 is what the token-equality tests pin).
+    ``device_type``: a torch device's ``.type`` ("cpu", "cuda"); ValueError for an unknown
+    dtype. Here, not beside the device plan, so the router resolves a KV layout's dtype
+    without importing torch."""
+    if name == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from {', '.join(DTYPE_CHOICES)}")
+    return name
 
 
 class KVFootprint(Protocol):
@@ -115,3 +136,42 @@ class SchedulerConfig:
             )
         if self.dynamic_window_s < 0:
             raise ValueError(f"dynamic_window_s must be >= 0, got {self.dynamic_window_s}")
+
+
+# ---- the second KV cache tier (engine.executor.kv_tier): its sizes, read by the router too ----
+@dataclass(frozen=True)
+class KVTierConfig:
+    """Sizes of the tiers (bytes); ``memory_bytes`` 0 turns the tier off."""
+
+    memory_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("kv_offload sizes must be >= 0, got "
+                             f"memory={self.memory_bytes} disk={self.disk_bytes}")
+        if (self.disk_dir is None) != (self.disk_bytes == 0):
+            raise ValueError("--kv-offload-dir and --kv-offload-disk go together (a disk tier "
+                             f"needs both), got dir={self.disk_dir!r} disk={self.disk_bytes}")
+        if self.disk_bytes and not self.memory_bytes:
+            raise ValueError("--kv-offload-disk needs --kv-offload-memory: blocks reach the "
+                             "disk tier through host memory")
+
+    @property
+    def enabled(self) -> bool:
+        return self.memory_bytes > 0
+
+
+def offload_config(args) -> KVTierConfig:
+    """The second tier's sizes from an ``engine.EngineArgs``, refused by name where it cannot
+    work."""
+    cfg = KVTierConfig(args.kv_offload_memory_bytes, args.kv_offload_dir,
+                       args.kv_offload_disk_bytes)
+    if cfg.enabled and not args.enable_prefix_caching:
+        raise ValueError("--kv-offload-memory keeps prefix-cache blocks: it needs prefix "
+                         "caching on (enable_prefix_caching=True)")
+    if cfg.enabled and args.tensor_parallel_size > 1:
+        raise ValueError("--kv-offload-memory: not with tensor_parallel_size > 1 yet (each "
+                         "rank holds its own KV heads; the tier copies one rank's pool)")
+    return cfg

@@ -28,17 +28,18 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+import kv_transfer
 from kv_transfer import (
     KVLayout,
     KVTransferError,
     KVTransferSpec,
     PeerAddress,
-    TorchDistReceiver,
-    TorchDistSender,
 )
+
+if TYPE_CHECKING:
+    import torch  # annotations only: the router imports this module's messages
 
 _ENGINE_CALL_S = 30.0  # an engine-thread call (reserve, read, commit) answers within this
 
@@ -110,7 +111,9 @@ class PrefixPuller:
         self._loop = loop
         self.layout = layout
         self._ids = itertools.count()
-        self._receiver = _Endpoint(lambda: TorchDistReceiver(
+        # kv_transfer's endpoints load torch: looked up when the endpoint starts, so the router
+        # imports this module's messages without it.
+        self._receiver = _Endpoint(lambda: kv_transfer.TorchDistReceiver(
             worker_id, layout, host=host, device=device))
         self.pulled_tokens = 0  # cumulative
 
@@ -172,8 +175,8 @@ class PrefixSource:
     def __init__(self, loop, worker_id: str, layout: KVLayout, host: str,
                  device: str | torch.device, delay_per_layer_s: float = 0.0) -> None:
         self._loop = loop
-        self._sender = _Endpoint(lambda: TorchDistSender(worker_id, layout, device=device,
-                                                         host=host))
+        self._sender = _Endpoint(lambda: kv_transfer.TorchDistSender(worker_id, layout,
+                                                                     device=device, host=host))
         self._delay_per_layer_s = delay_per_layer_s  # fault injection (tests)
         self.sent_tokens = 0  # cumulative
 

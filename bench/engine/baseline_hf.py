@@ -48,7 +48,7 @@ def load_hf_model(model: str | None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.weights.loader import resolve_model
+    from engine.weights.resolve import resolve_model
 
     model_dir = resolve_model(None if model in (None, "default") else model).model_dir
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -122,7 +122,8 @@ def _default_model():
     import torch
 
     from engine.models.llama import LlamaForCausalLM
-    from engine.weights.loader import load_model_config, load_state_dict, resolve_model
+    from engine.weights.loader import load_state_dict
+    from engine.weights.resolve import load_model_config, resolve_model
 
     model_dir = resolve_model(None).model_dir
     model = LlamaForCausalLM(load_model_config(model_dir))
@@ -146,7 +147,7 @@ def fused_kernels_and_decode_paths():
     from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
     from engine.config import CacheConfig
     from engine.ops import cpu_ops
-    from engine.weights.loader import load_model_config, resolve_model
+    from engine.weights.resolve import load_model_config, resolve_model
 
     lib = cpu_ops.library()
     kernels = lib._name if lib is not None else "not built (torch paths serve; see the log)"

@@ -115,7 +115,7 @@ def _child(args: argparse.Namespace) -> None:
 
 # ---- the comparison ---------------------------------------------------------------------
 def _default_model() -> str:
-    from engine.weights.loader import resolve_model
+    from engine.weights.resolve import resolve_model
 
     return str(resolve_model(None).model_dir)
 

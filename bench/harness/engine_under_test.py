@@ -76,7 +76,7 @@ def model_size(model: Any) -> ModelSize:
 
 def model_config(model: str | None) -> Any:
     """Our engine's ModelConfig for ``model`` (converting the default GGUF on first use)."""
-    from engine.weights.loader import load_model_config, resolve_model
+    from engine.weights.resolve import load_model_config, resolve_model
 
     return load_model_config(resolve_model(None if model in (None, "default") else model).model_dir)
 

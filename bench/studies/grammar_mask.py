@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     from engine.text.tokenizer import load_tokenizer
-    from engine.weights.loader import resolve_model
+    from engine.weights.resolve import resolve_model
 
     model = resolve_model(args.model)
     tok = load_tokenizer(model.model_dir)

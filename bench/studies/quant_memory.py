@@ -22,7 +22,8 @@ def measure(model: str | None, quantization: str) -> dict:
 
     from engine.models.llama import LlamaForCausalLM
     from engine.quant.layouts import QuantizedWeight, check_quantization
-    from engine.weights.loader import load_model_config, load_weights, resolve_model
+    from engine.weights.loader import load_weights
+    from engine.weights.resolve import load_model_config, resolve_model
 
     torch.set_num_threads(1)
     before = _status_kib("VmHWM")
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.one:
         print(json.dumps(measure(args.model, args.one)))
         return []
-    from engine.weights.loader import resolve_model
+    from engine.weights.resolve import resolve_model
 
     resolve_model(args.model)  # the conversion, outside every measured process
     rows = []

@@ -27,13 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import DTYPE_BYTES
+from engine.config import ATTENTION_BACKEND_CHOICES, resolve_dtype
 
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU default pool: the machine's RAM is not ours to take
-ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer")
-DTYPE_CHOICES = ("auto", *DTYPE_BYTES)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,16 +47,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {name!r}; use cpu, cuda or auto")
     return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> str:
-    """``"auto"`` -> bfloat16 on CUDA (half the bytes every decode step reads), float32 on CPU
-    (these CPUs have no fast bf16 GEMM, and fp32 is what the token-equality tests pin)."""
-    if name == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unsupported dtype {name!r}; choose from {', '.join(DTYPE_CHOICES)}")
-    return name
 
 
 def flashinfer_available() -> bool:
@@ -160,6 +148,6 @@ def plan_device(device: str, dtype: str, attention_backend: str,
                 cuda_graphs: bool | None) -> DevicePlan:
     """Resolve every "auto"; ValueError naming the first setting this machine cannot honour."""
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt = resolve_dtype(dtype, dev.type)
     return DevicePlan(dev, dt, resolve_attention_backend(attention_backend, dev, dt),
                       resolve_cuda_graphs(cuda_graphs, dev))

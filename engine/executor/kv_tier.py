@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 import xxhash
 
+from engine.config import KVTierConfig
+
 _MAGIC = b"PDKV"
 _VERSION = 1
 # magic, version, block hash, token count, payload bytes, payload checksum
@@ -51,44 +53,6 @@ _HEADER = struct.Struct("<4sIQIQQ")
 _DIR_PREFIX = "pdcluster-kv-"
 
 Listener = Callable[[int, "str | None"], None]  # (block hash, its tier now or None: gone)
-
-
-@dataclass(frozen=True)
-class KVTierConfig:
-    """Sizes of the tiers (bytes); ``memory_bytes`` 0 turns the tier off."""
-
-    memory_bytes: int = 0
-    disk_dir: str | None = None
-    disk_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if self.memory_bytes < 0 or self.disk_bytes < 0:
-            raise ValueError("kv_offload sizes must be >= 0, got "
-                             f"memory={self.memory_bytes} disk={self.disk_bytes}")
-        if (self.disk_dir is None) != (self.disk_bytes == 0):
-            raise ValueError("--kv-offload-dir and --kv-offload-disk go together (a disk tier "
-                             f"needs both), got dir={self.disk_dir!r} disk={self.disk_bytes}")
-        if self.disk_bytes and not self.memory_bytes:
-            raise ValueError("--kv-offload-disk needs --kv-offload-memory: blocks reach the "
-                             "disk tier through host memory")
-
-    @property
-    def enabled(self) -> bool:
-        return self.memory_bytes > 0
-
-
-def offload_config(args) -> KVTierConfig:
-    """The second tier's sizes from an ``engine.EngineArgs``, refused by name where it cannot
-    work."""
-    cfg = KVTierConfig(args.kv_offload_memory_bytes, args.kv_offload_dir,
-                       args.kv_offload_disk_bytes)
-    if cfg.enabled and not args.enable_prefix_caching:
-        raise ValueError("--kv-offload-memory keeps prefix-cache blocks: it needs prefix "
-                         "caching on (enable_prefix_caching=True)")
-    if cfg.enabled and args.tensor_parallel_size > 1:
-        raise ValueError("--kv-offload-memory: not with tensor_parallel_size > 1 yet (each "
-                         "rank holds its own KV heads; the tier copies one rank's pool)")
-    return cfg
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.args import EngineArgs
-from engine.config import CacheConfig, SchedulerConfig, num_blocks_for_budget
+from engine.config import CacheConfig, SchedulerConfig, num_blocks_for_budget, offload_config
 from engine.core.block_manager import BlockManager
 from engine.core.grammar import Grammars
 from engine.core.scheduler import Scheduler
 from engine.executor.device import DevicePlan, kv_pool_bytes, plan_device
-from engine.executor.kv_tier import KVTier, offload_config
+from engine.executor.kv_tier import KVTier
 from engine.executor.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -33,7 +33,8 @@ from engine.runtime.kv_connector import KVConnector
 from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import Tokenizer, load_tokenizer
 from engine.tuning.runner_plans import RunnerPlans, plans_by_threads, tune_runner
-from engine.weights.loader import load_model_config, load_weights, resolve_model
+from engine.weights.loader import load_weights
+from engine.weights.resolve import load_model_config, resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ from engine.parallel.ranks import FollowerSpec, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
 from engine.runtime.llm_engine import EngineArgs
 from engine.tuning.runner_plans import tune_runner
-from engine.weights.loader import load_model_config, load_state_dict, resolve_model
+from engine.weights.loader import load_state_dict
+from engine.weights.resolve import load_model_config, resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,8 @@ def pretune(model: str | None = None, thread_counts: list[int] | None = None,
     from engine.ops.linear import linear_plan, set_linear_plan
     from engine.tuning.fused_decode import tune_fused_decode
     from engine.tuning.linear import model_linear_weights, tune_linear
-    from engine.weights.loader import load_model_config, load_state_dict, resolve_model
+    from engine.weights.loader import load_state_dict
+    from engine.weights.resolve import load_model_config, resolve_model
 
     model_dir = resolve_model(model).model_dir
     cfg = load_model_config(model_dir)

@@ -166,7 +166,7 @@ def profile_engine(args, grid: ProfileGrid | None = None, seed: int = 0,
 
     from engine.contract import SamplingParams
     from engine.runtime.llm_engine import LLMEngine
-    from engine.weights.loader import load_model_config, resolve_model
+    from engine.weights.resolve import load_model_config, resolve_model
 
     resolved = resolve_model(args.model)
     grid = (grid or ProfileGrid.quick()).within(load_model_config(

@@ -3,8 +3,8 @@
 ``convert_gguf(path, out_dir)`` writes ``config.json``, the tokenizer, ``model.safetensors``
 (every tensor dequantized to fp32, under HF names) and ``quantized.safetensors`` (the
 projections whose GGUF type maps onto an ``engine.quant.layouts`` layout, as stored:
-``engine.quant.gguf``), so everything downstream sees one format. ``engine.weights.loader`` owns
-when it runs (once per file, into a cache) and reading the result back.
+``engine.quant.gguf``), so everything downstream sees one format. ``engine.weights.resolve`` owns
+when it runs (once per file, into a cache), ``engine.weights.loader`` reading the result back.
 
 What llama.cpp's converter changes, and so what is undone here:
 
@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from engine.quant.layouts import QuantizedWeight
-
-CONVERTER_VERSION = "5"  # bump when the conversion changes (5: Mixtral, Qwen2/3-MoE, Phi-3)
-QUANTIZED_FILE = "quantized.safetensors"
+from engine.weights.converted import (
+    QUANTIZED_FILE,  # and CONVERTER_VERSION: bump it with any change here
+)
 
 # GGUF tensor names (``blk.N.<name>``) -> the HF layer's.
 _ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",

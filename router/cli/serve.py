@@ -9,13 +9,10 @@ import argparse
 import asyncio
 import json
 
-# Spelled here, not imported: engine.executor.device (and router.cli.serve_config) import torch, which would add a
-# second to every `pdcluster` command. ServeConfig validates against the real lists, and
-# tests/unit/engine/test_config.py keeps these equal to them.
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANT_CHOICES = ("none", "int8", "int4", "gguf")  # engine.quant.layouts.CHOICES (kept import-light here)
-ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer")
+# engine.config is torch-free (a `pdcluster` command that loads no model imports no torch).
+from engine.config import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
+from engine.config import QUANTIZATION_CHOICES as QUANT_CHOICES
+from router.cli.serve_config import DEVICE_CHOICES
 
 
 def add_serve_subcommand(sub) -> None:

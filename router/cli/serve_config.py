@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.args import EngineArgs
-from engine.executor.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
-from engine.quant.layouts import CHOICES as QUANT_CHOICES
+from engine.config import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
+from engine.config import QUANTIZATION_CHOICES as QUANT_CHOICES
 from router.control.config import MIGRATION_PREFILL
 
 log = logging.getLogger(__name__)
@@ -217,8 +217,8 @@ class ServeConfig:
         return size
 
     def offload_config(self):
-        """The ``--kv-offload-*`` flags as ``engine.executor.kv_tier.KVTierConfig`` (checked)."""
-        from engine.executor.kv_tier import KVTierConfig
+        """The ``--kv-offload-*`` flags as ``engine.config.KVTierConfig`` (checked)."""
+        from engine.config import KVTierConfig
 
         sizes = {}
         for name in ("kv_offload_memory", "kv_offload_disk"):

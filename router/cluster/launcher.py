@@ -18,10 +18,8 @@ import re
 import threading
 from dataclasses import dataclass
 
-import torch
-
 from engine.args import EngineArgs
-from engine.executor.device import resolve_dtype
+from engine.config import resolve_dtype
 from router.cluster.placement import (
     DECODE_RESOURCE,
     PREFILL_RESOURCE,
@@ -81,7 +79,7 @@ class Placement:
     def kv_dtype(self, dtype: str) -> str:
         """The dtype workers built with engine ``dtype`` give their KV cache ("auto":
         bfloat16 on GPU workers, float32 on CPU ones); the router's KVLayout must say it."""
-        return resolve_dtype(dtype, torch.device("cuda" if self.use_gpus else "cpu"))
+        return resolve_dtype(dtype, "cuda" if self.use_gpus else "cpu")
 
     @property
     def kv_transport(self) -> str:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from engine.args import EngineArgs
 from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import load_tokenizer
-from engine.weights.loader import load_model_config, resolve_model
+from engine.weights.resolve import load_model_config, resolve_model
 from kv_transfer import KVLayout
 from router.cluster.autoscale import Autoscaler
 from router.cluster.cluster_config import ClusterConfig, check_tp_layouts

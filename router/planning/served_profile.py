@@ -225,7 +225,7 @@ def profile_served(model: str | None, num_threads: int, grid: ProfileGrid | None
     """Measure ``grid`` (its prompt lengths, decode batches and contexts; prefill batches are
     not: a served step's cost follows its tokens) on a fresh local 1P+1D cluster."""
     from engine import EngineArgs
-    from engine.weights.loader import load_model_config, resolve_model
+    from engine.weights.resolve import load_model_config, resolve_model
     from router.cluster.ray_cluster import Cluster, ClusterConfig
 
     t0 = time.perf_counter()

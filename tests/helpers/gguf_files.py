@@ -141,7 +141,7 @@ def _add_tokenizer(w, vocab: int) -> None:
 def _tokenizer_fields(vocab: int) -> tuple:
     import gguf
 
-    from engine.weights.loader import default_gguf_path
+    from engine.weights.resolve import default_gguf_path
 
     src = gguf.GGUFReader(str(default_gguf_path()))  # ~7 s: read once per process
     tokens = src.fields["tokenizer.ggml.tokens"].contents()[:vocab]

@@ -15,7 +15,8 @@ def greedy_logprobs(prompt: list[int], new_tokens: int, top: int = 5) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.weights.loader import load_state_dict, resolve_model
+    from engine.weights.loader import load_state_dict
+    from engine.weights.resolve import resolve_model
 
     model_dir = resolve_model(None).model_dir
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))

@@ -14,7 +14,7 @@ import pytest
 
 from bench.cluster import disagg, ttft_breakdown
 from bench.server import serve_load
-from engine.weights.loader import load_model_config
+from engine.weights.resolve import load_model_config
 from router.cli.main import build_parser
 
 

@@ -210,10 +210,10 @@ def test_serve_gives_up_joining_an_unreachable_ray_cluster(sim, tiny_llama_dir):
     t0 = time.monotonic()
     res = sim.run("head", [
         sys.executable, "-m", "router.cli", "serve", "--ray-address", nowhere,
-        "--model", str(tiny_llama_dir), "--startup-timeout-s", "8",
+        "--model", str(tiny_llama_dir), "--startup-timeout-s", "3",
         "--grpc-port", "0", "--http-port", "0"], timeout_s=120, cwd=REPO_ROOT)
     assert time.monotonic() - t0 < 45
     assert res.returncode == 1, res.stdout + res.stderr
     err = next(line for line in res.stderr.splitlines() if line.startswith("error: "))
-    assert err == (f"error: could not join the Ray cluster at {nowhere} within 8 s (is its head "
+    assert err == (f"error: could not join the Ray cluster at {nowhere} within 3 s (is its head "
                    f"running, and is its GCS port reachable from here?)")

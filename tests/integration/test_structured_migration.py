@@ -30,7 +30,7 @@ def test_a_constrained_stream_migrates_and_stays_valid_for_its_schema(loop):
     import jsonschema
 
     from engine.core.grammar import StructuredOutput
-    from engine.weights.loader import resolve_model
+    from engine.weights.resolve import resolve_model
 
     schema = {"type": "object", "required": ["cities"], "additionalProperties": False,
               "properties": {"cities": {"type": "array", "minItems": 40, "maxItems": 40,

@@ -25,7 +25,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.text.tokenizer import load_tokenizer
-from engine.weights.loader import resolve_model
+from engine.weights.resolve import resolve_model
 from router.embedded import EngineBackend
 from router.frontdoor.lifecycle import serve_frontdoor
 from router.frontdoor.openai.refused import REFUSED_FIELDS

@@ -13,7 +13,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from client import Client, RetryPolicy
 from engine.text.tokenizer import load_tokenizer
-from engine.weights.loader import resolve_model
+from engine.weights.resolve import resolve_model
 from tests.helpers.hf_reference import greedy_logprobs
 from tests.helpers.http_asserts import assert_400_naming
 

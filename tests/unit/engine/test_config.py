@@ -214,14 +214,3 @@ def test_serve_gpu_memory_utilization_of_one_is_allowed():
     from router.cli.serve_config import ServeConfig
 
     assert ServeConfig(gpu_memory_utilization=1).cluster_config().decode_engine.gpu_memory_utilization == 1.0
-
-
-def test_serve_flag_choices_are_the_engines():
-    # router/cli/serve.py spells them out (importing engine.executor.device would import torch).
-    from engine.executor.device import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
-    from router.cli import serve as serve_cli  # the flags
-    from router.cli import serve_config as serve  # ServeConfig's own lists
-
-    assert serve_cli.DTYPE_CHOICES == DTYPE_CHOICES
-    assert serve_cli.ATTENTION_BACKEND_CHOICES == ATTENTION_BACKEND_CHOICES
-    assert serve_cli.DEVICE_CHOICES == serve.DEVICE_CHOICES

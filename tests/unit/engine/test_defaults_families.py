@@ -77,7 +77,8 @@ def test_every_linear_path_serves_the_experts(arch, request):
     from engine.config import CacheConfig
     from engine.executor.model_runner import ModelRunner
     from engine.models.llama import LlamaForCausalLM
-    from engine.weights.loader import load_model_config, load_state_dict
+    from engine.weights.loader import load_state_dict
+    from engine.weights.resolve import load_model_config
 
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     model = LlamaForCausalLM(load_model_config(model_dir))

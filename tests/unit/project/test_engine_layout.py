@@ -28,7 +28,8 @@ from tests.unit.project.test_import_rules import (
 )
 
 TORCH_FREE = ("engine", "engine.args", "engine.config", "engine.contract",
-              "engine.models.config", "engine.core")
+              "engine.models.config", "engine.core", "engine.weights.resolve",
+              "engine.weights.converted")
 
 # What router/ may import from engine/, each with the reason the router needs it.
 ROUTER_MAY_IMPORT = (
@@ -39,13 +40,10 @@ ROUTER_MAY_IMPORT = (
     "engine.core.kv_events",  # KV-aware routing indexes the workers' events
     "engine.core.block_manager",  # ... with the block hashes the workers use (hash_block)
     "engine.text.tokenizer", "engine.text.input_processor",  # prompts checked at the router
-    "engine.weights.loader",  # the cluster side reads the model's config (loads torch)
+    "engine.weights.resolve",  # the cluster side finds the model and reads its config
     "engine.tuning.profile",  # the planner reads (and `pdcluster profile` takes) a profile
     "engine.runtime.async_engine",  # the embedded backend runs one engine in-process
     "engine.runtime.cpu_threads",  # the CPU budget `pdcluster serve` splits among workers
-    "engine.executor.device",  # --dtype / --attention-backend choices, dtype resolution
-    "engine.executor.kv_tier",  # --kv-offload's configuration
-    "engine.quant.layouts",  # --quantization's choices
     "engine.parallel.sharding",  # a worker's tensor-parallel shape
 )
 
@@ -77,6 +75,17 @@ def test_contract_config_and_core_load_without_torch():
     core = sorted(m for m in _engine_modules() if _within(m, ("engine.core",)))
     assert "engine.core.scheduler" in core and "engine.core.block_manager" in core
     names = [m for m in TORCH_FREE if m != "engine.core"] + core
+    code = f"import sys\nfor m in {names!r}: __import__(m)\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_router_loads_without_torch_until_it_builds_workers():
+    """`pdcluster serve` parses and checks its flags, resolves the model and reads its config
+    with no torch: torch comes with the worker classes Ray is handed (or an in-process engine)."""
+    names = ["router.cli.main", "router.cli.serve", "router.cli.serve_config",
+             "router.cluster.ray_cluster", "router.frontdoor.lifecycle", "router.embedded"]
     code = f"import sys\nfor m in {names!r}: __import__(m)\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)

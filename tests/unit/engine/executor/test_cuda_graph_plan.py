@@ -17,7 +17,8 @@ from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.executor.cuda_graphs import PAD_TOKEN_ID, DecodePadding, decode_buckets
 from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.weights.loader import load_model_config, load_state_dict
+from engine.weights.loader import load_state_dict
+from engine.weights.resolve import load_model_config
 from tests.helpers.tiny_models import random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -35,11 +35,11 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def test_dtype_auto_is_bf16_on_cuda_fp32_on_cpu():
-    assert resolve_dtype("auto", CPU) == "float32"
-    assert resolve_dtype("auto", CUDA) == "bfloat16"
-    assert resolve_dtype("float16", CUDA) == "float16"
+    assert resolve_dtype("auto", CPU.type) == "float32"
+    assert resolve_dtype("auto", CUDA.type) == "bfloat16"
+    assert resolve_dtype("float16", CUDA.type) == "float16"
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
-        resolve_dtype("int8", CPU)
+        resolve_dtype("int8", CPU.type)
 
 
 @pytest.mark.parametrize("installed", [True, False])

@@ -17,7 +17,8 @@ from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.ops import cpu_ops
 from engine.tuning.fused_decode import tune_fused_decode
-from engine.weights.loader import load_model_config, load_state_dict
+from engine.weights.loader import load_state_dict
+from engine.weights.resolve import load_model_config
 from tests.helpers.tiny_models import VOCAB, hf_greedy, load_hf, random_prompts
 
 BLOCK = 4

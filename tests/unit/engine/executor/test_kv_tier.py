@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from engine import EngineArgs, LLMEngine, SamplingParams
+from engine.config import KVTierConfig
 from engine.core.block_manager import RESTORE, BlockManager
 from engine.core.kv_events import AllCleared, BlockRemoved, BlockStored
-from engine.executor.kv_tier import KVTier, KVTierConfig
+from engine.executor.kv_tier import KVTier
 from tests.helpers.tiny_models import hf_greedy, random_prompts, serve_in_turn
 
 BS = 4
@@ -196,7 +197,7 @@ def test_config_is_refused_by_name():
 
 def test_a_dead_process_directory_is_removed_on_the_next_start(tmp_path):
     # A tier in a child process that is SIGKILLed leaves its directory behind ...
-    code = ("import os, torch; from engine.executor.kv_tier import KVTier, KVTierConfig;"
+    code = ("import os, torch; from engine.config import KVTierConfig; from engine.executor.kv_tier import KVTier;"
             f"t = KVTier([torch.zeros(2, 2, 4, 2, 4)], KVTierConfig(1 << 16, {str(tmp_path)!r},"
             " 1 << 16)); print(t.dir, flush=True); os.kill(os.getpid(), 9)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -16,7 +16,8 @@ from engine.config import CacheConfig, cdiv
 from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.ops.linear import M_BUCKETS
-from engine.weights.loader import load_model_config, load_state_dict
+from engine.weights.loader import load_state_dict
+from engine.weights.resolve import load_model_config
 from tests.helpers.tiny_models import VOCAB, load_hf
 
 

@@ -149,7 +149,7 @@ def test_permute_rows_matches_permuting_dequantized_rows(qtype):
 
 @pytest.fixture(scope="module")
 def default_reader():
-    from engine.weights.loader import default_gguf_path
+    from engine.weights.resolve import default_gguf_path
 
     try:
         path = default_gguf_path()

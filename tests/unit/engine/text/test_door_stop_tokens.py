@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.weights.loader import resolve_model
+from engine.weights.resolve import resolve_model
 
 BODY = "The capital of France is Paris. It is a big city."
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.weights.loader import resolve_model
+from engine.weights.resolve import resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.quant.layouts import QuantizedWeight
-from engine.weights.loader import load_quantized_state_dict, resolve_model
+from engine.weights.loader import load_quantized_state_dict
+from engine.weights.resolve import resolve_model
 from tests.helpers.gguf_files import write_gguf_from_hf
 from tests.helpers.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts, save_tiny_model
 

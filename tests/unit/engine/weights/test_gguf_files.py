@@ -11,12 +11,8 @@ from engine.config import CacheConfig
 from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, QLinear
 from engine.quant.layouts import QuantizedWeight
-from engine.weights.loader import (
-    load_model_config,
-    load_quantized_state_dict,
-    load_weights,
-    resolve_model,
-)
+from engine.weights.loader import load_quantized_state_dict, load_weights
+from engine.weights.resolve import load_model_config, resolve_model
 from tests.helpers.gguf_files import HIDDEN, INTERMEDIATE, write_tiny_gguf
 
 

@@ -13,14 +13,9 @@ import torch
 
 from engine.models.llama import LlamaForCausalLM, QEmbedding, QLinear
 from engine.quant.layouts import check_quantization
-from engine.weights.loader import (
-    QUANTIZED_FILE,
-    load_model_config,
-    load_quantized_state_dict,
-    load_state_dict,
-    load_weights,
-    resolve_model,
-)
+from engine.weights.converted import QUANTIZED_FILE
+from engine.weights.loader import load_quantized_state_dict, load_state_dict, load_weights
+from engine.weights.resolve import load_model_config, resolve_model
 from tests.unit.engine.weights.test_weights import shared_model_cache
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",

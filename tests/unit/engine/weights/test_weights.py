@@ -28,11 +28,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from engine.weights.loader import (
+from engine.weights.loader import load_state_dict
+from engine.weights.resolve import (
     default_gguf_path,
     gguf_content_key,
     load_model_config,
-    load_state_dict,
     resolve_model,
 )
 

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import Tokenizer
-from engine.weights.loader import resolve_model
+from engine.weights.resolve import resolve_model
 from router.frontdoor.openai.refused import REFUSED_FIELDS, refusal
 from router.frontdoor.openai.schema import (
     MAX_USER_CHARS,

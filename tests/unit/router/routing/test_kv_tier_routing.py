@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.config import KVTierConfig
 from engine.core.block_manager import BlockManager
 from engine.core.kv_events import TIERS, AllCleared, BlockRemoved, BlockStored, KVEventRecorder
-from engine.executor.kv_tier import KVTier, KVTierConfig
+from engine.executor.kv_tier import KVTier
 from router.control.chooser import WorkerChooser
 from router.control.request_state import WorkerSlot
 from router.routing.kv_index import (
