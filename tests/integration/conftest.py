@@ -40,8 +40,10 @@ def own_redis():
 @pytest.fixture(scope="module")
 def shared_ray_loop():
     """A ``LoopThread`` for the module's clusters on this pytest process's shared local Ray
-    (tests/helpers/shared_ray.py); at the module's end, no actor of it may still be alive."""
-    from tests.helpers.shared_ray import assert_no_live_actors, ensure_shared_ray
+    (tests/helpers/shared_ray.py); at the module's end, no actor of it may still be alive.
+    If one is, this module errors and the shared Ray is stopped with it: the next module
+    starts a fresh one rather than inherit the leak."""
+    from tests.helpers.shared_ray import assert_no_live_actors, ensure_shared_ray, stop_shared_ray
 
     ensure_shared_ray()
     lt = LoopThread()
@@ -49,7 +51,11 @@ def shared_ray_loop():
         yield lt
     finally:
         lt.close()
-    assert_no_live_actors()
+    try:
+        assert_no_live_actors()
+    except AssertionError:
+        stop_shared_ray()
+        raise
 
 
 @pytest.fixture(scope="session")
