@@ -370,8 +370,8 @@ def greedy_agreement(model: str | None, quants: list[str], num_threads: int | No
 
 
 def parse_quantizations(text: str) -> list[str]:
-    """"none,int8,int4" -> the list; each one of ``engine.quant.layouts.CHOICES``, no repeats."""
-    from engine.quant.layouts import CHOICES
+    """"none,int8,int4" -> the list; each one of ``engine.config.QUANTIZATION_CHOICES``, no repeats."""
+    from engine.config import QUANTIZATION_CHOICES as CHOICES
 
     names = [x.strip() for x in text.split(",") if x.strip()]
     if not names or len(set(names)) != len(names) or any(n not in CHOICES for n in names):

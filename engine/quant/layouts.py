@@ -40,13 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import QUANTIZATION_CHOICES
+from engine.config import QUANTIZATION_CHOICES as CHOICES  # what --quantization accepts
 
 KINDS = ("int8", "int4")
 INT4_GROUP = 32  # the int4 layout's block (and GGUF's): one scale and offset per 32 weights
 INT8_GROUP = 32  # --quantization int8's block (GGUF Q8_0's): one scale per 32 weights
-CHOICES = QUANTIZATION_CHOICES  # what --quantization accepts (engine.config says what each is)
-assert ("none", *KINDS, "gguf") == CHOICES, "engine.config.QUANTIZATION_CHOICES names the kinds"
 
 
 def check_quantization(quantization: str, device: torch.device, tp: int = 1,

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from engine.quant.layouts import QuantizedWeight
-from engine.weights.converted import (
-    QUANTIZED_FILE,  # and CONVERTER_VERSION: bump it with any change here
-)
+
+# engine.weights.converted.CONVERTER_VERSION: bump it with any change to what this writes.
+from engine.weights.converted import QUANTIZED_FILE
 
 # GGUF tensor names (``blk.N.<name>``) -> the HF layer's.
 _ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",

@@ -255,6 +255,14 @@ def test_quantization_is_refused_where_it_cannot_be_honoured(tiny_qwen3_moe_dir)
     check_quantization("none", torch.device("cuda"))
 
 
+def test_the_quantization_choices_are_none_the_layouts_kinds_and_gguf():
+    # engine.config spells them (torch-free, for the router); the layouts define the kinds.
+    from engine.config import QUANTIZATION_CHOICES
+    from engine.quant.layouts import KINDS
+
+    assert ("none", *KINDS, "gguf") == QUANTIZATION_CHOICES
+
+
 def test_serve_refuses_a_bad_quantization_and_passes_a_good_one():
     from router.cli.serve_config import ServeConfig
 
