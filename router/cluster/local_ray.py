@@ -1,10 +1,11 @@
 """Starting a local Ray (no cluster address) that survives a slow start.
 
-``ray.init()`` without an address starts a GCS and a raylet, then waits a fixed 30 s (not
-configurable in Ray 2.60) for the raylet to register with the GCS. On a loaded small host
-(a 2-core CI box in the middle of a test suite) that wait runs out now and then, and Ray
-raises a bare ``Exception`` while the half-started node's processes keep running: one
-transient stall would then fail ``pdcluster serve`` or a benchmark outright.
+``ray.init()`` without an address starts a GCS and a raylet, and waits a fixed 30 s twice: for
+the GCS to publish its port (a ``RuntimeError``, "Timed out waiting for file
+.../gcs_server_port_...") and for the raylet to register with the GCS (a bare ``Exception``,
+"... timed out during startup"). On a loaded small host (a 2-core CI box in the middle of a
+test suite) either wait runs out now and then while the half-started node's processes keep
+running: one transient stall would then fail ``pdcluster serve`` or a benchmark outright.
 :func:`start_local_ray` ends that node's processes (the pids Ray itself recorded for them) and
 starts again; any other error is raised at once.
 
@@ -20,8 +21,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Ray's words when its start-up wait runs out (ray/_private/node.py); the only error retried.
+# Ray's words when one of its start-up waits runs out (ray/_private/node.py): the raylet's
+# registration, the GCS's port file. The only errors retried.
 STARTUP_TIMEOUT_TEXT = "timed out during startup"
+GCS_PORT_TIMEOUT_TEXT = "gcs_server_port"
+STARTUP_TIMEOUT_TEXTS = (STARTUP_TIMEOUT_TEXT, GCS_PORT_TIMEOUT_TEXT)
 DEFAULT_ATTEMPTS = 3
 
 
@@ -42,7 +46,8 @@ def start_local_ray(attempts: int = DEFAULT_ATTEMPTS, **init_kw: Any) -> Any:
         try:
             return ray.init(**init_kw)
         except Exception as e:
-            if STARTUP_TIMEOUT_TEXT not in str(e) or attempt == attempts:
+            timed_out = any(text in str(e) for text in STARTUP_TIMEOUT_TEXTS)
+            if not timed_out or attempt == attempts:
                 raise
             stopped = stop_half_started_node(e.__traceback__)
             ray.shutdown()

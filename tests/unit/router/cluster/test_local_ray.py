@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from router.cluster.local_ray import STARTUP_TIMEOUT_TEXT, start_local_ray, stop_half_started_node
+from router.cluster.local_ray import (
+    GCS_PORT_TIMEOUT_TEXT,
+    STARTUP_TIMEOUT_TEXT,
+    start_local_ray,
+    stop_half_started_node,
+)
 
 ROOT = Path(__file__).resolve().parents[4]
 # Ray's exact words (ray/_private/node.py), as a CI run met them.
@@ -28,8 +33,34 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_the_timeout_text_is_rays_own():
+# The other wait (a CI run met it too): the GCS's port file, a RuntimeError.
+RAY_GCS_PORT_TIMEOUT = ("Timed out waiting for file /tmp/ray/session_2026-12-06_15-26-36_241362_"
+                        "29806/gcs_server_port_9d35ec5456582c6e6b46acf6659797fe79936d058a9d53840"
+                        "a110c98")
+
+
+def test_the_timeout_texts_are_rays_own():
     assert STARTUP_TIMEOUT_TEXT in RAY_TIMEOUT
+    assert GCS_PORT_TIMEOUT_TEXT in RAY_GCS_PORT_TIMEOUT
+
+
+@pytest.mark.parametrize("error", [Exception(RAY_TIMEOUT), RuntimeError(RAY_GCS_PORT_TIMEOUT)],
+                         ids=["raylet-registration", "gcs-port"])
+def test_either_start_up_wait_running_out_is_retried(monkeypatch, error):
+    import ray
+
+    calls = []
+
+    def init_that_always_times_out(**kw):
+        calls.append(kw)
+        raise error
+
+    monkeypatch.setattr(ray, "init", init_that_always_times_out)
+    with pytest.raises(type(error)) as raised:
+        start_local_ray(attempts=3, num_cpus=1)
+    assert raised.value is error  # the last attempt's own error, not a wrapper
+    assert len(calls) == 3
+    assert not ray.is_initialized()
 
 
 def test_a_timed_out_start_is_retried_and_the_half_started_node_is_stopped(monkeypatch, caplog):
