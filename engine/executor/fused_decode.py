@@ -25,8 +25,10 @@ FUSED_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets timed; larger batches run 
 
 # How a pure-decode step runs: the layers one by one, or one decode_layers call with its
 # projections on the dot-product tiles ("fused") or on the wide tiles ("wide": the batch's rows
-# in vector lanes, weights broadcast; ~1.6x the dot tiles' speed at 32 rows on a 2-core EPYC).
-STEPS = ("layers", "fused", "wide")
+# in vector lanes, weights broadcast; ~1.6x the dot tiles' speed at 32 rows on a 2-core EPYC),
+# or, for quantized weights, on the integer products ("qint": each projection's input
+# quantized to int8 per row; the wide tiles are fp weights' only).
+STEPS = ("layers", "fused", "wide", "qint")
 
 
 @dataclass
@@ -56,6 +58,11 @@ class FusedDecodePlan:
         """Whether a pure-decode step of ``batch`` sequences is one ``decode_layers`` call."""
         return self.step(batch) != "layers"
 
+    def int_products(self, batch: int) -> bool:
+        """Whether a fused step of ``batch`` sequences multiplies quantized weights by int8
+        activations (``decode_layers``' integer products)."""
+        return self.step(batch) == "qint"
+
     def wide_from(self, batch: int) -> int:
         """``decode_layers``' ``wide_from`` for a step of ``batch`` sequences."""
         return 1 if self.step(batch) == "wide" else cpu_ops.NEVER_WIDE
@@ -71,4 +78,5 @@ class FusedDecodePlan:
         return lines
 
 
-_LABELS = {"layers": "layer by layer", "fused": "fused, dot tiles", "wide": "fused, wide tiles"}
+_LABELS = {"layers": "layer by layer", "fused": "fused, dot tiles", "wide": "fused, wide tiles",
+           "qint": "fused, integer products"}

@@ -231,11 +231,14 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[torch.Tensor], tables: torch.Tensor, kv_lens: torch.Tensor,
-                     block_size: int, wide_from: int = cpu_ops.NEVER_WIDE) -> torch.Tensor | None:
+                     block_size: int, wide_from: int = cpu_ops.NEVER_WIDE,
+                     int_products: bool = False) -> torch.Tensor | None:
         """``forward`` for a pure-decode step (one new token per sequence, ``input_ids [M]``)
         as one call of ``engine.ops.cpu_ops.decode_layers``: every layer in one OpenMP region,
         the new K/V written into each sequence's slot (``tables [M, max_pages]``, ``kv_lens
-        [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles).
+        [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles;
+        ``int_products``: quantized projections against int8 activations, the ``cqint``
+        linear path's math, where the weights are in groups of 32).
         Same math as ``forward``; None, computing
         nothing, where the kernel does not apply (the caller then runs ``forward``)."""
         cfg = self.cfg
@@ -249,9 +252,12 @@ class LlamaForCausalLM(nn.Module):
         if self._pointers[3] is None:
             return None  # projections in more than one layout (e.g. a GGUF mixing types)
         h = self.embed(input_ids)  # [M, hidden], a new tensor the kernel updates in place
+        layout = self._pointers[3]
+        if int_products and layout[0] in (1, 2) and layout[1] == 32:
+            layout = (layout[0] + 2, 32)  # decode_layers' integer products (3: int8, 4: int4)
         ok = cpu_ops.decode_layers(h, pointers, self.layer_shapes, self.rope_cos[positions],
                                    self.rope_sin[positions], tables, kv_lens, block_size,
-                                   wide_from, self._pointers[3])
+                                   wide_from, layout)
         return cpu_ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if ok else None
 
     def _layer_pointers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -264,17 +270,18 @@ class LlamaForCausalLM(nn.Module):
         lookups), the two layers ~15. Quantized projections enter the table as their data,
         scales and offsets; ``self._pointers[3]`` is their layout for ``decode_layers``
         (``(0, 0)`` for fp weights), None when the projections mix layouts."""
-        def parts(w) -> tuple:  # the weight (or its data) and its scales and offsets
+        def parts(w) -> tuple:  # the weight (or its data), its scales, offsets and row sums
             if isinstance(w, QuantizedWeight):
-                return (w.data, w.scale, w.offset)
-            return (w, None, None)
+                return (w.data, w.scale, w.offset, w.row_sums() if w.kind == "int8" else None)
+            return (w, None, None, None)
 
         def row(i: int) -> tuple:
             lay = self.layers[i]
             qkv, o, gu, down = (parts(getattr(lay, n).weight)
                                 for n in ("qkv", "o_proj", "gate_up", "down"))
             return (lay.input_norm, lay.post_norm, qkv[0], lay.qkv.bias, o[0], gu[0], down[0],
-                    lay.q_norm, lay.k_norm, *qkv[1:], *o[1:], *gu[1:], *down[1:])
+                    lay.q_norm, lay.k_norm, *qkv[1:3], *o[1:3], *gu[1:3], *down[1:3],
+                    qkv[3], o[3], gu[3], down[3])
 
         key = (tuple(c.data_ptr() for c in kv_caches), row(0), row(-1))
         held = self._pointers

@@ -34,7 +34,9 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,18 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# The instruction sets tried in turn (each replaces -march=native in CFLAGS): a build is used
+# only once its isa_probe ran in a child process without dying. A host may list instructions
+# it cannot execute: Intel VMs list AMX and raise SIGILL on a tile instruction. GCC never
+# emits AMX unasked, but the next rung drops it and the other late extensions anyway, then
+# plain AVX2, then the portable build.
+ISA_LADDER = (
+    ("-march=native",),
+    ("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-mno-avx512fp16",
+     "-mno-avxvnni"),
+    ("-mavx2", "-mfma", "-mf16c"),
+    (),
+)
 # Linked in a separate step without -ffast-math: linking with it adds crtfastmath.o, whose
 # constructor turns on flush-to-zero for the whole process when the library loads (seen:
 # hypothesis refusing to run because subnormal floats had vanished).
@@ -73,8 +87,13 @@ _SIGNATURES = {
     "q8_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
     "q4_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "q_dequantize": [_I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "qi_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
+    "qi_linear_work_floats": [_I64, _I64],
+    "qi_isa": [],
+    "isa_probe": [],
 }
-_RESTYPES = {"decode_layers_work_floats": _I64, "wide_linear_work_floats": _I64}
+_RESTYPES = {"decode_layers_work_floats": _I64, "wide_linear_work_floats": _I64,
+             "qi_linear_work_floats": _I64, "qi_isa": _INT, "isa_probe": _INT}
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -107,6 +126,16 @@ def build_id() -> str:
     return Path(lib._name).stem if lib is not None else ""
 
 
+ISA_NAMES = {2: "avx512-vnni", 1: "avx2", 0: "portable"}
+
+
+def int_dot_isa() -> str | None:
+    """Which code the integer products (int8 activations x int8 / int4 weights) run on this
+    host: ``"avx512-vnni"``, ``"avx2"`` or ``"portable"``; None without the library."""
+    lib = library()
+    return ISA_NAMES[lib.qi_isa()] if lib is not None else None
+
+
 def set_enabled(on: bool) -> None:
     """Turn the kernels on or off in this process (benchmarks' A/B; tests of the twins)."""
     global _lib, _tried
@@ -114,14 +143,17 @@ def set_enabled(on: bool) -> None:
     _lib = _load(build()) if on else None
 
 
-def build(cache_dir: str | Path | None = None) -> Path | None:
-    """Path of this host's compiled library, compiling it if needed; None when it cannot be
-    built (no compiler, or the compile failed: the reason is logged)."""
+def build(cache_dir: str | Path | None = None,
+          ladder: tuple[tuple[str, ...], ...] = ISA_LADDER) -> Path | None:
+    """Path of this host's compiled library, compiling it if needed: the first rung of
+    ``ladder`` (instruction-set flags) that compiles and whose probe runs here. None when
+    none does (no compiler, failed compiles, probes dying: the reasons are logged). Another
+    ``ladder`` (tests of each instruction path) builds another library."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler: fused CPU kernels unavailable, using the torch paths")
         return None
-    out = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"cpu_ops-{_build_key(cc)}.so"
+    out = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"cpu_ops-{_build_key(cc, ladder)}.so"
     if out.exists():
         return out
     try:
@@ -132,13 +164,12 @@ def build(cache_dir: str | Path | None = None) -> Path | None:
                 return out
             obj, tmp = out.with_suffix(f".tmp{os.getpid()}.o"), out.with_suffix(f".tmp{os.getpid()}.so")
             try:
-                for cmd in ([cc, *CFLAGS, "-c", "-o", str(obj), str(SOURCE)],
-                            [cc, *LDFLAGS, "-o", str(tmp), str(obj), "-lm"]):
-                    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-                    if res.returncode != 0:
-                        log.warning("building fused CPU kernels failed (using the torch "
-                                    "paths):\n%s", res.stderr[-2000:])
-                        return None
+                for isa in ladder:
+                    flags = [f for f in CFLAGS if f != "-march=native"] + list(isa)
+                    if _compile(cc, flags, obj, tmp) and _probe(tmp, isa):
+                        break
+                else:
+                    return None
                 tmp.replace(out)  # atomic: a concurrent loader never sees half a library
             finally:
                 obj.unlink(missing_ok=True)
@@ -151,7 +182,39 @@ def build(cache_dir: str | Path | None = None) -> Path | None:
     return out
 
 
-def _build_key(cc: str) -> str:
+def _compile(cc: str, flags: list[str], obj: Path, lib: Path) -> bool:
+    for cmd in ([cc, *flags, "-c", "-o", str(obj), str(SOURCE)],
+                [cc, *LDFLAGS, "-o", str(lib), str(obj), "-lm"]):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        if res.returncode != 0:
+            log.warning("building fused CPU kernels with %s failed:\n%s", " ".join(flags),
+                        res.stderr[-2000:])
+            return False
+    return True
+
+
+_PROBE = "import ctypes, sys; sys.exit(0 if ctypes.CDLL(sys.argv[1]).isa_probe() >= 0 else 3)"
+
+
+def _probe(lib: Path, isa: tuple[str, ...]) -> bool:
+    """Whether ``lib``'s ``isa_probe`` runs to its end in a child process (a signal there,
+    SIGILL above all, rules this build out for the host)."""
+    try:
+        res = subprocess.run([sys.executable, "-c", _PROBE, str(lib)], capture_output=True,
+                             text=True, timeout=120)
+    except subprocess.SubprocessError as e:
+        log.warning("fused CPU kernels built with %s: probe failed (%s)", " ".join(isa), e)
+        return False
+    if res.returncode != 0:
+        why = (f"killed by {signal.Signals(-res.returncode).name}" if res.returncode < 0
+               else f"exit {res.returncode}: {res.stderr[-500:]}")
+        log.warning("fused CPU kernels built with %s do not run on this host (%s); trying "
+                    "fewer instructions", " ".join(isa) or "no -m flags", why)
+        return False
+    return True
+
+
+def _build_key(cc: str, ladder: tuple[tuple[str, ...], ...]) -> str:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout.splitlines()[:1]
@@ -165,8 +228,16 @@ def _build_key(cc: str) -> str:
                 break
     except OSError:
         pass
-    parts = [SOURCE.read_bytes().decode(), " ".join(CFLAGS + LDFLAGS), cc, *version, flags]
+    rungs = "/".join(" ".join(isa) for isa in ladder)
+    parts = [SOURCE.read_bytes().decode(), " ".join(CFLAGS + LDFLAGS), rungs, cc, *version,
+             flags]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def load(path: Path | None) -> ctypes.CDLL | None:
+    """The library at ``path`` (a ``build``) loaded, its functions typed; None when it cannot
+    be (logged). ``library()`` is this process's; tests load other builds with it."""
+    return _load(path)
 
 
 def _load(path: Path | None) -> ctypes.CDLL | None:
@@ -394,7 +465,7 @@ def decode_layers_applies(shapes: DecodeLayerShapes, dtype: torch.dtype) -> bool
 
 
 # Addresses per layer in decode_layers' table (DL_PTRS in the C source).
-LAYER_POINTERS = 18
+LAYER_POINTERS = 22
 _TABLE_DTYPES = (torch.float32, torch.int8, torch.uint8, torch.float16)
 
 
@@ -402,7 +473,9 @@ def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
     """The address table ``decode_layers`` walks: per layer (input norm, post norm, QKV weight,
     QKV bias or None, O weight, gate/up weight, down weight, query-head norm or None, key-head
     norm or None, KV cache, then for quantized weights the scales and offsets (int4; else
-    None) of QKV, O, gate/up and down, all None for fp weights): ``LAYER_POINTERS`` each.
+    None) of QKV, O, gate/up and down, all None for fp weights, then int8 weights' row sums
+    (``QuantizedWeight.row_sums``) of the four, for the integer products, else None):
+    ``LAYER_POINTERS`` each.
     Raises ValueError when a tensor is not contiguous on CPU in a dtype the kernel reads (fp32;
     int8 / uint8 weight data and fp16 scales of quantized weights). The caller must keep the
     tensors alive, unmoved, while the table is in use."""
@@ -434,7 +507,9 @@ def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerSh
     ``wide_from`` rows the projections run the kernel's wide tiles (rows in vector lanes, no
     horizontal sums), below it the dot-product tiles (same math, different summation order).
     ``weights``: the projections' layout, ``(0, 0)`` fp32, ``(1, group)`` int8, ``(2, 32)``
-    int4 (``engine.quant.layouts``; the table then holds their data, scales and offsets). Returns False,
+    int4 (``engine.quant.layouts``; the table then holds their data, scales and offsets), and
+    ``(3, 32)`` / ``(4, 32)`` the same int8 / int4 weights multiplied by int8 activations
+    (each projection's input quantized per row: the integer products). Returns False,
     touching nothing, when the kernel does not apply (the caller runs the layers itself)."""
     lib = library()
     if (lib is None or not _fits(h, cos, sin) or h.dim() != 2 or not h.is_contiguous()

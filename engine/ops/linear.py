@@ -18,7 +18,10 @@ Which torch call runs them fastest depends on the host, and by a lot:
 
 Quantized weights (``engine.quant.layouts.QuantizedWeight``, ``--quantization``) have their own paths,
 ``QPATHS``: ``cquant`` (``engine.ops.quant_ops.quantized_linear``: the weight read in its int8 / int4
-layout, never expanded), ``dequant`` and ``dequant_onednn`` (expand into a scratch fp weight
+layout, never expanded, against fp32 activations), ``cqint`` (``quant_ops.quantized_linear_int``:
+the activations quantized to int8 per row too, each block an integer dot product: AVX-512 VNNI
+or AVX2 where the host runs them; from a few rows up the multiplies, not the bytes, bound a
+step), ``dequant`` and ``dequant_onednn`` (expand into a scratch fp weight
 in one pass, then ``F.linear`` or oneDNN's GEMM: where the GEMM's compute dwarfs the
 expansion, i.e. prefill rows; which GEMM is the host's to say, as for fp weights). A plan's
 entries are keyed by the weight's kind as well as its shape.
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
 # For quantized weights: engine.ops.quant_ops.quantized_linear | expand, then F.linear | expand,
 # then oneDNN's GEMM (where this torch has it).
-QPATHS = ("cquant", "dequant", "dequant_onednn")
+QPATHS = ("cquant", "cqint", "dequant", "dequant_onednn")
 FP = "fp"  # the kind of an unquantized weight in plans and timings
 CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
 # Decode batch sizes tuned (the attention paths use the same buckets); a batch uses the
@@ -125,8 +128,9 @@ def quantized_linear_by_path(path: str, x: torch.Tensor, weight: QuantizedWeight
                              bias: torch.Tensor | None) -> torch.Tensor:
     """``linear`` of a quantized weight by the named path (one of ``QPATHS``); where the C
     kernel does not apply (not built, bf16 activations) ``dequant`` runs instead."""
-    if path == "cquant":
-        out = quant_ops.quantized_linear(x, weight, bias)
+    if path in ("cquant", "cqint"):
+        kernel = quant_ops.quantized_linear if path == "cquant" else quant_ops.quantized_linear_int
+        out = kernel(x, weight, bias)
         if out is not None:
             return out
     w = quant_ops.dequantize(weight) if x.is_cpu and x.dtype == torch.float32 else None

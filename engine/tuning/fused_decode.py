@@ -77,6 +77,7 @@ def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths)
     cfg = model.cfg
     dtype = model.embed.weight.dtype
     context = _context(model)
+    quantized = bool(model.quantization)
     pages_per_seq = -(-context // block_size)
     num_pages = FUSED_BUCKETS[-1] * pages_per_seq
     caches = [torch.randn(num_pages, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
@@ -94,15 +95,18 @@ def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths)
             backend.plan(meta)
             model(ids, meta.positions, caches, backend)
 
-        def fused(meta=meta, ids=ids, wide_from=cpu_ops.NEVER_WIDE) -> None:
+        def fused(meta=meta, ids=ids, wide_from=cpu_ops.NEVER_WIDE, ints=False) -> None:
             tables, kv_lens = decode_tables(meta)
             model.decode_fused(ids, meta.positions, caches, tables, kv_lens, block_size,
-                               wide_from)
+                               wide_from, ints)
 
-        steps = {"layers": layers, "fused": fused, "wide": functools.partial(fused, wide_from=1)}
-        times: dict[str, list[float]] = {name: [] for name in STEPS}
+        steps = {"layers": layers, "fused": fused, "wide": functools.partial(fused, wide_from=1),
+                 "qint": functools.partial(fused, ints=True)}
+        # the wide tiles are fp weights', the integer products quantized weights'
+        names = [n for n in STEPS if n != ("qint" if not quantized else "wide")]
+        times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(_ROUNDS + 1):  # round 0 warms every step up, untimed
-            for name in STEPS:
+            for name in names:
                 step = steps[name]
                 t0 = time.perf_counter()
                 step()

@@ -75,7 +75,9 @@ def time_passes(weights: list, m: int, choice: dict[tuple[int, int, str], str],
 def _paths_for(kind: str, m: int, dtype: torch.dtype) -> list[str]:
     """The paths timed for a weight of ``kind`` at bucket ``m``."""
     if kind != FP:
-        paths = ["cquant"] if cpu_ops.enabled() and dtype == torch.float32 else []
+        # cqint takes groups of 32 (every layout made here or from a GGUF); another group
+        # falls back to dequant inside the path, and the timing shows it.
+        paths = ["cquant", "cqint"] if cpu_ops.enabled() and dtype == torch.float32 else []
         return paths + ["dequant"] + (["dequant_onednn"] if "onednn" in available_paths() else [])
     # mm_t exists for small M (MKL's GEMV at M=1); on prefill rows it only costs tuning time.
     return [p for p in available_paths() if (m < PREFILL_ROWS or p not in ("mm_t", "cwide"))

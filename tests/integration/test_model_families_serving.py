@@ -49,9 +49,9 @@ def test_quantized_workers_serve_the_dequantized_models_tokens(loop, kind, tiny_
                                                               tmp_path):
     """Both workers quantize at load (``--quantization``); the KV they move is the model
     dtype's, as before: greedy tokens equal transformers' on the dequantized weights."""
-    from tests.unit.engine.quant.test_quant import _dequantized_hf
+    from tests.helpers.quantized import dequantized_hf
 
-    _dequantized_hf(tiny_qwen2_dir, "qwen2", kind, tmp_path / "deq")
+    dequantized_hf(tiny_qwen2_dir, "qwen2", kind, tmp_path / "deq")
     prompts = random_prompts(seed=37, count=4, max_len=40, min_len=5)
     refs = hf_greedy(tmp_path / "deq", "qwen2", prompts, MAX_TOKENS)
     _serve_and_compare(loop, tiny_qwen2_dir, prompts, refs, quantization=kind)

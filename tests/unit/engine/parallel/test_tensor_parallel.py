@@ -19,6 +19,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
 from engine.parallel.sharding import TPShard
+from tests.helpers.quantized import dequantized_hf, near_greedy_misses
 from tests.helpers.tiny_models import VOCAB, hf_greedy, random_prompts, save_tiny_model
 
 MAX_TOKENS = 10
@@ -157,17 +158,22 @@ def test_greedy_tokens_equal_transformers_at_every_tp(request, model, arch, size
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mixtral_dir"])
-def test_quantized_ranks_quantize_their_shards_to_tp1s_weights(request, model, prompts):
+def test_quantized_ranks_quantize_their_shards_to_tp1s_weights(request, model, prompts,
+                                                               tmp_path):
     """``--quantization int8`` at TP 2: each rank quantizes its own slices (O and down cut
     along their input at multiples of the 32-weight group, every expert too), so the ranks
-    hold TP 1's quantized weights between them: the same greedy tokens."""
+    hold TP 1's quantized weights between them: both sizes generate the greedy tokens of
+    transformers on those weights dequantized, up to near-ties (where a plan rounds
+    activations to int8, a rank rounds its slice of a row by that slice's own largest value:
+    TP 1 and TP 2 may part at a near-tie, ``NEAR_GREEDY_TOL``)."""
     model_dir = request.getfixturevalue(model)
-    runs = {}
+    hf = dequantized_hf(model_dir, model.removeprefix("tiny_").removesuffix("_dir"), "int8",
+                        tmp_path / "deq")
     for size in (1, 2):
         with LLM(str(model_dir), tensor_parallel_size=size, quantization="int8", **FAST) as llm:
             assert llm.engine.model.quantization == "int8"
-            runs[size] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    assert runs[2] == runs[1]
+            tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert near_greedy_misses(hf, prompts, tokens) == [], f"TP {size}"
 
 
 def test_tp2_serves_every_engine_feature_as_tp1_does(wide_kv_dir, prompts):

@@ -25,7 +25,8 @@ from engine.quant.layouts import (
 from engine.tuning.linear import time_choices
 from engine.weights.loader import load_state_dict
 from engine.weights.resolve import load_model_config
-from tests.helpers.tiny_models import VOCAB, hf_greedy, load_hf, random_prompts
+from tests.helpers.quantized import dequantized_hf, near_greedy_misses, quantized_runner
+from tests.helpers.tiny_models import VOCAB, load_hf, random_prompts
 
 BLOCK_SIZE = 4
 # Every path computes with exactly the dequantized weights; only the order of the float sums
@@ -111,6 +112,9 @@ def test_int8_with_one_scale_per_row_runs_too():
 def test_every_linear_path_equals_the_dequantized_weight(kind, path):
     w, x = _rand(40, 64), _rand(6, 64, seed=1)
     q = quantize(w, kind)
+    if path == "cqint" and cpu_ops.enabled():  # it rounds x per row first (test_int_products)
+        amax = x.abs().amax(dim=1, keepdim=True)
+        x = torch.round(x * (127 / amax)) * (amax / 127)
     ref = F.linear(x, q.dequantize())
     got = quantized_linear_by_path(path, x, q, None)
     assert (got - ref).abs().max() <= KERNEL_RTOL * ref.abs().max()
@@ -137,59 +141,13 @@ def test_tuning_times_the_quantized_paths_per_kind():
         assert set(t.seconds) <= set(QPATHS) and t.best in t.seconds
 
 
-def _ours(model_dir, kind):
-    cfg = load_model_config(model_dir)
-    model = LlamaForCausalLM(cfg)
-    model.load_hf_state_dict(load_state_dict(model_dir, torch.float32))
-    model.quantize(kind)
-    return ModelRunner(model, CacheConfig(block_size=8), 64)
-
-
-def _dequantized_hf(model_dir, arch, kind, out):
-    """transformers' model of ``model_dir`` with every linear weight replaced by what ours
-    holds after quantizing (dequantized): the reference a quantized engine must equal."""
-    ours = _ours(model_dir, kind).model
-    hf = load_hf(model_dir, arch)
-    cfg = ours.cfg
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    with torch.no_grad():
-        for layer, mine in zip(hf.model.layers, ours.layers, strict=True):
-            qkv = mine.qkv.weight.dequantize()
-            at, mlp = layer.self_attn, layer.mlp
-            at.q_proj.weight.copy_(qkv[:q])
-            at.k_proj.weight.copy_(qkv[q:q + kv])
-            at.v_proj.weight.copy_(qkv[q + kv:])
-            at.o_proj.weight.copy_(mine.o_proj.weight.dequantize())
-            if mine.moe is not None:  # transformers stacks the experts: [E, 2I, H], [E, H, I]
-                moe = mine.moe
-                for e in range(len(moe.gate_up)):
-                    mlp.experts.gate_up_proj[e].copy_(moe.gate_up[e].dequantize())
-                    mlp.experts.down_proj[e].copy_(moe.down[e].dequantize())
-                if moe.shared is not None:
-                    gu, n = moe.shared["gate_up"].dequantize(), moe.shared["down"].shape[1]
-                    mlp.shared_expert.gate_proj.weight.copy_(gu[:n])
-                    mlp.shared_expert.up_proj.weight.copy_(gu[n:])
-                    mlp.shared_expert.down_proj.weight.copy_(moe.shared["down"].dequantize())
-                continue
-            gate_up = mine.gate_up.weight.dequantize()
-            mlp.gate_proj.weight.copy_(gate_up[:cfg.intermediate_size])
-            mlp.up_proj.weight.copy_(gate_up[cfg.intermediate_size:])
-            mlp.down_proj.weight.copy_(mine.down.weight.dequantize())
-        if ours.lm_head is not None:
-            hf.lm_head.weight.copy_(ours.lm_head.weight.dequantize())
-        else:  # tied (Gemma): the quantized embedding is both the lookup and the head
-            hf.model.embed_tokens.weight.copy_(ours.embed.weight.dequantize())
-    hf.save_pretrained(out, safe_serialization=True)
-    return hf
-
-
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral",
                                   "qwen2_moe"])
 def test_quantized_logits_equal_transformers_on_the_dequantized_weights(arch, kind, request,
                                                                          tmp_path):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    runner = _ours(model_dir, kind)
+    runner = quantized_runner(model_dir, kind)
     for lay in runner.model.layers:
         assert all(isinstance(getattr(lay, n), QLinear) for n in (
             ("qkv", "o_proj") if lay.moe is not None else ("qkv", "o_proj", "gate_up", "down")))
@@ -198,7 +156,7 @@ def test_quantized_logits_equal_transformers_on_the_dequantized_weights(arch, ki
                        for w in [*lay.moe.gate_up, *lay.moe.down]
                        + ([lay.moe.shared["gate_up"], lay.moe.shared["down"]]
                           if lay.moe.shared is not None else []))
-    hf = _dequantized_hf(model_dir, arch, kind, tmp_path / "deq")
+    hf = dequantized_hf(model_dir, arch, kind, tmp_path / "deq")
     plain = load_hf(model_dir, arch)
     gen = torch.Generator().manual_seed(1)
     for length in (1, 9, 40):
@@ -216,20 +174,22 @@ def test_quantized_logits_equal_transformers_on_the_dequantized_weights(arch, ki
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_engine_generates_transformers_greedy_tokens(tiny_llama_dir, kind, tmp_path):
     """The embedded engine (scheduler, paged KV, the tuned decode paths at several batch
-    sizes) with ``quantization=kind`` generates token for token what transformers generates
-    from the dequantized weights."""
+    sizes) with ``quantization=kind`` generates transformers' greedy tokens on the
+    dequantized weights, up to near-ties (the host's plan may round activations to int8:
+    ``NEAR_GREEDY_TOL``)."""
     from engine import LLM, SamplingParams
 
-    deq = tmp_path / "deq"
-    _dequantized_hf(tiny_llama_dir, "llama", kind, deq)
+    hf = dequantized_hf(tiny_llama_dir, "llama", kind, tmp_path / "deq")
     prompts = random_prompts(seed=5, count=5, max_len=30)
-    refs = hf_greedy(deq, "llama", prompts, 12)
     llm = LLM(str(tiny_llama_dir), quantization=kind, kv_cache_memory_bytes=8 << 20,
               max_num_seqs=4)
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
                                                     ignore_eos=True))
-        assert [o.token_ids for o in outs] == refs
+        tokens = [o.token_ids for o in outs]
+        assert near_greedy_misses(hf, prompts, tokens) == []
+        # and the check can fail: the same tokens shifted by one are far from greedy
+        assert near_greedy_misses(hf, prompts, [t[1:] + t[:1] for t in tokens])
         assert llm.engine.model.quantization == kind
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     finally:
@@ -294,7 +254,7 @@ def test_fused_decode_steps_of_a_quantized_model_match_transformers(arch, kind, 
     model.load_hf_state_dict(load_state_dict(model_dir, torch.float32))
     model.quantize(kind)
     runner = ModelRunner(model, CacheConfig(block_size=BLOCK), 256)
-    hf = _dequantized_hf(model_dir, arch, kind, tmp_path / "deq")
+    hf = dequantized_hf(model_dir, arch, kind, tmp_path / "deq")
     fused_steps_match(runner, hf, lengths, wide_from, f"{arch} {kind}")
 
 

@@ -1,0 +1,167 @@
+"""The integer products (int8 activations x int8 / int4 weights, ``cqint``): every instruction
+path this host can run and the portable one against a reference in torch, the whole-step
+decode kernel on them against the layer path, and the check that keeps a build the host
+cannot execute out of the process."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+import torch
+
+from engine.attention.backend import SeqSlice, build_metadata
+from engine.attention.torch_paged import TorchPagedBackend, decode_tables
+from engine.models.llama import LlamaForCausalLM
+from engine.ops import cpu_ops, quant_ops
+from engine.ops.linear import LINEAR_BUCKETS, LinearPlan, linear_plan, set_linear_plan, weight_key
+from engine.quant.layouts import quantize
+from engine.tuning.linear import model_linear_weights
+from engine.weights.loader import load_state_dict
+from engine.weights.resolve import load_model_config
+
+pytestmark = pytest.mark.skipif(not cpu_ops.enabled(), reason="needs the C kernels")
+
+# Against the same product in fp32 of the *rounded* activations: only the summation order
+# differs (integer sums per block, then fp32).
+RTOL = 2e-5
+AVX2 = ("-mavx2", "-mfma", "-mf16c")
+
+
+def _host_runs(flag: str) -> bool:
+    return any(line.startswith("flags") and f" {flag}" in line
+               for line in open("/proc/cpuinfo").read().splitlines())
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """isa name -> a loaded build of the kernels holding that path: this process's (the best
+    the host runs), AVX2 where the host has it, and the portable one."""
+    out = {cpu_ops.int_dot_isa(): cpu_ops.library()}
+    ladders = {"portable": ((),)}
+    if _host_runs("avx2"):
+        ladders["avx2"] = (AVX2,)
+    for name, ladder in ladders.items():
+        lib = cpu_ops.load(cpu_ops.build(tmp_path_factory.mktemp(name), ladder))
+        assert lib is not None and cpu_ops.ISA_NAMES[lib.qi_isa()] == name
+        out[name] = lib
+    return out
+
+
+def _reference(x: torch.Tensor, w, bias=None) -> torch.Tensor:
+    """x rounded as the kernel rounds it (per row: q = round(x * 127 / max|x|), times
+    max|x| / 127), times the dequantized weight, in fp64."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = torch.round(x * inv) * (amax / 127)
+    out = xq.double() @ w.dequantize().double().T
+    return (out if bias is None else out + bias.double()).float()
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("isa", ["host", "avx2", "portable"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 32])
+@pytest.mark.parametrize("n,k", [(40, 64), (17, 96), (9, 576), (6, 1568)],
+                         ids=["pairs", "odd-blocks", "576", "1568-odd"])
+def test_each_instruction_path_equals_the_rounded_reference(builds, isa, kind, m, n, k):
+    """Every batch bucket, K with an odd number of 32-weight blocks (the last pair alone),
+    N not a multiple of the row tile, a zero row of x (scale 0) and a bias."""
+    name = cpu_ops.int_dot_isa() if isa == "host" else isa
+    if name not in builds:
+        pytest.skip(f"this host does not run {isa}")  # only AVX2 itself can be absent
+    w = quantize(_rand(n, k) * 0.05, kind)
+    x, bias = _rand(m, k, seed=1) * 3, _rand(n, seed=2)
+    x[m // 2] = 0
+    got = quant_ops.quantized_linear_int(x, w, bias, lib=builds[name])
+    ref = _reference(x, w, bias)
+    assert got is not None
+    assert (got - ref).abs().max() <= RTOL * ref.abs().max(), name
+    assert torch.equal(got[m // 2], bias)  # a zero row: its scale is 0, only the bias is left
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_activations_rounding_costs_what_is_stated(kind):
+    """Against fp32 activations the only difference is x's rounding to 255 levels per row:
+    within 1% of the largest output on random rows (docs/models.md states it)."""
+    w = quantize(_rand(256, 576) * 0.05, kind)
+    x = _rand(16, 576, seed=3)
+    exact = x @ w.dequantize().T
+    got = quant_ops.quantized_linear_int(x, w, None)
+    assert (got - exact).abs().max() <= 0.01 * exact.abs().max()
+
+
+def test_other_groups_are_declined():
+    w = quantize(_rand(8, 64), "int8")
+    w16 = type(w)("int8", w.data, w.scale.repeat_interleave(2, dim=1), None, 16)
+    assert quant_ops.quantized_linear_int(_rand(2, 64), w16, None) is None
+
+
+def test_a_build_the_host_cannot_execute_is_refused(tmp_path, caplog):
+    """The probe runs in a child: an instruction the host cannot execute kills the child
+    (SIGILL; ud2 here stands for an AMX tile instruction on a VM without AMX state), and the
+    build is not used."""
+    src = tmp_path / "ill.c"
+    src.write_text("int isa_probe(void) { __builtin_trap(); return 0; }\n")
+    lib = tmp_path / "ill.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    with caplog.at_level(logging.WARNING, logger="engine.ops.cpu_ops"):
+        assert not cpu_ops._probe(lib, ("-mamx-tile",))
+    assert "SIGILL" in caplog.text and "-mamx-tile" in caplog.text
+
+
+def test_a_rung_that_fails_falls_to_the_next(tmp_path):
+    path = cpu_ops.build(tmp_path, (("-mno-such-instruction-set",), AVX2))
+    lib = cpu_ops.load(path)
+    assert lib is not None and lib.qi_isa() == 1  # the AVX2 rung
+
+
+@pytest.fixture
+def int_plan():
+    """The linear plan in force swapped for one sending every quantized weight to cqint."""
+    held = linear_plan()
+    yield lambda model: set_linear_plan(LinearPlan({
+        (*weight_key(w)[:2], b, weight_key(w)[2]): "cqint"
+        for w in model_linear_weights(model) for b in LINEAR_BUCKETS}))
+    set_linear_plan(held)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_fused_step_on_integer_products_equals_the_layer_path(arch, kind, request,
+                                                                  int_plan):
+    """decode_layers' integer products (``qint``) and the layer path with every quantized
+    linear on ``cqint``: the same math (each projection's input rounded per row), so the same
+    hidden states and the same new K/V, within fp32 summation order."""
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    cfg = load_model_config(model_dir)
+    model = LlamaForCausalLM(cfg)
+    model.load_hf_state_dict(load_state_dict(model_dir, torch.float32))
+    model.quantize(kind)
+    int_plan(model)
+    block = 4
+    gen = torch.Generator().manual_seed(5)
+    caches = [torch.randn(64, 2, block, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+              for _ in range(cfg.num_layers)]
+    fused_caches = [c.clone() for c in caches]
+    seqs = [SeqSlice([5, 9, 2], 9, 1), SeqSlice([40], 0, 1), SeqSlice([7, 33], 4, 1),
+            SeqSlice([1, 2, 3], 10, 1), SeqSlice([11], 2, 1)]
+    meta = build_metadata(seqs, block)
+    ids = torch.tensor([11, 12, 13, 14, 15])
+    backend = TorchPagedBackend()
+    with torch.inference_mode():
+        backend.plan(meta)
+        ref = model(ids, meta.positions, caches, backend)
+        got = model.decode_fused(ids, meta.positions, fused_caches, *decode_tables(meta), block,
+                                 cpu_ops.NEVER_WIDE, int_products=True)
+        plain = model.decode_fused(ids, meta.positions, [c.clone() for c in caches],
+                                   *decode_tables(meta), block, cpu_ops.NEVER_WIDE)
+    assert got is not None
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    for a, b in zip(fused_caches, caches, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got, plain)  # it did take the integer products
