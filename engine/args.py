@@ -53,11 +53,14 @@ class EngineArgs:
     # 0), one GPU each on CUDA; on the CPU each takes num_threads (default: the cores shared
     # out). kv_cache_memory_bytes is per rank, so the pool grows with the ranks.
     tensor_parallel_size: int = 1
-    # Weight-only quantization of the linear layers (engine.quant.layouts): "int8" | "int4" quantize
-    # the fp weights at load, "gguf" serves a GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks (no fp
-    # copy of them is read), "none" keeps fp weights; activations and the KV cache are
-    # unchanged. On CUDA only "int4", in bfloat16 (PyTorch's tinygemm kernel, engine.quant.gpu).
-    quantization: str = "none"
+    # Quantization of the linear weights (engine.quant.layouts): "auto" serves a GGUF in its own
+    # blocks ("gguf", on the CPU at TP 1) and anything else as "none"; "int8" | "int4"
+    # quantize the fp weights at load, "gguf" serves a GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks
+    # (no fp copy of them is read), "none" keeps fp weights. The KV cache is unchanged; the
+    # activations too, except where the host's plan multiplies quantized weights by int8
+    # activations (engine.ops.linear's cqint). On CUDA only "int4", in bfloat16 (PyTorch's
+    # tinygemm kernel, engine.quant.gpu).
+    quantization: str = "auto"
     # A second KV cache tier (engine.executor.kv_tier) for prefix blocks the pool evicts: host memory
     # (bytes; 0: off), and optionally a disk tier under a directory (both or neither).
     kv_offload_memory_bytes: int = 0

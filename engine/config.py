@@ -19,10 +19,22 @@ BATCHING_POLICIES = ("continuous", "static", "dynamic")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_CHOICES = ("auto", *DTYPE_BYTES)
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer")
-# What ``--quantization`` accepts: ``none`` keeps the checkpoint's fp weights (a GGUF's
-# dequantized copy), a kind of ``engine.quant.layouts.KINDS`` quantizes them at load, ``gguf``
-# serves a GGUF's own Q8_0 / Q4_0 / Q4_1 / Q4_K blocks in those layouts (engine.quant.gguf).
-QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf")
+# What ``--quantization`` accepts: ``auto`` (the default) serves a checkpoint in its own
+# quantization where it has one this engine serves (a GGUF's blocks: ``gguf``), else as
+# ``none``; ``none`` keeps the checkpoint's fp weights (a GGUF's dequantized copy), a kind of
+# ``engine.quant.layouts.KINDS`` quantizes them at load, ``gguf`` serves a GGUF's own Q8_0 /
+# Q4_0 / Q4_1 / Q4_K blocks in those layouts (engine.quant.gguf).
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "gguf")
+
+
+def resolve_quantization(name: str, has_gguf_blocks: bool, device_type: str, tp: int) -> str:
+    """``--quantization`` as served: ``"auto"`` -> ``"gguf"`` for a model converted from a GGUF
+    that holds blocks in our layouts (``has_gguf_blocks``), on the CPU at TP 1 (where ``gguf``
+    runs: the GPU and TP > 1 serve no GGUF blocks yet), else ``"none"``; any other name as it
+    is (``check_quantization`` refuses what cannot be honoured)."""
+    if name != "auto":
+        return name
+    return "gguf" if has_gguf_blocks and device_type == "cpu" and tp == 1 else "none"
 
 
 def resolve_dtype(name: str, device_type: str) -> str:

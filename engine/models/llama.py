@@ -270,18 +270,17 @@ class LlamaForCausalLM(nn.Module):
         lookups), the two layers ~15. Quantized projections enter the table as their data,
         scales and offsets; ``self._pointers[3]`` is their layout for ``decode_layers``
         (``(0, 0)`` for fp weights), None when the projections mix layouts."""
-        def parts(w) -> tuple:  # the weight (or its data), its scales, offsets and row sums
+        def parts(w) -> tuple:  # the weight (or its data) and its scales and offsets
             if isinstance(w, QuantizedWeight):
-                return (w.data, w.scale, w.offset, w.row_sums() if w.kind == "int8" else None)
-            return (w, None, None, None)
+                return (w.data, w.scale, w.offset)
+            return (w, None, None)
 
         def row(i: int) -> tuple:
             lay = self.layers[i]
             qkv, o, gu, down = (parts(getattr(lay, n).weight)
                                 for n in ("qkv", "o_proj", "gate_up", "down"))
             return (lay.input_norm, lay.post_norm, qkv[0], lay.qkv.bias, o[0], gu[0], down[0],
-                    lay.q_norm, lay.k_norm, *qkv[1:3], *o[1:3], *gu[1:3], *down[1:3],
-                    qkv[3], o[3], gu[3], down[3])
+                    lay.q_norm, lay.k_norm, *qkv[1:], *o[1:], *gu[1:], *down[1:])
 
         key = (tuple(c.data_ptr() for c in kv_caches), row(0), row(-1))
         held = self._pointers

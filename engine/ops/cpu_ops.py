@@ -87,7 +87,7 @@ _SIGNATURES = {
     "q8_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
     "q4_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "q_dequantize": [_I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
-    "qi_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
+    "qi_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "qi_linear_work_floats": [_I64, _I64],
     "qi_isa": [],
     "isa_probe": [],
@@ -465,7 +465,7 @@ def decode_layers_applies(shapes: DecodeLayerShapes, dtype: torch.dtype) -> bool
 
 
 # Addresses per layer in decode_layers' table (DL_PTRS in the C source).
-LAYER_POINTERS = 22
+LAYER_POINTERS = 18
 _TABLE_DTYPES = (torch.float32, torch.int8, torch.uint8, torch.float16)
 
 
@@ -473,9 +473,7 @@ def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
     """The address table ``decode_layers`` walks: per layer (input norm, post norm, QKV weight,
     QKV bias or None, O weight, gate/up weight, down weight, query-head norm or None, key-head
     norm or None, KV cache, then for quantized weights the scales and offsets (int4; else
-    None) of QKV, O, gate/up and down, all None for fp weights, then int8 weights' row sums
-    (``QuantizedWeight.row_sums``) of the four, for the integer products, else None):
-    ``LAYER_POINTERS`` each.
+    None) of QKV, O, gate/up and down, all None for fp weights): ``LAYER_POINTERS`` each.
     Raises ValueError when a tensor is not contiguous on CPU in a dtype the kernel reads (fp32;
     int8 / uint8 weight data and fp16 scales of quantized weights). The caller must keep the
     tensors alive, unmoved, while the table is in use."""
@@ -509,7 +507,7 @@ def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerSh
     ``weights``: the projections' layout, ``(0, 0)`` fp32, ``(1, group)`` int8, ``(2, 32)``
     int4 (``engine.quant.layouts``; the table then holds their data, scales and offsets), and
     ``(3, 32)`` / ``(4, 32)`` the same int8 / int4 weights multiplied by int8 activations
-    (each projection's input quantized per row: the integer products). Returns False,
+    (each projection's input quantized per 32 values: the integer products). Returns False,
     touching nothing, when the kernel does not apply (the caller runs the layers itself)."""
     lib = library()
     if (lib is None or not _fits(h, cos, sin) or h.dim() != 2 or not h.is_contiguous()

@@ -47,11 +47,12 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
 
 def quantized_linear_int(x: torch.Tensor, weight: QuantizedWeight,
                          bias: torch.Tensor | None, lib=None) -> torch.Tensor | None:
-    """``x @ weight.T + bias`` with ``x [M, K]`` (fp32) quantized to int8 per row first
-    (symmetric, ``max |x| / 127``) and every 32-weight block an integer dot product
-    (``qi_linear``: AVX-512 VNNI, AVX2 or portable, ``cpu_ops.int_dot_isa``): the ``"cqint"``
-    linear path. Rounds the activations, so it differs from ``cquant`` by the activations'
-    rounding (about 0.4% of a row's largest value per element). Weights in groups of 32 only;
+    """``x @ weight.T + bias`` with ``x [M, K]`` (fp32) quantized to int8 first, per 32 values
+    as the weights are (symmetric, ``max |x| / 127`` of the block), and every 32-weight block an
+    integer dot product (``qi_linear``: AVX-512 VNNI, AVX2 or portable,
+    ``cpu_ops.int_dot_isa``): the ``"cqint"`` linear path. It differs from ``cquant`` by the
+    activations' rounding (at most 1/254 of a block's largest value per value). Weights in
+    groups of 32 only;
     None, computing nothing, when the kernel does not apply. ``lib``: another build of the
     kernels (``cpu_ops.load``; tests of each instruction path), else this process's."""
     lib = lib or library()
@@ -65,10 +66,9 @@ def quantized_linear_int(x: torch.Tensor, weight: QuantizedWeight,
         return None
     out = torch.empty(m, n, dtype=x.dtype)
     work = torch.empty(lib.qi_linear_work_floats(m, k))
-    rs = weight.row_sums().data_ptr() if weight.kind == "int8" else None
     lib.qi_linear(1 if weight.kind == "int8" else 2, x.data_ptr(), weight.data.data_ptr(),
                   weight.scale.data_ptr(),
-                  None if weight.offset is None else weight.offset.data_ptr(), rs,
+                  None if weight.offset is None else weight.offset.data_ptr(),
                   None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
                   work.data_ptr(), torch.get_num_threads())
     return out

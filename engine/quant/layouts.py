@@ -36,7 +36,7 @@ PyTorch's tinygemm kernel (``engine.quant.gpu``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -82,8 +82,6 @@ class QuantizedWeight:
     offset: torch.Tensor | None
     group: int
     dtype: torch.dtype = torch.float32
-
-    _row_sums: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         n = self.data.shape[0]
@@ -133,19 +131,6 @@ class QuantizedWeight:
             w = unpack_int4(self.data).float() * scale
             w += self.offset.float().repeat_interleave(self.group, dim=1)
         return w.to(dtype or self.dtype)
-
-    def row_sums(self) -> torch.Tensor:
-        """fp32 ``[N]``: ``sum_b scale[n, b] * sum_{k in b} data[n, k]`` of an int8 weight,
-        made on first use and kept (4 bytes a row). The integer products feed int8 weights
-        activations offset by +128 (unsigned, as AVX-512 VNNI's instruction takes them) and
-        take ``128 * row_sums`` back off each output (``engine/ops/csrc/cpu_ops.c``)."""
-        if self.kind != "int8":
-            raise ValueError(f"row sums are an int8 weight's; this one is {self.kind}")
-        if self._row_sums is None:
-            n, k = self.shape
-            blocks = self.data.reshape(n, k // self.group, self.group).sum(dim=2, dtype=torch.int32)
-            self._row_sums = (blocks.float() * self.scale.float()).sum(dim=1).contiguous()
-        return self._row_sums
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Dequantized rows ``[len(index), K]`` (an embedding lookup in a quantized table)."""

@@ -8,6 +8,7 @@ runner, block manager, scheduler and KV connector together. ``LLMEngine`` steps 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -16,7 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.args import EngineArgs
-from engine.config import CacheConfig, SchedulerConfig, num_blocks_for_budget, offload_config
+from engine.config import (
+    CacheConfig,
+    SchedulerConfig,
+    num_blocks_for_budget,
+    offload_config,
+    resolve_quantization,
+)
 from engine.core.block_manager import BlockManager
 from engine.core.grammar import Grammars
 from engine.core.scheduler import Scheduler
@@ -33,7 +40,7 @@ from engine.runtime.kv_connector import KVConnector
 from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import Tokenizer, load_tokenizer
 from engine.tuning.runner_plans import RunnerPlans, plans_by_threads, tune_runner
-from engine.weights.loader import load_weights
+from engine.weights.loader import has_quantized_blocks, load_weights
 from engine.weights.resolve import load_model_config, resolve_model
 
 log = logging.getLogger(__name__)
@@ -82,9 +89,17 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     # On the CPU at TP 1, the thread count follows the CPU this process gets.
     threads = (EngineThreads(args.num_threads, args.adaptive_threads)
                if plan.device.type == "cpu" and tp == 1 else None)
-    check_quantization(args.quantization, plan.device, tp, plan.dtype)
     offload = offload_config(args)
     resolved = resolve_model(args.model, cache_dir=args.cache_dir)
+    if args.quantization == "auto":
+        quant = resolve_quantization("auto", has_quantized_blocks(resolved.model_dir),
+                                     plan.device.type, tp)
+        if quant == "gguf":
+            log.info("serving %s in its own quantized blocks (--quantization gguf; "
+                     "--quantization none serves their fp32 dequantization)", resolved.model_id)
+        # the ranks, the status and every later reader see what is served
+        args = dataclasses.replace(args, quantization=quant)
+    check_quantization(args.quantization, plan.device, tp, plan.dtype)
     cfg = load_model_config(resolved.model_dir, dtype=plan.dtype, model_id=resolved.model_id)
     # A worker's engine (token ids in and out) loads it on first need: ~2 s less to start.
     tokenizer = load_tokenizer(resolved.model_dir, lazy=not args.detokenize)

@@ -38,6 +38,7 @@ class Pretuned:
     """One thread count's plans: whether each came from the cache, and the seconds spent."""
 
     threads: int
+    quantization: str  # the weights as served ("gguf", "none", ...)
     linear_from_cache: bool
     decode_from_cache: bool
     fused_from_cache: bool
@@ -53,24 +54,40 @@ def default_thread_counts(cores: int | None = None) -> list[int]:
 
 
 def pretune(model: str | None = None, thread_counts: list[int] | None = None,
-            cache_dir: str | None = None) -> list[Pretuned]:
+            cache_dir: str | None = None,
+            quantizations: tuple[str, ...] = ("auto", "none")) -> list[Pretuned]:
     """Time (or find cached) the linear and decode-attention plans of ``model`` (default: the
-    default model) at each thread count, exactly as ``LLMEngine`` does at start-up; restores
+    default model) at each thread count, exactly as ``LLMEngine`` does at start-up, for the
+    weights as each of ``quantizations`` serves them (by default what ``auto`` serves, the
+    default model's GGUF blocks, and fp32, once each where they are the same); restores
     torch's thread count afterwards."""
-    from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
-    from engine.config import CacheConfig
+    from engine.config import resolve_quantization
     from engine.models.llama import LlamaForCausalLM
-    from engine.ops.linear import linear_plan, set_linear_plan
-    from engine.tuning.fused_decode import tune_fused_decode
-    from engine.tuning.linear import model_linear_weights, tune_linear
-    from engine.weights.loader import load_state_dict
+    from engine.weights.loader import has_quantized_blocks, load_weights
     from engine.weights.resolve import load_model_config, resolve_model
 
     model_dir = resolve_model(model).model_dir
     cfg = load_model_config(model_dir)
+    served = dict.fromkeys(resolve_quantization(q, has_quantized_blocks(model_dir), "cpu", 1)
+                           for q in quantizations)
+    done = []
+    for quant in served:
+        net = LlamaForCausalLM(cfg)
+        load_weights(net, model_dir, quant)
+        done += _pretune_model(net, quant, thread_counts, cache_dir)
+    return done
+
+
+def _pretune_model(net, quant: str, thread_counts: list[int] | None,
+                   cache_dir: str | None) -> list[Pretuned]:
+    from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
+    from engine.config import CacheConfig
+    from engine.ops.linear import linear_plan, set_linear_plan
+    from engine.tuning.fused_decode import tune_fused_decode
+    from engine.tuning.linear import model_linear_weights, tune_linear
+
+    cfg = net.cfg
     dtype = getattr(torch, cfg.dtype)
-    net = LlamaForCausalLM(cfg)
-    net.load_hf_state_dict(load_state_dict(model_dir, dtype))
     weights = model_linear_weights(net)
     before, plan_before = torch.get_num_threads(), linear_plan()
     done = []
@@ -86,8 +103,9 @@ def pretune(model: str | None = None, thread_counts: list[int] | None = None,
                                          cache_dir=cache_dir)
             set_linear_plan(linear)  # the fused step is timed against the layers as they run
             fused = tune_fused_decode(net, block_size, decode, cache_dir=cache_dir)
-            done.append(Pretuned(n, linear.from_cache, decode.from_cache, fused.from_cache,
-                                 time.perf_counter() - t0, prefill.from_cache))
+            done.append(Pretuned(n, quant, linear.from_cache, decode.from_cache,
+                                 fused.from_cache, time.perf_counter() - t0,
+                                 prefill.from_cache))
     finally:
         torch.set_num_threads(before)
         set_linear_plan(plan_before)
@@ -115,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             state = ("cached already" if r.linear_from_cache and r.decode_from_cache
                      and r.fused_from_cache and r.prefill_from_cache
                      else f"timed in {r.seconds:.1f} s")
-            print(f"kernel plans for {r.threads} thread(s): {state}")
+            print(f"kernel plans for {r.threads} thread(s), quantization {r.quantization}: "
+                  f"{state}")
     except Exception as e:  # install must not fail here: the engine times at start instead
         log.warning("kernel plans not pre-timed (%s: %s); the engine times them at its first "
                     "start", type(e).__name__, e)

@@ -97,6 +97,19 @@ def language_model_name(stored: str) -> str | None:
 
 
 
+def has_quantized_blocks(model_dir: str | Path) -> bool:
+    """Whether a GGUF conversion in ``model_dir`` kept any tensor in our layouts (what
+    ``--quantization gguf``, and ``auto`` for such a model, serves); reads the file's header
+    only."""
+    from safetensors import safe_open
+
+    path = Path(model_dir) / QUANTIZED_FILE
+    if not path.is_file():
+        return False
+    with safe_open(str(path), framework="pt") as f:
+        return bool(json.loads((f.metadata() or {}).get("layouts", "{}")))
+
+
 def load_quantized_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.float32
                               ) -> dict[str, QuantizedWeight]:
     """The quantized weights a GGUF conversion kept in ``engine.quant.layouts`` layouts (HF names ->

@@ -68,9 +68,11 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
     dev.add_argument("--dtype", choices=list(DTYPE_CHOICES), default=None,
                      help="weights and KV cache (default auto: bfloat16 on GPU, float32 on CPU)")
     dev.add_argument("--quantization", choices=list(QUANT_CHOICES), default=None,
-                     help="weight-only linear layers on CPU workers: int8 / int4 (groups of 32) "
-                          "quantize fp weights at load; gguf serves a GGUF's own Q8_0/Q4_0/"
-                          "Q4_1/Q4_K blocks (default none; docs/models.md)")
+                     help="linear layers on CPU workers: auto (default) serves a GGUF, the "
+                          "default model included, in its own blocks and other models in fp; "
+                          "none: fp (a GGUF dequantized); int8 / int4 (groups of 32) quantize "
+                          "fp weights at load; gguf: a GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks "
+                          "(docs/models.md)")
     dev.add_argument("--attention-backend", choices=list(ATTENTION_BACKEND_CHOICES), default=None,
                      help="auto (default): flashinfer on GPU when installed, else torch")
     dev.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,

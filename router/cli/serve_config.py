@@ -65,8 +65,9 @@ class ServeConfig:
     # GPUs). device: auto = GPUs when the Ray cluster has them, cuda = require them.
     device: str = "auto"
     dtype: str = "auto"
-    # Weight-only int8 / int4 linear layers on CPU workers (engine.quant.layouts); "none" keeps fp.
-    quantization: str = "none"
+    # Quantized linear layers on CPU workers (engine.quant.layouts): "auto" serves a GGUF (the
+    # default model) in its own blocks, anything else in fp; "none" keeps fp.
+    quantization: str = "auto"
     attention_backend: str = "auto"
     cuda_graphs: bool | None = None  # None: on for GPU workers
     gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
@@ -240,7 +241,7 @@ class ServeConfig:
         if self.quantization not in QUANT_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}, "
                              f"got {self.quantization!r}")
-        if self.quantization != "none" and self.device == "cuda":
+        if self.quantization not in ("none", "auto") and self.device == "cuda":
             raise ValueError(f"--quantization {self.quantization}: the quantized kernels are "
                              "CPU kernels; not with --device cuda")
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:

@@ -6,12 +6,9 @@ from __future__ import annotations
 import gc
 
 
-def greedy_logprobs(prompt: list[int], new_tokens: int, top: int = 5) -> dict:
-    """The greedy continuation of ``prompt`` (``new_tokens`` ids) under transformers'
-    forward on the default model, with: per generated token its log-softmax value and the
-    ``top`` most likely (ids, values); per prompt token after the first, its log-softmax
-    value given the tokens before it. The model is freed before returning (the suite keeps
-    its memory lean)."""
+def default_model_hf():
+    """transformers' model of the default model on the fp32 conversion's weights (the GGUF's
+    blocks dequantized), in eval mode."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -24,7 +21,18 @@ def greedy_logprobs(prompt: list[int], new_tokens: int, top: int = 5) -> dict:
                                              strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     hf.tie_weights()
-    hf.eval()
+    return hf.eval()
+
+
+def greedy_logprobs(prompt: list[int], new_tokens: int, top: int = 5) -> dict:
+    """The greedy continuation of ``prompt`` (``new_tokens`` ids) under transformers'
+    forward on the default model, with: per generated token its log-softmax value and the
+    ``top`` most likely (ids, values); per prompt token after the first, its log-softmax
+    value given the tokens before it. The model is freed before returning (the suite keeps
+    its memory lean)."""
+    import torch
+
+    hf = default_model_hf()
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(new_tokens):

@@ -849,27 +849,34 @@ void q4_linear(const float *x, const uint8_t *q, const _Float16 *scale, const _F
 /* ---- integer products: int8 activations x int8 / int4 weights ---------------------------------
  * From a few rows up a step's projections are bound by multiplies, not bytes, and the tiles
  * above convert every weight to a float for every tile of rows. Here the activations are
- * quantized too, per row and symmetric (d = max |x| / 127, q = round(x / d)), and each weight
- * block is an integer dot product (AVX-512 VNNI vpdpbusd: 64 byte products an instruction;
- * AVX2 vpmaddubsw + vpmaddwd), scaled once per block by the weight's fp16 scale:
- *   int8: y[m][n] = d[m] * sum_b s[n][b] * sum_{k in b} q[m][k] w[n][k]
- *   int4: y[m][n] = d[m] * sum_b (s[n][b] * sum_k q[m][k] w[n][k] + o[n][b] * sum_k q[m][k])
+ * quantized too, per 32-value block like the weights (GGUF's Q8_0 for activations, as
+ * llama.cpp does): d = max |x| / 127 over the block, q = round(x / d). One scale per row
+ * was measured first and halved the default model's greedy agreement with fp32 (its
+ * activations have outlier channels: a row's scale set by one left the rest a few levels).
+ * Each block of each output is then an integer dot product (AVX-512 VNNI vpdpbusd: 64 byte
+ * products an instruction; AVX2 vpmaddubsw + vpmaddwd) scaled by both blocks' scales:
+ *   int8: y[m][n] = sum_b s[n][b] d[m][b] sum_{k in b} q[m][k] w[n][k]
+ *   int4: y[m][n] = sum_b (s[n][b] d[m][b] sum_k q[m][k] w[n][k] + o[n][b] d[m][b] sum_k q[m][k])
  * Blocks are taken in pairs (64 weights: one zmm of int8 weights, 32 bytes of int4 ones).
+ * VNNI multiplies unsigned bytes by signed ones: int4's nibbles are unsigned as they are;
+ * int8 weights are flipped to w + 128 (one xor per weight vector), and the 128 * sum(q) this
+ * adds to a lane is taken off by starting its sum at -128 * sum(q) (one more vpdpbusd per row
+ * of q, shared by every weight row). AVX2 takes |w| and moves w's sign onto q.
  *
- * The quantized rows (QAct), KP = K rounded up to 64 bytes each, zero past K:
- * - int4 weights: s8 q, each pair of blocks (b, b + 1) in the order its nibbles unpack to: the
- *   low nibbles of both blocks' 32 bytes, then the high ones, i.e. 8-weight runs 0, 2, 4, 6
- *   (b: 0-7, 16-23; b + 1: 0-7, 16-23), then 1, 3, 5, 7. The unsigned nibbles are the
- *   instruction's unsigned operand, q the signed one. xsum[m][b] = sum of q over block b.
- * - int8 weights, VNNI (QX_U8): u8 q + 128 in order, the unsigned operand against the signed
- *   weights; the 128 * sum(w) this adds is taken off once per output through the weight's
- *   row sums (rs[n] = sum_b s[n][b] * sum_{k in b} w[n][k], engine/quant/layouts.py).
- * - int8 weights otherwise: s8 q in order (AVX2 takes |w| and moves w's sign onto q).
- * Integer sums cannot overflow: a block's is at most 32 * 127 * 127 (int8) < 2^19. */
+ * The quantized rows (QAct): KP = K rounded up to 64 bytes each, zero past K; int8 weights'
+ * q in order, int4's in the order each pair of blocks (b, b + 1) unpacks to: the low nibbles
+ * of both blocks' 32 bytes, then the high ones, i.e. 8-value runs 0, 2, 4, 6 (b: 0-7, 16-23;
+ * b + 1: 0-7, 16-23), then 1, 3, 5, 7. d[m][b]; for int4 xsum[m][b] = d[m][b] * sum of q
+ * over block b. Integer sums cannot overflow: a block's is at most 32 * 255 * 127 < 2^20. */
 typedef struct {
-    const uint8_t *q; /* [M][KP] */
-    const float *d;   /* [M] */
-    const float *xsum; /* [M][nb] (int4 weights) */
+    const uint8_t *q;  /* [M][KP] */
+    const float *d;    /* [M][nb + 1]: a spare zero block past the last (an odd last pair) */
+    const float *xsum; /* [M][nb + 1] (int4 weights) */
+    /* AVX-512 VNNI only, per row and pair of blocks, 16 lanes each (KP / 64 per row): the
+     * two blocks' d spread as the pair's lanes are (dv), and int8 weights' starting sums
+     * (-128 * each lane's 4 q, cv): made once per row here rather than for every tile. */
+    const float *dv;
+    const int32_t *cv;
     int64_t KP, nb;
 } QAct;
 
@@ -877,76 +884,100 @@ static inline int64_t qi_kp(int64_t K) { return (K + 63) / 64 * 64; }
 
 /* floats of scratch for a QAct of M rows of K */
 static inline int64_t qi_act_floats(int64_t M, int64_t K) {
-    return M * (qi_kp(K) / 4 + 1 + K / 32 + 1);
+    return M * (qi_kp(K) / 4 + 2 * (K / 32 + 1) + 2 * (qi_kp(K) / 64) * 16) + 16;
 }
 
 static inline QAct qi_act_at(float *work, int64_t M, int64_t K) {
     QAct a;
     a.KP = qi_kp(K);
     a.nb = K / 32;
-    a.d = work;
-    a.xsum = work + M;
-    a.q = (const uint8_t *)(work + M + M * (a.nb + 1));
+    const int64_t pv = M * (a.KP / 64) * 16;
+    /* the vectors first, on a 64-byte boundary */
+    float *v = (float *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
+    a.dv = v;
+    a.cv = (const int32_t *)(v + pv);
+    a.d = v + 2 * pv;
+    a.xsum = a.d + M * (a.nb + 1);
+    a.q = (const uint8_t *)(a.xsum + M * (a.nb + 1));
     return a;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define QI_ISA 2
-#define QX_U8 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QI_ISA 1
-#define QX_U8 0
 #else
 #define QI_ISA 0
-#define QX_U8 0
 #endif
 
 /* Row m of x [K] into a's row m (wfmt 1: for int8 weights, 2: int4). */
 static void qi_quantize_row_(int64_t wfmt, const float *x, int64_t K, QAct *a, int64_t m) {
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    ((float *)a->d)[m] = d;
     uint8_t *dst = (uint8_t *)a->q + m * a->KP;
+    float *d = (float *)a->d + m * (a->nb + 1), *xs = (float *)a->xsum + m * (a->nb + 1);
     int8_t tmp[64];
+    d[a->nb] = xs[a->nb] = 0.f;
     for (int64_t p = 0; p < a->KP; p += 64) {
-        const int64_t n = K - p < 64 ? (K - p > 0 ? K - p : 0) : 64;
+        for (int h = 0; h < 2; h++) {
+            const int64_t b = p / 32 + h;
+            int8_t *t = tmp + 32 * h;
+            if (b >= a->nb) {
+                memset(t, 0, 32);
+                continue;
+            }
+            const float *xb = x + 32 * b;
+            float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            d[b] = amax / 127.f;
 #if QI_ISA == 2
-        if (n == 64) {
             const __m512 vi = _mm512_set1_ps(inv);
-            for (int j = 0; j < 64; j += 16)
-                _mm_storeu_si128((__m128i *)(tmp + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
-                    _mm512_mul_ps(_mm512_loadu_ps(x + p + j), vi))));
-        } else
+            _mm_storeu_si128((__m128i *)t, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
+                _mm512_mul_ps(_mm512_loadu_ps(xb), vi))));
+            _mm_storeu_si128((__m128i *)(t + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
+                _mm512_mul_ps(_mm512_loadu_ps(xb + 16), vi))));
+#else
+            for (int j = 0; j < 32; j++) t[j] = (int8_t)lrintf(xb[j] * inv);
 #endif
-        for (int64_t j = 0; j < 64; j++)
-            tmp[j] = j < n ? (int8_t)lrintf(x[p + j] * inv) : 0;
-        if (wfmt == 2) {
-            /* runs of 8: block b's 0-7, 16-23, block b + 1's 0-7, 16-23, then 8-15, 24-31 of
-             * each (the module comment's order) */
+            if (wfmt == 2) {
+                int s = 0;
+                for (int j = 0; j < 32; j++) s += t[j];
+                xs[b] = d[b] * (float)s;
+            }
+        }
+        if (wfmt == 2) { /* runs of 8 (the comment above) */
             static const int run[8] = {0, 2, 4, 6, 1, 3, 5, 7};
             for (int c = 0; c < 8; c++) memcpy(dst + p + 8 * c, tmp + 8 * run[c], 8);
-            float *xs = (float *)a->xsum + m * a->nb;
-            for (int h = 0; h < 2 && p / 32 + h < a->nb; h++) {
-                int s = 0;
-                for (int j = 0; j < 32; j++) s += tmp[32 * h + j];
-                xs[p / 32 + h] = (float)s;
-            }
-        } else if (QX_U8) {
-#pragma omp simd
-            for (int j = 0; j < 64; j++) dst[p + j] = (uint8_t)(tmp[j] + 128);
         } else {
             memcpy(dst + p, tmp, 64);
         }
+#if QI_ISA == 2
+        {
+            const int64_t pair = m * (a->KP / 64) + p / 64, b = p / 32;
+            const __m512i idx = wfmt == 1
+                ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+            const float d1 = b + 1 < a->nb ? d[b + 1] : 0.f;
+            _mm512_store_ps((float *)a->dv + 16 * pair, _mm512_permutexvar_ps(
+                idx, _mm512_castps128_ps512(_mm_set_ps(0.f, 0.f, d1, d[b]))));
+            if (wfmt == 1) {
+                const __m512i xv = _mm512_loadu_si512(dst + p);
+                _mm512_store_si512((int32_t *)a->cv + 16 * pair, _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                        _mm512_set1_epi8((char)0x80), xv)));
+            }
+        }
+#endif
     }
 }
 
 #if QI_ISA == 2
-/* Two fp16 block scales (one when `one`) into 16 lanes as idx places them. */
-static inline __attribute__((always_inline)) __m512 qi_scales_(const _Float16 *s, __m512i idx,
-                                                               const int one) {
+/* Two consecutive fp16 weight scales (one when `one`, the other lane 0) into 16 lanes as idx
+ * places them. */
+static inline __attribute__((always_inline)) __m512 qi_wscales_(const _Float16 *s, __m512i idx,
+                                                                const int one) {
     uint32_t u = 0;
     memcpy(&u, s, one ? 2 : 4);
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(
@@ -956,12 +987,13 @@ static inline __attribute__((always_inline)) __m512 qi_scales_(const _Float16 *s
 /* Blocks b and b + 1 (b alone when `one`) of R weight rows against M rows of q into acc. */
 static inline __attribute__((always_inline)) void qi_pair_(
         const int wfmt, const uint8_t *w, int64_t wrow, const _Float16 *sc, int64_t nb,
-        const uint8_t *x0, int64_t KP, int64_t b, const int one, const int R, const int M,
+        const QAct *a, int64_t m0, int64_t b, const int one, const int R, const int M,
         __m512 acc[4][4]) {
     const __m512i idx = wfmt == 1
         ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
         : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m256i low4 = _mm256_set1_epi8(15);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i wv[4];
     __m512 s[4];
     for (int r = 0; r < R; r++) {
@@ -969,7 +1001,9 @@ static inline __attribute__((always_inline)) void qi_pair_(
         if (wfmt == 1) {
             const uint8_t *p = wr + 32 * b;
             _mm_prefetch((const char *)(p + R * wrow), _MM_HINT_T0);
-            wv[r] = one ? _mm512_maskz_loadu_epi8(0xffffffffull, p) : _mm512_loadu_si512(p);
+            const __m512i v = one ? _mm512_maskz_loadu_epi8(0xffffffffull, p)
+                                  : _mm512_loadu_si512(p);
+            wv[r] = _mm512_xor_si512(v, flip); /* w + 128, unsigned */
         } else {
             const uint8_t *p = wr + 16 * b;
             if (!(b & 3)) _mm_prefetch((const char *)(p + R * wrow), _MM_HINT_T0);
@@ -979,23 +1013,26 @@ static inline __attribute__((always_inline)) void qi_pair_(
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             wv[r] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
         }
-        s[r] = qi_scales_(sc + r * nb + b, idx, one);
+        s[r] = qi_wscales_(sc + r * nb + b, idx, one);
     }
     for (int m = 0; m < M; m++) {
-        const __m512i xv = _mm512_loadu_si512(x0 + m * KP + 32 * b);
+        const __m512i xv = _mm512_loadu_si512(a->q + (m0 + m) * a->KP + 32 * b);
+        const int64_t pair = (m0 + m) * (a->KP / 64) + b / 2;
+        const __m512 dx = _mm512_load_ps(a->dv + 16 * pair);
+        /* int8: each lane's sum starts at -128 * (its 4 q), undoing the weights' + 128 */
+        const __m512i start = wfmt == 1 ? _mm512_load_si512(a->cv + 16 * pair)
+                                        : _mm512_setzero_si512();
         for (int r = 0; r < R; r++) {
-            const __m512i z = _mm512_setzero_si512();
-            const __m512i dot = wfmt == 1 ? _mm512_dpbusd_epi32(z, xv, wv[r])
-                                          : _mm512_dpbusd_epi32(z, wv[r], xv);
-            acc[r][m] = _mm512_fmadd_ps(s[r], _mm512_cvtepi32_ps(dot), acc[r][m]);
+            const __m512i dot = _mm512_dpbusd_epi32(start, wv[r], xv);
+            acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(s[r], dx), _mm512_cvtepi32_ps(dot),
+                                        acc[r][m]);
         }
     }
 }
 
-/* R weight rows (int8: row r at w + r * K bytes; int4: w + r * K / 2) against rows m0.. m0 +
- * M - 1 of a: out[r * M + m] = sum_b s[r][b] * (integer dot of block b) (+ int4's offsets
- * share), before d and int8's correction. wfmt, R and M are constants where this is inlined,
- * so acc lives in registers. */
+/* R weight rows (int8: row r at w + r * K bytes; int4: w + r * K / 2) against rows m0 ..
+ * m0 + M - 1 of a: out[r * M + m] = y for those rows (the comment above). wfmt, R and M are
+ * constants where this is inlined, so acc lives in registers. */
 static inline __attribute__((always_inline)) void qi_tile_(
         const int wfmt, const void *w, const _Float16 *sc, const _Float16 *off, const QAct *a,
         int64_t m0, const int R, const int M, int64_t K, float *out) {
@@ -1004,12 +1041,11 @@ static inline __attribute__((always_inline)) void qi_tile_(
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-    const uint8_t *x0 = a->q + m0 * a->KP;
     int64_t b = 0;
     for (; b + 1 < nb; b += 2)
-        qi_pair_(wfmt, (const uint8_t *)w, wrow, sc, nb, x0, a->KP, b, 0, R, M, acc);
+        qi_pair_(wfmt, (const uint8_t *)w, wrow, sc, nb, a, m0, b, 0, R, M, acc);
     if (b < nb)
-        qi_pair_(wfmt, (const uint8_t *)w, wrow, sc, nb, x0, a->KP, b, 1, R, M, acc);
+        qi_pair_(wfmt, (const uint8_t *)w, wrow, sc, nb, a, m0, b, 1, R, M, acc);
     if (wfmt == 2) /* offsets: sum_b o[r][b] * xsum[m][b], 16 blocks a vector */
         for (int64_t c = 0; c < nb; c += 16) {
             const __mmask16 k = nb - c >= 16 ? 0xffff : (__mmask16)((1u << (nb - c)) - 1);
@@ -1017,7 +1053,8 @@ static inline __attribute__((always_inline)) void qi_tile_(
                 const __m512 o = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, off + r * nb + c));
                 for (int m = 0; m < M; m++)
                     acc[r][m] = _mm512_fmadd_ps(
-                        o, _mm512_maskz_loadu_ps(k, a->xsum + (m0 + m) * nb + c), acc[r][m]);
+                        o, _mm512_maskz_loadu_ps(k, a->xsum + (m0 + m) * (nb + 1) + c),
+                        acc[r][m]);
             }
         }
     for (int r = 0; r < R; r++)
@@ -1034,7 +1071,6 @@ static inline __attribute__((always_inline)) void qi_tile_(
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    const uint8_t *x0 = a->q + m0 * a->KP;
     if (wfmt == 1) { /* a block at a time: |w| unsigned, w's sign moved onto q */
         for (int64_t b = 0; b < nb; b++) {
             __m256i aw[2], sw[2];
@@ -1047,11 +1083,14 @@ static inline __attribute__((always_inline)) void qi_tile_(
                 s[r] = _mm256_set1_ps((float)sc[r * nb + b]);
             }
             for (int m = 0; m < M; m++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x0 + m * a->KP + 32 * b));
+                const __m256i xv = _mm256_loadu_si256(
+                    (const __m256i *)(a->q + (m0 + m) * a->KP + 32 * b));
+                const __m256 dx = _mm256_set1_ps(a->d[(m0 + m) * (nb + 1) + b]);
                 for (int r = 0; r < R; r++) {
-                    const __m256i d = _mm256_madd_epi16(
+                    const __m256i dot = _mm256_madd_epi16(
                         _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, sw[r])), ones);
-                    acc[r][m] = _mm256_fmadd_ps(s[r], _mm256_cvtepi32_ps(d), acc[r][m]);
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_mul_ps(s[r], dx),
+                                                _mm256_cvtepi32_ps(dot), acc[r][m]);
                 }
             }
         }
@@ -1073,14 +1112,18 @@ static inline __attribute__((always_inline)) void qi_tile_(
                 s[r] = _mm256_set_ps(s1, s1, s1, s1, s0, s0, s0, s0);
             }
             for (int m = 0; m < M; m++) {
-                const uint8_t *xp = x0 + m * a->KP + 32 * b;
+                const uint8_t *xp = a->q + (m0 + m) * a->KP + 32 * b;
+                const float *dm = a->d + (m0 + m) * (nb + 1) + b;
+                const __m256 dx = _mm256_set_ps(dm[1], dm[1], dm[1], dm[1], dm[0], dm[0],
+                                                dm[0], dm[0]);
                 const __m256i xa = _mm256_loadu_si256((const __m256i *)xp);
                 const __m256i xb = _mm256_loadu_si256((const __m256i *)(xp + 32));
                 for (int r = 0; r < R; r++) {
-                    const __m256i d = _mm256_madd_epi16(
+                    const __m256i dot = _mm256_madd_epi16(
                         _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xa),
                                          _mm256_maddubs_epi16(hi[r], xb)), ones);
-                    acc[r][m] = _mm256_fmadd_ps(s[r], _mm256_cvtepi32_ps(d), acc[r][m]);
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_mul_ps(s[r], dx),
+                                                _mm256_cvtepi32_ps(dot), acc[r][m]);
                 }
             }
         }
@@ -1097,7 +1140,7 @@ static inline __attribute__((always_inline)) void qi_tile_(
                     o = _mm256_loadu_ps(t);
                 }
                 for (int m = 0; m < M; m++) {
-                    const float *xs = a->xsum + (m0 + m) * nb + c;
+                    const float *xs = a->xsum + (m0 + m) * (nb + 1) + c;
                     float t[8] = {0};
                     if (n8 < 8)
                         for (int j = 0; j < n8; j++) t[j] = xs[j];
@@ -1120,6 +1163,7 @@ static inline void qi_tile_(const int wfmt, const void *w, const _Float16 *sc,
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) {
             const uint8_t *xq = a->q + (m0 + m) * a->KP;
+            const float *d = a->d + (m0 + m) * (nb + 1), *xs = a->xsum + (m0 + m) * (nb + 1);
             float acc = 0.f;
             for (int64_t b = 0; b < nb; b++) {
                 int dot = 0;
@@ -1131,8 +1175,8 @@ static inline void qi_tile_(const int wfmt, const void *w, const _Float16 *sc,
                     } else { /* weight k of block b: nibble (k / 8) % 2 of byte 8 (k / 16) + k % 8 */
                         const uint8_t byte = ((const uint8_t *)w)[r * (K / 2) + 16 * b + 8 * (k / 16) + k % 8];
                         wk = (k / 8) % 2 ? byte >> 4 : byte & 15;
-                        /* where q's pair order put weight k of block b */
-                        const int half = b % 2, run8 = 4 * half + (k / 16) * 2 + (k / 8) % 2;
+                        /* where q's pair order put value k of block b */
+                        const int run8 = 4 * (int)(b % 2) + k / 8;
                         int pos = 0;
                         for (int c = 0; c < 8; c++)
                             if (run[c] == run8) pos = c;
@@ -1140,8 +1184,8 @@ static inline void qi_tile_(const int wfmt, const void *w, const _Float16 *sc,
                     }
                     dot += wk * xk;
                 }
-                acc += (float)sc[r * nb + b] * (float)dot;
-                if (wfmt == 2) acc += (float)off[r * nb + b] * a->xsum[(m0 + m) * nb + b];
+                acc += (float)sc[r * nb + b] * d[b] * (float)dot;
+                if (wfmt == 2) acc += (float)off[r * nb + b] * xs[b];
             }
             out[r * M + m] = acc;
         }
@@ -1150,7 +1194,7 @@ static inline void qi_tile_(const int wfmt, const void *w, const _Float16 *sc,
 #endif
 
 /* y[m * ldy + n] (+ y when acc) for the weight rows n0 <= n < n1 (wfmt 1: int8, 2: int4, in
- * groups of 32) against every row of a; rs: int8's row sums (QX_U8's correction). */
+ * groups of 32) against every row of a. */
 #define QI_CASE(F, MC)                                                                       \
     if (r == QI_R) qi_tile_(F, wn, sc, off, a, m0, QI_R, MC, K, out);                        \
     else qi_tile_(F, wn, sc, off, a, m0, 1, MC, K, out);
@@ -1162,8 +1206,8 @@ static inline void qi_tile_(const int wfmt, const void *w, const _Float16 *sc,
     default: QI_CASE(F, 4) break;                                                            \
     }
 static void qi_rows_(int64_t wfmt, const void *data, const _Float16 *scale,
-                     const _Float16 *offset, const float *rs, const QAct *a, int64_t M, int64_t K,
-                     int64_t n0, int64_t n1, float *y, int64_t ldy, int acc) {
+                     const _Float16 *offset, const QAct *a, int64_t M, int64_t K, int64_t n0,
+                     int64_t n1, float *y, int64_t ldy, int acc) {
     const int64_t nb = K / 32, wrow = wfmt == 1 ? K : K / 2;
     for (int64_t m0 = 0; m0 < M; m0 += QM) {
         const int64_t mc = M - m0 < QM ? M - m0 : QM;
@@ -1175,11 +1219,8 @@ static void qi_rows_(int64_t wfmt, const void *data, const _Float16 *scale,
             if (wfmt == 1) QI_SWITCH(1) else QI_SWITCH(2)
             for (int64_t i = 0; i < r; i++)
                 for (int64_t m = 0; m < mc; m++) {
-                    float v = out[i * mc + m];
-                    if (wfmt == 1 && QX_U8) v -= 128.f * rs[n + i];
-                    v *= a->d[m0 + m];
                     float *dst = y + (m0 + m) * ldy + n + i;
-                    *dst = acc ? *dst + v : v;
+                    *dst = acc ? *dst + out[i * mc + m] : out[i * mc + m];
                 }
             n += r;
         }
@@ -1191,12 +1232,12 @@ int64_t qi_linear_work_floats(int64_t M, int64_t K) { return qi_act_floats(M, K)
 /* Which integer-product code this build holds: 2 AVX-512 VNNI, 1 AVX2, 0 portable. */
 int qi_isa(void) { return QI_ISA; }
 
-/* y [M, N] = x [M, K] W^T (+ bias) for a quantized W (wfmt 1: int8 in groups of 32, with its
- * row sums rs; 2: int4 with offsets), the activations quantized per row first (work:
- * qi_linear_work_floats(M, K) floats). K a multiple of 32. */
+/* y [M, N] = x [M, K] W^T (+ bias) for a quantized W (wfmt 1: int8 in groups of 32; 2: int4
+ * with offsets), the activations quantized first (work: qi_linear_work_floats(M, K)
+ * floats). K a multiple of 32. */
 void qi_linear(int64_t wfmt, const float *x, const void *q, const _Float16 *scale,
-               const _Float16 *offset, const float *rs, const float *bias, float *y, int64_t M,
-               int64_t N, int64_t K, float *work, int nthreads) {
+               const _Float16 *offset, const float *bias, float *y, int64_t M, int64_t N,
+               int64_t K, float *work, int nthreads) {
     QAct a = qi_act_at(work, M, K);
 #pragma omp parallel num_threads(nthreads) if (N * K >= 65536)
     {
@@ -1205,7 +1246,7 @@ void qi_linear(int64_t wfmt, const float *x, const void *q, const _Float16 *scal
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += Q_BLOCK) {
             const int64_t n1 = n0 + Q_BLOCK < N ? n0 + Q_BLOCK : N;
-            qi_rows_(wfmt, q, scale, offset, rs, &a, M, K, n0, n1, y, N, 0);
+            qi_rows_(wfmt, q, scale, offset, &a, M, K, n0, n1, y, N, 0);
             if (bias)
                 for (int64_t m = 0; m < M; m++)
                     for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
@@ -1232,16 +1273,14 @@ void qi_linear(int64_t wfmt, const float *x, const void *q, const _Float16 *scal
  *         weight's fp16 scales and offsets (int4) in the order QKV, O, gate/up, down (0 when
  *         qfmt is 0). Quantized projections take the dot-product tiles (q_rows_) at any M;
  *         qfmt 3 / 4 are int8 / int4 weights (groups of 32) against int8 activations (the
- *         integer products, qi_rows_: each projection's input quantized per row first), and
- *         then per layer four more addresses: int8's row sums of QKV, O, gate/up and down
- *         (QX_U8's correction; 0 for int4).
+ *         integer products, qi_rows_: each projection's input quantized first).
  * cos/sin:[M, D] rows at each sequence's new position; tables [M, max_pages];
  * kv_lens [M]: tokens to attend including the new one (its slot: position kv_lens - 1)
  * wide_from: from this many rows the projections run the wide tiles (wide_rows: rows in
  *         vector lanes), below it the dot-product tiles (pair_block); chosen per host
  * work:   scratch of decode_layers_work_floats(...) floats
  */
-#define DL_PTRS 22
+#define DL_PTRS 18
 
 /* act[m][i] = silu(act[m][i]) * up[m][i] for columns i0 <= i < i1 of the M rows (I wide). */
 static inline void silu_gate_(float *act, const float *up, int64_t M, int64_t I, int64_t i0,
@@ -1316,8 +1355,8 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
 #pragma omp for schedule(static)
                 for (int64_t n0 = 0; n0 < NQKV; n0 += Q_BLOCK) {
                     const int64_t n1 = n0 + Q_BLOCK < NQKV ? n0 + Q_BLOCK : NQKV;
-                    qi_rows_(wfmt, wqkv, (h16)p[10], (h16)p[11], (const float *)p[18], &xa, M,
-                             E, n0, n1, qkv, NQKV, 0);
+                    qi_rows_(wfmt, wqkv, (h16)p[10], (h16)p[11], &xa, M, E, n0, n1, qkv,
+                             NQKV, 0);
                     if (bqkv)
                         for (int64_t m = 0; m < M; m++)
                             for (int64_t n = n0; n < n1; n++) qkv[m * NQKV + n] += bqkv[n];
@@ -1390,8 +1429,8 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 for (int64_t m = 0; m < M; m++) qi_quantize_row_(wfmt, att + m * HD, HD, &sa_att, m);
 #pragma omp for schedule(static)
                 for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
-                    qi_rows_(wfmt, wo, (h16)p[12], (h16)p[13], (const float *)p[19], &sa_att, M,
-                             HD, n0, n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
+                    qi_rows_(wfmt, wo, (h16)p[12], (h16)p[13], &sa_att, M, HD, n0,
+                             n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
             } else if (qfmt) {
                 if (qfmt == 2) block_sums_(att, M, HD, xs);
 #pragma omp for schedule(static)
@@ -1430,23 +1469,21 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
             }
             if (qint) { /* as below, on the integer products */
                 const int64_t up_data = wfmt == 1 ? I * E : I * E / 2, up_scales = I * (E / 32);
-                const float *rs = (const float *)p[20];
                 for (int64_t m = 0; m < M; m++) qi_quantize_row_(wfmt, x + m * E, E, &xa, m);
 #pragma omp for schedule(static)
                 for (int64_t i0 = 0; i0 < I; i0 += Q_BLOCK) {
                     const int64_t i1 = i0 + Q_BLOCK < I ? i0 + Q_BLOCK : I;
-                    qi_rows_(wfmt, wgu, (h16)p[14], (h16)p[15], rs, &xa, M, E, i0, i1, act, I, 0);
+                    qi_rows_(wfmt, wgu, (h16)p[14], (h16)p[15], &xa, M, E, i0, i1, act, I, 0);
                     qi_rows_(wfmt, (const int8_t *)wgu + up_data, (h16)p[14] + up_scales,
-                             p[15] ? (h16)p[15] + up_scales : 0, rs ? rs + I : 0, &xa, M, E, i0,
-                             i1, up, I, 0);
+                             p[15] ? (h16)p[15] + up_scales : 0, &xa, M, E, i0, i1, up, I, 0);
                     silu_gate_(act, up, M, I, i0, i1);
                 }
 #pragma omp for schedule(static)
                 for (int64_t m = 0; m < M; m++) qi_quantize_row_(wfmt, act + m * I, I, &sa_act, m);
 #pragma omp for schedule(static)
                 for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
-                    qi_rows_(wfmt, wdown, (h16)p[16], (h16)p[17], (const float *)p[21], &sa_act,
-                             M, I, n0, n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
+                    qi_rows_(wfmt, wdown, (h16)p[16], (h16)p[17], &sa_act, M, I, n0,
+                             n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
                 continue;
             }
             if (qfmt) {
@@ -1490,7 +1527,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
  * and that must kill a child, not a server. Returns qi_isa(). */
 int isa_probe(void) {
     enum { M = 5, N = 6, K = 96, NB = K / 32 };
-    static float x[M * K], y[M * N], xsum[M * NB], rs[N], work[8192], wf[N * K];
+    static float x[M * K], y[M * N], xsum[M * NB], work[8192], wf[N * K];
     static int8_t q8[N * K];
     static uint8_t q4[N * K / 2];
     static _Float16 sc[N * NB], off[N * NB];
@@ -1498,9 +1535,8 @@ int isa_probe(void) {
     for (int i = 0; i < N * K; i++) { q8[i] = (int8_t)(i % 11 - 5); wf[i] = 0.01f * (i % 5); }
     for (int i = 0; i < N * K / 2; i++) q4[i] = (uint8_t)(i * 37);
     for (int i = 0; i < N * NB; i++) { sc[i] = (_Float16)0.01f; off[i] = (_Float16)-0.05f; }
-    for (int i = 0; i < N; i++) rs[i] = 1.f;
-    qi_linear(1, x, q8, sc, off, rs, 0, y, M, N, K, work, 1);
-    qi_linear(2, x, q4, sc, off, rs, 0, y, M, N, K, work, 1);
+    qi_linear(1, x, q8, sc, off, 0, y, M, N, K, work, 1);
+    qi_linear(2, x, q4, sc, off, 0, y, M, N, K, work, 1);
     q8_linear(x, q8, sc, 0, y, M, N, K, 32, 1);
     q4_linear(x, q4, sc, off, 0, y, M, N, K, xsum, 1);
     gemv(x, wf, 0, y, M, N, K, 1);

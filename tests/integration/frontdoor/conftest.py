@@ -12,6 +12,10 @@ from router.embedded import EngineBackend
 # requests must get RESOURCE_EXHAUSTED / 429.
 MAX_NUM_SEQS = 4
 MAX_WAITING = 4
+# fp32 weights, not the default (the GGUF's own blocks): test_openai_fields.py checks the
+# reported logprobs against transformers' fp32 forward, which a host's integer products
+# round; the default's serving is tests/unit/engine/test_default_model.py's.
+QUANTIZATION = "none"
 
 
 @pytest.fixture(scope="package")
@@ -38,8 +42,8 @@ def embedded_backend(server_loop, tracing) -> GenerationBackend:
     pytest process runs."""
     from engine.args import EngineArgs
 
-    b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING),
-                      tracing=tracing)
+    b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING,
+                                 quantization=QUANTIZATION), tracing=tracing)
     yield b
     server_loop.run(b.shutdown(), 60)
 
@@ -53,7 +57,7 @@ def cluster_backend(server_loop, tracing) -> GenerationBackend:
     from tests.helpers.shared_ray import stop_shared_ray
 
     stop_shared_ray()  # this cluster starts the Ray it owns, as `pdcluster serve` does
-    engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1)
+    engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1, quantization=QUANTIZATION)
     b = server_loop.run(Cluster.start(ClusterConfig(
         prefill_engine=engine, decode_engine=engine,
         max_inflight_requests=MAX_NUM_SEQS + MAX_WAITING, capacity_wait_s=5.0,

@@ -27,6 +27,7 @@ from engine.weights.loader import load_state_dict
 from engine.weights.resolve import load_model_config
 from tests.helpers.quantized import dequantized_hf, near_greedy_misses, quantized_runner
 from tests.helpers.tiny_models import VOCAB, load_hf, random_prompts
+from tests.unit.engine.ops.test_int_products import rounded
 
 BLOCK_SIZE = 4
 # Every path computes with exactly the dequantized weights; only the order of the float sums
@@ -112,9 +113,8 @@ def test_int8_with_one_scale_per_row_runs_too():
 def test_every_linear_path_equals_the_dequantized_weight(kind, path):
     w, x = _rand(40, 64), _rand(6, 64, seed=1)
     q = quantize(w, kind)
-    if path == "cqint" and cpu_ops.enabled():  # it rounds x per row first (test_int_products)
-        amax = x.abs().amax(dim=1, keepdim=True)
-        x = torch.round(x * (127 / amax)) * (amax / 127)
+    if path == "cqint" and cpu_ops.enabled():  # it rounds x first (test_int_products)
+        x = rounded(x)
     ref = F.linear(x, q.dequantize())
     got = quantized_linear_by_path(path, x, q, None)
     assert (got - ref).abs().max() <= KERNEL_RTOL * ref.abs().max()
@@ -203,7 +203,7 @@ def test_quantization_is_refused_where_it_cannot_be_honoured(tiny_qwen3_moe_dir)
     # into 32-weight groups (real checkpoints' do: 768, 14336, ...).
     with pytest.raises(ValueError, match=r"multiple of 32; a weight \[64, 48\] is not"):
         LLM(str(tiny_qwen3_moe_dir), quantization="int4", kv_cache_memory_bytes=4 << 20)
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4, gguf"):
         check_quantization("int3", torch.device("cpu"))
     # on CUDA: int4 in bf16 only (tinygemm); int8 / gguf have no grouped kernel there
     for kind in ("int8", "gguf"):
@@ -215,12 +215,29 @@ def test_quantization_is_refused_where_it_cannot_be_honoured(tiny_qwen3_moe_dir)
     check_quantization("none", torch.device("cuda"))
 
 
-def test_the_quantization_choices_are_none_the_layouts_kinds_and_gguf():
+def test_the_quantization_choices_are_auto_none_the_layouts_kinds_and_gguf():
     # engine.config spells them (torch-free, for the router); the layouts define the kinds.
     from engine.config import QUANTIZATION_CHOICES
     from engine.quant.layouts import KINDS
 
-    assert ("none", *KINDS, "gguf") == QUANTIZATION_CHOICES
+    assert ("auto", "none", *KINDS, "gguf") == QUANTIZATION_CHOICES
+
+
+def test_auto_serves_a_ggufs_blocks_where_gguf_runs_and_fp_elsewhere():
+    from engine.config import resolve_quantization
+
+    assert resolve_quantization("auto", True, "cpu", 1) == "gguf"
+    assert resolve_quantization("auto", False, "cpu", 1) == "none"  # not a GGUF
+    assert resolve_quantization("auto", True, "cuda", 1) == "none"  # no GGUF kernels on GPU
+    assert resolve_quantization("auto", True, "cpu", 2) == "none"  # blocks not split by rank
+    assert resolve_quantization("int4", True, "cpu", 2) == "int4"  # asked for: as it is
+
+
+def test_an_hf_model_under_the_default_is_served_in_fp(tiny_llama_dir):
+    from engine import LLM
+
+    with LLM(str(tiny_llama_dir), kv_cache_memory_bytes=4 << 20) as llm:  # quantization auto
+        assert llm.engine.model.quantization is None
 
 
 def test_serve_refuses_a_bad_quantization_and_passes_a_good_one():
