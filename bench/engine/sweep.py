@@ -19,6 +19,7 @@ import argparse
 import gc
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.engine import baseline_hf
@@ -301,6 +302,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": _quant_comparison(points, q_points, ceil.gemv_bytes_per_s),
         "quantization_text_agreement": (greedy_agreement(args.model, quants, args.num_threads)
                                         if len(quants) > 1 else {}),
+        "llama_cpp": (llama_cpp_comparison(args, quants, batch_sizes, output_len,
+                                           points + q_points)
+                      if args.llama_cpp else []),
     }
     out_json = write_json(args.out, "sweep", payload)
     plot_sweep(points, knee, out_json.with_name("sweep.png"))
@@ -316,6 +320,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{quant} / {row['base']}, {row['prompts']} text prompts x 32 greedy tokens: "
               f"{row['prompts_identical']:.0%} identical, {row['tokens_before_divergence']:.0%}"
               " of tokens before the first difference")
+    for row in payload["llama_cpp"]:
+        print(f"{row['quantization']} / llama.cpp {row['peer']} at batch {row['batch_size']}: "
+              f"decode {row['decode_tok_s']:.1f} / {row['peer_decode_tok_s']:.1f} tok/s = "
+              f"{row['decode_ratio']:.2f}x")
     print(f"knee at batch {knee.batch_size} (gain per doubling: "
           + ", ".join(f"{g:.2f}" for g in knee.gains_per_doubling) + ")")
     print_targets(targets)
@@ -457,6 +465,51 @@ def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> list[int]:
     return sizes
 
 
+# Which of llama.cpp's GGUF types each --quantization is compared with (the same blocks where
+# the engine serves the file: gguf is the shipped Q4_1; int4 is our Q4_1-like layout made from
+# the fp32 weights).
+LLAMA_CPP_PEERS = {"none": "F32", "int8": "Q8_0", "int4": "Q4_1", "gguf": "Q4_1"}
+
+
+def llama_cpp_comparison(args, quants: list[str], batch_sizes: list[int], output_len: int,
+                         points: list) -> list[dict]:
+    """llama.cpp (``--llama-cpp``: its build for this host) on the default model's GGUF in each
+    type that ``quants`` face (``LLAMA_CPP_PEERS``), at the same batch sizes, prompt and
+    output lengths and threads, run after the engine's rows (nothing else running), one row
+    per (quantization, batch): our decode tok/s (batch / decode step) against its S_TG."""
+    import torch
+
+    from bench.peers import llama_cpp
+    from engine.weights.resolve import default_gguf_path
+
+    if args.model is not None:
+        raise ValueError("--llama-cpp compares on the default model only (its shipped GGUF)")
+    bench_bin = llama_cpp.find_binary(Path(args.llama_cpp))
+    quantize_bin = llama_cpp.find_binary(Path(args.llama_cpp), "llama-quantize")
+    wanted = sorted({LLAMA_CPP_PEERS[q] for q in quants} - {"Q4_1"})
+    ggufs = llama_cpp.prepare_ggufs(quantize_bin, default_gguf_path(),
+                                    Path(args.out or "bench/results") / "llama_cpp_models",
+                                    types=wanted)
+    threads = args.num_threads or torch.get_num_threads()
+    peer: dict[tuple[str, int], Any] = {}
+    for label in sorted({LLAMA_CPP_PEERS[q] for q in quants}):
+        print(f"llama.cpp {label}: batch sizes {batch_sizes}...", flush=True)
+        for r in llama_cpp.run_batched_bench(bench_bin, ggufs[label], label, batch_sizes,
+                                             args.prompt_len, output_len, threads, 1800):
+            peer[(label, r.batch)] = r
+    rows = []
+    for p in points:
+        r = peer.get((LLAMA_CPP_PEERS.get(p.quantization, ""), p.batch_size))
+        if r is None or p.tp != 1:
+            continue
+        ours = p.batch_size / p.decode_step_s
+        rows.append({"quantization": p.quantization, "peer": r.quantization,
+                     "batch_size": p.batch_size, "decode_tok_s": ours,
+                     "peer_decode_tok_s": r.decode_tok_s, "decode_ratio": ratio(ours, r.decode_tok_s),
+                     "peer_prefill_tok_s": r.prefill_tok_s, "peer_build": r.build})
+    return rows
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,4,8,16,32",
                    help="comma-separated max_num_seqs values (default 1,4,8,16,32)")
@@ -473,5 +526,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per batch size = batch size x this (default 2)")
     p.add_argument("--num-requests", type=int, default=None,
                    help="a fixed request count for every batch size (overrides the above)")
+    p.add_argument("--llama-cpp", default=None, metavar="BIN_DIR",
+                   help="also run llama.cpp's llama-batched-bench from BIN_DIR (built for this "
+                        "host: bench/peers/README.md) on the same weights, after the engine's "
+                        "rows: F32 beside none, Q8_0 beside int8, Q4_1 (the shipped file) beside "
+                        "int4 and gguf")
     p.add_argument("--no-profile", action="store_true",
                    help="skip the torch.profiler decode-step profile at the first/last batch size")

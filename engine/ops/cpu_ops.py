@@ -50,9 +50,11 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 # The instruction sets tried in turn (each replaces -march=native in CFLAGS): a build is used
 # only once its isa_probe ran in a child process without dying. A host may list instructions
-# it cannot execute: Intel VMs list AMX and raise SIGILL on a tile instruction. GCC never
-# emits AMX unasked, but the next rung drops it and the other late extensions anyway, then
-# plain AVX2, then the portable build.
+# a process cannot execute as it is: on the Intel hosts here an AMX tile instruction raises
+# SIGILL unless the process has first asked Linux for the tile state (arch_prctl
+# ARCH_REQ_XCOMP_PERM; these kernels do not use AMX, so they never ask). GCC never emits AMX
+# unasked, but the next rung drops it and the other late extensions anyway, then plain AVX2,
+# then the portable build.
 ISA_LADDER = (
     ("-march=native",),
     ("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-mno-avx512fp16",

@@ -1,0 +1,1 @@
+"""Other serving engines run as peers on the project's default model (see bench/peers/README.md)."""
