@@ -35,6 +35,7 @@ from engine.executor.sampling import SampleRow, logprobs_of, sample, token_logpr
 from engine.executor.step_inputs import PromptLogits, StepInputs, prepare_step, prompt_logit_plan
 from engine.models.config import ModelConfig
 from engine.models.llama import LayerHook, LlamaForCausalLM
+from engine.ops.linear import exact_activations
 
 log = logging.getLogger(__name__)
 _logged_torch_graphs_off = False  # log that once per process, not once per engine
@@ -163,9 +164,11 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         self.attn_backend.plan(meta)
-        return self.model(input_ids.to(dev, non_blocking=True),
-                          meta.positions.to(dev, non_blocking=True), self.kv_caches, self.attn_backend,
-                          layer_hook)
+        # a step with prompt rows multiplies fp32 activations (engine.ops.linear.exact_activations)
+        with exact_activations(meta.num_decode < meta.num_seqs):
+            return self.model(input_ids.to(dev, non_blocking=True),
+                              meta.positions.to(dev, non_blocking=True), self.kv_caches,
+                              self.attn_backend, layer_hook)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None,
@@ -180,6 +183,13 @@ class ModelRunner:
             return ModelRunnerOutput()
         # A layer hook (KV export) must run between layers: never inside a replayed graph.
         inp = self.prepare(sched, allow_padding=layer_hook is None)
+        # a step with prompt rows multiplies fp32 activations, logits included
+        # (engine.ops.linear.exact_activations)
+        with exact_activations(inp.meta.num_decode < inp.meta.num_seqs):
+            return self._execute_prepared(inp, layer_hook, kv_reads, kv_shards)
+
+    def _execute_prepared(self, inp: StepInputs, layer_hook: LayerHook | None,
+                          kv_reads: list[KVRead], kv_shards: bool) -> ModelRunnerOutput:
         prompt_plan = prompt_logit_plan(inp)
         if self.tp is not None:
             self.rank_kv.broadcast(("step", FollowerStep(
@@ -244,12 +254,14 @@ class ModelRunner:
                 if step.kv_shards and export is not None:
                     export(rid, layer, kv, self.rank_kv.own_kv_heads)
 
-        hidden = self._forward(step.input_ids, step.meta, read_kv if step.kv_reads else None)
-        for p in step.prompt_plan:
-            for r0, r1, _ in p.slices:
-                self.model.compute_logits(hidden[r0:r1])
-        if step.sample_rows:
-            self.model.compute_logits(hidden[step.sample_rows])
+        with exact_activations(step.meta.num_decode < step.meta.num_seqs):  # as rank 0's
+            hidden = self._forward(step.input_ids, step.meta,
+                                   read_kv if step.kv_reads else None)
+            for p in step.prompt_plan:
+                for r0, r1, _ in p.slices:
+                    self.model.compute_logits(hidden[r0:r1])
+            if step.sample_rows:
+                self.model.compute_logits(hidden[step.sample_rows])
 
     @torch.inference_mode()
     def follow_prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> None:

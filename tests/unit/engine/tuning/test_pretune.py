@@ -44,9 +44,9 @@ def test_pretuned_plans_are_the_ones_an_engine_starts_from(tiny_llama_dir, tmp_p
 def test_the_command_times_into_the_cache_it_is_given(tiny_llama_dir, tmp_path, capsys):
     argv = ["--model", str(tiny_llama_dir), "--threads", "1", "--cache-dir", str(tmp_path)]
     assert pretune.main(argv) == 0
-    assert "kernel plans for 1 thread(s): timed in" in capsys.readouterr().out
+    assert "kernel plans for 1 thread(s), quantization none: timed in" in capsys.readouterr().out
     assert pretune.main(argv) == 0
-    assert "kernel plans for 1 thread(s): cached already" in capsys.readouterr().out
+    assert "kernel plans for 1 thread(s), quantization none: cached already" in capsys.readouterr().out
 
 
 def test_a_model_that_cannot_load_does_not_fail_setup(tmp_path, capsys):
