@@ -27,14 +27,14 @@ ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer")
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "gguf")
 
 
-def resolve_quantization(name: str, has_gguf_blocks: bool, device_type: str, tp: int) -> str:
+def resolve_quantization(name: str, has_gguf_blocks: bool, device_type: str) -> str:
     """``--quantization`` as served: ``"auto"`` -> ``"gguf"`` for a model converted from a GGUF
-    that holds blocks in our layouts (``has_gguf_blocks``), on the CPU at TP 1 (where ``gguf``
-    runs: the GPU and TP > 1 serve no GGUF blocks yet), else ``"none"``; any other name as it
-    is (``check_quantization`` refuses what cannot be honoured)."""
+    that holds blocks in our layouts (``has_gguf_blocks``), on the CPU (the GPU serves no GGUF
+    blocks yet), at any TP size, else ``"none"``; any other name as it is
+    (``check_quantization`` refuses what cannot be honoured)."""
     if name != "auto":
         return name
-    return "gguf" if has_gguf_blocks and device_type == "cpu" and tp == 1 else "none"
+    return "gguf" if has_gguf_blocks and device_type == "cpu" else "none"
 
 
 def resolve_dtype(name: str, device_type: str) -> str:

@@ -50,8 +50,9 @@ INT8_GROUP = 32  # --quantization int8's block (GGUF Q8_0's): one scale per 32 w
 def check_quantization(quantization: str, device: torch.device, tp: int = 1,
                        dtype: str = "bfloat16") -> None:
     """Raises ValueError for a ``quantization`` this engine cannot honour on ``device`` (in
-    model ``dtype``) with ``tp`` ranks. On CUDA only ``int4`` in bf16 runs (PyTorch's tinygemm
-    kernel, ``engine.quant.gpu``)."""
+    model ``dtype``) with ``tp`` ranks (every layout splits between ranks: a GGUF's blocks by
+    rows and at block boundaries, ``engine.weights.loader``). On CUDA only ``int4`` in bf16
+    runs (PyTorch's tinygemm kernel, ``engine.quant.gpu``)."""
     if quantization not in CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(CHOICES)}, "
                          f"got {quantization!r}")
@@ -63,10 +64,6 @@ def check_quantization(quantization: str, device: torch.device, tp: int = 1,
     if quantization == "int4" and device.type != "cpu" and dtype != "bfloat16":
         raise ValueError(f"quantization='int4' on {device.type} multiplies bf16 activations "
                          f"(PyTorch's tinygemm kernel); got dtype {dtype!r}: use bfloat16")
-    if quantization == "gguf" and tp > 1:
-        raise ValueError("quantization='gguf' with tensor_parallel_size > 1: a GGUF's blocks "
-                         "are not split between ranks yet; use int8 / int4 (each rank "
-                         "quantizes its own shard) or none")
 
 
 @dataclass(eq=False)

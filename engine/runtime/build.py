@@ -93,7 +93,7 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     resolved = resolve_model(args.model, cache_dir=args.cache_dir)
     if args.quantization == "auto":
         quant = resolve_quantization("auto", has_quantized_blocks(resolved.model_dir),
-                                     plan.device.type, tp)
+                                     plan.device.type)
         if quant == "gguf":
             log.info("serving %s in its own quantized blocks (--quantization gguf; "
                      "--quantization none serves their fp32 dequantization)", resolved.model_id)

@@ -68,7 +68,7 @@ def pretune(model: str | None = None, thread_counts: list[int] | None = None,
 
     model_dir = resolve_model(model).model_dir
     cfg = load_model_config(model_dir)
-    served = dict.fromkeys(resolve_quantization(q, has_quantized_blocks(model_dir), "cpu", 1)
+    served = dict.fromkeys(resolve_quantization(q, has_quantized_blocks(model_dir), "cpu")
                            for q in quantizations)
     done = []
     for quant in served:

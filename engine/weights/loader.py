@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.quant.layouts import QuantizedWeight
+from engine.quant.layouts import QuantizedWeight, cat_rows
 from engine.weights.converted import QUANTIZED_FILE
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
@@ -110,12 +113,15 @@ def has_quantized_blocks(model_dir: str | Path) -> bool:
         return bool(json.loads((f.metadata() or {}).get("layouts", "{}")))
 
 
-def load_quantized_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.float32
+def load_quantized_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                              select: Callable[[str], tuple | None] | None = None
                               ) -> dict[str, QuantizedWeight]:
     """The quantized weights a GGUF conversion kept in ``engine.quant.layouts`` layouts (HF names ->
     ``QuantizedWeight``, activations in ``dtype``); empty when the directory has none (not
     converted from a GGUF, or no tensor of a type that maps onto a layout). Reads only those
-    tensors."""
+    tensors. ``select``: a TP rank's slices (``load_state_dict``'s): rows as they are, a cut
+    along the input at whole blocks; a tensor whose cut falls inside a block is left out (the
+    caller reads it in the model dtype from the fp32 conversion, and logs it)."""
     from safetensors import safe_open
 
     path = Path(model_dir) / QUANTIZED_FILE
@@ -126,10 +132,36 @@ def load_quantized_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.
         layouts = json.loads((f.metadata() or {}).get("layouts", "{}"))
         for name, lay in layouts.items():
             offset = f.get_tensor(name + ".qoffset") if lay["kind"] == "int4" else None
-            out[name] = QuantizedWeight(lay["kind"], f.get_tensor(name + ".qdata"),
-                                        f.get_tensor(name + ".qscale"), offset,
-                                        int(lay["group"]), dtype)
+            w = QuantizedWeight(lay["kind"], f.get_tensor(name + ".qdata"),
+                                f.get_tensor(name + ".qscale"), offset, int(lay["group"]), dtype)
+            part = select(name) if select is not None else None
+            if part is not None:
+                w = _rank_slice(w, part)
+                if w is None:
+                    log.info("%s: this rank's cut falls inside a %d-weight block; read in "
+                             "the model dtype", name, int(lay["group"]))
+                    continue
+            out[name] = w
     return out
+
+
+def _rank_slice(w: QuantizedWeight, part: tuple) -> QuantizedWeight | None:
+    """``w``'s share for ``part`` (``TPShard.slice_of``'s ``(dim, start, stop)`` or ``(dim,
+    ((start, stop), ...))``), or None where a cut along the input is not on a block boundary.
+    Copies, so the whole tensor read from the file is freed."""
+    dim, *where = part
+    ranges = where[0] if len(where) == 1 else [tuple(where)]
+    if dim == 0:
+        return cat_rows([w.row_slice(a, b) for a, b in ranges])  # torch.cat: a copy
+    if any(a % w.group or b % w.group for a, b in ranges):
+        return None
+    per = 2 if w.kind == "int4" else 1  # weights a byte
+    data = torch.cat([w.data[:, a // per:b // per] for a, b in ranges], dim=1)
+    scale = torch.cat([w.scale[:, a // w.group:b // w.group] for a, b in ranges], dim=1)
+    offset = (None if w.offset is None else
+              torch.cat([w.offset[:, a // w.group:b // w.group] for a, b in ranges], dim=1))
+    return QuantizedWeight(w.kind, data.contiguous(), scale.contiguous(),
+                           None if offset is None else offset.contiguous(), w.group, w.dtype)
 
 
 def load_weights(model: LlamaForCausalLM, model_dir, quantization: str,
@@ -141,7 +173,7 @@ def load_weights(model: LlamaForCausalLM, model_dir, quantization: str,
     dtype = getattr(torch, model.cfg.dtype)
     quantized = {}
     if quantization == "gguf":
-        quantized = load_quantized_state_dict(model_dir, dtype)
+        quantized = load_quantized_state_dict(model_dir, dtype, select)
         if not quantized:
             raise ValueError(f"quantization='gguf': {str(model_dir)!r} holds no GGUF tensors "
                              "in Q8_0 / Q4_0 / Q4_1 / Q4_K blocks (the model is not a GGUF, "

@@ -176,6 +176,37 @@ def test_quantized_ranks_quantize_their_shards_to_tp1s_weights(request, model, p
         assert near_greedy_misses(hf, prompts, tokens) == [], f"TP {size}"
 
 
+def test_a_gguf_splits_its_blocks_between_ranks(tmp_path, prompts):
+    """``--quantization auto`` on a GGUF at TP 2 serves its blocks (``gguf``): each rank reads
+    its rows of every block tensor and its blocks of the row-parallel ones (O in Q4_0, down in
+    Q4_K, cut at 32-weight blocks), so both sizes generate the greedy tokens of transformers on
+    the conversion's fp32 weights (the same blocks dequantized). Untuned (tune_kernels off):
+    what is checked is which blocks each rank holds, so every product is the exact float one
+    (``cquant``), not the host's integer products (tests/unit/engine/ops/test_int_products.py)."""
+    from engine.weights.loader import load_quantized_state_dict
+    from engine.weights.resolve import resolve_model
+    from tests.helpers.gguf_files import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    model_dir = resolve_model(str(gguf), cache_dir=cache).model_dir
+    refs = hf_greedy(model_dir, "llama", prompts, MAX_TOKENS)
+    for size in (1, 2):
+        with LLM(str(gguf), tensor_parallel_size=size, cache_dir=str(cache), tune_kernels=False,
+                 **FAST) as llm:
+            model = llm.engine.model
+            # Q4_0 / Q4_K layers and the Q8_0 table; at TP 2 the tied table is held in fp
+            # (each rank's vocabulary rows of the head are cut from it: engine.models.llama)
+            assert model.quantization == ("int4+int8" if size == 1 else "int4")
+            if size == 2:  # rank 0 holds half of O's input blocks, all of its rows
+                whole = load_quantized_state_dict(model_dir)["model.layers.0.self_attn.o_proj.weight"]
+                o = model.layers[0].o_proj.weight
+                assert o.shape == (whole.shape[0], whole.shape[1] // 2)
+                assert torch.equal(o.dequantize(), whole.dequantize()[:, :whole.shape[1] // 2])
+            tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert tokens == refs, f"TP {size}"
+
+
 def test_tp2_serves_every_engine_feature_as_tp1_does(wide_kv_dir, prompts):
     """Chunked prefill, preemption, the prefix cache, logprobs and prompt logprobs at TP 2:
     the same tokens as TP 1 and the same numbers (to float rounding: the sums run in another

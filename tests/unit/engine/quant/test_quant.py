@@ -226,11 +226,10 @@ def test_the_quantization_choices_are_auto_none_the_layouts_kinds_and_gguf():
 def test_auto_serves_a_ggufs_blocks_where_gguf_runs_and_fp_elsewhere():
     from engine.config import resolve_quantization
 
-    assert resolve_quantization("auto", True, "cpu", 1) == "gguf"
-    assert resolve_quantization("auto", False, "cpu", 1) == "none"  # not a GGUF
-    assert resolve_quantization("auto", True, "cuda", 1) == "none"  # no GGUF kernels on GPU
-    assert resolve_quantization("auto", True, "cpu", 2) == "none"  # blocks not split by rank
-    assert resolve_quantization("int4", True, "cpu", 2) == "int4"  # asked for: as it is
+    assert resolve_quantization("auto", True, "cpu") == "gguf"
+    assert resolve_quantization("auto", False, "cpu") == "none"  # not a GGUF
+    assert resolve_quantization("auto", True, "cuda") == "none"  # no GGUF kernels on GPU
+    assert resolve_quantization("int4", True, "cpu") == "int4"  # asked for: as it is
 
 
 def test_an_hf_model_under_the_default_is_served_in_fp(tiny_llama_dir):

@@ -111,6 +111,5 @@ def test_gguf_is_refused_where_it_cannot_be_honoured(tiny_llama_dir):
     cfg = load_model_config(tiny_llama_dir)
     with pytest.raises(ValueError, match="holds no GGUF tensors"):
         load_weights(LlamaForCausalLM(cfg), tiny_llama_dir, "gguf")
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        check_quantization("gguf", torch.device("cpu"), tp=2)
+    check_quantization("gguf", torch.device("cpu"), tp=2)  # each rank reads its blocks
     check_quantization("int4", torch.device("cpu"), tp=2)  # each rank quantizes its shard
