@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.attention.torch_tuning import tune_decode_paths, tune_prefill_paths
-from engine.ops.linear import linear_plan, set_linear_plan
+from engine.ops.linear import LinearPlan, linear_plan, set_linear_plan
 from engine.tuning.cache import NotCached, cache_only
 from engine.tuning.fused_decode import tune_fused_decode
 from engine.tuning.linear import model_linear_weights, tune_linear
@@ -58,7 +58,10 @@ def tune_runner(args, plan, model, runner) -> None:
     """Time this host's kernel paths for ``model``'s shapes (CPU, ``tune_kernels``) at torch's
     current thread count: linear layers, decode and prefill attention, the fused decode step.
     Every rank of a tensor-parallel engine tunes its own shard's shapes."""
-    if plan.device.type != "cpu" or not args.tune_kernels:
+    if plan.device.type != "cpu":
+        return
+    if not args.tune_kernels:  # untuned: F.linear (a quantized weight cquant), whatever an
+        set_linear_plan(LinearPlan())  # engine before this one in the process had chosen
         return
     set_linear_plan(tune_linear(model_linear_weights(model)))
     if plan.attention_backend != "torch":

@@ -14,7 +14,7 @@ import torch
 from engine.attention.backend import SeqSlice, build_metadata
 from engine.attention.torch_paged import TorchPagedBackend, decode_tables
 from engine.models.llama import LlamaForCausalLM
-from engine.ops import cpu_ops, quant_ops
+from engine.ops import cpu_build, cpu_ops, quant_ops
 from engine.ops.linear import LINEAR_BUCKETS, LinearPlan, linear_plan, set_linear_plan, weight_key
 from engine.quant.layouts import quantize
 from engine.tuning.linear import model_linear_weights
@@ -119,8 +119,8 @@ def test_a_build_the_host_cannot_execute_is_refused(tmp_path, caplog):
     src.write_text("int isa_probe(void) { __builtin_trap(); return 0; }\n")
     lib = tmp_path / "ill.so"
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    with caplog.at_level(logging.WARNING, logger="engine.ops.cpu_ops"):
-        assert not cpu_ops._probe(lib, ("-mamx-tile",))
+    with caplog.at_level(logging.WARNING, logger="engine.ops.cpu_ops"):  # cpu_build logs there
+        assert not cpu_build._probe(lib, ("-mamx-tile",))
     assert "SIGILL" in caplog.text and "-mamx-tile" in caplog.text
 
 
