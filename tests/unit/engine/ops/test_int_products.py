@@ -175,3 +175,23 @@ def test_the_fused_step_on_integer_products_equals_the_layer_path(arch, kind, re
     for a, b in zip(fused_caches, caches, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert not torch.equal(got, plain)  # it did take the integer products
+
+
+def test_a_step_with_prompt_rows_multiplies_fp32_activations():
+    """``exact_activations`` (a step holding prompt rows, engine.executor.model_runner): a plan's
+    cqint gives way to a float path, so the product is the dequantized weight's exactly."""
+    from engine.ops.linear import exact_activations, linear
+
+    w = quantize(_rand(64, 96) * 0.05, "int4")
+    held = linear_plan()
+    try:
+        for m in (3, 40):  # untimed: cquant up to 32 rows, dequant past them
+            set_linear_plan(LinearPlan({(64, 96, b, "int4"): "cqint" for b in LINEAR_BUCKETS}))
+            x = _rand(m, 96, seed=m)
+            exact = x @ w.dequantize().T
+            with exact_activations():
+                got = linear(x, w)
+            assert (got - exact).abs().max() <= 1e-5 * exact.abs().max()
+            assert torch.allclose(linear(x, w), _reference(x, w), rtol=0, atol=1e-4)  # outside
+    finally:
+        set_linear_plan(held)
