@@ -82,9 +82,10 @@ class LinearPlan:
 
     def exact_path(self, n: int, k: int, m: int, kind: str) -> str:
         """``path`` for a quantized weight with ``cqint`` ruled out: the fastest other path
-        timed for the bucket; untimed, ``cquant`` up to 32 rows and ``dequant`` past them
-        (measured on the default model's shapes: at 16 rows cquant 47 ms a pass against
-        dequant's 91, at 64 rows 181 against 138)."""
+        timed for the bucket (from ``PREFILL_ROWS`` rows an expanding one); untimed, ``cquant``
+        up to 32 rows and ``dequant`` past them (measured on the default model's int4 shapes:
+        at 16 rows cquant 47 ms a pass against dequant's 91, at 64 rows 181 against 138, at
+        256 693 against 302)."""
         bucket = max((b for b in LINEAR_BUCKETS if b <= m), default=1)
         chosen = self.path(n, k, m, kind)
         if chosen != "cqint":
@@ -111,7 +112,10 @@ class LinearPlan:
         """Each timed key and bucket on its fastest path (``timings``: ``Timing``s)."""
         exact = {}
         for t in timings:
-            floats = {p: s for p, s in t.seconds.items() if p != "cqint"}
+            # past PREFILL_ROWS only the expanding paths: the bucket is timed at its first
+            # row count, and cquant's cost grows with the rows where an expansion's does not
+            floats = {p: s for p, s in t.seconds.items() if p != "cqint"
+                      and (t.m < PREFILL_ROWS or p.startswith("dequant"))}
             if t.kind != FP and floats:
                 exact[(t.n, t.k, t.m, t.kind)] = min(floats, key=floats.get)
         return cls({(t.n, t.k, t.m, t.kind): t.best for t in timings}, timings, key, from_cache,
