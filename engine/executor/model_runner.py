@@ -164,11 +164,9 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         self.attn_backend.plan(meta)
-        # a step with prompt rows multiplies fp32 activations (engine.ops.linear.exact_activations)
-        with exact_activations(meta.num_decode < meta.num_seqs):
-            return self.model(input_ids.to(dev, non_blocking=True),
-                              meta.positions.to(dev, non_blocking=True), self.kv_caches,
-                              self.attn_backend, layer_hook)
+        return self.model(input_ids.to(dev, non_blocking=True),
+                          meta.positions.to(dev, non_blocking=True), self.kv_caches, self.attn_backend,
+                          layer_hook)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None,
@@ -267,8 +265,9 @@ class ModelRunner:
     def follow_prompt_logits(self, token_ids: list[int], block_ids: list[int]) -> None:
         """Rank > 0's share of ``compute_logits_for_prompt``."""
         meta = build_metadata([SeqSlice(block_ids, 0, len(token_ids))], self.block_size)
-        self.model.compute_logits(self._forward(torch.tensor(token_ids, dtype=torch.int64),
-                                                meta))
+        with exact_activations():  # a prompt, as rank 0's
+            self.model.compute_logits(self._forward(torch.tensor(token_ids, dtype=torch.int64),
+                                                    meta))
 
     @torch.inference_mode()
     def compute_logits_for_prompt(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
@@ -276,5 +275,6 @@ class ModelRunner:
         if self.tp is not None:
             self.rank_kv.broadcast(("prompt_logits", token_ids, block_ids))
         meta = build_metadata([SeqSlice(block_ids, 0, len(token_ids))], self.block_size)
-        hidden = self._forward(torch.tensor(token_ids, dtype=torch.int64), meta)
-        return self.model.compute_logits(hidden)
+        with exact_activations():  # a prompt (execute's rule)
+            hidden = self._forward(torch.tensor(token_ids, dtype=torch.int64), meta)
+            return self.model.compute_logits(hidden)
