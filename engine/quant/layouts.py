@@ -24,10 +24,11 @@ an fp32 copy:
 Scales are fp16 because they are streamed with the weights every step: fp32 scales would add a
 quarter byte per int4 weight (half again its bytes) to a step that is bound by bytes read.
 
-Activations stay in the model's dtype (fp32 or bf16); only the weights are quantized. The
-kernels that multiply by these layouts are in ``engine.ops.linear`` (``cquant``: our C kernels,
-``dequant``: dequantize, then the fp GEMM) and are chosen per host and batch bucket like every
-other linear path. PyTorch's own packed kernels (``_weight_int8pack_mm``,
+Activations between layers stay in the model's dtype (fp32 or bf16). The kernels that multiply
+by these layouts are in ``engine.ops.linear`` (``cquant``: our C kernels on fp32 activations,
+``cqint``: the activations quantized to int8 per 32 values too and each block an integer dot
+product, ``dequant``: dequantize, then the fp GEMM) and are chosen per host and batch bucket
+like every other linear path; a step holding prompt rows takes the float ones. PyTorch's own packed kernels (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm_for_cpu``) were measured and are not used: with fp32 activations they ran
 1.5-10x slower than our fp32 GEMV on the default model's shapes, and with bf16 activations they
 round every activation to bf16 (docs/models.md, "Quantized weights"). On CUDA, int4 runs
