@@ -38,10 +38,13 @@ def test_a_constrained_stream_migrates_and_stays_valid_for_its_schema(loop):
     params = SamplingParams(max_tokens=400, temperature=0,
                             structured=StructuredOutput("json_schema", json.dumps(schema)))
     messages = [{"role": "user", "content": "List forty cities."}]
+    # fp32 weights: the migrated document is compared with an undisturbed run's, equal only
+    # where the re-prefill on the new worker multiplies as decode did (the default's quantized
+    # decode steps may take int8 activations, its prompt steps fp32: docs/models.md)
+    fp = dict(num_threads=1, max_num_seqs=4, quantization="none")
     config = ClusterConfig(model=str(resolve_model(None).model_dir), num_prefill_workers=1,
                            num_decode_workers=2,
-                           prefill_engine=EngineArgs(num_threads=1, max_num_seqs=4),
-                           decode_engine=EngineArgs(num_threads=1, max_num_seqs=4),
+                           prefill_engine=EngineArgs(**fp), decode_engine=EngineArgs(**fp),
                            transfer_timeout_s=10.0, lease_s=10.0, worker_num_cpus=1.0,
                            worker_restarts=0)
 
