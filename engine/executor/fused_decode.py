@@ -27,7 +27,7 @@ FUSED_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets timed; larger batches run 
 # projections on the dot-product tiles ("fused") or on the wide tiles ("wide": the batch's rows
 # in vector lanes, weights broadcast; ~1.6x the dot tiles' speed at 32 rows on a 2-core EPYC),
 # or, for quantized weights, on the integer products ("qint": each projection's input
-# quantized to int8 per row; the wide tiles are fp weights' only).
+# quantized to int8 per 32 values; the wide tiles are fp weights' only).
 STEPS = ("layers", "fused", "wide", "qint")
 
 

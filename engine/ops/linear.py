@@ -19,7 +19,7 @@ Which torch call runs them fastest depends on the host, and by a lot:
 Quantized weights (``engine.quant.layouts.QuantizedWeight``, ``--quantization``) have their own paths,
 ``QPATHS``: ``cquant`` (``engine.ops.quant_ops.quantized_linear``: the weight read in its int8 / int4
 layout, never expanded, against fp32 activations), ``cqint`` (``quant_ops.quantized_linear_int``:
-the activations quantized to int8 per row too, each block an integer dot product: AVX-512 VNNI
+the activations quantized to int8 per 32 values too, each block an integer dot product: AVX-512 VNNI
 or AVX2 where the host runs them; from a few rows up the multiplies, not the bytes, bound a
 step), ``dequant`` and ``dequant_onednn`` (expand into a scratch fp weight
 in one pass, then ``F.linear`` or oneDNN's GEMM: where the GEMM's compute dwarfs the
