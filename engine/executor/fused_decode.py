@@ -27,8 +27,9 @@ FUSED_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets timed; larger batches run 
 # projections on the dot-product tiles ("fused") or on the wide tiles ("wide": the batch's rows
 # in vector lanes, weights broadcast; ~1.6x the dot tiles' speed at 32 rows on a 2-core EPYC),
 # or, for quantized weights, on the integer products ("qint": each projection's input
-# quantized to int8 per 32 values; the wide tiles are fp weights' only).
-STEPS = ("layers", "fused", "wide", "qint")
+# quantized to int8 per 32 values; "qamx": the same on AMX tiles where the host runs them,
+# engine.ops.cpu_ops.amx_tiles; the wide tiles are fp weights' only).
+STEPS = ("layers", "fused", "wide", "qint", "qamx")
 
 
 @dataclass
@@ -61,7 +62,12 @@ class FusedDecodePlan:
     def int_products(self, batch: int) -> bool:
         """Whether a fused step of ``batch`` sequences multiplies quantized weights by int8
         activations (``decode_layers``' integer products)."""
-        return self.step(batch) == "qint"
+        return self.step(batch) in ("qint", "qamx")
+
+    def amx_tiles(self, batch: int) -> bool:
+        """Whether a fused step of ``batch`` sequences runs its integer products on AMX
+        tiles."""
+        return self.step(batch) == "qamx"
 
     def wide_from(self, batch: int) -> int:
         """``decode_layers``' ``wide_from`` for a step of ``batch`` sequences."""
@@ -79,4 +85,4 @@ class FusedDecodePlan:
 
 
 _LABELS = {"layers": "layer by layer", "fused": "fused, dot tiles", "wide": "fused, wide tiles",
-           "qint": "fused, integer products"}
+           "qint": "fused, integer products", "qamx": "fused, integer products on AMX tiles"}

@@ -160,7 +160,8 @@ class ModelRunner:
             hidden = self.model.decode_fused(input_ids, meta.positions, self.kv_caches,
                                              *self.attn_backend.decode_tables(meta), self.block_size,
                                              self.fused_decode.wide_from(meta.num_seqs),
-                                             self.fused_decode.int_products(meta.num_seqs))
+                                             self.fused_decode.int_products(meta.num_seqs),
+                                             self.fused_decode.amx_tiles(meta.num_seqs))
             if hidden is not None:
                 return hidden
         self.attn_backend.plan(meta)

@@ -232,13 +232,14 @@ class LlamaForCausalLM(nn.Module):
     def decode_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[torch.Tensor], tables: torch.Tensor, kv_lens: torch.Tensor,
                      block_size: int, wide_from: int = cpu_ops.NEVER_WIDE,
-                     int_products: bool = False) -> torch.Tensor | None:
+                     int_products: bool = False, amx: bool = False) -> torch.Tensor | None:
         """``forward`` for a pure-decode step (one new token per sequence, ``input_ids [M]``)
         as one call of ``engine.ops.cpu_ops.decode_layers``: every layer in one OpenMP region,
         the new K/V written into each sequence's slot (``tables [M, max_pages]``, ``kv_lens
         [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles;
         ``int_products``: quantized projections against int8 activations, the ``cqint``
-        linear path's math, where the weights are in groups of 32).
+        linear path's math, where the weights are in groups of 32; ``amx``: on AMX tiles, the
+        ``camx`` path's, where ``cpu_ops.amx_tiles``).
         Same math as ``forward``; None, computing
         nothing, where the kernel does not apply (the caller then runs ``forward``)."""
         cfg = self.cfg
@@ -254,7 +255,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)  # [M, hidden], a new tensor the kernel updates in place
         layout = self._pointers[3]
         if int_products and layout[0] in (1, 2) and layout[1] == 32:
-            layout = (layout[0] + 2, 32)  # decode_layers' integer products (3: int8, 4: int4)
+            # decode_layers' integer products (3: int8, 4: int4; on AMX tiles 5, 6)
+            layout = (layout[0] + (4 if amx and cpu_ops.amx_tiles() else 2), 32)
         ok = cpu_ops.decode_layers(h, pointers, self.layer_shapes, self.rope_cos[positions],
                                    self.rope_sin[positions], tables, kv_lens, block_size,
                                    wide_from, layout)

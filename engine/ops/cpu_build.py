@@ -23,8 +23,8 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 # only once its isa_probe ran in a child process without dying. A host may list instructions
 # a process cannot execute as it is: on the Intel hosts here an AMX tile instruction raises
 # SIGILL unless the process has first asked Linux for the tile state (arch_prctl
-# ARCH_REQ_XCOMP_PERM; these kernels do not use AMX, so they never ask). GCC never emits AMX
-# unasked, but the next rung drops it and the other late extensions anyway, then plain AVX2,
+# ARCH_REQ_XCOMP_PERM: qa_enable, which the probe calls before it runs the AMX tiles). Where
+# they die anyway the next rung drops AMX and the other late extensions, then plain AVX2,
 # then the portable build.
 ISA_LADDER = (
     ("-march=native",),

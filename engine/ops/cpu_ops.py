@@ -66,12 +66,15 @@ _SIGNATURES = {
     "q4_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "q_dequantize": [_I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "qi_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
-    "qi_linear_work_floats": [_I64, _I64],
+    "qa_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
+    "qi_linear_work_floats": [_I64, _I64, _INT],
     "qi_isa": [],
+    "qa_enable": [],
     "isa_probe": [],
 }
 _RESTYPES = {"decode_layers_work_floats": _I64, "wide_linear_work_floats": _I64,
-             "qi_linear_work_floats": _I64, "qi_isa": _INT, "isa_probe": _INT}
+             "qi_linear_work_floats": _I64, "qi_isa": _INT, "isa_probe": _INT,
+             "qa_enable": _INT}
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -112,6 +115,15 @@ def int_dot_isa() -> str | None:
     host: ``"avx512-vnni"``, ``"avx2"`` or ``"portable"``; None without the library."""
     lib = library()
     return ISA_NAMES[lib.qi_isa()] if lib is not None else None
+
+
+def amx_tiles(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the integer products may run on AMX tiles here (the ``camx`` linear path and
+    the fused step's ``qamx``): the build holds them (``-march=native`` on a host listing
+    amx_tile and amx_int8, its probe survived) and Linux granted this process the tile state
+    (asked on the first call: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``). ``lib``: another build."""
+    lib = lib or library()
+    return lib is not None and lib.qa_enable() == 1
 
 
 def set_enabled(on: bool) -> None:

@@ -21,7 +21,9 @@ Quantized weights (``engine.quant.layouts.QuantizedWeight``, ``--quantization``)
 layout, never expanded, against fp32 activations), ``cqint`` (``quant_ops.quantized_linear_int``:
 the activations quantized to int8 per 32 values too, each block an integer dot product: AVX-512 VNNI
 or AVX2 where the host runs them; from a few rows up the multiplies, not the bytes, bound a
-step), ``dequant`` and ``dequant_onednn`` (expand into a scratch fp weight
+step), ``camx`` (the same products on AMX tiles, ``cpu_ops.amx_tiles``: 16 rows x 16 weight
+rows x 32 values an instruction, after packing each 16 weight rows per call; from ~16 rows),
+``dequant`` and ``dequant_onednn`` (expand into a scratch fp weight
 in one pass, then ``F.linear`` or oneDNN's GEMM: where the GEMM's compute dwarfs the
 expansion, i.e. prefill rows; which GEMM is the host's to say, as for fp weights). A plan's
 entries are keyed by the weight's kind as well as its shape.
@@ -52,7 +54,9 @@ log = logging.getLogger(__name__)
 PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
 # For quantized weights: engine.ops.quant_ops.quantized_linear | expand, then F.linear | expand,
 # then oneDNN's GEMM (where this torch has it).
-QPATHS = ("cquant", "cqint", "dequant", "dequant_onednn")
+QPATHS = ("cquant", "cqint", "camx", "dequant", "dequant_onednn")
+# The paths that round the activations to int8 (exact_activations rules them out)
+INT_PATHS = ("cqint", "camx")
 FP = "fp"  # the kind of an unquantized weight in plans and timings
 CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
 # Decode batch sizes tuned (the attention paths use the same buckets); a batch uses the
@@ -73,7 +77,7 @@ class LinearPlan:
     key: str = ""
     from_cache: bool = False
     # per key and bucket, the fastest timed path that multiplies fp32 activations as they are
-    # (what exact_activations takes where the choice is cqint)
+    # (what exact_activations takes where the choice is one of INT_PATHS)
     exact_choices: dict[tuple[int, int, int, str], str] = field(default_factory=dict)
 
     def path(self, n: int, k: int, m: int, kind: str = FP) -> str:
@@ -81,14 +85,14 @@ class LinearPlan:
         return self.choices.get((n, k, bucket, kind), "linear" if kind == FP else "cquant")
 
     def exact_path(self, n: int, k: int, m: int, kind: str) -> str:
-        """``path`` for a quantized weight with ``cqint`` ruled out: the fastest other path
+        """``path`` for a quantized weight with ``INT_PATHS`` ruled out: the fastest other path
         timed for the bucket (from ``PREFILL_ROWS`` rows an expanding one); untimed, ``cquant``
         up to 32 rows and ``dequant`` past them (measured on the default model's int4 shapes:
         at 16 rows cquant 47 ms a pass against dequant's 91, at 64 rows 181 against 138, at
         256 693 against 302)."""
         bucket = max((b for b in LINEAR_BUCKETS if b <= m), default=1)
         chosen = self.path(n, k, m, kind)
-        if chosen != "cqint":
+        if chosen not in INT_PATHS:
             return chosen
         return self.exact_choices.get((n, k, bucket, kind),
                                       "cquant" if m <= 32 else "dequant")
@@ -114,7 +118,7 @@ class LinearPlan:
         for t in timings:
             # past PREFILL_ROWS only the expanding paths: the bucket is timed at its first
             # row count, and cquant's cost grows with the rows where an expansion's does not
-            floats = {p: s for p, s in t.seconds.items() if p != "cqint"
+            floats = {p: s for p, s in t.seconds.items() if p not in INT_PATHS
                       and (t.m < PREFILL_ROWS or p.startswith("dequant"))}
             if t.kind != FP and floats:
                 exact[(t.n, t.k, t.m, t.kind)] = min(floats, key=floats.get)
@@ -124,7 +128,7 @@ class LinearPlan:
 
 _plan = LinearPlan()
 # Set while a step holds prompt rows (engine.executor.model_runner): the integer products
-# (cqint) then give way to the float ones, so a prompt's KV and first token are the
+# (INT_PATHS) then give way to the float ones, so a prompt's KV and first token are the
 # dequantized weights' exactly. Measured on the default model: its answer to "What is the
 # capital of France?" starts at a 0.3% near-tie in fp32 ("The" 25.33 vs "L" 25.24), which
 # int8 activations flipped; decode steps after the prompt keep the faster products.
@@ -134,7 +138,7 @@ _exact = threading.local()
 @contextmanager
 def exact_activations(on: bool = True):
     """Within it (in this thread), quantized weights multiply fp32 activations as they are:
-    a plan's ``cqint`` runs as ``LinearPlan.exact_path`` says."""
+    a plan's ``cqint`` or ``camx`` runs as ``LinearPlan.exact_path`` says."""
     held = getattr(_exact, "on", False)
     _exact.on = on or held
     try:
@@ -163,7 +167,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
         return weight.linear(x, bias)
     if isinstance(weight, QuantizedWeight):
         path = _plan.path(n, k, x.shape[0], weight.kind) if x.is_cpu else "dequant"
-        if path == "cqint" and getattr(_exact, "on", False):
+        if path in INT_PATHS and getattr(_exact, "on", False):
             path = _plan.exact_path(n, k, x.shape[0], weight.kind)
         return quantized_linear_by_path(path, x, weight, bias)
     if not x.is_cpu:
@@ -175,11 +179,14 @@ def quantized_linear_by_path(path: str, x: torch.Tensor, weight: QuantizedWeight
                              bias: torch.Tensor | None) -> torch.Tensor:
     """``linear`` of a quantized weight by the named path (one of ``QPATHS``); where the C
     kernel does not apply (not built, bf16 activations) ``dequant`` runs instead."""
-    if path in ("cquant", "cqint"):
-        kernel = quant_ops.quantized_linear if path == "cquant" else quant_ops.quantized_linear_int
-        out = kernel(x, weight, bias)
-        if out is not None:
-            return out
+    if path == "cquant":
+        out = quant_ops.quantized_linear(x, weight, bias)
+    elif path in INT_PATHS:
+        out = quant_ops.quantized_linear_int(x, weight, bias, amx=path == "camx")
+    else:
+        out = None
+    if out is not None:
+        return out
     w = quant_ops.dequantize(weight) if x.is_cpu and x.dtype == torch.float32 else None
     if w is None:
         return F.linear(x, weight.dequantize(x.dtype), bias)

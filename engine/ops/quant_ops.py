@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.cpu_ops import library
+from engine.ops.cpu_ops import amx_tiles, library
 from engine.quant.layouts import QuantizedWeight
 
 
@@ -46,7 +46,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
 
 
 def quantized_linear_int(x: torch.Tensor, weight: QuantizedWeight,
-                         bias: torch.Tensor | None, lib=None) -> torch.Tensor | None:
+                         bias: torch.Tensor | None, lib=None,
+                         amx: bool = False) -> torch.Tensor | None:
     """``x @ weight.T + bias`` with ``x [M, K]`` (fp32) quantized to int8 first, per 32 values
     as the weights are (symmetric, ``max |x| / 127`` of the block), and every 32-weight block an
     integer dot product (``qi_linear``: AVX-512 VNNI, AVX2 or portable,
@@ -54,8 +55,12 @@ def quantized_linear_int(x: torch.Tensor, weight: QuantizedWeight,
     activations' rounding (at most 1/254 of a block's largest value per value). Weights in
     groups of 32 only;
     None, computing nothing, when the kernel does not apply. ``lib``: another build of the
-    kernels (``cpu_ops.load``; tests of each instruction path), else this process's."""
+    kernels (``cpu_ops.load``; tests of each instruction path), else this process's.
+    ``amx``: on the AMX tiles (``qa_linear``, the ``"camx"`` path: the same products, summed
+    in another order), where ``cpu_ops.amx_tiles`` says they run; else None."""
     lib = lib or library()
+    if amx and not amx_tiles(lib):
+        return None
     if (lib is None or not _fp32_cpu(x) or x.dim() != 2 or not x.is_contiguous()
             or (bias is not None and not _fp32_cpu(bias)) or weight.scale.dtype != torch.float16
             or weight.group != 32):
@@ -65,12 +70,13 @@ def quantized_linear_int(x: torch.Tensor, weight: QuantizedWeight,
     if k != weight.shape[1] or k % 32:
         return None
     out = torch.empty(m, n, dtype=x.dtype)
-    work = torch.empty(lib.qi_linear_work_floats(m, k))
-    lib.qi_linear(1 if weight.kind == "int8" else 2, x.data_ptr(), weight.data.data_ptr(),
+    threads = torch.get_num_threads()
+    work = torch.empty(lib.qi_linear_work_floats(m, k, threads))
+    (lib.qa_linear if amx else lib.qi_linear)(1 if weight.kind == "int8" else 2, x.data_ptr(), weight.data.data_ptr(),
                   weight.scale.data_ptr(),
                   None if weight.offset is None else weight.offset.data_ptr(),
                   None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
-                  work.data_ptr(), torch.get_num_threads())
+                  work.data_ptr(), threads)
     return out
 
 

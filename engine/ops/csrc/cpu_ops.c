@@ -878,19 +878,33 @@ typedef struct {
     const float *dv;
     const int32_t *cv;
     int64_t KP, nb;
+    /* for the AMX tiles (qa_rows_ below): every block's 32 q in the order its weights unpack
+     * to (int8: as they are; int4: bytes 0-15's low nibbles, then their high ones, i.e.
+     * values 0-7, 16-23, 8-15, 24-31), no dv / cv, and rows past M up to a multiple of 16
+     * zero (q, d and xsum: a tile takes 16 rows) */
+    int amx;
 } QAct;
 
 static inline int64_t qi_kp(int64_t K) { return (K + 63) / 64 * 64; }
 
+/* rows a QAct of M rows holds: a multiple of 16 (AMX tiles take 16 rows at a time) */
+static inline int64_t qi_rows_held(int64_t M) { return (M + 15) / 16 * 16; }
+
 /* floats of scratch for a QAct of M rows of K */
 static inline int64_t qi_act_floats(int64_t M, int64_t K) {
-    return M * (qi_kp(K) / 4 + 2 * (K / 32 + 1) + 2 * (qi_kp(K) / 64) * 16) + 16;
+    return qi_rows_held(M) * (qi_kp(K) / 4 + 2 * (K / 32 + 1) + 2 * (qi_kp(K) / 64) * 16) + 16;
 }
 
-static inline QAct qi_act_at(float *work, int64_t M, int64_t K) {
+static int qa_on; /* AMX granted to this process (qa_enable) and built in */
+
+/* amx: the AMX tiles' layout, where this process may run them (qa_enable), else the vector
+ * tiles'. */
+static inline QAct qi_act_at(float *work, int64_t M, int64_t K, int amx) {
     QAct a;
     a.KP = qi_kp(K);
     a.nb = K / 32;
+    a.amx = amx && qa_on;
+    M = qi_rows_held(M);
     const int64_t pv = M * (a.KP / 64) * 16;
     /* the vectors first, on a 64-byte boundary */
     float *v = (float *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
@@ -911,11 +925,18 @@ static inline QAct qi_act_at(float *work, int64_t M, int64_t K) {
 #define QI_ISA 0
 #endif
 
-/* Row m of x [K] into a's row m (wfmt 1: for int8 weights, 2: int4). */
+/* Row m of x [K] into a's row m (wfmt 1: for int8 weights, 2: int4); x NULL: a zero row
+ * (the AMX layout's padding). */
 static void qi_quantize_row_(int64_t wfmt, const float *x, int64_t K, QAct *a, int64_t m) {
     uint8_t *dst = (uint8_t *)a->q + m * a->KP;
     float *d = (float *)a->d + m * (a->nb + 1), *xs = (float *)a->xsum + m * (a->nb + 1);
     int8_t tmp[64];
+    if (!x) {
+        memset(dst, 0, a->KP);
+        memset(d, 0, (a->nb + 1) * sizeof(float));
+        memset(xs, 0, (a->nb + 1) * sizeof(float));
+        return;
+    }
     d[a->nb] = xs[a->nb] = 0.f;
     for (int64_t p = 0; p < a->KP; p += 64) {
         for (int h = 0; h < 2; h++) {
@@ -946,14 +967,17 @@ static void qi_quantize_row_(int64_t wfmt, const float *x, int64_t K, QAct *a, i
                 xs[b] = d[b] * (float)s;
             }
         }
-        if (wfmt == 2) { /* runs of 8 (the comment above) */
+        if (wfmt == 2 && a->amx) { /* each block's values 0-7, 16-23, 8-15, 24-31 */
+            static const int run[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+            for (int c = 0; c < 8; c++) memcpy(dst + p + 8 * c, tmp + 8 * run[c], 8);
+        } else if (wfmt == 2) { /* runs of 8 (the comment above) */
             static const int run[8] = {0, 2, 4, 6, 1, 3, 5, 7};
             for (int c = 0; c < 8; c++) memcpy(dst + p + 8 * c, tmp + 8 * run[c], 8);
         } else {
             memcpy(dst + p, tmp, 64);
         }
 #if QI_ISA == 2
-        {
+        if (!a->amx) {
             const int64_t pair = m * (a->KP / 64) + p / 64, b = p / 32;
             const __m512i idx = wfmt == 1
                 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -1209,6 +1233,245 @@ static inline void qi_tile_(const int wfmt, const void *w, const _Float16 *sc,
 #define QI_R 1
 #endif
 
+/* AMX tiles for the integer products (hosts with amx_tile / amx_int8, once Linux has granted
+ * the process the tile state: qa_enable). A tile multiply (tdpbssd) takes 16 rows of q x 32
+ * values (one block of each row) against the 32 values of one block of 16 weight rows and
+ * leaves 16 x 16 int32 sums: 8,192 products an instruction, against 64 for vpdpbusd. Each
+ * block's sums are then scaled as the vector tiles' are (the weights' and the rows' scales)
+ * and added into 16 x 16 fp32 accumulators: 48 vector instructions per 8,192 products.
+ *
+ * Weights stay in their row layout (the vector tiles' and the dequant paths' too): a tile's
+ * operand B needs 16 weight rows' block interleaved by 4 values, so each 16-row task first
+ * packs its rows for the whole input (qa_pack_: an 8 x 8 transpose of 4-byte groups in each
+ * half of 8 vectors a block; int4 unpacked to bytes first) and their scales, then runs every
+ * 16 rows of q against them. The packing is paid once per 16 weight rows and step, shared by
+ * the batch's rows: worth it from ~8 rows (the tuner times it against the vector tiles per
+ * batch bucket).
+ *
+ * Integer sums cannot overflow: a block's is at most 32 * 127 * 127 < 2^19. */
+#if QI_ISA == 2 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define QA_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* ldtilecfg's 64 bytes */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) QaConfig;
+
+/* tiles 0-1: sums (16 x 16 int32), 2-3: q (16 rows x 32 bytes), 4-5: weights (8 x 64 bytes:
+ * 16 rows x 4 values a row of the tile); two of each so that one block's multiply overlaps
+ * the previous block's scaling. Loaded by every call: tile configuration is per thread, and
+ * another library may have changed it. */
+static inline void qa_config_(void) {
+    QaConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2; t++) {
+        c.rows[t] = 16, c.colsb[t] = 64;
+        c.rows[2 + t] = 16, c.colsb[2 + t] = 32;
+        c.rows[4 + t] = 8, c.colsb[4 + t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* floats of one thread's packing scratch for inputs of K (qa_rows_' pack) */
+static inline int64_t qa_pack_floats(int64_t K) {
+    return (K / 32) * (128 + 32) + 512 + 16 * ((K / 32 + 15) / 16 * 16) + 16;
+}
+
+/* 16 weight rows (row r at w + r * wrow bytes, scales sc + r * nb, offsets off + r * nb) into
+ * B (block b's operand at B + 512 b: 8 rows of 16 weight rows' 4 values), S and O (block b's
+ * 16 scales and offsets at 16 b, as floats); T: 16 * (nb rounded up to 16) floats of
+ * scratch. */
+static void qa_pack_(const int wfmt, const void *w, const _Float16 *sc, const _Float16 *off,
+                     int64_t K, uint8_t *B, float *S, float *O, float *T) {
+    const int64_t nb = K / 32, wrow = wfmt == 1 ? K : K / 2;
+    const __m512i shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        /* z[j]: row j's 8 groups of 4 values, then row j + 8's */
+        __m512i z[8], t[8], u[8];
+        for (int j = 0; j < 8; j++) {
+            if (wfmt == 1) {
+                const uint8_t *p = (const uint8_t *)w + j * wrow + 32 * b;
+                if (!(b & 1)) { /* a line holds 2 blocks: 8 blocks ahead */
+                    _mm_prefetch((const char *)(p + 256), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(p + 8 * wrow + 256), _MM_HINT_T0);
+                }
+                z[j] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                    _mm256_loadu_si256((const __m256i *)(p + 8 * wrow)), 1);
+            } else { /* 16 bytes: low nibbles (values 0-15 of the order), then high ones */
+                const uint8_t *p = (const uint8_t *)w + j * wrow + 16 * b;
+                if (!(b & 3)) { /* a line holds 4 blocks: 8 ahead */
+                    _mm_prefetch((const char *)(p + 128), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(p + 8 * wrow + 128), _MM_HINT_T0);
+                }
+                const __m512i v = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_broadcastsi128_si256(
+                        _mm_loadu_si128((const __m128i *)p))),
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 8 * wrow))),
+                    1);
+                z[j] = _mm512_and_si512(_mm512_srlv_epi64(v, shift), low4);
+            }
+        }
+        for (int j = 0; j < 4; j++) {
+            t[2 * j] = _mm512_unpacklo_epi32(z[2 * j], z[2 * j + 1]);
+            t[2 * j + 1] = _mm512_unpackhi_epi32(z[2 * j], z[2 * j + 1]);
+        }
+        /* u[g], g < 4: group g (lanes 0, 2) and g + 4 (lanes 1, 3) of rows 0-3 / 8-11;
+         * u[4 + g]: of rows 4-7 / 12-15 */
+        for (int h = 0; h < 2; h++) {
+            u[4 * h + 0] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+            u[4 * h + 1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+            u[4 * h + 2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+            u[4 * h + 3] = _mm512_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+        }
+        uint8_t *dst = B + 512 * b;
+        for (int g = 0; g < 4; g++) {
+            const __m512i lo = _mm512_shuffle_i32x4(u[g], u[4 + g], _MM_SHUFFLE(2, 0, 2, 0));
+            const __m512i hi = _mm512_shuffle_i32x4(u[g], u[4 + g], _MM_SHUFFLE(3, 1, 3, 1));
+            _mm512_store_si512(dst + 64 * g, _mm512_shuffle_i32x4(lo, lo, _MM_SHUFFLE(3, 1, 2, 0)));
+            _mm512_store_si512(dst + 64 * (g + 4),
+                               _mm512_shuffle_i32x4(hi, hi, _MM_SHUFFLE(3, 1, 2, 0)));
+        }
+    }
+    /* scales (and offsets): each row's into T as floats, then a block's 16 gathered */
+    const int64_t nbp = (nb + 15) / 16 * 16;
+    for (int k = 0; k < (wfmt == 2 ? 2 : 1); k++) {
+        const _Float16 *src = k ? off : sc;
+        float *dst = k ? O : S;
+        for (int r = 0; r < 16; r++)
+            for (int64_t c = 0; c < nb; c += 16) {
+                const __mmask16 mk = nb - c >= 16 ? 0xffff : (__mmask16)((1u << (nb - c)) - 1);
+                _mm512_store_ps(T + r * nbp + c, _mm512_cvtph_ps(
+                    _mm256_maskz_loadu_epi16(mk, src + r * nb + c)));
+            }
+        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32((int)nbp));
+        for (int64_t b = 0; b < nb; b++)
+            _mm512_store_ps(dst + 16 * b, _mm512_i32gather_ps(idx, T + b, 4));
+    }
+}
+
+/* Block b's multiply on tile set T (0 or 1: tiles T, 2 + T, 4 + T, spelled out: the tile
+ * intrinsics take literal tile numbers): its sums into cb + 256 T. */
+#define QA_MUL(C, QT, WT, T, b)                                                              \
+    do {                                                                                     \
+        _tile_loadd(QT, A + 32 * (b), a->KP);                                                \
+        _tile_loadd(WT, B + 512 * (b), 64);                                                  \
+        _tile_zero(C);                                                                       \
+        _tile_dpbssd(C, QT, WT);                                                             \
+        _tile_stored(C, cb + 256 * (T), 64);                                                 \
+    } while (0)
+#define QA_MUL0(b) QA_MUL(0, 2, 4, 0, b)
+#define QA_MUL1(b) QA_MUL(1, 3, 5, 1, b)
+
+/* The packed 16 weight rows against every row of a: y[m * ldy + j] (+ y when acc) for
+ * m < M, j < 16. cb: 512 int32 of scratch (64-byte aligned). */
+static void qa_tile16_(const int wfmt, const QAct *a, int64_t M, int64_t K, const uint8_t *B,
+                       const float *S, const float *O, int32_t *cb, float *y, int64_t ldy,
+                       int acc) {
+    const int64_t nb = K / 32, ld = nb + 1;
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const uint8_t *A = a->q + m0 * a->KP;
+        const float *d = a->d + m0 * ld, *xs = a->xsum + m0 * ld;
+        __m512 c[16];
+        for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
+        QA_MUL0(0);
+        for (int64_t b = 0; b < nb; b++) {
+            if (b + 1 < nb) { /* the next block's multiply runs while this one's is scaled */
+                if ((b + 1) & 1) QA_MUL1(b + 1);
+                else QA_MUL0(b + 1);
+            }
+            const int32_t *s32 = cb + 256 * (b & 1);
+            const __m512 sv = _mm512_load_ps(S + 16 * b);
+            for (int i = 0; i < 16; i++)
+                c[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(s32 + 16 * i)),
+                                       _mm512_mul_ps(sv, _mm512_set1_ps(d[i * ld + b])), c[i]);
+            if (wfmt == 2) {
+                const __m512 ov = _mm512_load_ps(O + 16 * b);
+                for (int i = 0; i < 16; i++)
+                    c[i] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xs[i * ld + b]), c[i]);
+            }
+        }
+        const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+        for (int64_t i = 0; i < rows; i++) {
+            float *dst = y + (m0 + i) * ldy;
+            _mm512_storeu_ps(dst, acc ? _mm512_add_ps(c[i], _mm512_loadu_ps(dst)) : c[i]);
+        }
+    }
+}
+#undef QA_MUL
+#undef QA_MUL0
+#undef QA_MUL1
+
+/* Weight rows that do not fill 16 (n0 <= n < n1), in the AMX layout, one product at a time. */
+static void qa_rest_(const int wfmt, const void *w, const _Float16 *sc, const _Float16 *off,
+                     const QAct *a, int64_t M, int64_t K, int64_t n0, int64_t n1, float *y,
+                     int64_t ldy, int acc) {
+    const int64_t nb = K / 32;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xq = (const int8_t *)a->q + m * a->KP;
+            const float *d = a->d + m * (nb + 1), *xs = a->xsum + m * (nb + 1);
+            float sum = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                int dot = 0;
+                for (int k = 0; k < 32; k++) {
+                    int wk;
+                    if (wfmt == 1) {
+                        wk = ((const int8_t *)w)[n * K + 32 * b + k];
+                    } else {
+                        const uint8_t byte = ((const uint8_t *)w)[n * (K / 2) + 16 * b + (k & 15)];
+                        wk = k < 16 ? byte & 15 : byte >> 4;
+                    }
+                    dot += wk * xq[32 * b + k];
+                }
+                sum += (float)sc[n * nb + b] * d[b] * (float)dot;
+                if (wfmt == 2) sum += (float)off[n * nb + b] * xs[b];
+            }
+            float *dst = y + m * ldy + n;
+            *dst = acc ? *dst + sum : sum;
+        }
+}
+
+/* qi_rows_ on the AMX tiles (a in their layout); pack: qa_pack_floats(K) of this thread's. */
+static void qa_rows_(int64_t wfmt, const void *data, const _Float16 *scale,
+                     const _Float16 *offset, const QAct *a, int64_t M, int64_t K, int64_t n0,
+                     int64_t n1, float *y, int64_t ldy, int acc, float *pack) {
+    const int64_t nb = K / 32, wrow = wfmt == 1 ? K : K / 2;
+    uint8_t *B = (uint8_t *)(((uintptr_t)pack + 63) & ~(uintptr_t)63);
+    float *S = (float *)(B + 512 * nb), *O = S + 16 * nb;
+    int32_t *cb = (int32_t *)(O + 16 * nb);
+    float *T = (float *)(cb + 512);
+    int64_t n = n0;
+    if (n + 16 <= n1) qa_config_();
+    for (; n + 16 <= n1; n += 16) {
+        qa_pack_(wfmt, (const uint8_t *)data + n * wrow, scale + n * nb,
+                 wfmt == 2 ? offset + n * nb : 0, K, B, S, O, T);
+        qa_tile16_(wfmt, a, M, K, B, S, O, cb, y + n, ldy, acc);
+    }
+    if (n < n1) qa_rest_(wfmt, data, scale, offset, a, M, K, n, n1, y, ldy, acc);
+}
+#else
+static inline int64_t qa_pack_floats(int64_t K) { (void)K; return 0; }
+#endif
+
+/* Asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
+ * without it a tile instruction raises SIGILL even where the CPU lists AMX. 1 when this
+ * process may now run the AMX tiles (and this build holds them), else 0. */
+int qa_enable(void) {
+#ifdef QA_AMX
+    if (!qa_on && syscall(SYS_arch_prctl, 0x1023, 18) == 0) qa_on = 1;
+#endif
+    return qa_on;
+}
+
 /* y[m * ldy + n] (+ y when acc) for the weight rows n0 <= n < n1 (wfmt 1: int8, 2: int4, in
  * groups of 32) against every row of a. */
 #define QI_CASE(F, MC)                                                                       \
@@ -1235,7 +1498,14 @@ static inline void qi_tile_(const int wfmt, const void *w, const _Float16 *sc,
 #endif
 static void qi_rows_(int64_t wfmt, const void *data, const _Float16 *scale,
                      const _Float16 *offset, const QAct *a, int64_t M, int64_t K, int64_t n0,
-                     int64_t n1, float *y, int64_t ldy, int acc) {
+                     int64_t n1, float *y, int64_t ldy, int acc, float *pack) {
+#ifdef QA_AMX
+    if (a->amx) { /* the AMX tiles */
+        qa_rows_(wfmt, data, scale, offset, a, M, K, n0, n1, y, ldy, acc, pack);
+        return;
+    }
+#endif
+    (void)pack;
     const int64_t nb = K / 32, wrow = wfmt == 1 ? K : K / 2;
 #ifdef QI_WIDE
     const int64_t chunk = M >= 5 ? 8 : QM;
@@ -1269,31 +1539,59 @@ static void qi_rows_(int64_t wfmt, const void *data, const _Float16 *scale,
     }
 }
 
-int64_t qi_linear_work_floats(int64_t M, int64_t K) { return qi_act_floats(M, K); }
+int64_t qi_linear_work_floats(int64_t M, int64_t K, int nthreads) {
+    return qi_act_floats(M, K) + (int64_t)nthreads * qa_pack_floats(K);
+}
 
 /* Which integer-product code this build holds: 2 AVX-512 VNNI, 1 AVX2, 0 portable. */
 int qi_isa(void) { return QI_ISA; }
 
-/* y [M, N] = x [M, K] W^T (+ bias) for a quantized W (wfmt 1: int8 in groups of 32; 2: int4
- * with offsets), the activations quantized first (work: qi_linear_work_floats(M, K)
- * floats). K a multiple of 32. */
-void qi_linear(int64_t wfmt, const float *x, const void *q, const _Float16 *scale,
-               const _Float16 *offset, const float *bias, float *y, int64_t M, int64_t N,
-               int64_t K, float *work, int nthreads) {
-    QAct a = qi_act_at(work, M, K);
+/* Gives this thread's tiles back (their state then costs nothing on a context switch). */
+static inline void qa_release_(const QAct *a) {
+#ifdef QA_AMX
+    if (a->amx) _tile_release();
+#else
+    (void)a;
+#endif
+}
+
+static void qi_linear_(int64_t wfmt, const float *x, const void *q, const _Float16 *scale,
+                       const _Float16 *offset, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, float *work, int nthreads, int amx) {
+    QAct a = qi_act_at(work, M, K, amx);
+    const int64_t rows = a.amx ? qi_rows_held(M) : M;
+    float *packs = work + qi_act_floats(M, K);
 #pragma omp parallel num_threads(nthreads) if (N * K >= 65536)
     {
+        float *pack = packs + omp_get_thread_num() * qa_pack_floats(K);
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) qi_quantize_row_(wfmt, x + m * K, K, &a, m);
+        for (int64_t m = 0; m < rows; m++) qi_quantize_row_(wfmt, m < M ? x + m * K : 0, K, &a, m);
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += Q_BLOCK) {
             const int64_t n1 = n0 + Q_BLOCK < N ? n0 + Q_BLOCK : N;
-            qi_rows_(wfmt, q, scale, offset, &a, M, K, n0, n1, y, N, 0);
+            qi_rows_(wfmt, q, scale, offset, &a, M, K, n0, n1, y, N, 0, pack);
             if (bias)
                 for (int64_t m = 0; m < M; m++)
                     for (int64_t n = n0; n < n1; n++) y[m * N + n] += bias[n];
         }
+        qa_release_(&a);
     }
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for a quantized W (wfmt 1: int8 in groups of 32; 2: int4
+ * with offsets), the activations quantized first (work: qi_linear_work_floats(M, K,
+ * nthreads) floats). K a multiple of 32. */
+void qi_linear(int64_t wfmt, const float *x, const void *q, const _Float16 *scale,
+               const _Float16 *offset, const float *bias, float *y, int64_t M, int64_t N,
+               int64_t K, float *work, int nthreads) {
+    qi_linear_(wfmt, x, q, scale, offset, bias, y, M, N, K, work, nthreads, 0);
+}
+
+/* qi_linear on the AMX tiles where qa_enable granted them (else the same as qi_linear). */
+void qa_linear(int64_t wfmt, const float *x, const void *q, const _Float16 *scale,
+               const _Float16 *offset, const float *bias, float *y, int64_t M, int64_t N,
+               int64_t K, float *work, int nthreads) {
+    qi_linear_(wfmt, x, q, scale, offset, bias, y, M, N, K, work, nthreads, 1);
 }
 
 /* A whole pure-decode step through every decoder layer, in one parallel region.
@@ -1315,7 +1613,8 @@ void qi_linear(int64_t wfmt, const float *x, const void *q, const _Float16 *scal
  *         weight's fp16 scales and offsets (int4) in the order QKV, O, gate/up, down (0 when
  *         qfmt is 0). Quantized projections take the dot-product tiles (q_rows_) at any M;
  *         qfmt 3 / 4 are int8 / int4 weights (groups of 32) against int8 activations (the
- *         integer products, qi_rows_: each projection's input quantized first).
+ *         integer products, qi_rows_: each projection's input quantized first); 5 / 6 the
+ *         same on the AMX tiles (where qa_enable granted them; else as 3 / 4).
  * cos/sin:[M, D] rows at each sequence's new position; tables [M, max_pages];
  * kv_lens [M]: tokens to attend including the new one (its slot: position kv_lens - 1)
  * wide_from: from this many rows the projections run the wide tiles (wide_rows: rows in
@@ -1339,6 +1638,11 @@ static int64_t dl_xsum_floats(int64_t M, int64_t E, int64_t HD, int64_t I) {
     return M * (k / 32 + 1);
 }
 
+/* Per thread: the AMX tiles' packing scratch for the widest input of a projection. */
+static int64_t dl_pack_floats(int64_t E, int64_t HD, int64_t I) {
+    return qa_pack_floats(E > HD ? (E > I ? E : I) : (HD > I ? HD : I));
+}
+
 int64_t decode_layers_work_floats(int64_t M, int64_t E, int64_t H, int64_t KVH, int64_t D,
                                   int64_t I, int nthreads) {
     /* per thread: its normed copy of the rows (transposed, MP lanes, in the wide layout), two
@@ -1346,7 +1650,7 @@ int64_t decode_layers_work_floats(int64_t M, int64_t E, int64_t H, int64_t KVH, 
      * transposed), gate (then the activations; wide: transposed) and up */
     const int64_t MP = lanes_for(M), HD = H * D;
     return (int64_t)nthreads * (MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I)
-                                + qi_act_floats(M, E))
+                                + qi_act_floats(M, E) + dl_pack_floats(E, HD, I))
            + M * (H + 2 * KVH) * D + MP * H * D + MP * I + M * I
            + qi_act_floats(M, HD > I ? HD : I);
 }
@@ -1359,16 +1663,19 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
     const int64_t NQKV = (H + 2 * KVH) * D, G = H / KVH, MP = lanes_for(M);
     const int64_t row = KVH * D, page = 2 * block_size * row;
     const int wide = !qfmt && M >= wide_from;
-    /* qint: integer products; wfmt: the weights' layout for q_rows_ / qi_rows_ (1 or 2) */
-    const int qint = qfmt >= 3;
-    const int64_t wfmt = qint ? qfmt - 2 : qfmt;
+    /* qint: integer products (amx: on the AMX tiles); wfmt: the weights' layout for q_rows_ /
+     * qi_rows_ (1 or 2) */
+    const int qint = qfmt >= 3, amx = qfmt >= 5;
+    const int64_t wfmt = amx ? qfmt - 4 : qint ? qfmt - 2 : qfmt;
     const int64_t per_thread = MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I)
-                               + qi_act_floats(M, E);
+                               + qi_act_floats(M, E) + dl_pack_floats(E, H * D, I);
     float *qkv = work + (int64_t)nthreads * per_thread, *att = qkv + M * NQKV;
     float *act = att + MP * H * D, *up = act + MP * I;
     const int64_t HD = H * D;
     /* the quantized attention output, then the quantized activations (shared) */
-    QAct sa_att = qi_act_at(up + M * I, M, HD), sa_act = qi_act_at(up + M * I, M, I);
+    QAct sa_att = qi_act_at(up + M * I, M, HD, amx), sa_act = qi_act_at(up + M * I, M, I, amx);
+    /* rows each QAct is quantized for: the AMX layout's zero rows past M too */
+    const int64_t qrows = sa_att.amx ? qi_rows_held(M) : M;
     const int64_t pb_qkv = pairs_per_block(NQKV / 2, nthreads),
                   pb_e = pairs_per_block(E / 2, nthreads), pb_i = pairs_per_block(I, nthreads);
     if (wide) /* the lanes past M stay zero: every wide product of them is zero */
@@ -1377,7 +1684,8 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
     {
         float *x = work + (int64_t)omp_get_thread_num() * per_thread; /* normed rows */
         float *tile = x + MP * E, *heads = tile + 2 * WIDE_NR * MP, *xs = heads + H * D;
-        QAct xa = qi_act_at(xs + dl_xsum_floats(M, E, H * D, I), M, E); /* x quantized */
+        QAct xa = qi_act_at(xs + dl_xsum_floats(M, E, H * D, I), M, E, amx); /* x quantized */
+        float *pack = xs + dl_xsum_floats(M, E, H * D, I) + qi_act_floats(M, E);
         if (wide) memset(x, 0, MP * E * sizeof(float));
         for (int64_t l = 0; l < num_layers; l++) {
             const int64_t *p = ptrs + DL_PTRS * l;
@@ -1393,12 +1701,13 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 if (wide) norm_row_t_(h + m * E, in_norm, x, MP, m, E, eps);
                 else norm_row_(h + m * E, in_norm, x + m * E, E, eps);
             if (qint) {
-                for (int64_t m = 0; m < M; m++) qi_quantize_row_(wfmt, x + m * E, E, &xa, m);
+                for (int64_t m = 0; m < qrows; m++)
+                    qi_quantize_row_(wfmt, m < M ? x + m * E : 0, E, &xa, m);
 #pragma omp for schedule(static)
                 for (int64_t n0 = 0; n0 < NQKV; n0 += Q_BLOCK) {
                     const int64_t n1 = n0 + Q_BLOCK < NQKV ? n0 + Q_BLOCK : NQKV;
                     qi_rows_(wfmt, wqkv, (h16)p[10], (h16)p[11], &xa, M, E, n0, n1, qkv,
-                             NQKV, 0);
+                             NQKV, 0, pack);
                     if (bqkv)
                         for (int64_t m = 0; m < M; m++)
                             for (int64_t n = n0; n < n1; n++) qkv[m * NQKV + n] += bqkv[n];
@@ -1468,11 +1777,12 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
             }
             if (qint) {
 #pragma omp for schedule(static)
-                for (int64_t m = 0; m < M; m++) qi_quantize_row_(wfmt, att + m * HD, HD, &sa_att, m);
+                for (int64_t m = 0; m < qrows; m++)
+                    qi_quantize_row_(wfmt, m < M ? att + m * HD : 0, HD, &sa_att, m);
 #pragma omp for schedule(static)
                 for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
                     qi_rows_(wfmt, wo, (h16)p[12], (h16)p[13], &sa_att, M, HD, n0,
-                             n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
+                             n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1, pack);
             } else if (qfmt) {
                 if (qfmt == 2) block_sums_(att, M, HD, xs);
 #pragma omp for schedule(static)
@@ -1511,21 +1821,25 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
             }
             if (qint) { /* as below, on the integer products */
                 const int64_t up_data = wfmt == 1 ? I * E : I * E / 2, up_scales = I * (E / 32);
-                for (int64_t m = 0; m < M; m++) qi_quantize_row_(wfmt, x + m * E, E, &xa, m);
+                for (int64_t m = 0; m < qrows; m++)
+                    qi_quantize_row_(wfmt, m < M ? x + m * E : 0, E, &xa, m);
 #pragma omp for schedule(static)
                 for (int64_t i0 = 0; i0 < I; i0 += Q_BLOCK) {
                     const int64_t i1 = i0 + Q_BLOCK < I ? i0 + Q_BLOCK : I;
-                    qi_rows_(wfmt, wgu, (h16)p[14], (h16)p[15], &xa, M, E, i0, i1, act, I, 0);
+                    qi_rows_(wfmt, wgu, (h16)p[14], (h16)p[15], &xa, M, E, i0, i1, act, I, 0,
+                             pack);
                     qi_rows_(wfmt, (const int8_t *)wgu + up_data, (h16)p[14] + up_scales,
-                             p[15] ? (h16)p[15] + up_scales : 0, &xa, M, E, i0, i1, up, I, 0);
+                             p[15] ? (h16)p[15] + up_scales : 0, &xa, M, E, i0, i1, up, I, 0,
+                             pack);
                     silu_gate_(act, up, M, I, i0, i1);
                 }
 #pragma omp for schedule(static)
-                for (int64_t m = 0; m < M; m++) qi_quantize_row_(wfmt, act + m * I, I, &sa_act, m);
+                for (int64_t m = 0; m < qrows; m++)
+                    qi_quantize_row_(wfmt, m < M ? act + m * I : 0, I, &sa_act, m);
 #pragma omp for schedule(static)
                 for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
                     qi_rows_(wfmt, wdown, (h16)p[16], (h16)p[17], &sa_act, M, I, n0,
-                             n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
+                             n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1, pack);
                 continue;
             }
             if (qfmt) {
@@ -1560,6 +1874,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 pair_block(wdown, wdown + I, 2 * I, act, M, I, i0,
                            i0 + pb_e < E / 2 ? i0 + pb_e : E / 2, h, h + 1, 2, E, 1);
         }
+        qa_release_(&xa);
     }
 }
 
@@ -1579,6 +1894,15 @@ int isa_probe(void) {
     for (int i = 0; i < N * NB; i++) { sc[i] = (_Float16)0.01f; off[i] = (_Float16)-0.05f; }
     qi_linear(1, x, q8, sc, off, 0, y, M, N, K, work, 1);
     qi_linear(2, x, q4, sc, off, 0, y, M, N, K, work, 1);
+    if (qa_enable()) { /* the AMX tiles, 16 weight rows (and 2 more for qa_rest_) */
+        static int8_t w8[18 * K];
+        static uint8_t w4[18 * K / 2];
+        static _Float16 s18[18 * NB], o18[18 * NB];
+        static float y18[M * 18];
+        for (int i = 0; i < 18 * NB; i++) { s18[i] = (_Float16)0.01f; o18[i] = (_Float16)-0.05f; }
+        qa_linear(1, x, w8, s18, o18, 0, y18, M, 18, K, work, 1);
+        qa_linear(2, x, w4, s18, o18, 0, y18, M, 18, K, work, 1);
+    }
     q8_linear(x, q8, sc, 0, y, M, N, K, 32, 1);
     q4_linear(x, q4, sc, off, 0, y, M, N, K, xsum, 1);
     gemv(x, wf, 0, y, M, N, K, 1);

@@ -167,8 +167,8 @@ def test_engine_with_fused_steps_matches_transformers_greedy(tiny_llama_dir, max
     def counted(input_ids, *args):
         out = real(input_ids, *args)
         calls.append((len(input_ids), out is not None))
-        assert args[-2] == WIDE_FROM["wide" if step == "wide" else "dot"]
-        assert args[-1] is False  # fp weights: no integer products
+        assert args[-3] == WIDE_FROM["wide" if step == "wide" else "dot"]
+        assert args[-2] is False and args[-1] is False  # fp weights: no integer products
         return out
 
     model.decode_fused = counted
@@ -207,7 +207,7 @@ def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path, reque
     plan = tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path)
     assert not plan.from_cache
     assert sorted(t.m for t in plan.timings) == list(FUSED_BUCKETS)
-    assert all(set(t.seconds) == set(STEPS) - {"qint"} and min(t.seconds.values()) > 0
+    assert all(set(t.seconds) == set(STEPS) - {"qint", "qamx"} and min(t.seconds.values()) > 0
                for t in plan.timings)
     assert plan.choices == {t.m: min(t.seconds, key=t.seconds.get) for t in plan.timings}
     assert len(plan.summary()) == len(FUSED_BUCKETS)

@@ -1,7 +1,8 @@
-"""The integer products (int8 activations x int8 / int4 weights, ``cqint``): every instruction
-path this host can run and the portable one against a reference in torch, the whole-step
-decode kernel on them against the layer path, and the check that keeps a build the host
-cannot execute out of the process."""
+"""The integer products (int8 activations x int8 / int4 weights, ``cqint`` and on AMX tiles
+``camx``): every instruction path this host can run and the portable one against a reference
+in torch, the whole-step decode kernel on them against the layer path, and the check that
+keeps a build the host cannot execute out of the process. The AMX cases run where the host
+grants AMX (``cpu_ops.amx_tiles``: the Intel Xeon hosts here) and say so where it does not."""
 
 from __future__ import annotations
 
@@ -35,15 +36,16 @@ def _host_runs(flag: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
+def builds():
     """isa name -> a loaded build of the kernels holding that path: this process's (the best
-    the host runs), AVX2 where the host has it, and the portable one."""
+    the host runs), AVX2 where the host has it, and the portable one. The extra builds live in
+    the kernels' own cache (keyed by source, flags and ladder), so a host compiles each once."""
     out = {cpu_ops.int_dot_isa(): cpu_ops.library()}
     ladders = {"portable": ((),)}
     if _host_runs("avx2"):
         ladders["avx2"] = (AVX2,)
     for name, ladder in ladders.items():
-        lib = cpu_ops.load(cpu_ops.build(tmp_path_factory.mktemp(name), ladder))
+        lib = cpu_ops.load(cpu_ops.build(None, ladder))
         assert lib is not None and cpu_ops.ISA_NAMES[lib.qi_isa()] == name
         out[name] = lib
     return out
@@ -70,23 +72,25 @@ def _rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("isa", ["host", "avx2", "portable"])
+@pytest.mark.parametrize("isa", ["host", "amx", "avx2", "portable"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 32])
-@pytest.mark.parametrize("n,k", [(40, 64), (17, 96), (9, 576), (6, 1568)],
+@pytest.mark.parametrize("n,k", [(40, 64), (17, 96), (9, 576), (22, 1568)],
                          ids=["pairs", "odd-blocks", "576", "1568-odd"])
 def test_each_instruction_path_equals_the_rounded_reference(builds, isa, kind, m, n, k):
-    """Every batch bucket, K with an odd number of 32-weight blocks (the last pair alone),
-    N not a multiple of the row tile, a zero row of x (scale 0), a block with an outlier
-    and a bias."""
-    name = cpu_ops.int_dot_isa() if isa == "host" else isa
-    if name not in builds:
-        pytest.skip(f"this host does not run {isa}")  # only AVX2 itself can be absent
+    """Every batch bucket (AMX: rows padded to its 16), K with an odd number of 32-weight
+    blocks (the last pair alone), N not a multiple of the row tile (AMX: 16 weight rows a
+    tile, the rest one at a time), a zero row of x (scale 0), a block with an outlier and a
+    bias."""
+    amx = isa == "amx"
+    name = cpu_ops.int_dot_isa() if isa in ("host", "amx") else isa
+    if name not in builds or (amx and not cpu_ops.amx_tiles()):
+        pytest.skip(f"this host does not run {isa}")  # AVX2 or AMX can be absent
     w = quantize(_rand(n, k) * 0.05, kind)
     x, bias = _rand(m, k, seed=1) * 3, _rand(n, seed=2)
     x[m // 2] = 0
     x[0, 5] = 400.0  # an outlier: its block's scale, not its row's neighbours'
-    got = quant_ops.quantized_linear_int(x, w, bias, lib=builds[name])
+    got = quant_ops.quantized_linear_int(x, w, bias, lib=builds[name], amx=amx)
     ref = _reference(x, w, bias)
     assert got is not None
     assert (got - ref).abs().max() <= RTOL * ref.abs().max(), name
@@ -132,27 +136,32 @@ def test_a_rung_that_fails_falls_to_the_next(tmp_path):
 
 @pytest.fixture
 def int_plan():
-    """The linear plan in force swapped for one sending every quantized weight to cqint."""
+    """The linear plan in force swapped for one sending every quantized weight to ``path``."""
     held = linear_plan()
-    yield lambda model: set_linear_plan(LinearPlan({
-        (*weight_key(w)[:2], b, weight_key(w)[2]): "cqint"
+    yield lambda model, path: set_linear_plan(LinearPlan({
+        (*weight_key(w)[:2], b, weight_key(w)[2]): path
         for w in model_linear_weights(model) for b in LINEAR_BUCKETS}))
     set_linear_plan(held)
 
 
+@pytest.mark.parametrize("step", ["qint", "qamx"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_the_fused_step_on_integer_products_equals_the_layer_path(arch, kind, request,
+def test_the_fused_step_on_integer_products_equals_the_layer_path(arch, kind, step, request,
                                                                   int_plan):
-    """decode_layers' integer products (``qint``) and the layer path with every quantized
-    linear on ``cqint``: the same math (each projection's input rounded per 32), so the same
-    hidden states and the same new K/V, within fp32 summation order."""
+    """decode_layers' integer products (``qint``; ``qamx`` on AMX tiles) and the layer path
+    with every quantized linear on ``cqint`` (``camx``): the same math (each projection's
+    input rounded per 32), so the same hidden states and the same new K/V, within fp32
+    summation order."""
+    amx = step == "qamx"
+    if amx and not cpu_ops.amx_tiles():
+        pytest.skip("this host does not run AMX tiles")
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     cfg = load_model_config(model_dir)
     model = LlamaForCausalLM(cfg)
     model.load_hf_state_dict(load_state_dict(model_dir, torch.float32))
     model.quantize(kind)
-    int_plan(model)
+    int_plan(model, "camx" if amx else "cqint")
     block = 4
     gen = torch.Generator().manual_seed(5)
     caches = [torch.randn(64, 2, block, cfg.num_kv_heads, cfg.head_dim, generator=gen)
@@ -167,7 +176,7 @@ def test_the_fused_step_on_integer_products_equals_the_layer_path(arch, kind, re
         backend.plan(meta)
         ref = model(ids, meta.positions, caches, backend)
         got = model.decode_fused(ids, meta.positions, fused_caches, *decode_tables(meta), block,
-                                 cpu_ops.NEVER_WIDE, int_products=True)
+                                 cpu_ops.NEVER_WIDE, int_products=True, amx=amx)
         plain = model.decode_fused(ids, meta.positions, [c.clone() for c in caches],
                                    *decode_tables(meta), block, cpu_ops.NEVER_WIDE)
     assert got is not None

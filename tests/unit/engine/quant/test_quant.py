@@ -13,7 +13,7 @@ from engine.config import CacheConfig, cdiv
 from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, QLinear
 from engine.ops import cpu_ops, quant_ops
-from engine.ops.linear import QPATHS, quantized_linear_by_path
+from engine.ops.linear import INT_PATHS, QPATHS, quantized_linear_by_path
 from engine.quant.layouts import (
     INT4_GROUP,
     QuantizedWeight,
@@ -113,7 +113,7 @@ def test_int8_with_one_scale_per_row_runs_too():
 def test_every_linear_path_equals_the_dequantized_weight(kind, path):
     w, x = _rand(40, 64), _rand(6, 64, seed=1)
     q = quantize(w, kind)
-    if path == "cqint" and cpu_ops.enabled():  # it rounds x first (test_int_products)
+    if path in INT_PATHS:  # they round x first (test_int_products); x on that grid stays
         x = rounded(x)
     ref = F.linear(x, q.dequantize())
     got = quantized_linear_by_path(path, x, q, None)
