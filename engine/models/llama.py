@@ -255,8 +255,9 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)  # [M, hidden], a new tensor the kernel updates in place
         layout = self._pointers[3]
         if int_products and layout[0] in (1, 2) and layout[1] == 32:
-            # decode_layers' integer products (3: int8, 4: int4; on AMX tiles 5, 6)
-            layout = (layout[0] + (4 if amx and cpu_ops.amx_tiles() else 2), 32)
+            # decode_layers' integer products (3: int8, 4: int4; on AMX tiles 5, 6, which the
+            # kernel runs as 3, 4 where the process was not granted AMX)
+            layout = (layout[0] + (4 if amx else 2), 32)
         ok = cpu_ops.decode_layers(h, pointers, self.layer_shapes, self.rope_cos[positions],
                                    self.rope_sin[positions], tables, kv_lens, block_size,
                                    wide_from, layout)

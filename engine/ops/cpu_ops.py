@@ -121,7 +121,8 @@ def amx_tiles(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the integer products may run on AMX tiles here (the ``camx`` linear path and
     the fused step's ``qamx``): the build holds them (``-march=native`` on a host listing
     amx_tile and amx_int8, its probe survived) and Linux granted this process the tile state
-    (asked on the first call: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``). ``lib``: another build."""
+    (asked when the library loads: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``). ``lib``: another
+    build."""
     lib = lib or library()
     return lib is not None and lib.qa_enable() == 1
 
@@ -150,6 +151,9 @@ def _load(path: Path | None) -> ctypes.CDLL | None:
     except (OSError, AttributeError) as e:
         log.warning("cannot load fused CPU kernels %s (using the torch paths): %s", path, e)
         return None
+    # AMX tiles, where built in: asked for now, before any plan (a cached one may name them)
+    # sends a step to them; a kernel asked for them without the grant runs the vector tiles.
+    lib.qa_enable()
     return lib
 
 
