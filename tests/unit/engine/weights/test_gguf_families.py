@@ -17,7 +17,14 @@ from engine.quant.layouts import QuantizedWeight
 from engine.weights.loader import load_quantized_state_dict
 from engine.weights.resolve import resolve_model
 from tests.helpers.gguf_files import write_gguf_from_hf
-from tests.helpers.tiny_models import GEMMA_WINDOW, hf_greedy, random_prompts, save_tiny_model
+from tests.helpers.quantized import near_greedy_misses
+from tests.helpers.tiny_models import (
+    GEMMA_WINDOW,
+    hf_greedy,
+    load_hf,
+    random_prompts,
+    save_tiny_model,
+)
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 # Small pools: the default 1 GiB an engine is memory these short prompts never use.
@@ -99,7 +106,12 @@ def test_q8_0_projections_of_a_family_gguf_serve_as_stored(family, gguf_ready_di
                 assert isinstance(layer.moe.shared["down"], QuantizedWeight)
         else:
             assert isinstance(layer.gate_up.weight, QuantizedWeight)
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == refs
+        outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    # The first token comes from a prompt step (fp32 activations: the stored weights' own
+    # products); decode steps may round activations to int8 (the integer products, chosen per
+    # host and batch), so from there the tokens are transformers' greedy up to near-ties.
+    assert [o[0] for o in outs] == [r[0] for r in refs]
+    assert not near_greedy_misses(load_hf(resolved.model_dir, arch), prompts, outs)
 
 
 def _bare_gguf(path, arch: str, **fields):
