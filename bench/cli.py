@@ -35,6 +35,7 @@ def _builtin() -> list[Benchmark]:
         autoscale,
         chaos,
         disagg,
+        kv_cache,
         neighbour,
         plan_check,
         prefix,
@@ -45,7 +46,7 @@ def _builtin() -> list[Benchmark]:
 
     cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
                for m in (ttft_breakdown, disagg, serve_load, chaos, prefix, autoscale,
-                         plan_check, neighbour)]
+                         plan_check, neighbour, kv_cache)]
     return [
         Benchmark("ceilings", "this machine's copy/GEMV bandwidth and fp32 matmul rate",
                   ceilings.add_arguments, ceilings.run),

@@ -113,7 +113,8 @@ class DecodeWorker:
         # Built on the thread that will step it (engine.runtime.compute_thread says why).
         compute, self.engine = ComputeThread.building(f"{self.worker_id}-loop",
                                                       lambda: LLMEngine(args))
-        self.layout = KVLayout.from_model_config(self.engine.model_config)
+        self.layout = KVLayout.from_model_config(self.engine.model_config,
+                                               self.engine.cache_config.kv_cache_dtype)
         # NCCL into the GPU, or gloo (layers arrive in host memory; importing them into the
         # pages copies them to the cache's device): the launcher chose (WorkerConfig.kv_transport).
         self.kv_transport = config.transport_for(self.engine.device.type)

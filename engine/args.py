@@ -63,6 +63,11 @@ class EngineArgs:
     quantization: str = "auto"
     # A second KV cache tier (engine.executor.kv_tier) for prefix blocks the pool evicts: host memory
     # (bytes; 0: off), and optionally a disk tier under a directory (both or neither).
+    # The KV cache's dtype (engine.config.KV_CACHE_DTYPE_CHOICES): "auto" stores the model's
+    # dtype; "int8" stores each token's K/V per KV head as int8 with its fp32 scale (3.76x the
+    # tokens of fp32 per byte at head_dim 64), read by the attention kernels as stored and
+    # moved between workers as stored (docs/kv-cache.md).
+    kv_cache_dtype: str = "auto"
     kv_offload_memory_bytes: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0

@@ -19,6 +19,64 @@ BATCHING_POLICIES = ("continuous", "static", "dynamic")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_CHOICES = ("auto", *DTYPE_BYTES)
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "flashinfer")
+# What ``--kv-cache-dtype`` accepts (vLLM's name and meaning). ``auto``: the KV cache holds the
+# model's dtype. ``int8``: each token's K and V of each KV head are stored as head_dim int8
+# values and their fp32 scale (symmetric, max |x| / 127) in one row of head_dim + 4 bytes,
+# quantized as they are written (engine.attention.kv_format): a page holds its scales, so
+# every page copy (transfer, tier, pull) moves them together. ``fp8`` is refused where it is
+# not served (engine.attention.kv_format.check_kv_cache_dtype says where).
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
+KV_SCALE_BYTES = 4  # int8 rows: one fp32 scale after each head's head_dim values
+
+
+def kv_row_bytes(head_dim: int, dtype: str, kv_cache_dtype: str) -> int:
+    """Bytes of one token's K (or V) of one KV head as the pool stores it."""
+    if kv_cache_dtype == "auto":
+        return head_dim * DTYPE_BYTES[dtype]
+    if kv_cache_dtype == "int8":
+        return head_dim + KV_SCALE_BYTES
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} has no row layout here; choose from "
+                     f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device_type: str, attention_backend: str) -> None:
+    """ValueError naming what to use instead, where ``kv_cache_dtype`` is not served:
+
+    - ``fp8`` is not served yet on any device: these CPUs have no fp8 arithmetic, so every
+      element would be converted in the kernel, where int8's row scales give the same 1 byte
+      per value and integer-exact round trips; on CUDA it awaits FlashInfer's fp8 pages.
+    - ``int8`` with the FlashInfer backend: FlashInfer reads no int8 pages; the torch backend
+      (``attention_backend="torch"``) serves it on CUDA and the CPU alike.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose from "
+                         f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
+    if kv_cache_dtype == "fp8":
+        raise ValueError("kv_cache_dtype='fp8' is not served yet: use kv_cache_dtype='int8' "
+                         "(1 byte per value with a scale per token and KV head, on the CPU "
+                         "and, with attention_backend='torch', on CUDA)")
+    if kv_cache_dtype == "int8" and attention_backend == "flashinfer":
+        raise ValueError("kv_cache_dtype='int8' is read by the torch attention backend only "
+                         "(FlashInfer reads no int8 pages): use attention_backend='torch'")
+
+
+def kv_attention_backend(args) -> str:
+    """An ``engine.EngineArgs``'s attention backend with its KV dtype: ``"auto"`` with an int8
+    KV cache is the torch backend (the one that reads int8 pages); anything else as asked."""
+    if args.kv_cache_dtype != "auto" and args.attention_backend == "auto":
+        return "torch"
+    return args.attention_backend
+
+
+def kv_hash_seed(prefix_hash_seed: int, kv_cache_dtype: str) -> int:
+    """The seed of the chained prefix-block hashes for a pool of ``kv_cache_dtype``: the
+    configured seed for ``auto``, a different one per quantized KV dtype, so a block's key
+    names the bytes it holds and neither a block manager nor a router's KV index matches a
+    prompt to blocks of another KV dtype."""
+    if kv_cache_dtype == "auto":
+        return prefix_hash_seed
+    tag = int.from_bytes(f"kv:{kv_cache_dtype}".encode()[:8].ljust(8, b"\0"), "little")
+    return (prefix_hash_seed ^ tag) & 0xFFFFFFFFFFFFFFFF
 # What ``--quantization`` accepts: ``auto`` (the default) serves a checkpoint in its own
 # quantization where it has one this engine serves (a GGUF's blocks: ``gguf``), else as
 # ``none``; ``none`` keeps the checkpoint's fp weights (a GGUF's dequantized copy), a kind of
@@ -56,15 +114,19 @@ class KVFootprint(Protocol):
     @property
     def kv_bytes_per_token(self) -> int: ...
 
+    def kv_cache_bytes_per_token(self, kv_cache_dtype: str) -> int: ...
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many ``b``-sized blocks hold ``a`` items."""
     return -(-a // b)
 
 
-def num_blocks_for_budget(model: KVFootprint, block_size: int, kv_cache_memory_bytes: int) -> int:
-    """How many KV blocks fit in ``kv_cache_memory_bytes`` (the only way we size the pool)."""
-    return kv_cache_memory_bytes // (block_size * model.kv_bytes_per_token)
+def num_blocks_for_budget(model: KVFootprint, block_size: int, kv_cache_memory_bytes: int,
+                          kv_cache_dtype: str = "auto") -> int:
+    """How many KV blocks fit in ``kv_cache_memory_bytes`` (the only way we size the pool):
+    a quantized KV dtype's smaller rows give more blocks for the same budget."""
+    return kv_cache_memory_bytes // (block_size * model.kv_cache_bytes_per_token(kv_cache_dtype))
 
 
 @dataclass(frozen=True)
@@ -76,8 +138,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Seeds the chained block hashes; every worker of a cluster must agree on it.
     prefix_hash_seed: int = 0
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPE_CHOICES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from "
+                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.kv_cache_memory_bytes <= 0:

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from engine.config import DTYPE_BYTES
+from engine.config import DTYPE_BYTES, KV_CACHE_DTYPE_CHOICES, kv_row_bytes
 
 # torch is imported where tensors are touched: a router's front door, which reads layouts and
 # addresses only, loads without it.
@@ -56,32 +56,62 @@ class PeerAddress:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What both sides must agree on before any KV byte moves."""
+    """What both sides must agree on before any KV byte moves. ``kv_cache_dtype``: how the
+    pools store KV (``engine.config.KV_CACHE_DTYPE_CHOICES``): ``"auto"`` moves values of
+    ``dtype``; ``"int8"`` moves the pools' int8 rows as stored, each token's K (V) of each KV
+    head as ``head_dim`` int8 values and their fp32 scale (``row_width`` bytes), so a layer
+    message is ``[2, T, H, head_dim + 4]`` int8: pages and scales, nothing converted."""
 
     model_id: str
     dtype: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} unsupported; "
                              f"supported: {', '.join(DTYPE_BYTES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"KVLayout.kv_cache_dtype {self.kv_cache_dtype!r} unsupported; "
+                             f"supported: {', '.join(KV_CACHE_DTYPE_CHOICES)}")
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
 
     @classmethod
-    def from_model_config(cls, cfg: Any) -> KVLayout:
-        """Build from anything with model_id, dtype, num_layers, num_kv_heads, head_dim."""
-        return cls(cfg.model_id, cfg.dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    def from_model_config(cls, cfg: Any, kv_cache_dtype: str = "auto") -> KVLayout:
+        """Build from anything with model_id, dtype, num_layers, num_kv_heads, head_dim, and
+        the pools' ``kv_cache_dtype``."""
+        return cls(cfg.model_id, cfg.dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                   kv_cache_dtype)
+
+    @property
+    def wire_dtype(self) -> str:
+        """The dtype of a layer message's elements: ``dtype``, or ``"int8"`` (int8 rows)."""
+        return self.dtype if self.kv_cache_dtype == "auto" else "int8"
+
+    @property
+    def row_width(self) -> int:
+        """Elements of a layer message's last dimension: ``head_dim`` (+ 4 for int8 rows)."""
+        return (self.head_dim if self.kv_cache_dtype == "auto"
+                else kv_row_bytes(self.head_dim, self.dtype, self.kv_cache_dtype))
+
+    @property
+    def element_bytes(self) -> int:
+        return 1 if self.kv_cache_dtype != "auto" else DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one prompt token's KV costs on the wire (every layer, K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * self.element_bytes
 
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.dtype)
+        return getattr(torch, self.wire_dtype)
 
     def check_compatible(self, other: KVLayout, self_role: str = "decode",
                          other_role: str = "prefill") -> None:
@@ -147,15 +177,16 @@ class KVTransferSpec:
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
-        """Wire shape of one layer message: [2, num_tokens, num_heads, head_dim]."""
-        return (2, self.num_tokens, self.num_heads, self.layout.head_dim)
+        """Wire shape of one layer message: [2, num_tokens, num_heads, head_dim] (int8 rows:
+        head_dim + 4, ``KVLayout.row_width``)."""
+        return (2, self.num_tokens, self.num_heads, self.layout.row_width)
 
     @property
     def layer_nbytes(self) -> int:
         n = 1
         for d in self.layer_shape:
             n *= d
-        return n * DTYPE_BYTES[self.layout.dtype]
+        return n * self.layout.element_bytes
 
 
 def check_layer_tensor(spec: KVTransferSpec, layer: int, kv: torch.Tensor) -> None:
@@ -165,6 +196,6 @@ def check_layer_tensor(spec: KVTransferSpec, layer: int, kv: torch.Tensor) -> No
     if tuple(kv.shape) != spec.layer_shape:
         raise ValueError(f"kv shape {tuple(kv.shape)} != expected {spec.layer_shape} (2, T, H, D)")
     if kv.dtype != spec.layout.torch_dtype:
-        raise ValueError(f"kv dtype {kv.dtype} != layout dtype {spec.layout.dtype}")
+        raise ValueError(f"kv dtype {kv.dtype} != layout dtype {spec.layout.wire_dtype}")
     if not kv.is_contiguous():
         raise ValueError("kv must be contiguous (one message per layer, no strided views)")

@@ -312,7 +312,7 @@ class TorchDistReceiver(PairOwner, KVReceiver):
             h = Header.decode(hdr)
             buf = None
             if h.has_payload:
-                buf = torch.empty((2, h.num_tokens, pair.num_heads, layout.head_dim),
+                buf = torch.empty((2, h.num_tokens, pair.num_heads, layout.row_width),
                                   dtype=layout.torch_dtype, device=self.device)
                 pair.pg.recv([buf], pair.peer_rank, DATA_TAG).wait(FOREVER)
             # Post the next header's receive before handing this layer over, so the sender

@@ -174,6 +174,10 @@ class WorkerStatus:
     # in its last window (engine.runtime.cpu_threads; 0 off the CPU).
     threads: int = 0
     cpu_stolen: float = 0.0
+    # How its pool stores KV (``--kv-cache-dtype``) and what one block of it costs, every
+    # layer, as stored (int8: values and scales): blocks x this = the pool's bytes.
+    kv_cache_dtype: str = "auto"
+    kv_block_bytes: int = 0
 
 
 @dataclass(frozen=True)

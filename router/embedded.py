@@ -156,10 +156,15 @@ class EngineBackend:
                             mixed_steps=merge_rows([s.mixed_steps]))
 
     async def cluster_status(self) -> list[WorkerStatus]:
-        s = self._async.engine.stats()
+        engine = self._async.engine
+        s = engine.stats()
+        kv_dtype = engine.cache_config.kv_cache_dtype
         return [WorkerStatus("embedded-0", "embedded", "127.0.0.1", os.getpid(), "ready",
                              s.kv_blocks_used, s.kv_blocks_total, s.num_running, s.num_waiting,
-                             threads=s.num_threads, cpu_stolen=s.cpu_stolen)]
+                             threads=s.num_threads, cpu_stolen=s.cpu_stolen,
+                             kv_cache_dtype=kv_dtype,
+                             kv_block_bytes=engine.model_config.kv_cache_bytes_per_token(kv_dtype)
+                             * s.block_size)]
 
     async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
                            wait: bool = False) -> DrainStatus:

@@ -85,8 +85,8 @@ def _await_ranks(engine: LLMEngine, key: str, deadline: float, what: str) -> Non
 def _route_bytes(spec: KVTransferSpec, route: KVRoute) -> int:
     """What one route of ``spec`` moves: every layer of its heads."""
     layout = spec.layout
-    return (2 * spec.num_tokens * route.num_heads * layout.head_dim
-            * layout.torch_dtype.itemsize * layout.num_layers)
+    return (2 * spec.num_tokens * route.num_heads * layout.row_width
+            * layout.element_bytes * layout.num_layers)
 
 
 # ---- rank 0 --------------------------------------------------------------------------------

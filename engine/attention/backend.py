@@ -20,6 +20,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from engine.attention.kv_format import as_stored
 from engine.config import cdiv
 
 ATTENTION_BACKENDS = ("torch", "flashinfer")
@@ -35,7 +36,8 @@ class AttentionShape:
     None: all of them), empty when no layer has a window (``ModelConfig.layer_windows``).
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax
     (Gemma 2). The softmax scale is always ``1/sqrt(head_dim)``: a model with another folds
-    it into its queries.
+    it into its queries. ``kv_cache_dtype``: the pool's format (``engine.attention.kv_format``;
+    ``"auto"``: ``dtype``).
     """
 
     num_heads: int
@@ -44,6 +46,7 @@ class AttentionShape:
     dtype: torch.dtype
     windows: tuple[int | None, ...] = ()
     softcap: float | None = None
+    kv_cache_dtype: str = "auto"
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -152,15 +155,18 @@ def write_kv(kv_cache: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tens
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Scatter a step's new K/V (``[num_tokens, kv_heads, head_dim]`` each) into the paged
     cache at ``kv_cache[page_ids[t], :, offsets[t]]``: every backend's first act per layer.
+    An int8 pool gets them quantized as they are written (``engine.attention.kv_format``).
     No host sync, so a CUDA graph can capture it with the index tensors fixed."""
-    kv_cache[page_ids, 0, offsets] = k
-    kv_cache[page_ids, 1, offsets] = v
+    kv_cache[page_ids, 0, offsets] = as_stored(kv_cache, k)
+    kv_cache[page_ids, 1, offsets] = as_stored(kv_cache, v)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first ``num_tokens`` tokens of a block table, each ``[num_tokens, H, D]``
-    (``write_kv``'s reverse, over whole pages)."""
+    as the pool stores them (an int8 pool's rows: ``[num_tokens, H, D + 4]``;
+    ``engine.attention.kv_format.as_values`` reads them as numbers) (``write_kv``'s reverse,
+    over whole pages)."""
     pages = kv_cache[block_ids]  # [nb, 2, bs, H, D]
     nb, _, bs, h, d = pages.shape
     k = pages[:, 0].reshape(nb * bs, h, d)[:num_tokens]

@@ -27,6 +27,7 @@ from engine.attention.backend import (
     gather_kv,
     write_kv,
 )
+from engine.attention.kv_format import as_values
 from engine.ops import cpu_ops
 from engine.ops.linear import M_BUCKETS
 
@@ -187,6 +188,14 @@ class TorchPagedBackend:
         self.device = torch.device(device)
         self.windows: tuple[int | None, ...] = shape.windows if shape is not None else ()
         self.softcap: float | None = shape.softcap if shape is not None else None
+        # An int8 pool's decode rows take the C kernel, which reads the rows as stored, where
+        # it is built (the timed paths were timed on fp32 pools); else "gather", dequantizing
+        # what it gathers.
+        self.kv_quantized = shape is not None and shape.kv_cache_dtype != "auto"
+        self._kv_quantized_path = ("fused" if self.kv_quantized and self.device.type == "cpu"
+                                   and cpu_ops.decode_applies(shape.num_heads, shape.num_kv_heads,
+                                                              shape.head_dim, shape.dtype)
+                                   else "gather")
         self._plan: _StepPlan | None = None
         self._head_index: torch.Tensor | None = None
         self.decode_paths = DecodePaths()  # the engine sets the host's (tune_decode_paths)
@@ -282,6 +291,8 @@ class TorchPagedBackend:
         nd, max_pages = tables.shape
         length = max_pages * bs
         path = self.decode_paths.path(nd, length)
+        if self.kv_quantized:
+            path = self._kv_quantized_path
         if path == "fused" and not cpu_ops.enabled():  # turned off since the tuning
             path = "gather"
         if path == "fused":  # reads the cache in place: no gather index, no mask
@@ -331,7 +342,7 @@ class TorchPagedBackend:
                 # Nothing cached before this chunk: attend to the fresh K/V directly.
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = gather_kv(kv_cache, s.block_ids, s.end_pos)
+                ks, vs = (as_values(x, q.dtype) for x in gather_kv(kv_cache, s.block_ids, s.end_pos))
             if not (self.prefill_paths.path(s.end_pos) == "fused"
                     and cpu_ops.prefill_attention(q[rows], ks, vs, s.start_pos, out[rows])):
                 out[rows] = sdpa_prefill(q[rows], ks, vs, s.mask)
@@ -361,7 +372,7 @@ class TorchPagedBackend:
             if s.mask is None:  # nothing cached before the chunk: its fresh K/V are all
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = gather_kv(kv_cache, s.block_ids, s.end_pos)
+                ks, vs = (as_values(x, q.dtype) for x in gather_kv(kv_cache, s.block_ids, s.end_pos))
             out[rows] = _prefill_masked(q[rows], ks, vs, masks[window], self.softcap)
 
 
@@ -433,7 +444,7 @@ def _decode_gather(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGathe
     # One gather writes K and V head-major ([2, B, KVH, L, D]); the matmuls then read K
     # transposed in place. (Gathering whole pages, then permuting, copied everything twice:
     # 1.4 -> 1.2 ms per layer at batch 32, measured in one process.)
-    kv = kv_cache[gather.pages, gather.kv, gather.offsets, heads]
+    kv = as_values(kv_cache[gather.pages, gather.kv, gather.offsets, heads], q.dtype)
     k, v = kv[0], kv[1]
     qg = q.view(b, kvh, group, head_dim)  # [B, KVH, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(head_dim))  # [B, KVH, G, L]
@@ -452,8 +463,9 @@ def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, gather: _DecodeGather,
     kvh = kv_cache.shape[3]
     group = num_heads // kvh
     batch, length = gather.shape
-    kv = kv_cache.view(-1, kvh * head_dim).index_select(0, gather.rows)
-    kv = kv.view(2, batch, length, kvh, head_dim)
+    row = kv_cache.shape[-1]  # head_dim, or an int8 row's head_dim + 4
+    kv = kv_cache.view(-1, kvh * row).index_select(0, gather.rows)
+    kv = as_values(kv.view(2, batch, length, kvh, row), q.dtype)
     qg = q.view(b, kvh, group, head_dim)
     out = torch.empty(b, kvh, group, head_dim, dtype=q.dtype, device=q.device)
     scale = 1.0 / math.sqrt(head_dim)

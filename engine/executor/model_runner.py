@@ -24,6 +24,7 @@ from engine.attention.backend import (
     build_metadata,
 )
 from engine.attention.factory import create_backend
+from engine.attention.kv_format import row_width, storage_dtype
 from engine.config import CacheConfig, cdiv
 from engine.core.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.executor.cuda_graphs import CudaGraphRunner, DecodePadding, decode_buckets
@@ -108,7 +109,7 @@ class ModelRunner:
             attention_backend, self.device,
             AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype,
                            tuple(cfg.layer_windows) if cfg.sliding_window else (),
-                           cfg.attn_softcap))
+                           cfg.attn_softcap, cache_config.kv_cache_dtype))
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device (the model is on {self.device})")
         if cuda_graphs and attention_backend != "flashinfer":
@@ -122,8 +123,13 @@ class ModelRunner:
         self.decode_padding = (DecodePadding(decode_buckets(max_num_seqs), scratch_page=num_blocks)
                                if pad else None)
         num_pages = num_blocks + 1 if pad else num_blocks
-        shape = (num_pages, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [zeroed_kv_pages(shape, dtype, self.device)
+        # The pool's format (engine.attention.kv_format): the model's dtype, or int8 rows
+        # with their scales, one row of head_dim + 4 bytes per token and KV head.
+        self.kv_cache_dtype = cache_config.kv_cache_dtype
+        shape = (num_pages, 2, self.block_size, cfg.num_kv_heads,
+                 row_width(cfg.head_dim, self.kv_cache_dtype))
+        self.kv_caches = [zeroed_kv_pages(shape, storage_dtype(self.kv_cache_dtype, dtype),
+                                          self.device)
                           for _ in range(cfg.num_layers)]
         # KV in and out as whole-model layers; under tensor parallelism, rank 0's messages
         # to the other ranks and the pages they hold for arriving KV.

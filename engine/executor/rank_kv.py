@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from engine.attention.backend import gather_kv
+from engine.attention.kv_format import for_pool
 from engine.config import cdiv
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.sharding import TPShard
@@ -65,7 +66,8 @@ class RankKV:
     def read_layer_kv(self, layer: int, block_ids: list[int], num_tokens: int,
                       start: int = 0, gather: bool = True) -> torch.Tensor:
         """One layer's KV of a request's positions ``[start, num_tokens)``, token-contiguous:
-        ``[2, num_tokens - start, kv_heads, head_dim]`` with every KV head of the model.
+        ``[2, num_tokens - start, kv_heads, head_dim]`` with every KV head of the model, as the
+        pool stores it (an int8 pool: its rows of ``head_dim + 4`` bytes, scales included).
         Under tensor parallelism every rank calls it (in the same order: the heads are
         all-gathered), on the engine's thread; ``gather=False``: this rank's own heads
         (``own_kv_heads``), no collective."""
@@ -86,7 +88,8 @@ class RankKV:
 
     def write_layer_kv(self, layer: int, block_ids: list[int], kv: torch.Tensor,
                        start: int = 0, heads: tuple[int, int] | None = None) -> None:
-        """Scatter ``[2, num_tokens, kv_heads, head_dim]`` (every KV head of the model) into
+        """Scatter ``[2, num_tokens, kv_heads, head_dim]`` (every KV head of the model; values,
+        or int8 rows, converted to the pool's format where they differ) into
         this runner's own pages at positions ``[start, start + num_tokens)``. Any thread.
         Under tensor parallelism rank 0 writes its heads now and queues the other ranks'
         (sent, on the engine's thread, ahead of the next step). ``heads``: ``kv`` holds only
@@ -117,8 +120,9 @@ class RankKV:
         pos = torch.arange(start, start + n, device=self.device)
         blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.device)[pos // bs]
         cache = self.kv_caches[layer]
-        cache[blocks, 0, pos % bs, into] = kv[0].to(cache.device, cache.dtype)
-        cache[blocks, 1, pos % bs, into] = kv[1].to(cache.device, cache.dtype)
+        kv = for_pool(cache, kv)
+        cache[blocks, 0, pos % bs, into] = kv[0]
+        cache[blocks, 1, pos % bs, into] = kv[1]
 
     # ---- rank 0's messages to the other ranks --------------------------------------------
     # Every broadcast is (control messages, main message): the control messages queued since

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import DTYPE_BYTES
+from engine.config import DTYPE_BYTES, kv_row_bytes
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe",
                            "qwen3_moe", "gemma2", "gemma3")
@@ -152,6 +152,12 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """K and V for one token over all layers: 2 * layers * kv_heads * head_dim * dtype_bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def kv_cache_bytes_per_token(self, kv_cache_dtype: str) -> int:
+        """K and V for one token over all layers as a pool of ``kv_cache_dtype`` stores them
+        (an int8 row holds its scale: ``engine.config.kv_row_bytes``)."""
+        return (2 * self.num_layers * self.num_kv_heads
+                * kv_row_bytes(self.head_dim, self.dtype, kv_cache_dtype))
 
     @property
     def max_model_len(self) -> int:

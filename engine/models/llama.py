@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
             layout = (layout[0] + (4 if amx else 2), 32)
         ok = cpu_ops.decode_layers(h, pointers, self.layer_shapes, self.rope_cos[positions],
                                    self.rope_sin[positions], tables, kv_lens, block_size,
-                                   wide_from, layout)
+                                   wide_from, layout, kv_int8=kv_caches[0].dtype == torch.int8)
         return cpu_ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if ok else None
 
     def _layer_pointers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.config import KV_SCALE_BYTES
+
 # the build's names, for callers that reach them through this module (tests, bench)
 from engine.ops.cpu_build import CFLAGS, ISA_LADDER, LDFLAGS, SOURCE, build  # noqa: F401
 
@@ -49,13 +51,13 @@ NEVER_WIDE = 1 << 30  # decode_layers' wide_from that keeps every batch on the d
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "paged_decode": [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32,
-                     _INT],
+                     _I64, _INT],
     "rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "rope": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "gemv": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "decode_layers": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
-                      _I64, _PTR, _I64, _F32, _F32, _I64, _I64, _I64, _PTR, _INT],
+                      _I64, _PTR, _I64, _F32, _F32, _I64, _I64, _I64, _I64, _PTR, _INT],
     "decode_layers_work_floats": [_I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "wide_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "wide_linear_work_floats": [_I64, _I64, _INT],
@@ -332,21 +334,37 @@ def decode_applies(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                  kv_lens: torch.Tensor, out: torch.Tensor) -> bool:
     """Decode attention for ``q [B, H, D]`` (rows may be strided: views of a fused QKV) over
-    ``kv_cache [pages, 2, block_size, KVH, D]`` read in place through ``tables [B, max_pages]``
-    (int64) and ``kv_lens [B]`` (int64, each >= 1), into ``out [B, H, D]`` (contiguous).
-    Returns False, touching nothing, when the kernel does not apply (the caller's torch path
-    runs instead)."""
+    ``kv_cache [pages, 2, block_size, KVH, D]`` (fp32, or an int8 pool's rows of D + 4 bytes,
+    ``engine.attention.kv_format``: read as stored) read in place through ``tables [B,
+    max_pages]`` (int64) and ``kv_lens [B]`` (int64, each >= 1), into ``out [B, H, D]``
+    (contiguous). Returns False, touching nothing, when the kernel does not apply (the
+    caller's torch path runs instead)."""
     lib = library()
     b, h, d = q.shape
     kvh = kv_cache.shape[3]
-    if (lib is None or not _fits(q, kv_cache, out) or not kv_cache.is_contiguous()
+    if (lib is None or not _fits(q, out) or not kv_cache.is_cpu
+            or kv_cache.dtype not in KV_POOL_DTYPES or kv_cache.shape[4] != _row_width(d, kv_cache)
+            or not kv_cache.is_contiguous()
             or not out.is_contiguous() or q.stride(2) != 1 or q.stride(1) != d
             or h // kvh > MAX_GROUP or d > MAX_HEAD_DIM):
         return False
     lib.paged_decode(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), tables.data_ptr(),
                      tables.shape[1], kv_lens.data_ptr(), out.data_ptr(), b, h, kvh, d,
-                     kv_cache.shape[2], d ** -0.5, torch.get_num_threads())
+                     kv_cache.shape[2], d ** -0.5, _kvq(kv_cache), torch.get_num_threads())
     return True
+
+
+# The pools the kernels read: fp32 values, or int8 rows with their scales (kvq 1).
+KV_POOL_DTYPES = (torch.float32, torch.int8)
+
+
+def _kvq(kv_cache: torch.Tensor) -> int:
+    """The kernels' name for a pool's format: 0 fp32 rows, 1 int8 rows with their scales."""
+    return int(kv_cache.dtype == torch.int8)
+
+
+def _row_width(head_dim: int, kv_cache: torch.Tensor) -> int:
+    return head_dim + KV_SCALE_BYTES if kv_cache.dtype == torch.int8 else head_dim
 
 
 @dataclass(frozen=True)
@@ -399,7 +417,7 @@ def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
 def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerShapes,
                   cos: torch.Tensor, sin: torch.Tensor, tables: torch.Tensor,
                   kv_lens: torch.Tensor, block_size: int, wide_from: int = NEVER_WIDE,
-                  weights: tuple[int, int] = (0, 0)) -> bool:
+                  weights: tuple[int, int] = (0, 0), kv_int8: bool = False) -> bool:
     """Run a pure-decode step through every layer in one call: ``h [M, hidden]`` (one row per
     sequence, the embeddings; contiguous fp32, updated in place to the last layer's residual
     sum), each new token's K/V written into its cache slot (position ``kv_lens - 1`` of its
@@ -410,7 +428,9 @@ def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerSh
     ``weights``: the projections' layout, ``(0, 0)`` fp32, ``(1, group)`` int8, ``(2, 32)``
     int4 (``engine.quant.layouts``; the table then holds their data, scales and offsets), and
     ``(3, 32)`` / ``(4, 32)`` the same int8 / int4 weights multiplied by int8 activations
-    (each projection's input quantized per 32 values: the integer products). Returns False,
+    (each projection's input quantized per 32 values: the integer products). ``kv_int8``: the
+    table's caches are int8 pools (``engine.attention.kv_format``), written and read as
+    stored (the same format for every layer). Returns False,
     touching nothing, when the kernel does not apply (the caller runs the layers itself)."""
     lib = library()
     if (lib is None or not _fits(h, cos, sin) or h.dim() != 2 or not h.is_contiguous()
@@ -428,7 +448,7 @@ def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerSh
                       s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
                       cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), tables.shape[1],
                       kv_lens.data_ptr(), block_size, s.eps, s.head_dim ** -0.5, wide_from,
-                      weights[0], weights[1], work.data_ptr(), threads)
+                      weights[0], weights[1], int(kv_int8), work.data_ptr(), threads)
     return True
 
 

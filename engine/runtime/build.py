@@ -20,6 +20,9 @@ from engine.args import EngineArgs
 from engine.config import (
     CacheConfig,
     SchedulerConfig,
+    check_kv_cache_dtype,
+    kv_attention_backend,
+    kv_hash_seed,
     num_blocks_for_budget,
     offload_config,
     resolve_quantization,
@@ -85,7 +88,7 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     if tp > 1 or (args.num_threads and args.device != "cpu"):
         torch.set_num_threads(rank_threads(args.num_threads, tp))
     plan = plan_device(rank_device(args.device, 0) if tp > 1 else args.device,
-                       args.dtype, args.attention_backend, args.cuda_graphs)
+                       args.dtype, kv_attention_backend(args), args.cuda_graphs)
     # On the CPU at TP 1, the thread count follows the CPU this process gets.
     threads = (EngineThreads(args.num_threads, args.adaptive_threads)
                if plan.device.type == "cpu" and tp == 1 else None)
@@ -100,6 +103,7 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
         # the ranks, the status and every later reader see what is served
         args = dataclasses.replace(args, quantization=quant)
     check_quantization(args.quantization, plan.device, tp, plan.dtype)
+    check_kv_cache_dtype(args.kv_cache_dtype, plan.device.type, plan.attention_backend)
     cfg = load_model_config(resolved.model_dir, dtype=plan.dtype, model_id=resolved.model_id)
     # A worker's engine (token ids in and out) loads it on first need: ~2 s less to start.
     tokenizer = load_tokenizer(resolved.model_dir, lazy=not args.detokenize)
@@ -136,12 +140,14 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
         cache_config = CacheConfig(
             block_size=args.block_size, kv_cache_memory_bytes=pool_bytes,
             enable_prefix_caching=args.enable_prefix_caching,
-            prefix_hash_seed=args.prefix_hash_seed)
-        num_blocks = num_blocks_for_budget(model.cfg, args.block_size, pool_bytes)
+            prefix_hash_seed=args.prefix_hash_seed, kv_cache_dtype=args.kv_cache_dtype)
+        num_blocks = num_blocks_for_budget(model.cfg, args.block_size, pool_bytes,
+                                           args.kv_cache_dtype)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes={pool_bytes} holds no block of "
-                f"{args.block_size} tokens ({model.cfg.kv_bytes_per_token} bytes per token)")
+                f"{args.block_size} tokens "
+                f"({model.cfg.kv_cache_bytes_per_token(args.kv_cache_dtype)} bytes per token)")
         if ranks is not None:
             ranks.start(max_len, num_blocks)
         runner = ModelRunner(model, cache_config, num_blocks,
@@ -162,7 +168,9 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     kv_tier = KVTier(runner.kv_caches, offload) if offload.enabled else None
     block_manager = BlockManager(num_blocks, args.block_size,
                                  enable_prefix_caching=args.enable_prefix_caching,
-                                 hash_seed=args.prefix_hash_seed, tier=kv_tier)
+                                 hash_seed=kv_hash_seed(args.prefix_hash_seed,
+                                                        args.kv_cache_dtype),
+                                 tier=kv_tier)
     grammars = Grammars(tokenizer, cfg.vocab_size, eos) if tokenizer else None
     scheduler = Scheduler(scheduler_config, block_manager, clock, grammars)
     kv_connector = KVConnector(scheduler, block_manager, runner, eos, clock)

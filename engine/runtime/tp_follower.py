@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, kv_attention_backend
 from engine.executor.device import plan_device
 from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
@@ -47,7 +47,7 @@ def serve(spec: FollowerSpec) -> None:
     """Join, load, then run rank 0's steps until ended (returns only by raising)."""
     args = EngineArgs(**spec.args)
     torch.set_num_threads(rank_threads(args.num_threads, spec.size))
-    plan = plan_device(rank_device(args.device, spec.rank), args.dtype, args.attention_backend,
+    plan = plan_device(rank_device(args.device, spec.rank), args.dtype, kv_attention_backend(args),
                        args.cuda_graphs)
     shard = TPShard(spec.rank, spec.size)
     comm = TPComm(shard, spec.address, plan.device)
@@ -67,7 +67,8 @@ def serve(spec: FollowerSpec) -> None:
     model.place_quantized(plan.device)
     # Only the block size matters here: the pool's size came from rank 0 (num_blocks).
     cache = CacheConfig(block_size=args.block_size,
-                        enable_prefix_caching=args.enable_prefix_caching)
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(model, cache, num_blocks, attention_backend=plan.attention_backend,
                          cuda_graphs=False, max_num_seqs=args.max_num_seqs,
                          max_model_len=max_len)

@@ -184,7 +184,8 @@ def _sampling_kwargs(params: SamplingParams) -> dict:
 
 
 _STATUS_COLUMNS = ("id", "role", "host", "pid", "tp", "state", "kv_blocks_used",
-                   "kv_blocks_total", "running", "waiting", "restarts")
+                   "kv_blocks_total", "kv_cache_dtype", "kv_block_bytes", "running", "waiting",
+                   "restarts")
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import asyncio
 import json
 
 # engine.config is torch-free (a `pdcluster` command that loads no model imports no torch).
-from engine.config import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
+from engine.config import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from engine.config import QUANTIZATION_CHOICES as QUANT_CHOICES
 from router.cli.serve_config import DEVICE_CHOICES
 
@@ -73,6 +73,11 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
                           "none: fp (a GGUF dequantized); int8 / int4 (groups of 32) quantize "
                           "fp weights at load; gguf: a GGUF's own Q8_0/Q4_0/Q4_1/Q4_K blocks "
                           "(docs/models.md)")
+    dev.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPE_CHOICES), default=None,
+                     help="how the KV cache stores K and V: auto (default) the model's dtype; "
+                          "int8: int8 values with a scale per token and KV head, ~3.8x the "
+                          "tokens per byte of fp32, moved between workers as stored "
+                          "(docs/kv-cache.md); fp8: not served yet")
     dev.add_argument("--attention-backend", choices=list(ATTENTION_BACKEND_CHOICES), default=None,
                      help="auto (default): flashinfer on GPU when installed, else torch")
     dev.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,

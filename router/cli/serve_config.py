@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.args import EngineArgs
-from engine.config import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES
+from engine.config import (
+    ATTENTION_BACKEND_CHOICES,
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    check_kv_cache_dtype,
+)
 from engine.config import QUANTIZATION_CHOICES as QUANT_CHOICES
 from router.control.config import MIGRATION_PREFILL
 
@@ -69,6 +74,9 @@ class ServeConfig:
     # default model) in its own blocks, anything else in fp; "none" keeps fp.
     quantization: str = "auto"
     attention_backend: str = "auto"
+    # How every worker's KV pool stores K and V (engine.attention.kv_format): "auto" the
+    # model's dtype, "int8" int8 rows with a scale per token and KV head (docs/kv-cache.md).
+    kv_cache_dtype: str = "auto"
     cuda_graphs: bool | None = None  # None: on for GPU workers
     gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
     kv_cache_memory: str | int | None = None  # per worker; None: 1 GiB on CPU, GPU: from memory
@@ -248,6 +256,12 @@ class ServeConfig:
             raise ValueError(f"--attention-backend must be one of "
                              f"{', '.join(ATTENTION_BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"--kv-cache-dtype must be one of "
+                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto":  # refused here, not in every worker's constructor
+            check_kv_cache_dtype(self.kv_cache_dtype, "cpu" if self.device == "cpu" else "cuda",
+                                 self.attention_backend)
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"--cuda-graphs must be true or false, got {self.cuda_graphs!r}")
         u = self.gpu_memory_utilization
@@ -349,6 +363,7 @@ class ServeConfig:
         # divides gpu_memory_utilization among workers sharing a GPU.
         common = dict(dtype=self.dtype, quantization=self.quantization,
                       attention_backend=self.attention_backend,
+                      kv_cache_dtype=self.kv_cache_dtype,
                       cuda_graphs=self.cuda_graphs,
                       gpu_memory_utilization=float(self.gpu_memory_utilization),
                       kv_cache_memory_bytes=self.kv_cache_memory_bytes(),

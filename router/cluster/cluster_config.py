@@ -118,6 +118,19 @@ class ClusterConfig:
         return self.redis_url if self.kv_event_bus == "auto" else None
 
 
+def check_kv_cache_dtypes(cfg: ClusterConfig) -> None:
+    """StartupError when the prefill and the decode workers would store KV in different
+    dtypes: KV moves as stored (pages and their scales), so a decode worker could read no
+    transfer of a prefill worker of another KV dtype; named both, before any worker loads."""
+    if cfg.mode != "disaggregated":
+        return
+    p, d = cfg.prefill_engine.kv_cache_dtype, cfg.decode_engine.kv_cache_dtype
+    if p != d:
+        raise StartupError(f"prefill workers' kv_cache_dtype={p!r} differs from the decode "
+                           f"workers' kv_cache_dtype={d!r}: KV moves between them as stored, "
+                           "so both must store the same (--kv-cache-dtype sets both)")
+
+
 def check_tp_layouts(model_cfg, cfg: ClusterConfig) -> None:
     """StartupError when a role's tensor-parallel size cannot split the model, naming the
     prefill and the decode side together: their KV must map rank to rank

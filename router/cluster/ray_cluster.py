@@ -29,7 +29,7 @@ from engine.text.tokenizer import load_tokenizer
 from engine.weights.resolve import load_model_config, resolve_model
 from kv_transfer import KVLayout
 from router.cluster.autoscale import Autoscaler
-from router.cluster.cluster_config import ClusterConfig, check_tp_layouts
+from router.cluster.cluster_config import ClusterConfig, check_kv_cache_dtypes, check_tp_layouts
 from router.cluster.launcher import (
     JOIN_TIMEOUT_S,
     RAY_NAMESPACE,
@@ -134,8 +134,9 @@ class Cluster:
         model_path = str(resolved.model_dir)  # workers load the converted dir: no re-conversion
         self._placement, self._model_path = placement, model_path
         tokenizer = load_tokenizer(resolved.model_dir)
-        layout = KVLayout.from_model_config(model_cfg)
+        layout = KVLayout.from_model_config(model_cfg, cfg.decode_engine.kv_cache_dtype)
         check_tp_layouts(model_cfg, cfg)  # before any worker loads: names both sides
+        check_kv_cache_dtypes(cfg)
 
         specs: list[tuple[str, str, EngineArgs]] = []
         if cfg.mode == "disaggregated":
@@ -475,7 +476,8 @@ class Cluster:
                 lo.requests_running if lo else 0, lo.requests_waiting if lo else 0,
                 lo.kv_transfer_bytes if lo else 0, f"{addr.host}:{addr.port}" if addr else "",
                 v.restarts, i.tp_size, i.rank_pids, lo.engine_threads if lo else 0,
-                lo.cpu_stolen if lo else 0.0))
+                lo.cpu_stolen if lo else 0.0, i.layout.kv_cache_dtype,
+                i.layout.bytes_per_token * i.block_size))
         return out
 
     def worker_handle(self, worker_id: str):

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from engine.config import cdiv
+from engine.config import cdiv, kv_hash_seed
 from engine.contract import QueueFullError, RequestFailedError, SamplingParams
 from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -93,7 +93,8 @@ class Orchestrator:
                                     config.model_id, tokenizer,
                                     orphan_after_s=config.orphan_after_s, owner=self.router_id)
         # Which worker caches which blocks, from the workers' own KV events (kv_sync feeds it).
-        self.kv_index = KVIndex(config.prefix_hash_seed)
+        # Keyed like the workers' blocks: the seed folds in their KV dtype (kv_hash_seed).
+        self.kv_index = KVIndex(kv_hash_seed(config.prefix_hash_seed, layout.kv_cache_dtype))
         self.kv_sync = KVEventSync(self.kv_index, config.call_timeout_s, kv_event_source)
         self.choose = WorkerChooser(Routing(config.routing), self.kv_index,
                                     config.capacity_wait_s)

@@ -98,8 +98,7 @@ class PrefixPulls:
 
     @property
     def bytes_per_token(self) -> int:
-        lay = self.layout
-        return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.torch_dtype.itemsize
+        return self.layout.bytes_per_token
 
     def note_prefill(self, worker_id: str, computed_tokens: int, compute_s: float) -> None:
         """A prefill worker's measured rate (its ``PrefillResult``)."""

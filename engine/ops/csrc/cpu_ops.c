@@ -27,7 +27,9 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 /* Paged decode attention: one query token per sequence, K/V read in place from the cache.
  *
  * q:        [B, q_stride] rows, head h at q + b*q_stride + h*D
- * kv_cache: [num_pages, 2, block_size, KVH, D] (K at 0, V at 1)
+ * kv_cache: [num_pages, 2, block_size, KVH, W] (K at 0, V at 1): kvq 0, fp32 rows (W = D);
+ *           kvq 1, int8 rows (W = D + 4 bytes: D int8 values, then their fp32 scale, the
+ *           layout of engine/attention/kv_format.py), read as int8 x scale (no fp32 copy)
  * tables:   [B, max_pages] page ids; kv_lens: [B] tokens to attend (>= 1)
  * out:      [B, H, D]
  * Query head h reads KV head h / (H / KVH). Softmax is exact (max, then sum of exp) in fp32,
@@ -39,18 +41,49 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 #define MAX_GROUP 16
 #define MAX_D 256
 
+/* Bytes of one KV head's row of one token: fp32 values, or int8 values and their scale. */
+static inline int64_t kv_head_bytes(int64_t D, int kvq) { return kvq ? D + 4 : D * 4; }
+
+/* An int8 row's scale (the 4 bytes after its D values). */
+static inline __attribute__((always_inline)) float kv_row_scale_(const int8_t *r, int64_t D) {
+    float sc;
+    memcpy(&sc, r + D, sizeof sc);
+    return sc;
+}
+
+/* One token's K (or V) of one KV head into its slot: copied (fp32), or quantized (int8:
+ * round(x * 127 / max|x|), the scale max|x| / 127 after the values; kv_format.quantize_rows). */
+static inline void kv_store_(char *slot, const float *x, int64_t D, int kvq) {
+    if (!kvq) {
+        memcpy(slot, x, D * sizeof(float));
+        return;
+    }
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, sc = amax / 127.f;
+    int8_t *q = (int8_t *)slot;
+    for (int64_t d = 0; d < D; d++) {
+        float r = nearbyintf(x[d] * inv);
+        q[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+    }
+    memcpy(q + D, &sc, sizeof sc);
+}
+
 /* One (sequence, KV head) task. Per tile of TILE tokens: the K/V rows' addresses, walking
  * the page table (an integer division per token cost as much as all the arithmetic); then
  * each K row is read once for every query head of the group (scores), the online-softmax
  * update, and each V row is read once into every head's accumulator. Inlined into copies
- * with D a compile-time constant (64, 128), so the D loops unroll into vector registers. */
+ * with D a compile-time constant (64, 128) and kvq (the rows' format) constant, so the D
+ * loops unroll into vector registers. row, page: bytes per token slot and per page. An int8
+ * row's scale multiplies its dot product (K) or its softmax weight (V), never the values. */
 static inline __attribute__((always_inline)) void decode_task(
-        const float *q_b, const float *kv_cache, const int64_t *tab, int64_t L, float *out_b,
+        const float *q_b, const char *kv_cache, const int64_t *tab, int64_t L, float *out_b,
         int64_t G, int64_t kvh, const int64_t D, int64_t row, int64_t page, int64_t block_size,
-        float scale) {
+        float scale, const int kvq) {
     float qs[MAX_GROUP][MAX_D], acc[MAX_GROUP][MAX_D], m[MAX_GROUP], l[MAX_GROUP];
     float s[MAX_GROUP][TILE];
-    const float *krow[TILE];
+    const char *krow[TILE];
+    const int64_t hb = kv_head_bytes(D, kvq);
     for (int64_t g = 0; g < G; g++) {
         const float *qh = q_b + (kvh * G + g) * D;
         for (int64_t d = 0; d < D; d++) qs[g][d] = qh[d] * scale;
@@ -62,27 +95,39 @@ static inline __attribute__((always_inline)) void decode_task(
     for (int64_t t0 = 0; t0 < L; t0 += TILE) {
         const int64_t n = L - t0 < TILE ? L - t0 : TILE;
         for (int64_t i = 0; i < n; i++) {
-            krow[i] = kv_cache + tab[p] * page + off * row + kvh * D;
+            krow[i] = kv_cache + tab[p] * page + off * row + kvh * hb;
             if (++off == block_size) {
                 off = 0;
                 p++;
             }
         }
         for (int64_t i = 0; i < n; i++) {
-            const float *k = krow[i];
+            const char *k = krow[i];
             /* Pages are scattered, so the hardware prefetcher loses the stream at every page
              * boundary: ask for the K row PF_AHEAD tokens on, and for this token's V row
              * (read after the tile's scores). Batch 32, contexts of 600-2000 tokens (K/V
              * beyond L3), 2-core AVX-512 EPYC: 14-21 -> 22-33 GB/s, 1.55x per call; with
              * the K/V cache-resident (batch 1) ~8% slower per call. */
             if (i + PF_AHEAD < n)
-                for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(krow[i + PF_AHEAD] + d);
-            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(k + v_off + d);
-            for (int64_t g = 0; g < G; g++) {
-                float dot = 0.f;
+                for (int64_t b = 0; b < hb; b += 64) __builtin_prefetch(krow[i + PF_AHEAD] + b);
+            for (int64_t b = 0; b < hb; b += 64) __builtin_prefetch(k + v_off + b);
+            if (kvq) {
+                const int8_t *kq = (const int8_t *)k;
+                const float ks = kv_row_scale_(kq, D);
+                for (int64_t g = 0; g < G; g++) {
+                    float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qs[g][d] * k[d];
-                s[g][i] = dot;
+                    for (int64_t d = 0; d < D; d++) dot += qs[g][d] * (float)kq[d];
+                    s[g][i] = dot * ks;
+                }
+            } else {
+                const float *kf = (const float *)k;
+                for (int64_t g = 0; g < G; g++) {
+                    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qs[g][d] * kf[d];
+                    s[g][i] = dot;
+                }
             }
         }
         for (int64_t g = 0; g < G; g++) {
@@ -101,11 +146,21 @@ static inline __attribute__((always_inline)) void decode_task(
                 for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;
         }
         for (int64_t i = 0; i < n; i++) {
-            const float *v = krow[i] + v_off;
-            for (int64_t g = 0; g < G; g++) {
-                const float w = s[g][i];
+            if (kvq) {
+                const int8_t *vq = (const int8_t *)(krow[i] + v_off);
+                const float vs = kv_row_scale_(vq, D);
+                for (int64_t g = 0; g < G; g++) {
+                    const float w = s[g][i] * vs;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) acc[g][d] += w * v[d];
+                    for (int64_t d = 0; d < D; d++) acc[g][d] += w * (float)vq[d];
+                }
+            } else {
+                const float *v = (const float *)(krow[i] + v_off);
+                for (int64_t g = 0; g < G; g++) {
+                    const float w = s[g][i];
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) acc[g][d] += w * v[d];
+                }
             }
         }
     }
@@ -116,39 +171,49 @@ static inline __attribute__((always_inline)) void decode_task(
     }
 }
 
-/* decode_task with D a compile-time constant for the common head sizes. */
-static void decode_task_d(const float *q_b, const float *kv_cache, const int64_t *tab, int64_t L,
+/* decode_task with D and the rows' format compile-time constants for the common head sizes. */
+#define DECODE_TASK_D_(KVQ)                                                                     \
+    do {                                                                                        \
+        if (D == 64)                                                                            \
+            decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, 64, row, page, block_size, scale, \
+                        KVQ);                                                                   \
+        else if (D == 128)                                                                      \
+            decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, 128, row, page, block_size,       \
+                        scale, KVQ);                                                            \
+        else                                                                                    \
+            decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, D, row, page, block_size, scale,  \
+                        KVQ);                                                                   \
+    } while (0)
+
+static void decode_task_d(const float *q_b, const char *kv_cache, const int64_t *tab, int64_t L,
                           float *out_b, int64_t G, int64_t kvh, int64_t D, int64_t row,
-                          int64_t page, int64_t block_size, float scale) {
-    if (D == 64)
-        decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, 64, row, page, block_size, scale);
-    else if (D == 128)
-        decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, 128, row, page, block_size, scale);
+                          int64_t page, int64_t block_size, float scale, int kvq) {
+    if (kvq)
+        DECODE_TASK_D_(1);
     else
-        decode_task(q_b, kv_cache, tab, L, out_b, G, kvh, D, row, page, block_size, scale);
+        DECODE_TASK_D_(0);
 }
 
-void paged_decode(const float *q, int64_t q_stride, const float *kv_cache,
+void paged_decode(const float *q, int64_t q_stride, const void *kv_cache,
                   const int64_t *tables, int64_t max_pages, const int64_t *kv_lens,
                   float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                  int64_t block_size, float scale, int nthreads) {
+                  int64_t block_size, float scale, int64_t kvq, int nthreads) {
     const int64_t G = H / KVH;
-    const int64_t row = KVH * D;             /* floats per token slot (all KV heads) */
-    const int64_t page = 2 * block_size * row; /* floats per page (K and V) */
-    int64_t work = 0; /* K/V floats read: below ~64K, waking the thread team costs more */
-    for (int64_t b = 0; b < B; b++) work += kv_lens[b] * row * 2;
+    const int64_t row = KVH * kv_head_bytes(D, (int)kvq); /* bytes per token slot (all heads) */
+    const int64_t page = 2 * block_size * row;            /* bytes per page (K and V) */
+    int64_t work = 0; /* K/V values read: below ~64K, waking the thread team costs more */
+    for (int64_t b = 0; b < B; b++) work += kv_lens[b] * KVH * D * 2;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (work >= 65536)
     for (int64_t task = 0; task < B * KVH; task++) {
         const int64_t b = task / KVH, kvh = task % KVH;
         const float *q_b = q + b * q_stride;
         const int64_t *tab = tables + b * max_pages;
         float *out_b = out + b * H * D;
-        decode_task_d(q_b, kv_cache, tab, kv_lens[b], out_b, G, kvh, D, row, page, block_size,
-                      scale);
+        decode_task_d(q_b, (const char *)kv_cache, tab, kv_lens[b], out_b, G, kvh, D, row,
+                      page, block_size, scale, (int)kvq);
     }
 }
 
-/* o = weight * (x * rsqrt(mean(x^2) + eps)) for one row of n floats. */
 static inline void norm_row_(const float *xr, const float *weight, float *o, int64_t n,
                              float eps) {
     float ss = 0.f;
@@ -1659,9 +1724,11 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                    int64_t H, int64_t KVH, int64_t D, int64_t I, const float *cos_,
                    const float *sin_, const int64_t *tables, int64_t max_pages,
                    const int64_t *kv_lens, int64_t block_size, float eps, float scale,
-                   int64_t wide_from, int64_t qfmt, int64_t qgroup, float *work, int nthreads) {
+                   int64_t wide_from, int64_t qfmt, int64_t qgroup, int64_t kvq, float *work,
+                   int nthreads) {
     const int64_t NQKV = (H + 2 * KVH) * D, G = H / KVH, MP = lanes_for(M);
-    const int64_t row = KVH * D, page = 2 * block_size * row;
+    /* bytes per token slot and per page of the caches (kvq: int8 rows, as paged_decode) */
+    const int64_t row = KVH * kv_head_bytes(D, (int)kvq), page = 2 * block_size * row;
     const int wide = !qfmt && M >= wide_from;
     /* qint: integer products (amx: on the AMX tiles); wfmt: the weights' layout for q_rows_ /
      * qi_rows_ (1 or 2) */
@@ -1695,7 +1762,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
             const float *wo = (const float *)p[4], *wgu = (const float *)p[5];
             const float *wdown = (const float *)p[6];
             const float *qnorm = (const float *)p[7], *knorm = (const float *)p[8];
-            float *cache = (float *)p[9];
+            char *cache = (char *)p[9];
             /* Every thread normalizes the rows itself (M x E floats: cheaper than a barrier). */
             for (int64_t m = 0; m < M; m++)
                 if (wide) norm_row_t_(h + m * E, in_norm, x, MP, m, E, eps);
@@ -1762,17 +1829,18 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 rope_head_(k, c, s, D);
                 const int64_t *tab = tables + b * max_pages;
                 const int64_t pos = kv_lens[b] - 1;
-                float *slot = cache + tab[pos / block_size] * page + (pos % block_size) * row + kvh * D;
-                memcpy(slot, k, D * sizeof(float));
-                memcpy(slot + block_size * row, k + KVH * D, D * sizeof(float));
+                char *slot = cache + tab[pos / block_size] * page + (pos % block_size) * row
+                             + kvh * kv_head_bytes(D, (int)kvq);
+                kv_store_(slot, k, D, (int)kvq);
+                kv_store_(slot + block_size * row, k + KVH * D, D, (int)kvq);
                 if (wide) { /* this task's heads, then into their lanes of the transpose */
                     decode_task_d(qb, cache, tab, kv_lens[b], heads, G, kvh, D, row, page,
-                                  block_size, scale);
+                                  block_size, scale, (int)kvq);
                     for (int64_t j = kvh * G * D; j < (kvh + 1) * G * D; j++)
                         att[j * MP + b] = heads[j];
                 } else {
                     decode_task_d(qb, cache, tab, kv_lens[b], att + b * HD, G, kvh, D, row,
-                                  page, block_size, scale);
+                                  page, block_size, scale, (int)kvq);
                 }
             }
             if (qint) {

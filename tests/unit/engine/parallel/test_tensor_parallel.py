@@ -332,10 +332,10 @@ def _engine(model_dir, tp: int, **kw):
                                 **{**FAST, **kw}))
 
 
-def _export(model_dir, tp: int, prompts, export_from=None) -> tuple[dict, list]:
+def _export(model_dir, tp: int, prompts, export_from=None, **kw) -> tuple[dict, list]:
     """Prefill each prompt on a TP ``tp`` engine as a one-token export; first tokens and the
     exported layers."""
-    eng = _engine(model_dir, tp)
+    eng = _engine(model_dir, tp, **kw)
     try:
         exports: list = []
         eng.kv_connector.exporter = exports.append
@@ -390,6 +390,34 @@ def test_kv_moves_between_any_tp_sizes(request, model, prompts, prefill_tp, deco
         for a, b in zip(mine, single, strict=True):
             assert torch.allclose(a.kv, b.kv, atol=1e-4)
     dec = _engine(model_dir, decode_tp)
+    try:
+        assert _decode(dec, prompts, first, exports) == refs
+    finally:
+        dec.close()
+
+
+def test_int8_kv_moves_between_tp_sizes_as_stored(tiny_llama_dir, prompts):
+    """An int8 KV cache under tensor parallelism: TP 2 ranks gather their heads' int8 rows
+    (values and scales) into the model's whole layout, a TP 2 decode engine takes each rank's
+    heads as stored, and the tokens equal a TP 1 int8 prefill and decode's."""
+    from engine.attention.kv_format import dequantize_rows
+
+    first, exports = _export(tiny_llama_dir, 2, prompts, kv_cache_dtype="int8")
+    head_dim = 16
+    assert all(e.kv.dtype == torch.int8 and e.kv.shape[2:] == (2, head_dim + 4)
+               for e in exports)
+    first1, single = _export(tiny_llama_dir, 1, prompts, kv_cache_dtype="int8")
+    for a, b in zip([e for e in exports if e.request_id == "r0"],
+                    [e for e in single if e.request_id == "r0"], strict=True):
+        x, y = dequantize_rows(a.kv, torch.float32), dequantize_rows(b.kv, torch.float32)
+        step = y.abs().amax(-1, keepdim=True) / 127
+        assert bool(((x - y).abs() <= 2 * step + 1e-5).all())
+    ref_engine = _engine(tiny_llama_dir, 1, kv_cache_dtype="int8")
+    try:
+        refs = _decode(ref_engine, prompts, first1, single)
+    finally:
+        ref_engine.close()
+    dec = _engine(tiny_llama_dir, 2, kv_cache_dtype="int8")
     try:
         assert _decode(dec, prompts, first, exports) == refs
     finally:
