@@ -187,7 +187,7 @@ class DecodeWorker:
                           kv_event_seq=self._kv_events.log.seq, decode_steps=s.decode_steps,
                           mixed_steps=s.mixed_steps,
                           rank_kv_transfer_bytes=tuple(self.kv.rank_bytes if self.kv else ()),
-                          **offload_load(s))
+                          kv_block_bytes=s.kv_block_bytes, **offload_load(s))
 
     def ping(self) -> str:
         return self.worker_id

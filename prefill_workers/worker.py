@@ -150,7 +150,8 @@ class PrefillWorker:
                           prefix_hit_tokens=s.num_prefix_hit_tokens,
                           prefill_tokens_computed=s.num_prefill_tokens_computed,
                           kv_event_seq=self._kv_events.log.seq,
-                          rank_kv_transfer_bytes=tuple(self.kv.rank_bytes), **offload_load(s))
+                          rank_kv_transfer_bytes=tuple(self.kv.rank_bytes),
+                          kv_block_bytes=s.kv_block_bytes, **offload_load(s))
 
     def layers_sent(self, request_id: str) -> int:
         """How many layers of an in-flight request's KV have been posted (tests, debugging)."""

@@ -149,7 +149,7 @@ class EngineBackend:
         s = self._async.engine.stats()
         return BackendStats([WorkerLoad("embedded-0", "embedded", s.kv_blocks_used,
                                         s.kv_blocks_total, s.num_running, s.num_waiting,
-                                        **offload_load(s))],
+                                        kv_block_bytes=s.kv_block_bytes, **offload_load(s))],
                             prefix_hit_tokens={"embedded": s.num_prefix_hit_tokens},
                             prefill_computed_tokens=s.num_prefill_tokens_computed,
                             decode_steps=merge_rows([s.decode_steps]),
@@ -158,13 +158,11 @@ class EngineBackend:
     async def cluster_status(self) -> list[WorkerStatus]:
         engine = self._async.engine
         s = engine.stats()
-        kv_dtype = engine.cache_config.kv_cache_dtype
         return [WorkerStatus("embedded-0", "embedded", "127.0.0.1", os.getpid(), "ready",
                              s.kv_blocks_used, s.kv_blocks_total, s.num_running, s.num_waiting,
                              threads=s.num_threads, cpu_stolen=s.cpu_stolen,
-                             kv_cache_dtype=kv_dtype,
-                             kv_block_bytes=engine.model_config.kv_cache_bytes_per_token(kv_dtype)
-                             * s.block_size)]
+                             kv_cache_dtype=engine.cache_config.kv_cache_dtype,
+                             kv_block_bytes=s.kv_block_bytes)]
 
     async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
                            wait: bool = False) -> DrainStatus:

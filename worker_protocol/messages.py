@@ -95,6 +95,8 @@ class WorkerLoad:
     # KV bytes each tensor-parallel rank sent (prefill) or received (decode) on its own
     # pairs, rank order (one entry at TP 1; empty for a colocated worker).
     rank_kv_transfer_bytes: tuple = ()
+    # One block of its KV pool as stored, every layer (int8 pools: values and scales).
+    kv_block_bytes: int = 0
     # The second KV cache tier (engine.executor.kv_tier): blocks held in host memory and on disk now,
     # and prompt tokens restored from it instead of recomputed (cumulative).
     kv_offload_host_blocks: int = 0

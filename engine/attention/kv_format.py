@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import KV_SCALE_BYTES
+from engine.ops import cpu_ops
 
 KV_INT8 = torch.int8  # the storage dtype of an int8 pool
 
@@ -44,7 +45,18 @@ def head_dim_of(kv: torch.Tensor) -> int:
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """``x [..., head_dim]`` (float) as int8 rows ``[..., head_dim + 4]``: each row's values
-    rounded to ``round(x * 127 / max|x|)`` and its scale ``max|x| / 127`` in the last 4 bytes."""
+    rounded to ``round(x * 127 / max|x|)`` and its scale ``max|x| / 127`` in the last 4 bytes.
+    fp32 on the CPU: the C kernels' own rounding (``cpu_ops.kv_quantize_rows``), so these rows
+    are the bits the attention kernels write; elsewhere torch's float32 ops (a rounding may
+    differ in its last bit)."""
+    if x.dtype == torch.float32 and x.is_cpu and x.shape[-1]:
+        rows = cpu_ops.kv_quantize_rows(x)
+        if rows is not None:
+            return rows
+    return _quantize_rows_torch(x)
+
+
+def _quantize_rows_torch(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))

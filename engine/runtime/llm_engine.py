@@ -59,6 +59,9 @@ class EngineStats:
     # threads' time other processes took (engine.runtime.cpu_threads; 0 / 0.0 off the CPU).
     num_threads: int = 0
     cpu_stolen: float = 0.0
+    # One block of the pool as stored, every layer (``--kv-cache-dtype``: an int8 pool's
+    # values and scales): blocks x this = the pool's bytes.
+    kv_block_bytes: int = 0
 
 
 class LLMEngine:
@@ -239,7 +242,9 @@ class LLMEngine:
                            bm.num_restored_tokens, sched.num_preemptions,
                            bm.num_evicted_blocks, self.step_times.histogram.snapshot(),
                            self.threads.threads if self.threads else 0,
-                           self.threads.governor.last_stolen if self.threads else 0.0)
+                           self.threads.governor.last_stolen if self.threads else 0.0,
+                           self.model_config.kv_cache_bytes_per_token(
+                               self.cache_config.kv_cache_dtype) * bm.block_size)
 
     def record_kv_events(self) -> None:
         """Record the prefix cache's changes from now on, for ``take_kv_events`` (a worker

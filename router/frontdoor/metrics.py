@@ -57,6 +57,9 @@ class _StatsCollector(Collector):
             "kv_usage_ratio": GaugeMetricFamily(
                 "pdcluster_kv_usage_ratio", "Fraction of the KV pool's blocks in use (0..1)",
                 labels=labels),
+            "kv_block_bytes": GaugeMetricFamily(
+                "pdcluster_kv_block_bytes", "Bytes of one KV block as the pool stores it, "
+                "every layer (--kv-cache-dtype): blocks x this = bytes", labels=labels),
         }
         for w in s.workers:
             lv = [w.worker_id, w.role]
@@ -66,6 +69,7 @@ class _StatsCollector(Collector):
             fams["requests_waiting"].add_metric(lv, w.requests_waiting)
             fams["kv_usage_ratio"].add_metric(lv, w.kv_blocks_used / w.kv_blocks_total
                                               if w.kv_blocks_total else 0.0)
+            fams["kv_block_bytes"].add_metric(lv, w.kv_block_bytes)
         yield from fams.values()
         # The second KV cache tier (engine.executor.kv_tier): what each worker keeps there, and the
         # prompt tokens it restored instead of recomputing (a counter per worker process).

@@ -84,6 +84,7 @@ REQUESTS_WAITING = Family("pdcluster_requests_waiting", "gauge", _WORKER)
 KV_BLOCKS_USED = Family("pdcluster_kv_blocks_used", "gauge", _WORKER)
 KV_BLOCKS_TOTAL = Family("pdcluster_kv_blocks_total", "gauge", _WORKER)
 KV_USAGE = Family("pdcluster_kv_usage_ratio", "gauge", _WORKER)
+KV_BLOCK_BYTES = Family("pdcluster_kv_block_bytes", "gauge", _WORKER)
 KV_OFFLOAD_BLOCKS = Family("pdcluster_kv_offload_blocks", "gauge", (*_WORKER, "tier"))
 KV_OFFLOAD_RESTORED = Family("pdcluster_kv_offload_restored_tokens", "counter", _WORKER)
 KV_TRANSFER_BYTES = Family("pdcluster_kv_transfer_bytes", "counter", ())
@@ -110,7 +111,8 @@ AUTOSCALER_DECISIONS = Family("pdcluster_autoscaler_decisions", "counter",
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     TTFT, ITL, TPOT, E2E, GENERATION_TOKENS, PROMPT_TOKENS, PHASES, REQUESTS_RUNNING,
-    REQUESTS_WAITING, KV_BLOCKS_USED, KV_BLOCKS_TOTAL, KV_USAGE, KV_OFFLOAD_BLOCKS,
+    REQUESTS_WAITING, KV_BLOCKS_USED, KV_BLOCKS_TOTAL, KV_USAGE, KV_BLOCK_BYTES,
+    KV_OFFLOAD_BLOCKS,
     KV_OFFLOAD_RESTORED, KV_TRANSFER_BYTES, KV_RANK_TRANSFER_BYTES, MIGRATIONS,
     PREFIX_HIT_TOKENS, PREFIX_PULLED_TOKENS, PREFIX_RECOMPUTED_TOKENS, PREFILL_COMPUTED_TOKENS,
     DECODE_STEPS, DECODE_STEP_SECONDS, STORE_UP, AUTOSCALER_DESIRED,

@@ -137,10 +137,13 @@ def test_status_command_shows_every_worker(server):
     res = subprocess.run(status + ["--api-key", KEY], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0].split()[:6] == ["id", "role", "host", "pid", "tp", "state"]
+    assert lines[0].split()[:10] == ["id", "role", "host", "pid", "tp", "state", "kv_blocks_used",
+                                     "kv_blocks_total", "kv_cache_dtype", "kv_block_bytes"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert set(rows) == {"prefill-0", "decode-0"}
     assert all(r[4] == "1" and r[5] == "ready" for r in rows.values())
+    # `pdcluster serve`'s default KV cache: the default model's fp32 rows, 46,080 bytes a token
+    assert all(r[8] == "auto" and int(r[9]) % 46080 == 0 for r in rows.values())
     down = subprocess.run([sys.executable, "-m", "router.cli", "status", "--http-address",
                            f"127.0.0.1:{_free_port()}"], capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "cannot reach" in down.stderr

@@ -52,7 +52,10 @@ static inline __attribute__((always_inline)) float kv_row_scale_(const int8_t *r
 }
 
 /* One token's K (or V) of one KV head into its slot: copied (fp32), or quantized (int8:
- * round(x * 127 / max|x|), the scale max|x| / 127 after the values; kv_format.quantize_rows). */
+ * round(x * 127 / max|x|), the scale max|x| / 127 after the values). Every int8 row a CPU
+ * engine writes comes from here (kv_write_int8, decode_layers, and kv_quantize_rows for
+ * engine/attention/kv_format.quantize_rows), so rows are the same bits whichever path wrote
+ * them; the torch twin there (other devices) may differ in the last bit of a rounding. */
 static inline void kv_store_(char *slot, const float *x, int64_t D, int kvq) {
     if (!kvq) {
         memcpy(slot, x, D * sizeof(float));
@@ -111,13 +114,16 @@ static inline __attribute__((always_inline)) void decode_task(
             if (i + PF_AHEAD < n)
                 for (int64_t b = 0; b < hb; b += 64) __builtin_prefetch(krow[i + PF_AHEAD] + b);
             for (int64_t b = 0; b < hb; b += 64) __builtin_prefetch(k + v_off + b);
-            if (kvq) {
+            if (kvq) { /* the row's values as floats once, for every head of the group */
                 const int8_t *kq = (const int8_t *)k;
                 const float ks = kv_row_scale_(kq, D);
+                float kf[MAX_D];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) kf[d] = (float)kq[d];
                 for (int64_t g = 0; g < G; g++) {
                     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qs[g][d] * (float)kq[d];
+                    for (int64_t d = 0; d < D; d++) dot += qs[g][d] * kf[d];
                     s[g][i] = dot * ks;
                 }
             } else {
@@ -149,10 +155,13 @@ static inline __attribute__((always_inline)) void decode_task(
             if (kvq) {
                 const int8_t *vq = (const int8_t *)(krow[i] + v_off);
                 const float vs = kv_row_scale_(vq, D);
+                float vf[MAX_D];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) vf[d] = (float)vq[d];
                 for (int64_t g = 0; g < G; g++) {
                     const float w = s[g][i] * vs;
 #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) acc[g][d] += w * (float)vq[d];
+                    for (int64_t d = 0; d < D; d++) acc[g][d] += w * vf[d];
                 }
             } else {
                 const float *v = (const float *)(krow[i] + v_off);
@@ -169,6 +178,28 @@ static inline __attribute__((always_inline)) void decode_task(
         const float inv = 1.f / l[g];
         for (int64_t d = 0; d < D; d++) o[d] = acc[g][d] * inv;
     }
+}
+
+/* A step's new K and V ([T, KVH, D] fp32 each, rows of k_stride / v_stride floats) into an
+ * int8 pool's slots (page_ids[t], offsets[t]), quantized as kv_store_ does: the torch twin is
+ * engine/attention/kv_format.quantize_rows plus a scatter, here one pass. */
+void kv_write_int8(void *kv_cache, const int64_t *page_ids, const int64_t *offsets,
+                   const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t T,
+                   int64_t KVH, int64_t D, int64_t block_size, int nthreads) {
+    const int64_t hb = kv_head_bytes(D, 1), row = KVH * hb, page = 2 * block_size * row;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * KVH >= 256)
+    for (int64_t task = 0; task < T * KVH; task++) {
+        const int64_t t = task / KVH, h = task % KVH;
+        char *slot = (char *)kv_cache + page_ids[t] * page + offsets[t] * row + h * hb;
+        kv_store_(slot, k + t * k_stride + h * D, D, 1);
+        kv_store_(slot + block_size * row, v + t * v_stride + h * D, D, 1);
+    }
+}
+
+/* n rows of D floats as int8 rows of D + 4 bytes (kv_store_), into out. */
+void kv_quantize_rows(const float *x, int64_t n, int64_t D, int8_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 256)
+    for (int64_t i = 0; i < n; i++) kv_store_((char *)(out + i * (D + 4)), x + i * D, D, 1);
 }
 
 /* decode_task with D and the rows' format compile-time constants for the common head sizes. */

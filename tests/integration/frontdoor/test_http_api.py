@@ -233,7 +233,9 @@ def test_cluster_lists_every_worker_ready(http, backend):
     assert roles == (["embedded"] if mode == "embedded" else ["decode", "prefill"])
     for w in workers:
         assert {"id", "role", "host", "pid", "state", "kv_blocks_used", "kv_blocks_total",
-                "running", "waiting"} <= set(w)
+                "running", "waiting", "kv_cache_dtype", "kv_block_bytes"} <= set(w)
+        # the default KV cache: fp32 rows, a block's bytes a whole number of tokens' KV
+        assert w["kv_cache_dtype"] == "auto" and w["kv_block_bytes"] > 0
         assert w["state"] == "ready" and w["host"] and w["pid"] > 0
         assert 0 <= w["kv_blocks_used"] <= w["kv_blocks_total"] and w["kv_blocks_total"] > 0
     if mode != "embedded":  # every worker is a process of its own
@@ -265,6 +267,7 @@ def test_metrics_expose_every_name_and_move_with_requests(http, frontdoor, backe
         kind_suffix = "_count" if name.endswith("_seconds") else ""
         assert name + kind_suffix in before, name
     assert before["pdcluster_kv_blocks_total"] > 0
+    assert before["pdcluster_kv_block_bytes"] > 0  # every worker reports its block's bytes
 
     http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
     with Client(f"127.0.0.1:{frontdoor.grpc_port}", timeout=60, retry=NO_RETRY) as c:

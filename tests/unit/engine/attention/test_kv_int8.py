@@ -12,6 +12,7 @@ import torch
 
 from engine.attention.backend import AttentionShape, SeqSlice, build_metadata
 from engine.attention.kv_format import (
+    _quantize_rows_torch,
     dequantize_rows,
     for_pool,
     head_dim_of,
@@ -59,6 +60,13 @@ def test_rows_hold_values_and_scale():
     yq = dequantize_rows(quantize_rows(y), torch.float32)
     step = y.abs().amax(-1, keepdim=True) / 127
     assert bool(((yq - y).abs() <= step / 2 + 1e-6).all())
+    # The torch twin (other devices) rounds alike but for the last bit of a product: a value
+    # one step off where x * 127 / max|x| sits on a half, the scale within an ulp.
+    twin, mine = _quantize_rows_torch(y), quantize_rows(y)
+    assert (twin[..., :128] != mine[..., :128]).float().mean() < 1e-3
+    assert (twin[..., :128].int() - mine[..., :128].int()).abs().max() <= 1
+    torch.testing.assert_close(twin[..., 128:].view(torch.float32),
+                               mine[..., 128:].view(torch.float32), rtol=1e-6, atol=0)
 
 
 def test_for_pool_converts_never_casts():
@@ -250,3 +258,24 @@ def test_fused_step_over_int8_pools(tiny_llama_dir, wide_from):
         assert torch.equal(fused[layer].transpose(1, 2)[~written],
                            before[layer].transpose(1, 2)[~written])
         assert not torch.equal(fused[layer], before[layer]), "the step wrote no K/V"
+
+
+def test_serve_passes_one_kv_dtype_to_every_worker_and_refuses_what_it_cannot_serve():
+    from router.cli.serve_config import ServeConfig
+
+    cluster = ServeConfig(kv_cache_dtype="int8").cluster_config()
+    assert cluster.prefill_engine.kv_cache_dtype == cluster.decode_engine.kv_cache_dtype == "int8"
+    assert ServeConfig().cluster_config().decode_engine.kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, int8, fp8"):
+        ServeConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="fp8' is not served yet"):
+        ServeConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="FlashInfer reads no int8 pages"):
+        ServeConfig(kv_cache_dtype="int8", device="cuda", attention_backend="flashinfer")
+
+
+def test_an_engine_refuses_fp8_before_loading_anything(tiny_llama_dir):
+    from engine import LLM
+
+    with pytest.raises(ValueError, match="fp8' is not served yet: use kv_cache_dtype='int8'"):
+        LLM(str(tiny_llama_dir), kv_cache_dtype="fp8")

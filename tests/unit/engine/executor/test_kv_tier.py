@@ -255,3 +255,43 @@ def test_engine_refuses_a_tier_it_cannot_use(tiny_llama_dir):
     with pytest.raises(ValueError, match="needs prefix caching on"):
         LLMEngine(EngineArgs(model=str(tiny_llama_dir), enable_prefix_caching=False,
                              kv_offload_memory_bytes=1 << 20))
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_an_int8_pool_restores_its_rows_and_scales(tiny_llama_dir, tmp_path, tier):
+    """``kv_cache_dtype="int8"``: blocks (int8 values and their scales in one row) go to the
+    tier and come back as stored: the restored prefix serves the tokens an int8 engine with
+    room for everything (nothing evicted, nothing restored) serves."""
+    block, per_token = 8, 2 * 2 * 2 * (16 + 4)  # tiny model, int8 rows of 16 values + scale
+    block_bytes = block * per_token
+    memory = 64 * block_bytes if tier == "memory" else block_bytes
+    base = random_prompts(seed=21, count=1, max_len=41, min_len=41)[0]
+    others = random_prompts(seed=22, count=3, max_len=60, min_len=60)
+    follow = base[:40] + random_prompts(seed=23, count=1, max_len=7, min_len=7)[0]
+    prompts = [base, *others, follow]
+    roomy = LLMEngine(EngineArgs(model=str(tiny_llama_dir), block_size=block, detokenize=False,
+                                 kv_cache_dtype="int8", max_model_len=96))
+    try:
+        want = serve_in_turn(roomy, prompts, GREEDY)
+        assert roomy.block_manager.num_restored_tokens == 0
+    finally:
+        roomy.close()
+    engine = LLMEngine(EngineArgs(
+        model=str(tiny_llama_dir), block_size=block, detokenize=False, kv_cache_dtype="int8",
+        kv_cache_memory_bytes=12 * block_bytes, max_model_len=96,
+        kv_offload_memory_bytes=memory, kv_offload_dir=str(tmp_path) if tier == "disk" else None,
+        kv_offload_disk_bytes=128 * (block_bytes + 256) if tier == "disk" else 0))
+    try:
+        assert engine.block_manager.num_blocks == 12
+        assert engine.kv_tier.block_bytes == block_bytes
+        got = serve_in_turn(engine, prompts, GREEDY)
+        bm = engine.block_manager
+        assert bm.num_restored_tokens >= 40
+        if tier == "disk":
+            assert engine.kv_tier.stats().disk_blocks > 0
+        assert got == want
+        assert bm.num_used_blocks == 0
+        bm.check_invariants()
+        engine.kv_tier.check_invariants()
+    finally:
+        engine.close()

@@ -397,9 +397,10 @@ def test_kv_moves_between_any_tp_sizes(request, model, prompts, prefill_tp, deco
 
 
 def test_int8_kv_moves_between_tp_sizes_as_stored(tiny_llama_dir, prompts):
-    """An int8 KV cache under tensor parallelism: TP 2 ranks gather their heads' int8 rows
-    (values and scales) into the model's whole layout, a TP 2 decode engine takes each rank's
-    heads as stored, and the tokens equal a TP 1 int8 prefill and decode's."""
+    """An int8 KV cache under tensor parallelism, prefill TP != decode TP: TP 2 ranks gather
+    their heads' int8 rows (values and scales) into the model's whole layout (a TP 1 export's
+    within a quantization step), and a TP 2 decode engine takes a TP 1 prefill's rows, each
+    rank its heads, as stored: the tokens equal a TP 1 int8 prefill and decode's."""
     from engine.attention.kv_format import dequantize_rows
 
     first, exports = _export(tiny_llama_dir, 2, prompts, kv_cache_dtype="int8")
@@ -417,9 +418,10 @@ def test_int8_kv_moves_between_tp_sizes_as_stored(tiny_llama_dir, prompts):
         refs = _decode(ref_engine, prompts, first1, single)
     finally:
         ref_engine.close()
+    assert first == first1
     dec = _engine(tiny_llama_dir, 2, kv_cache_dtype="int8")
     try:
-        assert _decode(dec, prompts, first, exports) == refs
+        assert _decode(dec, prompts, first1, single) == refs
     finally:
         dec.close()
 
