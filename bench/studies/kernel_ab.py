@@ -88,7 +88,7 @@ def measure(base: ctypes.CDLL, new: ctypes.CDLL, batch: int, context: int, calls
             t0 = time.perf_counter()
             lib.paged_decode(q.data_ptr(), q.stride(0), cache.data_ptr(), tables.data_ptr(), pages,
                              lens.data_ptr(), outs[name].data_ptr(), batch, HEADS, KV_HEADS,
-                             HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, torch.get_num_threads())
+                             HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, torch.get_num_threads(), 0)
             if i >= WARM_CALLS:
                 times[name].append(time.perf_counter() - t0)
     torch.testing.assert_close(outs["new"], outs["base"], atol=1e-5, rtol=1e-5)  # same answer

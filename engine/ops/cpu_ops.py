@@ -51,7 +51,7 @@ NEVER_WIDE = 1 << 30  # decode_layers' wide_from that keeps every batch on the d
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "paged_decode": [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32,
-                     _I64, _INT],
+                     _INT, _I64],
     "rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "kv_write_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
     "kv_quantize_rows": [_PTR, _I64, _I64, _PTR, _INT],
@@ -352,7 +352,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
         return False
     lib.paged_decode(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), tables.data_ptr(),
                      tables.shape[1], kv_lens.data_ptr(), out.data_ptr(), b, h, kvh, d,
-                     kv_cache.shape[2], d ** -0.5, _kvq(kv_cache), torch.get_num_threads())
+                     kv_cache.shape[2], d ** -0.5, torch.get_num_threads(), _kvq(kv_cache))
     return True
 
 

@@ -150,7 +150,7 @@ def test_every_benchmark_is_a_pdcluster_bench_subcommand():
 
     parser = build_parser()
     for name in ("ceilings", "sweep", "policies", "ttft_breakdown", "disagg", "serve",
-                 "chaos", "prefix"):
+                 "chaos", "prefix", "kv_cache"):
         args = parser.parse_args(["bench", name, "--quick"])
         assert callable(args.func) and args.quick and args.out == "bench/results"
     args = parser.parse_args(["bench", "sweep", "--batch-sizes", "1,8", "--baseline", "transformers"])
@@ -387,3 +387,23 @@ def test_serve_target_records_what_another_server_does_not_honour(fake_llamacpp,
     assert sent["model"] == "tiny.gguf" and sent["ignore_eos"] is True
     assert sent["max_tokens"] == 4 and len(sent["prompt"]) == 8
     assert all(isinstance(t, int) for t in sent["prompt"])
+
+
+def test_kv_cache_capacity_counts_the_sequences_an_int8_pool_holds(tiny_llama_dir):
+    """``bench kv_cache``'s capacity figure on the tiny model (512 B a token in fp32, 160 in
+    int8): in 1 MiB, 128 blocks of 16 hold 14 prompts of 128 + 16 tokens at once, and the int8
+    pool's 409 blocks every one of the 40 sent; nothing leaks."""
+    import argparse
+
+    from bench.cluster.kv_cache import _capacity, _mean_rounds
+    from bench.harness.workload import make_prompts
+
+    args = argparse.Namespace(model=str(tiny_llama_dir), budget_mib=1, num_threads=1)
+    prompts = make_prompts(40, 128, 250, seed=0)
+    fp, q = (_capacity(args, d, prompts) for d in ("auto", "int8"))
+    assert (fp["blocks"], fp["bytes_per_token"], fp["sequences_by_blocks"]) == (128, 512, 14)
+    assert (q["blocks"], q["bytes_per_token"]) == (409, 160)
+    assert fp["max_concurrent_sequences"] == 14 and q["max_concurrent_sequences"] == 40
+    assert fp["leaked_blocks"] == q["leaked_blocks"] == 0
+    both = _mean_rounds([{"ttft_p50_s": 1.0, "x": 1}, {"ttft_p50_s": 3.0, "x": 1}])
+    assert both["ttft_p50_s"] == 2.0 and len(both["rounds"]) == 2

@@ -228,7 +228,9 @@ static void decode_task_d(const float *q_b, const char *kv_cache, const int64_t 
 void paged_decode(const float *q, int64_t q_stride, const void *kv_cache,
                   const int64_t *tables, int64_t max_pages, const int64_t *kv_lens,
                   float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                  int64_t block_size, float scale, int64_t kvq, int nthreads) {
+                  int64_t block_size, float scale, int nthreads, int64_t kvq) {
+    /* kvq last: a caller passing it to an older build (bench/studies/kernel_ab.py times two
+     * builds with one argument list) is read as that build's fp32 call */
     const int64_t G = H / KVH;
     const int64_t row = KVH * kv_head_bytes(D, (int)kvq); /* bytes per token slot (all heads) */
     const int64_t page = 2 * block_size * row;            /* bytes per page (K and V) */
