@@ -426,6 +426,41 @@ def test_int8_kv_moves_between_tp_sizes_as_stored(tiny_llama_dir, prompts):
         dec.close()
 
 
+def _cache_prefix(dec, prefix, prompt):
+    """Serve ``prefix`` on the decode engine ``dec`` (its blocks stay cached), then reserve
+    and release ``prompt``: the reservation that says how many of its tokens ``dec`` holds."""
+    dec.add_request(prefix, GREEDY, request_id="warm")
+    while dec.has_unfinished_requests:
+        dec.step()
+    held = dec.kv_connector.reserve("r0", prompt, GREEDY)
+    assert held.ok and held.num_cached_tokens >= 4
+    dec.kv_connector.release("r0")
+    return held
+
+
+def test_an_int8_decode_engine_takes_only_the_rows_it_lacks(tiny_llama_dir, prompts):
+    """Decode-side prefix reuse with an int8 cache: the decode engine holds a prompt's prefix
+    in its own int8 blocks, the prefill sends the rest (``export_from``) as int8 rows, and
+    the tokens equal the same int8 prefill and decode without the reuse."""
+    prompt = prompts[0] + prompts[1]
+    first, whole = _export(tiny_llama_dir, 1, [prompt], kv_cache_dtype="int8")
+    ref_engine = _engine(tiny_llama_dir, 1, kv_cache_dtype="int8", block_size=4)
+    try:
+        refs = _decode(ref_engine, [prompt], first, whole)
+    finally:
+        ref_engine.close()
+    dec = _engine(tiny_llama_dir, 1, kv_cache_dtype="int8", block_size=4)
+    try:
+        held = _cache_prefix(dec, prompts[0], prompt)
+        first2, rest = _export(tiny_llama_dir, 1, [prompt], kv_cache_dtype="int8",
+                               export_from={"r0": held.num_cached_tokens})
+        assert all(e.kv.dtype == torch.int8
+                   and e.kv.shape[1] == len(prompt) - held.num_cached_tokens for e in rest)
+        assert _decode(dec, [prompt], first2, rest) == refs
+    finally:
+        dec.close()
+
+
 def test_a_tp_decode_engine_reuses_its_prefix_cache_for_a_tp1_prefill(tiny_llama_dir, prompts):
     """Prefix reuse across TP sizes: the TP 2 decode engine caches a prompt's prefix; the
     TP 1 prefill then sends only the rest (``export_from``), and the tokens still equal
@@ -434,12 +469,7 @@ def test_a_tp_decode_engine_reuses_its_prefix_cache_for_a_tp1_prefill(tiny_llama
     refs = hf_greedy(tiny_llama_dir, "llama", [prompt], MAX_TOKENS)
     dec = _engine(tiny_llama_dir, 2, block_size=4)
     try:
-        dec.add_request(prompts[0], GREEDY, request_id="warm")
-        while dec.has_unfinished_requests:
-            dec.step()
-        held = dec.kv_connector.reserve("r0", prompt, GREEDY)
-        assert held.ok and held.num_cached_tokens >= 4
-        dec.kv_connector.release("r0")
+        held = _cache_prefix(dec, prompts[0], prompt)
         first, exports = _export(tiny_llama_dir, 1, [prompt],
                                  export_from={"r0": held.num_cached_tokens})
         assert all(e.kv.shape[1] == len(prompt) - held.num_cached_tokens for e in exports)
