@@ -20,9 +20,17 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from engine.attention.kv_format import as_stored, is_quantized
+# The pool's format is part of the layout every backend shares: the executor sizes, reads
+# and writes pools through these names (engine.attention.kv_format has the details).
+from engine.attention.kv_format import (  # noqa: F401  (re-exported for the executor)
+    as_stored,
+    for_pool,
+    is_quantized,
+    row_width,
+    storage_dtype,
+)
 from engine.config import cdiv
-from engine.ops import cpu_ops
+from engine.ops import kv_int8
 
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 
@@ -158,7 +166,7 @@ def write_kv(kv_cache: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tens
     cache at ``kv_cache[page_ids[t], :, offsets[t]]``: every backend's first act per layer.
     An int8 pool gets them quantized as they are written (``engine.attention.kv_format``).
     No host sync, so a CUDA graph can capture it with the index tensors fixed."""
-    if is_quantized(kv_cache) and cpu_ops.kv_write_int8(kv_cache, page_ids, offsets, k, v):
+    if is_quantized(kv_cache) and kv_int8.kv_write_int8(kv_cache, page_ids, offsets, k, v):
         return  # quantized and written in one pass (the torch lines below, fused)
     kv_cache[page_ids, 0, offsets] = as_stored(kv_cache, k)
     kv_cache[page_ids, 1, offsets] = as_stored(kv_cache, v)

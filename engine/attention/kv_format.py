@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import KV_SCALE_BYTES
-from engine.ops import cpu_ops
+from engine.ops import kv_int8
 
 KV_INT8 = torch.int8  # the storage dtype of an int8 pool
 
@@ -46,11 +46,11 @@ def head_dim_of(kv: torch.Tensor) -> int:
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """``x [..., head_dim]`` (float) as int8 rows ``[..., head_dim + 4]``: each row's values
     rounded to ``round(x * 127 / max|x|)`` and its scale ``max|x| / 127`` in the last 4 bytes.
-    fp32 on the CPU: the C kernels' own rounding (``cpu_ops.kv_quantize_rows``), so these rows
+    fp32 on the CPU: the C kernels' own rounding (``engine.ops.kv_int8.kv_quantize_rows``), so these rows
     are the bits the attention kernels write; elsewhere torch's float32 ops (a rounding may
     differ in its last bit)."""
     if x.dtype == torch.float32 and x.is_cpu and x.shape[-1]:
-        rows = cpu_ops.kv_quantize_rows(x)
+        rows = kv_int8.kv_quantize_rows(x)
         if rows is not None:
             return rows
     return _quantize_rows_torch(x)

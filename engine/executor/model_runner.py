@@ -22,9 +22,10 @@ from engine.attention.backend import (
     AttentionShape,
     SeqSlice,
     build_metadata,
+    row_width,
+    storage_dtype,
 )
 from engine.attention.factory import create_backend
-from engine.attention.kv_format import row_width, storage_dtype
 from engine.config import CacheConfig, cdiv
 from engine.core.scheduler import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.executor.cuda_graphs import CudaGraphRunner, DecodePadding, decode_buckets

@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.backend import gather_kv
-from engine.attention.kv_format import for_pool
+from engine.attention.backend import for_pool, gather_kv
 from engine.config import cdiv
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.sharding import TPShard
