@@ -46,9 +46,9 @@ def head_dim_of(kv: torch.Tensor) -> int:
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """``x [..., head_dim]`` (float) as int8 rows ``[..., head_dim + 4]``: each row's values
     rounded to ``round(x * 127 / max|x|)`` and its scale ``max|x| / 127`` in the last 4 bytes.
-    fp32 on the CPU: the C kernels' own rounding (``engine.ops.kv_int8.kv_quantize_rows``), so these rows
-    are the bits the attention kernels write; elsewhere torch's float32 ops (a rounding may
-    differ in its last bit)."""
+    fp32 on the CPU: the C kernels' own rounding (``engine.ops.kv_int8.kv_quantize_rows``),
+    so these rows are the bits the attention kernels write; elsewhere torch's float32 ops (a
+    rounding may differ in its last bit)."""
     if x.dtype == torch.float32 and x.is_cpu and x.shape[-1]:
         rows = kv_int8.kv_quantize_rows(x)
         if rows is not None:

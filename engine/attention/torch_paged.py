@@ -342,7 +342,7 @@ class TorchPagedBackend:
                 # Nothing cached before this chunk: attend to the fresh K/V directly.
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = (as_values(x, q.dtype) for x in gather_kv(kv_cache, s.block_ids, s.end_pos))
+                ks, vs = _cached_kv(kv_cache, s, q.dtype)
             if not (self.prefill_paths.path(s.end_pos) == "fused"
                     and cpu_ops.prefill_attention(q[rows], ks, vs, s.start_pos, out[rows])):
                 out[rows] = sdpa_prefill(q[rows], ks, vs, s.mask)
@@ -372,8 +372,16 @@ class TorchPagedBackend:
             if s.mask is None:  # nothing cached before the chunk: its fresh K/V are all
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = (as_values(x, q.dtype) for x in gather_kv(kv_cache, s.block_ids, s.end_pos))
+                ks, vs = _cached_kv(kv_cache, s, q.dtype)
             out[rows] = _prefill_masked(q[rows], ks, vs, masks[window], self.softcap)
+
+
+def _cached_kv(kv_cache: torch.Tensor, s: _PrefillPlan, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's K and V read from its pages (the cached prefix and the chunk's own,
+    just written) as values of ``dtype``: ``[end_pos, KVH, D]`` each."""
+    k, v = gather_kv(kv_cache, s.block_ids, s.end_pos)
+    return as_values(k, dtype), as_values(v, dtype)
 
 
 def decode_tables(meta: AttentionMetadata) -> DecodeTables:
