@@ -75,7 +75,7 @@ class EngineProfile:
     num_threads: int | None
     device: str
     max_num_batched_tokens: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # as the profiled pool stores a token (--kv-cache-dtype)
     # (prompts in the step, tokens of each, seconds) and (batch, context, seconds)
     prefill: list[tuple[int, int, float]] = field(default_factory=list)
     decode: list[tuple[int, int, float]] = field(default_factory=list)
@@ -199,8 +199,10 @@ def profile_engine(args, grid: ProfileGrid | None = None, seed: int = 0,
         engine.add_request(prompt(32), one, f"warm-{next(ids)}")
         while engine.has_unfinished_requests:
             engine.step()
+        # KV bytes a token as this engine's pool stores them (--kv-cache-dtype): what the
+        # planner sizes pools and transfers by
         prof = EngineProfile(cfg.model_id, args.num_threads, str(engine.device), budget,
-                             cfg.kv_bytes_per_token)
+                             cfg.kv_cache_bytes_per_token(args.kv_cache_dtype))
         for b, n in points:
             times = []
             for _ in range(grid.repeats):

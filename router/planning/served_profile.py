@@ -251,7 +251,8 @@ def profile_served(model: str | None, num_threads: int, grid: ProfileGrid | None
 
     prefill, decode, overheads, cpu_per_token, beside = asyncio.run(run())
     prof = EngineProfile(cfg.model_id, num_threads, "cpu",
-                         config.prefill_engine.max_num_batched_tokens, cfg.kv_bytes_per_token,
+                         config.prefill_engine.max_num_batched_tokens,
+                         cfg.kv_cache_bytes_per_token(config.decode_engine.kv_cache_dtype),
                          prefill, decode, measure_loopback_bytes_s(),
                          served=True, overhead_s=statistics.median(overheads),
                          router_cpu_s_per_token=cpu_per_token,
