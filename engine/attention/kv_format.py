@@ -38,11 +38,6 @@ def is_quantized(kv: torch.Tensor) -> bool:
     return kv.dtype == KV_INT8
 
 
-def head_dim_of(kv: torch.Tensor) -> int:
-    """``head_dim`` of a pool or of rows read from it, whatever its format."""
-    return kv.shape[-1] - KV_SCALE_BYTES if is_quantized(kv) else kv.shape[-1]
-
-
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """``x [..., head_dim]`` (float) as int8 rows ``[..., head_dim + 4]``: each row's values
     rounded to ``round(x * 127 / max|x|)`` and its scale ``max|x| / 127`` in the last 4 bytes.

@@ -15,7 +15,6 @@ from engine.attention.kv_format import (
     _quantize_rows_torch,
     dequantize_rows,
     for_pool,
-    head_dim_of,
     quantize_rows,
 )
 from engine.attention.torch_paged import (
@@ -51,7 +50,6 @@ def test_rows_hold_values_and_scale():
     assert rows[0, :4].tolist() == [64, -127, 32, 0]  # round(x * 127 / 1.0), half to even
     assert rows[0, 4:].view(torch.float32).item() == pytest.approx(1.0 / 127)
     assert rows[1].tolist() == [0] * 8  # an all-zero row: zero values, scale 0
-    assert head_dim_of(rows) == 4 and head_dim_of(x) == 4
     back = dequantize_rows(rows, torch.float32)
     assert back.shape == x.shape
     # Within half a step of each row's scale, and exact at its largest magnitude.
