@@ -1056,6 +1056,19 @@ static void qi_quantize_row_(int64_t wfmt, const float *x, int64_t K, QAct *a, i
                 _mm512_mul_ps(_mm512_loadu_ps(xb), vi))));
             _mm_storeu_si128((__m128i *)(t + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
                 _mm512_mul_ps(_mm512_loadu_ps(xb + 16), vi))));
+#elif QI_ISA == 1
+            { /* 32 rounded int32 packed to bytes (packs works within 128-bit halves: the
+               * last permute puts the four 4-byte groups of each half back in order) */
+                const __m256 vi = _mm256_set1_ps(inv);
+                const __m256i a = _mm256_packs_epi32(
+                    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), vi)),
+                    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), vi)));
+                const __m256i b = _mm256_packs_epi32(
+                    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16), vi)),
+                    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 24), vi)));
+                _mm256_storeu_si256((__m256i *)t, _mm256_permutevar8x32_epi32(
+                    _mm256_packs_epi16(a, b), _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0)));
+            }
 #else
             for (int j = 0; j < 32; j++) t[j] = (int8_t)lrintf(xb[j] * inv);
 #endif
@@ -1200,97 +1213,147 @@ static inline __attribute__((always_inline)) void qi_tile_(
 #define QI_R 4
 #define QI_WIDE 1
 #elif QI_ISA == 1
-static inline __attribute__((always_inline)) void qi_tile_(
-        const int wfmt, const void *w, const _Float16 *sc, const _Float16 *off, const QAct *a,
-        int64_t m0, const int R, const int M, int64_t K, float *out) {
-    const int64_t nb = K / 32;
-    const int64_t wrow = wfmt == 1 ? K : K / 2;
+/* AVX2 has no dot-product instruction: vpmaddubsw multiplies unsigned by signed bytes into
+ * int16 pairs and vpmaddwd sums those into int32 quads. */
+
+/* int8 weights, a block at a time: |w| unsigned, w's sign moved onto q (pairs stay under
+ * 2 * 127 * 127 < 2^15: no saturation). R weight rows x M rows of q (R * M <= 8). */
+static inline __attribute__((always_inline)) void qi_tile8_(
+        const int8_t *w, const _Float16 *sc, const QAct *a, int64_t m0, const int R,
+        const int M, int64_t K, float *out) {
+    const int64_t nb = K / 32, wrow = K;
     __m256 acc[2][4];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    if (wfmt == 1) { /* a block at a time: |w| unsigned, w's sign moved onto q */
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i aw[2], sw[2];
-            __m256 s[2];
-            for (int r = 0; r < R; r++) {
-                const int8_t *p = (const int8_t *)w + r * wrow + 32 * b;
-                if (!(b & 1)) _mm_prefetch((const char *)(p + R * wrow), _MM_HINT_T0);
-                sw[r] = _mm256_loadu_si256((const __m256i *)p);
-                aw[r] = _mm256_sign_epi8(sw[r], sw[r]);
-                s[r] = _mm256_set1_ps((float)sc[r * nb + b]);
-            }
-            for (int m = 0; m < M; m++) {
-                const __m256i xv = _mm256_loadu_si256(
-                    (const __m256i *)(a->q + (m0 + m) * a->KP + 32 * b));
-                const __m256 dx = _mm256_set1_ps(a->d[(m0 + m) * (nb + 1) + b]);
-                for (int r = 0; r < R; r++) {
-                    const __m256i dot = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, sw[r])), ones);
-                    acc[r][m] = _mm256_fmadd_ps(_mm256_mul_ps(s[r], dx),
-                                                _mm256_cvtepi32_ps(dot), acc[r][m]);
-                }
-            }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i aw[2], sw[2];
+        __m256 s[2];
+        for (int r = 0; r < R; r++) {
+            const int8_t *p = w + r * wrow + 32 * b;
+            if (!(b & 1)) _mm_prefetch((const char *)(p + R * wrow), _MM_HINT_T0);
+            sw[r] = _mm256_loadu_si256((const __m256i *)p);
+            aw[r] = _mm256_sign_epi8(sw[r], sw[r]);
+            s[r] = _mm256_set1_ps((float)sc[r * nb + b]);
         }
-    } else { /* a pair of blocks: low nibbles against q's first 32 bytes, high the rest */
-        for (int64_t b = 0; b < nb; b += 2) {
-            const int one = b + 1 == nb;
-            __m256i lo[2], hi[2];
-            __m256 s[2];
+        for (int m = 0; m < M; m++) {
+            const __m256i xv = _mm256_loadu_si256(
+                (const __m256i *)(a->q + (m0 + m) * a->KP + 32 * b));
+            const __m256 dx = _mm256_set1_ps(a->d[(m0 + m) * (nb + 1) + b]);
             for (int r = 0; r < R; r++) {
-                const uint8_t *p = (const uint8_t *)w + r * wrow + 16 * b;
-                if (!(b & 3)) _mm_prefetch((const char *)(p + R * wrow), _MM_HINT_T0);
-                const __m256i v = one
-                    ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p))
-                    : _mm256_loadu_si256((const __m256i *)p);
-                lo[r] = _mm256_and_si256(v, low4);
-                hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                const float s1 = one ? 0.f : (float)sc[r * nb + b + 1];
-                const float s0 = (float)sc[r * nb + b];
-                s[r] = _mm256_set_ps(s1, s1, s1, s1, s0, s0, s0, s0);
-            }
-            for (int m = 0; m < M; m++) {
-                const uint8_t *xp = a->q + (m0 + m) * a->KP + 32 * b;
-                const float *dm = a->d + (m0 + m) * (nb + 1) + b;
-                const __m256 dx = _mm256_set_ps(dm[1], dm[1], dm[1], dm[1], dm[0], dm[0],
-                                                dm[0], dm[0]);
-                const __m256i xa = _mm256_loadu_si256((const __m256i *)xp);
-                const __m256i xb = _mm256_loadu_si256((const __m256i *)(xp + 32));
-                for (int r = 0; r < R; r++) {
-                    const __m256i dot = _mm256_madd_epi16(
-                        _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xa),
-                                         _mm256_maddubs_epi16(hi[r], xb)), ones);
-                    acc[r][m] = _mm256_fmadd_ps(_mm256_mul_ps(s[r], dx),
-                                                _mm256_cvtepi32_ps(dot), acc[r][m]);
-                }
-            }
-        }
-        /* offsets: sum_b o[r][b] * xsum[m][b], 8 blocks a vector */
-        for (int64_t c = 0; c < nb; c += 8) {
-            const int n8 = nb - c < 8 ? (int)(nb - c) : 8;
-            for (int r = 0; r < R; r++) {
-                __m256 o;
-                if (n8 == 8) {
-                    o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(off + r * nb + c)));
-                } else {
-                    float t[8] = {0};
-                    for (int j = 0; j < n8; j++) t[j] = (float)off[r * nb + c + j];
-                    o = _mm256_loadu_ps(t);
-                }
-                for (int m = 0; m < M; m++) {
-                    const float *xs = a->xsum + (m0 + m) * (nb + 1) + c;
-                    float t[8] = {0};
-                    if (n8 < 8)
-                        for (int j = 0; j < n8; j++) t[j] = xs[j];
-                    acc[r][m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(n8 == 8 ? xs : t), acc[r][m]);
-                }
+                const __m256i dot = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, sw[r])), ones);
+                acc[r][m] = _mm256_fmadd_ps(_mm256_mul_ps(s[r], dx),
+                                            _mm256_cvtepi32_ps(dot), acc[r][m]);
             }
         }
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) out[r * M + m] = hsum8_(acc[r][m]);
 }
-#define QI_R 2
+
+/* int4: one pair of blocks of a weight row against one row of q (the unsigned nibbles
+ * against q as it is: 2 * 15 * 127 a pair, and the low and high halves' sums added in int16,
+ * under 2^13). Lanes 0-3: block b's sums, 4-7: block b + 1's. */
+static inline __attribute__((always_inline)) __m256i qi_pair4_(__m256i lo, __m256i hi,
+                                                              const uint8_t *x, __m256i ones) {
+    return _mm256_madd_epi16(_mm256_add_epi16(
+        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32)))), ones);
+}
+
+/* int4 weights, four blocks a step: two pairs' int32 sums folded by one vphaddd into one
+ * vector (lanes 0,1: block b; 2,3: b + 2; 4,5: b + 1; 6,7: b + 3), then one conversion and
+ * one FMA against the four blocks' scales (weight x q, converted and multiplied four at a
+ * time) laid out alike. A pair a step with each block's scale converted and broadcast on its
+ * own ran ~3x slower on an AMD EPYC (Zen 3): the default model's int4 projections at one row
+ * 7.4 -> 2.5 ms, cold weights (docs/history/2026-12-06-wave-4.md). The offsets (sum_b
+ * o[r][b] * xsum[m][b]) go four blocks a step into the low lanes of the same accumulators
+ * (one FMA whose upper lanes are zero: a second set of accumulators spilled registers at 4
+ * rows of q). The last nb % 4 blocks go one at a time, a block b alone in its pair's half
+ * (the other half's weights read as zero). */
+static inline __attribute__((always_inline)) void qi_tile4_(
+        const uint8_t *w, const _Float16 *sc, const _Float16 *off, const QAct *a, int64_t m0,
+        const int R, const int M, int64_t K, float *out) {
+    const int64_t nb = K / 32, wrow = K / 2;
+    __m256 acc[4][4];
+    const uint8_t *xq[4];
+    const float *dm[4], *xsm[4];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        xq[m] = a->q + (m0 + m) * a->KP;
+        dm[m] = a->d + (m0 + m) * (nb + 1);
+        xsm[m] = a->xsum + (m0 + m) * (nb + 1);
+    }
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i lanes = _mm256_set_epi32(3, 3, 1, 1, 2, 2, 0, 0);
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + r * wrow + 16 * b;
+            _mm_prefetch((const char *)(p + R * wrow), _MM_HINT_T0);
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)p);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+            const __m256i lo0 = _mm256_and_si256(v0, low4);
+            const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+            const __m256i lo1 = _mm256_and_si256(v1, low4);
+            const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+            const __m128 ws = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + r * nb + b)));
+            const __m128 os = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(off + r * nb + b)));
+            for (int m = 0; m < M; m++) {
+                const uint8_t *x = xq[m] + 32 * b;
+                const __m256i s = _mm256_hadd_epi32(qi_pair4_(lo0, hi0, x, ones),
+                                                    qi_pair4_(lo1, hi1, x + 64, ones));
+                const __m128 c = _mm_mul_ps(ws, _mm_loadu_ps(dm[m] + b));
+                acc[r][m] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(s),
+                    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(c), lanes), acc[r][m]);
+                /* the offsets in the upper lanes' zeros (one FMA on four lanes) */
+                acc[r][m] = _mm256_fmadd_ps(_mm256_zextps128_ps256(os),
+                                            _mm256_zextps128_ps256(_mm_loadu_ps(xsm[m] + b)),
+                                            acc[r][m]);
+            }
+        }
+    }
+    for (; b < nb; b++) {
+        /* block b's 16 bytes as its pair's low or high half: the pair's q has block b's
+         * values in lanes 0-15 (b even) or 16-31 (b odd) of both halves */
+        for (int r = 0; r < R; r++) {
+            const __m256i v = _mm256_zextsi128_si256(
+                _mm_loadu_si128((const __m128i *)(w + r * wrow + 16 * b)));
+            __m256i lo = _mm256_and_si256(v, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (b & 1) {
+                lo = _mm256_permute2x128_si256(lo, lo, 0x08);
+                hi = _mm256_permute2x128_si256(hi, hi, 0x08);
+            }
+            const float s = (float)sc[r * nb + b], o = (float)off[r * nb + b];
+            for (int m = 0; m < M; m++) {
+                const uint8_t *x = xq[m] + 32 * (b & ~(int64_t)1);
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi_pair4_(lo, hi, x, ones)),
+                                            _mm256_set1_ps(s * dm[m][b]), acc[r][m]);
+                acc[r][m] = _mm256_add_ps(acc[r][m],
+                                          _mm256_zextps128_ps256(_mm_set_ss(o * xsm[m][b])));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++)
+            out[r * M + m] = hsum8_(acc[r][m]);
+}
+
+/* R weight rows x M rows of q; wfmt, R and M constants where inlined. */
+static inline __attribute__((always_inline)) void qi_tile_(
+        const int wfmt, const void *w, const _Float16 *sc, const _Float16 *off, const QAct *a,
+        int64_t m0, const int R, const int M, int64_t K, float *out) {
+    if (wfmt == 1) qi_tile8_((const int8_t *)w, sc, a, m0, R, M, K, out);
+    else qi_tile4_((const uint8_t *)w, sc, off, a, m0, R, M, K, out);
+}
+/* Tiles: int8 2 weight rows x up to 4 rows of q; int4 4 x 1-2, 2 x 3-4 (at most 8
+ * accumulators: more spilled to the stack). */
+#define QI_R 4
+#define QI_RM(F, MC) ((F) == 1 || (MC) > 2 ? 2 : 4)
 #else
 /* Portable twin (correct, not fast). */
 static inline void qi_tile_(const int wfmt, const void *w, const _Float16 *sc,
@@ -1572,8 +1635,11 @@ int qa_enable(void) {
 
 /* y[m * ldy + n] (+ y when acc) for the weight rows n0 <= n < n1 (wfmt 1: int8, 2: int4, in
  * groups of 32) against every row of a. */
+#ifndef QI_RM
+#define QI_RM(F, MC) QI_R /* weight rows a tile takes (wfmt F, MC rows of q) */
+#endif
 #define QI_CASE(F, MC)                                                                       \
-    if (r == QI_R) qi_tile_(F, wn, sc, off, a, m0, QI_R, MC, K, out);                        \
+    if (r == QI_RM(F, MC)) qi_tile_(F, wn, sc, off, a, m0, QI_RM(F, MC), MC, K, out);        \
     else qi_tile_(F, wn, sc, off, a, m0, 1, MC, K, out);
 #define QI_SWITCH(F)                                                                         \
     switch (mc) {                                                                            \
@@ -1624,7 +1690,8 @@ static void qi_rows_(int64_t wfmt, const void *data, const _Float16 *scale,
             } else
 #endif
             {
-                r = n + QI_R <= n1 ? QI_R : 1;
+                const int64_t rt = QI_RM(wfmt, mc);
+                r = n + rt <= n1 ? rt : 1;
                 if (wfmt == 1) QI_SWITCH(1) else QI_SWITCH(2)
             }
             for (int64_t i = 0; i < r; i++)
