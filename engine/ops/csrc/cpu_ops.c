@@ -1339,8 +1339,7 @@ static inline __attribute__((always_inline)) void qi_tile4_(
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++)
-            out[r * M + m] = hsum8_(acc[r][m]);
+        for (int m = 0; m < M; m++) out[r * M + m] = hsum8_(acc[r][m]);
 }
 
 /* R weight rows x M rows of q; wfmt, R and M constants where inlined. */
@@ -1352,7 +1351,6 @@ static inline __attribute__((always_inline)) void qi_tile_(
 }
 /* Tiles: int8 2 weight rows x up to 4 rows of q; int4 4 x 1-2, 2 x 3-4 (at most 8
  * accumulators: more spilled to the stack). */
-#define QI_R 4
 #define QI_RM(F, MC) ((F) == 1 || (MC) > 2 ? 2 : 4)
 #else
 /* Portable twin (correct, not fast). */
@@ -1636,7 +1634,7 @@ int qa_enable(void) {
 /* y[m * ldy + n] (+ y when acc) for the weight rows n0 <= n < n1 (wfmt 1: int8, 2: int4, in
  * groups of 32) against every row of a. */
 #ifndef QI_RM
-#define QI_RM(F, MC) QI_R /* weight rows a tile takes (wfmt F, MC rows of q) */
+#define QI_RM(F, MC) QI_R /* weight rows a tile takes (wfmt F, MC rows of q; AVX2 above) */
 #endif
 #define QI_CASE(F, MC)                                                                       \
     if (r == QI_RM(F, MC)) qi_tile_(F, wn, sc, off, a, m0, QI_RM(F, MC), MC, K, out);        \
