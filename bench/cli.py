@@ -41,7 +41,7 @@ def _builtin() -> list[Benchmark]:
         prefix,
         ttft_breakdown,
     )
-    from bench.engine import ceilings, kernels, policies, sweep
+    from bench.engine import ceilings, kernels, policies, spec, sweep
     from bench.server import compare, serve_load
 
     cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
@@ -55,6 +55,7 @@ def _builtin() -> list[Benchmark]:
                   sweep.add_arguments, sweep.run, baseline=True),
         Benchmark("policies", "static vs dynamic vs continuous batching, slot utilization",
                   policies.add_arguments, policies.run, baseline=True),
+        Benchmark(spec.NAME, spec.HELP, spec.add_arguments, spec.run),
         *cluster,
         Benchmark(compare.NAME, compare.HELP, compare.add_arguments, compare.run, common=False),
     ]

@@ -394,7 +394,9 @@ class DecodeWorker:
                 if o.finished:
                     self._offsets.pop(o.request_id, None)
                     if self._traced:
-                        self._trace_end(o.request_id, len(o.token_ids), reason, locked=True)
+                        self._trace_end(o.request_id, len(o.token_ids), reason, locked=True,
+                                        spec=(o.metrics.num_draft_tokens,
+                                              o.metrics.num_accepted_draft_tokens))
             while len(self._outputs) > _KEEP_OUTPUTS and _oldest_finished(self._outputs):
                 forgotten.append(_oldest_finished(self._outputs))
                 self._outputs.pop(forgotten[-1])
@@ -442,8 +444,9 @@ class DecodeWorker:
                                 error)
 
     def _trace_end(self, request_id: str, num_tokens: int, reason: str | None,
-                   locked: bool = False) -> None:
-        """The request's generation span here, from admission (or submission) to now."""
+                   locked: bool = False, spec: tuple[int, int] = (0, 0)) -> None:
+        """The request's generation span here, from admission (or submission) to now;
+        ``spec``: its drafts verified and accepted here (speculative decoding)."""
         if self.tracing is None:
             return
         if locked:
@@ -459,6 +462,8 @@ class DecodeWorker:
             attrs["gen_ai.usage.output_tokens"] = num_tokens
         if traced.prompt_tokens >= 0:  # colocated: the prompt was computed here too
             attrs["gen_ai.usage.input_tokens"] = traced.prompt_tokens
+        if spec[0]:
+            attrs["pdcluster.spec.draft_tokens"], attrs["pdcluster.spec.accepted_tokens"] = spec
         self.tracing.record("decode.generate", traced.traceparent, traced.start_ns,
                             time.time_ns(), attrs, "aborted" if reason == "abort" else None)
 

@@ -68,6 +68,10 @@ class EngineArgs:
     # tokens of fp32 per byte at head_dim 64), read by the attention kernels as stored and
     # moved between workers as stored (docs/kv-cache.md).
     kv_cache_dtype: str = "auto"
+    # Speculative decoding (engine.spec, docs/speculative-decoding.md): vLLM's
+    # --speculative-config as a dict or its JSON text, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4}; None: off. Checked when the engine is built.
+    speculative_config: dict | str | None = None
     kv_offload_memory_bytes: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0

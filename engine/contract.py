@@ -224,6 +224,9 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     num_prompt_chunks: int = 0  # steps that computed part of the prompt
+    # Speculative decoding (docs/speculative-decoding.md): drafts verified for it, accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def queue_s(self) -> float | None:

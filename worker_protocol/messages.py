@@ -111,6 +111,15 @@ class WorkerLoad:
     # other processes took in its last window (engine.runtime.cpu_threads; 0 off the CPU).
     engine_threads: int = 0
     cpu_stolen: float = 0.0
+    # Speculative decoding (engine.spec), cumulative over this incarnation: drafts proposed
+    # and accepted, by position too (index i: a step's (i+1)-th draft), and the sequence-steps
+    # that verified drafts with the tokens they produced (accepted drafts + one each).
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verified_seqs: int = 0
+    spec_emitted: int = 0
+    spec_proposed_by_position: tuple = ()
+    spec_accepted_by_position: tuple = ()
 
     def __post_init__(self) -> None:
         # Through JSON (the Redis registry) the rows come back as lists: made tuples again,
@@ -122,9 +131,10 @@ class WorkerLoad:
                     (int(b), int(n), float(s)) for b, n, s in rows))
         if not isinstance(self.step_seconds, tuple):  # a list, through JSON
             object.__setattr__(self, "step_seconds", tuple(self.step_seconds))
-        if not isinstance(self.rank_kv_transfer_bytes, tuple):
-            object.__setattr__(self, "rank_kv_transfer_bytes",
-                               tuple(int(n) for n in self.rank_kv_transfer_bytes))
+        for name in ("rank_kv_transfer_bytes", "spec_proposed_by_position",
+                     "spec_accepted_by_position"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(int(n) for n in getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -341,4 +351,16 @@ def offload_load(stats) -> dict:
             "prefix_cache_evictions": stats.num_evicted_blocks,
             "step_seconds": stats.step_seconds,
             "engine_threads": stats.num_threads,
-            "cpu_stolen": stats.cpu_stolen}
+            "cpu_stolen": stats.cpu_stolen,
+            **spec_load(stats.spec)}
+
+
+def spec_load(spec: dict | None) -> dict:
+    """``WorkerLoad``'s speculative-decoding fields from ``EngineStats.spec``
+    (``engine.spec.controller.SpecStats.snapshot``; None: speculation off)."""
+    if not spec:
+        return {}
+    return {"spec_proposed": spec["proposed"], "spec_accepted": spec["accepted"],
+            "spec_verified_seqs": spec["verified_seqs"], "spec_emitted": spec["emitted"],
+            "spec_proposed_by_position": tuple(spec["proposed_by_position"]),
+            "spec_accepted_by_position": tuple(spec["accepted_by_position"])}

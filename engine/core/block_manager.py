@@ -290,6 +290,25 @@ class BlockManager:
                 if self._events is not None:
                     self._events.stored(h)
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Give back the request's trailing blocks past ``num_tokens`` tokens (speculative
+        decoding: slots of rejected drafts); returns how many. They hold no computed token of
+        the sequence, so none is cached: they go to the front of the free queue."""
+        rb = self._reqs.get(request_id)
+        if rb is None:
+            return 0
+        keep = max(self.num_blocks_needed(num_tokens), len(rb.block_hashes))
+        freed = 0
+        while len(rb.block_ids) > keep:
+            bid = rb.block_ids.pop()
+            block = self._blocks[bid]
+            block.ref_cnt -= 1
+            assert block.ref_cnt == 0 and block.block_hash is None, f"block {bid} trimmed shared"
+            self._free[bid] = None
+            self._free.move_to_end(bid, last=False)
+            freed += 1
+        return freed
+
     def free(self, request_id: str) -> int:
         """Drop the request's references; returns how many blocks became free. Idempotent."""
         rb = self._reqs.pop(request_id, None)

@@ -161,6 +161,27 @@ class GrammarState:
                                                     and self._only_stops_left())
         return True
 
+    def try_advance(self, token_id: int) -> bool:
+        """Take a draft token tentatively (``rollback`` undoes it); False if refused.
+        Leaves ``stopped`` and ``error`` alone: only ``accept`` settles a token."""
+        return bool(self._m.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` ``try_advance``s."""
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading ``token_ids`` the grammar would take in turn (the state is left
+        where it was): drafts past that could never be accepted."""
+        n = 0
+        for t in token_ids:
+            if not self._m.accept_token(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
     @property
     def stopped(self) -> bool:
         """The grammar is complete and admits no further token (the request ends)."""

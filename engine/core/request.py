@@ -83,6 +83,12 @@ class Request:
     # Where the output stands in its grammar (SamplingParams.structured); set by the
     # scheduler when the request enters, fed every token the request outputs.
     grammar: GrammarState | None = None
+    # Speculative decoding (engine.spec): the drafts the next step verifies after the last
+    # token, set before each step's schedule; never part of the sequence until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Of them, over the request's life: drafts verified, and accepted (traces, outputs).
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

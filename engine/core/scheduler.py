@@ -30,84 +30,16 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import islice
 
 from engine.config import SchedulerConfig
-from engine.contract import QueueFullError, SamplingParams, TokenLogprob
+from engine.contract import QueueFullError, TokenLogprob
 from engine.core.block_manager import BlockManager
-from engine.core.grammar import Grammars, GrammarState
+from engine.core.grammar import Grammars
 from engine.core.request import Request, RequestStatus
+from engine.core.step_io import ModelRunnerOutput, ScheduledChunk, SchedulerOutput, StepUpdate
 
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens of one request to compute this step.
-
-    ``token_ids`` are positions ``[start_pos, start_pos + len)``; ``sample`` is True when the
-    chunk reaches the end of the request's known tokens, so the step produces its next token.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool
-    sampling_params: SamplingParams
-    num_output_tokens: int  # tokens generated before this step (seeds per-token sampling)
-    output_token_ids: list[int]  # generated so far (for min_tokens / penalties); do not mutate
-    prompt_token_ids: list[int] = field(default_factory=list)  # (repetition penalty); do not mutate
-    export_kv: bool = False
-    export_from: int = 0  # first prompt position whose KV leaves (Request.export_from)
-    grammar: GrammarState | None = None  # the request's (SamplingParams.structured)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def end_pos(self) -> int:
-        return self.start_pos + len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    held_decodes: int = 0  # decodes left out of this step (first_token_first): they wait it
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Sampled token per request id (only for chunks with ``sample=True``)."""
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # Requests whose row raised (request id -> why): they fail alone, the batch goes on.
-    failed: dict[str, str] = field(default_factory=dict)
-    # The sampled token's log-probability, for requests that asked (SamplingParams.logprobs).
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    # SamplingParams.prompt_logprobs: request id -> (first prompt position, its logprobs).
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class StepUpdate:
-    """What one step did to one request: its new token (if any) and whether it finished."""
-
-    request: Request
-    new_token_ids: list[int]
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+__all__ = ["ModelRunnerOutput", "ScheduledChunk", "Scheduler", "SchedulerOutput", "StepUpdate"]
 
 
 class Scheduler:
@@ -304,6 +236,8 @@ class Scheduler:
                 continue
             left = req.num_tokens - req.num_computed_tokens
             num_new = min(left, budget, self._chunk_cap, self._prefill_left if left > 1 else 1)
+            if left == 1 and req.spec_token_ids:  # and its drafts, as the budget allows
+                num_new = min(1 + len(req.spec_token_ids), budget)
             if num_new <= 0:  # nothing to compute, or no prompt tokens left in this step
                 i += 1
                 continue
@@ -397,7 +331,11 @@ class Scheduler:
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
-        toks = req.token_slice(start, start + num_new)
+        # past the sequence's end: drafts (a decode's only; consumed by this step)
+        num_draft = max(0, start + num_new - req.num_tokens)
+        toks = req.token_slice(start, start + num_new - num_draft)
+        toks += req.spec_token_ids[:num_draft]
+        req.spec_token_ids = []
         if start < req.num_prompt_tokens:
             req.num_prompt_chunks += 1
         return ScheduledChunk(
@@ -405,7 +343,7 @@ class Scheduler:
             token_ids=toks,
             start_pos=start,
             block_ids=self.blocks.block_ids(req.request_id),
-            sample=start + num_new == req.num_tokens,
+            sample=start + num_new - num_draft == req.num_tokens,
             sampling_params=req.sampling_params,
             num_output_tokens=len(req.output_token_ids),
             output_token_ids=req.output_token_ids,
@@ -413,6 +351,7 @@ class Scheduler:
             export_kv=req.export_kv,
             export_from=req.export_from,
             grammar=req.grammar,
+            num_draft=num_draft,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -426,51 +365,75 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[StepUpdate]:
-        """Advance computed counts, append sampled tokens, finish requests that stopped."""
+        """Advance computed counts, append sampled tokens (a verifying chunk's accepted
+        drafts and next token, its rejected drafts' slots given back), finish requests that
+        stopped: a stop or a grammar's end drops the tokens after it."""
         now = self.clock()
         updates: list[StepUpdate] = []
         for chunk in sched.chunks:
-            req = self.requests.get(chunk.request_id)
+            rid = chunk.request_id
+            req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             before = req.num_computed_tokens
-            req.num_computed_tokens += chunk.num_tokens
-            bs = self.blocks.block_size
-            if req.num_computed_tokens // bs > before // bs:  # a block just filled up
-                self.blocks.cache_full_blocks(req.request_id, req.all_token_ids,
-                                              req.num_computed_tokens)
-            if chunk.request_id in result.prompt_logprobs:
-                first, lps = result.prompt_logprobs[chunk.request_id]
+            if not chunk.num_draft:
+                req.num_computed_tokens += chunk.num_tokens
+                self._cache_filled(req, before)
+            if rid in result.prompt_logprobs:
+                first, lps = result.prompt_logprobs[rid]
                 if req.prompt_logprobs is None:  # the first token has no logprob: NaN
                     req.prompt_logprobs = [TokenLogprob(req.prompt_token_ids[0], math.nan, 0)]
                     req.prompt_logprobs += [None] * (req.num_prompt_tokens - 1)
                 req.prompt_logprobs[first:first + len(lps)] = lps
             if not chunk.sample:
                 continue
-            if chunk.request_id in result.failed:
-                req.error = result.failed[chunk.request_id]
+            if rid in result.failed:
+                req.error = result.failed[rid]
                 self.finish_request(req, RequestStatus.FINISHED_ERROR)
                 updates.append(StepUpdate(req, []))
                 continue
-            token = result.sampled_token_ids[chunk.request_id]
-            if req.grammar is not None and not req.grammar.accept(token):
-                # The mask allowed only what the grammar allows: this is the grammar's fault.
-                req.error = f"structured output: {req.grammar.error}"
-                self.finish_request(req, RequestStatus.FINISHED_ERROR)
-                updates.append(StepUpdate(req, []))
-                continue
-            req.output_token_ids.append(token)
-            if chunk.request_id in result.logprobs:
-                req.output_logprobs.append(result.logprobs[chunk.request_id])
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.token_times.append(now)
-            self._check_stop(req, token)
-            if req.is_finished:
+            tokens = result.spec_token_ids.get(rid) or [result.sampled_token_ids[rid]]
+            if chunk.num_draft:
+                req.spec_proposed += chunk.num_draft
+                req.spec_accepted += len(tokens) - 1
+            lps = result.spec_logprobs.get(rid) or (
+                [result.logprobs[rid]] if rid in result.logprobs else [])
+            new: list[int] = []
+            for i, token in enumerate(tokens):
+                if req.grammar is not None and not req.grammar.accept(token):
+                    # The mask allowed only what the grammar allows: the grammar's fault.
+                    req.error = f"structured output: {req.grammar.error}"
+                    self.finish_request(req, RequestStatus.FINISHED_ERROR)
+                    break
+                req.output_token_ids.append(token)
+                if i < len(lps):
+                    req.output_logprobs.append(lps[i])
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.token_times.append(now)
+                new.append(token)
+                self._check_stop(req, token)
+                if req.is_finished:
+                    break
+            if chunk.num_draft and req.status is RequestStatus.RUNNING:
+                # The KV of the last token and of each accepted draft holds; the rejected
+                # drafts' slots are rewritten by later steps, and whole blocks past the
+                # sequence go back to the pool now.
+                req.num_computed_tokens = before + len(new)
+                self._cache_filled(req, before)
+                self.blocks.trim(rid, req.num_tokens)
+            if req.is_finished and req in self.running:
                 self.running.remove(req)
                 self._free(req)
-            updates.append(StepUpdate(req, [token]))
+            updates.append(StepUpdate(req, new))
         return updates
+
+    def _cache_filled(self, req: Request, before: int) -> None:
+        """Register the blocks the request's computed tokens filled since ``before``."""
+        bs = self.blocks.block_size
+        if req.num_computed_tokens // bs > before // bs:
+            self.blocks.cache_full_blocks(req.request_id, req.all_token_ids,
+                                          req.num_computed_tokens)
 
     def _start_grammar(self, req: Request) -> None:
         """Give a constrained request its grammar state, after the tokens it generated

@@ -35,9 +35,10 @@ from engine.executor.kv_pages import zeroed_kv_pages
 from engine.executor.rank_kv import KVRead, RankKV, ShardExport
 from engine.executor.sampling import SampleRow, logprobs_of, sample, token_logprobs
 from engine.executor.step_inputs import PromptLogits, StepInputs, prepare_step, prompt_logit_plan
+from engine.executor.verify import verified_output
 from engine.models.config import ModelConfig
 from engine.models.llama import LayerHook, LlamaForCausalLM
-from engine.ops.linear import exact_activations
+from engine.ops.linear import exact_activations, plan_rows
 
 log = logging.getLogger(__name__)
 _logged_torch_graphs_off = False  # log that once per process, not once per engine
@@ -58,24 +59,29 @@ class FollowerStep:
     # True: each rank reads its own heads and hands them to its rank agent (KV leaves every
     # rank on its own routes); False: the ranks all-gather the heads for rank 0.
     kv_shards: bool = False
+    exact: bool = False  # rank 0's StepInputs.has_prompt_rows (exact_activations)
+    batch: int | None = None  # rank 0's plan_rows (drafts being verified)
 
 
 def _sample_rows_apart(logits: torch.Tensor, raw: torch.Tensor, rows: list[SampleRow],
-                       chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
-    """Sample each row on its own: the rows that raise fail their request only (validation
-    should have refused them; this keeps a missed case from stopping the whole batch).
-    ``logits``: as the sampler takes them (grammar masks applied); ``raw``: the model's."""
-    out = ModelRunnerOutput()
-    for i, (row, chunk) in enumerate(zip(rows, chunks, strict=True)):
+                       chunk_of_row: list[int]) -> tuple[list[int | None], list]:
+    """Sample each row on its own: a row that raises fails its chunk only (validation should
+    have refused it; this keeps a missed case from stopping the whole batch). ``logits``: as
+    the sampler takes them (grammar masks applied); ``raw``: the model's. Returns each row's
+    token (None: failed) and logprob, and the failed chunks' reasons by chunk index."""
+    tokens: list[int | None] = []
+    lps: list = []
+    failed: dict[int, str] = {}
+    for i, row in enumerate(rows):
         try:
             token = sample(logits[i:i + 1].clone(), [row])[0]
-            out.sampled_token_ids[chunk.request_id] = token
-            lp = token_logprobs(raw[i:i + 1], [row], [token])[0]
-            if lp is not None:
-                out.logprobs[chunk.request_id] = lp
+            lps.append(token_logprobs(raw[i:i + 1], [row], [token])[0])
+            tokens.append(token)
         except Exception as e:
-            out.failed[chunk.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-    return out
+            failed.setdefault(chunk_of_row[i], f"sampling failed: {type(e).__name__}: {e}")
+            tokens.append(None)
+            lps.append(None)
+    return tokens, [lps, failed]
 
 
 class ModelRunner:
@@ -157,18 +163,21 @@ class ModelRunner:
         return prepare_step(sched, self.block_size, self.decode_padding if allow_padding else None)
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                 layer_hook: LayerHook | None = None) -> torch.Tensor:
+                 layer_hook: LayerHook | None = None, batch: int | None = None) -> torch.Tensor:
         """Plan the backend once for the step, then run every layer: ``[T, hidden]``. A
-        pure-decode step at a batch where the host timed it faster runs as one fused call."""
+        pure-decode step at a batch where the host timed it faster runs as one fused call.
+        ``batch``: the step's sequences when its rows are more (drafts being verified): the
+        fused call then runs the tiles a decode step of those sequences runs, so every row
+        gets a plain decode row's arithmetic (the same tokens as without speculation)."""
         dev = self.device
+        b = batch or meta.num_seqs
         if (layer_hook is None and self.tp is None and meta.num_decode == meta.num_seqs
-                and self.fused_decode.use(meta.num_seqs)
-                and self.attn_backend.whole_step_decode):
+                and self.fused_decode.use(b) and self.attn_backend.whole_step_decode):
             hidden = self.model.decode_fused(input_ids, meta.positions, self.kv_caches,
                                              *self.attn_backend.decode_tables(meta), self.block_size,
-                                             self.fused_decode.wide_from(meta.num_seqs),
-                                             self.fused_decode.int_products(meta.num_seqs),
-                                             self.fused_decode.amx_tiles(meta.num_seqs))
+                                             self.fused_decode.wide_from(b),
+                                             self.fused_decode.int_products(b),
+                                             self.fused_decode.amx_tiles(b))
             if hidden is not None:
                 return hidden
         self.attn_backend.plan(meta)
@@ -191,50 +200,69 @@ class ModelRunner:
         inp = self.prepare(sched, allow_padding=layer_hook is None)
         # a step with prompt rows multiplies fp32 activations, logits included
         # (engine.ops.linear.exact_activations)
-        with exact_activations(inp.meta.num_decode < inp.meta.num_seqs):
+        with exact_activations(inp.has_prompt_rows):
             return self._execute_prepared(inp, layer_hook, kv_reads, kv_shards)
 
     def _execute_prepared(self, inp: StepInputs, layer_hook: LayerHook | None,
                           kv_reads: list[KVRead], kv_shards: bool) -> ModelRunnerOutput:
         prompt_plan = prompt_logit_plan(inp)
+        # Drafts being verified (more sampled rows than chunks): every kernel takes the path
+        # a decode step of the chunks' sequences takes (``_forward``, ``plan_rows``), so each
+        # row gets a plain decode row's arithmetic.
+        batch = len(inp.order) if len(inp.sample_rows) > len(inp.sample_chunks) else None
         if self.tp is not None:
             self.rank_kv.broadcast(("step", FollowerStep(
                 inp.input_ids, inp.meta, prompt_plan, inp.sample_rows,
-                list(kv_reads) if layer_hook is not None else [], kv_shards)))
-        if inp.bucket is not None and self.graph_runner is not None:
-            hidden = self.graph_runner.run(inp.input_ids, inp.meta)
-        else:
-            hidden = self._forward(inp.input_ids, inp.meta, layer_hook)
-        prompt_lps = self._prompt_logprobs(prompt_plan, hidden)
-        if not inp.sample_rows:
-            return ModelRunnerOutput(prompt_logprobs=prompt_lps)
-        logits = self.model.compute_logits(hidden[inp.sample_rows])
-        rows = [SampleRow(c.sampling_params, c.num_output_tokens, self.eos_token_ids,
-                          c.prompt_token_ids, c.output_token_ids)
-                for c in inp.sample_chunks]
+                list(kv_reads) if layer_hook is not None else [], kv_shards,
+                inp.has_prompt_rows, batch)))
+        with plan_rows(batch):
+            if inp.bucket is not None and self.graph_runner is not None:
+                hidden = self.graph_runner.run(inp.input_ids, inp.meta)
+            else:
+                hidden = self._forward(inp.input_ids, inp.meta, layer_hook, batch)
+            prompt_lps = self._prompt_logprobs(prompt_plan, hidden)
+            if not inp.sample_rows:
+                return ModelRunnerOutput(prompt_logprobs=prompt_lps)
+            logits = self.model.compute_logits(hidden[inp.sample_rows])
+        return self._sample(logits, inp.sample_chunks, prompt_lps)
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
+                prompt_lps: dict[str, tuple[int, list]]) -> ModelRunnerOutput:
+        """Sample every row of ``logits`` (one per sampled chunk, and a verifying chunk's
+        ``num_draft + 1``: its last token's and each draft's, each sampled as if the drafts
+        before it had been generated) and keep each verifying chunk's drafts up to the first
+        its own row's token disagrees with (engine.spec.verify)."""
+        rows: list[SampleRow] = []
+        chunk_of_row: list[int] = []
+        grammar_rows, states, advance = [], [], []
+        for ci, c in enumerate(chunks):
+            drafts = c.token_ids[len(c.token_ids) - c.num_draft:] if c.num_draft else []
+            for i in range(c.num_draft + 1):
+                out_ids = (c.output_token_ids if not i or not c.sampling_params.adjusts_logits
+                           else [*c.output_token_ids, *drafts[:i]])
+                rows.append(SampleRow(c.sampling_params, c.num_output_tokens + i,
+                                      self.eos_token_ids, c.prompt_token_ids, out_ids))
+                if c.grammar is not None:
+                    grammar_rows.append(len(chunk_of_row))
+                    states.append(c.grammar)
+                    advance.append(drafts[i] if i < len(drafts) else None)
+                chunk_of_row.append(ci)
         # The sampler adjusts logits in place; logprobs describe the model's own.
         raw = logits.clone() if any(r.params.logprobs is not None for r in rows) else None
-        constrained = [i for i, c in enumerate(inp.sample_chunks) if c.grammar is not None]
-        states = [inp.sample_chunks[i].grammar for i in constrained]
-        if constrained:
-            mask_logits(logits, constrained, states)
+        if grammar_rows:
+            mask_logits(logits, grammar_rows, states, advance)
         try:
             tokens = sample(logits, rows)
+            lps = (token_logprobs(raw, rows, tokens) if raw is not None
+                   else [None] * len(tokens))
+            failed: dict[int, str] = {}
         except Exception:  # one row's parameters broke the batch: find it, fail it alone
-            if raw is None:  # what the sampler left (masked tokens stay -inf through it)
-                return _sample_rows_apart(logits, logits, rows, inp.sample_chunks)
-            base = raw.clone()
-            if constrained:  # the states did not move: the same masks again
-                mask_logits(base, constrained, states)
-            return _sample_rows_apart(base, raw, rows, inp.sample_chunks)
-        out = ModelRunnerOutput({c.request_id: t
-                                 for c, t in zip(inp.sample_chunks, tokens, strict=True)},
-                                prompt_logprobs=prompt_lps)
-        if raw is not None:
-            for c, lp in zip(inp.sample_chunks, token_logprobs(raw, rows, tokens), strict=True):
-                if lp is not None:
-                    out.logprobs[c.request_id] = lp
-        return out
+            base = raw.clone() if raw is not None else logits  # masked ones stay -inf
+            if raw is not None and grammar_rows:  # the states are back: the same masks
+                mask_logits(base, grammar_rows, states, advance)
+            tokens, (lps, failed) = _sample_rows_apart(base, raw if raw is not None else base,
+                                                       rows, chunk_of_row)
+        return verified_output(chunks, tokens, lps, failed, prompt_lps)
 
     def _prompt_logprobs(self, plan: list[PromptLogits], hidden: torch.Tensor
                          ) -> dict[str, tuple[int, list]]:
@@ -260,7 +288,7 @@ class ModelRunner:
                 if step.kv_shards and export is not None:
                     export(rid, layer, kv, self.rank_kv.own_kv_heads)
 
-        with exact_activations(step.meta.num_decode < step.meta.num_seqs):  # as rank 0's
+        with exact_activations(step.exact), plan_rows(step.batch):  # as rank 0's
             hidden = self._forward(step.input_ids, step.meta,
                                    read_kv if step.kv_reads else None)
             for p in step.prompt_plan:

@@ -22,10 +22,15 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64 (padded rows included)
     meta: AttentionMetadata  # on the host; meta.positions: [T]
     order: list[ScheduledChunk]  # chunks in batch order
-    sample_rows: list[int]  # hidden-state row of each sampled chunk's last token
+    # hidden-state rows sampled: each sampled chunk's last token, and before it the rows of a
+    # verifying chunk's last token and drafts (chunk.num_draft + 1 rows, in order)
+    sample_rows: list[int]
     sample_chunks: list[ScheduledChunk]
     # Decode-only step padded to this many sequences (dummies after the real ones); None: eager.
     bucket: int | None = None
+    # Some chunk computes prompt tokens (not only decodes and drafts being verified): the
+    # step multiplies fp32 activations (engine.ops.linear.exact_activations).
+    has_prompt_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,29 +48,38 @@ def prepare_step(sched: SchedulerOutput, block_size: int,
                  padding: DecodePadding | None = None) -> StepInputs:
     """The step's tensors, decode-first; a decode-only step is padded to its bucket when
     ``padding`` is given."""
-    decodes = [c for c in sched.chunks if c.num_tokens == 1]
-    prefills = [c for c in sched.chunks if c.num_tokens > 1]
+    # A verifying chunk (its last token and drafts) runs as decode rows, one per position,
+    # each attending to the slots before it: the step stays a decode step (the fused decode
+    # kernel, CUDA graphs, the decode attention paths), and its rows get the arithmetic
+    # decode rows get.
+    decodes = [c for c in sched.chunks if c.num_tokens == 1 or c.num_draft]
+    prefills = [c for c in sched.chunks if c.num_tokens > 1 and not c.num_draft]
     order = decodes + prefills
     ids: list[int] = []
+    seqs: list[SeqSlice] = []
     for c in order:
         ids.extend(c.token_ids)
-    seqs = [SeqSlice(c.block_ids, c.start_pos, c.num_tokens) for c in order]
+        if c.num_draft:
+            seqs.extend(SeqSlice(c.block_ids, c.start_pos + j, 1) for j in range(c.num_tokens))
+        else:
+            seqs.append(SeqSlice(c.block_ids, c.start_pos, c.num_tokens))
     bucket = None
     if padding is not None:
         bucket = padding.bucket_for(seqs)
         if bucket is not None:
+            ids.extend([PAD_TOKEN_ID] * (bucket - len(seqs)))
             seqs = padding.pad(seqs, bucket)
-            ids.extend([PAD_TOKEN_ID] * (bucket - len(order)))
     meta = build_metadata(seqs, block_size)
     sample_rows, sample_chunks = [], []
     row = 0
     for c in order:
         row += c.num_tokens
         if c.sample:
-            sample_rows.append(row - 1)
+            sample_rows.extend(range(row - 1 - c.num_draft, row))
             sample_chunks.append(c)
+    prompt_rows = bool(prefills)
     return StepInputs(torch.tensor(ids, dtype=torch.int64), meta, order, sample_rows,
-                      sample_chunks, bucket)
+                      sample_chunks, bucket, prompt_rows)
 
 
 def prompt_logit_plan(inp: StepInputs) -> list[PromptLogits]:

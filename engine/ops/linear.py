@@ -147,6 +147,20 @@ def exact_activations(on: bool = True):
         _exact.on = held
 
 
+@contextmanager
+def plan_rows(rows: int | None):
+    """Within it (in this thread), every ``linear`` takes the path its plan chose for
+    ``rows`` rows, whatever its input's rows (None: its own). Speculative decoding's
+    verifying steps run B sequences' drafts as more rows: each row then gets the arithmetic
+    a decode step of B rows gives it."""
+    held = getattr(_exact, "rows", None)
+    _exact.rows = rows
+    try:
+        yield
+    finally:
+        _exact.rows = held
+
+
 def set_linear_plan(plan: LinearPlan) -> None:
     """Make ``plan`` the one ``linear`` follows in this process (one host, one plan)."""
     global _plan
@@ -165,14 +179,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
     n, k = weight.shape
     if isinstance(weight, TinyGemmWeight):  # int4 on CUDA (engine.quant.gpu)
         return weight.linear(x, bias)
+    m = getattr(_exact, "rows", None) or x.shape[0]  # plan_rows
     if isinstance(weight, QuantizedWeight):
-        path = _plan.path(n, k, x.shape[0], weight.kind) if x.is_cpu else "dequant"
+        path = _plan.path(n, k, m, weight.kind) if x.is_cpu else "dequant"
         if path in INT_PATHS and getattr(_exact, "on", False):
-            path = _plan.exact_path(n, k, x.shape[0], weight.kind)
+            path = _plan.exact_path(n, k, m, weight.kind)
         return quantized_linear_by_path(path, x, weight, bias)
     if not x.is_cpu:
         return F.linear(x, weight, bias)
-    return linear_by_path(_plan.path(n, k, x.shape[0]), x, weight, bias)
+    return linear_by_path(_plan.path(n, k, m), x, weight, bias)
 
 
 def quantized_linear_by_path(path: str, x: torch.Tensor, weight: QuantizedWeight,

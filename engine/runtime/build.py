@@ -40,6 +40,8 @@ from engine.parallel.sharding import TPShard
 from engine.quant.layouts import check_quantization
 from engine.runtime.cpu_threads import EngineThreads
 from engine.runtime.kv_connector import KVConnector
+from engine.spec.config import parse_speculative_config
+from engine.spec.decoder import SpecDecoder
 from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import Tokenizer, load_tokenizer
 from engine.tuning.runner_plans import RunnerPlans, plans_by_threads, tune_runner
@@ -73,6 +75,7 @@ class EngineParts:
     block_manager: BlockManager
     scheduler: Scheduler
     kv_connector: KVConnector
+    spec: SpecDecoder | None = None  # speculative decoding (engine.spec), None when off
 
 
 def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) -> EngineParts:
@@ -93,6 +96,7 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     threads = (EngineThreads(args.num_threads, args.adaptive_threads)
                if plan.device.type == "cpu" and tp == 1 else None)
     offload = offload_config(args)
+    spec_config = parse_speculative_config(args.speculative_config)  # before any load
     resolved = resolve_model(args.model, cache_dir=args.cache_dir)
     if args.quantization == "auto":
         quant = resolve_quantization("auto", has_quantized_blocks(resolved.model_dir),
@@ -174,6 +178,7 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     grammars = Grammars(tokenizer, cfg.vocab_size, eos) if tokenizer else None
     scheduler = Scheduler(scheduler_config, block_manager, clock, grammars)
     kv_connector = KVConnector(scheduler, block_manager, runner, eos, clock)
+    spec = SpecDecoder(spec_config, max_len) if spec_config is not None else None
     return EngineParts(plan, threads, cfg, tokenizer, eos, max_len, scheduler_config, ranks,
                        model, cache_config, runner, inputs, kv_tier, block_manager, scheduler,
-                       kv_connector)
+                       kv_connector, spec)

@@ -62,6 +62,8 @@ class EngineStats:
     # One block of the pool as stored, every layer (``--kv-cache-dtype``: an int8 pool's
     # values and scales): blocks x this = the pool's bytes.
     kv_block_bytes: int = 0
+    # Speculative decoding's counters (engine.spec.controller.SpecStats.snapshot), None off.
+    spec: dict | None = None
 
 
 class LLMEngine:
@@ -89,6 +91,7 @@ class LLMEngine:
         self.step_times = StepTimes()  # decode, mixed and every step (engine.core.step_times)
         self.last_step_idle = False  # the last step had nothing to schedule
         self._tp_failure: str | None = None
+        self.spec = parts.spec  # speculative decoding (engine.spec), None when off
 
     @property
     def idle_warmup(self) -> Callable[[], None] | None:
@@ -244,7 +247,8 @@ class LLMEngine:
                            self.threads.threads if self.threads else 0,
                            self.threads.governor.last_stolen if self.threads else 0.0,
                            self.model_config.kv_cache_bytes_per_token(
-                               self.cache_config.kv_cache_dtype) * bm.block_size)
+                               self.cache_config.kv_cache_dtype) * bm.block_size,
+                           self.spec.stats.snapshot() if self.spec is not None else None)
 
     def record_kv_events(self) -> None:
         """Record the prefix cache's changes from now on, for ``take_kv_events`` (a worker
@@ -271,6 +275,8 @@ class LLMEngine:
         if self._tp_failure is not None:
             raise RuntimeError(self._tp_failure)
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if self.threads is not None and (sched.is_empty or self.last_step_idle):
             self.threads.idle()  # time without work is not the neighbours' doing
@@ -280,8 +286,8 @@ class LLMEngine:
         # Decode rows: running sequences' one-token steps; prefill work: every other chunk.
         prefill = decode_rows = 0
         for c in sched.chunks:
-            if c.num_output_tokens > 0 and c.num_tokens == 1:
-                decode_rows += 1
+            if c.num_output_tokens > 0 and (c.num_tokens == 1 or c.num_draft):
+                decode_rows += c.num_tokens  # a verifying chunk: its token and drafts
             else:
                 prefill += c.num_tokens
         self.num_prefill_tokens_computed += prefill
@@ -300,6 +306,11 @@ class LLMEngine:
             raise
         updates = self.scheduler.update_from_output(sched, result)
         outs = [self.process_update(u) for u in updates]
+        if self.spec is not None:
+            self.spec.observe(sched, result, time.perf_counter() - t0)
+            for u in updates:
+                if u.request.is_finished:
+                    self.spec.forget(u.request_id)
         # Timed by kind, so a served time per token splits into the engine's pure decode
         # step, what prefill sharing the step adds (colocated), and the serving path.
         step_s = time.perf_counter() - t0
@@ -313,16 +324,33 @@ class LLMEngine:
         req = u.request
         self.num_generated_tokens += len(u.new_token_ids)
         delta = ""
+        new_ids = list(u.new_token_ids)
         detok = self._detok.get(u.request_id)
         if detok is not None:
-            upd = detok.update(u.new_token_ids)
+            upd, used = detok.update_each(new_ids)  # a stop string ends at its token
             delta = upd.delta_text
-            if upd.stopped and not req.is_finished:
+            if used < len(new_ids):
+                self._drop_tail(req, len(new_ids) - used)
+                new_ids = new_ids[:used]
+            if upd.stopped and (not req.is_finished or len(new_ids) < len(u.new_token_ids)):
+                # (a token after the stop string may have ended the request another way)
                 req.stop_reason = upd.stop_str
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                if req.is_finished:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 delta += detok.flush()
-        return self._output(req, u.new_token_ids, delta)
+        return self._output(req, new_ids, delta)
+
+    def _drop_tail(self, req: Request, n: int) -> None:
+        """Forget the last ``n`` output tokens (accepted drafts after a stop string)."""
+        if n:
+            self.num_generated_tokens -= n
+            del req.output_token_ids[-n:]
+            del req.token_times[-n:]
+            if len(req.output_logprobs) > len(req.output_token_ids):
+                del req.output_logprobs[len(req.output_token_ids):]
 
     def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
         detok = self._detok.get(req.request_id)
@@ -337,7 +365,8 @@ class LLMEngine:
             metrics=RequestMetrics(req.arrival_time, req.first_token_time,
                                    self.clock() if finished else None, list(req.token_times),
                                    req.num_cached_tokens, req.first_scheduled_time,
-                                   req.num_prompt_chunks),
+                                   req.num_prompt_chunks, req.spec_proposed,
+                                   req.spec_accepted),
             new_token_ids=list(new_ids),
             delta_text=delta,
             prompt=self._prompts.get(req.request_id),

@@ -236,6 +236,21 @@ class IncrementalDetokenizer:
             self._read_offset = len(ids)
         return self._advance(final=False)
 
+    def update_each(self, new_token_ids: Sequence[int]) -> tuple[DetokenizerUpdate, int]:
+        """``update``, a token at a time when several arrive together (speculative
+        decoding's accepted drafts): a stop string ends the output at the token that
+        completes it, as it would have had they come one by one. Returns the update and how
+        many of the tokens it used: the caller drops the rest (they came after the stop)."""
+        if len(new_token_ids) <= 1 or not self.stop or self._stopped:
+            return self.update(new_token_ids), len(new_token_ids)
+        delta = ""
+        for i in range(len(new_token_ids)):
+            upd = self.update(new_token_ids[i:i + 1])
+            delta += upd.delta_text
+            if upd.stopped:
+                return DetokenizerUpdate(delta, True, upd.stop_str), i + 1
+        return DetokenizerUpdate(delta, False, None), len(new_token_ids)
+
     def flush(self) -> str:
         """End of generation: returns the text still held back (partial stop-string prefixes,
         a trailing incomplete character); afterwards ``text`` is final."""

@@ -78,6 +78,11 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
                           "int8: int8 values with a scale per token and KV head, ~3.8x the "
                           "tokens per byte of fp32, moved between workers as stored "
                           "(docs/kv-cache.md); fp8: not served yet")
+    dev.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help="speculative decoding on the decode (and colocated) workers, "
+                          "vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                          "4}' (prompt lookup; prompt_lookup_max / _min, adaptive); default off "
+                          "(docs/speculative-decoding.md)")
     dev.add_argument("--attention-backend", choices=list(ATTENTION_BACKEND_CHOICES), default=None,
                      help="auto (default): flashinfer on GPU when installed, else torch")
     dev.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,

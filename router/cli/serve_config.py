@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -20,6 +21,7 @@ from engine.config import (
     check_kv_cache_dtype,
 )
 from engine.config import QUANTIZATION_CHOICES as QUANT_CHOICES
+from engine.spec.config import parse_speculative_config
 from router.control.config import MIGRATION_PREFILL
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,9 @@ class ServeConfig:
     # model's dtype, "int8" int8 rows with a scale per token and KV head (docs/kv-cache.md).
     kv_cache_dtype: str = "auto"
     cuda_graphs: bool | None = None  # None: on for GPU workers
+    # Speculative decoding on the decode (and colocated) workers, vLLM's JSON
+    # (engine.spec.config; docs/speculative-decoding.md): None off.
+    speculative_config: dict | str | None = None
     gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
     kv_cache_memory: str | int | None = None  # per worker; None: 1 GiB on CPU, GPU: from memory
     # The second KV cache tier per worker (engine.executor.kv_tier): host memory, then disk.
@@ -264,6 +269,11 @@ class ServeConfig:
                                  self.attention_backend)
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"--cuda-graphs must be true or false, got {self.cuda_graphs!r}")
+        try:  # here, not in every decode worker's constructor
+            parse_speculative_config(self.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--{e}".replace("--speculative_config", "--speculative-config",
+                                                1)) from None
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {u!r}")
@@ -384,7 +394,9 @@ class ServeConfig:
                                      max_num_batched_tokens=self.max_num_batched_tokens,
                                      num_threads=threads.decode_threads,
                                      max_step_prefill_tokens=self.decode_step_prefill_tokens,
-                                     tensor_parallel_size=self.decode_tp, **common),
+                                     tensor_parallel_size=self.decode_tp,
+                                     speculative_config=self.speculative_config_json(),
+                                     **common),
             ray_address=self.ray_address, redis_url=self.redis_url,
             use_gpus={"auto": None, "cpu": False, "cuda": True}[self.device],
             max_inflight_requests=self.max_waiting, kv_host=self.kv_host,
@@ -396,6 +408,12 @@ class ServeConfig:
             routing=self.routing_config(), kv_event_bus=self.kv_event_bus,
             worker_overrides=dict(self.worker_overrides), prefill_env=threads.prefill_env,
             autoscale=self.autoscale_config(), tracing=self.tracing_config())
+
+    def speculative_config_json(self) -> str | None:
+        """The decode workers' speculative config as JSON text (None: off); prefill workers
+        produce one token a request and never speculate."""
+        cfg = parse_speculative_config(self.speculative_config)
+        return json.dumps(cfg.to_dict()) if cfg is not None else None
 
     def tracing_config(self):
         """Where traces go (None: tracing off)."""

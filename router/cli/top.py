@@ -116,6 +116,11 @@ class View:
     phases_ms: dict[str, float] = field(default_factory=dict)  # mean over the interval
     workers: list[dict[str, Any]] = field(default_factory=list)
     slowest: list[dict[str, Any]] | None = None  # None: not an operator's key
+    # Speculative decoding over the interval (None: no draft verified): accepted / proposed
+    # drafts, the same per position, and tokens per verifying sequence-step.
+    spec_acceptance: float | None = None
+    spec_by_position: list[float] = field(default_factory=list)
+    spec_mean_length: float | None = None
 
 
 def build_view(before: Scrape, after: Scrape) -> View:
@@ -141,11 +146,27 @@ def build_view(before: Scrape, after: Scrape) -> View:
             s = (_total(a, "pdcluster_request_phase_seconds_sum", phase=p)
                  - _total(b, "pdcluster_request_phase_seconds_sum", phase=p))
             phases[p] = s / n * 1e3
-    return View(dt, delta("pdcluster_e2e_request_latency_seconds_count") / dt,
+    view = View(dt, delta("pdcluster_e2e_request_latency_seconds_count") / dt,
                 delta("pdcluster_generation_tokens_total") / dt,
                 quantile(0.5, ttft), quantile(0.99, ttft), quantile(0.5, itl),
                 quantile(0.99, itl), phases, list(after.cluster.get("workers", [])),
                 after.cluster.get("slowest_recent"))
+    proposed = delta("pdcluster_spec_draft_tokens_total")
+    if proposed > 0:
+        view.spec_acceptance = delta("pdcluster_spec_accepted_tokens_total") / proposed
+        verified = delta("pdcluster_spec_verify_sequences_total")
+        view.spec_mean_length = (delta("pdcluster_spec_emitted_tokens_total") / verified
+                                 if verified else None)
+        positions = sorted({int(lab["position"]) for lab, _ in
+                            a.get("pdcluster_spec_draft_tokens_by_position_total", [])})
+        for i in positions:
+            n = (_total(a, "pdcluster_spec_draft_tokens_by_position_total", position=str(i))
+                 - _total(b, "pdcluster_spec_draft_tokens_by_position_total", position=str(i)))
+            k = (_total(a, "pdcluster_spec_accepted_tokens_by_position_total", position=str(i))
+                 - _total(b, "pdcluster_spec_accepted_tokens_by_position_total",
+                          position=str(i)))
+            view.spec_by_position.append(k / n if n > 0 else 0.0)
+    return view
 
 
 # ---- drawing it ---------------------------------------------------------------------------------
@@ -168,6 +189,12 @@ def render(view: View, address: str):
     if view.phases_ms:
         parts.append(Text("first token: " + " + ".join(
             f"{p} {ms:.0f} ms" for p, ms in view.phases_ms.items())))
+    if view.spec_acceptance is not None:
+        parts.append(Text(
+            f"speculation: {100 * view.spec_acceptance:.0f}% of drafts accepted (by position "
+            + " ".join(f"{100 * x:.0f}%" for x in view.spec_by_position) + "), "
+            + ("-" if view.spec_mean_length is None else f"{view.spec_mean_length:.2f}")
+            + " tokens per verifying step"))
     workers = Table(title="workers", title_justify="left", expand=False)
     numeric = ("running", "waiting", "KV used", "KV %", "threads", "stolen", "restarts")
     for col in ("id", "role", "host", "state", *numeric):

@@ -267,8 +267,7 @@ class Orchestrator:
                 include_stop_str_in_output=params.include_stop_str_in_output)
             if generated:
                 detok.update(generated)  # the text so far, so stop strings span the seam
-        generated = list(generated)  # every token streamed so far, in order
-        ttft = None
+        generated, ttft = list(generated), None  # generated: every token streamed, in order
         while True:
             upd = (pending.pop(0) if pending else await next_update(
                 stream, self.decode.get(stream.decode_id), self.config.token_timeout_s))
@@ -287,25 +286,26 @@ class Orchestrator:
                 raise upd
             if upd.finish_reason == "error":  # the worker failed this request alone
                 raise RequestFailedError(f"request {rid} failed: {upd.error}")
-            generated += upd.new_token_ids
-            if ttft is None and upd.new_token_ids:
-                ttft = time.monotonic() - t0
-            reason = upd.finish_reason
-            text = ""
-            if detok is not None:
-                d = detok.update(upd.new_token_ids)
+            new_ids, logprobs, reason, text = list(upd.new_token_ids), upd.logprobs, upd.finish_reason, ""
+            if detok is not None:  # accepted drafts come several at once: a stop string ends
+                d, used = detok.update_each(new_ids)  # at its token, the rest dropped
+                if used < len(new_ids):
+                    new_ids, reason, logprobs = new_ids[:used], None, logprobs and logprobs[:used]
                 text = d.delta_text
                 if d.stopped and reason is None:
                     reason = "stop"
                     await self._abort_on_workers(stream)
                 if reason is not None:
                     text += detok.flush()
+            generated += new_ids
+            if ttft is None and new_ids:
+                ttft = time.monotonic() - t0
             finished = reason is not None
             # Logged before the client sees it: a client resuming after token n finds it.
-            self.streams.append(rid, list(upd.new_token_ids), reason)
-            yield GenerationChunk(rid, list(upd.new_token_ids), text, finished, reason,
+            self.streams.append(rid, new_ids, reason)
+            yield GenerationChunk(rid, new_ids, text, finished, reason,
                                   Usage(len(prompt_ids), len(generated)) if finished else None,
-                                  ttft, len(prompt_ids), upd.logprobs, upd.prompt_logprobs)
+                                  ttft, len(prompt_ids), logprobs, upd.prompt_logprobs)
             if finished:
                 self._journal(rid, "finished", stream.decode_id, reason)
                 return

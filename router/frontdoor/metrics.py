@@ -204,6 +204,41 @@ def _engine_counter_families(s: BackendStats):
     yield threads
     yield stolen
     yield steps
+    yield from _spec_families(s)
+
+
+def _spec_families(s: BackendStats):
+    """Per speculating worker (engine.spec): drafts proposed and accepted, in all and by
+    position, and the sequence-steps that verified drafts with the tokens they produced.
+    Acceptance by position is accepted / proposed of one position; the mean accepted length
+    (tokens per verifying sequence-step, its own included) is emitted / verify_sequences."""
+    labels = ["worker", "role"]
+    names = {
+        "proposed": ("pdcluster_spec_draft_tokens", "Draft tokens a worker proposed and verified"),
+        "accepted": ("pdcluster_spec_accepted_tokens", "Draft tokens the target model accepted"),
+        "verified": ("pdcluster_spec_verify_sequences",
+                     "Sequence-steps that verified at least one draft"),
+        "emitted": ("pdcluster_spec_emitted_tokens",
+                    "Tokens those sequence-steps produced: accepted drafts plus one each"),
+    }
+    fams = {k: CounterMetricFamily(n, h, labels=labels) for k, (n, h) in names.items()}
+    by_pos = {k: CounterMetricFamily(f"{names[k][0]}_by_position",
+                                     f"{names[k][1]}, by the draft's position in its step "
+                                     "(0: the first draft)", labels=[*labels, "position"])
+              for k in ("proposed", "accepted")}
+    for w in s.workers:
+        if not w.spec_verified_seqs and not w.spec_proposed:
+            continue
+        key = [w.worker_id, w.role]
+        for k, v in (("proposed", w.spec_proposed), ("accepted", w.spec_accepted),
+                     ("verified", w.spec_verified_seqs), ("emitted", w.spec_emitted)):
+            fams[k].add_metric(key, v)
+        for k, rows in (("proposed", w.spec_proposed_by_position),
+                        ("accepted", w.spec_accepted_by_position)):
+            for i, v in enumerate(rows):
+                by_pos[k].add_metric([*key, str(i)], v)
+    yield from fams.values()
+    yield from by_pos.values()
 
 
 def _step_families(kind: str, what: str, rows: dict[int, tuple[int, float]]):

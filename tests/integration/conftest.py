@@ -172,3 +172,14 @@ def oai(base_url):
 @pytest.fixture(scope="module")
 def model_id(backend) -> str:
     return backend.model_info().model_id
+
+
+@pytest.fixture(scope="module")
+def otlp():
+    """An OTLP trace receiver on a free port for the module's clusters to export to
+    (bench/harness/otlp_receiver.py); tests/integration/frontdoor has its own, per package."""
+    from bench.harness.otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()

@@ -407,3 +407,25 @@ def test_kv_cache_capacity_counts_the_sequences_an_int8_pool_holds(tiny_llama_di
     assert fp["leaked_blocks"] == q["leaked_blocks"] == 0
     both = _mean_rounds([{"ttft_p50_s": 1.0, "x": 1}, {"ttft_p50_s": 3.0, "x": 1}])
     assert both["ttft_p50_s"] == 2.0 and len(both["rounds"]) == 2
+
+
+def test_spec_reports_every_cell_against_no_speculation(tmp_path):
+    """``bench spec`` on the default model (what it measures), one batch size, short answers:
+    a cell per workload with both engines' figures, the drafts counted, the rewrite answers
+    repeating their input (drafts accepted), the three targets, the methods not built named."""
+    assert main(["spec", "--batch-sizes", "1", "--output-len", "12", "--out",
+                 str(tmp_path)]) == 0
+    data = _read(tmp_path, "spec")
+    cells = {(c["workload"], c["batch"]): c for c in data["cells"]}
+    assert set(cells) == {("rewrite", 1), ("chat", 1)}
+    for c in cells.values():
+        assert c["method"] == "ngram" and c["streams"] == 1
+        assert c["off"]["tpot_s"] > 0 and c["on"]["tpot_s"] > 0
+        assert c["tpot_speedup"] > 0 and c["throughput_speedup"] > 0
+        assert len(c["on"]["rounds"]) == len(c["off"]["rounds"]) == 2
+        assert "proposed" in c["on"] and "proposed" not in c["off"]
+    rewrite = cells[("rewrite", 1)]["on"]
+    assert rewrite["accepted"] > 0 and rewrite["mean_accepted_length"] > 1
+    assert [t["goal"] for t in data["targets"]] == [2.0, 1.3, 1.0]
+    assert data["targets"][1]["measured"] is None
+    assert data["config"]["not_built"] == ["draft_model", "self_draft"]

@@ -31,15 +31,6 @@ def loop(shared_ray_loop):
 
 
 @pytest.fixture(scope="module")
-def otlp():
-    from bench.harness.otlp_receiver import OtlpReceiver
-
-    receiver = OtlpReceiver().start()
-    yield receiver
-    receiver.stop()
-
-
-@pytest.fixture(scope="module")
 def workload(tiny_llama_dir):
     return disagg_workload(tiny_llama_dir)
 

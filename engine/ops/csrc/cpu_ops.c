@@ -1910,9 +1910,12 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                                 qkv[m * NQKV + n] += bqkv[n];
                 }
             }
-            /* One task per (sequence, KV head): rotate its query heads and key, write K/V
-             * into the new token's slot, then attend (the new slot included). */
-#pragma omp for schedule(dynamic, 1)
+            /* One task per (row, KV head): rotate its query heads and key and write K/V
+             * into the new token's slot; then, every slot written, attend (the new slot
+             * included). Two loops, because rows may be consecutive positions of one
+             * sequence (speculative decoding verifies drafts as rows): a row attends to
+             * the slots of the rows before it. */
+#pragma omp for schedule(static)
             for (int64_t task = 0; task < M * KVH; task++) {
                 const int64_t b = task / KVH, kvh = task % KVH;
                 float *qb = qkv + b * NQKV;
@@ -1931,6 +1934,12 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                              + kvh * kv_head_bytes(D, (int)kvq);
                 kv_store_(slot, k, D, (int)kvq);
                 kv_store_(slot + block_size * row, k + KVH * D, D, (int)kvq);
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < M * KVH; task++) {
+                const int64_t b = task / KVH, kvh = task % KVH;
+                float *qb = qkv + b * NQKV;
+                const int64_t *tab = tables + b * max_pages;
                 if (wide) { /* this task's heads, then into their lanes of the transpose */
                     decode_task_d(qb, cache, tab, kv_lens[b], heads, G, kvh, D, row, page,
                                   block_size, scale, (int)kvq);

@@ -35,6 +35,7 @@ TORCH_FREE = ("engine", "engine.args", "engine.config", "engine.contract",
 ROUTER_MAY_IMPORT = (
     "engine",  # the lazy package: EngineArgs, SamplingParams, LLM (`pdcluster generate`)
     "engine.args", "engine.config", "engine.contract",  # what a request and an engine are
+    "engine.spec.config",  # --speculative-config is checked before any worker starts
     "engine.core.grammar",  # structured outputs: the door checks a grammar before queueing
     "engine.core.step_times",  # the step-time histogram the door exports
     "engine.core.kv_events",  # KV-aware routing indexes the workers' events

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from router.cli.main import build_parser
@@ -169,3 +171,35 @@ def test_an_autoscale_profile_prices_a_prefill_worker_until_its_own_rate_is_meas
     for f in (bad, tmp_path / "missing.json"):
         with pytest.raises(ValueError, match="--autoscale-profile .*not a `pdcluster profile`"):
             config("--autoscale", "--autoscale-profile", str(f))
+
+
+def test_speculative_config_reaches_the_decode_workers_only_and_bad_ones_are_refused(tmp_path):
+    """--speculative-config (JSON on the command line, a mapping in --config YAML) becomes the
+    decode engines' config, checked and normalized; prefill workers never speculate. A bad
+    one is refused at once, naming the flag and the problem."""
+    def config(*argv):
+        return serve_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+    cluster = config("--speculative-config",
+                     '{"method": "ngram", "num_speculative_tokens": 3}').cluster_config()
+    assert json.loads(cluster.decode_engine.speculative_config) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2, "adaptive": True}
+    assert cluster.prefill_engine.speculative_config is None
+    assert config().cluster_config().decode_engine.speculative_config is None
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("speculative_config: {method: ngram, num_speculative_tokens: 2, "
+                         "prompt_lookup_min: 1}\n")
+    spec = json.loads(config("--config", str(yaml_file)).cluster_config()
+                      .decode_engine.speculative_config)
+    assert (spec["num_speculative_tokens"], spec["prompt_lookup_min"]) == (2, 1)
+    for value, match in [
+        ('{"method": "ngram", "num_speculative_tokens": 0}',
+         "--speculative-config: num_speculative_tokens must be an integer in 1..16, got 0"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}',
+         "--speculative-config: method 'draft_model' is not supported yet"),
+        ("ngram", "--speculative-config: not valid JSON"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            config("--speculative-config", value)
+        assert match in str(e.value)

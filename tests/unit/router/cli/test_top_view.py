@@ -78,3 +78,81 @@ def test_quantile_is_prometheus_histogram_quantile():
     assert quantile(0.5, {1.0: 10, 2.0: 20, float("inf"): 20}) == pytest.approx(1.0)
     assert quantile(0.75, {1.0: 10, 2.0: 20, float("inf"): 20}) == pytest.approx(1.5)
     assert quantile(0.25, {1.0: 10, 2.0: 20, float("inf"): 20}) == pytest.approx(0.5)
+
+
+def _spec_exposition(proposed: list[int], accepted: list[int], verified: int) -> str:
+    w = 'worker="decode-0",role="decode"'
+    lines = ["# TYPE pdcluster_spec_draft_tokens counter",
+             f"pdcluster_spec_draft_tokens_total{{{w}}} {sum(proposed)}",
+             "# TYPE pdcluster_spec_accepted_tokens counter",
+             f"pdcluster_spec_accepted_tokens_total{{{w}}} {sum(accepted)}",
+             "# TYPE pdcluster_spec_verify_sequences counter",
+             f"pdcluster_spec_verify_sequences_total{{{w}}} {verified}",
+             "# TYPE pdcluster_spec_emitted_tokens counter",
+             f"pdcluster_spec_emitted_tokens_total{{{w}}} {sum(accepted) + verified}",
+             "# TYPE pdcluster_spec_draft_tokens_by_position counter",
+             "# TYPE pdcluster_spec_accepted_tokens_by_position counter"]
+    for i, (p, a) in enumerate(zip(proposed, accepted, strict=True)):
+        lines += [f'pdcluster_spec_draft_tokens_by_position_total{{{w},position="{i}"}} {p}',
+                  f'pdcluster_spec_accepted_tokens_by_position_total{{{w},position="{i}"}} {a}']
+    return "\n".join(lines) + "\n"
+
+
+def test_the_view_shows_speculation_over_the_interval():
+    before = Scrape(10.0, CLUSTER, parse_samples(
+        _exposition(4, 100, {"+Inf": 4}, 0.2, 4) + _spec_exposition([10, 8], [8, 4], 10)))
+    after = Scrape(12.0, CLUSTER, parse_samples(
+        _exposition(14, 600, {"+Inf": 14}, 1.2, 14) + _spec_exposition([30, 28], [26, 14], 30)))
+    v = build_view(before, after)
+    # interval: 40 drafts, 28 accepted; 20 verifying steps made 28 + 20 tokens
+    assert v.spec_acceptance == pytest.approx(28 / 40)
+    assert v.spec_by_position == [pytest.approx(18 / 20), pytest.approx(10 / 20)]
+    assert v.spec_mean_length == pytest.approx(48 / 20)
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=160, record=True)
+    console.print(render(v, "127.0.0.1:8000"))
+    assert ("speculation: 70% of drafts accepted (by position 90% 50%), 2.40 tokens per "
+            "verifying step") in console.export_text()
+    quiet = build_view(before, before)
+    assert quiet.spec_acceptance is None
+
+
+def test_top_reads_the_speculation_counters_the_exporter_writes():
+    """The front door's /metrics (router/frontdoor/metrics.py) from two load reports of a
+    speculating decode worker, read the way `pdcluster top` reads a scrape."""
+    import asyncio
+
+    from router.contract import BackendStats
+    from router.frontdoor.metrics import Metrics
+    from worker_protocol.messages import WorkerLoad
+
+    class Backend:
+        load = None
+
+        async def stats(self):
+            return BackendStats(workers=[self.load, WorkerLoad("prefill-0", "prefill", 0, 64,
+                                                               0, 0)])
+
+    def load(proposed, accepted, verified):
+        return WorkerLoad("decode-0", "decode", 0, 64, 1, 0, spec_proposed=sum(proposed),
+                          spec_accepted=sum(accepted), spec_verified_seqs=verified,
+                          spec_emitted=sum(accepted) + verified,
+                          spec_proposed_by_position=tuple(proposed),
+                          spec_accepted_by_position=tuple(accepted))
+
+    backend = Backend()
+    metrics = Metrics(backend)
+    scrapes = []
+    for t, args in ((10.0, ([10, 8], [8, 4], 10)), (12.0, ([30, 28], [26, 14], 30))):
+        backend.load = load(*args)
+        text = asyncio.run(metrics.render()).decode()
+        scrapes.append(Scrape(t, CLUSTER, parse_samples(text)))
+    assert 'pdcluster_spec_accepted_tokens_by_position_total{position="1",role="decode",' \
+           'worker="decode-0"} 14.0' in text
+    assert 'worker="prefill-0"' not in "".join(
+        line for line in text.splitlines() if line.startswith("pdcluster_spec"))
+    v = build_view(*scrapes)
+    assert v.spec_acceptance == pytest.approx(28 / 40)
+    assert v.spec_by_position == [pytest.approx(0.9), pytest.approx(0.5)]
+    assert v.spec_mean_length == pytest.approx(48 / 20)

@@ -1,0 +1,140 @@
+"""Speculative decoding through the whole engine: greedy tokens equal transformers' (tiny
+model) and the engine's own without speculation (the default model, as ``LLM()`` serves it),
+under chunked prefill, preemption and first-token-first; stop strings, max_tokens, logprobs,
+seeds and json_schema outputs as without it; every KV block back; bad configs refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.grammar import StructuredOutput
+from tests.helpers.spec import EVERY_STEP, repetitive_prompts
+from tests.helpers.tiny_models import hf_greedy
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_refs(tiny_llama_dir):
+    prompts = repetitive_prompts()
+    return prompts, hf_greedy(tiny_llama_dir, "llama", prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("setup", [
+    dict(),
+    dict(max_num_seqs=4, max_num_batched_tokens=24, block_size=4),  # chunked, drafts squeezed
+    # ~20 blocks of 4 tokens for 10 requests of up to 84 tokens: forces preemption
+    dict(max_num_seqs=8, block_size=4, kv_cache_memory_bytes=2 * 2 * 2 * 16 * 4 * 4 * 20),
+    dict(max_num_seqs=5, block_size=8, first_token_first=True),
+], ids=["default", "chunked", "preempt", "first-token-first"])
+def test_greedy_tokens_equal_transformers_with_drafts_accepted_and_rejected(
+        tiny_llama_dir, tiny_refs, setup):
+    prompts, refs = tiny_refs
+    llm = LLM(str(tiny_llama_dir), speculative_config=EVERY_STEP, **setup)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    stats = llm.engine.spec.stats
+    assert 0 < stats.accepted < stats.proposed, stats  # both paths ran
+    bm = llm.engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks  # no block kept for a rejected draft
+    if "kv_cache_memory_bytes" in setup:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_adaptive_default_config_is_exact_too(tiny_llama_dir, tiny_refs):
+    prompts, refs = tiny_refs
+    llm = LLM(str(tiny_llama_dir), speculative_config='{"method": "ngram", '
+              '"num_speculative_tokens": 3}')
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+
+
+def test_tensor_parallel_2_is_exact(tiny_llama_dir, tiny_refs):
+    """Rank 0 samples every verifying row; the other rank runs the same rows' forward."""
+    prompts, refs = tiny_refs
+    with LLM(str(tiny_llama_dir), tensor_parallel_size=2, speculative_config=EVERY_STEP) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                    ignore_eos=True))
+        assert [o.token_ids for o in outs] == refs
+        assert llm.engine.spec.stats.accepted > 0
+
+
+def test_bad_config_is_refused_before_loading(tiny_llama_dir):
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in 1..16"):
+        LLM(str(tiny_llama_dir), speculative_config={"method": "ngram",
+                                                     "num_speculative_tokens": 0})
+
+
+# ---- the default model, as LLM() serves it (its shipped Q4_1 GGUF) ------------------------
+REWRITE = ("Rewrite the following paragraph with British spelling, changing nothing else:\n\n"
+           "The color of the theater curtains was analyzed by the organization's program "
+           "director, who realized that the gray fabric had been favored by the neighbors. "
+           "The center of the theater was remodeled to optimize the behavior of the audience.")
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    off = LLM()
+    on = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    yield off, on
+    off.close()
+    on.close()
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_default_model_greedy_equal_and_drafts_accepted(default_pair):
+    off, on = default_pair
+    sp = SamplingParams(max_tokens=64, temperature=0)
+    a, b = off.chat(_chat(REWRITE), sp)[0], on.chat(_chat(REWRITE), sp)[0]
+    assert b.token_ids == a.token_ids and b.text == a.text
+    assert on.engine.spec.stats.accepted > 10  # the rewrite repeats its input
+    assert on.engine.spec.stats.mean_accepted_length > 1.5
+
+
+def test_default_model_stop_string_max_tokens_and_logprobs(default_pair):
+    off, on = default_pair
+    base = off.chat(_chat(REWRITE), SamplingParams(max_tokens=48, temperature=0))[0]
+    stop = base.text[len(base.text) // 2:len(base.text) // 2 + 6]  # inside a repeated run
+    for sp in (SamplingParams(max_tokens=48, temperature=0, stop=[stop]),
+               SamplingParams(max_tokens=23, temperature=0),
+               SamplingParams(max_tokens=30, temperature=0, logprobs=3)):
+        a, b = off.chat(_chat(REWRITE), sp)[0], on.chat(_chat(REWRITE), sp)[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        if sp.logprobs:
+            assert len(b.logprobs) == len(b.token_ids)
+            for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 0.05
+                assert [t for t, _ in x.top] == [t for t, _ in y.top][:len(x.top)] or \
+                    abs(x.top[0][1] - y.top[0][1]) < 0.05
+    assert len(on.chat(_chat(REWRITE), SamplingParams(max_tokens=23, temperature=0))[0]
+               .token_ids) == 23
+
+
+def test_default_model_seeded_sampling_and_json_schema(default_pair):
+    off, on = default_pair
+    seeded = SamplingParams(max_tokens=40, temperature=0.7, seed=11)
+    assert on.chat(_chat(REWRITE), seeded)[0].token_ids == \
+        off.chat(_chat(REWRITE), seeded)[0].token_ids
+    schema = {"type": "object", "properties": {"text": {"type": "string"}},
+              "required": ["text"], "additionalProperties": False}
+    sp = SamplingParams(max_tokens=80, temperature=0,
+                        structured=StructuredOutput("json_schema", json.dumps(schema)))
+    prompt = _chat(REWRITE + "\n\nAnswer as JSON with the key 'text'.")
+    accepted = on.engine.spec.stats.accepted
+    a, b = off.chat(prompt, sp)[0], on.chat(prompt, sp)[0]
+    assert b.token_ids == a.token_ids
+    assert on.engine.spec.stats.accepted > accepted  # drafts ran under the grammar's masks
+    if a.finish_reason == "stop":
+        assert set(json.loads(b.text)) == {"text"}
+    bm = on.engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
