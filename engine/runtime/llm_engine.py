@@ -215,6 +215,8 @@ class LLMEngine:
         # late layers from landing in its freed pages.
         self.kv_connector.release(request_id)
         self.scheduler.abort_request(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
         return self._output(req, [], "")
 
     def request_progress(self, request_id: str) -> RequestProgress:

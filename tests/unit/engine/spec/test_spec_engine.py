@@ -65,6 +65,17 @@ def test_tensor_parallel_2_is_exact(tiny_llama_dir, tiny_refs):
         assert llm.engine.spec.stats.accepted > 0
 
 
+def test_a_stream_stopped_early_frees_its_blocks_and_its_drafts_index(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), speculative_config=EVERY_STEP)
+    for out in llm.stream(repetitive_prompts()[4], SamplingParams(max_tokens=40, temperature=0,
+                                                                  ignore_eos=True)):
+        if len(out.token_ids) >= 6:
+            break  # the consumer stops: the request is aborted mid-stream
+    eng = llm.engine
+    assert eng.spec.stats.proposed > 0 and eng.spec.proposer._index == {}
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
 def test_bad_config_is_refused_before_loading(tiny_llama_dir):
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in 1..16"):
         LLM(str(tiny_llama_dir), speculative_config={"method": "ngram",
