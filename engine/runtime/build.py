@@ -39,6 +39,7 @@ from engine.parallel.ranks import TPRanks, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
 from engine.quant.layouts import check_quantization
 from engine.runtime.cpu_threads import EngineThreads
+from engine.runtime.draft_build import build_drafter
 from engine.runtime.kv_connector import KVConnector
 from engine.spec.config import parse_speculative_config
 from engine.spec.decoder import SpecDecoder
@@ -178,7 +179,18 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     grammars = Grammars(tokenizer, cfg.vocab_size, eos) if tokenizer else None
     scheduler = Scheduler(scheduler_config, block_manager, clock, grammars)
     kv_connector = KVConnector(scheduler, block_manager, runner, eos, clock)
-    spec = SpecDecoder(spec_config, max_len) if spec_config is not None else None
+    spec = None
+    if spec_config is not None:
+        drafter = None
+        if spec_config.method != "ngram":  # a draft model beside the target (rank 0 only)
+            try:
+                drafter = build_drafter(spec_config, args, plan, resolved.model_dir, cfg,
+                                        cache_config, num_blocks, block_manager, max_len)
+            except BaseException:
+                if ranks is not None:
+                    ranks.close()
+                raise
+        spec = SpecDecoder(spec_config, max_len, drafter)
     return EngineParts(plan, threads, cfg, tokenizer, eos, max_len, scheduler_config, ranks,
                        model, cache_config, runner, inputs, kv_tier, block_manager, scheduler,
                        kv_connector, spec)

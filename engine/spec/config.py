@@ -8,9 +8,16 @@ Methods:
   tokens that followed their latest earlier occurrence are proposed. No second model; wins
   where the output repeats its input (rewriting, editing, code, extraction).
 
-``draft_model`` (a smaller model sharing the tokenizer) and ``self_draft`` (the served model's
-own weights quantized) are named by the issue that asked for speculative decoding and refused
-here by name until they are built: a config is never accepted and then ignored.
+- ``draft_model``: a smaller model (``model``: a directory or a GGUF, as ``--model`` takes)
+  sharing the served model's vocabulary proposes greedily, ``num_speculative_tokens`` forward
+  passes a step (``quantization``: as ``--quantization`` for the draft; default ``auto``).
+- ``self_draft``: the served model's own weights, quantized (``quantization``: ``int4``, the
+  default, or ``int8``), are the draft: no second model to find, and drafts a quantized copy of
+  the target agrees with most of the time. It pays where the target is served unquantized
+  (fp32 / bf16); for a target already served in 4-bit blocks (the default model's GGUF) the
+  draft costs what the target does.
+
+EAGLE, Medusa and MTP heads are refused by name: a config is never accepted and then ignored.
 """
 
 from __future__ import annotations
@@ -19,11 +26,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
-NOT_YET = ("draft_model", "self_draft", "eagle", "eagle3", "medusa", "mtp")
+METHODS = ("ngram", "draft_model", "self_draft")
+NOT_YET = ("eagle", "eagle3", "medusa", "mtp")
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's rows per sequence stay a small chunk
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-         "adaptive"}
+         "adaptive", "model", "quantization"}
+_METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"},
+                "draft_model": {"model", "quantization"}, "self_draft": {"quantization"}}
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     adaptive: bool = True
+    model: str | None = None  # draft_model: the draft's directory or GGUF
+    quantization: str | None = None  # draft_model (default auto), self_draft (default int4)
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
@@ -62,11 +74,32 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config: adaptive must be true or false, "
                              f"got {self.adaptive!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the "
+                             "draft's directory or GGUF)")
+        q = self.quantization
+        if q is not None:
+            allowed = ("int4", "int8") if self.method == "self_draft" else DRAFT_QUANTIZATIONS
+            if q not in allowed:
+                raise ValueError(f"speculative_config: quantization for {self.method} must be "
+                                 f"one of {', '.join(allowed)}, got {q!r}")
+
+    @property
+    def draft_quantization(self) -> str:
+        """The draft's ``--quantization`` (draft_model, self_draft)."""
+        return self.quantization or ("int4" if self.method == "self_draft" else "auto")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_max": self.prompt_lookup_max,
-                "prompt_lookup_min": self.prompt_lookup_min, "adaptive": self.adaptive}
+        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+               "adaptive": self.adaptive}
+        if self.method == "ngram":
+            out.update(prompt_lookup_max=self.prompt_lookup_max,
+                       prompt_lookup_min=self.prompt_lookup_min)
+        if self.model is not None:
+            out["model"] = self.model
+        if self.method != "ngram":
+            out["quantization"] = self.draft_quantization
+        return out
 
 
 def parse_speculative_config(value: SpeculativeConfig | dict | str | None
@@ -94,4 +127,10 @@ def parse_speculative_config(value: SpeculativeConfig | dict | str | None
                          f"(supported: {', '.join(METHODS)})")
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config: 'num_speculative_tokens' is required")
+    method = value["method"]
+    stray = sorted(set(value) - {"method", "num_speculative_tokens", "adaptive"}
+                   - _METHOD_KEYS.get(method, set()))
+    if method in _METHOD_KEYS and stray:
+        raise ValueError(f"speculative_config: {', '.join(map(repr, stray))} do(es) not apply "
+                         f"to method {method!r}")
     return SpeculativeConfig(**value)

@@ -2,7 +2,8 @@
 
 ``propose`` runs before the scheduler: every running sequence whose next step is a decode
 gets up to k drafts in ``Request.spec_token_ids`` (k chosen for the whole batch by
-``engine.spec.controller``), which the scheduler puts after its last token in one chunk when
+``engine.spec.controller``; prompt lookup here, a draft model's greedy tokens through the
+drafter the engine gives it), which the scheduler puts after its last token in one chunk when
 the token budget allows; the model runner scores every position of it and keeps the drafts the
 target agrees with (``engine.executor.verify``); the scheduler appends them and gives back the
 rejected ones' slots. ``observe`` then feeds the controller what the step cost and which drafts
@@ -20,12 +21,15 @@ from engine.spec.ngram import NgramProposer
 
 
 class SpecDecoder:
-    """Drafts for an engine's running sequences and what became of them."""
+    """Drafts for an engine's running sequences and what became of them. ``drafter``: the
+    draft model's proposer (``engine.executor.draft.DraftProposer``) for ``draft_model`` and
+    ``self_draft``; None for ``ngram`` (prompt lookup, here)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, drafter=None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.drafter = drafter
         self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
 
     @property
@@ -35,28 +39,42 @@ class SpecDecoder:
     def propose(self, running: list[Request]) -> None:
         """Set ``spec_token_ids`` of each sequence in ``running`` whose next step decodes."""
         k_max = self.config.num_speculative_tokens
-        drafts: dict[str, list[int]] = {}
+        decoding: list[Request] = []
+        room: dict[str, int] = {}
         for req in running:
             req.spec_token_ids = []
             if req.num_computed_tokens != req.num_tokens - 1:
                 continue  # its prompt is still being computed: no decode this step
             sp = req.sampling_params
             # The step also yields the target's own next token: room for drafts is one less.
-            room = min(k_max, sp.max_tokens - len(req.output_token_ids) - 1,
-                       self.max_model_len - req.num_tokens - 1)
-            d = (self.proposer.propose(req.request_id, req.prompt_token_ids,
-                                       req.output_token_ids, room) if room > 0 else [])
-            if d and req.grammar is not None:
-                d = d[:req.grammar.valid_prefix(d)]
-            drafts[req.request_id] = d
-        if not drafts:
+            room[req.request_id] = max(0, min(k_max, sp.max_tokens - len(req.output_token_ids) - 1,
+                                              self.max_model_len - req.num_tokens - 1))
+            decoding.append(req)
+        if not decoding:
             return
-        k = self.controller.choose({rid: len(d) for rid, d in drafts.items()})
+        if self.drafter is None:
+            drafts = {r.request_id: self.proposer.propose(
+                r.request_id, r.prompt_token_ids, r.output_token_ids, room[r.request_id])
+                if room[r.request_id] else [] for r in decoding}
+            self._fit_grammars(decoding, drafts)
+            k = self.controller.choose({rid: len(d) for rid, d in drafts.items()})
+        else:  # a draft model costs a pass a draft: k first, then only k drafts
+            k = self.controller.choose(room)
+            drafts = self.drafter.propose(decoding, {rid: min(k, r) for rid, r in room.items()})
+            self._fit_grammars(decoding, drafts)
         if k:
-            for req in running:
+            for req in decoding:
                 d = drafts.get(req.request_id)
                 if d:
                     req.spec_token_ids = d[:k]
+
+    @staticmethod
+    def _fit_grammars(reqs: list[Request], drafts: dict[str, list[int]]) -> None:
+        """Cut each constrained request's drafts where its grammar would refuse one."""
+        for req in reqs:
+            d = drafts.get(req.request_id)
+            if d and req.grammar is not None:
+                drafts[req.request_id] = d[:req.grammar.valid_prefix(d)]
 
     def observe(self, sched: SchedulerOutput, result: ModelRunnerOutput,
                 step_seconds: float) -> None:
@@ -81,3 +99,5 @@ class SpecDecoder:
         """A request finished (or left this engine): drop its index and history."""
         self.proposer.drop(request_id)
         self.controller.forget(request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)

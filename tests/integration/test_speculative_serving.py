@@ -113,3 +113,28 @@ def test_a_stream_moved_off_a_killed_decode_worker_keeps_speculating(loop, tiny_
     assert got == refs
     # decode-1 verified drafts after the move, the moved streams' among them
     assert after.spec_accepted > before.spec_accepted
+
+
+def test_a_draft_model_on_the_decode_worker_recomputes_the_prompt_and_drafts_right(
+        loop, tiny_llama_dir):
+    """The prompt's KV crosses for the target only; the decode worker computes its draft's
+    prompt KV itself. With the target as its own draft every draft must be accepted: a draft
+    KV wrong anywhere (the recomputed prompt, the drafts rolled back) would cost acceptance."""
+    prompts = repetitive_prompts()
+    refs = hf_greedy(tiny_llama_dir, "llama", prompts, 20)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3,
+             "adaptive": False}
+    config = disagg_config(tiny_llama_dir, num_prefill_workers=1, num_decode_workers=1,
+                           decode_engine=EngineArgs(block_size=8, num_threads=1,
+                                                    speculative_config=draft))
+
+    async def body(cluster):
+        outs = await asyncio.gather(*[collect(cluster, p, params) for p in prompts])
+        await assert_no_blocks_held(cluster)
+        return outs, await cluster.stats()
+
+    outs, stats = run_cluster(loop, config, body)
+    assert [t for t, _ in outs] == refs
+    d = _decode_loads(stats)["decode-0"]
+    assert d.spec_proposed > 0 and d.spec_accepted == d.spec_proposed

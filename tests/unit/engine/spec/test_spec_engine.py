@@ -46,6 +46,73 @@ def test_greedy_tokens_equal_transformers_with_drafts_accepted_and_rejected(
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    """A tiny model of the same shape and vocabulary with other random weights: its greedy
+    drafts are almost never the target's."""
+    from tests.helpers.tiny_models import save_tiny_model
+
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-draft"), seed=3)
+
+
+@pytest.mark.parametrize("setup", [
+    dict(),
+    dict(max_num_seqs=4, max_num_batched_tokens=24, block_size=4),
+    dict(max_num_seqs=8, block_size=4, kv_cache_memory_bytes=2 * 2 * 2 * 16 * 4 * 4 * 20),
+], ids=["default", "chunked", "preempt"])
+def test_a_draft_model_that_is_the_target_has_every_draft_accepted(tiny_llama_dir, tiny_refs,
+                                                                    setup):
+    """The target as its own draft proposes exactly the target's greedy tokens, so every
+    draft must be accepted: any draft K/V left wrong (the prompt computed in pieces, drafts
+    rolled back, a preempted sequence's pages dropped and its K/V recomputed) would cost
+    acceptance. Tokens equal transformers', every block comes back."""
+    prompts, refs = tiny_refs
+    llm = LLM(str(tiny_llama_dir), speculative_config={
+        "method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3,
+        "adaptive": False}, **setup)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    s = llm.engine.spec.stats
+    assert s.proposed > 0 and s.accepted == s.proposed, s
+    bm = llm.engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+    if "kv_cache_memory_bytes" in setup:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("method", ["other", "self_draft"])
+def test_draft_methods_are_exact_whatever_the_draft(tiny_llama_dir, tiny_refs, other_draft_dir,
+                                                    method):
+    """Another model's drafts (nearly all rejected) and the target's own int4 copy (some
+    accepted): the tokens are the target's either way."""
+    prompts, refs = tiny_refs
+    cfg = ({"method": "draft_model", "model": str(other_draft_dir)} if method == "other"
+           else {"method": "self_draft"})
+    llm = LLM(str(tiny_llama_dir), speculative_config={**cfg, "num_speculative_tokens": 3,
+                                                       "adaptive": False})
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    s = llm.engine.spec.stats
+    assert s.proposed > 0 and s.accepted < s.proposed
+    if method == "self_draft":
+        assert s.accepted > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_draft_of_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
+    from tests.helpers.tiny_models import save_tiny_model
+
+    other = save_tiny_model("llama", tmp_path / "v300", vocab_size=300)
+    with pytest.raises(ValueError, match="has a vocabulary of 300 tokens, the served model 256"):
+        LLM(str(tiny_llama_dir), speculative_config={"method": "draft_model",
+                                                     "model": str(other),
+                                                     "num_speculative_tokens": 2})
+
+
 def test_adaptive_default_config_is_exact_too(tiny_llama_dir, tiny_refs):
     prompts, refs = tiny_refs
     llm = LLM(str(tiny_llama_dir), speculative_config='{"method": "ngram", '

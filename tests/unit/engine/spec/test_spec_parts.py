@@ -23,7 +23,13 @@ def test_config_parses_vllms_names():
     assert cfg == SpeculativeConfig("ngram", 3, 5, 1, True)
     assert parse_speculative_config(None) is None and parse_speculative_config("") is None
     assert parse_speculative_config(cfg.to_dict()) == cfg
-
+    draft = parse_speculative_config({"method": "draft_model", "model": "/m",
+                                      "num_speculative_tokens": 2})
+    assert (draft.model, draft.draft_quantization) == ("/m", "auto")
+    assert parse_speculative_config(draft.to_dict()) == SpeculativeConfig(
+        "draft_model", 2, model="/m", quantization="auto")
+    own = parse_speculative_config({"method": "self_draft", "num_speculative_tokens": 3})
+    assert own.draft_quantization == "int4" and own.to_dict()["quantization"] == "int4"
 
 @pytest.mark.parametrize("value, message", [
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
@@ -33,10 +39,15 @@ def test_config_parses_vllms_names():
     ('{"method": "ngram"}', "'num_speculative_tokens' is required"),
     ('{"num_speculative_tokens": 2}', "'method' is required"),
     ('{"method": "lookahead", "num_speculative_tokens": 2}', "unknown method 'lookahead'"),
-    ('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}',
-     "unknown key(s) 'model'"),
+    ('{"method": "ngram", "model": "/m", "num_speculative_tokens": 2}',
+     "'model' do(es) not apply to method 'ngram'"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}',
-     "method 'draft_model' is not supported yet"),
+     "method 'draft_model' needs 'model'"),
+    ('{"method": "self_draft", "num_speculative_tokens": 2, "quantization": "gguf"}',
+     "quantization for self_draft must be one of int4, int8, got 'gguf'"),
+    ('{"method": "self_draft", "num_speculative_tokens": 2, "prompt_lookup_min": 1}',
+     "'prompt_lookup_min' do(es) not apply to method 'self_draft'"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported yet"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
      '"prompt_lookup_max": 2}', "prompt_lookup_min (4) is greater than prompt_lookup_max (2)"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}',

@@ -185,6 +185,9 @@ def test_speculative_config_reaches_the_decode_workers_only_and_bad_ones_are_ref
     assert json.loads(cluster.decode_engine.speculative_config) == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2, "adaptive": True}
+    own = config("--speculative-config", '{"method": "self_draft", "num_speculative_tokens": 2}')
+    assert json.loads(own.cluster_config().decode_engine.speculative_config)["quantization"] \
+        == "int4"
     assert cluster.prefill_engine.speculative_config is None
     assert config().cluster_config().decode_engine.speculative_config is None
     yaml_file = tmp_path / "c.yaml"
@@ -196,8 +199,8 @@ def test_speculative_config_reaches_the_decode_workers_only_and_bad_ones_are_ref
     for value, match in [
         ('{"method": "ngram", "num_speculative_tokens": 0}',
          "--speculative-config: num_speculative_tokens must be an integer in 1..16, got 0"),
-        ('{"method": "draft_model", "num_speculative_tokens": 2}',
-         "--speculative-config: method 'draft_model' is not supported yet"),
+        ('{"method": "medusa", "num_speculative_tokens": 2}',
+         "--speculative-config: method 'medusa' is not supported yet"),
         ("ngram", "--speculative-config: not valid JSON"),
     ]:
         with pytest.raises(ValueError) as e:

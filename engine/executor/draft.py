@@ -1,0 +1,122 @@
+"""Greedy drafts from a draft model (speculative decoding's ``draft_model`` and ``self_draft``).
+
+The draft model runs in its own ``ModelRunner`` with its own KV pool of as many pages as the
+target's, addressed by the *target's* block tables: page i of the draft pool holds the draft's
+K/V for the tokens the target holds in its page i. So the draft needs no block manager of its
+own, prefix-cache hits and preemption follow the target's, and a verifying step's rejected
+drafts leave the draft pool exactly as they leave the target's (slots later steps rewrite).
+
+Per sequence the proposer knows how many leading tokens have the draft's K/V (``_done``).
+Before a step it runs, in one batch, each sequence's missing tokens up to its last one (the
+prompt at first: on a decode worker the draft's prompt K/V is recomputed there, not moved, see
+docs/speculative-decoding.md; afterwards the token the target added and any draft it accepted
+past the draft's own K/V), whose last row gives the first draft, then k - 1 single-row steps
+for the others. At most ``CATCH_UP_TOKENS`` missing tokens are computed a step, all sequences
+together: a sequence still catching up gets no drafts that step, so a long prompt's draft
+prefill is spread over steps instead of stalling the batch's streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.contract import SamplingParams
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.executor.model_runner import ModelRunner
+
+CATCH_UP_TOKENS = 256
+_GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30)
+
+
+@dataclass
+class _Seq:
+    done: int  # leading tokens whose draft K/V is written
+    preemptions: int  # the request's count when ``done`` was set (a preemption drops its KV)
+    proposed_at: int = -1  # num_tokens when drafts were last proposed (-1: none pending)
+    proposed: int = 0
+
+
+class DraftProposer:
+    """Drafts for an engine's sequences from ``runner`` (the draft model's runner, its pool
+    as many pages as the target's ``blocks``)."""
+
+    def __init__(self, runner: ModelRunner, blocks: BlockManager) -> None:
+        self.runner = runner
+        self.blocks = blocks
+        self._seqs: dict[str, _Seq] = {}
+
+    def propose(self, reqs: list[Request], k: dict[str, int]) -> dict[str, list[int]]:
+        """Up to ``k[request_id]`` greedy drafts for each of ``reqs`` (every sequence whose
+        next step decodes, each step: what the last step's verification kept is read off
+        them). Allocates the target's slots the drafts and their verification need (a
+        sequence the pool has no room for gets none)."""
+        budget = CATCH_UP_TOKENS
+        chunks, want = [], {}
+        for req in reqs:
+            rid, n, kr = req.request_id, req.num_tokens, k.get(req.request_id, 0)
+            seq = self._settle(req)
+            if kr <= 0:
+                continue
+            missing = n - seq.done  # the last token's K/V comes with its row: >= 1
+            if missing > budget:  # part of its catch-up this step, its drafts later
+                if budget > 0:
+                    chunks.append(self._chunk(req, seq.done, seq.done + budget, sample=False))
+                    seq.done += budget
+                    budget = 0
+                continue
+            # the target's slots: the drafts' K/V here, then their verification there
+            if not self.blocks.allocate_slots(rid, n + kr):
+                continue
+            chunks.append(self._chunk(req, seq.done, n, sample=True))
+            budget -= missing
+            seq.done = n
+            want[rid] = kr
+        if not chunks:
+            return {}
+        drafts: dict[str, list[int]] = {rid: [] for rid in want}
+        out = self.runner.execute(SchedulerOutput(chunks))
+        live = [r for r in reqs if r.request_id in want]
+        for _ in range(max(want.values(), default=0)):
+            for rid in list(drafts):
+                if rid in out.sampled_token_ids:
+                    drafts[rid].append(out.sampled_token_ids[rid])
+            live = [r for r in live if len(drafts[r.request_id]) < want[r.request_id]]
+            if not live:
+                break
+            # the next draft of each: the last one's K/V written at its position
+            step_chunks = []
+            for r in live:
+                d = drafts[r.request_id]
+                pos = r.num_tokens + len(d) - 1
+                step_chunks.append(ScheduledChunk(r.request_id, [d[-1]], pos,
+                                                  self.blocks.block_ids(r.request_id), True,
+                                                  _GREEDY, 0, [], []))
+            out = self.runner.execute(SchedulerOutput(step_chunks))
+        for r in reqs:
+            if r.request_id in want:
+                seq = self._seqs[r.request_id]
+                seq.proposed_at, seq.proposed = r.num_tokens, len(drafts[r.request_id])
+        return drafts
+
+    def _settle(self, req: Request) -> _Seq:
+        """The sequence's state after the last step: a preemption dropped every K/V; drafts
+        verified since the last proposal left the accepted ones' K/V in place."""
+        seq = self._seqs.get(req.request_id)
+        if seq is None or seq.preemptions != req.num_preemptions:
+            seq = self._seqs[req.request_id] = _Seq(0, req.num_preemptions)
+        elif seq.proposed_at >= 0:
+            accepted = max(0, req.num_tokens - seq.proposed_at - 1)
+            # draft i's K/V (i < proposed) is written; the last draft's never was
+            seq.done = min(seq.done + accepted, seq.proposed_at + max(seq.proposed - 1, 0),
+                           req.num_tokens - 1)
+            seq.proposed_at = -1
+        return seq
+
+    def _chunk(self, req: Request, start: int, end: int, sample: bool) -> ScheduledChunk:
+        return ScheduledChunk(req.request_id, req.token_slice(start, end), start,
+                              self.blocks.block_ids(req.request_id), sample, _GREEDY, 0, [], [])
+
+    def forget(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
