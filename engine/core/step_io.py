@@ -35,6 +35,9 @@ class ScheduledChunk:
     # Speculative decoding: the last ``num_draft`` of ``token_ids`` are drafts this step
     # verifies (its rows are each sampled: ``engine.executor.model_runner``).
     num_draft: int = 0
+    # Run as decode rows, one per token (each attending to the slots before it), sampling the
+    # last only: a draft model's few missing tokens (engine.executor.draft).
+    as_rows: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ prefill is spread over steps instead of stalling the batch's streams.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.contract import SamplingParams
@@ -27,6 +28,7 @@ from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.executor.model_runner import ModelRunner
 
 CATCH_UP_TOKENS = 256
+ROWS_UP_TO = 16  # missing tokens run as decode rows up to this many (a prompt chunk above)
 _GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30)
 
 
@@ -42,10 +44,22 @@ class DraftProposer:
     """Drafts for an engine's sequences from ``runner`` (the draft model's runner, its pool
     as many pages as the target's ``blocks``)."""
 
-    def __init__(self, runner: ModelRunner, blocks: BlockManager) -> None:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, cost_ratio: float) -> None:
+        """``cost_ratio``: the draft's weight bytes over the target's (what a draft pass is
+        guessed to cost against a target decode step, until passes are timed)."""
         self.runner = runner
         self.blocks = blocks
+        self.cost_ratio = cost_ratio
         self._seqs: dict[str, _Seq] = {}
+        self._seconds = 0.0  # this step's drafting, every pass
+        self._passes: list[tuple[int, float]] = []  # this step's single-row passes: (B, s)
+
+    def take_times(self) -> tuple[float, list[tuple[int, float]]]:
+        """The last step's drafting time and its single-row passes' (sequences, seconds);
+        cleared."""
+        out = (self._seconds, self._passes)
+        self._seconds, self._passes = 0.0, []
+        return out
 
     def propose(self, reqs: list[Request], k: dict[str, int]) -> dict[str, list[int]]:
         """Up to ``k[request_id]`` greedy drafts for each of ``reqs`` (every sequence whose
@@ -76,6 +90,7 @@ class DraftProposer:
         if not chunks:
             return {}
         drafts: dict[str, list[int]] = {rid: [] for rid in want}
+        t0 = time.perf_counter()
         out = self.runner.execute(SchedulerOutput(chunks))
         live = [r for r in reqs if r.request_id in want]
         for _ in range(max(want.values(), default=0)):
@@ -93,7 +108,10 @@ class DraftProposer:
                 step_chunks.append(ScheduledChunk(r.request_id, [d[-1]], pos,
                                                   self.blocks.block_ids(r.request_id), True,
                                                   _GREEDY, 0, [], []))
+            t1 = time.perf_counter()
             out = self.runner.execute(SchedulerOutput(step_chunks))
+            self._passes.append((len(step_chunks), time.perf_counter() - t1))
+        self._seconds = time.perf_counter() - t0
         for r in reqs:
             if r.request_id in want:
                 seq = self._seqs[r.request_id]
@@ -115,8 +133,12 @@ class DraftProposer:
         return seq
 
     def _chunk(self, req: Request, start: int, end: int, sample: bool) -> ScheduledChunk:
+        # a few missing tokens (the steady state: the target's token and drafts accepted past
+        # the draft's own) run as decode rows, through the fused decode step; a prompt's
+        # catch-up as a prompt chunk
         return ScheduledChunk(req.request_id, req.token_slice(start, end), start,
-                              self.blocks.block_ids(req.request_id), sample, _GREEDY, 0, [], [])
+                              self.blocks.block_ids(req.request_id), sample, _GREEDY, 0, [], [],
+                              as_rows=end - start <= ROWS_UP_TO)
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

@@ -52,14 +52,15 @@ def prepare_step(sched: SchedulerOutput, block_size: int,
     # each attending to the slots before it: the step stays a decode step (the fused decode
     # kernel, CUDA graphs, the decode attention paths), and its rows get the arithmetic
     # decode rows get.
-    decodes = [c for c in sched.chunks if c.num_tokens == 1 or c.num_draft]
-    prefills = [c for c in sched.chunks if c.num_tokens > 1 and not c.num_draft]
+    decodes = [c for c in sched.chunks if c.num_tokens == 1 or c.num_draft or c.as_rows]
+    prefills = [c for c in sched.chunks if c.num_tokens > 1 and not c.num_draft
+                and not c.as_rows]
     order = decodes + prefills
     ids: list[int] = []
     seqs: list[SeqSlice] = []
     for c in order:
         ids.extend(c.token_ids)
-        if c.num_draft:
+        if c.num_draft or c.as_rows:
             seqs.extend(SeqSlice(c.block_ids, c.start_pos + j, 1) for j in range(c.num_tokens))
         else:
             seqs.append(SeqSlice(c.block_ids, c.start_pos, c.num_tokens))

@@ -37,7 +37,7 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.ranks import TPRanks, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
-from engine.quant.layouts import check_quantization
+from engine.quant.layouts import check_quantization, weight_bytes
 from engine.runtime.cpu_threads import EngineThreads
 from engine.runtime.draft_build import build_drafter
 from engine.runtime.kv_connector import KVConnector
@@ -45,6 +45,7 @@ from engine.spec.config import parse_speculative_config
 from engine.spec.decoder import SpecDecoder
 from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import Tokenizer, load_tokenizer
+from engine.tuning.linear import model_linear_weights
 from engine.tuning.runner_plans import RunnerPlans, plans_by_threads, tune_runner
 from engine.weights.loader import has_quantized_blocks, load_weights
 from engine.weights.resolve import load_model_config, resolve_model
@@ -185,7 +186,8 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
         if spec_config.method != "ngram":  # a draft model beside the target (rank 0 only)
             try:
                 drafter = build_drafter(spec_config, args, plan, resolved.model_dir, cfg,
-                                        cache_config, num_blocks, block_manager, max_len)
+                                        cache_config, num_blocks, block_manager, max_len,
+                                        weight_bytes(model_linear_weights(model)))
             except BaseException:
                 if ranks is not None:
                     ranks.close()

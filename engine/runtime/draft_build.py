@@ -22,9 +22,10 @@ from engine.executor.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.ops.linear import LinearPlan, linear_plan, set_linear_plan
-from engine.quant.layouts import check_quantization
+from engine.quant.layouts import check_quantization, weight_bytes
 from engine.spec.config import SpeculativeConfig
 from engine.text.tokenizer import load_tokenizer
+from engine.tuning.linear import model_linear_weights
 from engine.tuning.runner_plans import tune_runner
 from engine.weights.loader import has_quantized_blocks, load_weights
 from engine.weights.resolve import load_model_config, resolve_model
@@ -32,9 +33,10 @@ from engine.weights.resolve import load_model_config, resolve_model
 
 def build_drafter(spec: SpeculativeConfig, args, plan: DevicePlan, target_dir: Path,
                   target_cfg: ModelConfig, cache_config: CacheConfig, num_blocks: int,
-                  blocks: BlockManager, max_len: int) -> DraftProposer:
-    """The draft ``spec`` names, loaded and tuned, its pool of ``num_blocks`` pages. Raises
-    ValueError for a draft that cannot propose to this target."""
+                  blocks: BlockManager, max_len: int, target_bytes: int) -> DraftProposer:
+    """The draft ``spec`` names, loaded and tuned, its pool of ``num_blocks`` pages
+    (``target_bytes``: the target's linear weights' bytes, which the draft's are compared
+    with). Raises ValueError for a draft that cannot propose to this target."""
     if spec.method == "self_draft":
         draft_dir, quant = target_dir, spec.draft_quantization
     else:
@@ -59,7 +61,8 @@ def build_drafter(spec: SpeculativeConfig, args, plan: DevicePlan, target_dir: P
                                target_plan.timings + draft_plan.timings, target_plan.key,
                                target_plan.from_cache,
                                {**draft_plan.exact_choices, **target_plan.exact_choices}))
-    return DraftProposer(runner, blocks)
+    ratio = weight_bytes(model_linear_weights(model)) / max(1, target_bytes)
+    return DraftProposer(runner, blocks, ratio)
 
 
 def _check_vocabulary(name: str, draft_dir: Path, cfg: ModelConfig, target_dir: Path,

@@ -30,7 +30,8 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.drafter = drafter
-        self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
+        self.controller = SpecController(config.num_speculative_tokens, config.adaptive,
+                                         drafter.cost_ratio if drafter is not None else 0.0)
 
     @property
     def stats(self) -> SpecStats:
@@ -91,9 +92,14 @@ class SpecDecoder:
                 prompt = True  # a prompt chunk's cost is not a decode step's
             else:
                 emitted += 1
+        draft_s = 0.0
+        if self.drafter is not None:
+            draft_s, passes = self.drafter.take_times()
+            for b, seconds in passes:
+                self.controller.observe_draft(b, seconds)
         if not prompt and sched.chunks:
             self.controller.observe_step(len(sched.chunks), sched.num_batched_tokens,
-                                         step_seconds, emitted)
+                                         step_seconds, emitted, draft_s)
 
     def forget(self, request_id: str) -> None:
         """A request finished (or left this engine): drop its index and history."""

@@ -102,8 +102,8 @@ def test_ngram_proposer_reads_prompt_and_growing_output():
 def test_controller_backs_off_where_speculating_really_lost():
     """The cost model says drafts pay (cheap rows, drafts accepted so far), but the steps
     that speculated produced fewer tokens per second than plain decode: it decodes plainly
-    until that figure is old, then tries again."""
-    from engine.spec.controller import REFRESH_STEPS
+    until that figure is old (the wait doubling with each loss), then tries again."""
+    from engine.spec.controller import MAX_REFRESH_STEPS, REFRESH_STEPS
 
     c = SpecController(4)
     c.observe_step(2, 2, 0.010)  # base
@@ -116,10 +116,28 @@ def test_controller_backs_off_where_speculating_really_lost():
         c.observe_step(2, 10, 0.030, emitted=3)
         lost += 1
     assert 1 < lost < 10
-    picks = [c.choose({"a": 4, "b": 4}) for _ in range(REFRESH_STEPS - lost - 2)]
+    # each losing step doubled the wait before this batch size is measured again
+    wait = min(REFRESH_STEPS * 2 ** lost, MAX_REFRESH_STEPS)
+    picks = [c.choose({"a": 4, "b": 4}) for _ in range(wait - lost - 2)]
     assert set(picks) == {0}
     c.observe_step(2, 2, 0.010)  # (its base stays fresh: plain steps measure it)
     assert any(c.choose({"a": 4, "b": 4}) for _ in range(lost + 4))  # old now: tried again
+
+
+def test_a_draft_model_as_costly_as_the_target_is_never_tried():
+    """A draft pass guessed from the two models' bytes: one the target's size (a 4-bit
+    self-draft of a 4-bit target) could never pay, so it is not even probed; a draft a tenth
+    of the target's bytes is, and then its measured passes decide."""
+    same = SpecController(4, draft_cost=1.0)
+    cheap = SpecController(4, draft_cost=0.1)
+    for c in (same, cheap):
+        c.choose({"a": 4})
+        c.observe_step(1, 1, 0.010)  # base
+    assert [same.choose({"a": 4}) for _ in range(100)] == [0] * 100
+    assert cheap.choose({"a": 4}) == 1  # the probe
+    cheap.observe_draft(1, 0.011)  # ... which found the draft pass dearer than a decode step
+    cheap.observe_step(1, 2, 0.011 + 0.012, emitted=2, draft_seconds=0.011)
+    assert [cheap.choose({"a": 4}) for _ in range(30)] == [0] * 30
 
 
 def test_controller_without_adaptation_verifies_every_draft():
