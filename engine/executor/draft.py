@@ -6,7 +6,7 @@ K/V for the tokens the target holds in its page i. So the draft needs no block m
 own, prefix-cache hits and preemption follow the target's, and a verifying step's rejected
 drafts leave the draft pool exactly as they leave the target's (slots later steps rewrite).
 
-Per sequence the proposer knows how many leading tokens have the draft's K/V (``_done``).
+Per sequence the proposer knows how many leading tokens have the draft's K/V (``_Seq.done``).
 Before a step it runs, in one batch, each sequence's missing tokens up to its last one (the
 prompt at first: on a decode worker the draft's prompt K/V is recomputed there, not moved, see
 docs/speculative-decoding.md; afterwards the token the target added and any draft it accepted

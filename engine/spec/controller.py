@@ -14,21 +14,20 @@ little history), ``base_B`` the measured time of a decode step of B sequences an
 what each extra row (a draft) added to it, both averages of recent steps without prompt chunks
 (a step of B sequences and N tokens measures the slope as (t - base_B) / (N - B)), and
 ``draft_B`` a draft model's pass over B sequences (0 for prompt lookup; before it is measured,
-the draft's weight bytes over the target's times base_B: a self-draft as large as the target
-is never tried). A batch
-size whose base is unknown measures it first (a step at k = 0: what plain decode costs
-anyway); one whose slope is unknown borrows the nearest batch size's, and only when there is
-none, or it is ``REFRESH_STEPS`` steps old, measures it with one draft per sequence (the
-cheapest probe), if drafts could pay at all with free verification rows. So a figure taken in a noisy moment does not lock a choice in, and batch
-sizes changing as requests finish cost no probes. And the model is checked against what
-speculating steps really gained (tokens per second over a plain decode step's, averaged per
-batch-size bucket: 1, 2-3, 4-7, ...): a bucket where they lost lately decodes plainly,
-whatever the model says, until that figure is ``REFRESH_STEPS`` steps old. Each speculating
-step that lost doubles how long its bucket waits before measuring again (up to
-``MAX_REFRESH_STEPS``; a step that gained resets it): a probe can cost much more than a step
-(a draft model catching up on every token since its last drafts), and where speculation keeps
-losing it should rarely be tried. Speculation must beat plain decode by ``MARGIN``: at
-break-even it only adds risk. Pure Python.
+the draft's weight bytes over the target's times base_B: a self-draft as large as the target is
+never tried). A batch size whose base is unknown measures it first (a step at k = 0: what plain
+decode costs anyway); one whose slope is unknown borrows the nearest batch size's, and only
+when there is none, or it is ``REFRESH_STEPS`` steps old, measures it with one draft per
+sequence (the cheapest probe), if drafts could pay at all with free verification rows. So a
+figure taken in a noisy moment does not lock a choice in, and batch sizes changing as requests
+finish cost no probes. And the model is checked against what speculating steps really gained
+(tokens per second over a plain decode step's, averaged per batch-size bucket: 1, 2-3, 4-7,
+...): a bucket where they lost lately decodes plainly, whatever the model says, until that
+figure is ``REFRESH_STEPS`` steps old. Each speculating step that lost doubles how long its
+bucket waits before measuring again (up to ``MAX_REFRESH_STEPS``; a step that gained resets
+it): a probe can cost much more than a step (a draft model catching up on every token since its
+last drafts), and where speculation keeps losing it should rarely be tried. Speculation must
+beat plain decode by ``MARGIN``: at break-even it only adds risk. Pure Python.
 """
 
 from __future__ import annotations
