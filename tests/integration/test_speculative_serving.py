@@ -82,8 +82,13 @@ def test_a_stream_moved_off_a_killed_decode_worker_keeps_speculating(loop, tiny_
     prompts = repetitive_prompts()[3:7]
     refs = hf_greedy(tiny_llama_dir, "llama", prompts, 300)
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    # Each decode worker pauses 10 ms after a step: with drafts accepted the tiny model makes
+    # 300 tokens in ~100 steps of ~1 ms, and a stream that ended before the kill would have
+    # nothing left to move.
+    slow = {"fault_delay_per_step_s": 0.01}
     config = disagg_config(tiny_llama_dir, num_prefill_workers=1, num_decode_workers=2,
-                           decode_engine=_spec_decode(), migration_prefill="prefill")
+                           decode_engine=_spec_decode(), migration_prefill="prefill",
+                           worker_overrides={"decode-0": slow, "decode-1": slow})
 
     async def body(cluster):
         status = {w.id: w for w in await cluster.cluster_status()}
@@ -93,9 +98,9 @@ def test_a_stream_moved_off_a_killed_decode_worker_keeps_speculating(loop, tiny_
         for i, s in enumerate(streams):  # every stream committed to a decode worker
             while not got[i]:
                 got[i] += (await anext(s)).token_ids
+        before = _decode_loads(await cluster.stats())["decode-1"]
         on_victim = [i for i in range(len(prompts))
                      if cluster.orchestrator._streams[f"s{i}"].decode_id == "decode-0"]
-        before = _decode_loads(await cluster.stats())["decode-1"]
         os.kill(status["decode-0"].pid, signal.SIGKILL)
 
         async def drain(i, s):
@@ -109,7 +114,8 @@ def test_a_stream_moved_off_a_killed_decode_worker_keeps_speculating(loop, tiny_
 
     got, on_victim, journals, before, after = run_cluster(loop, config, body)
     assert on_victim, "no stream was on the killed worker"
-    assert all(j.count("migrated") == 1 and j[-1] == "finished" for j in journals.values())
+    assert all(j.count("migrated") == 1 and j[-1] == "finished" for j in journals.values()), \
+        journals
     assert got == refs
     # decode-1 verified drafts after the move, the moved streams' among them
     assert after.spec_accepted > before.spec_accepted
