@@ -28,8 +28,10 @@ FUSED_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets timed; larger batches run 
 # in vector lanes, weights broadcast; ~1.6x the dot tiles' speed at 32 rows on a 2-core EPYC),
 # or, for quantized weights, on the integer products ("qint": each projection's input
 # quantized to int8 per 32 values; "qamx": the same on AMX tiles where the host runs them,
-# engine.ops.cpu_ops.amx_tiles; the wide tiles are fp weights' only).
-STEPS = ("layers", "fused", "wide", "qint", "qamx")
+# engine.ops.cpu_ops.amx_tiles), or on the wide tiles with each tile of quantized weight rows
+# expanded to fp32 as it is reached ("qwide": fp32's multiply rate at large batch, the
+# quantized bytes read).
+STEPS = ("layers", "fused", "wide", "qint", "qamx", "qwide")
 
 
 @dataclass
@@ -71,7 +73,7 @@ class FusedDecodePlan:
 
     def wide_from(self, batch: int) -> int:
         """``decode_layers``' ``wide_from`` for a step of ``batch`` sequences."""
-        return 1 if self.step(batch) == "wide" else cpu_ops.NEVER_WIDE
+        return 1 if self.step(batch) in ("wide", "qwide") else cpu_ops.NEVER_WIDE
 
     def summary(self) -> list[str]:
         """One line per bucket: the choice and each step's time (``pdcluster bench ceilings``)."""
@@ -85,4 +87,5 @@ class FusedDecodePlan:
 
 
 _LABELS = {"layers": "layer by layer", "fused": "fused, dot tiles", "wide": "fused, wide tiles",
-           "qint": "fused, integer products", "qamx": "fused, integer products on AMX tiles"}
+           "qint": "fused, integer products", "qamx": "fused, integer products on AMX tiles",
+           "qwide": "fused, wide tiles on expanded weights"}

@@ -63,6 +63,9 @@ _SIGNATURES = {
     "decode_layers_work_floats": [_I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "wide_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "wide_linear_work_floats": [_I64, _I64, _INT],
+    "qwide_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR,
+                     _INT],
+    "qwide_linear_work_floats": [_I64, _I64, _INT],
     "prefill_attention": [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
                           _I64, _F32, _INT],
     "apply_bitmask": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
@@ -77,6 +80,7 @@ _SIGNATURES = {
     "isa_probe": [],
 }
 _RESTYPES = {"decode_layers_work_floats": _I64, "wide_linear_work_floats": _I64,
+             "qwide_linear_work_floats": _I64,
              "qi_linear_work_floats": _I64, "qi_isa": _INT, "isa_probe": _INT,
              "qa_enable": _INT}
 

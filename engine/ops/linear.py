@@ -23,6 +23,9 @@ the activations quantized to int8 per 32 values too, each block an integer dot p
 or AVX2 where the host runs them; from a few rows up the multiplies, not the bytes, bound a
 step), ``camx`` (the same products on AMX tiles, ``cpu_ops.amx_tiles``: 16 rows x 16 weight
 rows x 32 values an instruction, after packing each 16 weight rows per call; from ~16 rows),
+``cqwide`` (``quant_ops.quantized_linear_wide``: ``cwide``'s tiles, each tile of weight rows
+expanded to fp32 as it is reached: fp32's multiply rate at large M with the quantized bytes
+read; the LM head at 32 rows),
 ``dequant`` and ``dequant_onednn`` (expand into a scratch fp weight
 in one pass, then ``F.linear`` or oneDNN's GEMM: where the GEMM's compute dwarfs the
 expansion, i.e. prefill rows; which GEMM is the host's to say, as for fp weights). A plan's
@@ -52,9 +55,10 @@ log = logging.getLogger(__name__)
 # F.linear(x, W) | mm(W, x.T).T | oneDNN inner product | engine.ops.cpu_ops.gemv (small M only) |
 # engine.ops.cpu_ops.wide_linear (decode buckets only)
 PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
-# For quantized weights: engine.ops.quant_ops.quantized_linear | expand, then F.linear | expand,
-# then oneDNN's GEMM (where this torch has it).
-QPATHS = ("cquant", "cqint", "camx", "dequant", "dequant_onednn")
+# For quantized weights: engine.ops.quant_ops.quantized_linear | its integer products (on AMX
+# tiles) | the wide tiles on expanded tiles | expand, then F.linear | expand, then oneDNN's GEMM
+# (where this torch has it).
+QPATHS = ("cquant", "cqint", "camx", "cqwide", "dequant", "dequant_onednn")
 # The paths that round the activations to int8 (exact_activations rules them out)
 INT_PATHS = ("cqint", "camx")
 FP = "fp"  # the kind of an unquantized weight in plans and timings
@@ -196,6 +200,8 @@ def quantized_linear_by_path(path: str, x: torch.Tensor, weight: QuantizedWeight
     kernel does not apply (not built, bf16 activations) ``dequant`` runs instead."""
     if path == "cquant":
         out = quant_ops.quantized_linear(x, weight, bias)
+    elif path == "cqwide":
+        out = quant_ops.quantized_linear_wide(x, weight, bias)
     elif path in INT_PATHS:
         out = quant_ops.quantized_linear_int(x, weight, bias, amx=path == "camx")
     else:

@@ -1,5 +1,5 @@
 """The C kernels for ``engine.quant.layouts``'s layouts: thin wrappers over ``engine/ops/csrc/cpu_ops.c``'s
-``q8_linear``, ``q4_linear`` and ``q_dequantize`` (the library is ``engine.ops.cpu_ops``', built and
+``q8_linear``, ``q4_linear``, ``qi_linear``, ``qwide_linear`` and ``q_dequantize`` (the library is ``engine.ops.cpu_ops``', built and
 loaded there; the whole-step decode kernel reads the same layouts, ``cpu_ops.decode_layers``).
 Each returns None, computing nothing, where it does not apply (no library, activations not
 fp32 on CPU, a layout the kernels do not take): the caller runs another path
@@ -77,6 +77,34 @@ def quantized_linear_int(x: torch.Tensor, weight: QuantizedWeight,
                   None if weight.offset is None else weight.offset.data_ptr(),
                   None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
                   work.data_ptr(), threads)
+    return out
+
+
+def quantized_linear_wide(x: torch.Tensor, weight: QuantizedWeight,
+                          bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` (``x [M, K]`` fp32) on the wide tiles (``cpu_ops.wide_linear``'s:
+    the rows of x in vector lanes), each tile of 12 weight rows expanded to fp32 as it is
+    reached (``qwide_linear``): from ~16 rows the multiplies bound the product and these
+    tiles multiply fastest, while only the quantized bytes are read and no ``[N, K]`` fp32
+    copy is written. The same math as ``cquant`` (fp32 activations as they are, another
+    summation order): the ``"cqwide"`` linear path. None, computing nothing, when the kernel
+    does not apply."""
+    lib = library()
+    if (lib is None or not _fp32_cpu(x) or x.dim() != 2 or not x.is_contiguous()
+            or (bias is not None and not _fp32_cpu(bias)) or weight.scale.dtype != torch.float16):
+        return None
+    m, k = x.shape
+    n = weight.shape[0]
+    if k != weight.shape[1] or k % 32 or weight.group % 16:
+        return None
+    out = torch.empty(m, n, dtype=x.dtype)
+    threads = torch.get_num_threads()
+    work = torch.empty(lib.qwide_linear_work_floats(m, k, threads))
+    lib.qwide_linear(1 if weight.kind == "int8" else 2, x.data_ptr(), weight.data.data_ptr(),
+                     weight.scale.data_ptr(),
+                     None if weight.offset is None else weight.offset.data_ptr(), weight.group,
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
+                     work.data_ptr(), threads)
     return out
 
 

@@ -23,7 +23,7 @@ from engine.executor.fused_decode import FUSED_BUCKETS, STEPS, FusedDecodePlan
 from engine.ops import cpu_ops
 from engine.ops.linear import linear_plan
 from engine.tuning.cache import Timing, cached_timings, host_key
-from engine.tuning.linear import AMX_MIN_ROWS
+from engine.tuning.linear import AMX_MIN_ROWS, QWIDE_MIN_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +102,17 @@ def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths)
             model.decode_fused(ids, meta.positions, caches, tables, kv_lens, block_size,
                                wide_from, ints, amx)
 
-        steps = {"layers": layers, "fused": fused, "wide": functools.partial(fused, wide_from=1),
+        wide = functools.partial(fused, wide_from=1)
+        steps = {"layers": layers, "fused": fused, "wide": wide, "qwide": wide,
                  "qint": functools.partial(fused, ints=True),
                  "qamx": functools.partial(fused, ints=True, amx=True)}
-        # the wide tiles are fp weights', the integer products quantized weights' (on AMX
+        # "wide" for fp weights, "qwide" (the same tiles on expanded weights, from the rows
+        # where the expansion can pay) and the integer products for quantized weights (on AMX
         # tiles where the host runs them, from the rows where they can win)
-        names = [n for n in STEPS if n not in (("qint", "qamx") if not quantized else ("wide",))
-                 and (n != "qamx" or (m >= AMX_MIN_ROWS and cpu_ops.amx_tiles()))]
+        skip = ("qint", "qamx", "qwide") if not quantized else ("wide",)
+        names = [n for n in STEPS if n not in skip
+                 and (n != "qamx" or (m >= AMX_MIN_ROWS and cpu_ops.amx_tiles()))
+                 and (n != "qwide" or m >= QWIDE_MIN_ROWS)]
         times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(_ROUNDS + 1):  # round 0 warms every step up, untimed
             for name in names:

@@ -40,6 +40,9 @@ MIN_TUNED_BYTES = 256 << 10
 # it lost to cqint below 16 rows (8 rows: 14.4 ms a pass over the default model's int8
 # weights against 10.6; 16: 14.5 against 18.5), so smaller buckets do not time it.
 AMX_MIN_ROWS = 16
+# cqwide expands each tile of 12 weight rows per call, a cost the batch's rows share (as the
+# fp cwide path, decode buckets only).
+QWIDE_MIN_ROWS = 8
 _REPEATS = 2
 # Small-M passes are short (~20 ms for the default model) and the paths differ there by a few
 # percent: more repeats, so the choice is not one noisy sample's.
@@ -84,6 +87,8 @@ def _paths_for(kind: str, m: int, dtype: torch.dtype) -> list[str]:
         paths = ["cquant", "cqint"] if cpu_ops.enabled() and dtype == torch.float32 else []
         if paths and m >= AMX_MIN_ROWS and cpu_ops.amx_tiles():
             paths.append("camx")
+        if paths and QWIDE_MIN_ROWS <= m < PREFILL_ROWS:
+            paths.append("cqwide")
         return paths + ["dequant"] + (["dequant_onednn"] if "onednn" in available_paths() else [])
     # mm_t exists for small M (MKL's GEMV at M=1); on prefill rows it only costs tuning time.
     return [p for p in available_paths() if (m < PREFILL_ROWS or p not in ("mm_t", "cwide"))

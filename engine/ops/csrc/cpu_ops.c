@@ -510,15 +510,21 @@ static inline void norm_row_t_(const float *xr, const float *weight, float *xT, 
 
 static inline int64_t lanes_for(int64_t M) { return (M + LANES - 1) / LANES * LANES; }
 
-/* h[m * E + n] += dot(W[n], lane m of xT) for the E rows of W (K floats each) and m < M: a
- * projection into the residual stream on the wide tiles, its rows shared among the team (an
- * orphaned omp for: called inside decode_layers' parallel region; tile: this thread's). */
-static void wide_residual_(const float *w, int64_t K, const float *xT, int64_t MP, int64_t M,
-                           int64_t E, float *tile, float *h) {
+static inline const float *wide_src_(int64_t qfmt, int64_t G, const void *w,
+                                     const _Float16 *sc, const _Float16 *off, int64_t n0,
+                                     int64_t nr, int64_t K, float *buf);
+
+/* h[m * E + n] += dot(W[n], lane m of xT) for the E rows of W (K each; its layout as
+ * wide_src_ takes it) and m < M: a projection into the residual stream on the wide tiles, its
+ * rows shared among the team (an orphaned omp for: called inside decode_layers' parallel
+ * region; tile and deq: this thread's). */
+static void wide_residual_(int64_t qfmt, int64_t G, const void *w, const _Float16 *sc,
+                           const _Float16 *off, int64_t K, const float *xT, int64_t MP,
+                           int64_t M, int64_t E, float *tile, float *deq, float *h) {
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < E; n0 += WIDE_NR) {
         const int64_t nr = E - n0 < WIDE_NR ? E - n0 : WIDE_NR;
-        wide_rows(w + n0 * K, K, nr, xT, MP, K, tile);
+        wide_rows(wide_src_(qfmt, G, w, sc, off, n0, nr, K, deq), K, nr, xT, MP, K, tile);
         for (int64_t r = 0; r < nr; r++)
             for (int64_t m = 0; m < M; m++) h[m * E + n0 + r] += tile[r * MP + m];
     }
@@ -533,25 +539,34 @@ int64_t wide_linear_work_floats(int64_t M, int64_t K, int nthreads) {
     return MP * K + (int64_t)nthreads * WIDE_NR * MP;
 }
 
-void wide_linear(const float *x, const float *w, const float *bias, float *y, int64_t M,
-                 int64_t N, int64_t K, float *work, int nthreads) {
+/* wide_linear for W in any layout wide_src_ takes (work: qwide_linear_work_floats). */
+static void wide_linear_(int64_t qfmt, int64_t G, const float *x, const void *w,
+                         const _Float16 *sc, const _Float16 *off, const float *bias, float *y,
+                         int64_t M, int64_t N, int64_t K, float *work, int nthreads) {
     const int64_t MP = lanes_for(M);
     float *xT = work;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *tile = work + MP * K + (int64_t)omp_get_thread_num() * WIDE_NR * MP;
+        const int t = omp_get_thread_num();
+        float *tile = work + MP * K + (int64_t)t * WIDE_NR * MP;
+        float *deq = work + MP * K + (int64_t)nthreads * WIDE_NR * MP + (int64_t)t * WIDE_NR * K;
 #pragma omp for schedule(static)
         for (int64_t k = 0; k < K; k++)
             for (int64_t m = 0; m < MP; m++) xT[k * MP + m] = m < M ? x[m * K + k] : 0.f;
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += WIDE_NR) {
             const int64_t nr = N - n0 < WIDE_NR ? N - n0 : WIDE_NR;
-            wide_rows(w + n0 * K, K, nr, xT, MP, K, tile);
+            wide_rows(wide_src_(qfmt, G, w, sc, off, n0, nr, K, deq), K, nr, xT, MP, K, tile);
             for (int64_t m = 0; m < M; m++)
                 for (int64_t r = 0; r < nr; r++)
                     y[m * N + n0 + r] = tile[r * MP + m] + (bias ? bias[n0 + r] : 0.f);
         }
     }
+}
+
+void wide_linear(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                 int64_t N, int64_t K, float *work, int nthreads) {
+    wide_linear_(0, 0, x, w, 0, 0, bias, y, M, N, K, work, nthreads);
 }
 
 /* Causal prefill attention, the wide tiles' way: 32 query rows of one head in the vector
@@ -903,34 +918,93 @@ static void q_linear_(int64_t fmt, const float *x, const void *q, const _Float16
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
+#define DQ_512 1 /* (GCC 12 turns the portable loops' byte-to-float conversions scalar) */
+#endif
+
+/* Row n of a quantized [N, K] weight expanded into wr [K] fp32 (fmt 1: int8 in groups of G,
+ * 2: int4 with offsets, groups of 32; the layouts of engine/quant/layouts.py). */
+static inline void q_dequant_row_(int64_t fmt, int64_t G, const void *data,
+                                  const _Float16 *scale, const _Float16 *offset, int64_t n,
+                                  int64_t K, float *wr) {
+    if (fmt == 1) {
+        const int8_t *q = (const int8_t *)data + n * K;
+        for (int64_t g0 = 0; g0 < K; g0 += G) {
+            const float s = (float)scale[n * (K / G) + g0 / G];
+#ifdef DQ_512
+            const __m512 vs = _mm512_set1_ps(s); /* G a multiple of 16 (the layout's rule) */
+            for (int64_t k = g0; k < g0 + G; k += 16)
+                _mm512_storeu_ps(wr + k, _mm512_mul_ps(vs, _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k))))));
+#else
+#pragma omp simd
+            for (int64_t k = g0; k < g0 + G; k++) wr[k] = (float)q[k] * s;
+#endif
+        }
+        return;
+    }
+    const uint8_t *q = (const uint8_t *)data + n * (K / 2);
+    const _Float16 *sc = scale + n * (K / 32), *of = offset + n * (K / 32);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float s = (float)sc[b], o = (float)of[b];
+#ifdef DQ_512
+        /* byte j of each half h (8 bytes): its low nibble is value 16 h + j, its high one
+         * 16 h + 8 + j: one half's 8 bytes, low nibbles then high, are 16 values in order */
+        const __m512 vs = _mm512_set1_ps(s), vo = _mm512_set1_ps(o);
+        for (int h = 0; h < 2; h++) {
+            const __m128i v = _mm_loadl_epi64((const __m128i *)(q + b * 16 + 8 * h));
+            const __m128i lohi = _mm_and_si128(
+                _mm_unpacklo_epi64(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(15));
+            _mm512_storeu_ps(wr + b * 32 + 16 * h, _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lohi)), vs, vo));
+        }
+#else
+        for (int h = 0; h < 2; h++)
+#pragma omp simd
+            for (int j = 0; j < 8; j++) {
+                const uint8_t v = q[b * 16 + 8 * h + j];
+                wr[b * 32 + 16 * h + j] = (float)(v & 15) * s + o;
+                wr[b * 32 + 16 * h + 8 + j] = (float)(v >> 4) * s + o;
+            }
+#endif
+    }
+}
+
 /* w [N, K] fp32 = the quantized weight expanded (fmt 1: int8 in groups of G, 2: int4): the
  * "dequant" linear path's scratch weight, one pass (torch's unpack-and-scale ops took five). */
 void q_dequantize(int64_t fmt, const void *data, const _Float16 *scale, const _Float16 *offset,
                   float *w, int64_t N, int64_t K, int64_t G, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float *wr = w + n * K;
-        if (fmt == 1) {
-            const int8_t *q = (const int8_t *)data + n * K;
-            for (int64_t g0 = 0; g0 < K; g0 += G) {
-                const float s = (float)scale[n * (K / G) + g0 / G];
-#pragma omp simd
-                for (int64_t k = g0; k < g0 + G; k++) wr[k] = (float)q[k] * s;
-            }
-        } else {
-            const uint8_t *q = (const uint8_t *)data + n * (K / 2);
-            for (int64_t b = 0; b < K / 32; b++) {
-                const float s = (float)scale[n * (K / 32) + b], o = (float)offset[n * (K / 32) + b];
-                for (int h = 0; h < 2; h++)
-#pragma omp simd
-                    for (int j = 0; j < 8; j++) {
-                        const uint8_t v = q[b * 16 + 8 * h + j];
-                        wr[b * 32 + 16 * h + j] = (float)(v & 15) * s + o;
-                        wr[b * 32 + 16 * h + 8 + j] = (float)(v >> 4) * s + o;
-                    }
-            }
-        }
-    }
+    for (int64_t n = 0; n < N; n++) q_dequant_row_(fmt, G, data, scale, offset, n, K, w + n * K);
+}
+
+/* Weight rows n0 .. n0 + nr of a projection [N, K] as fp32 rows K apart, for the wide tiles:
+ * fp32 weights (qfmt 0) in place; quantized ones (qfmt 1: int8 in groups of G, 2: int4)
+ * expanded into buf (WIDE_NR x K floats, the calling thread's). The expansion is paid once
+ * per tile and step and shared by every row of the batch in the lanes: from ~16 rows the
+ * step is bound by multiplies, where the wide tiles' FMA rate beats the integer tiles' (a
+ * vpdpbusd, a conversion and two scalings per 64 products: no more products an instruction
+ * than an FMA's 16 on 64 lanes' worth). */
+static inline const float *wide_src_(int64_t qfmt, int64_t G, const void *w,
+                                     const _Float16 *sc, const _Float16 *off, int64_t n0,
+                                     int64_t nr, int64_t K, float *buf) {
+    if (!qfmt) return (const float *)w + n0 * K;
+    for (int64_t r = 0; r < nr; r++) q_dequant_row_(qfmt, G, w, sc, off, n0 + r, K, buf + r * K);
+    return buf;
+}
+
+int64_t qwide_linear_work_floats(int64_t M, int64_t K, int nthreads) {
+    return wide_linear_work_floats(M, K, nthreads) + (int64_t)nthreads * WIDE_NR * K;
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for a quantized W (fmt 1: int8 in groups of G, 2: int4) on
+ * the wide tiles, each tile of WIDE_NR weight rows expanded to fp32 as it is reached (work:
+ * qwide_linear_work_floats(M, K, nthreads) floats): wide_linear's speed at large M with the
+ * quantized bytes read, and no [N, K] fp32 scratch (the "dequant" path writes one). */
+void qwide_linear(int64_t fmt, const float *x, const void *q, const _Float16 *scale,
+                  const _Float16 *offset, int64_t G, const float *bias, float *y, int64_t M,
+                  int64_t N, int64_t K, float *work, int nthreads) {
+    wide_linear_(fmt, G, x, q, scale, offset, bias, y, M, N, K, work, nthreads);
 }
 
 void q8_linear(const float *x, const int8_t *q, const _Float16 *scale, const float *bias,
@@ -1774,14 +1848,16 @@ void qa_linear(int64_t wfmt, const float *x, const void *q, const _Float16 *scal
  *         [pages, 2, block_size, KVH, D]; then for quantized weights (qfmt 1: int8 in groups
  *         of qgroup, 2: int4; the four weight addresses above are then their data) each
  *         weight's fp16 scales and offsets (int4) in the order QKV, O, gate/up, down (0 when
- *         qfmt is 0). Quantized projections take the dot-product tiles (q_rows_) at any M;
+ *         qfmt is 0). Quantized projections (qfmt 1 / 2) take the dot-product tiles (q_rows_)
+ *         below wide_from rows and the wide tiles from it, each tile's rows expanded first;
  *         qfmt 3 / 4 are int8 / int4 weights (groups of 32) against int8 activations (the
  *         integer products, qi_rows_: each projection's input quantized first); 5 / 6 the
  *         same on the AMX tiles (where qa_enable granted them; else as 3 / 4).
  * cos/sin:[M, D] rows at each sequence's new position; tables [M, max_pages];
  * kv_lens [M]: tokens to attend including the new one (its slot: position kv_lens - 1)
  * wide_from: from this many rows the projections run the wide tiles (wide_rows: rows in
- *         vector lanes), below it the dot-product tiles (pair_block); chosen per host
+ *         vector lanes), below it the dot-product tiles (pair_block / q_rows_); chosen per
+ *         host (not for the integer products)
  * work:   scratch of decode_layers_work_floats(...) floats
  */
 #define DL_PTRS 18
@@ -1801,6 +1877,11 @@ static int64_t dl_xsum_floats(int64_t M, int64_t E, int64_t HD, int64_t I) {
     return M * (k / 32 + 1);
 }
 
+/* Per thread: the wide tiles' expanded weight rows (quantized weights) for the widest input. */
+static int64_t dl_deq_floats(int64_t E, int64_t HD, int64_t I) {
+    return WIDE_NR * (E > HD ? (E > I ? E : I) : (HD > I ? HD : I));
+}
+
 /* Per thread: the AMX tiles' packing scratch for the widest input of a projection. */
 static int64_t dl_pack_floats(int64_t E, int64_t HD, int64_t I) {
     return qa_pack_floats(E > HD ? (E > I ? E : I) : (HD > I ? HD : I));
@@ -1813,7 +1894,8 @@ int64_t decode_layers_work_floats(int64_t M, int64_t E, int64_t H, int64_t KVH, 
      * transposed), gate (then the activations; wide: transposed) and up */
     const int64_t MP = lanes_for(M), HD = H * D;
     return (int64_t)nthreads * (MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I)
-                                + qi_act_floats(M, E) + dl_pack_floats(E, HD, I))
+                                + qi_act_floats(M, E) + dl_pack_floats(E, HD, I)
+                                + dl_deq_floats(E, HD, I))
            + M * (H + 2 * KVH) * D + MP * H * D + MP * I + M * I
            + qi_act_floats(M, HD > I ? HD : I);
 }
@@ -1827,13 +1909,14 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
     const int64_t NQKV = (H + 2 * KVH) * D, G = H / KVH, MP = lanes_for(M);
     /* bytes per token slot and per page of the caches (kvq: int8 rows, as paged_decode) */
     const int64_t row = KVH * kv_head_bytes(D, (int)kvq), page = 2 * block_size * row;
-    const int wide = !qfmt && M >= wide_from;
     /* qint: integer products (amx: on the AMX tiles); wfmt: the weights' layout for q_rows_ /
-     * qi_rows_ (1 or 2) */
+     * qi_rows_ (1 or 2); wide: the wide tiles (quantized weights expanded a tile at a time) */
     const int qint = qfmt >= 3, amx = qfmt >= 5;
+    const int wide = !qint && M >= wide_from;
     const int64_t wfmt = amx ? qfmt - 4 : qint ? qfmt - 2 : qfmt;
     const int64_t per_thread = MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I)
-                               + qi_act_floats(M, E) + dl_pack_floats(E, H * D, I);
+                               + qi_act_floats(M, E) + dl_pack_floats(E, H * D, I)
+                               + dl_deq_floats(E, H * D, I);
     float *qkv = work + (int64_t)nthreads * per_thread, *att = qkv + M * NQKV;
     float *act = att + MP * H * D, *up = act + MP * I;
     const int64_t HD = H * D;
@@ -1851,6 +1934,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
         float *tile = x + MP * E, *heads = tile + 2 * WIDE_NR * MP, *xs = heads + H * D;
         QAct xa = qi_act_at(xs + dl_xsum_floats(M, E, H * D, I), M, E, amx); /* x quantized */
         float *pack = xs + dl_xsum_floats(M, E, H * D, I) + qi_act_floats(M, E);
+        float *deq = pack + dl_pack_floats(E, H * D, I); /* wide tiles' expanded weights */
         if (wide) memset(x, 0, MP * E * sizeof(float));
         for (int64_t l = 0; l < num_layers; l++) {
             const int64_t *p = ptrs + DL_PTRS * l;
@@ -1877,6 +1961,18 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                         for (int64_t m = 0; m < M; m++)
                             for (int64_t n = n0; n < n1; n++) qkv[m * NQKV + n] += bqkv[n];
                 }
+            } else if (wide) {
+#pragma omp for schedule(static)
+                for (int64_t n0 = 0; n0 < NQKV; n0 += WIDE_NR) {
+                    const int64_t nr = NQKV - n0 < WIDE_NR ? NQKV - n0 : WIDE_NR;
+                    wide_rows(wide_src_(qfmt, qgroup, wqkv, (h16)p[10], (h16)p[11], n0, nr, E, deq), E,
+                              nr, x, MP, E, tile);
+                    for (int64_t r = 0; r < nr; r++) {
+                        const float b = bqkv ? bqkv[n0 + r] : 0.f;
+                        for (int64_t m = 0; m < M; m++)
+                            qkv[m * NQKV + n0 + r] = tile[r * MP + m] + b;
+                    }
+                }
             } else if (qfmt) {
                 if (qfmt == 2) block_sums_(x, M, E, xs);
 #pragma omp for schedule(static)
@@ -1887,17 +1983,6 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                     if (bqkv)
                         for (int64_t m = 0; m < M; m++)
                             for (int64_t n = n0; n < n1; n++) qkv[m * NQKV + n] += bqkv[n];
-                }
-            } else if (wide) {
-#pragma omp for schedule(static)
-                for (int64_t n0 = 0; n0 < NQKV; n0 += WIDE_NR) {
-                    const int64_t nr = NQKV - n0 < WIDE_NR ? NQKV - n0 : WIDE_NR;
-                    wide_rows(wqkv + n0 * E, E, nr, x, MP, E, tile);
-                    for (int64_t r = 0; r < nr; r++) {
-                        const float b = bqkv ? bqkv[n0 + r] : 0.f;
-                        for (int64_t m = 0; m < M; m++)
-                            qkv[m * NQKV + n0 + r] = tile[r * MP + m] + b;
-                    }
                 }
             } else {
 #pragma omp for schedule(static)
@@ -1958,14 +2043,15 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
                     qi_rows_(wfmt, wo, (h16)p[12], (h16)p[13], &sa_att, M, HD, n0,
                              n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1, pack);
+            } else if (wide) {
+                wide_residual_(qfmt, qgroup, wo, (h16)p[12], (h16)p[13], HD, att, MP, M, E,
+                               tile, deq, h);
             } else if (qfmt) {
                 if (qfmt == 2) block_sums_(att, M, HD, xs);
 #pragma omp for schedule(static)
                 for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
                     q_rows_(qfmt, qgroup, wo, (h16)p[12], (h16)p[13], att, xs, M, HD, n0,
                             n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
-            } else if (wide) {
-                wide_residual_(wo, HD, att, MP, M, E, tile, h);
             } else {
 #pragma omp for schedule(static)
                 for (int64_t i0 = 0; i0 < E / 2; i0 += pb_e)
@@ -1980,8 +2066,11 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 for (int64_t n0 = 0; n0 < I; n0 += WIDE_NR) {
                     const int64_t nr = I - n0 < WIDE_NR ? I - n0 : WIDE_NR;
                     float *gt = tile, *ut = tile + WIDE_NR * MP;
-                    wide_rows(wgu + n0 * E, E, nr, x, MP, E, gt);
-                    wide_rows(wgu + (I + n0) * E, E, nr, x, MP, E, ut);
+                    /* gate rows n0.., then up rows I + n0.. (deq reused: gt is done) */
+                    wide_rows(wide_src_(qfmt, qgroup, wgu, (h16)p[14], (h16)p[15], n0, nr, E,
+                                        deq), E, nr, x, MP, E, gt);
+                    wide_rows(wide_src_(qfmt, qgroup, wgu, (h16)p[14], (h16)p[15], I + n0, nr,
+                                        E, deq), E, nr, x, MP, E, ut);
                     for (int64_t r = 0; r < nr; r++) {
                         float *o = act + (n0 + r) * MP;
 #pragma omp simd
@@ -1991,7 +2080,8 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                         }
                     }
                 }
-                wide_residual_(wdown, I, act, MP, M, E, tile, h);
+                wide_residual_(qfmt, qgroup, wdown, (h16)p[16], (h16)p[17], I, act, MP, M, E,
+                               tile, deq, h);
                 continue;
             }
             if (qint) { /* as below, on the integer products */

@@ -17,6 +17,7 @@ from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.ops import cpu_ops
 from engine.tuning.fused_decode import tune_fused_decode
+from engine.tuning.linear import QWIDE_MIN_ROWS
 from engine.weights.loader import load_state_dict
 from engine.weights.resolve import load_model_config
 from tests.helpers.tiny_models import VOCAB, hf_greedy, load_hf, random_prompts
@@ -210,7 +211,8 @@ def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path, reque
     plan = tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path)
     assert not plan.from_cache
     assert sorted(t.m for t in plan.timings) == list(FUSED_BUCKETS)
-    assert all(set(t.seconds) == set(STEPS) - {"qint", "qamx"} and min(t.seconds.values()) > 0
+    assert all(set(t.seconds) == set(STEPS) - {"qint", "qamx", "qwide"}
+               and min(t.seconds.values()) > 0
                for t in plan.timings)
     assert plan.choices == {t.m: min(t.seconds, key=t.seconds.get) for t in plan.timings}
     assert len(plan.summary()) == len(FUSED_BUCKETS)
@@ -224,8 +226,13 @@ def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path, reque
     assert not other.from_cache
     # The same model quantized is timed for itself (its kernels race the layer path
     # differently), and Gemma's layer, which the kernel does not run, is not timed at all.
+    # Quantized, the wide tiles run on expanded weight tiles ("qwide") from the rows where
+    # the expansion can pay, raced against the integer products.
     model.quantize("int8")
-    assert not tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path).from_cache
+    quantized = tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path)
+    assert not quantized.from_cache
+    assert all("wide" not in t.seconds and "qint" in t.seconds
+               and ("qwide" in t.seconds) == (t.m >= QWIDE_MIN_ROWS) for t in quantized.timings)
     gemma = _model(request.getfixturevalue("tiny_gemma2_dir"))
     assert tune_fused_decode(gemma, BLOCK, DecodePaths(), cache_dir=tmp_path).choices == {}
     model = _model(tiny_llama_dir)

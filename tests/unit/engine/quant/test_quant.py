@@ -255,14 +255,14 @@ def test_serve_refuses_a_bad_quantization_and_passes_a_good_one():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("lengths", [[9], [4, 1, 13, 8, 30], [(7 * i) % 23 + 1 for i in range(13)]],
                          ids=["batch1", "batch5", "batch13"])
-@pytest.mark.parametrize("wide_from", [cpu_ops.NEVER_WIDE, 1], ids=["dot", "wide-asked"])
+@pytest.mark.parametrize("wide_from", [cpu_ops.NEVER_WIDE, 1], ids=["dot", "wide"])
 def test_fused_decode_steps_of_a_quantized_model_match_transformers(arch, kind, lengths,
                                                                     wide_from, request,
                                                                     tmp_path):
     """The whole-step decode kernel reading int8 / int4 projections (decode_layers' quantized
-    tiles, at any batch: asked for wide tiles it takes these): three steps of every sequence
-    equal transformers' forward on the dequantized weights. Qwen2: the QKV bias; Qwen3: the
-    per-head norms."""
+    dot-product tiles, or the wide tiles on each tile of weight rows expanded: the "qwide"
+    step): three steps of every sequence equal transformers' forward on the dequantized
+    weights. Qwen2: the QKV bias; Qwen3: the per-head norms."""
     from tests.unit.engine.executor.test_fused_decode import BLOCK, fused_steps_match
 
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
