@@ -30,8 +30,10 @@ FUSED_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets timed; larger batches run 
 # quantized to int8 per 32 values; "qamx": the same on AMX tiles where the host runs them,
 # engine.ops.cpu_ops.amx_tiles), or on the wide tiles with each tile of quantized weight rows
 # expanded to fp32 as it is reached ("qwide": fp32's multiply rate at large batch, the
-# quantized bytes read).
-STEPS = ("layers", "fused", "wide", "qint", "qamx", "qwide")
+# quantized bytes read), or the integer products on the weights repacked in panels of 16 rows
+# ("qpanel": the rows in the vector lanes, no horizontal sums; AVX-512 VNNI hosts,
+# engine.ops.cpu_ops.panels_built).
+STEPS = ("layers", "fused", "wide", "qint", "qamx", "qwide", "qpanel")
 
 
 @dataclass
@@ -64,12 +66,17 @@ class FusedDecodePlan:
     def int_products(self, batch: int) -> bool:
         """Whether a fused step of ``batch`` sequences multiplies quantized weights by int8
         activations (``decode_layers``' integer products)."""
-        return self.step(batch) in ("qint", "qamx")
+        return self.step(batch) in ("qint", "qamx", "qpanel")
 
     def amx_tiles(self, batch: int) -> bool:
         """Whether a fused step of ``batch`` sequences runs its integer products on AMX
         tiles."""
         return self.step(batch) == "qamx"
+
+    def panels(self, batch: int) -> bool:
+        """Whether a fused step of ``batch`` sequences runs its integer products on the
+        weights' panels."""
+        return self.step(batch) == "qpanel"
 
     def wide_from(self, batch: int) -> int:
         """``decode_layers``' ``wide_from`` for a step of ``batch`` sequences."""
@@ -88,4 +95,5 @@ class FusedDecodePlan:
 
 _LABELS = {"layers": "layer by layer", "fused": "fused, dot tiles", "wide": "fused, wide tiles",
            "qint": "fused, integer products", "qamx": "fused, integer products on AMX tiles",
-           "qwide": "fused, wide tiles on expanded weights"}
+           "qwide": "fused, wide tiles on expanded weights",
+           "qpanel": "fused, integer products on weight panels"}

@@ -177,7 +177,8 @@ class ModelRunner:
                                              *self.attn_backend.decode_tables(meta), self.block_size,
                                              self.fused_decode.wide_from(b),
                                              self.fused_decode.int_products(b),
-                                             self.fused_decode.amx_tiles(b))
+                                             self.fused_decode.amx_tiles(b),
+                                             panels=self.fused_decode.panels(b))
             if hidden is not None:
                 return hidden
         self.attn_backend.plan(meta)

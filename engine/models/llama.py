@@ -28,7 +28,7 @@ from engine.models.gemma import gelu_tanh_mul, load_norms, norm_weight
 from engine.models.moe import SparseMoE
 from engine.models.quantized import QEmbedding, QLinear, placer
 from engine.models.rope import RotaryEmbedding
-from engine.ops import cpu_ops
+from engine.ops import cpu_ops, quant_ops
 from engine.ops.linear import linear
 from engine.parallel.sharding import TPShard
 from engine.quant.gpu import TinyGemmWeight, to_cuda
@@ -200,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         # decode_layers' table: its key, its tensors, the table, the projections' layout
         self._pointers: tuple | None = None
+        self._panel_table: tuple | None = None  # (the _pointers it follows, rows, table)
         # The quantized layouts serving the linear layers: "int8" | "int4" once ``quantize``
         # ran, or what a GGUF's blocks loaded as ("int4+int8"); None: all in the model dtype.
         self.quantization: str | None = None
@@ -232,14 +233,16 @@ class LlamaForCausalLM(nn.Module):
     def decode_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[torch.Tensor], tables: torch.Tensor, kv_lens: torch.Tensor,
                      block_size: int, wide_from: int = cpu_ops.NEVER_WIDE,
-                     int_products: bool = False, amx: bool = False) -> torch.Tensor | None:
+                     int_products: bool = False, amx: bool = False,
+                     panels: bool = False) -> torch.Tensor | None:
         """``forward`` for a pure-decode step (one new token per sequence, ``input_ids [M]``)
         as one call of ``engine.ops.cpu_ops.decode_layers``: every layer in one OpenMP region,
         the new K/V written into each sequence's slot (``tables [M, max_pages]``, ``kv_lens
         [M]`` including the new token, int64; from ``wide_from`` rows the kernel's wide tiles;
         ``int_products``: quantized projections against int8 activations, the ``cqint``
         linear path's math, where the weights are in groups of 32; ``amx``: on AMX tiles, the
-        ``camx`` path's, where ``cpu_ops.amx_tiles``).
+        ``camx`` path's, where ``cpu_ops.amx_tiles``; ``panels``: the same products on the
+        weights repacked in panels, the ``cqpanel`` path's, where ``panels_apply``).
         Same math as ``forward``; None, computing
         nothing, where the kernel does not apply (the caller then runs ``forward``)."""
         cfg = self.cfg
@@ -254,7 +257,10 @@ class LlamaForCausalLM(nn.Module):
             return None  # projections in more than one layout (e.g. a GGUF mixing types)
         h = self.embed(input_ids)  # [M, hidden], a new tensor the kernel updates in place
         layout = self._pointers[3]
-        if int_products and layout[0] in (1, 2) and layout[1] == 32:
+        if int_products and panels and self.panels_apply():
+            # decode_layers' integer products on the weights' panels (7: int8, 8: int4)
+            pointers, layout = self._panel_pointers(), (layout[0] + 6, 32)
+        elif int_products and layout[0] in (1, 2) and layout[1] == 32:
             # decode_layers' integer products (3: int8, 4: int4; on AMX tiles 5, 6, which the
             # kernel runs as 3, 4 where the process was not granted AMX)
             layout = (layout[0] + (4 if amx else 2), 32)
@@ -294,6 +300,28 @@ class LlamaForCausalLM(nn.Module):
                     ((row(i), c) for i, c in enumerate(kv_caches))]
             held = self._pointers = (key, rows, cpu_ops.layer_pointers(rows),
                                      self._projection_layout())
+        return held[2]
+
+    def panels_apply(self) -> bool:
+        """Whether ``decode_fused`` can run its integer products on the projections' panels
+        (``engine.ops.quant_ops.panels``): int8 / int4 in groups of 32 on a host whose build
+        has them, the MLP's width a multiple of 16 (a panel holds 16 rows of gate or up,
+        never both)."""
+        layout = self._projection_layout() if self._pointers is None else self._pointers[3]
+        return (layout is not None and layout[0] in (1, 2) and layout[1] == 32
+                and self.cfg.intermediate_size % 16 == 0 and cpu_ops.panels_built())
+
+    def _panel_pointers(self) -> torch.Tensor:
+        """``_layer_pointers``' table (made first) with each projection's panels for its data
+        and no scales (the panels hold them); remade with it."""
+        held = self._panel_table
+        if held is None or held[0] is not self._pointers:
+            rows = []
+            for lay, row in zip(self.layers, self._pointers[1], strict=True):
+                qkv, o, gu, down = (quant_ops.panels(getattr(lay, n).weight)
+                                    for n in ("qkv", "o_proj", "gate_up", "down"))
+                rows.append((*row[:2], qkv, row[3], o, gu, down, *row[7:10], *(None,) * 8))
+            held = self._panel_table = (self._pointers, rows, cpu_ops.layer_pointers(rows))
         return held[2]
 
     def _projection_layout(self) -> tuple[int, int] | None:

@@ -75,13 +75,18 @@ _SIGNATURES = {
     "qi_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "qa_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "qi_linear_work_floats": [_I64, _I64, _INT],
+    "qr_bytes": [_I64, _I64, _I64],
+    "qr_pack": [_I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT],
+    "qr_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
+    "qr_linear_work_floats": [_I64, _I64],
     "qi_isa": [],
     "qa_enable": [],
     "isa_probe": [],
 }
 _RESTYPES = {"decode_layers_work_floats": _I64, "wide_linear_work_floats": _I64,
              "qwide_linear_work_floats": _I64,
-             "qi_linear_work_floats": _I64, "qi_isa": _INT, "isa_probe": _INT,
+             "qi_linear_work_floats": _I64, "qr_bytes": _I64, "qr_linear": _INT,
+             "qr_linear_work_floats": _I64, "qi_isa": _INT, "isa_probe": _INT,
              "qa_enable": _INT}
 
 _lib: ctypes.CDLL | None = None
@@ -133,6 +138,14 @@ def amx_tiles(lib: ctypes.CDLL | None = None) -> bool:
     build."""
     lib = lib or library()
     return lib is not None and lib.qa_enable() == 1
+
+
+def panels_built(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether this host's build has the weight panels (``qr_pack`` / ``qr_linear``, and
+    ``decode_layers``' qfmt 7 / 8): integer products with 16 weight rows in the vector lanes,
+    AVX-512 VNNI builds only."""
+    lib = lib or library()
+    return lib is not None and lib.qr_bytes(1, 16, 32) > 0
 
 
 def set_enabled(on: bool) -> None:

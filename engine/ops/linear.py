@@ -23,6 +23,8 @@ the activations quantized to int8 per 32 values too, each block an integer dot p
 or AVX2 where the host runs them; from a few rows up the multiplies, not the bytes, bound a
 step), ``camx`` (the same products on AMX tiles, ``cpu_ops.amx_tiles``: 16 rows x 16 weight
 rows x 32 values an instruction, after packing each 16 weight rows per call; from ~16 rows),
+``cqpanel`` (the same products with 16 weight rows in the vector lanes, on the weight
+repacked in panels at first use, ``quant_ops.quantized_linear_panels``; AVX-512 VNNI hosts),
 ``cqwide`` (``quant_ops.quantized_linear_wide``: ``cwide``'s tiles, each tile of weight rows
 expanded to fp32 as it is reached: fp32's multiply rate at large M with the quantized bytes
 read; the LM head at 32 rows),
@@ -56,11 +58,11 @@ log = logging.getLogger(__name__)
 # engine.ops.cpu_ops.wide_linear (decode buckets only)
 PATHS = ("linear", "mm_t", "onednn", "cgemv", "cwide")
 # For quantized weights: engine.ops.quant_ops.quantized_linear | its integer products (on AMX
-# tiles) | the wide tiles on expanded tiles | expand, then F.linear | expand, then oneDNN's GEMM
+# tiles | on the weight's panels) | the wide tiles on expanded tiles | expand, then F.linear | expand, then oneDNN's GEMM
 # (where this torch has it).
-QPATHS = ("cquant", "cqint", "camx", "cqwide", "dequant", "dequant_onednn")
+QPATHS = ("cquant", "cqint", "camx", "cqpanel", "cqwide", "dequant", "dequant_onednn")
 # The paths that round the activations to int8 (exact_activations rules them out)
-INT_PATHS = ("cqint", "camx")
+INT_PATHS = ("cqint", "camx", "cqpanel")
 FP = "fp"  # the kind of an unquantized weight in plans and timings
 CGEMV_MAX_M = 8  # a loop with no blocking: offered (and timed) for the small buckets only
 # Decode batch sizes tuned (the attention paths use the same buckets); a batch uses the
@@ -202,6 +204,8 @@ def quantized_linear_by_path(path: str, x: torch.Tensor, weight: QuantizedWeight
         out = quant_ops.quantized_linear(x, weight, bias)
     elif path == "cqwide":
         out = quant_ops.quantized_linear_wide(x, weight, bias)
+    elif path == "cqpanel":
+        out = quant_ops.quantized_linear_panels(x, weight, bias)
     elif path in INT_PATHS:
         out = quant_ops.quantized_linear_int(x, weight, bias, amx=path == "camx")
     else:

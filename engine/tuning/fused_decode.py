@@ -97,22 +97,24 @@ def _measure(model: torch.nn.Module, block_size: int, decode_paths: DecodePaths)
             model(ids, meta.positions, caches, backend)
 
         def fused(meta=meta, ids=ids, wide_from=cpu_ops.NEVER_WIDE, ints=False,
-                  amx=False) -> None:
+                  amx=False, panels=False) -> None:
             tables, kv_lens = decode_tables(meta)
             model.decode_fused(ids, meta.positions, caches, tables, kv_lens, block_size,
-                               wide_from, ints, amx)
+                               wide_from, ints, amx, panels=panels)
 
         wide = functools.partial(fused, wide_from=1)
         steps = {"layers": layers, "fused": fused, "wide": wide, "qwide": wide,
                  "qint": functools.partial(fused, ints=True),
-                 "qamx": functools.partial(fused, ints=True, amx=True)}
+                 "qamx": functools.partial(fused, ints=True, amx=True),
+                 "qpanel": functools.partial(fused, ints=True, panels=True)}
         # "wide" for fp weights, "qwide" (the same tiles on expanded weights, from the rows
         # where the expansion can pay) and the integer products for quantized weights (on AMX
         # tiles where the host runs them, from the rows where they can win)
-        skip = ("qint", "qamx", "qwide") if not quantized else ("wide",)
+        skip = ("qint", "qamx", "qwide", "qpanel") if not quantized else ("wide",)
         names = [n for n in STEPS if n not in skip
                  and (n != "qamx" or (m >= AMX_MIN_ROWS and cpu_ops.amx_tiles()))
-                 and (n != "qwide" or m >= QWIDE_MIN_ROWS)]
+                 and (n != "qwide" or m >= QWIDE_MIN_ROWS)
+                 and (n != "qpanel" or model.panels_apply())]
         times: dict[str, list[float]] = {name: [] for name in names}
         for r in range(_ROUNDS + 1):  # round 0 warms every step up, untimed
             for name in names:

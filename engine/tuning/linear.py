@@ -87,6 +87,8 @@ def _paths_for(kind: str, m: int, dtype: torch.dtype) -> list[str]:
         paths = ["cquant", "cqint"] if cpu_ops.enabled() and dtype == torch.float32 else []
         if paths and m >= AMX_MIN_ROWS and cpu_ops.amx_tiles():
             paths.append("camx")
+        if paths and m < PREFILL_ROWS and cpu_ops.panels_built():
+            paths.append("cqpanel")
         if paths and QWIDE_MIN_ROWS <= m < PREFILL_ROWS:
             paths.append("cqwide")
         return paths + ["dequant"] + (["dequant_onednn"] if "onednn" in available_paths() else [])

@@ -1831,6 +1831,282 @@ void qa_linear(int64_t wfmt, const float *x, const void *q, const _Float16 *scal
     qi_linear_(wfmt, x, q, scale, offset, bias, y, M, N, K, work, nthreads, 1);
 }
 
+/* ---- panels: integer products with 16 weight rows in the vector lanes -------------------------
+ * The integer tiles above (qi_tile_) put 64 values of one weight row in a vector: each product
+ * of a block pair with a row of q then costs a vpdpbusd, a conversion and two scalings, and the
+ * output ends in a horizontal sum: no more products an instruction than fp32's FMA (16 on 64
+ * lanes' worth), so from ~16 rows, where the multiplies bound a step, they lost to the wide
+ * tiles. Here the weights are repacked once, at load, into panels of 16 rows: per block of 32
+ * values, 8 vectors of 16 rows x 4 consecutive values, then the 16 rows' scales (fp32) and
+ * their "-128 x sum of the block's weights" (int32: vpdpbusd multiplies unsigned bytes by
+ * signed ones, so q enters as q + 128): 640 bytes, 64-byte aligned, 1.18x the row layout's.
+ * int4: 4 vectors, quad v in the low nibbles and quad v + 4 in the high ones (the nibbles are
+ * the unsigned operand, q the signed one: no correction), then the scales and offsets (fp16):
+ * 320 bytes, the row layout's. A block of a panel against a row of q is then 8 vpdpbusd
+ * with 4 of q's bytes broadcast, and one conversion and one scaling for 16 outputs (int4: one
+ * more FMA for the offsets): ~3x the products an instruction, and the 16 outputs land in
+ * order, no horizontal sums. Tiles: 2 panels x 6 rows (int8) or 4 (int4) of q.
+ * AVX-512 VNNI only (QI_ISA 2). */
+#if QI_ISA == 2
+#define QR_ON 1
+static inline int64_t qr_data_bytes(int wfmt) { return wfmt == 1 ? 512 : 256; }
+static inline int64_t qr_block_bytes(int wfmt) { return wfmt == 1 ? 640 : 320; }
+#endif
+
+/* Bytes of the panels of an [N, K] weight (0: not built for this host). */
+int64_t qr_bytes(int64_t wfmt, int64_t N, int64_t K) {
+#ifdef QR_ON
+    return (N + 15) / 16 * (K / 32) * qr_block_bytes((int)wfmt);
+#else
+    (void)wfmt; (void)N; (void)K;
+    return 0;
+#endif
+}
+
+/* The panels of a quantized [N, K] weight in its row layout (wfmt 1: int8 in groups of 32,
+ * 2: int4), into out (qr_bytes; 64-byte aligned). Rows past N read as zero. */
+void qr_pack(int64_t wfmt, const void *data, const _Float16 *scale, const _Float16 *offset,
+             int64_t N, int64_t K, uint8_t *out, int nthreads) {
+#ifdef QR_ON
+    const int64_t nb = K / 32, PB = qr_block_bytes((int)wfmt), DB = qr_data_bytes((int)wfmt);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < (N + 15) / 16; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = out + (p * nb + b) * PB;
+            float *sc = (float *)(blk + DB);
+            int32_t *corr = (int32_t *)(sc + 16);
+            _Float16 *sh = (_Float16 *)(blk + DB), *oh = sh + 16;
+            memset(blk, 0, PB);
+            for (int r = 0; r < 16; r++) {
+                const int64_t n = 16 * p + r;
+                int w[32] = {0};
+                if (n >= N) continue;
+                for (int k = 0; k < 32; k++) {
+                    if (wfmt == 1) {
+                        w[k] = ((const int8_t *)data)[n * K + 32 * b + k];
+                    } else {
+                        const uint8_t byte = ((const uint8_t *)data)[n * (K / 2) + 16 * b
+                                                                     + 8 * (k / 16) + k % 8];
+                        w[k] = (k / 8) % 2 ? byte >> 4 : byte & 15;
+                    }
+                }
+                int sum = 0;
+                for (int k = 0; k < 32; k++) sum += w[k];
+                if (wfmt == 1) {
+                    corr[r] = -128 * sum;
+                    sc[r] = (float)scale[n * nb + b];
+                } else {
+                    sh[r] = scale[n * nb + b];
+                    oh[r] = offset[n * nb + b];
+                }
+                for (int q = 0; q < (wfmt == 1 ? 8 : 4); q++)
+                    for (int j = 0; j < 4; j++)
+                        blk[q * 64 + r * 4 + j] = wfmt == 1
+                            ? (uint8_t)(int8_t)w[4 * q + j]
+                            : (uint8_t)(w[4 * q + j] | (w[4 * (q + 4) + j] << 4));
+            }
+        }
+#else
+    (void)wfmt; (void)data; (void)scale; (void)offset; (void)N; (void)K; (void)out;
+    (void)nthreads;
+#endif
+}
+
+#ifdef QR_ON
+/* The panels' activations: row x [K] as bytes q (q = round(x / d) per block of 32, d = max |x|
+ * / 127, as qi_quantize_row_; for int8 weights q + 128, the unsigned operand), d[b], and
+ * xs[b] = d[b] * sum of the block's q (int4's offsets). */
+typedef struct {
+    uint8_t *u; /* [M][K] */
+    float *d, *xs; /* [M][K / 32] */
+} QrAct;
+
+static inline QrAct qr_act_at(float *work, int64_t M, int64_t K) {
+    QrAct a;
+    a.d = work;
+    a.xs = work + M * (K / 32);
+    a.u = (uint8_t *)(a.xs + M * (K / 32));
+    return a;
+}
+
+static inline int64_t qr_act_floats(int64_t M, int64_t K) { return 2 * M * (K / 32) + M * K / 4 + 16; }
+
+static void qr_quantize_row_(int wfmt, const float *x, int64_t K, const QrAct *a, int64_t m) {
+    const int64_t nb = K / 32;
+    uint8_t *u = a->u + m * K;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0),
+                                                              _mm512_abs_ps(x1)));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512 vi = _mm512_set1_ps(inv);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vi));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vi));
+        const __m128i flip = _mm_set1_epi8(wfmt == 1 ? (char)0x80 : 0);
+        _mm_storeu_si128((__m128i *)(u + 32 * b), _mm_xor_si128(_mm512_cvtepi32_epi8(q0), flip));
+        _mm_storeu_si128((__m128i *)(u + 32 * b + 16),
+                         _mm_xor_si128(_mm512_cvtepi32_epi8(q1), flip));
+        a->d[m * nb + b] = amax / 127.f;
+        a->xs[m * nb + b] = amax / 127.f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+/* CV panels (p0, p0 + 1) x MR rows of q (m0 ..) over every block into acc[cv][m]. */
+static inline __attribute__((always_inline)) void qr_tile_(
+        const int wfmt, const uint8_t *w, int64_t nb, const QrAct *a, int64_t m0, int64_t K,
+        const int CV, const int MR, __m512 acc[2][6]) {
+    const int64_t PB = qr_block_bytes(wfmt), DB = qr_data_bytes(wfmt), panel = nb * PB;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const uint8_t *xq[6];
+    const float *dm[6], *xsm[6];
+    for (int m = 0; m < MR; m++) {
+        xq[m] = a->u + (m0 + m) * K;
+        dm[m] = a->d + (m0 + m) * nb;
+        xsm[m] = a->xs + (m0 + m) * nb;
+        for (int c = 0; c < CV; c++) acc[c][m] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i ai[2][6];
+        const uint8_t *blk[2];
+        for (int c = 0; c < CV; c++) {
+            blk[c] = w + c * panel + b * PB;
+            _mm_prefetch((const char *)(blk[c] + 4 * PB), _MM_HINT_T0);
+            const __m512i corr = wfmt == 1 ? _mm512_loadu_si512(blk[c] + DB + 64)
+                                           : _mm512_setzero_si512();
+            for (int m = 0; m < MR; m++) ai[c][m] = corr;
+        }
+        if (wfmt == 1) {
+            for (int q = 0; q < 8; q++) {
+                __m512i wv[2];
+                for (int c = 0; c < CV; c++) wv[c] = _mm512_loadu_si512(blk[c] + 64 * q);
+                for (int m = 0; m < MR; m++) {
+                    int32_t x4;
+                    memcpy(&x4, xq[m] + 32 * b + 4 * q, 4);
+                    const __m512i xb = _mm512_set1_epi32(x4);
+                    for (int c = 0; c < CV; c++) ai[c][m] = _mm512_dpbusd_epi32(ai[c][m], xb, wv[c]);
+                }
+            }
+        } else {
+            for (int q = 0; q < 4; q++) {
+                __m512i lo[2], hi[2];
+                for (int c = 0; c < CV; c++) {
+                    const __m512i v = _mm512_loadu_si512(blk[c] + 64 * q);
+                    lo[c] = _mm512_and_si512(v, low4);
+                    hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+                for (int m = 0; m < MR; m++) {
+                    int32_t xl, xh;
+                    memcpy(&xl, xq[m] + 32 * b + 4 * q, 4);
+                    memcpy(&xh, xq[m] + 32 * b + 16 + 4 * q, 4);
+                    const __m512i bl = _mm512_set1_epi32(xl), bh = _mm512_set1_epi32(xh);
+                    for (int c = 0; c < CV; c++)
+                        ai[c][m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[c][m], lo[c], bl),
+                                                       hi[c], bh);
+                }
+            }
+        }
+        __m512 ws[2], os[2];
+        for (int c = 0; c < CV; c++) {
+            if (wfmt == 1) {
+                ws[c] = _mm512_loadu_ps((const float *)(blk[c] + DB));
+            } else {
+                ws[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[c] + DB)));
+                os[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[c] + DB + 32)));
+            }
+        }
+        for (int m = 0; m < MR; m++) {
+            const __m512 dx = _mm512_set1_ps(dm[m][b]);
+            for (int c = 0; c < CV; c++) {
+                acc[c][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[c][m]),
+                                            _mm512_mul_ps(ws[c], dx), acc[c][m]);
+                if (wfmt == 2)
+                    acc[c][m] = _mm512_fmadd_ps(os[c], _mm512_set1_ps(xsm[m][b]), acc[c][m]);
+            }
+        }
+    }
+}
+
+#define QR_MR(F) ((F) == 1 ? 6 : 4)
+#define QR_T(F, CV, MR) qr_tile_(F, w, nb, a, m0, K, CV, MR, acc)
+#define QR_CASES(F, CV)                                                                      \
+    switch (mr) {                                                                            \
+    case 1: QR_T(F, CV, 1); break;                                                           \
+    case 2: QR_T(F, CV, 2); break;                                                           \
+    case 3: QR_T(F, CV, 3); break;                                                           \
+    case 4: QR_T(F, CV, 4); break;                                                           \
+    case 5: QR_T(F, CV, 5); break;                                                           \
+    default: QR_T(F, CV, 6); break;                                                          \
+    }
+
+/* y[m * ldy + n] (= or +=) for the rows n of panels p0 .. p1 - 1 below N, every m < M. */
+static void qr_rows_(const int64_t wfmt, const uint8_t *panels, int64_t N, int64_t K,
+                     const QrAct *a, int64_t M, int64_t p0, int64_t p1, float *y, int64_t ldy,
+                     int accumulate) {
+    const int64_t nb = K / 32, PB = qr_block_bytes((int)wfmt), MRmax = QR_MR(wfmt);
+    for (int64_t p = p0; p < p1; p += 2) {
+        const int CV = p + 1 < p1 ? 2 : 1;
+        const uint8_t *w = panels + p * nb * PB;
+        for (int64_t m0 = 0; m0 < M; m0 += MRmax) {
+            const int64_t mr = M - m0 < MRmax ? M - m0 : MRmax;
+            __m512 acc[2][6];
+            if (wfmt == 1) {
+                if (CV == 2) { QR_CASES(1, 2) } else { QR_CASES(1, 1) }
+            } else {
+                if (CV == 2) { QR_CASES(2, 2) } else { QR_CASES(2, 1) }
+            }
+            for (int c = 0; c < CV; c++) {
+                const int64_t n = 16 * (p + c);
+                const __mmask16 k = N - n >= 16 ? 0xffff : (__mmask16)((1u << (N - n)) - 1);
+                for (int64_t m = 0; m < mr; m++) {
+                    float *dst = y + (m0 + m) * ldy + n;
+                    __m512 v = acc[c][m];
+                    if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, dst));
+                    _mm512_mask_storeu_ps(dst, k, v);
+                }
+            }
+        }
+    }
+}
+#endif
+
+int64_t qr_linear_work_floats(int64_t M, int64_t K) {
+#ifdef QR_ON
+    return qr_act_floats(M, K);
+#else
+    (void)M; (void)K;
+    return 0;
+#endif
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for W in panels (qr_pack), the activations quantized per
+ * 32 values (work: qr_linear_work_floats). Returns 0, touching nothing, where the panels are
+ * not built for this host. */
+int qr_linear(int64_t wfmt, const float *x, const uint8_t *panels, const float *bias, float *y,
+              int64_t M, int64_t N, int64_t K, float *work, int nthreads) {
+#ifdef QR_ON
+    QrAct a = qr_act_at(work, M, K);
+    const int64_t NP = (N + 15) / 16, pairs = (NP + 1) / 2;
+#pragma omp parallel num_threads(nthreads) if (N * K >= 65536)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) qr_quantize_row_((int)wfmt, x + m * K, K, &a, m);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < pairs; i++) {
+            const int64_t p1 = 2 * i + 2 < NP ? 2 * i + 2 : NP;
+            qr_rows_(wfmt, panels, N, K, &a, M, 2 * i, p1, y, N, 0);
+            if (bias)
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t n = 32 * i; n < 16 * p1 && n < N; n++) y[m * N + n] += bias[n];
+        }
+    }
+    return 1;
+#else
+    (void)wfmt; (void)x; (void)panels; (void)bias; (void)y; (void)M; (void)N; (void)K;
+    (void)work; (void)nthreads;
+    return 0;
+#endif
+}
+
 /* A whole pure-decode step through every decoder layer, in one parallel region.
  *
  * At batch 1-8 the layers' weights stream in ~20 ms on two cores, but the layer-by-layer path
@@ -1882,6 +2158,16 @@ static int64_t dl_deq_floats(int64_t E, int64_t HD, int64_t I) {
     return WIDE_NR * (E > HD ? (E > I ? E : I) : (HD > I ? HD : I));
 }
 
+/* The panels' quantized rows of M x K (qr_act_floats where the panels are built). */
+static int64_t dl_qr_floats(int64_t M, int64_t K) {
+#ifdef QR_ON
+    return qr_act_floats(M, K);
+#else
+    (void)M; (void)K;
+    return 0;
+#endif
+}
+
 /* Per thread: the AMX tiles' packing scratch for the widest input of a projection. */
 static int64_t dl_pack_floats(int64_t E, int64_t HD, int64_t I) {
     return qa_pack_floats(E > HD ? (E > I ? E : I) : (HD > I ? HD : I));
@@ -1895,9 +2181,9 @@ int64_t decode_layers_work_floats(int64_t M, int64_t E, int64_t H, int64_t KVH, 
     const int64_t MP = lanes_for(M), HD = H * D;
     return (int64_t)nthreads * (MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I)
                                 + qi_act_floats(M, E) + dl_pack_floats(E, HD, I)
-                                + dl_deq_floats(E, HD, I))
+                                + dl_deq_floats(E, HD, I) + dl_qr_floats(M, E))
            + M * (H + 2 * KVH) * D + MP * H * D + MP * I + M * I
-           + qi_act_floats(M, HD > I ? HD : I);
+           + qi_act_floats(M, HD > I ? HD : I) + dl_qr_floats(M, HD > I ? HD : I);
 }
 
 void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M, int64_t E,
@@ -1911,17 +2197,30 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
     const int64_t row = KVH * kv_head_bytes(D, (int)kvq), page = 2 * block_size * row;
     /* qint: integer products (amx: on the AMX tiles); wfmt: the weights' layout for q_rows_ /
      * qi_rows_ (1 or 2); wide: the wide tiles (quantized weights expanded a tile at a time) */
-    const int qint = qfmt >= 3, amx = qfmt >= 5;
-    const int wide = !qint && M >= wide_from;
-    const int64_t wfmt = amx ? qfmt - 4 : qint ? qfmt - 2 : qfmt;
+#ifdef QR_ON
+    const int panel = qfmt >= 7;
+#else
+    const int panel = 0;
+    if (qfmt >= 7) qfmt -= 4; /* no panels built here: the integer tiles (the caller checks) */
+#endif
+    const int qint = qfmt >= 3 && !panel, amx = qint && qfmt >= 5;
+    const int wide = !qint && !panel && M >= wide_from;
+    const int64_t wfmt = panel ? qfmt - 6 : amx ? qfmt - 4 : qint ? qfmt - 2 : qfmt;
     const int64_t per_thread = MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I)
                                + qi_act_floats(M, E) + dl_pack_floats(E, H * D, I)
-                               + dl_deq_floats(E, H * D, I);
+                               + dl_deq_floats(E, H * D, I) + dl_qr_floats(M, E);
     float *qkv = work + (int64_t)nthreads * per_thread, *att = qkv + M * NQKV;
     float *act = att + MP * H * D, *up = act + MP * I;
     const int64_t HD = H * D;
     /* the quantized attention output, then the quantized activations (shared) */
     QAct sa_att = qi_act_at(up + M * I, M, HD, amx), sa_act = qi_act_at(up + M * I, M, I, amx);
+#ifdef QR_ON
+    /* the panels' quantized attention output, then activations (shared) */
+    const float *shared_end = up + M * I + qi_act_floats(M, HD > I ? HD : I);
+    const QrAct ra_att = qr_act_at((float *)shared_end, M, HD),
+                ra_act = qr_act_at((float *)shared_end, M, I);
+    const int64_t NQP = (NQKV + 15) / 16, EP = (E + 15) / 16, IP = I / 16;
+#endif
     /* rows each QAct is quantized for: the AMX layout's zero rows past M too */
     const int64_t qrows = sa_att.amx ? qi_rows_held(M) : M;
     const int64_t pb_qkv = pairs_per_block(NQKV / 2, nthreads),
@@ -1935,6 +2234,9 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
         QAct xa = qi_act_at(xs + dl_xsum_floats(M, E, H * D, I), M, E, amx); /* x quantized */
         float *pack = xs + dl_xsum_floats(M, E, H * D, I) + qi_act_floats(M, E);
         float *deq = pack + dl_pack_floats(E, H * D, I); /* wide tiles' expanded weights */
+#ifdef QR_ON
+        const QrAct rx = qr_act_at(deq + dl_deq_floats(E, H * D, I), M, E); /* x, panels' */
+#endif
         if (wide) memset(x, 0, MP * E * sizeof(float));
         for (int64_t l = 0; l < num_layers; l++) {
             const int64_t *p = ptrs + DL_PTRS * l;
@@ -1949,6 +2251,20 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
             for (int64_t m = 0; m < M; m++)
                 if (wide) norm_row_t_(h + m * E, in_norm, x, MP, m, E, eps);
                 else norm_row_(h + m * E, in_norm, x + m * E, E, eps);
+#ifdef QR_ON
+            if (panel) { /* two panels (32 rows) a task */
+                for (int64_t m = 0; m < M; m++) qr_quantize_row_((int)wfmt, x + m * E, E, &rx, m);
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < NQP; p += 2) {
+                    const int64_t p1 = p + 2 < NQP ? p + 2 : NQP;
+                    qr_rows_(wfmt, (const uint8_t *)wqkv, NQKV, E, &rx, M, p, p1, qkv, NQKV, 0);
+                    if (bqkv)
+                        for (int64_t m = 0; m < M; m++)
+                            for (int64_t n = 16 * p; n < 16 * p1 && n < NQKV; n++)
+                                qkv[m * NQKV + n] += bqkv[n];
+                }
+            } else
+#endif
             if (qint) {
                 for (int64_t m = 0; m < qrows; m++)
                     qi_quantize_row_(wfmt, m < M ? x + m * E : 0, E, &xa, m);
@@ -2035,6 +2351,17 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                                   page, block_size, scale, (int)kvq);
                 }
             }
+#ifdef QR_ON
+            if (panel) {
+#pragma omp for schedule(static)
+                for (int64_t m = 0; m < M; m++)
+                    qr_quantize_row_((int)wfmt, att + m * HD, HD, &ra_att, m);
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < EP; p += 2)
+                    qr_rows_(wfmt, (const uint8_t *)wo, E, HD, &ra_att, M, p,
+                             p + 2 < EP ? p + 2 : EP, h, E, 1);
+            } else
+#endif
             if (qint) {
 #pragma omp for schedule(static)
                 for (int64_t m = 0; m < qrows; m++)
@@ -2084,6 +2411,28 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                                tile, deq, h);
                 continue;
             }
+#ifdef QR_ON
+            if (panel) { /* gate panels p.., up panels IP + p.. (I a multiple of 16) */
+                const int64_t gpb = (E / 32) * qr_block_bytes((int)wfmt); /* a panel's bytes */
+                for (int64_t m = 0; m < M; m++) qr_quantize_row_((int)wfmt, x + m * E, E, &rx, m);
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < IP; p += 2) {
+                    const int64_t p1 = p + 2 < IP ? p + 2 : IP;
+                    qr_rows_(wfmt, (const uint8_t *)wgu, I, E, &rx, M, p, p1, act, I, 0);
+                    qr_rows_(wfmt, (const uint8_t *)wgu + IP * gpb, I, E, &rx, M, p, p1, up, I,
+                             0);
+                    silu_gate_(act, up, M, I, 16 * p, 16 * p1);
+                }
+#pragma omp for schedule(static)
+                for (int64_t m = 0; m < M; m++)
+                    qr_quantize_row_((int)wfmt, act + m * I, I, &ra_act, m);
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < EP; p += 2)
+                    qr_rows_(wfmt, (const uint8_t *)wdown, E, I, &ra_act, M, p,
+                             p + 2 < EP ? p + 2 : EP, h, E, 1);
+                continue;
+            }
+#endif
             if (qint) { /* as below, on the integer products */
                 const int64_t up_data = wfmt == 1 ? I * E : I * E / 2, up_scales = I * (E / 32);
                 for (int64_t m = 0; m < qrows; m++)
@@ -2168,6 +2517,15 @@ int isa_probe(void) {
         qa_linear(1, x, w8, s18, o18, 0, y18, M, 18, K, work, 1);
         qa_linear(2, x, w4, s18, o18, 0, y18, M, 18, K, work, 1);
     }
+#ifdef QR_ON
+    { /* the panels (qr_linear): 6 rows, one panel short of 16 */
+        static uint8_t panels[640 * NB] __attribute__((aligned(64)));
+        qr_pack(1, q8, sc, off, N, K, panels, 1);
+        qr_linear(1, x, panels, 0, y, M, N, K, work, 1);
+        qr_pack(2, q4, sc, off, N, K, panels, 1);
+        qr_linear(2, x, panels, 0, y, M, N, K, work, 1);
+    }
+#endif
     q8_linear(x, q8, sc, 0, y, M, N, K, 32, 1);
     q4_linear(x, q4, sc, off, 0, y, M, N, K, xsum, 1);
     gemv(x, wf, 0, y, M, N, K, 1);

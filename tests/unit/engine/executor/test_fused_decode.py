@@ -168,11 +168,12 @@ def test_engine_with_fused_steps_matches_transformers_greedy(tiny_llama_dir, max
     real = model.decode_fused
     calls = []
 
-    def counted(input_ids, *args):
-        out = real(input_ids, *args)
+    def counted(input_ids, *args, panels=False):
+        out = real(input_ids, *args, panels=panels)
         calls.append((len(input_ids), out is not None))
         assert args[-3] == WIDE_FROM["wide" if step == "wide" else "dot"]
-        assert args[-2] is False and args[-1] is False  # fp weights: no integer products
+        # fp weights: no integer products
+        assert args[-2] is False and args[-1] is False and panels is False
         return out
 
     model.decode_fused = counted
@@ -211,7 +212,7 @@ def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path, reque
     plan = tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path)
     assert not plan.from_cache
     assert sorted(t.m for t in plan.timings) == list(FUSED_BUCKETS)
-    assert all(set(t.seconds) == set(STEPS) - {"qint", "qamx", "qwide"}
+    assert all(set(t.seconds) == set(STEPS) - {"qint", "qamx", "qwide", "qpanel"}
                and min(t.seconds.values()) > 0
                for t in plan.timings)
     assert plan.choices == {t.m: min(t.seconds, key=t.seconds.get) for t in plan.timings}
@@ -232,7 +233,8 @@ def test_tuning_times_every_bucket_and_is_cached(tiny_llama_dir, tmp_path, reque
     quantized = tune_fused_decode(model, BLOCK, DecodePaths(), cache_dir=tmp_path)
     assert not quantized.from_cache
     assert all("wide" not in t.seconds and "qint" in t.seconds
-               and ("qwide" in t.seconds) == (t.m >= QWIDE_MIN_ROWS) for t in quantized.timings)
+               and ("qwide" in t.seconds) == (t.m >= QWIDE_MIN_ROWS)
+               and ("qpanel" in t.seconds) == cpu_ops.panels_built() for t in quantized.timings)
     gemma = _model(request.getfixturevalue("tiny_gemma2_dir"))
     assert tune_fused_decode(gemma, BLOCK, DecodePaths(), cache_dir=tmp_path).choices == {}
     model = _model(tiny_llama_dir)

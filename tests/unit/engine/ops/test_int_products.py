@@ -1,8 +1,9 @@
-"""The integer products (int8 activations x int8 / int4 weights, ``cqint`` and on AMX tiles
-``camx``): every instruction path this host can run and the portable one against a reference
+"""The integer products (int8 activations x int8 / int4 weights, ``cqint``, on AMX tiles
+``camx`` and on the weights' panels ``cqpanel``): every instruction path this host can run and the portable one against a reference
 in torch, the whole-step decode kernel on them against the layer path, and the check that
 keeps a build the host cannot execute out of the process. The AMX cases run where the host
-grants AMX (``cpu_ops.amx_tiles``: the Intel Xeon hosts here) and say so where it does not."""
+grants AMX (``cpu_ops.amx_tiles``: the Intel Xeon hosts here), the panels' where the build has
+them (AVX-512 VNNI, ``cpu_ops.panels_built``), and each says so where it does not."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def _rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("isa", ["host", "amx", "avx2", "portable"])
+@pytest.mark.parametrize("isa", ["host", "amx", "panels", "avx2", "portable"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 32])
 @pytest.mark.parametrize("n,k", [(40, 64), (17, 96), (9, 576), (22, 1568)],
@@ -83,14 +84,19 @@ def test_each_instruction_path_equals_the_rounded_reference(builds, isa, kind, m
     tile, the rest one at a time), a zero row of x (scale 0), a block with an outlier and a
     bias."""
     amx = isa == "amx"
-    name = cpu_ops.int_dot_isa() if isa in ("host", "amx") else isa
-    if name not in builds or (amx and not cpu_ops.amx_tiles()):
-        pytest.skip(f"this host does not run {isa}")  # AVX2 or AMX can be absent
+    name = cpu_ops.int_dot_isa() if isa in ("host", "amx", "panels") else isa
+    if (name not in builds or (amx and not cpu_ops.amx_tiles())
+            or (isa == "panels" and not cpu_ops.panels_built())):
+        pytest.skip(f"this host does not run {isa}")  # AVX2, AMX or the panels can be absent
     w = quantize(_rand(n, k) * 0.05, kind)
     x, bias = _rand(m, k, seed=1) * 3, _rand(n, seed=2)
     x[m // 2] = 0
     x[0, 5] = 400.0  # an outlier: its block's scale, not its row's neighbours'
-    got = quant_ops.quantized_linear_int(x, w, bias, lib=builds[name], amx=amx)
+    if isa == "panels":  # 16 weight rows a panel: N = 9, 17, 22 leave one short
+        got = quant_ops.quantized_linear_panels(x, w, bias)
+        assert w.panels is not None and quant_ops.panels(w) is w.panels  # made once, kept
+    else:
+        got = quant_ops.quantized_linear_int(x, w, bias, lib=builds[name], amx=amx)
     ref = _reference(x, w, bias)
     assert got is not None
     assert (got - ref).abs().max() <= RTOL * ref.abs().max(), name
@@ -113,6 +119,15 @@ def test_other_groups_are_declined():
     w = quantize(_rand(8, 64), "int8")
     w16 = type(w)("int8", w.data, w.scale.repeat_interleave(2, dim=1), None, 16)
     assert quant_ops.quantized_linear_int(_rand(2, 64), w16, None) is None
+    assert quant_ops.quantized_linear_panels(_rand(2, 64), w16, None) is None
+    assert w16.panels is None
+
+
+def test_only_avx512_vnni_builds_hold_the_panels(builds):
+    """The panels are AVX-512 VNNI code: the AVX2 and portable builds say they have none (the
+    engine then never offers ``cqpanel`` or the ``qpanel`` step)."""
+    for name, lib in builds.items():
+        assert cpu_ops.panels_built(lib) == (name == "avx512-vnni"), name
 
 
 def test_a_build_the_host_cannot_execute_is_refused(tmp_path, caplog):
@@ -144,24 +159,27 @@ def int_plan():
     set_linear_plan(held)
 
 
-@pytest.mark.parametrize("step", ["qint", "qamx"])
+@pytest.mark.parametrize("step", ["qint", "qamx", "qpanel"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_the_fused_step_on_integer_products_equals_the_layer_path(arch, kind, step, request,
                                                                   int_plan):
-    """decode_layers' integer products (``qint``; ``qamx`` on AMX tiles) and the layer path
-    with every quantized linear on ``cqint`` (``camx``): the same math (each projection's
+    """decode_layers' integer products (``qint``; ``qamx`` on AMX tiles; ``qpanel`` on the
+    weights' panels) and the layer path with every quantized linear on ``cqint`` (``camx``,
+    ``cqpanel``): the same math (each projection's
     input rounded per 32), so the same hidden states and the same new K/V, within fp32
     summation order."""
     amx = step == "qamx"
     if amx and not cpu_ops.amx_tiles():
         pytest.skip("this host does not run AMX tiles")
+    if step == "qpanel" and not cpu_ops.panels_built():
+        pytest.skip("this host's build has no panels (AVX-512 VNNI only)")
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     cfg = load_model_config(model_dir)
     model = LlamaForCausalLM(cfg)
     model.load_hf_state_dict(load_state_dict(model_dir, torch.float32))
     model.quantize(kind)
-    int_plan(model, "camx" if amx else "cqint")
+    int_plan(model, {"qint": "cqint", "qamx": "camx", "qpanel": "cqpanel"}[step])
     block = 4
     gen = torch.Generator().manual_seed(5)
     caches = [torch.randn(64, 2, block, cfg.num_kv_heads, cfg.head_dim, generator=gen)
@@ -176,10 +194,12 @@ def test_the_fused_step_on_integer_products_equals_the_layer_path(arch, kind, st
         backend.plan(meta)
         ref = model(ids, meta.positions, caches, backend)
         got = model.decode_fused(ids, meta.positions, fused_caches, *decode_tables(meta), block,
-                                 cpu_ops.NEVER_WIDE, int_products=True, amx=amx)
+                                 cpu_ops.NEVER_WIDE, int_products=True, amx=amx,
+                                 panels=step == "qpanel")
         plain = model.decode_fused(ids, meta.positions, [c.clone() for c in caches],
                                    *decode_tables(meta), block, cpu_ops.NEVER_WIDE)
     assert got is not None
+    assert (model._panel_table is not None) == (step == "qpanel")  # the panels' table ran
     # Within fp32 summation order, except where that order moves an activation across a
     # rounding of its int8 quantization (a norm summed in C vs in torch, then one value
     # rounded the other way: the AMD EPYC AVX2 host, qwen3's int4, one of the five rows).
