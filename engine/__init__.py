@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineArgs", "LLMEngine", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from engine.args import EngineArgs
     from engine.contract import RequestOutput, SamplingParams
     from engine.llm import LLM
+    from engine.lora.request import LoRARequest
     from engine.runtime.llm_engine import LLMEngine
 
 
@@ -27,6 +28,9 @@ def __getattr__(name: str) -> Any:
     if name == "LLMEngine":
         from engine.runtime.llm_engine import LLMEngine
         return LLMEngine
+    if name == "LoRARequest":  # plain data: no torch
+        from engine.lora.request import LoRARequest
+        return LoRARequest
     if name in ("RequestOutput", "SamplingParams"):
         from engine import contract
         return getattr(contract, name)

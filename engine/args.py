@@ -72,6 +72,13 @@ class EngineArgs:
     # --speculative-config as a dict or its JSON text, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}; None: off. Checked when the engine is built.
     speculative_config: dict | str | None = None
+    # LoRA adapters (engine.lora, vLLM's names): requests name one (LoRARequest) and run under
+    # it, mixed with others and the base model in one batch; at most max_loras adapters in a
+    # running batch, of rank at most max_lora_rank, max_cpu_loras held (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     kv_offload_memory_bytes: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0

@@ -184,6 +184,9 @@ class SchedulerConfig:
     # decodes (their next step follows at once), so its first token does not wait for them
     # (engine/core/scheduler.py's module docstring).
     first_token_first: bool = False
+    # LoRA (engine.lora): at most this many distinct adapters in the running batch (a
+    # request of another adapter waits for one of them to finish).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_prefill_chunk is not None:

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from engine.contract import RequestOutput, SamplingParams
+from engine.lora.request import LoRARequest
 from engine.runtime.llm_engine import EngineArgs, LLMEngine, Prompt
+
+LoRAChoice = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -36,32 +39,35 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRAChoice = None) -> list[RequestOutput]:
         """Run all prompts to completion; one final output per prompt, in input order.
+        ``lora_request``: the adapter every prompt runs under, or one per prompt (None: the
+        base model); needs ``enable_lora=True``.
 
         Raises ValueError for bad input before anything runs (no request is left queued).
         """
         final: dict[str, RequestOutput] = {}
-        ids = self._add(prompts, sampling_params)
+        ids = self._add(prompts, sampling_params, lora_request)
         for out in self._run(ids):
             if out.finished:
                 final[out.request_id] = out
         return [final[i] for i in ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-               ) -> Iterator[RequestOutput]:
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               lora_request: LoRAChoice = None) -> Iterator[RequestOutput]:
         """Yield each update (new tokens, ``delta_text``) as the engine produces it."""
-        yield from self._run(self._add(prompts, sampling_params))
+        yield from self._run(self._add(prompts, sampling_params, lora_request))
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None,
+             lora_request: LoRAChoice = None) -> list[RequestOutput]:
         """``generate`` for chat conversations (the model's chat template is applied)."""
-        return self.generate(messages, sampling_params)
+        return self.generate(messages, sampling_params, lora_request)
 
     # ---- internals ----------------------------------------------------------------------
-    def _add(self, prompts, sampling_params) -> list[str]:
+    def _add(self, prompts, sampling_params, lora_request: LoRAChoice = None) -> list[str]:
         items = _as_prompt_list(prompts)
         if sampling_params is None:
             params = [SamplingParams() for _ in items]
@@ -71,8 +77,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(items):
                 raise ValueError(f"got {len(params)} sampling params for {len(items)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(items)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(items):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(items)} prompts")
         # Validate everything first so a bad prompt leaves nothing half-queued.
-        reqs = [self.engine.make_request(p, sp) for p, sp in zip(items, params, strict=True)]
+        reqs = [self.engine.make_request(p, sp, lora_request=lr)
+                for p, sp, lr in zip(items, params, loras, strict=True)]
         for r in reqs:
             self.engine.enqueue(r)
         return [r.request_id for r in reqs]

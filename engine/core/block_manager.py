@@ -149,8 +149,11 @@ class BlockManager:
         return cdiv(num_tokens, self.block_size)
 
     # ---- prefix cache --------------------------------------------------------------------
-    def get_computed_blocks(self, token_ids: list[int]) -> ComputedBlocks:
+    def get_computed_blocks(self, token_ids: list[int], root: int = 0) -> ComputedBlocks:
         """Longest cached prefix of ``token_ids`` in whole blocks; takes no references.
+        ``root``: the first block's parent hash, which names what else the KV depends on
+        (a LoRA adapter's key; 0 for the base model): prefixes of different roots never
+        match.
 
         The last token is never served from cache: a forward pass must compute at least one
         token to produce the next-token logits.
@@ -162,7 +165,7 @@ class BlockManager:
         ids: list[int] = []
         hashes: list[int] = []
         restore: list[tuple[int, ...]] = []
-        parent = 0
+        parent = root
         for i in range(max_blocks):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             h = hash_block(parent, toks, self.hash_seed)
@@ -181,7 +184,7 @@ class BlockManager:
         return ComputedBlocks(tuple(ids), tuple(hashes), tuple(restore))
 
     def note_computing(self, request_id: str, token_ids: list[int],
-                       computed: ComputedBlocks | None) -> None:
+                       computed: ComputedBlocks | None, root: int = 0) -> None:
         """``request_id`` (just allocated) will compute the full blocks of ``token_ids``
         after ``computed``: other requests may wait for them (``in_progress``). Blocks
         another request is already computing stay that request's."""
@@ -189,14 +192,15 @@ class BlockManager:
         if rb is None:
             return
         bs = self.block_size
-        parent = computed.block_hashes[-1] if computed and computed.block_hashes else 0
+        parent = computed.block_hashes[-1] if computed and computed.block_hashes else root
         for i in range(len(computed.block_hashes) if computed else 0, (len(token_ids) - 1) // bs):
             parent = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]), self.hash_seed)
             if parent not in self._computing and parent not in self._cached:
                 self._computing[parent] = request_id
                 rb.computing.append(parent)
 
-    def in_progress(self, token_ids: list[int], computed: ComputedBlocks) -> str | None:
+    def in_progress(self, token_ids: list[int], computed: ComputedBlocks,
+                    root: int = 0) -> str | None:
         """The request computing the block of ``token_ids`` right after its cached prefix
         ``computed`` (``get_computed_blocks``' answer), or None: none is, or the prompt has
         no full block there to reuse."""
@@ -206,7 +210,7 @@ class BlockManager:
         i = len(computed.block_hashes)
         if i >= (len(token_ids) - 1) // bs:
             return None
-        parent = computed.block_hashes[-1] if computed.block_hashes else 0
+        parent = computed.block_hashes[-1] if computed.block_hashes else root
         return self._computing.get(hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]),
                                               self.hash_seed))
 
@@ -267,14 +271,16 @@ class BlockManager:
         rb = self._reqs.get(request_id)
         return len(rb.block_hashes) * self.block_size if rb else 0
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Register the request's now-full, computed blocks in the prefix cache."""
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int,
+                          root: int = 0) -> None:
+        """Register the request's now-full, computed blocks in the prefix cache (``root``: as
+        for ``get_computed_blocks``)."""
         rb = self._caching(request_id)
         if rb is None:
             return
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, len(rb.block_ids))
-        parent = rb.block_hashes[-1] if rb.block_hashes else 0
+        parent = rb.block_hashes[-1] if rb.block_hashes else root
         for i in range(len(rb.block_hashes), num_full):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             h = hash_block(parent, toks, self.hash_seed)

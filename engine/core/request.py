@@ -17,6 +17,7 @@ from engine.contract import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.core.grammar import GrammarState
+    from engine.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +64,10 @@ class Request:
     # Admitted ahead of every waiting request of lower priority (FIFO among equals). The
     # router raises it for a migrated stream's re-prefill: its client is already mid-stream.
     priority: int = 0
+    # The LoRA adapter it runs under (engine.lora; None: the base model) and that adapter's
+    # key, the root of its block hashes: no KV is shared across adapters.
+    lora_request: LoRARequest | None = None
+    hash_root: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # the first step that computed any of it
     # When it last entered the running batch (a preemption sends it back to the queue): a
@@ -89,6 +94,11 @@ class Request:
     # Of them, over the request's life: drafts verified, and accepted (traces, outputs).
     spec_proposed: int = 0
     spec_accepted: int = 0
+
+    @property
+    def lora_name(self) -> str | None:
+        """The name of the LoRA adapter it runs under (None: the base model)."""
+        return self.lora_request.lora_name if self.lora_request is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

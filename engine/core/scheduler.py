@@ -275,19 +275,27 @@ class Scheduler:
         cfg = self.config
         deferred: list[Request] = []  # waiting for a prefix another request is computing
         top = self.waiting[0].priority if self.waiting else 0  # the queue is in priority order
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             if cfg.policy != "continuous" and req.request_id not in self._batch:
                 break
             if req.priority < top:  # not beside higher-priority admissions (module docstring)
                 break
+            if (req.lora_name is not None and req.lora_name not in adapters
+                    and len(adapters) >= cfg.max_loras):
+                # a step runs at most max_loras adapters: this one waits for a running one to
+                # finish, and later requests (of running adapters, or none) may go first
+                deferred.append(self.waiting.popleft())
+                continue
             computed = None
             if req.num_computed_tokens == 0:
                 # Prompt logprobs need every prompt position computed: no prefix-cache hit.
                 wants_all = req.sampling_params.prompt_logprobs is not None
-                computed = self.blocks.get_computed_blocks([] if wants_all else req.all_token_ids)
+                computed = self.blocks.get_computed_blocks([] if wants_all else req.all_token_ids,
+                                                           req.hash_root)
                 if (cfg.policy == "continuous" and not wants_all
-                        and self.blocks.in_progress(req.all_token_ids, computed)):
+                        and self.blocks.in_progress(req.all_token_ids, computed, req.hash_root)):
                     # A running request is computing the next block of this prompt (the
                     # second of two requests with one new prefix): it is cached within that
                     # request's next chunks, so waiting for it costs no more than computing
@@ -318,12 +326,15 @@ class Scheduler:
                 req.num_computed_tokens = num_computed
                 req.num_cached_tokens = num_computed
                 if not wants_all:
-                    self.blocks.note_computing(req.request_id, req.all_token_ids, computed)
+                    self.blocks.note_computing(req.request_id, req.all_token_ids, computed,
+                                               req.hash_root)
             req.status = RequestStatus.RUNNING
             req.running_since = self.clock()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = req.running_since
             self.running.append(req)
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
             self._prefill_left -= num_new if remaining > 1 else 0
@@ -352,6 +363,7 @@ class Scheduler:
             export_from=req.export_from,
             grammar=req.grammar,
             num_draft=num_draft,
+            lora_name=req.lora_name,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -433,7 +445,7 @@ class Scheduler:
         bs = self.blocks.block_size
         if req.num_computed_tokens // bs > before // bs:
             self.blocks.cache_full_blocks(req.request_id, req.all_token_ids,
-                                          req.num_computed_tokens)
+                                          req.num_computed_tokens, req.hash_root)
 
     def _start_grammar(self, req: Request) -> None:
         """Give a constrained request its grammar state, after the tokens it generated

@@ -38,6 +38,8 @@ class ScheduledChunk:
     # Run as decode rows, one per token (each attending to the slots before it), sampling the
     # last only: a draft model's few missing tokens (engine.executor.draft).
     as_rows: bool = False
+    # The LoRA adapter its rows run under (Request.lora_name; None: the base model).
+    lora_name: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,9 @@ from engine.executor.rank_kv import KVRead, RankKV, ShardExport
 from engine.executor.sampling import SampleRow, logprobs_of, sample, token_logprobs
 from engine.executor.step_inputs import PromptLogits, StepInputs, prepare_step, prompt_logit_plan
 from engine.executor.verify import verified_output
+from engine.lora.rows import LoRARows
+from engine.lora.rows import active as active_lora
+from engine.lora.rows import using as using_lora
 from engine.models.config import ModelConfig
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.ops.linear import exact_activations, plan_rows
@@ -104,6 +107,8 @@ class ModelRunner:
         self.model = model
         self.cfg = cfg  # this rank's shapes under tensor parallelism
         self.tp = model.comm  # None: one rank
+        # The engine's LoRA adapters (engine.lora.registry), None when LoRA is off.
+        self.lora = None
         if self.tp is not None and cuda_graphs:
             # A captured graph would need the NCCL collectives captured with it; not yet.
             log.info("CUDA graphs off under tensor parallelism")
@@ -172,7 +177,8 @@ class ModelRunner:
         dev = self.device
         b = batch or meta.num_seqs
         if (layer_hook is None and self.tp is None and meta.num_decode == meta.num_seqs
-                and self.fused_decode.use(b) and self.attn_backend.whole_step_decode):
+                and self.fused_decode.use(b) and self.attn_backend.whole_step_decode
+                and active_lora() is None):  # the fused kernel has no LoRA (engine.lora)
             hidden = self.model.decode_fused(input_ids, meta.positions, self.kv_caches,
                                              *self.attn_backend.decode_tables(meta), self.block_size,
                                              self.fused_decode.wide_from(b),
@@ -201,7 +207,9 @@ class ModelRunner:
         inp = self.prepare(sched, allow_padding=layer_hook is None)
         # a step with prompt rows multiplies fp32 activations, logits included
         # (engine.ops.linear.exact_activations)
-        with exact_activations(inp.has_prompt_rows):
+        # rows under LoRA adapters: the decoder's projections add theirs (engine.lora.rows)
+        lora = LoRARows.of(inp.order, self.lora.get) if self.lora is not None else None
+        with exact_activations(inp.has_prompt_rows), using_lora(lora):
             return self._execute_prepared(inp, layer_hook, kv_reads, kv_shards)
 
     def _execute_prepared(self, inp: StepInputs, layer_hook: LayerHook | None,

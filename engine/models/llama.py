@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.lora.rows import active as active_lora
 from engine.models.config import ModelConfig
 from engine.models.fused_step import FusedDecodeStep
 from engine.models.gemma import gelu_tanh_mul, load_norms, norm_weight
@@ -119,7 +120,7 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         t = h.shape[0]
         x = cpu_ops.rms_norm(h, self.input_norm, cfg.rms_norm_eps)
-        qkv = linear(x, self.qkv.weight, self.qkv.bias)  # [T, (H + 2 KVH) * D]
+        qkv = self._proj("qkv", x)  # [T, (H + 2 KVH) * D]
         if self.q_norm is not None:
             self._norm_qk_heads(qkv)
         q, k = rope.apply_qk(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin)
@@ -127,7 +128,7 @@ class DecoderLayer(nn.Module):
             q.mul_(self.q_factor)  # this layer's own tensor (a view of qkv, or rope's output)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attn.forward(self.layer_idx, q, k, v, kv_cache)  # [T, H * D]
-        o = linear(o, self.o_proj.weight)
+        o = self._proj("o_proj", o)
         if self.comm is not None:
             self.comm.all_reduce(o)
         if self.attn_out_norm is not None:
@@ -138,14 +139,24 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             m = self.moe(x)
         else:
-            gu = linear(x, self.gate_up.weight)
-            m = linear(cpu_ops.silu_mul(gu) if cfg.hidden_act == "silu" else gelu_tanh_mul(gu),
-                       self.down.weight)
+            gu = self._proj("gate_up", x)
+            m = self._proj("down", cpu_ops.silu_mul(gu) if cfg.hidden_act == "silu"
+                           else gelu_tanh_mul(gu))
         if self.comm is not None:
             self.comm.all_reduce(m)
         if self.mlp_out_norm is not None:
             m = cpu_ops.rms_norm(m, self.mlp_out_norm, cfg.rms_norm_eps)
         return h + m
+
+    def _proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Projection ``name`` of ``x``, plus the LoRA adapters' share where the step runs
+        rows under adapters (``engine.lora.rows``)."""
+        lin = getattr(self, name)
+        y = linear(x, lin.weight, lin.bias)
+        lora = active_lora()
+        if lora is not None:
+            lora.add(self.layer_idx, name, x, y)
+        return y
 
     def _norm_qk_heads(self, qkv: torch.Tensor) -> None:
         """Qwen3: RMSNorm each query and key head of ``qkv`` in place (before RoPE)."""

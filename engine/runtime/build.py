@@ -33,6 +33,7 @@ from engine.core.scheduler import Scheduler
 from engine.executor.device import DevicePlan, kv_pool_bytes, plan_device
 from engine.executor.kv_tier import KVTier
 from engine.executor.model_runner import ModelRunner
+from engine.lora.registry import LoRARegistry
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.ranks import TPRanks, rank_device, rank_threads
@@ -78,6 +79,7 @@ class EngineParts:
     scheduler: Scheduler
     kv_connector: KVConnector
     spec: SpecDecoder | None = None  # speculative decoding (engine.spec), None when off
+    lora: LoRARegistry | None = None  # the LoRA adapters (engine.lora), None when off
 
 
 def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) -> EngineParts:
@@ -128,7 +130,10 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
         enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
         max_waiting=args.max_waiting, max_prefill_chunk=args.max_prefill_chunk,
         max_step_prefill_tokens=args.max_step_prefill_tokens,
-        first_token_first=args.first_token_first)
+        first_token_first=args.first_token_first,
+        max_loras=args.max_loras if args.enable_lora else 0)
+    if args.enable_lora:
+        check_lora(args, cfg, plan.device.type, spec_config is not None)
     shard = TPShard(0, tp)
     shard.check(cfg)  # before any rank starts: a clear error naming the dimension
     # The other ranks start now and load their slices while this one loads its own.
@@ -193,6 +198,26 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
                     ranks.close()
                 raise
         spec = SpecDecoder(spec_config, max_len, drafter)
+    lora = None
+    if args.enable_lora:
+        lora = runner.lora = LoRARegistry(
+            cfg, args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+            getattr(torch, plan.dtype),
+            lambda name: sum(r.lora_name == name for r in scheduler.requests.values()))
     return EngineParts(plan, threads, cfg, tokenizer, eos, max_len, scheduler_config, ranks,
                        model, cache_config, runner, inputs, kv_tier, block_manager, scheduler,
-                       kv_connector, spec)
+                       kv_connector, spec, lora)
+
+
+def check_lora(args: EngineArgs, cfg: ModelConfig, device_type: str, speculative: bool) -> None:
+    """Refuse ``enable_lora`` where this engine would not apply adapters exactly, by name."""
+    if args.max_loras < 1 or args.max_lora_rank < 1:
+        raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {args.max_loras} and "
+                         f"{args.max_lora_rank}")
+    why = ("tensor_parallel_size > 1" if args.tensor_parallel_size > 1
+           else "a mixture-of-experts model" if cfg.num_experts
+           else "speculative decoding" if speculative
+           else f"device {device_type!r} (the CPU only for now)" if device_type != "cpu"
+           else None)
+    if why:
+        raise ValueError(f"enable_lora: LoRA adapters are not supported with {why}")

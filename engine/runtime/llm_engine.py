@@ -21,6 +21,8 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import StepUpdate
 from engine.core.step_times import StepTimes
 from engine.executor.kv_tier import TierStats
+from engine.lora.peft_format import LoRAAdapter
+from engine.lora.request import LoRARequest
 from engine.runtime.build import build_engine
 from engine.runtime.kv_connector import StepInfo
 from engine.text.input_processor import Prompt
@@ -92,6 +94,7 @@ class LLMEngine:
         self.last_step_idle = False  # the last step had nothing to schedule
         self._tp_failure: str | None = None
         self.spec = parts.spec  # speculative decoding (engine.spec), None when off
+        self.lora = parts.lora  # the LoRA adapters (engine.lora.registry), None when off
 
     @property
     def idle_warmup(self) -> Callable[[], None] | None:
@@ -166,24 +169,54 @@ class LLMEngine:
         self.inputs.validate(num_prompt_tokens, params)
 
     def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                     arrival_time: float | None = None) -> Request:
-        """Validate and build a Request (does not queue it)."""
+                     arrival_time: float | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
+        """Validate and build a Request (does not queue it); ``lora_request``: the adapter it
+        runs under, loaded now if it is not held (ValueError: LoRA off, or the adapter
+        refused)."""
         enc = self.inputs.process(prompt, params)
+        adapter = self.load_lora(lora_request) if lora_request is not None else None
         token_ids, text = enc.token_ids, enc.text
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, token_ids, params, arrival_time if arrival_time is not None else self.clock(),
                       eos_token_ids=self.eos_token_ids)
+        if adapter is not None:
+            req.lora_request, req.hash_root = lora_request, adapter.key
         self._prompts[rid] = text
         return req
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def load_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Hold ``lora_request``'s adapter (read and checked now unless held). Raises
+        ValueError: LoRA is off, or the adapter is refused (the message says why)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with enable_lora=True "
+                             "(pdcluster serve --enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        return self.lora.load(lora_request)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name``: KeyError if not held, ValueError while requests run
+        under it (refused)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off")
+        self.lora.unload(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The held adapters' requests, least recently used first."""
+        return [a.request for a in self.lora.held()] if self.lora is not None else []
 
     # ---- lifecycle -----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, export_kv: bool = False,
-                    priority: int = 0, export_from: int = 0) -> Request:
+                    priority: int = 0, export_from: int = 0,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Validate and queue (ahead of waiting requests of lower ``priority``). With
         ``export_kv`` the prompt's KV from position ``export_from`` on is handed to the
         connector's exporter. Raises ValueError (bad input) or QueueFullError (queue limit)."""
-        req = self.make_request(prompt, params, request_id, arrival_time)
+        req = self.make_request(prompt, params, request_id, arrival_time, lora_request)
         if not 0 <= export_from < req.num_prompt_tokens:
             raise ValueError(f"export_from {export_from} outside the prompt "
                              f"({req.num_prompt_tokens} tokens)")
@@ -193,6 +226,9 @@ class LLMEngine:
 
     def enqueue(self, req: Request) -> None:
         try:
+            if req.lora_request is not None:
+                # held again if a later load made room by dropping it since make_request
+                req.hash_root = self.load_lora(req.lora_request).key
             self.scheduler.add_request(req)
         except Exception:
             self._prompts.pop(req.request_id, None)

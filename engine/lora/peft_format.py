@@ -1,0 +1,179 @@
+"""A PEFT LoRA adapter read from disk, checked against the base model, and laid out against our
+fused projections (``LoRAAdapter``).
+
+PEFT saves ``adapter_config.json`` and ``adapter_model.safetensors`` whose tensors are
+``base_model.model.model.layers.{i}.{self_attn|mlp}.{q,k,v,o,gate,up,down}_proj.lora_{A,B}.weight``:
+A ``[r, in]`` and B ``[out, r]``, and a layer's output gains ``s * B (A x)`` with ``s =
+lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``). Our decoder fuses q/k/v into
+one ``qkv`` projection and gate/up into ``gate_up``, so an adapter's A matrices of one fused
+projection are stacked (one shrink for the whole input) and each B, scaled by ``s``, expands its
+own columns of the output. Anything that would change that math and is not implemented (DoRA,
+per-module ranks or alphas, embedding or LM-head targets, trained biases, modules saved whole)
+is refused by name when the adapter loads, never ignored."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+
+from engine.lora.request import LoRARequest
+from engine.models.config import ModelConfig
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT's module name -> (our projection, its part: q/k/v of qkv, gate/up of gate_up)
+TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
+           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
+           "down_proj": ("down", 0)}
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
+                  r"(\w+)\.lora_([AB])\.weight$")
+# adapter_config.json fields that change the product when set; their "off" values
+_REFUSED = {"use_dora": (False, None), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
+            "modules_to_save": (None, []), "bias": ("none",), "lora_bias": (False, None),
+            "fan_in_fan_out": (False, None), "layer_replication": (None, []),
+            "trainable_token_indices": (None, {}, []), "target_parameters": (None, [])}
+
+
+@dataclass
+class ProjectionLoRA:
+    """One fused projection's adapter: ``a [R, K]`` (the parts' A stacked) and ``parts``: for
+    each targeted part, ``(out_start, out_end, r_start, r_end, b)`` with ``b [out_end -
+    out_start, r_end - r_start]`` already scaled."""
+
+    a: torch.Tensor
+    parts: list[tuple[int, int, int, int, torch.Tensor]]
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter loaded for one base model: per layer, our projection name -> its
+    ``ProjectionLoRA`` (absent: not targeted). ``key``: a 64-bit identity of the adapter's
+    bytes (never 0, the base model's), which seeds its requests' block hashes so two adapters
+    (or an adapter and the base) never share KV."""
+
+    request: LoRARequest
+    rank: int
+    scaling: float
+    key: int
+    layers: list[dict[str, ProjectionLoRA]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.request.lora_name
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.a.numel() * p.a.element_size()
+                   + sum(b.numel() * b.element_size() for *_, b in p.parts)
+                   for layer in self.layers for p in layer.values())
+
+
+def _part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """PEFT module -> (in features, out features, first output column in our projection)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    e, i = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (e, q, 0), "k_proj": (e, kv, q), "v_proj": (e, kv, q + kv),
+            "o_proj": (q, e, 0), "gate_proj": (e, i, 0), "up_proj": (e, i, i),
+            "down_proj": (i, e, 0)}
+
+
+def read_adapter_config(path: Path) -> dict:
+    """``adapter_config.json`` of the adapter folder ``path``, checked: a LoRA adapter with
+    nothing set that this engine would have to ignore. Raises ValueError naming the problem."""
+    if not path.is_dir():
+        raise ValueError(f"LoRA adapter {str(path)!r}: no such directory")
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise ValueError(f"LoRA adapter {str(path)!r}: no {CONFIG_FILE} (a PEFT adapter folder "
+                         "holds adapter_config.json and adapter_model.safetensors)")
+    try:
+        conf = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is not JSON: {e}") from e
+    if not isinstance(conf, dict):
+        raise ValueError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is not a JSON object")
+    kind = conf.get("peft_type", "LORA")
+    if str(kind).upper() != "LORA":
+        raise ValueError(f"LoRA adapter {str(path)!r}: peft_type {kind!r} is not supported "
+                         "(LoRA only)")
+    for name, off in _REFUSED.items():
+        if name in conf and conf[name] not in off:
+            what = "DoRA (use_dora)" if name == "use_dora" else name
+            raise ValueError(f"LoRA adapter {str(path)!r}: {what} = {conf[name]!r} is not "
+                             "supported")
+    r = conf.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"LoRA adapter {str(path)!r}: r must be a positive integer, got {r!r}")
+    alpha = conf.get("lora_alpha", r)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ValueError(f"LoRA adapter {str(path)!r}: lora_alpha must be positive, "
+                         f"got {alpha!r}")
+    return conf
+
+
+def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int,
+                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """Read and check ``req``'s adapter for a base model of ``cfg``: rank at most
+    ``max_rank``, every tensor one of q/k/v/o/gate/up/down of a layer the model has with the
+    model's shapes. Raises ValueError naming what is wrong (a missing file, a refused
+    setting, a tensor of another base model)."""
+    from safetensors.torch import load_file
+
+    path = Path(req.lora_path)
+    conf = read_adapter_config(path)
+    rank = conf["r"]
+    where = f"LoRA adapter {req.lora_name!r} ({req.lora_path})"
+    if rank > max_rank:
+        raise ValueError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        bin_file = " (adapter_model.bin, a pickle, is not read)" if (
+            path / "adapter_model.bin").exists() else ""
+        raise ValueError(f"{where}: no {WEIGHTS_FILE}{bin_file}")
+    raw = weights.read_bytes()
+    key = xxhash.xxh3_64_intdigest((path / CONFIG_FILE).read_bytes() + raw) or 1
+    tensors = load_file(str(weights))
+    scaling = conf.get("lora_alpha", rank) / (math.sqrt(rank) if conf.get("use_rslora")
+                                             else rank)
+    shapes = _part_shapes(cfg)
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = _KEY.match(name)
+        if m is None or m.group(2) not in TARGETS:
+            raise ValueError(f"{where}: tensor {name!r} is not supported: LoRA on the "
+                             "q/k/v/o/gate/up/down projections only")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= cfg.num_layers:
+            raise ValueError(f"{where}: tensor {name!r} is for layer {layer}; the base model "
+                             f"has {cfg.num_layers} (an adapter of another base model?)")
+        k, n, _ = shapes[module]
+        want = (rank, k) if ab == "A" else (n, rank)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the base "
+                             f"model's {module} takes {list(want)} at rank {rank} (an adapter "
+                             "of another base model?)")
+        found.setdefault((layer, module), {})[ab] = t
+    if not found:
+        raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA tensors")
+    adapter = LoRAAdapter(req, rank, scaling, key, [{} for _ in range(cfg.num_layers)])
+    for (layer, module), ab in sorted(found.items(), key=lambda kv: (kv[0][0],
+                                                                    TARGETS[kv[0][1]])):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: layer {layer} {module} has lora_"
+                             f"{''.join(sorted(ab))} without its pair")
+        proj, _ = TARGETS[module]
+        _, n, col = shapes[module]
+        held = adapter.layers[layer].get(proj)
+        r0 = 0 if held is None else held.a.shape[0]
+        a = ab["A"].to(dtype)
+        b = (ab["B"].to(torch.float32) * scaling).to(dtype).contiguous()
+        part = (col, col + n, r0, r0 + rank, b)
+        adapter.layers[layer][proj] = (ProjectionLoRA(a.contiguous(), [part]) if held is None
+                                       else ProjectionLoRA(torch.cat([held.a, a]).contiguous(),
+                                                           [*held.parts, part]))
+    return adapter

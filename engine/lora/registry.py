@@ -1,0 +1,94 @@
+"""``LoRARegistry``: the adapters one engine holds, by name.
+
+An adapter is read from disk when it is first named (``load``), checked against the base model
+then, and kept in host memory; at most ``max_cpu_loras`` are kept, the least recently used one
+that no unfinished request runs under giving way to a new one. (On the CPU an adapter's tensors
+serve the step from where they are: "resident" and "in host memory" are the same place, so
+``max_loras`` is enforced where it matters, by the scheduler: at most that many adapters in one
+running batch.) An adapter in use is never unloaded: ``unload`` refuses it, naming how many
+requests still run under it."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from engine.lora.peft_format import LoRAAdapter, load_adapter
+from engine.lora.request import LoRARequest
+from engine.models.config import ModelConfig
+
+
+class LoRARegistry:
+    """Adapters by name for a base model of ``cfg``. ``in_use(name)``: how many unfinished
+    requests run under an adapter (the engine's scheduler knows)."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int | None = None, dtype: torch.dtype = torch.float32,
+                 in_use: Callable[[str], int] = lambda name: 0) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        if max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
+        cpu = max_loras if max_cpu_loras is None else max_cpu_loras
+        if cpu < max_loras:
+            raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})")
+        self.cfg, self.max_loras, self.max_lora_rank, self.max_cpu_loras = (
+            cfg, max_loras, max_lora_rank, cpu)
+        self.dtype = dtype
+        self.in_use = in_use
+        self._held: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
+        self.num_loads = self.num_evictions = 0
+
+    def load(self, req: LoRARequest) -> LoRAAdapter:
+        """The adapter ``req`` names, read now if it is not held (then checked: ValueError
+        with the reason). A name already held must come with the same path and id; an id
+        held under another name is refused."""
+        held = self._held.get(req.lora_name)
+        if held is not None:
+            if held.request != req:
+                raise ValueError(f"LoRA adapter {req.lora_name!r} is loaded from "
+                                 f"{held.request.lora_path!r} with id "
+                                 f"{held.request.lora_int_id}; unload it before loading "
+                                 f"{req.lora_path!r} (id {req.lora_int_id}) under that name")
+            self._held.move_to_end(req.lora_name)
+            return held
+        for other in self._held.values():
+            if other.request.lora_int_id == req.lora_int_id:
+                raise ValueError(f"lora_int_id {req.lora_int_id} is taken by adapter "
+                                 f"{other.name!r}")
+        adapter = load_adapter(req, self.cfg, self.max_lora_rank, self.dtype)
+        while len(self._held) >= self.max_cpu_loras:
+            victim = next((n for n in self._held if not self.in_use(n)), None)
+            if victim is None:
+                raise ValueError(f"cannot load LoRA adapter {req.lora_name!r}: all "
+                                 f"{self.max_cpu_loras} held adapters (max_cpu_loras) have "
+                                 "requests running under them")
+            del self._held[victim]
+            self.num_evictions += 1
+        self._held[req.lora_name] = adapter
+        self.num_loads += 1
+        return adapter
+
+    def get(self, name: str) -> LoRAAdapter:
+        """The held adapter ``name`` (KeyError if it is not held)."""
+        return self._held[name]
+
+    def unload(self, name: str) -> None:
+        """Drop adapter ``name``. Raises KeyError if it is not held, ValueError while
+        requests run under it (refused, not deferred: the caller may retry)."""
+        if name not in self._held:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded")
+        n = self.in_use(name)
+        if n:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {n} request(s); unload "
+                             "refused")
+        del self._held[name]
+
+    def names(self) -> list[str]:
+        """Held adapters, least recently used first."""
+        return list(self._held)
+
+    def held(self) -> list[LoRAAdapter]:
+        return list(self._held.values())
