@@ -41,7 +41,7 @@ def _builtin() -> list[Benchmark]:
         prefix,
         ttft_breakdown,
     )
-    from bench.engine import ceilings, kernels, policies, spec, sweep
+    from bench.engine import ceilings, kernels, lora, policies, spec, sweep
     from bench.server import compare, serve_load
 
     cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
@@ -56,6 +56,7 @@ def _builtin() -> list[Benchmark]:
         Benchmark("policies", "static vs dynamic vs continuous batching, slot utilization",
                   policies.add_arguments, policies.run, baseline=True),
         Benchmark(spec.NAME, spec.HELP, spec.add_arguments, spec.run),
+        Benchmark(lora.NAME, lora.HELP, lora.add_arguments, lora.run),
         *cluster,
         Benchmark(compare.NAME, compare.HELP, compare.add_arguments, compare.run, common=False),
     ]

@@ -26,6 +26,7 @@ from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # ours, in LoRAAdapter.descs' order
 # PEFT's module name -> (our projection, its part: q/k/v of qkv, gate/up of gate_up)
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
            "o_proj": ("o_proj", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
@@ -47,6 +48,17 @@ class ProjectionLoRA:
 
     a: torch.Tensor
     parts: list[tuple[int, int, int, int, torch.Tensor]]
+    # each part's b transposed ([r, n], contiguous): the C kernel's layout
+    bts: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def desc(self) -> torch.Tensor:
+        """The C kernel's view (``cpu_ops.c`` ``lora_apply``): int64 ``[R, nparts, &a, {o0,
+        o1, r0, r1, &b.T} x nparts]``; valid while this object holds its tensors."""
+        self.bts = [b.T.contiguous() for *_, b in self.parts]
+        flat = [self.a.shape[0], len(self.parts), self.a.data_ptr()]
+        for (o0, o1, r0, r1, _), bt in zip(self.parts, self.bts, strict=True):
+            flat += [o0, o1, r0, r1, bt.data_ptr()]
+        return torch.tensor(flat, dtype=torch.int64)
 
 
 @dataclass
@@ -61,6 +73,22 @@ class LoRAAdapter:
     scaling: float
     key: int
     layers: list[dict[str, ProjectionLoRA]] = field(default_factory=list)
+    # per layer and projection (PROJECTIONS' order) the address of its ProjectionLoRA.desc,
+    # 0 where not adapted: [num_layers, 4] int64 (made by finish)
+    desc_ptrs: torch.Tensor | None = None
+    _descs: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def finish(self) -> LoRAAdapter:
+        """Make ``desc_ptrs`` (once the layers are complete)."""
+        ptrs = torch.zeros(len(self.layers), len(PROJECTIONS), dtype=torch.int64)
+        for i, layer in enumerate(self.layers):
+            for j, name in enumerate(PROJECTIONS):
+                if name in layer:
+                    d = layer[name].desc()
+                    self._descs.append(d)
+                    ptrs[i, j] = d.data_ptr()
+        self.desc_ptrs = ptrs
+        return self
 
     @property
     def name(self) -> str:
@@ -176,4 +204,4 @@ def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int,
         adapter.layers[layer][proj] = (ProjectionLoRA(a.contiguous(), [part]) if held is None
                                        else ProjectionLoRA(torch.cat([held.a, a]).contiguous(),
                                                            [*held.parts, part]))
-    return adapter
+    return adapter.finish()

@@ -1,11 +1,12 @@
 """One step's rows grouped by adapter (``LoRARows``), and the thread's active grouping, which
 each projection of the decoder adds its adapters' products to (``add``).
 
-Batched LoRA without merging weights: the rows of each adapter are gathered, shrunk by its
-stacked A (``[n, R]``), expanded by each part's B into that part's output columns, and added
-back, so rows of different adapters and of the base model share every base GEMM of the step.
-An adapter's cost is ``R * (K + N)`` multiply-adds per row and projection on top of the base's
-``K * N``."""
+Batched LoRA without merging weights: the rows of each adapter are shrunk by its stacked A
+(``[n, R]``), expanded by each part's B into that part's output columns, and added in, so rows
+of different adapters and of the base model share every base GEMM of the step. An adapter
+costs ``R * (K + N)`` multiply-adds per row and projection on top of the base's ``K * N``. On
+fp32 CPU tensors one C call per projection does every group (``cpu_ops.c``'s ``lora_apply``:
+each A and B row read once per step); elsewhere torch ops per group do the same."""
 
 from __future__ import annotations
 
@@ -16,17 +17,28 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.peft_format import LoRAAdapter
+from engine.lora.peft_format import PROJECTIONS, LoRAAdapter
+from engine.ops.cpu_ops import library
 
 _active = threading.local()
+_INDEX = {name: i for i, name in enumerate(PROJECTIONS)}
 
 
 @dataclass(frozen=True)
 class LoRARows:
     """``groups``: per adapter present in the step, the rows (int64 indices into the step's
-    flattened tokens) that run under it."""
+    flattened tokens) that run under it; ``rows`` / ``row_off``: the same concatenated, group
+    g's at ``rows[row_off[g]:row_off[g + 1]]``; ``descs [L, 4, G]``: each group's adapter's
+    ``desc_ptrs`` (the C kernel's tables)."""
 
     groups: tuple[tuple[torch.Tensor, LoRAAdapter], ...]
+    rows: torch.Tensor
+    row_off: torch.Tensor
+    descs: torch.Tensor
+    rmax: int
+    t: torch.Tensor  # the kernel's scratch: [rows, rmax]
+    # addresses made once per step (each call then costs a ctypes call and the kernel)
+    desc_addrs: list[list[int]]
 
     @classmethod
     def of(cls, chunks: Iterable, adapter: Callable[[str], LoRAAdapter]) -> LoRARows | None:
@@ -41,20 +53,39 @@ class LoRARows:
             at += c.num_tokens
         if not rows:
             return None
-        return cls(tuple((torch.tensor(r, dtype=torch.int64), adapter(name))
-                         for name, r in rows.items()))
+        groups = tuple((torch.tensor(r, dtype=torch.int64), adapter(name))
+                       for name, r in rows.items())
+        offs = [0]
+        for r, _ in groups:
+            offs.append(offs[-1] + r.numel())
+        descs = torch.stack([a.desc_ptrs for _, a in groups], dim=-1).contiguous()
+        rmax = max(p.a.shape[0] for _, a in groups for layer in a.layers for p in layer.values())
+        flat = torch.cat([r for r, _ in groups])
+        base, step = descs.data_ptr(), descs.element_size() * descs.shape[2]
+        addrs = [[base + (i * descs.shape[1] + j) * step for j in range(descs.shape[1])]
+                 for i in range(descs.shape[0])]
+        return cls(groups, flat, torch.tensor(offs), descs, rmax,
+                   torch.empty(flat.numel(), rmax), addrs)
 
     def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y[rows] += s B (A x[rows])`` for each adapter's rows, in place (``x [T, K]`` the
         projection's input, ``y [T, N]`` its output)."""
+        lib = library()
+        if (lib is not None and x.is_cpu and x.dtype == y.dtype == torch.float32
+                and y.is_contiguous()):
+            x = x.contiguous()
+            lib.lora_apply(x.data_ptr(), x.shape[1], y.data_ptr(), y.shape[1],
+                           len(self.groups), self.desc_addrs[layer][_INDEX[proj]],
+                           self.rows.data_ptr(), self.row_off.data_ptr(), self.t.data_ptr(),
+                           self.rmax, torch.get_num_threads())
+            return
         for rows, adapter in self.groups:
             p = adapter.layers[layer].get(proj)
             if p is None:
                 continue
+            if rows.device != y.device:
+                rows = rows.to(y.device)
             t = x.index_select(0, rows) @ p.a.T  # [n, R]
-            if len(p.parts) == 1 and p.parts[0][0] == 0 and p.parts[0][1] == y.shape[1]:
-                y.index_add_(0, rows, t @ p.parts[0][4].T)
-                continue
             delta = torch.zeros(rows.numel(), y.shape[1], dtype=y.dtype, device=y.device)
             for o0, o1, r0, r1, b in p.parts:
                 delta[:, o0:o1] = t[:, r0:r1] @ b.T

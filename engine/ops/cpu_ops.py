@@ -79,6 +79,7 @@ _SIGNATURES = {
     "qr_pack": [_I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT],
     "qr_linear": [_I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "qr_linear_work_floats": [_I64, _I64],
+    "lora_apply": [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT],
     "qi_isa": [],
     "qa_enable": [],
     "isa_probe": [],

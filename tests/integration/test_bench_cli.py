@@ -438,3 +438,21 @@ def test_spec_reports_every_cell_against_no_speculation(tmp_path):
         on = cells[(w, 1, "draft_model")]["on"]  # what the target does never pays)
         assert on["accepted"] == on["proposed"]
         assert cells[(w, 1, "draft_model")]["identical_streams"] == 1
+
+
+def test_lora_reports_every_cell_against_the_base(tmp_path):
+    """``bench lora`` on the default model (what it measures), small: 4 requests at once, rank
+    8 and 16, 1 and 4 adapters of all seven projections written in PEFT's format (no peft
+    needed): a cell per rank and count with its ratios to the base, the base timed first and
+    last, each rank's load time, and the 16-adapter target reported as not measured here."""
+    assert main(["lora", "--batch", "4", "--ranks", "8,16", "--adapters", "1,4",
+                 "--output-len", "4", "--out", str(tmp_path)]) == 0
+    data = _read(tmp_path, "lora")
+    assert [(c["rank"], c["adapters"]) for c in data["cells"]] == [(8, 1), (8, 4), (16, 1),
+                                                                   (16, 4)]
+    for c in data["cells"]:
+        assert c["tpot_s"] > 0 and c["tpot_over_base"] > 0 and c["throughput_over_base"] > 0
+    assert data["base"]["first"]["tpot_s"] > 0 and data["base"]["last"]["tpot_s"] > 0
+    assert set(data["load_s"]) == {"8", "16"} and all(v > 0 for v in data["load_s"].values())
+    (t,) = data["targets"]
+    assert t["goal"] == 1.3 and t["comparison"] == "<=" and t["met"] is None

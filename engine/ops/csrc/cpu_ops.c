@@ -2492,6 +2492,85 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
     }
 }
 
+/* ---- LoRA: a projection's adapters, rows grouped by adapter ------------------------------------
+ * y[row] += B_p (A x[row])[r0:r1] into columns o0..o1 of each part p of the row's adapter (the
+ * scaling folded into B; engine/lora/rows.py). Per group g (one adapter): descs[g] points at
+ * int64 [R, nparts, a, {o0, o1, r0, r1, bt} x nparts] (a: A [R, K] fp32; bt: B_p transposed,
+ * [r1 - r0, o1 - o0]) or is 0 (the adapter does not adapt this projection); its rows are
+ * rows[row_off[g] .. row_off[g + 1]]. Two phases in one parallel region: the shrink, (group,
+ * rank row) tasks, each A row read once and dotted with the group's rows into t [rows, rmax];
+ * then the expand, (group, part, LORA_OUT outputs) tasks: per row, one axpy of each rank row
+ * of bt into the outputs (B transposed so the outputs are contiguous: B's own rows made
+ * rank-long dots, 8 values each at rank 8, and ran ~20x slower). One call per projection and
+ * step: the torch twin made ~5 calls per adapter and projection. */
+#define LORA_OUT 64
+static inline float dot_f_(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+void lora_apply(const float *x, int64_t K, float *y, int64_t N, int64_t G,
+                const int64_t *descs, const int64_t *rows, const int64_t *row_off, float *t,
+                int64_t rmax, int nthreads) {
+    int64_t shrink_n = 0, expand_n = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t *d = (const int64_t *)descs[g];
+        if (!d) continue;
+        shrink_n += d[0];
+        for (int64_t p = 0; p < d[1]; p++) {
+            const int64_t *q = d + 3 + 5 * p;
+            expand_n += (q[1] - q[0] + LORA_OUT - 1) / LORA_OUT;
+        }
+    }
+#pragma omp parallel num_threads(nthreads) if (shrink_n * K >= 16384)
+    {
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < shrink_n; task++) {
+            int64_t g = 0, r = task;
+            for (;; g++) { /* the task's group and rank row */
+                const int64_t *d = (const int64_t *)descs[g];
+                if (!d) continue;
+                if (r < d[0]) break;
+                r -= d[0];
+            }
+            const int64_t *d = (const int64_t *)descs[g];
+            const float *a = (const float *)d[2] + r * K;
+            for (int64_t j = row_off[g]; j < row_off[g + 1]; j++)
+                t[j * rmax + r] = dot_f_(a, x + rows[j] * K, K);
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < expand_n; task++) {
+            int64_t g = 0, p = 0, blk = task;
+            for (;; g++) { /* the task's group, part and block of outputs */
+                const int64_t *d = (const int64_t *)descs[g];
+                if (!d) continue;
+                for (p = 0; p < d[1]; p++) {
+                    const int64_t *q = d + 3 + 5 * p;
+                    const int64_t nb = (q[1] - q[0] + LORA_OUT - 1) / LORA_OUT;
+                    if (blk < nb) break;
+                    blk -= nb;
+                }
+                if (p < d[1]) break;
+            }
+            const int64_t *q = (const int64_t *)descs[g] + 3 + 5 * p;
+            const int64_t o0 = q[0] + blk * LORA_OUT, o1 = o0 + LORA_OUT < q[1] ? o0 + LORA_OUT : q[1];
+            const int64_t r0 = q[2], rn = q[3] - q[2], n = q[1] - q[0];
+            const float *bt = (const float *)q[4] + (o0 - q[0]);
+            for (int64_t j = row_off[g]; j < row_off[g + 1]; j++) {
+                float *yo = y + rows[j] * N + o0;
+                const float *tj = t + j * rmax + r0;
+                for (int64_t r = 0; r < rn; r++) {
+                    const float s = tj[r], *br = bt + r * n;
+#pragma omp simd
+                    for (int64_t o = 0; o < o1 - o0; o++) yo[o] += s * br[o];
+                }
+            }
+        }
+    }
+}
+
 /* Runs the code of every instruction set this build holds on a tiny input: the library's
  * check before it is used, run in a child process (engine/ops/cpu_ops.py), because a host may
  * list instructions it cannot execute (VMs listing AMX raise SIGILL on a tile instruction),
