@@ -10,7 +10,8 @@ written here in PEFT's format (``adapter_config.json`` + ``adapter_model.safeten
 
 Per cell: decode TPOT (a request's last token time minus its first, over its tokens after
 the first; the mean over the cell's requests) and output tokens per second (all output tokens
-over the cell's wall time, prefill included), and their ratios to the base's. The base runs
+over the cell's wall time, prefill included), and their ratios to the base's. Every cell has
+prompts of its own (none found in the prefix cache). The base runs
 first and last (these hosts drift by 10-40% within minutes) and each ratio takes the mean of
 the two. Adapter load time: ``LLMEngine.load_lora`` of one adapter not held (read, checked and
 laid out), per rank. Every cell is reported, the misses too."""
@@ -115,8 +116,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = llm.engine
     cfg = engine.model_config
     g = __import__("random").Random(args.seed)
-    prompts = [[g.randrange(10, cfg.vocab_size - 10) for _ in range(PROMPT_LEN)]
-               for _ in range(batch)]
+
+    def fresh() -> list[list[int]]:
+        """New prompts for each cell: no cell finds another's in the prefix cache (an
+        adapter's requests never do, since its key roots their block hashes)."""
+        return [[g.randrange(10, cfg.vocab_size - 10) for _ in range(PROMPT_LEN)]
+                for _ in range(batch)]
+
     tmp = Path(tempfile.mkdtemp(prefix="pdcluster-bench-lora-"))
     adapters: dict[int, list] = {}
     load_s: dict[int, float] = {}
@@ -129,19 +135,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.load_lora(reqs[0])  # one adapter not held: read, checked, laid out
         load_s[rank] = time.perf_counter() - t1
         adapters[rank] = reqs
-    _cell(llm, prompts[:2], [None, None], 4)  # the first forward's one-off costs, untimed
+    _cell(llm, fresh()[:2], [None, None], 4)  # the first forward's one-off costs, untimed
     for rank in ranks:  # and each rank's adapters read once
-        _cell(llm, prompts[:most], adapters[rank][:most], 2)
-    base_first = _cell(llm, prompts, [None] * batch, output_len)
+        _cell(llm, fresh()[:most], adapters[rank][:most], 2)
+    base_first = _cell(llm, fresh(), [None] * batch, output_len)
     cells = []
     for rank in ranks:
         for n in counts:
             loras = [adapters[rank][i % n] for i in range(batch)]
-            on = _cell(llm, prompts, loras, output_len)
+            on = _cell(llm, fresh(), loras, output_len)
             cells.append({"rank": rank, "adapters": n, **on})
             print(f"rank {rank:3d}, {n:2d} adapters: TPOT {on['tpot_s'] * 1e3:.1f} ms, "
                   f"{on['tokens_per_s']:.1f} tok/s", flush=True)
-    base_last = _cell(llm, prompts, [None] * batch, output_len)
+    base_last = _cell(llm, fresh(), [None] * batch, output_len)
     base = {k: (base_first[k] + base_last[k]) / 2 for k in ("tpot_s", "tokens_per_s")}
     print(f"base alone: TPOT {base_first['tpot_s'] * 1e3:.1f} / {base_last['tpot_s'] * 1e3:.1f} "
           f"ms (first / last), {base['tokens_per_s']:.1f} tok/s", flush=True)

@@ -177,14 +177,14 @@ class ModelRunner:
         dev = self.device
         b = batch or meta.num_seqs
         if (layer_hook is None and self.tp is None and meta.num_decode == meta.num_seqs
-                and self.fused_decode.use(b) and self.attn_backend.whole_step_decode
-                and active_lora() is None):  # the fused kernel has no LoRA (engine.lora)
+                and self.fused_decode.use(b) and self.attn_backend.whole_step_decode):
             hidden = self.model.decode_fused(input_ids, meta.positions, self.kv_caches,
                                              *self.attn_backend.decode_tables(meta), self.block_size,
                                              self.fused_decode.wide_from(b),
                                              self.fused_decode.int_products(b),
                                              self.fused_decode.amx_tiles(b),
-                                             panels=self.fused_decode.panels(b))
+                                             panels=self.fused_decode.panels(b),
+                                             lora=active_lora())
             if hidden is not None:
                 return hidden
         self.attn_backend.plan(meta)

@@ -67,6 +67,13 @@ class LoRARows:
         return cls(groups, flat, torch.tensor(offs), descs, rmax,
                    torch.empty(flat.numel(), rmax), addrs)
 
+    def kernel_table(self) -> torch.Tensor:
+        """``cpu_ops.decode_layers``' ``lora``: int64 ``[G, rmax, &rows, &row_off, &t,
+        &descs]`` (valid while this object lives)."""
+        return torch.tensor([len(self.groups), self.rmax, self.rows.data_ptr(),
+                             self.row_off.data_ptr(), self.t.data_ptr(),
+                             self.descs.data_ptr()], dtype=torch.int64)
+
     def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y[rows] += s B (A x[rows])`` for each adapter's rows, in place (``x [T, K]`` the
         projection's input, ``y [T, N]`` its output)."""

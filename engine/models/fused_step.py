@@ -25,7 +25,7 @@ class FusedDecodeStep:
                      kv_caches: list[torch.Tensor], tables: torch.Tensor, kv_lens: torch.Tensor,
                      block_size: int, wide_from: int = cpu_ops.NEVER_WIDE,
                      int_products: bool = False, amx: bool = False,
-                     panels: bool = False) -> torch.Tensor | None:
+                     panels: bool = False, lora=None) -> torch.Tensor | None:
         """``forward`` for a pure-decode step (one new token per sequence, ``input_ids [M]``)
         as one call of ``engine.ops.cpu_ops.decode_layers``: every layer in one OpenMP region,
         the new K/V written into each sequence's slot (``tables [M, max_pages]``, ``kv_lens
@@ -33,7 +33,9 @@ class FusedDecodeStep:
         ``int_products``: quantized projections against int8 activations, the ``cqint``
         linear path's math, where the weights are in groups of 32; ``amx``: on AMX tiles, the
         ``camx`` path's, where ``cpu_ops.amx_tiles``; ``panels``: the same products on the
-        weights repacked in panels, the ``cqpanel`` path's, where ``panels_apply``).
+        weights repacked in panels, the ``cqpanel`` path's, where ``panels_apply``; ``lora``:
+        the step's ``engine.lora.rows.LoRARows``, whose adapters each projection adds, on the
+        row-layout tiles: not the wide ones).
         Same math as ``forward``; None, computing
         nothing, where the kernel does not apply (the caller then runs ``forward``)."""
         cfg = self.cfg
@@ -57,7 +59,8 @@ class FusedDecodeStep:
             layout = (layout[0] + (4 if amx else 2), 32)
         ok = cpu_ops.decode_layers(h, pointers, self.layer_shapes, self.rope_cos[positions],
                                    self.rope_sin[positions], tables, kv_lens, block_size,
-                                   wide_from, layout, kv_int8=kv_caches[0].dtype == torch.int8)
+                                   wide_from, layout, kv_int8=kv_caches[0].dtype == torch.int8,
+                                   lora=None if lora is None else lora.kernel_table())
         return cpu_ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if ok else None
 
     def _layer_pointers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:

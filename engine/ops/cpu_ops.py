@@ -59,7 +59,7 @@ _SIGNATURES = {
     "rope": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "gemv": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "decode_layers": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
-                      _I64, _PTR, _I64, _F32, _F32, _I64, _I64, _I64, _I64, _PTR, _INT],
+                      _I64, _PTR, _I64, _F32, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "decode_layers_work_floats": [_I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "wide_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "wide_linear_work_floats": [_I64, _I64, _INT],
@@ -437,7 +437,8 @@ def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
 def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerShapes,
                   cos: torch.Tensor, sin: torch.Tensor, tables: torch.Tensor,
                   kv_lens: torch.Tensor, block_size: int, wide_from: int = NEVER_WIDE,
-                  weights: tuple[int, int] = (0, 0), kv_int8: bool = False) -> bool:
+                  weights: tuple[int, int] = (0, 0), kv_int8: bool = False,
+                  lora: torch.Tensor | None = None) -> bool:
     """Run a pure-decode step through every layer in one call: ``h [M, hidden]`` (one row per
     sequence, the embeddings; contiguous fp32, updated in place to the last layer's residual
     sum), each new token's K/V written into its cache slot (position ``kv_lens - 1`` of its
@@ -450,7 +451,9 @@ def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerSh
     ``(3, 32)`` / ``(4, 32)`` the same int8 / int4 weights multiplied by int8 activations
     (each projection's input quantized per 32 values: the integer products). ``kv_int8``: the
     table's caches are int8 pools (``engine.attention.kv_format``), written and read as
-    stored (the same format for every layer). Returns False,
+    stored (the same format for every layer). ``lora``: the step's LoRA adapters
+    (``engine.lora.rows.LoRARows.kernel_table``), added to each projection's output; the
+    projections then take the dot-product tiles whatever ``wide_from`` says. Returns False,
     touching nothing, when the kernel does not apply (the caller runs the layers itself)."""
     lib = library()
     if (lib is None or not _fits(h, cos, sin) or h.dim() != 2 or not h.is_contiguous()
@@ -468,7 +471,8 @@ def decode_layers(h: torch.Tensor, pointers: torch.Tensor, shapes: DecodeLayerSh
                       s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
                       cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), tables.shape[1],
                       kv_lens.data_ptr(), block_size, s.eps, s.head_dim ** -0.5, wide_from,
-                      weights[0], weights[1], int(kv_int8), work.data_ptr(), threads)
+                      weights[0], weights[1], int(kv_int8),
+                      None if lora is None else lora.data_ptr(), work.data_ptr(), threads)
     return True
 
 

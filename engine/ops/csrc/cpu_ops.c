@@ -2107,6 +2107,98 @@ int qr_linear(int64_t wfmt, const float *x, const uint8_t *panels, const float *
 #endif
 }
 
+/* ---- LoRA: a projection's adapters, rows grouped by adapter ------------------------------------
+ * y[row] += B_p (A x[row])[r0:r1] into columns o0..o1 of each part p of the row's adapter (the
+ * scaling folded into B; engine/lora/rows.py). Per group g (one adapter): descs[g] points at
+ * int64 [R, nparts, a, {o0, o1, r0, r1, bt} x nparts] (a: A [R, K] fp32; bt: B_p transposed,
+ * [r1 - r0, o1 - o0]) or is 0 (the adapter does not adapt this projection); its rows are
+ * rows[row_off[g] .. row_off[g + 1]]. Two phases in one parallel region: the shrink, (group,
+ * rank row) tasks, each A row read once and dotted with the group's rows into t [rows, rmax];
+ * then the expand, (group, part, LORA_OUT outputs) tasks: per row, one axpy of each rank row
+ * of bt into the outputs (B transposed so the outputs are contiguous: B's own rows made
+ * rank-long dots, 8 values each at rank 8, and ran ~20x slower). One call per projection and
+ * step: the torch twin made ~5 calls per adapter and projection. */
+#define LORA_OUT 64
+static inline float dot_f_(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* The LoRA of one projection for rows grouped by adapter, shared among the calling team (its
+ * loops are orphaned omp fors: inside a parallel region every thread of it must call this).
+ * x: row m at x + m * ldx (K values); y: output column o < split of row m at y + m * ldy + o,
+ * column o >= split at y2 + m * ldy2 + o - split (gate/up land in two arrays; no part
+ * straddles split). */
+static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t ldy,
+                       float *y2, int64_t ldy2, int64_t split, int64_t G,
+                       const int64_t *descs, const int64_t *rows, const int64_t *row_off,
+                       float *t, int64_t rmax) {
+    int64_t shrink_n = 0, expand_n = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t *d = (const int64_t *)descs[g];
+        if (!d) continue;
+        shrink_n += d[0];
+        for (int64_t p = 0; p < d[1]; p++) {
+            const int64_t *q = d + 3 + 5 * p;
+            expand_n += (q[1] - q[0] + LORA_OUT - 1) / LORA_OUT;
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < shrink_n; task++) {
+        int64_t g = 0, r = task;
+        for (;; g++) { /* the task's group and rank row */
+            const int64_t *d = (const int64_t *)descs[g];
+            if (!d) continue;
+            if (r < d[0]) break;
+            r -= d[0];
+        }
+        const int64_t *d = (const int64_t *)descs[g];
+        const float *a = (const float *)d[2] + r * K;
+        for (int64_t j = row_off[g]; j < row_off[g + 1]; j++)
+            t[j * rmax + r] = dot_f_(a, x + rows[j] * ldx, K);
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < expand_n; task++) {
+        int64_t g = 0, p = 0, blk = task;
+        for (;; g++) { /* the task's group, part and block of outputs */
+            const int64_t *d = (const int64_t *)descs[g];
+            if (!d) continue;
+            for (p = 0; p < d[1]; p++) {
+                const int64_t *q = d + 3 + 5 * p;
+                const int64_t nb = (q[1] - q[0] + LORA_OUT - 1) / LORA_OUT;
+                if (blk < nb) break;
+                blk -= nb;
+            }
+            if (p < d[1]) break;
+        }
+        const int64_t *q = (const int64_t *)descs[g] + 3 + 5 * p;
+        const int64_t o0 = q[0] + blk * LORA_OUT;
+        const int64_t o1 = o0 + LORA_OUT < q[1] ? o0 + LORA_OUT : q[1];
+        const int64_t r0 = q[2], rn = q[3] - q[2], n = q[1] - q[0];
+        const float *bt = (const float *)q[4] + (o0 - q[0]);
+        for (int64_t j = row_off[g]; j < row_off[g + 1]; j++) {
+            float *yo = o0 >= split ? y2 + rows[j] * ldy2 + (o0 - split)
+                                    : y + rows[j] * ldy + o0;
+            const float *tj = t + j * rmax + r0;
+            for (int64_t r = 0; r < rn; r++) {
+                const float s = tj[r], *br = bt + r * n;
+#pragma omp simd
+                for (int64_t o = 0; o < o1 - o0; o++) yo[o] += s * br[o];
+            }
+        }
+    }
+}
+
+/* lora_team_ for one projection outside any parallel region: x [M, K], y [M, N]. */
+void lora_apply(const float *x, int64_t K, float *y, int64_t N, int64_t G,
+                const int64_t *descs, const int64_t *rows, const int64_t *row_off, float *t,
+                int64_t rmax, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    lora_team_(x, K, K, y, N, 0, 0, N, G, descs, rows, row_off, t, rmax);
+}
+
 /* A whole pure-decode step through every decoder layer, in one parallel region.
  *
  * At batch 1-8 the layers' weights stream in ~20 ms on two cores, but the layer-by-layer path
@@ -2146,6 +2238,13 @@ static inline void silu_gate_(float *act, const float *up, int64_t M, int64_t I,
             const float g = act[m * I + i];
             act[m * I + i] = g / (1.f + expf(fminf(-g, 80.f))) * up[m * I + i];
         }
+}
+
+/* act = silu(act) * up over [M, I], shared among the calling team (an orphaned omp for). */
+static void lora_silu_(float *act, const float *up, int64_t M, int64_t I) {
+#pragma omp for schedule(static)
+    for (int64_t i0 = 0; i0 < I; i0 += LORA_OUT)
+        silu_gate_(act, up, M, I, i0, i0 + LORA_OUT < I ? i0 + LORA_OUT : I);
 }
 /* Per thread: int4's block sums of the widest input of a projection. */
 static int64_t dl_xsum_floats(int64_t M, int64_t E, int64_t HD, int64_t I) {
@@ -2190,8 +2289,8 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                    int64_t H, int64_t KVH, int64_t D, int64_t I, const float *cos_,
                    const float *sin_, const int64_t *tables, int64_t max_pages,
                    const int64_t *kv_lens, int64_t block_size, float eps, float scale,
-                   int64_t wide_from, int64_t qfmt, int64_t qgroup, int64_t kvq, float *work,
-                   int nthreads) {
+                   int64_t wide_from, int64_t qfmt, int64_t qgroup, int64_t kvq,
+                   const int64_t *lora, float *work, int nthreads) {
     const int64_t NQKV = (H + 2 * KVH) * D, G = H / KVH, MP = lanes_for(M);
     /* bytes per token slot and per page of the caches (kvq: int8 rows, as paged_decode) */
     const int64_t row = KVH * kv_head_bytes(D, (int)kvq), page = 2 * block_size * row;
@@ -2204,7 +2303,24 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
     if (qfmt >= 7) qfmt -= 4; /* no panels built here: the integer tiles (the caller checks) */
 #endif
     const int qint = qfmt >= 3 && !panel, amx = qint && qfmt >= 5;
-    const int wide = !qint && !panel && M >= wide_from;
+    const int wide = !qint && !panel && M >= wide_from && !lora; /* LoRA: row layouts only */
+    /* LoRA (lora_team_): [G, rmax, rows, row_off, t, descs [num_layers, 4, G]] */
+    const int64_t lg = lora ? lora[0] : 0, lrmax = lora ? lora[1] : 0;
+    const int64_t *lrows = lora ? (const int64_t *)lora[2] : 0;
+    const int64_t *loff = lora ? (const int64_t *)lora[3] : 0;
+    float *lt = lora ? (float *)lora[4] : 0;
+    const int64_t *ldesc = lora ? (const int64_t *)lora[5] : 0;
+#define LORA_DESCS(l, j) (ldesc + ((l) * 4 + (j)) * lg)
+/* gate/up's share (gate columns into act, up's into up), then the SiLU gate the projection
+ * loops left undone; down's share into the residual */
+#define LORA_GATE_UP()                                                                       \
+    if (lora) {                                                                              \
+        lora_team_(x, E, E, act, I, up, I, I, lg, LORA_DESCS(l, 2), lrows, loff, lt, lrmax); \
+        lora_silu_(act, up, M, I);                                                           \
+    }
+#define LORA_DOWN()                                                                          \
+    if (lora)                                                                                \
+        lora_team_(act, I, I, h, E, 0, 0, E, lg, LORA_DESCS(l, 3), lrows, loff, lt, lrmax)
     const int64_t wfmt = panel ? qfmt - 6 : amx ? qfmt - 4 : qint ? qfmt - 2 : qfmt;
     const int64_t per_thread = MP * E + 2 * WIDE_NR * MP + H * D + dl_xsum_floats(M, E, H * D, I)
                                + qi_act_floats(M, E) + dl_pack_floats(E, H * D, I)
@@ -2311,6 +2427,9 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                                 qkv[m * NQKV + n] += bqkv[n];
                 }
             }
+            if (lora) /* the adapters' share of QKV, before the rotation reads it */
+                lora_team_(x, E, E, qkv, NQKV, 0, 0, NQKV, lg, LORA_DESCS(l, 0), lrows, loff,
+                           lt, lrmax);
             /* One task per (row, KV head): rotate its query heads and key and write K/V
              * into the new token's slot; then, every slot written, attend (the new slot
              * included). Two loops, because rows may be consecutive positions of one
@@ -2385,6 +2504,9 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                     pair_block(wo, wo + HD, 2 * HD, att, M, HD, i0,
                                i0 + pb_e < E / 2 ? i0 + pb_e : E / 2, h, h + 1, 2, E, 1);
             }
+            if (lora) /* the adapters' share of O, into the residual */
+                lora_team_(att, HD, HD, h, E, 0, 0, E, lg, LORA_DESCS(l, 1), lrows, loff, lt,
+                           lrmax);
             for (int64_t m = 0; m < M; m++)
                 if (wide) norm_row_t_(h + m * E, post_norm, x, MP, m, E, eps);
                 else norm_row_(h + m * E, post_norm, x + m * E, E, eps);
@@ -2421,8 +2543,9 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                     qr_rows_(wfmt, (const uint8_t *)wgu, I, E, &rx, M, p, p1, act, I, 0);
                     qr_rows_(wfmt, (const uint8_t *)wgu + IP * gpb, I, E, &rx, M, p, p1, up, I,
                              0);
-                    silu_gate_(act, up, M, I, 16 * p, 16 * p1);
+                    if (!lora) silu_gate_(act, up, M, I, 16 * p, 16 * p1);
                 }
+                LORA_GATE_UP();
 #pragma omp for schedule(static)
                 for (int64_t m = 0; m < M; m++)
                     qr_quantize_row_((int)wfmt, act + m * I, I, &ra_act, m);
@@ -2430,6 +2553,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 for (int64_t p = 0; p < EP; p += 2)
                     qr_rows_(wfmt, (const uint8_t *)wdown, E, I, &ra_act, M, p,
                              p + 2 < EP ? p + 2 : EP, h, E, 1);
+                LORA_DOWN();
                 continue;
             }
 #endif
@@ -2445,8 +2569,9 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                     qi_rows_(wfmt, (const int8_t *)wgu + up_data, (h16)p[14] + up_scales,
                              p[15] ? (h16)p[15] + up_scales : 0, &xa, M, E, i0, i1, up, I, 0,
                              pack);
-                    silu_gate_(act, up, M, I, i0, i1);
+                    if (!lora) silu_gate_(act, up, M, I, i0, i1);
                 }
+                LORA_GATE_UP();
 #pragma omp for schedule(static)
                 for (int64_t m = 0; m < qrows; m++)
                     qi_quantize_row_(wfmt, m < M ? act + m * I : 0, I, &sa_act, m);
@@ -2454,6 +2579,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                 for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
                     qi_rows_(wfmt, wdown, (h16)p[16], (h16)p[17], &sa_act, M, I, n0,
                              n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1, pack);
+                LORA_DOWN();
                 continue;
             }
             if (qfmt) {
@@ -2468,107 +2594,35 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                             act, I, 0);
                     q_rows_(qfmt, qgroup, (const int8_t *)wgu + up_data, (h16)p[14] + up_scales,
                             p[15] ? (h16)p[15] + up_scales : 0, x, xs, M, E, i0, i1, up, I, 0);
-                    silu_gate_(act, up, M, I, i0, i1);
+                    if (!lora) silu_gate_(act, up, M, I, i0, i1);
                 }
+                LORA_GATE_UP();
                 if (qfmt == 2) block_sums_(act, M, I, xs);
 #pragma omp for schedule(static)
                 for (int64_t n0 = 0; n0 < E; n0 += Q_BLOCK)
                     q_rows_(qfmt, qgroup, wdown, (h16)p[16], (h16)p[17], act, xs, M, I, n0,
                             n0 + Q_BLOCK < E ? n0 + Q_BLOCK : E, h, E, 1);
+                LORA_DOWN();
                 continue;
             }
 #pragma omp for schedule(static)
             for (int64_t i0 = 0; i0 < I; i0 += pb_i) {
                 const int64_t i1 = i0 + pb_i < I ? i0 + pb_i : I;
                 pair_block(wgu, wgu + I * E, E, x, M, E, i0, i1, act, up, 1, I, 0);
-                silu_gate_(act, up, M, I, i0, i1);
+                if (!lora) silu_gate_(act, up, M, I, i0, i1);
             }
+            LORA_GATE_UP();
 #pragma omp for schedule(static)
             for (int64_t i0 = 0; i0 < E / 2; i0 += pb_e)
                 pair_block(wdown, wdown + I, 2 * I, act, M, I, i0,
                            i0 + pb_e < E / 2 ? i0 + pb_e : E / 2, h, h + 1, 2, E, 1);
+            LORA_DOWN();
         }
         qa_release_(&xa);
     }
-}
-
-/* ---- LoRA: a projection's adapters, rows grouped by adapter ------------------------------------
- * y[row] += B_p (A x[row])[r0:r1] into columns o0..o1 of each part p of the row's adapter (the
- * scaling folded into B; engine/lora/rows.py). Per group g (one adapter): descs[g] points at
- * int64 [R, nparts, a, {o0, o1, r0, r1, bt} x nparts] (a: A [R, K] fp32; bt: B_p transposed,
- * [r1 - r0, o1 - o0]) or is 0 (the adapter does not adapt this projection); its rows are
- * rows[row_off[g] .. row_off[g + 1]]. Two phases in one parallel region: the shrink, (group,
- * rank row) tasks, each A row read once and dotted with the group's rows into t [rows, rmax];
- * then the expand, (group, part, LORA_OUT outputs) tasks: per row, one axpy of each rank row
- * of bt into the outputs (B transposed so the outputs are contiguous: B's own rows made
- * rank-long dots, 8 values each at rank 8, and ran ~20x slower). One call per projection and
- * step: the torch twin made ~5 calls per adapter and projection. */
-#define LORA_OUT 64
-static inline float dot_f_(const float *a, const float *b, int64_t n) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-void lora_apply(const float *x, int64_t K, float *y, int64_t N, int64_t G,
-                const int64_t *descs, const int64_t *rows, const int64_t *row_off, float *t,
-                int64_t rmax, int nthreads) {
-    int64_t shrink_n = 0, expand_n = 0;
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t *d = (const int64_t *)descs[g];
-        if (!d) continue;
-        shrink_n += d[0];
-        for (int64_t p = 0; p < d[1]; p++) {
-            const int64_t *q = d + 3 + 5 * p;
-            expand_n += (q[1] - q[0] + LORA_OUT - 1) / LORA_OUT;
-        }
-    }
-#pragma omp parallel num_threads(nthreads) if (shrink_n * K >= 16384)
-    {
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < shrink_n; task++) {
-            int64_t g = 0, r = task;
-            for (;; g++) { /* the task's group and rank row */
-                const int64_t *d = (const int64_t *)descs[g];
-                if (!d) continue;
-                if (r < d[0]) break;
-                r -= d[0];
-            }
-            const int64_t *d = (const int64_t *)descs[g];
-            const float *a = (const float *)d[2] + r * K;
-            for (int64_t j = row_off[g]; j < row_off[g + 1]; j++)
-                t[j * rmax + r] = dot_f_(a, x + rows[j] * K, K);
-        }
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < expand_n; task++) {
-            int64_t g = 0, p = 0, blk = task;
-            for (;; g++) { /* the task's group, part and block of outputs */
-                const int64_t *d = (const int64_t *)descs[g];
-                if (!d) continue;
-                for (p = 0; p < d[1]; p++) {
-                    const int64_t *q = d + 3 + 5 * p;
-                    const int64_t nb = (q[1] - q[0] + LORA_OUT - 1) / LORA_OUT;
-                    if (blk < nb) break;
-                    blk -= nb;
-                }
-                if (p < d[1]) break;
-            }
-            const int64_t *q = (const int64_t *)descs[g] + 3 + 5 * p;
-            const int64_t o0 = q[0] + blk * LORA_OUT, o1 = o0 + LORA_OUT < q[1] ? o0 + LORA_OUT : q[1];
-            const int64_t r0 = q[2], rn = q[3] - q[2], n = q[1] - q[0];
-            const float *bt = (const float *)q[4] + (o0 - q[0]);
-            for (int64_t j = row_off[g]; j < row_off[g + 1]; j++) {
-                float *yo = y + rows[j] * N + o0;
-                const float *tj = t + j * rmax + r0;
-                for (int64_t r = 0; r < rn; r++) {
-                    const float s = tj[r], *br = bt + r * n;
-#pragma omp simd
-                    for (int64_t o = 0; o < o1 - o0; o++) yo[o] += s * br[o];
-                }
-            }
-        }
-    }
+#undef LORA_DESCS
+#undef LORA_GATE_UP
+#undef LORA_DOWN
 }
 
 /* Runs the code of every instruction set this build holds on a tiny input: the library's

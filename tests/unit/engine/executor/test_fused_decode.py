@@ -168,8 +168,8 @@ def test_engine_with_fused_steps_matches_transformers_greedy(tiny_llama_dir, max
     real = model.decode_fused
     calls = []
 
-    def counted(input_ids, *args, panels=False):
-        out = real(input_ids, *args, panels=panels)
+    def counted(input_ids, *args, panels=False, lora=None):
+        out = real(input_ids, *args, panels=panels, lora=lora)
         calls.append((len(input_ids), out is not None))
         assert args[-3] == WIDE_FROM["wide" if step == "wide" else "dot"]
         # fp weights: no integer products

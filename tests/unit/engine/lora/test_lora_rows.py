@@ -72,3 +72,76 @@ def test_the_kernel_equals_the_torch_twin_and_the_formula(three, proj, monkeypat
     torch.testing.assert_close(got_torch, want, rtol=1e-5, atol=1e-5)
     base_rows = [3, 4, 11]  # the base model's rows are untouched
     assert torch.equal(got_c[base_rows], y[base_rows])
+
+
+@pytest.mark.skipif(not cpu_ops.enabled(), reason="needs the C kernels")
+@pytest.mark.parametrize("step", ["fused", "wide", "qint", "qpanel"])
+def test_the_fused_decode_step_adds_the_adapters_as_the_layer_path_does(tiny_llama_dir, three,
+                                                                       step):
+    """A pure-decode step of five sequences (two adapters, the base, a third adapter) as one
+    ``decode_layers`` call with the step's LoRA rows equals the layer path under the same
+    rows: the hidden states and the new K/V. Wide tiles asked for: the kernel takes the dot
+    tiles (LoRA reads row layouts). int8 weights: the integer products (row tiles, panels)."""
+    from engine.attention.backend import SeqSlice, build_metadata
+    from engine.attention.torch_paged import TorchPagedBackend, decode_tables
+    from engine.models.llama import LlamaForCausalLM
+    from engine.weights.loader import load_state_dict
+
+    if step == "qpanel" and not cpu_ops.panels_built():
+        pytest.skip("this host's build has no panels (AVX-512 VNNI only)")
+    cfg, adapters = three
+    model = LlamaForCausalLM(cfg)
+    model.load_hf_state_dict(load_state_dict(tiny_llama_dir, torch.float32))
+    ints = step in ("qint", "qpanel")
+    if ints:
+        model.quantize("int8")
+    block = 4
+    gen = torch.Generator().manual_seed(5)
+    caches = [torch.randn(64, 2, block, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+              for _ in range(cfg.num_layers)]
+    fused_caches = [c.clone() for c in caches]
+    seqs = [SeqSlice([5, 9, 2], 9, 1), SeqSlice([40], 0, 1), SeqSlice([7, 33], 4, 1),
+            SeqSlice([1, 2, 3], 10, 1), SeqSlice([11], 2, 1)]
+    meta = build_metadata(seqs, block)
+    ids = torch.tensor([11, 12, 13, 14, 15])
+    chunks = [_Chunk(n, 1) for n in ("a1", "a0", None, "a2", "a1")]
+    rows = lora_rows.LoRARows.of(chunks, {a.name: a for a in adapters}.__getitem__)
+    backend = TorchPagedBackend()
+    with torch.inference_mode():
+        backend.plan(meta)
+        if ints:  # the layer path on the same integer products
+            from engine.ops.linear import (
+                LINEAR_BUCKETS,
+                LinearPlan,
+                linear_plan,
+                set_linear_plan,
+                weight_key,
+            )
+            from engine.tuning.linear import model_linear_weights
+            held = linear_plan()
+            path = "cqpanel" if step == "qpanel" else "cqint"
+            set_linear_plan(LinearPlan({(*weight_key(w)[:2], b, weight_key(w)[2]): path
+                                        for w in model_linear_weights(model)
+                                        for b in LINEAR_BUCKETS}))
+        try:
+            with lora_rows.using(rows):
+                ref = model(ids, meta.positions, caches, backend)
+        finally:
+            if ints:
+                set_linear_plan(held)
+        base = model.decode_fused(ids, meta.positions, [c.clone() for c in caches],
+                                  *decode_tables(meta), block,
+                                  1 if step == "wide" else cpu_ops.NEVER_WIDE, ints,
+                                  panels=step == "qpanel")
+        got = model.decode_fused(ids, meta.positions, fused_caches, *decode_tables(meta), block,
+                                 1 if step == "wide" else cpu_ops.NEVER_WIDE, ints,
+                                 panels=step == "qpanel", lora=rows)
+    assert got is not None and base is not None
+    assert not torch.allclose(base[[0, 1, 3, 4]], got[[0, 1, 3, 4]], atol=1e-3)  # adapted
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[2], base[2], rtol=1e-5, atol=1e-5)  # the base's row
+    slots = torch.tensor([s.block_ids[s.start_pos // block] for s in seqs]), \
+        torch.tensor([s.start_pos % block for s in seqs])
+    for a, b in zip(fused_caches, caches, strict=True):
+        torch.testing.assert_close(a[slots[0], :, slots[1]], b[slots[0], :, slots[1]],
+                                   rtol=1e-4, atol=1e-4)
