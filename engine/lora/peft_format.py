@@ -43,20 +43,18 @@ _REFUSED = {"use_dora": (False, None), "rank_pattern": ({}, None), "alpha_patter
 @dataclass
 class ProjectionLoRA:
     """One fused projection's adapter: ``a [R, K]`` (the parts' A stacked) and ``parts``: for
-    each targeted part, ``(out_start, out_end, r_start, r_end, b)`` with ``b [out_end -
-    out_start, r_end - r_start]`` already scaled."""
+    each targeted part, ``(out_start, out_end, r_start, r_end, bt)`` with ``bt [r_end -
+    r_start, out_end - out_start]``: its B, already scaled, transposed (the C kernel's
+    layout: each rank row's outputs contiguous)."""
 
     a: torch.Tensor
     parts: list[tuple[int, int, int, int, torch.Tensor]]
-    # each part's b transposed ([r, n], contiguous): the C kernel's layout
-    bts: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def desc(self) -> torch.Tensor:
         """The C kernel's view (``cpu_ops.c`` ``lora_apply``): int64 ``[R, nparts, &a, {o0,
-        o1, r0, r1, &b.T} x nparts]``; valid while this object holds its tensors."""
-        self.bts = [b.T.contiguous() for *_, b in self.parts]
+        o1, r0, r1, &bt} x nparts]``; valid while this object holds its tensors."""
         flat = [self.a.shape[0], len(self.parts), self.a.data_ptr()]
-        for (o0, o1, r0, r1, _), bt in zip(self.parts, self.bts, strict=True):
+        for o0, o1, r0, r1, bt in self.parts:
             flat += [o0, o1, r0, r1, bt.data_ptr()]
         return torch.tensor(flat, dtype=torch.int64)
 
@@ -97,7 +95,7 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         return sum(p.a.numel() * p.a.element_size()
-                   + sum(b.numel() * b.element_size() for *_, b in p.parts)
+                   + sum(bt.numel() * bt.element_size() for *_, bt in p.parts)
                    for layer in self.layers for p in layer.values())
 
 
@@ -199,8 +197,8 @@ def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int,
         held = adapter.layers[layer].get(proj)
         r0 = 0 if held is None else held.a.shape[0]
         a = ab["A"].to(dtype)
-        b = (ab["B"].to(torch.float32) * scaling).to(dtype).contiguous()
-        part = (col, col + n, r0, r0 + rank, b)
+        bt = (ab["B"].to(torch.float32) * scaling).to(dtype).T.contiguous()
+        part = (col, col + n, r0, r0 + rank, bt)
         adapter.layers[layer][proj] = (ProjectionLoRA(a.contiguous(), [part]) if held is None
                                        else ProjectionLoRA(torch.cat([held.a, a]).contiguous(),
                                                            [*held.parts, part]))

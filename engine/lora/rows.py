@@ -94,8 +94,8 @@ class LoRARows:
                 rows = rows.to(y.device)
             t = x.index_select(0, rows) @ p.a.T  # [n, R]
             delta = torch.zeros(rows.numel(), y.shape[1], dtype=y.dtype, device=y.device)
-            for o0, o1, r0, r1, b in p.parts:
-                delta[:, o0:o1] = t[:, r0:r1] @ b.T
+            for o0, o1, r0, r1, bt in p.parts:
+                delta[:, o0:o1] = t[:, r0:r1] @ bt
             y.index_add_(0, rows, delta)
 
 

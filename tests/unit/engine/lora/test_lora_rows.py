@@ -59,8 +59,8 @@ def test_the_kernel_equals_the_torch_twin_and_the_formula(three, proj, monkeypat
             if p is None:
                 continue
             t = p.a @ x[i]
-            for o0, o1, r0, r1, b in p.parts:
-                want[i, o0:o1] += b @ t[r0:r1]
+            for o0, o1, r0, r1, bt in p.parts:  # bt: B transposed
+                want[i, o0:o1] += bt.T @ t[r0:r1]
         at += c.num_tokens
     assert not torch.equal(want, y)  # something was added
     got_c = y.clone()
