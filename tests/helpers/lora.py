@@ -12,16 +12,17 @@ from tests.helpers.tiny_models import load_hf
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def save_adapter(model_dir: Path, arch: str, out: Path, *, r: int = 4, alpha: float = 8,
+def save_adapter(model_dir: Path | None, arch: str, out: Path, *, r: int = 4, alpha: float = 8,
                  targets: list[str] | None = None, seed: int = 0, use_rslora: bool = False,
-                 scale: float = 1.0, **config) -> Path:
-    """A PEFT LoRA adapter of the model at ``model_dir`` with random A and B (``scale``
-    multiplies B: how far the adapter moves the base's logits), saved with
-    ``save_pretrained``; ``config``: more ``LoraConfig`` fields (e.g. ``use_dora``)."""
+                 scale: float = 1.0, base=None, **config) -> Path:
+    """A PEFT LoRA adapter of the model at ``model_dir`` (or of the transformers model
+    ``base``) with random A and B (``scale`` multiplies B: how far the adapter moves the
+    base's logits), saved with ``save_pretrained``; ``config``: more ``LoraConfig`` fields
+    (e.g. ``use_dora``)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(load_hf(model_dir, arch), LoraConfig(
+    model = get_peft_model(base if base is not None else load_hf(model_dir, arch), LoraConfig(
         r=r, lora_alpha=alpha, target_modules=targets or ["q_proj", "v_proj"],
         lora_dropout=0.0, use_rslora=use_rslora, init_lora_weights=False, **config))
     with torch.no_grad():

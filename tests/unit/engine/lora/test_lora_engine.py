@@ -175,3 +175,31 @@ def test_unload_is_refused_while_in_use_and_evicts_least_recently_used(tiny_llam
     assert engine.lora.num_loads == loads + 1
     assert out.token_ids == peft_greedy(tiny_llama_dir, "llama", adapters["qv"], [[9, 10, 11]],
                                         MAX_TOKENS)[0]
+
+
+def test_the_default_model_as_llm_serves_it_with_an_adapter(tmp_path):
+    """``LLM(enable_lora=True)`` with nothing else set (the default model in its Q4_1
+    blocks, kernels timed as at any start) under an all-linear rank-8 adapter made with peft
+    on the same weights dequantized: every token is peft's greedy choice up to the near-ties
+    the integer products may flip (tests/helpers/quantized.py), and the adapter changes the
+    base's answer. (B is drawn from N(0, 0.01): from N(0, 0.025) the adapter moved the
+    logits so far that the int8-rounded activations flipped a 3.4% gap, in the layer path
+    as in the fused step.)"""
+    from peft import PeftModel
+
+    from tests.helpers.hf_reference import default_model_hf
+
+    path = save_adapter(None, "llama", tmp_path / "a", r=8, alpha=16, targets=ALL_TARGETS,
+                        base=default_model_hf(), scale=0.02)
+    llm = LLM(enable_lora=True)
+    prompts = [llm.engine.tokenizer.encode(p) for p in
+               ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
+    lora = LoRARequest("a", 1, str(path))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = [o.token_ids for o in llm.generate(prompts, params, lora_request=lora)]
+    base = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs != base
+    ref = PeftModel.from_pretrained(default_model_hf(), str(path)).eval()
+    assert near_greedy_misses(ref, prompts, outs) == []
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -75,7 +75,7 @@ def test_the_kernel_equals_the_torch_twin_and_the_formula(three, proj, monkeypat
 
 
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="needs the C kernels")
-@pytest.mark.parametrize("step", ["fused", "wide", "qint", "qpanel"])
+@pytest.mark.parametrize("step", ["fused", "wide", "qint", "qpanel", "qint4", "qpanel4"])
 def test_the_fused_decode_step_adds_the_adapters_as_the_layer_path_does(tiny_llama_dir, three,
                                                                        step):
     """A pure-decode step of five sequences (two adapters, the base, a third adapter) as one
@@ -87,6 +87,8 @@ def test_the_fused_decode_step_adds_the_adapters_as_the_layer_path_does(tiny_lla
     from engine.models.llama import LlamaForCausalLM
     from engine.weights.loader import load_state_dict
 
+    kind = "int4" if step.endswith("4") else "int8"
+    step = step.rstrip("4")
     if step == "qpanel" and not cpu_ops.panels_built():
         pytest.skip("this host's build has no panels (AVX-512 VNNI only)")
     cfg, adapters = three
@@ -94,7 +96,7 @@ def test_the_fused_decode_step_adds_the_adapters_as_the_layer_path_does(tiny_lla
     model.load_hf_state_dict(load_state_dict(tiny_llama_dir, torch.float32))
     ints = step in ("qint", "qpanel")
     if ints:
-        model.quantize("int8")
+        model.quantize(kind)
     block = 4
     gen = torch.Generator().manual_seed(5)
     caches = [torch.randn(64, 2, block, cfg.num_kv_heads, cfg.head_dim, generator=gen)
