@@ -81,7 +81,8 @@ def test_the_fused_decode_step_adds_the_adapters_as_the_layer_path_does(tiny_lla
     """A pure-decode step of five sequences (two adapters, the base, a third adapter) as one
     ``decode_layers`` call with the step's LoRA rows equals the layer path under the same
     rows: the hidden states and the new K/V. Wide tiles asked for: the kernel takes the dot
-    tiles (LoRA reads row layouts). int8 weights: the integer products (row tiles, panels)."""
+    tiles (LoRA reads row layouts). int8 and int4 weights (``...4``): the integer products
+    (row tiles, panels)."""
     from engine.attention.backend import SeqSlice, build_metadata
     from engine.attention.torch_paged import TorchPagedBackend, decode_tables
     from engine.models.llama import LlamaForCausalLM
