@@ -50,6 +50,8 @@ class DraftProposer:
         self.runner = runner
         self.blocks = blocks
         self.cost_ratio = cost_ratio
+        # the draft model's own linear plan (engine.runtime.draft_build), None where untuned
+        self.linear_plan = None
         self._seqs: dict[str, _Seq] = {}
         self._seconds = 0.0  # this step's drafting, every pass
         self._passes: list[tuple[int, float]] = []  # this step's single-row passes: (B, s)

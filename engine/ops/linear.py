@@ -103,6 +103,13 @@ class LinearPlan:
         return self.exact_choices.get((n, k, bucket, kind),
                                       "cquant" if m <= 32 else "dequant")
 
+    def merged(self, other: LinearPlan) -> LinearPlan:
+        """This plan with ``other``'s entries for the keys it lacks (a draft model's weights
+        beside the served model's: one process, one plan); this plan's key and cache state."""
+        return LinearPlan({**other.choices, **self.choices}, self.timings + other.timings,
+                          self.key, self.from_cache, {**other.exact_choices,
+                                                      **self.exact_choices})
+
     def summary(self) -> list[str]:
         """One line per weight shape: the path per bucket and the speed-up over the other."""
         lines = []

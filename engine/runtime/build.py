@@ -36,6 +36,7 @@ from engine.executor.model_runner import ModelRunner
 from engine.lora.registry import LoRARegistry
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.ops.linear import LinearPlan, linear_plan, set_linear_plan
 from engine.parallel.ranks import TPRanks, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
 from engine.quant.layouts import check_quantization, weight_bytes
@@ -198,6 +199,8 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
                     ranks.close()
                 raise
         spec = SpecDecoder(spec_config, max_len, drafter)
+        if drafter is not None and threads is not None and threads.on_change is not None:
+            threads.on_change = keep_draft_plan(threads.on_change, drafter.linear_plan)
     lora = None
     if args.enable_lora:
         lora = runner.lora = LoRARegistry(
@@ -207,6 +210,19 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     return EngineParts(plan, threads, cfg, tokenizer, eos, max_len, scheduler_config, ranks,
                        model, cache_config, runner, inputs, kv_tier, block_manager, scheduler,
                        kv_connector, spec, lora)
+
+
+def keep_draft_plan(on_change: Callable[[int], None], draft: LinearPlan | None
+                    ) -> Callable[[int], None]:
+    """The thread governor's ``on_change`` for an engine with a draft model: the served
+    model's plans for the new thread count, then the draft's entries added back (``apply``
+    replaces the process's one linear plan, and the draft's weights would fall to the
+    untuned paths)."""
+    def change(n: int) -> None:
+        on_change(n)
+        if draft is not None:
+            set_linear_plan(linear_plan().merged(draft))
+    return change
 
 
 def check_lora(args: EngineArgs, cfg: ModelConfig, device_type: str, speculative: bool) -> None:

@@ -21,7 +21,7 @@ from engine.executor.draft import DraftProposer
 from engine.executor.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.ops.linear import LinearPlan, linear_plan, set_linear_plan
+from engine.ops.linear import linear_plan, set_linear_plan
 from engine.quant.layouts import check_quantization, weight_bytes
 from engine.spec.config import SpeculativeConfig
 from engine.text.tokenizer import load_tokenizer
@@ -57,12 +57,13 @@ def build_drafter(spec: SpeculativeConfig, args, plan: DevicePlan, target_dir: P
     target_plan = linear_plan()
     tune_runner(dataclasses.replace(args, quantization=quant), plan, model, runner)
     draft_plan = linear_plan()
-    set_linear_plan(LinearPlan({**draft_plan.choices, **target_plan.choices},
-                               target_plan.timings + draft_plan.timings, target_plan.key,
-                               target_plan.from_cache,
-                               {**draft_plan.exact_choices, **target_plan.exact_choices}))
+    set_linear_plan(target_plan.merged(draft_plan))
     ratio = weight_bytes(model_linear_weights(model)) / max(1, target_bytes)
-    return DraftProposer(runner, blocks, ratio)
+    drafter = DraftProposer(runner, blocks, ratio)
+    # kept for the thread governor, which sets the served model's plan for each thread count
+    # and must add the draft's entries back (engine.runtime.build)
+    drafter.linear_plan = draft_plan
+    return drafter
 
 
 def _check_vocabulary(name: str, draft_dir: Path, cfg: ModelConfig, target_dir: Path,

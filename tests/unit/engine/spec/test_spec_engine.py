@@ -216,3 +216,30 @@ def test_default_model_seeded_sampling_and_json_schema(default_pair):
     bm = on.engine.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_thread_count_change_keeps_the_draft_models_linear_plan(tiny_llama_dir):
+    """The CPU thread governor applies the served model's plans for a new thread count (one
+    linear plan per process): the draft model's entries come back with them, the served
+    model's winning where both have one (before, they were dropped and the draft's weights
+    ran the untuned paths)."""
+    from engine.ops.linear import LinearPlan, linear_plan, set_linear_plan
+    from engine.runtime.build import keep_draft_plan
+
+    held = linear_plan()
+    try:
+        llm = LLM(str(tiny_llama_dir), speculative_config={
+            "method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2})
+        threads = llm.engine.threads
+        assert threads is not None and threads.adaptive  # the default on the CPU
+        draft = llm.engine.spec.drafter.linear_plan
+        draft.choices[(96, 64, 1, "int4")] = "cqint"  # an entry only the draft has
+        threads.on_change(1)
+        assert linear_plan().choices[(96, 64, 1, "int4")] == "cqint"
+        served = LinearPlan({(64, 64, 1, "int4"): "cqpanel"})
+        draft = LinearPlan({(64, 64, 1, "int4"): "cquant", (32, 64, 1, "int4"): "cqint"})
+        keep_draft_plan(lambda n: set_linear_plan(served), draft)(2)
+        assert linear_plan().choices == {(64, 64, 1, "int4"): "cqpanel",
+                                         (32, 64, 1, "int4"): "cqint"}
+    finally:
+        set_linear_plan(held)
