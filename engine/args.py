@@ -79,6 +79,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # The adapters' dtype as held and read (vLLM's name): "auto" the model's (fp32 on the
+    # CPU), "float16" half the bytes a step reads (each weight rounded once; docs/lora.md).
+    lora_dtype: str = "auto"
     kv_offload_memory_bytes: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0

@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated PEFT modules the adapters adapt (default all seven)")
     p.add_argument("--quantization", default="auto", help="the base model's --quantization "
                    "(default auto: the default model's Q4_1 blocks)")
+    p.add_argument("--lora-dtype", default="auto", help="the adapters' dtype as held "
+                   "(default auto: fp32 on the CPU; float16: half the bytes)")
 
 
 def write_adapter(cfg, out: Path, rank: int, targets: list[str], seed: int) -> Path:
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     most = max(counts)
     llm = load_llm(args.model, max_num_seqs=batch, num_threads=args.num_threads,
                    quantization=args.quantization, enable_lora=True, max_loras=most,
+                   lora_dtype=args.lora_dtype,
                    max_lora_rank=max(ranks), max_cpu_loras=most * len(ranks) + 1)
     engine = llm.engine
     cfg = engine.model_config
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                reason="" if key is not None else "cell not measured")]
     result = {"benchmark": NAME,
               "config": {"model": args.model or "default", "quantization": args.quantization,
-                         "batch": batch, "ranks": ranks, "adapters": counts,
+                         "lora_dtype": args.lora_dtype, "batch": batch, "ranks": ranks, "adapters": counts,
                          "output_len": output_len, "prompt_len": PROMPT_LEN,
                          "targets": targets, "num_threads": args.num_threads},
               "base": {"first": base_first, "last": base_last, **base},

@@ -51,9 +51,10 @@ class ProjectionLoRA:
     parts: list[tuple[int, int, int, int, torch.Tensor]]
 
     def desc(self) -> torch.Tensor:
-        """The C kernel's view (``cpu_ops.c`` ``lora_apply``): int64 ``[R, nparts, &a, {o0,
-        o1, r0, r1, &bt} x nparts]``; valid while this object holds its tensors."""
-        flat = [self.a.shape[0], len(self.parts), self.a.data_ptr()]
+        """The C kernel's view (``cpu_ops.c`` ``lora_apply``): int64 ``[R, nparts, &a, fp16,
+        {o0, o1, r0, r1, &bt} x nparts]``; valid while this object holds its tensors."""
+        flat = [self.a.shape[0], len(self.parts), self.a.data_ptr(),
+                int(self.a.dtype == torch.float16)]
         for o0, o1, r0, r1, bt in self.parts:
             flat += [o0, o1, r0, r1, bt.data_ptr()]
         return torch.tensor(flat, dtype=torch.int64)

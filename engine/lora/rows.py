@@ -39,6 +39,8 @@ class LoRARows:
     t: torch.Tensor  # the kernel's scratch: [rows, rmax]
     # addresses made once per step (each call then costs a ctypes call and the kernel)
     desc_addrs: list[list[int]]
+    # the adapters' tensors are in a dtype the C kernel reads (fp32, fp16)
+    c_kernel: bool = True
 
     @classmethod
     def of(cls, chunks: Iterable, adapter: Callable[[str], LoRAAdapter]) -> LoRARows | None:
@@ -64,8 +66,10 @@ class LoRARows:
         base, step = descs.data_ptr(), descs.element_size() * descs.shape[2]
         addrs = [[base + (i * descs.shape[1] + j) * step for j in range(descs.shape[1])]
                  for i in range(descs.shape[0])]
+        kernel = all(p.a.dtype in (torch.float32, torch.float16)
+                     for _, a in groups for layer in a.layers for p in layer.values())
         return cls(groups, flat, torch.tensor(offs), descs, rmax,
-                   torch.empty(flat.numel(), rmax), addrs)
+                   torch.empty(flat.numel(), rmax), addrs, kernel)
 
     def kernel_table(self) -> torch.Tensor:
         """``cpu_ops.decode_layers``' ``lora``: int64 ``[G, rmax, &rows, &row_off, &t,
@@ -79,7 +83,7 @@ class LoRARows:
         projection's input, ``y [T, N]`` its output)."""
         lib = library()
         if (lib is not None and x.is_cpu and x.dtype == y.dtype == torch.float32
-                and y.is_contiguous()):
+                and y.is_contiguous() and self.c_kernel):
             x = x.contiguous()
             lib.lora_apply(x.data_ptr(), x.shape[1], y.data_ptr(), y.shape[1],
                            len(self.groups), self.desc_addrs[layer][_INDEX[proj]],
@@ -92,10 +96,10 @@ class LoRARows:
                 continue
             if rows.device != y.device:
                 rows = rows.to(y.device)
-            t = x.index_select(0, rows) @ p.a.T  # [n, R]
+            t = x.index_select(0, rows) @ p.a.to(x.dtype).T  # [n, R]
             delta = torch.zeros(rows.numel(), y.shape[1], dtype=y.dtype, device=y.device)
             for o0, o1, r0, r1, bt in p.parts:
-                delta[:, o0:o1] = t[:, r0:r1] @ bt
+                delta[:, o0:o1] = t[:, r0:r1] @ bt.to(t.dtype)
             y.index_add_(0, rows, delta)
 
 

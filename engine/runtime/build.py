@@ -205,7 +205,7 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     if args.enable_lora:
         lora = runner.lora = LoRARegistry(
             cfg, args.max_loras, args.max_lora_rank, args.max_cpu_loras,
-            getattr(torch, plan.dtype),
+            getattr(torch, plan.dtype if args.lora_dtype == "auto" else args.lora_dtype),
             lambda name: sum(r.lora_name == name for r in scheduler.requests.values()))
     return EngineParts(plan, threads, cfg, tokenizer, eos, max_len, scheduler_config, ranks,
                        model, cache_config, runner, inputs, kv_tier, block_manager, scheduler,
@@ -225,11 +225,18 @@ def keep_draft_plan(on_change: Callable[[int], None], draft: LinearPlan | None
     return change
 
 
+# "auto": the model's dtype; the CPU kernels read fp32 and fp16 adapters (bfloat16: not yet)
+LORA_DTYPES = ("auto", "float32", "float16")
+
+
 def check_lora(args: EngineArgs, cfg: ModelConfig, device_type: str, speculative: bool) -> None:
     """Refuse ``enable_lora`` where this engine would not apply adapters exactly, by name."""
     if args.max_loras < 1 or args.max_lora_rank < 1:
         raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {args.max_loras} and "
                          f"{args.max_lora_rank}")
+    if args.lora_dtype not in LORA_DTYPES:
+        raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got "
+                         f"{args.lora_dtype!r}")
     why = ("tensor_parallel_size > 1" if args.tensor_parallel_size > 1
            else "a mixture-of-experts model" if cfg.num_experts
            else "speculative decoding" if speculative

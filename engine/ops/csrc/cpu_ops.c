@@ -2110,8 +2110,9 @@ int qr_linear(int64_t wfmt, const float *x, const uint8_t *panels, const float *
 /* ---- LoRA: a projection's adapters, rows grouped by adapter ------------------------------------
  * y[row] += B_p (A x[row])[r0:r1] into columns o0..o1 of each part p of the row's adapter (the
  * scaling folded into B; engine/lora/rows.py). Per group g (one adapter): descs[g] points at
- * int64 [R, nparts, a, {o0, o1, r0, r1, bt} x nparts] (a: A [R, K] fp32; bt: B_p transposed,
- * [r1 - r0, o1 - o0]) or is 0 (the adapter does not adapt this projection); its rows are
+ * int64 [R, nparts, a, half, {o0, o1, r0, r1, bt} x nparts] (a: A [R, K]; bt: B_p transposed,
+ * [r1 - r0, o1 - o0]; both fp32, or fp16 where half is 1: lora_dtype, half the bytes read)
+ * or is 0 (the adapter does not adapt this projection); its rows are
  * rows[row_off[g] .. row_off[g + 1]]. Two phases in one parallel region: the shrink, (group,
  * rank row) tasks, each A row read once and dotted with the group's rows into t [rows, rmax];
  * then the expand, (group, part, LORA_OUT outputs) tasks: per row, one axpy of each rank row
@@ -2124,6 +2125,46 @@ static inline float dot_f_(const float *a, const float *b, int64_t n) {
 #pragma omp simd reduction(+ : s)
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+/* dot_f_ and y += s * b with fp16 a / b (F16C conversions: GCC 12 left the portable
+ * _Float16 loops scalar) */
+static inline float dot_hf_(const _Float16 *a, const float *b, int64_t n) {
+    float s = 0.f;
+    int64_t i = 0;
+#ifdef DQ_512
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(a + i))),
+                              _mm512_loadu_ps(b + i), acc);
+    s = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))),
+                              _mm256_loadu_ps(b + i), acc);
+    s = hsum8_(acc);
+#endif
+    for (; i < n; i++) s += (float)a[i] * b[i];
+    return s;
+}
+
+static inline void axpy_hf_(float *y, float s, const _Float16 *b, int64_t n) {
+    int64_t i = 0;
+#ifdef DQ_512
+    const __m512 vs = _mm512_set1_ps(s);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(
+            vs, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + i))),
+            _mm512_loadu_ps(y + i)));
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(
+            vs, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i))),
+            _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += s * (float)b[i];
 }
 
 /* The LoRA of one projection for rows grouped by adapter, shared among the calling team (its
@@ -2141,7 +2182,7 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
         if (!d) continue;
         shrink_n += d[0];
         for (int64_t p = 0; p < d[1]; p++) {
-            const int64_t *q = d + 3 + 5 * p;
+            const int64_t *q = d + 4 + 5 * p;
             expand_n += (q[1] - q[0] + LORA_OUT - 1) / LORA_OUT;
         }
     }
@@ -2155,9 +2196,9 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
             r -= d[0];
         }
         const int64_t *d = (const int64_t *)descs[g];
-        const float *a = (const float *)d[2] + r * K;
         for (int64_t j = row_off[g]; j < row_off[g + 1]; j++)
-            t[j * rmax + r] = dot_f_(a, x + rows[j] * ldx, K);
+            t[j * rmax + r] = d[3] ? dot_hf_((const _Float16 *)d[2] + r * K, x + rows[j] * ldx, K)
+                                   : dot_f_((const float *)d[2] + r * K, x + rows[j] * ldx, K);
     }
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < expand_n; task++) {
@@ -2166,24 +2207,29 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
             const int64_t *d = (const int64_t *)descs[g];
             if (!d) continue;
             for (p = 0; p < d[1]; p++) {
-                const int64_t *q = d + 3 + 5 * p;
+                const int64_t *q = d + 4 + 5 * p;
                 const int64_t nb = (q[1] - q[0] + LORA_OUT - 1) / LORA_OUT;
                 if (blk < nb) break;
                 blk -= nb;
             }
             if (p < d[1]) break;
         }
-        const int64_t *q = (const int64_t *)descs[g] + 3 + 5 * p;
+        const int64_t half = ((const int64_t *)descs[g])[3];
+        const int64_t *q = (const int64_t *)descs[g] + 4 + 5 * p;
         const int64_t o0 = q[0] + blk * LORA_OUT;
         const int64_t o1 = o0 + LORA_OUT < q[1] ? o0 + LORA_OUT : q[1];
         const int64_t r0 = q[2], rn = q[3] - q[2], n = q[1] - q[0];
-        const float *bt = (const float *)q[4] + (o0 - q[0]);
         for (int64_t j = row_off[g]; j < row_off[g + 1]; j++) {
             float *yo = o0 >= split ? y2 + rows[j] * ldy2 + (o0 - split)
                                     : y + rows[j] * ldy + o0;
             const float *tj = t + j * rmax + r0;
             for (int64_t r = 0; r < rn; r++) {
-                const float s = tj[r], *br = bt + r * n;
+                const float s = tj[r];
+                if (half) {
+                    axpy_hf_(yo, s, (const _Float16 *)q[4] + (o0 - q[0]) + r * n, o1 - o0);
+                    continue;
+                }
+                const float *br = (const float *)q[4] + (o0 - q[0]) + r * n;
 #pragma omp simd
                 for (int64_t o = 0; o < o1 - o0; o++) yo[o] += s * br[o];
             }

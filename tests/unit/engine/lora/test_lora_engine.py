@@ -203,3 +203,24 @@ def test_the_default_model_as_llm_serves_it_with_an_adapter(tmp_path):
     assert near_greedy_misses(ref, prompts, outs) == []
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_fp16_adapters_hold_half_the_bytes_and_stay_near_pefts_greedy(tiny_llama_dir, adapters):
+    """``lora_dtype="float16"``: each adapter weight rounded once to fp16 and read as such;
+    the tokens are peft's (fp32) greedy choices up to near-ties (tests/helpers/quantized.py);
+    an unknown dtype is refused."""
+    from peft import PeftModel
+
+    from tests.helpers.tiny_models import load_hf
+
+    prompts = random_prompts(seed=13, count=4, max_len=16)
+    reqs = _requests(adapters)
+    half = LLM(str(tiny_llama_dir), enable_lora=True, lora_dtype="float16", block_size=4)
+    full = LLM(str(tiny_llama_dir), enable_lora=True, block_size=4)
+    outs = [o.token_ids for o in half.generate(prompts, GREEDY, lora_request=reqs["all"])]
+    assert half.engine.load_lora(reqs["all"]).nbytes * 2 == full.engine.load_lora(
+        reqs["all"]).nbytes
+    ref = PeftModel.from_pretrained(load_hf(tiny_llama_dir, "llama"), str(adapters["all"]))
+    assert near_greedy_misses(ref.eval(), prompts, outs) == []
+    with pytest.raises(ValueError, match="lora_dtype must be one of auto, float32, float16"):
+        LLM(str(tiny_llama_dir), enable_lora=True, lora_dtype="int8")

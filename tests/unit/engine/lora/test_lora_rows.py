@@ -15,17 +15,20 @@ from engine.weights.resolve import load_model_config
 from tests.helpers.lora import ALL_TARGETS, save_adapter
 
 
-@pytest.fixture(scope="module")
-def three(tiny_llama_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["float32", "float16"])
+def three(tiny_llama_dir, tmp_path_factory, request):
+    """Three adapters held in fp32, or in fp16 (``lora_dtype``: the kernel converts as it
+    reads)."""
     d = tmp_path_factory.mktemp("rows")
     cfg = load_model_config(tiny_llama_dir)
+    dtype = getattr(torch, request.param)
     specs = [dict(r=4, targets=["q_proj", "v_proj"]), dict(r=8, targets=ALL_TARGETS,
                                                           use_rslora=True),
              dict(r=2, targets=["k_proj", "up_proj", "down_proj"])]
     out = []
     for i, spec in enumerate(specs):
         path = save_adapter(tiny_llama_dir, "llama", d / f"a{i}", seed=i, **spec)
-        out.append(load_adapter(LoRARequest(f"a{i}", i + 1, str(path)), cfg, 16))
+        out.append(load_adapter(LoRARequest(f"a{i}", i + 1, str(path)), cfg, 16, dtype))
     return cfg, out
 
 
@@ -58,9 +61,9 @@ def test_the_kernel_equals_the_torch_twin_and_the_formula(three, proj, monkeypat
             p = adapters[int(c.lora_name[1])].layers[layer].get(proj)
             if p is None:
                 continue
-            t = p.a @ x[i]
+            t = p.a.float() @ x[i]
             for o0, o1, r0, r1, bt in p.parts:  # bt: B transposed
-                want[i, o0:o1] += bt.T @ t[r0:r1]
+                want[i, o0:o1] += bt.float().T @ t[r0:r1]
         at += c.num_tokens
     assert not torch.equal(want, y)  # something was added
     got_c = y.clone()
