@@ -27,6 +27,8 @@ from engine.models.config import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # ours, in LoRAAdapter.descs' order
+# outputs per block of a part's B as the C kernel reads it (cpu_ops.c's LORA_OUT)
+B_BLOCK = 64
 # PEFT's module name -> (our projection, its part: q/k/v of qkv, gate/up of gate_up)
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
            "o_proj": ("o_proj", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
@@ -43,9 +45,10 @@ _REFUSED = {"use_dora": (False, None), "rank_pattern": ({}, None), "alpha_patter
 @dataclass
 class ProjectionLoRA:
     """One fused projection's adapter: ``a [R, K]`` (the parts' A stacked) and ``parts``: for
-    each targeted part, ``(out_start, out_end, r_start, r_end, bt)`` with ``bt [r_end -
-    r_start, out_end - out_start]``: its B, already scaled, transposed (the C kernel's
-    layout: each rank row's outputs contiguous)."""
+    each targeted part, ``(out_start, out_end, r_start, r_end, bt)`` with ``bt`` its B,
+    already scaled, in the C kernel's layout: transposed and cut in blocks of ``B_BLOCK``
+    outputs, each block ``[r, width]`` contiguous, one after another (``b_matrix`` gives B
+    back)."""
 
     a: torch.Tensor
     parts: list[tuple[int, int, int, int, torch.Tensor]]
@@ -98,6 +101,25 @@ class LoRAAdapter:
         return sum(p.a.numel() * p.a.element_size()
                    + sum(bt.numel() * bt.element_size() for *_, bt in p.parts)
                    for layer in self.layers for p in layer.values())
+
+
+def _blocked(bt: torch.Tensor) -> torch.Tensor:
+    """``bt [r, n]`` as ``ProjectionLoRA`` holds it: blocks of ``B_BLOCK`` columns, each
+    ``[r, width]`` contiguous, concatenated (1-D)."""
+    return torch.cat([bt[:, i:i + B_BLOCK].contiguous().flatten()
+                      for i in range(0, bt.shape[1], B_BLOCK)])
+
+
+def b_matrix(part: tuple) -> torch.Tensor:
+    """A part's scaled B ``[out_end - out_start, r_end - r_start]`` from its blocked layout."""
+    o0, o1, r0, r1, flat = part
+    r, n = r1 - r0, o1 - o0
+    cols, at = [], 0
+    for i in range(0, n, B_BLOCK):
+        w = min(B_BLOCK, n - i)
+        cols.append(flat[at:at + r * w].view(r, w))
+        at += r * w
+    return torch.cat(cols, dim=1).T
 
 
 def _part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -198,7 +220,7 @@ def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int,
         held = adapter.layers[layer].get(proj)
         r0 = 0 if held is None else held.a.shape[0]
         a = ab["A"].to(dtype)
-        bt = (ab["B"].to(torch.float32) * scaling).to(dtype).T.contiguous()
+        bt = _blocked((ab["B"].to(torch.float32) * scaling).to(dtype).T)
         part = (col, col + n, r0, r0 + rank, bt)
         adapter.layers[layer][proj] = (ProjectionLoRA(a.contiguous(), [part]) if held is None
                                        else ProjectionLoRA(torch.cat([held.a, a]).contiguous(),

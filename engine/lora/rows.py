@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.peft_format import PROJECTIONS, LoRAAdapter
+from engine.lora.peft_format import PROJECTIONS, LoRAAdapter, b_matrix
 from engine.ops.cpu_ops import library
 
 _active = threading.local()
@@ -98,8 +98,9 @@ class LoRARows:
                 rows = rows.to(y.device)
             t = x.index_select(0, rows) @ p.a.to(x.dtype).T  # [n, R]
             delta = torch.zeros(rows.numel(), y.shape[1], dtype=y.dtype, device=y.device)
-            for o0, o1, r0, r1, bt in p.parts:
-                delta[:, o0:o1] = t[:, r0:r1] @ bt.to(t.dtype)
+            for part in p.parts:
+                o0, o1, r0, r1, _ = part
+                delta[:, o0:o1] = t[:, r0:r1] @ b_matrix(part).to(t.dtype).T
             y.index_add_(0, rows, delta)
 
 

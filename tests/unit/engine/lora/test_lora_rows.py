@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import engine.lora.rows as lora_rows
-from engine.lora.peft_format import load_adapter
+from engine.lora.peft_format import b_matrix, load_adapter
 from engine.lora.request import LoRARequest
 from engine.ops import cpu_ops
 from engine.weights.resolve import load_model_config
@@ -62,8 +62,9 @@ def test_the_kernel_equals_the_torch_twin_and_the_formula(three, proj, monkeypat
             if p is None:
                 continue
             t = p.a.float() @ x[i]
-            for o0, o1, r0, r1, bt in p.parts:  # bt: B transposed
-                want[i, o0:o1] += bt.float().T @ t[r0:r1]
+            for part in p.parts:
+                o0, o1, r0, r1, _ = part
+                want[i, o0:o1] += b_matrix(part).float() @ t[r0:r1]
         at += c.num_tokens
     assert not torch.equal(want, y)  # something was added
     got_c = y.clone()
