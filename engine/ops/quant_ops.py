@@ -19,19 +19,30 @@ def _fp32_cpu(t: torch.Tensor) -> bool:
     return t.is_cpu and t.dtype == torch.float32
 
 
+def _float_tiles_shape(lib, x: torch.Tensor, weight: QuantizedWeight,
+                       bias: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """``(M, N, K)`` where the kernels that multiply fp32 activations as they are apply (the
+    library built, x ``[M, K]`` contiguous fp32 on the CPU, fp16 scales, K a multiple of 32,
+    groups a multiple of 16), else None."""
+    if (lib is None or not _fp32_cpu(x) or x.dim() != 2 or not x.is_contiguous()
+            or (bias is not None and not _fp32_cpu(bias)) or weight.scale.dtype != torch.float16):
+        return None
+    m, k = x.shape
+    if k != weight.shape[1] or k % 32 or weight.group % 16:
+        return None
+    return m, weight.shape[0], k
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ weight.T + bias`` for a ``engine.quant.layouts.QuantizedWeight`` read in its layout
     (``x [M, K]`` fp32): the ``"cquant"`` linear path. Any M (rows 4 at a time against each
     tile of weight rows). None, computing nothing, when the kernel does not apply."""
     lib = library()
-    if (lib is None or not _fp32_cpu(x) or x.dim() != 2 or not x.is_contiguous()
-            or (bias is not None and not _fp32_cpu(bias)) or weight.scale.dtype != torch.float16):
+    shape = _float_tiles_shape(lib, x, weight, bias)
+    if shape is None:
         return None
-    m, k = x.shape
-    n = weight.shape[0]
-    if k != weight.shape[1] or k % 32 or weight.group % 16:
-        return None
+    m, n, k = shape
     out = torch.empty(m, n, dtype=x.dtype)
     b = None if bias is None else bias.data_ptr()
     threads = torch.get_num_threads()
@@ -140,13 +151,10 @@ def quantized_linear_wide(x: torch.Tensor, weight: QuantizedWeight,
     summation order): the ``"cqwide"`` linear path. None, computing nothing, when the kernel
     does not apply."""
     lib = library()
-    if (lib is None or not _fp32_cpu(x) or x.dim() != 2 or not x.is_contiguous()
-            or (bias is not None and not _fp32_cpu(bias)) or weight.scale.dtype != torch.float16):
+    shape = _float_tiles_shape(lib, x, weight, bias)
+    if shape is None:
         return None
-    m, k = x.shape
-    n = weight.shape[0]
-    if k != weight.shape[1] or k % 32 or weight.group % 16:
-        return None
+    m, n, k = shape
     out = torch.empty(m, n, dtype=x.dtype)
     threads = torch.get_num_threads()
     work = torch.empty(lib.qwide_linear_work_floats(m, k, threads))

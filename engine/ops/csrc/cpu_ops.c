@@ -2069,6 +2069,20 @@ static void qr_rows_(const int64_t wfmt, const uint8_t *panels, int64_t N, int64
 }
 #endif
 
+#ifdef QR_ON
+/* h [M, E] += x [M, K] W^T for W in panels (E rows): x's rows quantized into the shared a,
+ * then two panels a task; orphaned omp fors (inside decode_layers' parallel region). */
+static void qr_residual_(int64_t wfmt, const uint8_t *panels, int64_t E, int64_t K,
+                         const float *x, const QrAct *a, int64_t M, float *h) {
+    const int64_t EP = (E + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) qr_quantize_row_((int)wfmt, x + m * K, K, a, m);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < EP; p += 2)
+        qr_rows_(wfmt, panels, E, K, a, M, p, p + 2 < EP ? p + 2 : EP, h, E, 1);
+}
+#endif
+
 int64_t qr_linear_work_floats(int64_t M, int64_t K) {
 #ifdef QR_ON
     return qr_act_floats(M, K);
@@ -2385,7 +2399,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
     const float *shared_end = up + M * I + qi_act_floats(M, HD > I ? HD : I);
     const QrAct ra_att = qr_act_at((float *)shared_end, M, HD),
                 ra_act = qr_act_at((float *)shared_end, M, I);
-    const int64_t NQP = (NQKV + 15) / 16, EP = (E + 15) / 16, IP = I / 16;
+    const int64_t NQP = (NQKV + 15) / 16, IP = I / 16;
 #endif
     /* rows each QAct is quantized for: the AMX layout's zero rows past M too */
     const int64_t qrows = sa_att.amx ? qi_rows_held(M) : M;
@@ -2522,13 +2536,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
             }
 #ifdef QR_ON
             if (panel) {
-#pragma omp for schedule(static)
-                for (int64_t m = 0; m < M; m++)
-                    qr_quantize_row_((int)wfmt, att + m * HD, HD, &ra_att, m);
-#pragma omp for schedule(static)
-                for (int64_t p = 0; p < EP; p += 2)
-                    qr_rows_(wfmt, (const uint8_t *)wo, E, HD, &ra_att, M, p,
-                             p + 2 < EP ? p + 2 : EP, h, E, 1);
+                qr_residual_(wfmt, (const uint8_t *)wo, E, HD, att, &ra_att, M, h);
             } else
 #endif
             if (qint) {
@@ -2596,13 +2604,7 @@ void decode_layers(float *h, const int64_t *ptrs, int64_t num_layers, int64_t M,
                     if (!lora) silu_gate_(act, up, M, I, 16 * p, 16 * p1);
                 }
                 LORA_GATE_UP();
-#pragma omp for schedule(static)
-                for (int64_t m = 0; m < M; m++)
-                    qr_quantize_row_((int)wfmt, act + m * I, I, &ra_act, m);
-#pragma omp for schedule(static)
-                for (int64_t p = 0; p < EP; p += 2)
-                    qr_rows_(wfmt, (const uint8_t *)wdown, E, I, &ra_act, M, p,
-                             p + 2 < EP ? p + 2 : EP, h, E, 1);
+                qr_residual_(wfmt, (const uint8_t *)wdown, E, I, act, &ra_act, M, h);
                 LORA_DOWN();
                 continue;
             }

@@ -12,6 +12,7 @@ from engine.lora.peft_format import b_matrix, load_adapter
 from engine.lora.request import LoRARequest
 from engine.ops import cpu_ops
 from engine.weights.resolve import load_model_config
+from tests.helpers.decode_step import BLOCK, five_rows
 from tests.helpers.lora import ALL_TARGETS, save_adapter
 
 
@@ -87,7 +88,6 @@ def test_the_fused_decode_step_adds_the_adapters_as_the_layer_path_does(tiny_lla
     rows: the hidden states and the new K/V. Wide tiles asked for: the kernel takes the dot
     tiles (LoRA reads row layouts). int8 and int4 weights (``...4``): the integer products
     (row tiles, panels)."""
-    from engine.attention.backend import SeqSlice, build_metadata
     from engine.attention.torch_paged import TorchPagedBackend, decode_tables
     from engine.models.llama import LlamaForCausalLM
     from engine.weights.loader import load_state_dict
@@ -102,15 +102,9 @@ def test_the_fused_decode_step_adds_the_adapters_as_the_layer_path_does(tiny_lla
     ints = step in ("qint", "qpanel")
     if ints:
         model.quantize(kind)
-    block = 4
-    gen = torch.Generator().manual_seed(5)
-    caches = [torch.randn(64, 2, block, cfg.num_kv_heads, cfg.head_dim, generator=gen)
-              for _ in range(cfg.num_layers)]
-    fused_caches = [c.clone() for c in caches]
-    seqs = [SeqSlice([5, 9, 2], 9, 1), SeqSlice([40], 0, 1), SeqSlice([7, 33], 4, 1),
-            SeqSlice([1, 2, 3], 10, 1), SeqSlice([11], 2, 1)]
-    meta = build_metadata(seqs, block)
-    ids = torch.tensor([11, 12, 13, 14, 15])
+    step_in = five_rows(cfg)
+    block, caches, fused_caches = BLOCK, step_in.caches, step_in.fused_caches
+    meta, ids = step_in.meta, step_in.ids
     chunks = [_Chunk(n, 1) for n in ("a1", "a0", None, "a2", "a1")]
     rows = lora_rows.LoRARows.of(chunks, {a.name: a for a in adapters}.__getitem__)
     backend = TorchPagedBackend()
@@ -147,8 +141,7 @@ def test_the_fused_decode_step_adds_the_adapters_as_the_layer_path_does(tiny_lla
     assert not torch.allclose(base[[0, 1, 3, 4]], got[[0, 1, 3, 4]], atol=1e-3)  # adapted
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[2], base[2], rtol=1e-5, atol=1e-5)  # the base's row
-    slots = torch.tensor([s.block_ids[s.start_pos // block] for s in seqs]), \
-        torch.tensor([s.start_pos % block for s in seqs])
+    slots = step_in.slots
     for a, b in zip(fused_caches, caches, strict=True):
         torch.testing.assert_close(a[slots[0], :, slots[1]], b[slots[0], :, slots[1]],
                                    rtol=1e-4, atol=1e-4)

@@ -13,7 +13,6 @@ import subprocess
 import pytest
 import torch
 
-from engine.attention.backend import SeqSlice, build_metadata
 from engine.attention.torch_paged import TorchPagedBackend, decode_tables
 from engine.models.llama import LlamaForCausalLM
 from engine.ops import cpu_build, cpu_ops, quant_ops
@@ -22,6 +21,7 @@ from engine.quant.layouts import quantize
 from engine.tuning.linear import model_linear_weights
 from engine.weights.loader import load_state_dict
 from engine.weights.resolve import load_model_config
+from tests.helpers.decode_step import BLOCK, five_rows
 
 pytestmark = pytest.mark.skipif(not cpu_ops.enabled(), reason="needs the C kernels")
 
@@ -180,15 +180,9 @@ def test_the_fused_step_on_integer_products_equals_the_layer_path(arch, kind, st
     model.load_hf_state_dict(load_state_dict(model_dir, torch.float32))
     model.quantize(kind)
     int_plan(model, {"qint": "cqint", "qamx": "camx", "qpanel": "cqpanel"}[step])
-    block = 4
-    gen = torch.Generator().manual_seed(5)
-    caches = [torch.randn(64, 2, block, cfg.num_kv_heads, cfg.head_dim, generator=gen)
-              for _ in range(cfg.num_layers)]
-    fused_caches = [c.clone() for c in caches]
-    seqs = [SeqSlice([5, 9, 2], 9, 1), SeqSlice([40], 0, 1), SeqSlice([7, 33], 4, 1),
-            SeqSlice([1, 2, 3], 10, 1), SeqSlice([11], 2, 1)]
-    meta = build_metadata(seqs, block)
-    ids = torch.tensor([11, 12, 13, 14, 15])
+    step_in = five_rows(cfg)
+    block, caches, fused_caches = BLOCK, step_in.caches, step_in.fused_caches
+    meta, ids = step_in.meta, step_in.ids
     backend = TorchPagedBackend()
     with torch.inference_mode():
         backend.plan(meta)
@@ -210,8 +204,7 @@ def test_the_fused_step_on_integer_products_equals_the_layer_path(arch, kind, st
     flipped = err > 0
     assert int(flipped.sum()) <= 1, f"rows {flipped.nonzero().flatten().tolist()} differ"
     assert bool((err <= bound).all()), (err, bound)
-    rows = torch.tensor([s.block_ids[s.start_pos // block] for s in seqs]), \
-        torch.tensor([s.start_pos % block for s in seqs])
+    rows = step_in.slots
     for a, b in zip(fused_caches, caches, strict=True):
         # the new tokens' K/V (the slots of a flipped row within the same bound), and nothing
         # else written
