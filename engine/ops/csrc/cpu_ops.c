@@ -2321,15 +2321,8 @@ static int64_t dl_deq_floats(int64_t E, int64_t HD, int64_t I) {
     return WIDE_NR * (E > HD ? (E > I ? E : I) : (HD > I ? HD : I));
 }
 
-/* The panels' quantized rows of M x K (qr_act_floats where the panels are built). */
-static int64_t dl_qr_floats(int64_t M, int64_t K) {
-#ifdef QR_ON
-    return qr_act_floats(M, K);
-#else
-    (void)M; (void)K;
-    return 0;
-#endif
-}
+/* The panels' quantized rows of M x K (0 where the panels are not built). */
+static int64_t dl_qr_floats(int64_t M, int64_t K) { return qr_linear_work_floats(M, K); }
 
 /* Per thread: the AMX tiles' packing scratch for the widest input of a projection. */
 static int64_t dl_pack_floats(int64_t E, int64_t HD, int64_t I) {
