@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    max_lora_rank=max(ranks), max_cpu_loras=most * len(ranks) + 1)
     engine = llm.engine
     cfg = engine.model_config
-    g = __import__("random").Random(args.seed)
+    g = random.Random(args.seed)
 
     def fresh() -> list[list[int]]:
         """New prompts for each cell: no cell finds another's in the prefix cache (an
