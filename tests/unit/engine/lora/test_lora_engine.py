@@ -14,6 +14,9 @@ from tests.helpers.tiny_models import random_prompts
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+# block_size=4 in the tiny-model engines: their 2-24-token prompts then fill several blocks,
+# so the adapter-rooted block hashes and the prefix cache are exercised (16 would hold none);
+# the default model's test below runs LLM's defaults.
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,8 @@ def test_a_batch_holds_at_most_max_loras_adapters(tiny_llama_dir, adapters):
     """The default max_loras (1): requests of three adapters all finish with peft's tokens,
     each step running one adapter at most (beside base-model rows)."""
     prompts = random_prompts(seed=5, count=6, max_len=16)
+    # max_cpu_loras=3: all three adapters stay held while their requests queue (with the
+    # default, max_loras=1, the second load would find the only slot in use and be refused)
     llm = LLM(str(tiny_llama_dir), enable_lora=True, max_cpu_loras=3, block_size=4)
     steps = _record_steps(llm)
     reqs = _requests(adapters)
@@ -154,6 +159,7 @@ def test_bad_adapters_are_refused_with_the_reason(tiny_llama_dir, tiny_qwen3_dir
 
 
 def test_unload_is_refused_while_in_use_and_evicts_least_recently_used(tiny_llama_dir, adapters):
+    # max_cpu_loras=2: three adapters must evict one (the LRU order is what is checked)
     llm = LLM(str(tiny_llama_dir), enable_lora=True, max_cpu_loras=2, block_size=4)
     engine = llm.engine
     reqs = _requests(adapters)
