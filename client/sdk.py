@@ -34,11 +34,13 @@ from client.types import (
     GenerateResult,
     ModelInfo,
     RetryPolicy,
+    ServedModel,
     StreamChunk,
     build_request,
     chunk_from_response,
     error_from_rpc,
     model_info_from_proto,
+    served_models_from_proto,
 )
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
@@ -285,6 +287,23 @@ class Client:
         resp = self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
         return resp.found
 
+    def list_models(self, timeout: float | None = None) -> list[ServedModel]:
+        """The base model, then every LoRA adapter served (names ``model`` may take)."""
+        return served_models_from_proto(
+            self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str,
+                          timeout: float | None = None) -> None:
+        """Serve the PEFT adapter folder ``lora_path`` (as the workers see it) as model
+        ``lora_name``; an operator's call. Raises InvalidArgument when refused."""
+        self._unary(self._stub.LoadLoRAAdapter, pb.LoadLoRAAdapterRequest(
+            lora_name=lora_name, lora_path=lora_path), timeout)
+
+    def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> None:
+        """Stop serving adapter ``lora_name`` (refused while requests run under it)."""
+        self._unary(self._stub.UnloadLoRAAdapter,
+                    pb.UnloadLoRAAdapterRequest(lora_name=lora_name), timeout)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -436,6 +455,19 @@ class AsyncClient:
         resp = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
                                  timeout)
         return resp.found
+
+    async def list_models(self, timeout: float | None = None) -> list[ServedModel]:
+        return served_models_from_proto(
+            await self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                timeout: float | None = None) -> None:
+        await self._unary(self._stub.LoadLoRAAdapter, pb.LoadLoRAAdapterRequest(
+            lora_name=lora_name, lora_path=lora_path), timeout)
+
+    async def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> None:
+        await self._unary(self._stub.UnloadLoRAAdapter,
+                          pb.UnloadLoRAAdapterRequest(lora_name=lora_name), timeout)
 
     async def close(self) -> None:
         await self._channel.close()

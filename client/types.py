@@ -179,6 +179,17 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """A name ``model`` may take (``Client.list_models``): the base model, or a LoRA adapter
+    of it (``parent`` its base model, ``root`` its folder, ``lora_int_id`` its id)."""
+
+    id: str
+    parent: str | None = None
+    root: str | None = None
+    lora_int_id: int | None = None
+
+
+@dataclass(frozen=True)
 class RetryPolicy:
     """Retry UNAVAILABLE (server not reachable) with exponential backoff and jitter, and only
     before any token arrived: a generation that already streamed tokens is never replayed."""
@@ -368,3 +379,8 @@ def chunk_from_response(resp: pb.GenerateResponse) -> StreamChunk:
 
 def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(m.model_id, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids), m.mode)
+
+
+def served_models_from_proto(resp: pb.ListModelsResponse) -> list[ServedModel]:
+    return [ServedModel(m.id, m.parent or None, m.root or None, m.lora_int_id or None)
+            for m in resp.models]

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from decode_workers.delivery import TokenDelivery
 from engine.contract import RequestOutput, RequestProgress
+from engine.lora.request import LoRARequest
 from engine.runtime.compute_thread import ComputeThread
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.kv_connector import Reservation
@@ -54,6 +55,7 @@ from worker_protocol import (
     new_incarnation,
     restore_priority,
 )
+from worker_protocol.adapters import LoRALoaded, WorkerAdapters
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import DecodeRankKV, rank_state
@@ -143,6 +145,7 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
                                on_crash=exit_on_engine_crash(self.worker_id),
                                after_work=self._kv_events.after_work, compute=compute)
+        self.adapters = WorkerAdapters(self.engine, self.loop, _CALL_TIMEOUT_S)
         # Serves prefill workers' pulls of prefixes this one holds (worker_protocol.prefix_pull).
         self.source = PrefixSource(self.loop, self.worker_id, self.layout, self.kv_host.address,
                                    kv_device, config.fault_pull_delay_per_layer_s)
@@ -187,10 +190,19 @@ class DecodeWorker:
                           kv_event_seq=self._kv_events.log.seq, decode_steps=s.decode_steps,
                           mixed_steps=s.mixed_steps,
                           rank_kv_transfer_bytes=tuple(self.kv.rank_bytes if self.kv else ()),
-                          kv_block_bytes=s.kv_block_bytes, **offload_load(s))
+                          kv_block_bytes=s.kv_block_bytes, **offload_load(s),
+                          **self.adapters.load_fields())
 
     def ping(self) -> str:
         return self.worker_id
+
+    def load_lora(self, req: LoRARequest) -> LoRALoaded:
+        """Hold LoRA adapter ``req`` (worker_protocol.adapters); ValueError names why not."""
+        return self.adapters.load(req)
+
+    def unload_lora(self, name: str) -> bool:
+        """Drop adapter ``name`` (False: not held); ValueError while requests use it here."""
+        return self.adapters.unload(name)
 
     def worker_config(self) -> WorkerConfig:
         """How this worker was built (a re-attaching router checks it wants the same)."""
@@ -222,12 +234,16 @@ class DecodeWorker:
         worker's model does not match ours.
         """
         rid = req.request_id
+        self.adapters.ensure(req.lora_request)  # read here, not on the engine thread
         self._offsets[rid] = req.sampling_params.sample_index_offset
         self.delivery.own(rid, req.router_id)
         transfer_id = next(self._transfer_ids)
 
         def reserve(e: LLMEngine) -> tuple[Reservation, KVTransferSpec | None]:
-            res = e.kv_connector.reserve(rid, req.prompt_token_ids, req.sampling_params)
+            lora = req.lora_request  # its key again: held now, the LRU may drop it later
+            root = e.load_lora(lora).key if lora is not None else 0
+            res = e.kv_connector.reserve(rid, req.prompt_token_ids, req.sampling_params, root,
+                                         lora)
             if not res.ok:
                 return res, None
             # Our prefix cache holds the first num_cached_tokens: only the rest travels.
@@ -296,6 +312,7 @@ class DecodeWorker:
     def submit(self, req: SubmitRequest) -> str:
         """Queue a whole request (prefill + decode here); returns this process's incarnation
         (the one the sequence lives on). Raises QueueFullError when full."""
+        self.adapters.ensure(req.lora_request)  # read here, not on the engine thread
         self._offsets[req.request_id] = req.sampling_params.sample_index_offset
         self.delivery.own(req.request_id, req.router_id)
         if self.tracing is not None and req.traceparent:
@@ -304,7 +321,7 @@ class DecodeWorker:
                                                        len(req.prompt_token_ids))
         self.loop.call(lambda e: e.add_request(
             list(req.prompt_token_ids), req.sampling_params, req.request_id,
-            priority=req.priority)).result(_CALL_TIMEOUT_S)
+            priority=req.priority, lora_request=req.lora_request)).result(_CALL_TIMEOUT_S)
         return self.incarnation
 
     # ---- both -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.contract import RequestFailedError, RequestOutput
+from engine.lora.request import LoRARequest
 from engine.runtime.compute_thread import ComputeThread
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.kv_connector import LayerExport
@@ -45,6 +46,7 @@ from worker_protocol import (
     restarted_by_ray,
     restore_priority,
 )
+from worker_protocol.adapters import LoRALoaded, WorkerAdapters
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import PrefillRankKV, rank_state
@@ -120,6 +122,7 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, self._on_step, name=f"{self.worker_id}-loop",
                                on_crash=exit_on_engine_crash(self.worker_id),
                                after_work=self._kv_events.after_work, compute=compute)
+        self.adapters = WorkerAdapters(self.engine, self.loop, _CALL_TIMEOUT_S)
         # Cluster-wide prefix reuse (worker_protocol.prefix_pull): this worker pulls prefixes
         # other workers hold, and serves its own; endpoints open on first use.
         self.puller = PrefixPuller(self.loop, self.worker_id, self.layout,
@@ -151,7 +154,8 @@ class PrefillWorker:
                           prefill_tokens_computed=s.num_prefill_tokens_computed,
                           kv_event_seq=self._kv_events.log.seq,
                           rank_kv_transfer_bytes=tuple(self.kv.rank_bytes),
-                          kv_block_bytes=s.kv_block_bytes, **offload_load(s))
+                          kv_block_bytes=s.kv_block_bytes, **offload_load(s),
+                          **self.adapters.load_fields())
 
     def layers_sent(self, request_id: str) -> int:
         """How many layers of an in-flight request's KV have been posted (tests, debugging)."""
@@ -160,6 +164,14 @@ class PrefillWorker:
 
     def ping(self) -> str:
         return self.worker_id
+
+    def load_lora(self, req: LoRARequest) -> LoRALoaded:
+        """Hold LoRA adapter ``req`` (worker_protocol.adapters); ValueError names why not."""
+        return self.adapters.load(req)
+
+    def unload_lora(self, name: str) -> bool:
+        """Drop adapter ``name`` (False: not held); ValueError while requests use it here."""
+        return self.adapters.unload(name)
 
     def worker_config(self) -> WorkerConfig:
         """How this worker was built (a re-attaching router checks it wants the same)."""
@@ -209,10 +221,12 @@ class PrefillWorker:
             # The ranks learn where their heads go before the step that exports them.
             self.kv.announce(e, req.transfer, destinations)
             e.add_request(list(req.prompt_token_ids), params, req.request_id, export_kv=True,
-                          priority=req.priority, export_from=req.transfer.start_token)
+                          priority=req.priority, export_from=req.transfer.start_token,
+                          lora_request=req.lora_request)
 
         try:
             try:
+                self.adapters.ensure(req.lora_request)  # read here, not on the engine thread
                 self.loop.call(add).result(_CALL_TIMEOUT_S)
             except BaseException:
                 self._abort_kv(req.request_id)

@@ -18,8 +18,9 @@ from engine.contract import QueueFullError, SamplingParams, TokenLogprob
 from worker_protocol import WorkerLoad
 
 __all__ = [
-    "BackendStats", "DrainStatus", "GenerateInput", "GenerationBackend", "GenerationChunk",
-    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "StreamNotFoundError", "Usage",
+    "AdapterInUseError", "BackendStats", "DrainStatus", "GenerateInput", "GenerationBackend", "GenerationChunk",
+    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "ServedModel",
+    "StreamNotFoundError", "Usage",
     "WORKER_STATES", "WorkerLoad", "WorkerNotFoundError", "WorkerStatus", "WorkerTimeoutError",
     "WorkerUnavailableError",
 ]
@@ -30,6 +31,11 @@ _T = TypeVar("_T")
 
 class InvalidRequestError(ValueError):
     """Bad input (empty prompt, bad sampling params, too long): gRPC INVALID_ARGUMENT / HTTP 400."""
+
+
+class AdapterInUseError(InvalidRequestError):
+    """An unload of a LoRA adapter that requests still run under: refused (HTTP 400 /
+    INVALID_ARGUMENT); the adapter stays served. Retry once they finish."""
 
 
 class ModelNotFoundError(LookupError):
@@ -68,11 +74,24 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """A name clients may put in ``model`` (``/v1/models``): the base model, or a LoRA adapter
+    of it (``parent``: the base model's id; ``root``: the folder it was read from)."""
+
+    id: str
+    parent: str | None = None
+    root: str | None = None
+    created: int = 0
+    int_id: int | None = None  # an adapter's id among the backend's adapters
+
+
+@dataclass(frozen=True)
 class GenerateInput:
     """One generation request as the front door hands it over (already parsed, not validated).
 
-    Exactly one of ``text``, ``token_ids``, ``messages`` is set. ``model`` (optional) must match
-    ``ModelInfo.model_id`` or the backend raises ModelNotFoundError.
+    Exactly one of ``text``, ``token_ids``, ``messages`` is set. ``model`` (optional) must be
+    ``ModelInfo.model_id`` or a LoRA adapter the backend serves (``served_models``), or the
+    backend raises ModelNotFoundError.
     """
 
     sampling: SamplingParams
@@ -229,6 +248,9 @@ class BackendStats:
     # Every KV transfer's duration by role pair ("prefill->decode", "decode->prefill" for a
     # prefix pull, ...): PhaseHistogram by pair, cumulative. Empty for the embedded backend.
     kv_transfer_seconds: dict = field(default_factory=dict)
+    # Per LoRA adapter served (router.control.adapters), cumulative: name -> (requests
+    # that named it, tokens generated under it).
+    lora_adapters: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -280,6 +302,21 @@ class GenerationBackend(Protocol):
         starting a drain that runs already returns its status. ``wait``: return once it is
         drained. Raises WorkerNotFoundError for an unknown worker, InvalidRequestError for
         one that is dead, or the last ready one of its role (nothing could take its work)."""
+        ...
+
+    def served_models(self) -> list[ServedModel]:
+        """The base model, then every LoRA adapter served (``model`` may name any)."""
+        ...
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serve the PEFT adapter at ``lora_path`` as model ``lora_name`` (every worker holds
+        it first). InvalidRequestError: LoRA off, a name served already, a refused adapter
+        (the message names why)."""
+        ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving adapter ``lora_name``. ModelNotFoundError for a name not served;
+        InvalidRequestError while requests run under it (refused: it stays served)."""
         ...
 
     async def shutdown(self) -> None: ...

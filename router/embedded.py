@@ -4,11 +4,16 @@ embedded use, and the front doors' own tests (no Ray, no workers)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import os
+import time
 from collections.abc import AsyncIterator
 
 from engine.core.step_times import merge_rows
+from engine.lora.request import LoRARequest
 from router.contract import (
+    AdapterInUseError,
     BackendStats,
     DrainStatus,
     GenerateInput,
@@ -16,6 +21,7 @@ from router.contract import (
     InvalidRequestError,
     ModelInfo,
     ModelNotFoundError,
+    ServedModel,
     Usage,
     WorkerLoad,
     WorkerNotFoundError,
@@ -23,6 +29,7 @@ from router.contract import (
     as_invalid_request,
     new_request_id,
 )
+from worker_protocol.adapters import lora_load_fields
 from worker_protocol.messages import offload_load
 from worker_protocol.tracing import (
     TracingConfig,
@@ -54,6 +61,10 @@ class EngineBackend:
                                if eng.tokenizer is not None else None)
         self.streams = StreamLogger(InMemoryStore(), self._info.model_id, eng.tokenizer)
         self._tracing = start_tracing(tracing, "pdcluster-embedded", is_router=True)
+        # Served adapters by name, in load order: what requests carry, what /v1/models lists.
+        self._loras: dict[str, tuple[LoRARequest, ServedModel]] = {}
+        self._lora_ids = itertools.count(1)
+        self._lora_counts: dict[str, list[int]] = {}  # name -> [requests, tokens], cumulative
 
     @property
     def engine(self):
@@ -79,10 +90,51 @@ class EngineBackend:
     async def stream_kind(self, request_id: str) -> str | None:
         return await self.streams.kind(request_id)
 
+    # ---- LoRA adapters (the engine's own registry; one engine, so no fan-out) ---------------
+    def served_models(self) -> list[ServedModel]:
+        return [ServedModel(self._info.model_id), *(m for _, m in self._loras.values())]
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        if lora_name in self._loras or lora_name == self._info.model_id:
+            raise InvalidRequestError(f"LoRA adapter {lora_name!r} is already served")
+        try:
+            req = LoRARequest(lora_name, next(self._lora_ids), lora_path)
+            # read off the engine thread, held between two steps (worker_protocol.adapters)
+            adapter = await asyncio.to_thread(self.engine.read_lora, req)
+            await asyncio.wrap_future(self._async.loop.call(lambda e: e.load_lora(req, adapter)))
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        self._loras[lora_name] = (req, ServedModel(lora_name, self._info.model_id, lora_path,
+                                                   int(time.time()), req.lora_int_id))
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        if lora_name not in self._loras:
+            raise ModelNotFoundError(f"LoRA adapter {lora_name!r} is not loaded")
+
+        def drop(e) -> None:
+            with contextlib.suppress(KeyError):  # the LRU dropped it already
+                e.remove_lora(lora_name)
+
+        try:
+            await asyncio.wrap_future(self._async.loop.call(drop))
+        except ValueError as e:  # requests run under it: refused
+            raise AdapterInUseError(str(e)) from e
+        del self._loras[lora_name]
+
+    def _lora_of(self, model: str | None) -> LoRARequest | None:
+        if model is None or model == self._info.model_id:
+            return None
+        served = self._loras.get(model)
+        if served is None:
+            names = ", ".join(repr(m.id) for m in self.served_models())
+            raise ModelNotFoundError(f"model {model!r} is not served here (serving {names})")
+        return served[0]
+
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
-        if inp.model is not None and inp.model != self._info.model_id:
-            raise ModelNotFoundError(f"model {inp.model!r} is not served here "
-                                     f"(serving {self._info.model_id!r})")
+        lora = self._lora_of(inp.model)
+        counts = (self._lora_counts.setdefault(lora.lora_name, [0, 0]) if lora is not None
+                  else [0, 0])
+        counts[0] += 1
         rid = inp.request_id or new_request_id()
         t0 = asyncio.get_running_loop().time()
         ttft = None
@@ -90,7 +142,7 @@ class EngineBackend:
                                   inp.messages is not None, 0, inp.sampling, inp.traceparent,
                                   inp.user)
                 if self._tracing is not None else None)
-        gen = self._async.generate(inp.prompt, inp.sampling, rid)
+        gen = self._async.generate(inp.prompt, inp.sampling, rid, lora)
         opened = finished = False
         out = error = None
         try:
@@ -102,6 +154,7 @@ class EngineBackend:
                 self.streams.append(rid, out.new_token_ids,
                                     out.finish_reason if out.finished else None)
                 finished = out.finished
+                counts[1] += len(out.new_token_ids)
                 if ttft is None and out.token_ids:
                     ttft = asyncio.get_running_loop().time() - t0
                 usage = (Usage(len(out.prompt_token_ids), len(out.token_ids))
@@ -149,11 +202,13 @@ class EngineBackend:
         s = self._async.engine.stats()
         return BackendStats([WorkerLoad("embedded-0", "embedded", s.kv_blocks_used,
                                         s.kv_blocks_total, s.num_running, s.num_waiting,
-                                        kv_block_bytes=s.kv_block_bytes, **offload_load(s))],
+                                        kv_block_bytes=s.kv_block_bytes, **offload_load(s),
+                                        **lora_load_fields(self.engine))],
                             prefix_hit_tokens={"embedded": s.num_prefix_hit_tokens},
                             prefill_computed_tokens=s.num_prefill_tokens_computed,
                             decode_steps=merge_rows([s.decode_steps]),
-                            mixed_steps=merge_rows([s.mixed_steps]))
+                            mixed_steps=merge_rows([s.mixed_steps]),
+                            lora_adapters={n: tuple(c) for n, c in self._lora_counts.items()})
 
     async def cluster_status(self) -> list[WorkerStatus]:
         engine = self._async.engine

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
 from engine.contract import SamplingParams, TokenLogprob
+from engine.lora.request import LoRARequest
 from kv_transfer import KVLayout, KVTransferSpec, PeerAddress
 from worker_protocol.tracing import TracingConfig
 
@@ -120,6 +121,10 @@ class WorkerLoad:
     spec_emitted: int = 0
     spec_proposed_by_position: tuple = ()
     spec_accepted_by_position: tuple = ()
+    # LoRA adapters (worker_protocol.adapters): the names held now, and cumulative per
+    # adapter name (name, loads, evictions) over this incarnation.
+    lora_adapters: tuple = ()
+    lora_counts: tuple = ()
 
     def __post_init__(self) -> None:
         # Through JSON (the Redis registry) the rows come back as lists: made tuples again,
@@ -135,6 +140,12 @@ class WorkerLoad:
                      "spec_accepted_by_position"):
             if not isinstance(getattr(self, name), tuple):
                 object.__setattr__(self, name, tuple(int(n) for n in getattr(self, name)))
+        if not isinstance(self.lora_adapters, tuple):
+            object.__setattr__(self, "lora_adapters", tuple(self.lora_adapters))
+        if any(not isinstance(r, tuple) for r in self.lora_counts) \
+                or not isinstance(self.lora_counts, tuple):
+            object.__setattr__(self, "lora_counts", tuple(
+                (str(n), int(ld), int(ev)) for n, ld, ev in self.lora_counts))
 
 
 @dataclass(frozen=True)
@@ -148,6 +159,9 @@ class ReserveRequest:
     source_worker_id: str  # the prefill worker that will send the KV
     router_id: str = ""  # the router that owns the request (gets its tokens)
     source_tp: int = 1  # its tensor-parallel ranks (each sends the KV heads it holds)
+    # The LoRA adapter the prompt's KV is computed under (None: the base model): this worker
+    # holds it too, and reuses only that adapter's cached prefix.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +220,7 @@ class SubmitRequest:
     priority: int = 0  # queued ahead of lower priorities (a migrated stream's re-prefill)
     router_id: str = ""  # the router that owns the request (gets its tokens)
     traceparent: str = ""  # the router's decode span ("": untraced)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: base model)
 
 
 @dataclass(frozen=True)
@@ -258,6 +273,7 @@ class PrefillRequest:
     # size is one more than their number.
     destination_ranks: tuple[PeerAddress, ...] = ()
     traceparent: str = ""  # the router's prefill span ("": untraced)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: base model)
 
 
 class PrefillTimeoutError(RuntimeError):

@@ -105,7 +105,7 @@ class Scheduler:
         self._start_grammar(request)
         # The leading blocks our own prefix cache already holds are pinned, not received:
         # the prefill worker sends only the tokens after them (``num_cached_tokens``).
-        computed = self.blocks.get_computed_blocks(request.prompt_token_ids)
+        computed = self.blocks.get_computed_blocks(request.prompt_token_ids, request.hash_root)
         # +1: room for the first generated token, which the prefill worker sends with the KV.
         if not self.blocks.allocate_slots(request.request_id, request.num_prompt_tokens + 1,
                                           computed):
@@ -126,7 +126,8 @@ class Scheduler:
         req.num_computed_tokens = req.num_prompt_tokens
         # The arrived prompt is a prefix like any computed one: the next turn of this
         # conversation routed here reuses it instead of receiving it again.
-        self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
+        self.blocks.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens,
+                                      req.hash_root)
         now = self.clock()
         req.output_token_ids.append(first_token_id)
         if first_logprob is not None:

@@ -40,11 +40,23 @@ class LoRARegistry:
         self.in_use = in_use
         self._held: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self.num_loads = self.num_evictions = 0
+        # Per adapter name, cumulative: (loads, evictions) for the per-adapter metrics. And
+        # the held names as one tuple, swapped whole on every change, for readers on other
+        # threads (a worker's load report) that must not iterate the dict mid-change.
+        self.counts: dict[str, tuple[int, int]] = {}
+        self.held_names: tuple[str, ...] = ()
 
-    def load(self, req: LoRARequest) -> LoRAAdapter:
+    def read(self, req: LoRARequest) -> LoRAAdapter:
+        """``req``'s adapter read from disk and checked (ValueError with the reason), not
+        held: touches no state, so a worker reads off its engine thread and hands the result
+        to ``load`` (a running batch waits for no disk)."""
+        return load_adapter(req, self.cfg, self.max_lora_rank, self.dtype)
+
+    def load(self, req: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
         """The adapter ``req`` names, read now if it is not held (then checked: ValueError
-        with the reason). A name already held must come with the same path and id; an id
-        held under another name is refused."""
+        with the reason), or ``adapter`` (``read``'s answer for ``req``) when given. A name
+        already held must come with the same path and id; an id held under another name is
+        refused."""
         held = self._held.get(req.lora_name)
         if held is not None:
             if held.request != req:
@@ -53,12 +65,14 @@ class LoRARegistry:
                                  f"{held.request.lora_int_id}; unload it before loading "
                                  f"{req.lora_path!r} (id {req.lora_int_id}) under that name")
             self._held.move_to_end(req.lora_name)
+            self.held_names = tuple(self._held)
             return held
         for other in self._held.values():
             if other.request.lora_int_id == req.lora_int_id:
                 raise ValueError(f"lora_int_id {req.lora_int_id} is taken by adapter "
                                  f"{other.name!r}")
-        adapter = load_adapter(req, self.cfg, self.max_lora_rank, self.dtype)
+        if adapter is None or adapter.request != req:
+            adapter = self.read(req)
         while len(self._held) >= self.max_cpu_loras:
             victim = next((n for n in self._held if not self.in_use(n)), None)
             if victim is None:
@@ -67,8 +81,13 @@ class LoRARegistry:
                                  "requests running under them")
             del self._held[victim]
             self.num_evictions += 1
+            loads, evictions = self.counts.get(victim, (0, 0))
+            self.counts[victim] = (loads, evictions + 1)
         self._held[req.lora_name] = adapter
         self.num_loads += 1
+        loads, evictions = self.counts.get(req.lora_name, (0, 0))
+        self.counts[req.lora_name] = (loads + 1, evictions)
+        self.held_names = tuple(self._held)
         return adapter
 
     def get(self, name: str) -> LoRAAdapter:
@@ -85,6 +104,7 @@ class LoRARegistry:
             raise ValueError(f"LoRA adapter {name!r} is in use by {n} request(s); unload "
                              "refused")
         del self._held[name]
+        self.held_names = tuple(self._held)
 
     def names(self) -> list[str]:
         """Held adapters, least recently used first."""

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import AsyncIterator
 
 from engine.contract import RequestFailedError, RequestMetrics, RequestOutput, SamplingParams
+from engine.lora.request import LoRARequest
 from engine.runtime.compute_thread import ComputeThread
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.llm_engine import EngineArgs, LLMEngine, Prompt
@@ -44,9 +45,11 @@ class AsyncEngine:
             aloop.call_soon_threadsafe(q.put_nowait, failed)
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield updates until the request finishes. Raises ValueError / QueueFullError at once
-        for bad input or a full queue (nothing is left queued)."""
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield updates until the request finishes (under ``lora_request``'s adapter: None,
+        the base model). Raises ValueError / QueueFullError at once for bad input or a full
+        queue (nothing is left queued)."""
         rid = request_id or f"async-{next(self._ids)}"
         if rid in self._queues:
             raise ValueError(f"duplicate request id {rid!r}")
@@ -54,7 +57,8 @@ class AsyncEngine:
         self._queues[rid] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            await asyncio.wrap_future(self.loop.call(lambda e: e.add_request(prompt, params, rid)))
+            await asyncio.wrap_future(self.loop.call(lambda e: e.add_request(
+                prompt, params, rid, lora_request=lora_request)))
             while True:
                 out = await q.get()
                 finished = out.finished

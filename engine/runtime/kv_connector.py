@@ -34,6 +34,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.executor.model_runner import ModelRunner
+from engine.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -113,14 +114,17 @@ class KVConnector:
 
     # ---- scheduler side (engine-loop thread) ----------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int],
-                params: SamplingParams) -> Reservation:
+                params: SamplingParams, hash_root: int = 0,
+                lora_request: LoRARequest | None = None) -> Reservation:
         """Hold pages for the prompt (and its first generated token) until ``admit`` or
         ``release``, reusing the longest prefix this engine caches (``num_cached_tokens``:
         ``import_layer`` then takes only the rest). Refuses (``ok=False``, pool unchanged)
         when the pool is short right now; raises ValueError for an id the engine already
-        knows."""
+        knows. ``lora_request`` / ``hash_root``: the adapter the KV was computed under and
+        its key (``LLMEngine.load_lora``): the prefix reused is that adapter's only."""
         req = Request(request_id, list(prompt_token_ids), params, self._clock(),
                       eos_token_ids=self._eos_token_ids)
+        req.lora_request, req.hash_root = lora_request, hash_root
         if not self._scheduler.add_remote_request(req):
             need = self._blocks.num_blocks_needed(len(prompt_token_ids) + 1)
             return Reservation(False, reason=f"need {need} blocks, "

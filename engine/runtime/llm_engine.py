@@ -186,16 +186,28 @@ class LLMEngine:
         return req
 
     # ---- LoRA adapters ---------------------------------------------------------------------
-    def load_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
-        """Hold ``lora_request``'s adapter (read and checked now unless held). Raises
-        ValueError: LoRA is off, or the adapter is refused (the message says why)."""
+    def read_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """``lora_request``'s adapter read and checked, not held (safe from any thread:
+        ``load_lora(req, adapter)`` on the engine thread then takes it without the disk).
+        Raises ValueError like ``load_lora``."""
+        self._lora_on(lora_request)
+        return self.lora.read(lora_request)
+
+    def _lora_on(self, lora_request) -> None:
         if self.lora is None:
             raise ValueError("LoRA adapters are off: start the engine with enable_lora=True "
                              "(pdcluster serve --enable-lora)")
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got "
                              f"{type(lora_request).__name__}")
-        return self.lora.load(lora_request)
+
+    def load_lora(self, lora_request: LoRARequest,
+                  adapter: LoRAAdapter | None = None) -> LoRAAdapter:
+        """Hold ``lora_request``'s adapter (``adapter``: ``read_lora``'s answer; else read
+        and checked now unless held). Raises ValueError: LoRA is off, or the adapter is
+        refused (the message says why)."""
+        self._lora_on(lora_request)
+        return self.lora.load(lora_request, adapter)
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter ``name``: KeyError if not held, ValueError while requests run

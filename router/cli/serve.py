@@ -12,6 +12,7 @@ import json
 # engine.config is torch-free (a `pdcluster` command that loads no model imports no torch).
 from engine.config import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from engine.config import QUANTIZATION_CHOICES as QUANT_CHOICES
+from router.cli.lora_flags import add_lora_flags
 from router.cli.serve_config import DEVICE_CHOICES
 
 
@@ -21,6 +22,7 @@ def add_serve_subcommand(sub) -> None:
     _add_cluster_flags(p)
     _add_device_flags(p)
     _add_engine_flags(p)
+    add_lora_flags(p)
     _add_lifecycle_flags(p)
     _add_routing_flags(p)
     _add_security_flags(p)

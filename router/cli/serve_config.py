@@ -22,6 +22,7 @@ from engine.config import (
 )
 from engine.config import QUANTIZATION_CHOICES as QUANT_CHOICES
 from engine.spec.config import parse_speculative_config
+from router.cli.lora_flags import check_lora_flags, parse_lora_modules
 from router.control.config import MIGRATION_PREFILL
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,13 @@ class ServeConfig:
     # Speculative decoding on the decode (and colocated) workers, vLLM's JSON
     # (engine.spec.config; docs/speculative-decoding.md): None off.
     speculative_config: dict | str | None = None
+    # LoRA adapters on every worker (router.cli.lora_flags; docs/lora.md).
+    enable_lora: bool = False
+    lora_modules: list | dict | None = None  # "name=DIR" entries (YAML: also a mapping)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
     kv_cache_memory: str | int | None = None  # per worker; None: 1 GiB on CPU, GPU: from memory
     # The second KV cache tier per worker (engine.executor.kv_tier): host memory, then disk.
@@ -159,6 +167,7 @@ class ServeConfig:
         self.kv_cache_memory_bytes()  # its own check: a size > 0
         self.offload_config()  # its own checks: sizes, dir and disk together
         self._check_device_flags()
+        check_lora_flags(self)
         if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
             raise ValueError(f"--max-prefill-chunk must be > 0, got {self.max_prefill_chunk}")
         if self.decode_step_prefill_tokens is not None and self.decode_step_prefill_tokens <= 0:
@@ -382,7 +391,9 @@ class ServeConfig:
                       max_model_len=self.max_model_len, max_waiting=self.max_waiting,
                       max_prefill_chunk=self.max_prefill_chunk,
                       first_token_first=self.first_token_first,
-                      adaptive_threads=self.adaptive_threads)
+                      adaptive_threads=self.adaptive_threads, enable_lora=self.enable_lora,
+                      max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                      max_cpu_loras=self.lora_cpu_slots(), lora_dtype=self.lora_dtype)
         return ClusterConfig(
             model=self.model, mode=self.mode, num_prefill_workers=num_prefill,
             num_decode_workers=self.decode_workers,
@@ -407,7 +418,15 @@ class ServeConfig:
             require_redis=self.require_redis, name=self.name, keep_workers=self.keep_workers,
             routing=self.routing_config(), kv_event_bus=self.kv_event_bus,
             worker_overrides=dict(self.worker_overrides), prefill_env=threads.prefill_env,
-            autoscale=self.autoscale_config(), tracing=self.tracing_config())
+            autoscale=self.autoscale_config(), tracing=self.tracing_config(),
+            lora_modules=tuple((m.name, m.path) for m in parse_lora_modules(self.lora_modules)))
+
+    def lora_cpu_slots(self) -> int | None:
+        """Adapters each worker holds: --max-cpu-loras, else enough for --max-loras and every
+        --lora-modules adapter (each would otherwise push another out at start)."""
+        if self.max_cpu_loras is not None or not self.enable_lora:
+            return self.max_cpu_loras
+        return max(self.max_loras, len(parse_lora_modules(self.lora_modules)))
 
     def speculative_config_json(self) -> str | None:
         """The decode workers' speculative config as JSON text (None: off); prefill workers

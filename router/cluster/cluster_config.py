@@ -82,6 +82,9 @@ class ClusterConfig:
     # Per-request traces over OTLP from the router and every worker (worker_protocol.tracing);
     # None: off.
     tracing: TracingConfig | None = None
+    # LoRA adapters served from the start, (name, PEFT folder) each (--lora-modules): every
+    # worker loads them before the cluster serves; the engines need enable_lora.
+    lora_modules: tuple = ()
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -94,6 +97,12 @@ class ClusterConfig:
             raise ValueError(f"worker_restarts must be >= 0, got {self.worker_restarts}")
         if self.kv_event_bus not in ("auto", "memory"):
             raise ValueError(f"kv_event_bus must be 'auto' or 'memory', got {self.kv_event_bus!r}")
+        if self.lora_modules and not (self.decode_engine.enable_lora
+                                      and self.prefill_engine.enable_lora):
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.prefill_engine.enable_lora != self.decode_engine.enable_lora:
+            raise ValueError("LoRA must be on for both prefill and decode workers or neither: "
+                             "the prompt's KV and its tokens come from the same adapter")
         if self.autoscale is not None:
             pol = self.autoscale.policy
             starts = [("decode", self.num_decode_workers)]

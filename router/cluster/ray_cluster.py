@@ -52,19 +52,15 @@ from router.contract import (
     WorkerStatus,
     as_invalid_request,
 )
+from router.control.adapters import AdapterBackend
 from router.control.orchestrator import Orchestrator, OrchestratorConfig
 from router.control.worker_health import is_restarting
-from worker_protocol import (
-    WorkerInfo,
-    WorkerLoad,
-    control,
-    liveness,
-)
+from worker_protocol import WorkerInfo, WorkerLoad, control, liveness
 
 log = logging.getLogger(__name__)
 
 
-class Cluster:
+class Cluster(AdapterBackend):
     """A running cluster; implements ``router.contract.GenerationBackend``."""
 
     def __init__(self, config: ClusterConfig) -> None:
@@ -158,9 +154,9 @@ class Cluster:
                                tokenizer.tool_call_format() if tokenizer is not None else None)
         orch = Orchestrator(
             OrchestratorConfig(model_cfg.model_id, cfg.mode, transfer_timeout_s=cfg.transfer_timeout_s,
-                               capacity_wait_s=cfg.capacity_wait_s,
-                               call_timeout_s=cfg.call_timeout_s,
+                               capacity_wait_s=cfg.capacity_wait_s, call_timeout_s=cfg.call_timeout_s,
                                token_timeout_s=cfg.token_timeout_s,
+                               enable_lora=cfg.decode_engine.enable_lora,
                                migration_limit=cfg.migration_limit,
                                migration_prefill=cfg.migration_prefill,
                                orphan_after_s=cfg.orphan_after_s,
@@ -175,6 +171,8 @@ class Cluster:
             self.store.register_worker(_worker_record(info, model_cfg.model_id), ttl_s=15.0)
         orch.drains.retire = self._retire
         self.orchestrator = orch
+        for name, path in cfg.lora_modules:  # --lora-modules: every worker holds them first
+            await orch.adapters.load(name, path)
         self._refresh_task = asyncio.ensure_future(self._refresh_loads())
         if cfg.autoscale is not None:
             self.autoscaler = Autoscaler(self, cfg.autoscale)
@@ -378,7 +376,8 @@ class Cluster:
                             orch.pulls.recomputed_tokens,
                             self.autoscaler.desired() if self.autoscaler else {},
                             dict(self.autoscaler.decisions) if self.autoscaler else {},
-                            orch.phases.snapshot(), orch.phases.transfer_snapshot())
+                            orch.phases.snapshot(), orch.phases.transfer_snapshot(),
+                            {a.name: (a.requests, a.tokens) for a in orch.adapters.adapters()})
 
     async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
                            wait: bool = False) -> DrainStatus:

@@ -13,21 +13,44 @@ from collections.abc import Callable
 
 from engine.contract import QueueFullError
 from router.contract import WorkerUnavailableError
+from router.control.adapters import Adapter, AdapterCatalog
 from router.control.request_state import Aborted, WorkerSlot
 from router.routing.kv_index import KVIndex
 from router.routing.policy import Routing
 
 
 class WorkerChooser:
-    def __init__(self, routing: Routing, index: KVIndex, capacity_wait_s: float) -> None:
+    """``adapters`` and ``prefill_rate`` (tokens/s of a worker) price a LoRA adapter's load on a
+    worker that does not hold it (``AdapterCatalog.lora_penalty``); absent: no price."""
+
+    def __init__(self, routing: Routing, index: KVIndex, capacity_wait_s: float,
+                 adapters: AdapterCatalog | None = None,
+                 prefill_rate: Callable[[str], float] | None = None) -> None:
         self.routing = routing
         self.index = index
         self.capacity_wait_s = capacity_wait_s
+        self.adapters, self.prefill_rate = adapters, prefill_rate
+
+    def _hits(self, detail: dict, slots, lora: Adapter | None) -> dict[str, float]:
+        """Each worker's weighted prefix blocks, less the blocks' worth of prompt work that
+        loading ``lora`` there would cost (negative: the policy's "missing" tokens then count
+        the load beyond the whole prompt)."""
+        hits = {wid: m.weighted for wid, m in detail.items()}
+        if lora is None or self.adapters is None or self.prefill_rate is None:
+            return hits
+        for s in slots:
+            penalty = self.adapters.lora_penalty(lora, s, self.prefill_rate)
+            if penalty:
+                wid = s.info.worker_id
+                hits[wid] = hits.get(wid, 0.0) - penalty / s.view.block_size
+        return hits
 
     async def decode(self, slots: dict[str, WorkerSlot], num_tokens: int, exclude: set[str],
-                     prompt_ids: list[int], aborted: Callable[[], bool]) -> WorkerSlot:
-        """A decode worker with room for ``num_tokens``, chosen for this prompt, waiting
-        (bounded) for capacity to free up. Raises Aborted (``aborted()`` turned true),
+                     prompt_ids: list[int], aborted: Callable[[], bool],
+                     lora: Adapter | None = None) -> WorkerSlot:
+        """A decode worker with room for ``num_tokens``, chosen for this prompt (under LoRA
+        adapter ``lora``: its KV keyed by the adapter, its load priced), waiting (bounded)
+        for capacity to free up. Raises Aborted (``aborted()`` turned true),
         WorkerUnavailableError (none live or reachable) or QueueFullError (no room in time)."""
         deadline = time.monotonic() + self.capacity_wait_s
         delay = 0.01
@@ -37,9 +60,10 @@ class WorkerChooser:
             live = [s for s in slots.values() if s.view.alive]
             if not live:
                 raise WorkerUnavailableError("no live decode worker")
-            detail = self.index.match_detail(prompt_ids, [s.info.worker_id for s in live])
+            detail = self.index.match_detail(prompt_ids, [s.info.worker_id for s in live],
+                                             lora.key if lora else 0)
             # ranked by what the cached blocks save there (a block on disk saves less)
-            hits = {wid: m.weighted for wid, m in detail.items()}
+            hits = self._hits(detail, live, lora)
             self._note_cached(live)
             view = self.routing.pick_decode([s.view for s in live], len(prompt_ids), num_tokens,
                                             exclude, hits)
@@ -59,15 +83,15 @@ class WorkerChooser:
             delay = min(delay * 2, 0.2)
 
     def prefill(self, slots: dict[str, WorkerSlot], prompt_ids: list[int],
-                exclude: set[str]) -> tuple[WorkerSlot, int]:
+                exclude: set[str], lora: Adapter | None = None) -> tuple[WorkerSlot, int]:
         """The prefill worker for this prompt, and the prompt tokens it will compute there
         (what its cache does not hold in any tier: counted as queued on it meanwhile). Raises
         WorkerUnavailableError when none is live."""
-        detail = self.index.match_detail(prompt_ids, list(slots))
+        detail = self.index.match_detail(prompt_ids, list(slots), lora.key if lora else 0)
         self._note_cached(slots.values())
         # Ranked by what the cached blocks save there (a block on disk saves less) ...
         view = self.routing.pick_prefill([s.view for s in slots.values()], len(prompt_ids),
-                                         exclude, {wid: m.weighted for wid, m in detail.items()},
+                                         exclude, self._hits(detail, slots.values(), lora),
                                          {wid: m.in_flight for wid, m in detail.items()})
         if view is None:
             raise WorkerUnavailableError("no live prefill worker")

@@ -59,6 +59,8 @@ class OrchestratorConfig:
     orphan_after_s: float = 20.0
     # Per-request traces (worker_protocol.tracing); None: off.
     tracing: TracingConfig | None = None
+    # The workers run with LoRA on (router.control.adapters): adapters may be loaded.
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.migration_prefill not in MIGRATION_PREFILL:

@@ -23,16 +23,17 @@ from router.contract import (
     GenerateInput,
     GenerationChunk,
     InvalidRequestError,
-    ModelNotFoundError,
     Usage,
     WorkerUnavailableError,
     new_request_id,
 )
+from router.control.adapters import AdapterCatalog
 from router.control.chooser import WorkerChooser
 from router.control.config import MIGRATED_PRIORITY, OrchestratorConfig
 from router.control.drain import WorkerDrains
 from router.control.fanout import TokenFanout
 from router.control.heartbeat import Heartbeats
+from router.control.membership import rejoin
 from router.control.orphans import OrphanRescue
 from router.control.phase_times import PhaseTimes
 from router.control.prefix_pull import PrefixPulls
@@ -96,8 +97,8 @@ class Orchestrator:
         # Keyed like the workers' blocks: the seed folds in their KV dtype (kv_hash_seed).
         self.kv_index = KVIndex(kv_hash_seed(config.prefix_hash_seed, layout.kv_cache_dtype))
         self.kv_sync = KVEventSync(self.kv_index, config.call_timeout_s, kv_event_source)
-        self.choose = WorkerChooser(Routing(config.routing), self.kv_index,
-                                    config.capacity_wait_s)
+        self.adapters = AdapterCatalog(config.model_id, config.enable_lora, lambda: [
+            *self.prefill.values(), *self.decode.values()], config.call_timeout_s)
         self.usage = UsageCounters()
         self._streams: dict[str, StreamState] = {}
         self.fanout = TokenFanout(self._streams, self.streams, config.call_timeout_s,
@@ -109,6 +110,8 @@ class Orchestrator:
         # Cluster-wide reuse: pull a prefix another worker holds instead of computing it.
         self.pulls = PrefixPulls(self.kv_index, layout, config.routing.prefix_pull,
                                  config.transfer_timeout_s, health=self.health)
+        self.choose = WorkerChooser(Routing(config.routing), self.kv_index,
+                                    config.capacity_wait_s, self.adapters, self.pulls.prefill_rate)
         self.orphans = OrphanRescue(self)
         self.fanout.on_lost = self.orphans.lost
         self.streams.on_stall = self.orphans.stalled
@@ -143,26 +146,8 @@ class Orchestrator:
         self.heartbeats.watch(slot)
 
     def rejoin(self, slot: WorkerSlot, info: WorkerInfo) -> None:
-        """``slot``'s worker was restarted by Ray (same id and handle, new process): take its
-        new ``info``, move its old process's streams, route to it again (its pool is empty;
-        in-flight counters stay, owned by the attempts that raised them)."""
-        old, wid = slot.info, info.worker_id
-        if old.role != "prefill":
-            self.fanout.fail_committed_streams(
-                wid, f"decode worker {wid} restarted (pid {old.pid} -> {info.pid})",
-                "worker_restarted", keep_incarnation=info.incarnation)
-        slot.info = info
-        view = slot.view
-        view.alive, view.load, view.kv_unreachable_until = True, None, 0.0
-        view.kv_blocks_total = info.num_kv_blocks
-        view.restarts += 1
-        self.kv_sync.track(wid, info.block_size)  # its cache is new: stale until a snapshot
-        self.health.reachable(slot)
-        if old.role != "prefill":
-            self.fanout.start(slot)
-        self.heartbeats.watch(slot)  # a new process: a new clock and lifeline
-        log.warning("worker %s rejoined after a restart: pid %d -> %d, KV address %s",
-                    wid, old.pid, info.pid, info.kv_address)
+        """``slot``'s worker was restarted by Ray: see ``router.control.membership.rejoin``."""
+        rejoin(self, slot, info)
 
     async def close(self) -> None:
         await self.drains.close()
@@ -176,9 +161,7 @@ class Orchestrator:
 
     # ---- the lifecycle --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
-        if inp.model is not None and inp.model != self.config.model_id:
-            raise ModelNotFoundError(f"model {inp.model!r} is not served here "
-                                     f"(serving {self.config.model_id!r})")
+        lora = self.adapters.resolve(inp.model)  # ModelNotFoundError for a name not served
         try:
             enc = self.inputs.process(inp.prompt, inp.sampling)
         except ValueError as e:
@@ -190,7 +173,7 @@ class Orchestrator:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         prompt_ids = enc.token_ids
         params = inp.sampling
-        stream = StreamState(rid)
+        stream = StreamState(rid, lora=lora)
         t0 = time.monotonic()
         finished = False
         stream.trace = RequestTrace.open(self.tracing, rid, self.config.model_id,
@@ -202,7 +185,8 @@ class Orchestrator:
         self.add_stream(stream)
         try:
             self._journal(rid, "received", None, f"{len(prompt_ids)} prompt tokens")
-            self.streams.open(rid, prompt_ids, params, inp.messages is not None)
+            self.streams.open(rid, prompt_ids, params, inp.messages is not None,
+                              lora.name if lora is not None else None)
             first: FirstToken | None = None
             try:
                 if self.config.mode == "colocated":
@@ -216,6 +200,8 @@ class Orchestrator:
                 pending.append(first_update(rid, first))
             async for chunk in self.follow(stream, prompt_ids, params, [], pending, t0):
                 finished, last = chunk.finished, chunk
+                if lora is not None:
+                    lora.tokens += len(chunk.token_ids)
                 yield chunk
         except BaseException as e:
             error = e
@@ -369,8 +355,9 @@ class Orchestrator:
         num_tokens = len(prompt_ids) + params.max_tokens
         with phase(stream.trace, "route"):
             slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
-                                            lambda: stream.aborted)
-        if pull:  # a moved stream's prompt is often still cached where it was prefilled
+                                            lambda: stream.aborted, stream.lora)
+        # No pulls under an adapter: they move base-model prefixes (KV of other weights).
+        if pull and stream.lora is None:  # a moved stream's prompt is often still cached where it was prefilled
             await self.pulls.before_prefill(stream.request_id, prompt_ids, slot, [
                 *self.prefill.values(), *self.decode.values()], self._journal, stream.trace)
             if stream.aborted:
@@ -378,14 +365,14 @@ class Orchestrator:
         await stream.rejoin(slot.info.worker_id, self.config.call_timeout_s)
         stream.decode_id, stream.committed = slot.info.worker_id, True
         self.kv_index.forget(stream.request_id)  # a migrated stream's earlier worker
-        self.kv_index.expect(stream.request_id, slot.info.worker_id, prompt_ids)
+        self.kv_index.expect(stream.request_id, slot.info.worker_id, prompt_ids, stream.root)
         slot.view.inflight_requests += 1
         try:
             stream.decode_incarnation = await decode_call(
                 stream.trace, slot.info.worker_id, lambda tp: stream.open_call(
                     slot.handle.submit.remote(SubmitRequest(
                         stream.request_id, prompt_ids, params, stream.priority, self.router_id,
-                        tp))))
+                        tp, stream.lora_request))))
         finally:
             slot.view.inflight_requests -= 1
 
@@ -404,8 +391,9 @@ class Orchestrator:
             with phase(stream.trace, "route", {"pdcluster.attempt": attempt + 1}):
                 decode = await self.choose.decode(
                     self.decode, len(prompt_ids) + params.max_tokens, excluded["decode"],
-                    prompt_ids, lambda: stream.aborted)
-                pslot, work = self.choose.prefill(self.prefill, prompt_ids, excluded["prefill"])
+                    prompt_ids, lambda: stream.aborted, stream.lora)
+                pslot, work = self.choose.prefill(self.prefill, prompt_ids, excluded["prefill"],
+                                                  stream.lora)
             try:
                 return await self._attempt(stream, pslot, decode, prompt_ids, params, attempt,
                                            work)
@@ -429,8 +417,8 @@ class Orchestrator:
         # In-flight affinity: both workers will hold the prompt's blocks once this attempt is
         # through; until their events say so the index counts them (not a failed attempt's).
         self.kv_index.forget(rid)
-        self.kv_index.expect(rid, pslot.info.worker_id, prompt_ids)
-        self.kv_index.expect(rid, decode.info.worker_id, prompt_ids)
+        for slot in (pslot, decode):
+            self.kv_index.expect(rid, slot.info.worker_id, prompt_ids, stream.root)
         need = cdiv(len(prompt_ids) + 1, decode.view.block_size)
         decode.view.inflight_blocks += need
         # Counted from the pick, not from the reserve's answer: requests routed in one burst
@@ -444,7 +432,8 @@ class Orchestrator:
                 res = await self.calls.call(stream, decode, stream.open_call(
                     decode.handle.reserve.remote(ReserveRequest(
                         rid, prompt_ids, params, self.layout, pslot.info.worker_id,
-                        self.router_id, pslot.info.tp_size))), cfg.call_timeout_s)
+                        self.router_id, pslot.info.tp_size, stream.lora_request))),
+                    cfg.call_timeout_s)
             if not res.ok:
                 raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
             cached = res.transfer.start_token if res.transfer is not None else 0
@@ -454,8 +443,9 @@ class Orchestrator:
             try:
                 with phase(trace, "prefill", {"pdcluster.worker_id": pslot.info.worker_id}
                            ) as span:
-                    await self.pulls.before_prefill(rid, prompt_ids, pslot, [
-                        *self.prefill.values(), *self.decode.values()], self._journal)
+                    if stream.lora is None:  # pulls move base-model prefixes only
+                        await self.pulls.before_prefill(rid, prompt_ids, pslot, [
+                            *self.prefill.values(), *self.decode.values()], self._journal)
                     stream.prefill_id = pslot.info.worker_id
                     # The reserving process's address: a just-restarted worker has a new port.
                     destination = res.kv_address or decode.info.kv_address
@@ -463,7 +453,8 @@ class Orchestrator:
                         stream, pslot, pslot.handle.prefill.remote(PrefillRequest(
                             rid, prompt_ids, params, res.transfer, destination,
                             cfg.prefill_timeout_s, stream.priority, res.kv_rank_addresses,
-                            trace.header(span) if trace is not None else "")),
+                            trace.header(span) if trace is not None else "",
+                            stream.lora_request)),
                         cfg.prefill_timeout_s + cfg.call_timeout_s, release=decode, peer=decode)
             finally:
                 # On cancellation prefill_id stays set, so the caller aborts the prefill too.

@@ -37,6 +37,7 @@ from typing import Protocol
 
 from engine.contract import SamplingParams
 from router.contract import GenerationChunk
+from router.control.adapters import AdapterCatalog
 from router.control.request_state import StreamState, WorkerLost, WorkerSlot
 from router.state.store import StreamLog, from_dict
 from router.state.stream_log import StreamLogger
@@ -54,6 +55,7 @@ class RescueHost(Protocol):
     router_id: str
     streams: StreamLogger
     call_timeout_s: float
+    adapters: AdapterCatalog  # a continued stream runs under its LoRA adapter again
 
     def has_stream(self, request_id: str) -> bool:
         """This router is producing ``request_id``'s stream now."""
@@ -134,10 +136,13 @@ class OrphanRescue:
                 return
             rec = current.record
             params = from_dict(SamplingParams, rec.sampling)
+            # Its LoRA adapter, if this router serves it; else it is not continued: computed
+            # again under other weights, its tokens would silently change.
+            lora = host.adapters.resolve(rec.model_id)
         except Exception as e:  # the store is away (the client's resume ends; it may retry),
-            log.warning("cannot continue %s: %r", request_id, e)  # or a record we cannot read
-            return
-        stream = StreamState(request_id)
+            log.warning("cannot continue %s: %r", request_id, e)  # a record we cannot read,
+            return  # or an adapter this router does not serve
+        stream = StreamState(request_id, lora=lora)
         stream.decode_id = lost_on  # a lost worker that comes back frees its copy
         host.add_stream(stream)
         log.warning("continuing %s after %d tokens: %s", request_id, current.num_tokens, why)

@@ -58,6 +58,18 @@ class StreamState:
     opening: list[asyncio.Future] = field(default_factory=list)
     # Its spans (router.control.request_trace.RequestTrace), or None: tracing off/unsampled.
     trace: Any = None
+    # The LoRA adapter it runs under (router.control.adapters.Adapter), None: the base model.
+    lora: Any = None
+
+    @property
+    def lora_request(self):
+        """What its worker calls carry: the adapter's ``LoRARequest`` (None: base model)."""
+        return self.lora.request if self.lora is not None else None
+
+    @property
+    def root(self) -> int:
+        """Its KV's block-hash root (the adapter's key; 0: base model)."""
+        return self.lora.key if self.lora is not None else 0
 
     def open_call(self, ref) -> asyncio.Future:
         """Track ``ref`` (a call creating the request on a worker) until it completes; the

@@ -168,6 +168,36 @@ class GenerationService(pb_grpc.GenerationServicer):
                             vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
                             mode=info.mode)
 
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        await self._tenant(context)
+        return pb.ListModelsResponse(models=[
+            pb.ServedModel(id=m.id, parent=m.parent or "", root=m.root or "",
+                           lora_int_id=m.int_id or 0) for m in self.backend.served_models()])
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> pb.LoRAAdapterResponse:
+        await self._operator(context, lambda: self.backend.load_lora_adapter(
+            request.lora_name, request.lora_path))
+        return pb.LoRAAdapterResponse(message=f"LoRA adapter {request.lora_name!r} loaded")
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> pb.LoRAAdapterResponse:
+        await self._operator(context, lambda: self.backend.unload_lora_adapter(
+            request.lora_name))
+        return pb.LoRAAdapterResponse(message=f"LoRA adapter {request.lora_name!r} unloaded")
+
+    async def _operator(self, context: grpc.aio.ServicerContext, call) -> None:
+        """Await ``call()`` for an operator (``Gate.authorize_admin``), its errors mapped to
+        status codes."""
+        tenant = await self._tenant(context)
+        try:
+            self.gate.authorize_admin(tenant)
+            await call()
+        except Exception as e:
+            err = map_error(e)
+            await context.abort(err.grpc_code, err.message)
+
 
 @dataclass(frozen=True)
 class _Undecodable:
@@ -274,6 +304,11 @@ def _add_generation_service(service: GenerationService, server: grpc.aio.Server,
                          refusable=False),
         "Abort": unary(service.Abort, pb.AbortRequest, pb.AbortResponse, refusable=False),
         "GetModelInfo": unary(service.GetModelInfo, pb.GetModelInfoRequest, pb.ModelInfo),
+        "ListModels": unary(service.ListModels, pb.ListModelsRequest, pb.ListModelsResponse),
+        "LoadLoRAAdapter": unary(service.LoadLoRAAdapter, pb.LoadLoRAAdapterRequest,
+                                 pb.LoRAAdapterResponse),
+        "UnloadLoRAAdapter": unary(service.UnloadLoRAAdapter, pb.UnloadLoRAAdapterRequest,
+                                   pb.LoRAAdapterResponse),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
                                                                           handlers),))

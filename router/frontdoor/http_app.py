@@ -36,6 +36,7 @@ from router.contract import (
 )
 from router.frontdoor.http_guard import GuardMiddleware
 from router.frontdoor.metrics import CONTENT_TYPE, Metrics
+from router.frontdoor.openai.adapters import add_adapter_routes
 from router.frontdoor.openai.logprobs import TokenNames
 from router.frontdoor.openai.refused import refusal
 from router.frontdoor.openai.render import ChatRenderer, CompletionRenderer
@@ -68,6 +69,7 @@ def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None =
                            tool_call_parser)
     _add_info_routes(app, backend, metrics, gate)
     _add_token_routes(app, backend)
+    add_adapter_routes(app, backend, gate)
     publish_openapi(app, CONTENT_TYPE)
     return app
 
@@ -132,7 +134,8 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
 
         return await respond(request, body, make_inputs,
                              lambda rid: CompletionRenderer(f"cmpl-{rid}", int(time.time()),
-                                                            model_id, _names(body), echo=echo))
+                                                            body.model or model_id,
+                                                            _names(body), echo=echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -147,8 +150,8 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
 
         return await respond(
             request, body, make_inputs,
-            lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()), info.model_id,
-                                     _names(body), tools=plan[0]))
+            lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()),
+                                     body.model or info.model_id, _names(body), tools=plan[0]))
 
     def _names(body) -> TokenNames | None:
         """How the response's logprobs name tokens (None: it asked for none)."""
@@ -179,9 +182,11 @@ def _add_info_routes(app: FastAPI, backend: GenerationBackend, metrics: Metrics,
     @app.get("/v1/models")
     async def models():
         info = backend.model_info()
+        # vLLM's shape: an adapter names its base model as parent, its folder as root.
         return {"object": "list", "data": [{
-            "id": info.model_id, "object": "model", "created": 0, "owned_by": "pdcluster",
-            "max_model_len": info.max_model_len}]}
+            "id": m.id, "object": "model", "created": m.created, "owned_by": "pdcluster",
+            "root": m.root or m.id, "parent": m.parent, "max_model_len": info.max_model_len}
+            for m in backend.served_models()]}
 
     @app.get("/health")
     async def health():
@@ -226,9 +231,10 @@ def _add_token_routes(app: FastAPI, backend: GenerationBackend) -> None:
     messages through the chat template), and back."""
 
     def check_model(model: str | None) -> None:
-        served = backend.model_info().model_id
-        if model is not None and model != served:
-            raise ModelNotFoundError(f"model {model!r} is not served here (serving {served!r})")
+        served = [m.id for m in backend.served_models()]  # adapters share the tokenizer
+        if model is not None and model not in served:
+            raise ModelNotFoundError(f"model {model!r} is not served here (serving "
+                                     f"{', '.join(repr(m) for m in served)})")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

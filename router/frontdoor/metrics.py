@@ -205,6 +205,34 @@ def _engine_counter_families(s: BackendStats):
     yield stolen
     yield steps
     yield from _spec_families(s)
+    yield from _lora_families(s)
+
+
+def _lora_families(s: BackendStats):
+    """Per LoRA adapter: requests and tokens (the router's count), and per worker the
+    adapters it holds now and its loads and evictions of each (its own count)."""
+    reqs = CounterMetricFamily("pdcluster_lora_requests", "Requests that named a LoRA adapter",
+                               labels=["adapter"])
+    toks = CounterMetricFamily("pdcluster_lora_generated_tokens",
+                               "Tokens generated under a LoRA adapter", labels=["adapter"])
+    for name, (n, t) in sorted(s.lora_adapters.items()):
+        reqs.add_metric([name], n)
+        toks.add_metric([name], t)
+    labels = ["worker", "role", "adapter"]
+    held = GaugeMetricFamily("pdcluster_lora_adapter_loaded",
+                             "1 for each LoRA adapter a worker holds now", labels=labels)
+    loads = CounterMetricFamily("pdcluster_lora_adapter_loads",
+                                "Times a worker read a LoRA adapter from disk", labels=labels)
+    evictions = CounterMetricFamily("pdcluster_lora_adapter_evictions",
+                                    "Times a worker dropped a LoRA adapter for another (LRU)",
+                                    labels=labels)
+    for w in s.workers:
+        for name in w.lora_adapters:
+            held.add_metric([w.worker_id, w.role, name], 1)
+        for name, n_loads, n_evictions in w.lora_counts:
+            loads.add_metric([w.worker_id, w.role, name], n_loads)
+            evictions.add_metric([w.worker_id, w.role, name], n_evictions)
+    yield from (reqs, toks, held, loads, evictions)
 
 
 def _spec_families(s: BackendStats):

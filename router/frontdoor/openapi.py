@@ -23,7 +23,7 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
 _WHY = {"400": "a bad or unsupported field (named in the message and param), malformed JSON",
         "401": "a missing or wrong API key (when keys are configured)",
         "403": "the API key's tenant may not make operators' calls (--admin-tenants)",
-        "404": "an unknown model, stream, worker or path",
+        "404": "an unknown model, stream, worker, LoRA adapter or path",
         "413": "a body over the size limit",
         "429": "the queue or the caller's rate limit is full (Retry-After says when to retry)",
         "503": "no live worker can take the request, or the server is draining"}
@@ -36,7 +36,11 @@ _ERRORS = {
     "/detokenize": ("400", "404", "413"),
     "/health": ("503",),
     "/v1/cluster/workers/{worker_id}/drain": ("400", "403", "404", "413"),
+    "/v1/load_lora_adapter": ("400", "403", "413"),
+    "/v1/unload_lora_adapter": ("400", "403", "404", "413"),
 }
+# vLLM's adapter routes answer 200 with a line of text.
+_TEXT_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _DRAIN_STATUS = {"type": "object", "required": [
     "worker_id", "role", "state", "elapsed_s", "migrate_after_s", "streams_finished",
     "streams_migrated", "remaining"], "properties": {
@@ -80,6 +84,8 @@ def _correct(path: str, op: dict, metrics_content_type: str) -> None:
     ok = responses.setdefault("200", {"description": "OK"})
     if path == "/metrics":
         ok["content"] = {metrics_content_type.split(";")[0]: {"schema": {"type": "string"}}}
+    elif path in _TEXT_ROUTES:
+        ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
     elif path in _SSE_ROUTES:
         ok.setdefault("content", {})["text/event-stream"] = {"schema": _SSE_EVENT}
     if path == "/health":

@@ -188,13 +188,16 @@ class KVIndex:
         return True
 
     # ---- in-flight affinity ----------------------------------------------------------------
-    def expect(self, request_id: str, worker_id: str, prompt_ids: list[int]) -> None:
+    def expect(self, request_id: str, worker_id: str, prompt_ids: list[int],
+               root: int = 0) -> None:
         """``request_id``'s prompt was just routed to ``worker_id``: count its full blocks
-        as held there until their events arrive or the request is forgotten."""
+        as held there until their events arrive or the request is forgotten. ``root``: what
+        else its KV depends on (a LoRA adapter's key; ``prompt_hashes``)."""
         c = self._workers.get(worker_id)
         if c is None or not prompt_ids:
             return
-        missing = [h for h in self.prompt_hashes(prompt_ids, c.block_size) if h not in c.hashes]
+        missing = [h for h in self.prompt_hashes(prompt_ids, c.block_size, root)
+                   if h not in c.hashes]
         if not missing:
             return
         mine = self._expected_by.setdefault(request_id, {}).setdefault(worker_id, set())
@@ -243,18 +246,19 @@ class KVIndex:
 
     # ---- reading --------------------------------------------------------------------------
     def match(self, prompt_ids: list[int] | None,
-              worker_ids: list[str] | None = None) -> dict[str, int]:
+              worker_ids: list[str] | None = None, root: int = 0) -> dict[str, int]:
         """``match_detail``'s blocks alone: worker id -> leading blocks held (any tier) or
         expected."""
-        return {wid: m.blocks for wid, m in self.match_detail(prompt_ids, worker_ids).items()}
+        return {wid: m.blocks
+                for wid, m in self.match_detail(prompt_ids, worker_ids, root).items()}
 
-    def match_detail(self, prompt_ids: list[int] | None,
-                     worker_ids: list[str] | None = None) -> dict[str, PrefixMatch]:
+    def match_detail(self, prompt_ids: list[int] | None, worker_ids: list[str] | None = None,
+                     root: int = 0) -> dict[str, PrefixMatch]:
         """Worker id -> the leading full blocks of the prompt its cache holds in any tier, or
         will hold once the requests routed there are computed (``expect``), and their
         tier-weighted count (``PrefixMatch.weighted``); only workers with at least one; a
         stale worker's cache counts for nothing (its in-flight blocks do). ``worker_ids``
-        limits the answer to those workers."""
+        limits the answer to those workers; ``root`` as for ``prompt_hashes``."""
         if not prompt_ids:
             return {}
         ids = worker_ids if worker_ids is not None else list(self._workers)
@@ -269,7 +273,8 @@ class KVIndex:
                 continue
             hashes = by_size.get(c.block_size)
             if hashes is None:
-                hashes = by_size[c.block_size] = self.prompt_hashes(prompt_ids, c.block_size)
+                hashes = by_size[c.block_size] = self.prompt_hashes(prompt_ids, c.block_size,
+                                                                     root)
             slow = c.slow if held else {}
             n = in_flight = 0
             weighted = 0.0
@@ -308,11 +313,13 @@ class KVIndex:
                 out[wid] = n * c.block_size
         return out
 
-    def prompt_hashes(self, prompt_ids: list[int], block_size: int) -> list[int]:
+    def prompt_hashes(self, prompt_ids: list[int], block_size: int, root: int = 0) -> list[int]:
         """Chained hashes of the prompt's full blocks, as the engine's prefix cache computes
-        them. The last token never comes from a cache (it must be computed to sample), so a
-        prompt of exactly k blocks counts k - 1."""
-        out, parent = [], 0
+        them: ``root`` is the first block's parent (a LoRA adapter's key, 0 for the base
+        model), so the same prompt under two adapters matches nothing of the other's. The
+        last token never comes from a cache (it must be computed to sample), so a prompt of
+        exactly k blocks counts k - 1."""
+        out, parent = [], root
         for i in range((len(prompt_ids) - 1) // block_size):
             parent = hash_block(parent, prompt_ids[i * block_size:(i + 1) * block_size],
                                 self.hash_seed)

@@ -77,13 +77,14 @@ class StreamLogger:
 
     # ---- the producer's side --------------------------------------------------------------
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             chat: bool) -> None:
-        """Start the log, owned by this logger's owner. It holds the prompt and the sampling
-        parameters too, so another router can continue the request if its router and its
-        decode worker both die."""
+             chat: bool, model: str | None = None) -> None:
+        """Start the log, owned by this logger's owner. It holds the prompt, the sampling
+        parameters and ``model`` (a LoRA adapter's name; None: the base model) too, so another
+        router can continue the request if its router and its decode worker both die."""
         self.store.stream_open(StreamRecord(
             request_id, len(prompt_token_ids), params.max_tokens, list(params.stop),
-            params.include_stop_str_in_output, self.model_id, "chat" if chat else "completion",
+            params.include_stop_str_in_output, model or self.model_id,
+            "chat" if chat else "completion",
             list(prompt_token_ids), dataclasses.asdict(params), self.owner or ""))
 
     def append(self, request_id: str, token_ids: list[int], finish_reason: str | None) -> None:

@@ -5,7 +5,7 @@ import warnings
 
 from proto.pdcluster.v1 import generation_pb2 as pdcluster_dot_v1_dot_generation__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -54,6 +54,21 @@ class GenerationStub:
                 request_serializer=pdcluster_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/pdcluster.v1.Generation/ListModels',
+                request_serializer=pdcluster_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdcluster.v1.Generation/LoadLoRAAdapter',
+                request_serializer=pdcluster_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdcluster.v1.Generation/UnloadLoRAAdapter',
+                request_serializer=pdcluster_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -88,6 +103,29 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """Every name `model` may take: the base model, then each LoRA adapter served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoRAAdapter(self, request, context):
+        """Serve a PEFT LoRA adapter folder as model `lora_name` (every worker loads it first), or
+        stop serving one. Operators' calls (a key of an --admin-tenants tenant when keys are on).
+        INVALID_ARGUMENT: LoRA off, a name served already, a refused adapter, an adapter in use;
+        NOT_FOUND: unloading a name not served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +148,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pdcluster_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=pdcluster_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=pdcluster_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_generation__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=pdcluster_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_generation__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +273,87 @@ class Generation:
             '/pdcluster.v1.Generation/GetModelInfo',
             pdcluster_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             pdcluster_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Generation/ListModels',
+            pdcluster_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+            pdcluster_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Generation/LoadLoRAAdapter',
+            pdcluster_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pdcluster_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Generation/UnloadLoRAAdapter',
+            pdcluster_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pdcluster_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

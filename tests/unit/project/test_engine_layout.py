@@ -46,6 +46,7 @@ ROUTER_MAY_IMPORT = (
     "engine.runtime.async_engine",  # the embedded backend runs one engine in-process
     "engine.runtime.cpu_threads",  # the CPU budget `pdcluster serve` splits among workers
     "engine.parallel.sharding",  # a worker's tensor-parallel shape
+    "engine.lora.request",  # LoRARequest: which adapter a request runs under (plain data)
 )
 
 

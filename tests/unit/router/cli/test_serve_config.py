@@ -206,3 +206,39 @@ def test_speculative_config_reaches_the_decode_workers_only_and_bad_ones_are_ref
         with pytest.raises(ValueError) as e:
             config("--speculative-config", value)
         assert match in str(e.value)
+
+
+def test_lora_flags_reach_both_roles_engines_and_bad_ones_are_named(tmp_path):
+    """--enable-lora and its bounds reach prefill and decode engines alike (the prompt's KV
+    and the tokens come from one adapter); --lora-modules (name=DIR, vLLM's JSON, or a YAML
+    mapping) reaches the cluster, each worker holding them all by default; bad values are
+    refused before any worker starts, naming the flag."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    cfg = serve_config_from_args(_args("--enable-lora", "--lora-modules", f"x={a}",
+                                       json.dumps({"name": "y", "path": b}),
+                                       "--max-lora-rank", "64"))
+    cc = cfg.cluster_config()
+    assert cc.lora_modules == (("x", a), ("y", b))
+    for eng in (cc.prefill_engine, cc.decode_engine):
+        assert (eng.enable_lora, eng.max_loras, eng.max_lora_rank, eng.max_cpu_loras) == (
+            True, 1, 64, 2)
+    off = serve_config_from_args(_args()).cluster_config()
+    assert not off.decode_engine.enable_lora and off.lora_modules == ()
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(f"enable_lora: true\nlora_modules: {{x: {a}}}\nmax_cpu_loras: 4\n")
+    cc = serve_config_from_args(_args("--config", str(yaml_file))).cluster_config()
+    assert cc.lora_modules == (("x", a),) and cc.decode_engine.max_cpu_loras == 4
+    for argv, match in [
+        (["--lora-modules", f"x={a}"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", f"x={a}", f"x={b}"], "'x' is given twice"),
+        (["--enable-lora", "--lora-modules", "x"], "expected name=DIR"),
+        (["--enable-lora", "--lora-modules", f"x={tmp_path}"], "no adapter_config.json"),
+        (["--enable-lora", "--max-loras", "0"], "--max-loras must be an integer >= 1"),
+        (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"],
+         r"--max-cpu-loras \(2\) must be >= --max-loras \(4\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            serve_config_from_args(_args(*argv))
