@@ -38,6 +38,8 @@ from client.types import (
     StreamChunk,
     build_request,
     chunk_from_response,
+    embed_request,
+    embeddings_from_proto,
     error_from_rpc,
     model_info_from_proto,
     served_models_from_proto,
@@ -214,7 +216,7 @@ class Client:
                request_id: str | None = None, timeout: float | None = None,
                resume: bool = False, n: int | None = None, tools: list[dict] | None = None,
                tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
-               **sampling) -> GenerateStream:
+               priority: int | None = None, **sampling) -> GenerateStream:
         """Stream one request. Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``;
         ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
         ignore_eos, min_tokens, include_stop_str_in_output, presence_penalty,
@@ -233,11 +235,12 @@ class Client:
         "required" | ``{"type": "function", "function": {"name": ...}}``) and
         ``parallel_tool_calls``: the last chunk (and the result) carries ``tool_calls`` and
         ``content`` parsed from the output; required and named calls are enforced by a grammar.
+        ``priority`` (vLLM's: lower runs first, -1000..1000; unset: 0).
         Raises ValueError / TypeError for a malformed call; server errors surface while
         iterating."""
         req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling,
                             resumable=resume, n=n, tools=tools, tool_choice=tool_choice,
-                            parallel_tool_calls=parallel_tool_calls)
+                            parallel_tool_calls=parallel_tool_calls, priority=priority)
         return GenerateStream(self._stub, req, self._timeout(timeout), self.retry, resume=resume)
 
     def resume(self, request_id: str, from_index: int = 0,
@@ -286,6 +289,13 @@ class Client:
         """Abort a running request; False if it is unknown or already finished."""
         resp = self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
         return resp.found
+
+    def embed(self, inputs: str | list[int] | list[str | list[int]], model: str | None = None,
+              timeout: float | None = None) -> list[list[float]]:
+        """One embedding per input (a text or token ids; one input or a list), pooled as the
+        server is configured; ``model``: the base model (None) or a LoRA adapter."""
+        return embeddings_from_proto(self._unary(self._stub.Embed,
+                                                 embed_request(inputs, model), timeout))
 
     def list_models(self, timeout: float | None = None) -> list[ServedModel]:
         """The base model, then every LoRA adapter served (names ``model`` may take)."""
@@ -404,11 +414,11 @@ class AsyncClient:
                request_id: str | None = None, timeout: float | None = None,
                resume: bool = False, n: int | None = None, tools: list[dict] | None = None,
                tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
-               **sampling) -> AsyncGenerateStream:
+               priority: int | None = None, **sampling) -> AsyncGenerateStream:
         """See ``Client.stream``."""
         req = build_request(prompt, prompt_token_ids, messages, model, request_id, sampling,
                             resumable=resume, n=n, tools=tools, tool_choice=tool_choice,
-                            parallel_tool_calls=parallel_tool_calls)
+                            parallel_tool_calls=parallel_tool_calls, priority=priority)
         return AsyncGenerateStream(self._stub, req, self._timeout(timeout), self.retry,
                                    resume=resume)
 
@@ -455,6 +465,11 @@ class AsyncClient:
         resp = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
                                  timeout)
         return resp.found
+
+    async def embed(self, inputs: str | list[int] | list[str | list[int]],
+                    model: str | None = None, timeout: float | None = None) -> list[list[float]]:
+        return embeddings_from_proto(await self._unary(self._stub.Embed,
+                                                       embed_request(inputs, model), timeout))
 
     async def list_models(self, timeout: float | None = None) -> list[ServedModel]:
         return served_models_from_proto(

@@ -231,7 +231,8 @@ def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
                   sampling: dict, resumable: bool = False,
                   n: int | None = None, tools: list[dict] | None = None,
                   tool_choice: str | dict | None = None,
-                  parallel_tool_calls: bool | None = None) -> pb.GenerateRequest:
+                  parallel_tool_calls: bool | None = None,
+                  priority: int | None = None) -> pb.GenerateRequest:
     """Raises ValueError unless exactly one prompt form is given (or for a malformed tool),
     TypeError for an unknown sampling argument. Values themselves are validated by the server
     (INVALID_ARGUMENT)."""
@@ -253,6 +254,8 @@ def build_request(prompt: str | None, prompt_token_ids: list[int] | None,
         req.request_id = request_id
     if model is not None:
         req.model = model
+    if priority is not None:
+        req.priority = priority
     if prompt is not None:
         req.text = prompt
     elif prompt_token_ids is not None:
@@ -384,3 +387,27 @@ def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
 def served_models_from_proto(resp: pb.ListModelsResponse) -> list[ServedModel]:
     return [ServedModel(m.id, m.parent or None, m.root or None, m.lora_int_id or None)
             for m in resp.models]
+
+
+def embed_request(inputs, model: str | None) -> pb.EmbedRequest:
+    """``Client.embed``'s inputs (one text, one token-id list, or a list of either) as a
+    request. ValueError for an empty input."""
+    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs
+                                   and isinstance(inputs[0], int)):
+        inputs = [inputs]
+    if not inputs:
+        raise ValueError("inputs: at least one text or token-id list")
+    req = pb.EmbedRequest()
+    for x in inputs:
+        item = req.inputs.add()
+        if isinstance(x, str):
+            item.text = x
+        else:
+            item.token_ids.ids.extend(x)
+    if model is not None:
+        req.model = model
+    return req
+
+
+def embeddings_from_proto(resp: pb.EmbedResponse) -> list[list[float]]:
+    return [list(e.values) for e in resp.embeddings]

@@ -56,6 +56,7 @@ from worker_protocol import (
     restore_priority,
 )
 from worker_protocol.adapters import LoRALoaded, WorkerAdapters
+from worker_protocol.embeddings import EmbedRequest, EmbedResult, WorkerEmbeddings
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import DecodeRankKV, rank_state
@@ -146,6 +147,7 @@ class DecodeWorker:
                                on_crash=exit_on_engine_crash(self.worker_id),
                                after_work=self._kv_events.after_work, compute=compute)
         self.adapters = WorkerAdapters(self.engine, self.loop, _CALL_TIMEOUT_S)
+        self.embeddings = WorkerEmbeddings(self.loop, self.adapters, _CALL_TIMEOUT_S)
         # Serves prefill workers' pulls of prefixes this one holds (worker_protocol.prefix_pull).
         self.source = PrefixSource(self.loop, self.worker_id, self.layout, self.kv_host.address,
                                    kv_device, config.fault_pull_delay_per_layer_s)
@@ -200,6 +202,10 @@ class DecodeWorker:
         """Hold LoRA adapter ``req`` (worker_protocol.adapters); ValueError names why not."""
         return self.adapters.load(req)
 
+    def embed(self, req: EmbedRequest) -> EmbedResult:
+        """A prompt's pooled hidden states (worker_protocol.embeddings): no KV leaves."""
+        return self.embeddings.embed(req)
+
     def unload_lora(self, name: str) -> bool:
         """Drop adapter ``name`` (False: not held); ValueError while requests use it here."""
         return self.adapters.unload(name)
@@ -243,7 +249,7 @@ class DecodeWorker:
             lora = req.lora_request  # its key again: held now, the LRU may drop it later
             root = e.load_lora(lora).key if lora is not None else 0
             res = e.kv_connector.reserve(rid, req.prompt_token_ids, req.sampling_params, root,
-                                         lora)
+                                         lora, req.priority)
             if not res.ok:
                 return res, None
             # Our prefix cache holds the first num_cached_tokens: only the rest travels.
@@ -394,6 +400,7 @@ class DecodeWorker:
 
     # ---- internals ------------------------------------------------------------------------
     def _on_step(self, outs: list[RequestOutput]) -> None:
+        outs = self.embeddings.take(outs)  # their callers have them
         updates, forgotten = [], []
         with self._lock:
             for o in outs:

@@ -27,6 +27,17 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
+POOLING_CHOICES = ("last", "mean", "cls")  # SamplingParams.pooling (embeddings)
+# A request's ``priority`` as clients give it (vLLM's meaning: lower runs first).
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+
+
+def check_priority(priority) -> int:
+    """``priority`` if it is an integer in [MIN_PRIORITY, MAX_PRIORITY]; else ValueError."""
+    if not _is_int(priority) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}] "
+                         f"(lower runs first), got {priority!r}")
+    return priority
 
 
 def _is_int(v: object) -> bool:
@@ -101,6 +112,11 @@ class SamplingParams:
     # before. Seeded sampling continues from that position, so the stream stays the one an
     # undisturbed run would have produced. Clients leave it 0.
     sample_index_offset: int = 0
+    # An embedding request (engine.executor.pooling): the prompt's final hidden states
+    # pooled, "last" | "mean" | "cls", L2-normalized unless ``normalize`` is False; it ends
+    # once its prompt is computed (max_tokens 1), its output carrying ``embedding``.
+    pooling: str | None = None
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -181,6 +197,15 @@ class SamplingParams:
                              f"unset, got {self.prompt_logprobs!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
+        if self.pooling is not None:
+            if self.pooling not in POOLING_CHOICES:
+                raise ValueError(f"pooling must be one of {', '.join(POOLING_CHOICES)}, "
+                                 f"got {self.pooling!r}")
+            if self.max_tokens != 1 or self.structured is not None or self.logprobs is not None:
+                raise ValueError("pooling (an embedding request): max_tokens must be 1, "
+                                 "without structured outputs or logprobs")
+        if self.normalize not in (True, False):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
         if not _is_int(self.sample_index_offset) or self.sample_index_offset < 0:
             raise ValueError(f"sample_index_offset must be an integer >= 0, "
                              f"got {self.sample_index_offset!r}")
@@ -290,6 +315,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     # With SamplingParams.prompt_logprobs: one per prompt token (the first's logprob NaN).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With SamplingParams.pooling, on the finished output: the prompt's embedding.
+    embedding: list[float] | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -1,7 +1,8 @@
 """The offline Python API, shaped like vLLM's: ``LLM(...).generate(prompts, SamplingParams(...))``.
 
 A prompt is a ``str``, a list of token ids, or a list of chat messages. ``generate`` returns one
-final ``RequestOutput`` per prompt, in order; ``stream`` yields every update as tokens appear.
+final ``RequestOutput`` per prompt, in order; ``stream`` yields every update as tokens appear;
+``embed`` gives each prompt's pooled hidden states.
 All prompts of a call run together under the engine's batching policy.
 """
 
@@ -65,6 +66,16 @@ class LLM:
              lora_request: LoRAChoice = None) -> list[RequestOutput]:
         """``generate`` for chat conversations (the model's chat template is applied)."""
         return self.generate(messages, sampling_params, lora_request)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
+              normalize: bool = True, lora_request: LoRAChoice = None) -> list[list[float]]:
+        """One embedding per prompt, in order: the prompt's final hidden states (after the
+        model's last norm) pooled, ``last`` (the last token's: the default for decoder
+        LMs), ``mean`` or ``cls``, L2-normalized unless ``normalize`` is False
+        (engine.executor.pooling). Raises ValueError for bad input before anything runs."""
+        params = SamplingParams(max_tokens=1, temperature=0, pooling=pooling,
+                                normalize=normalize)
+        return [o.embedding for o in self.generate(prompts, params, lora_request)]
 
     # ---- internals ----------------------------------------------------------------------
     def _add(self, prompts, sampling_params, lora_request: LoRAChoice = None) -> list[str]:

@@ -47,6 +47,7 @@ from worker_protocol import (
     restore_priority,
 )
 from worker_protocol.adapters import LoRALoaded, WorkerAdapters
+from worker_protocol.embeddings import EmbedRequest, EmbedResult, WorkerEmbeddings
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import PrefillRankKV, rank_state
@@ -123,6 +124,7 @@ class PrefillWorker:
                                on_crash=exit_on_engine_crash(self.worker_id),
                                after_work=self._kv_events.after_work, compute=compute)
         self.adapters = WorkerAdapters(self.engine, self.loop, _CALL_TIMEOUT_S)
+        self.embeddings = WorkerEmbeddings(self.loop, self.adapters, _CALL_TIMEOUT_S)
         # Cluster-wide prefix reuse (worker_protocol.prefix_pull): this worker pulls prefixes
         # other workers hold, and serves its own; endpoints open on first use.
         self.puller = PrefixPuller(self.loop, self.worker_id, self.layout,
@@ -168,6 +170,10 @@ class PrefillWorker:
     def load_lora(self, req: LoRARequest) -> LoRALoaded:
         """Hold LoRA adapter ``req`` (worker_protocol.adapters); ValueError names why not."""
         return self.adapters.load(req)
+
+    def embed(self, req: EmbedRequest) -> EmbedResult:
+        """A prompt's pooled hidden states (worker_protocol.embeddings): no KV leaves."""
+        return self.embeddings.embed(req)
 
     def unload_lora(self, name: str) -> bool:
         """Drop adapter ``name`` (False: not held); ValueError while requests use it here."""
@@ -334,6 +340,7 @@ class PrefillWorker:
             time.sleep(self.config.fault_delay_per_layer_s)
 
     def _on_step(self, outs: list[RequestOutput]) -> None:
+        outs = self.embeddings.take(outs)  # their callers have them
         step_end = self.engine.clock()
         for out in outs:
             pending = self._pending.get(out.request_id)

@@ -18,7 +18,7 @@ from engine.contract import QueueFullError, SamplingParams, TokenLogprob
 from worker_protocol import WorkerLoad
 
 __all__ = [
-    "AdapterInUseError", "BackendStats", "DrainStatus", "GenerateInput", "GenerationBackend", "GenerationChunk",
+    "AdapterInUseError", "BackendStats", "EmbedInput", "EmbedOutput", "DrainStatus", "GenerateInput", "GenerationBackend", "GenerationChunk",
     "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "ServedModel",
     "StreamNotFoundError", "Usage",
     "WORKER_STATES", "WorkerLoad", "WorkerNotFoundError", "WorkerStatus", "WorkerTimeoutError",
@@ -115,6 +115,10 @@ class GenerateInput:
     # OpenAI's ``user``: the caller's own name for its end user (unauthenticated, as the
     # client sent it). Recorded on the request's trace (``enduser.id``), never acted on.
     user: str | None = None
+    # vLLM's ``priority``: lower runs first, in [engine.contract.MIN_PRIORITY,
+    # MAX_PRIORITY] (the backend refuses others): ahead in every queue it waits in, and the
+    # last preempted when KV runs short.
+    priority: int = 0
 
     @property
     def prompt(self) -> str | list[int] | list[dict]:
@@ -123,6 +127,26 @@ class GenerateInput:
         if self.token_ids is not None:
             return self.token_ids
         return self.text if self.text is not None else ""
+
+
+@dataclass(frozen=True)
+class EmbedInput:
+    """One embeddings call: ``inputs``, each a text or token ids (at least one), under
+    ``model`` (the base model or a LoRA adapter; None: the base). How the hidden states are
+    pooled is the server's setting (``pdcluster serve --pooling``), not the caller's."""
+
+    inputs: list[str | list[int]]
+    model: str | None = None
+    request_id: str | None = None
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class EmbedOutput:
+    """One vector per input, in order, and the prompt tokens they took in all."""
+
+    embeddings: list[list[float]]
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -282,13 +306,15 @@ class GenerationBackend(Protocol):
         ...
 
     def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None,
-                 add_special_tokens: bool | None = None) -> list[int]:
+                 add_special_tokens: bool | None = None,
+                 chat_template_kwargs: dict | None = None) -> list[int]:
         """The token ids a generation of ``prompt`` runs on: a text, or chat messages through
         the model's chat template (generation prompt included; the template also sees
         ``tools``, OpenAI's tool definitions). ``add_special_tokens`` (vLLM's /tokenize flag):
         whether the tokenizer adds its special tokens (BOS, ...) to the text, or to the
         rendered messages on top of the template's; None: as a generation does (text: yes,
-        messages: no). InvalidRequestError for an empty or malformed prompt."""
+        messages: no); ``chat_template_kwargs``: more variables the template sees (e.g.
+        ``enable_thinking``). InvalidRequestError for an empty or malformed prompt."""
         ...
 
     def detokenize(self, token_ids: list[int]) -> str:
@@ -302,6 +328,12 @@ class GenerationBackend(Protocol):
         starting a drain that runs already returns its status. ``wait``: return once it is
         drained. Raises WorkerNotFoundError for an unknown worker, InvalidRequestError for
         one that is dead, or the last ready one of its role (nothing could take its work)."""
+        ...
+
+    async def embed(self, inp: EmbedInput) -> EmbedOutput:
+        """Each input's pooled hidden states (prefill-only work: no decode KV is reserved).
+        InvalidRequestError / ModelNotFoundError / QueueFullError /
+        WorkerUnavailableError as for ``generate``."""
         ...
 
     def served_models(self) -> list[ServedModel]:

@@ -10,12 +10,15 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+from engine.contract import SamplingParams, check_priority
 from engine.core.step_times import merge_rows
 from engine.lora.request import LoRARequest
 from router.contract import (
     AdapterInUseError,
     BackendStats,
     DrainStatus,
+    EmbedInput,
+    EmbedOutput,
     GenerateInput,
     GenerationChunk,
     InvalidRequestError,
@@ -46,8 +49,11 @@ __all__ = ["EngineBackend"]
 class EngineBackend:
     """One in-process engine behind the backend contract (embedded mode, front-door tests)."""
 
-    def __init__(self, engine_args=None, tracing: TracingConfig | None = None) -> None:
-        """``tracing``: export each request's trace (worker_protocol.tracing); None: off."""
+    def __init__(self, engine_args=None, tracing: TracingConfig | None = None,
+                 pooling: str = "last", normalize_embeddings: bool = True) -> None:
+        """``tracing``: export each request's trace (worker_protocol.tracing); None: off.
+        ``pooling`` / ``normalize_embeddings``: how ``embed`` pools (engine.executor.pooling)."""
+        self.pooling, self.normalize_embeddings = pooling, normalize_embeddings
         from engine.args import EngineArgs
         from engine.runtime.async_engine import AsyncEngine
         from router.state.memory import InMemoryStore
@@ -74,9 +80,10 @@ class EngineBackend:
         return self._info
 
     def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None,
-                 add_special_tokens: bool | None = None) -> list[int]:
+                 add_special_tokens: bool | None = None, chat_template_kwargs: dict | None = None
+                 ) -> list[int]:
         return as_invalid_request(self._async.engine.inputs.encode, prompt, tools,
-                                  add_special_tokens).token_ids
+                                  add_special_tokens, chat_template_kwargs).token_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
         return as_invalid_request(self._async.engine.inputs.decode, token_ids)
@@ -89,6 +96,28 @@ class EngineBackend:
 
     async def stream_kind(self, request_id: str) -> str | None:
         return await self.streams.kind(request_id)
+
+    async def embed(self, inp: EmbedInput) -> EmbedOutput:
+        """Each input as an embedding request of the one engine, at once (they batch)."""
+        if not inp.inputs:
+            raise InvalidRequestError("input: at least one item")
+        lora = self._lora_of(inp.model)
+        params = SamplingParams(max_tokens=1, temperature=0, pooling=self.pooling,
+                                normalize=self.normalize_embeddings)
+        rid = inp.request_id or new_request_id()
+
+        async def one(i: int, item) -> tuple[list[float], int]:
+            outs = []
+            try:
+                async for o in self._async.generate(item, params, f"{rid}-emb{i}", lora):
+                    outs.append(o)
+            except ValueError as e:
+                where = f"input[{i}]: " if len(inp.inputs) > 1 else "input: "
+                raise InvalidRequestError(where + str(e)) from e
+            return outs[-1].embedding, len(outs[-1].prompt_token_ids)
+
+        done = await asyncio.gather(*[one(i, x) for i, x in enumerate(inp.inputs)])
+        return EmbedOutput([v for v, _ in done], sum(n for _, n in done))
 
     # ---- LoRA adapters (the engine's own registry; one engine, so no fan-out) ---------------
     def served_models(self) -> list[ServedModel]:
@@ -142,7 +171,9 @@ class EngineBackend:
                                   inp.messages is not None, 0, inp.sampling, inp.traceparent,
                                   inp.user)
                 if self._tracing is not None else None)
-        gen = self._async.generate(inp.prompt, inp.sampling, rid, lora)
+        # the engine's priorities run the other way (higher first)
+        priority = -as_invalid_request(check_priority, inp.priority)
+        gen = self._async.generate(inp.prompt, inp.sampling, rid, lora, priority)
         opened = finished = False
         out = error = None
         try:

@@ -162,6 +162,7 @@ class ReserveRequest:
     # The LoRA adapter the prompt's KV is computed under (None: the base model): this worker
     # holds it too, and reuses only that adapter's cached prefix.
     lora_request: LoRARequest | None = None
+    priority: int = 0  # its engine priority (higher first): the last preempted when short
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,9 @@ class Request:
     # before it (position 0's is NaN: nothing comes before it; None until computed), filled
     # chunk by chunk as the prompt computes.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With SamplingParams.pooling: its pooled hidden states, one part per step that computed
+    # some of its prompt (engine.executor.pooling.PooledPart); a preemption starts them over.
+    pooled: list = field(default_factory=list)
     # Where the output stands in its grammar (SamplingParams.structured); set by the
     # scheduler when the request enters, fed every token the request outputs.
     grammar: GrammarState | None = None

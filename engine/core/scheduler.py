@@ -11,6 +11,8 @@ request waits behind every waiting one of its priority or higher, and a step tha
 requests of some priority admits none of a lower one, so the first token of a higher-priority
 request waits for its own compute only, not for lower-priority prompts batched beside it.
 (Chunks of requests already running still share its step: they hold pages and a place.)
+The running batch is kept in priority order too: when blocks run short, the lowest-priority
+running request (the latest among equals) is the one preempted.
 
 First token first (``SchedulerConfig.first_token_first``, continuous batching): when the
 prompt at the head of the queue fits one step, that step leaves the running decodes out, so
@@ -142,8 +144,10 @@ class Scheduler:
             self._check_stop(req, first_token_id)
         if req.is_finished:
             self._free(req)
-        else:
-            self.waiting.appendleft(req)
+        else:  # its KV is here: ahead of every waiting request but those of a higher priority
+            i = next((i for i, r in enumerate(self.waiting) if r.priority <= req.priority),
+                     len(self.waiting))
+            self.waiting.insert(i, req)
         return StepUpdate(req, [first_token_id])
 
     def abort_request(self, request_id: str) -> bool:
@@ -292,7 +296,9 @@ class Scheduler:
             computed = None
             if req.num_computed_tokens == 0:
                 # Prompt logprobs need every prompt position computed: no prefix-cache hit.
-                wants_all = req.sampling_params.prompt_logprobs is not None
+                # prompt logprobs, and mean / cls pooling, need every prompt row computed
+                wants_all = req.sampling_params.prompt_logprobs is not None \
+                    or req.sampling_params.pooling in ("mean", "cls")
                 computed = self.blocks.get_computed_blocks([] if wants_all else req.all_token_ids,
                                                            req.hash_root)
                 if (cfg.policy == "continuous" and not wants_all
@@ -333,7 +339,7 @@ class Scheduler:
             req.running_since = self.clock()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = req.running_since
-            self.running.append(req)
+            self._add_running(req)
             if req.lora_name is not None:
                 adapters.add(req.lora_name)
             out.chunks.append(self._chunk(req, num_new))
@@ -367,12 +373,21 @@ class Scheduler:
             lora_name=req.lora_name,
         )
 
+    def _add_running(self, req: Request) -> None:
+        """Into the batch behind every running request of its priority or higher: the list
+        stays in priority order, so preemption (from the back) takes the lowest priority, the
+        latest admitted among equals."""
+        i = next((i for i, r in enumerate(self.running) if r.priority < req.priority),
+                 len(self.running))
+        self.running.insert(i, req)
+
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: free the blocks, keep generated tokens, requeue at the front."""
         self.running.remove(req)
         self.blocks.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.pooled = []  # recomputed from the start: its parts come again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -398,6 +413,8 @@ class Scheduler:
                     req.prompt_logprobs = [TokenLogprob(req.prompt_token_ids[0], math.nan, 0)]
                     req.prompt_logprobs += [None] * (req.num_prompt_tokens - 1)
                 req.prompt_logprobs[first:first + len(lps)] = lps
+            if rid in result.pooled:
+                req.pooled.append(result.pooled[rid])
             if not chunk.sample:
                 continue
             if rid in result.failed:

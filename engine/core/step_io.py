@@ -80,6 +80,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # SamplingParams.prompt_logprobs: request id -> (first prompt position, its logprobs).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # SamplingParams.pooling: request id -> this step's part of its pooled hidden states.
+    pooled: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

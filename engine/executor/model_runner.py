@@ -32,6 +32,7 @@ from engine.executor.cuda_graphs import CudaGraphRunner, DecodePadding, decode_b
 from engine.executor.fused_decode import FusedDecodePlan
 from engine.executor.grammar_mask import mask_logits
 from engine.executor.kv_pages import zeroed_kv_pages
+from engine.executor.pooling import pool_parts
 from engine.executor.rank_kv import KVRead, RankKV, ShardExport
 from engine.executor.sampling import SampleRow, logprobs_of, sample, token_logprobs
 from engine.executor.step_inputs import PromptLogits, StepInputs, prepare_step, prompt_logit_plan
@@ -230,10 +231,13 @@ class ModelRunner:
             else:
                 hidden = self._forward(inp.input_ids, inp.meta, layer_hook, batch)
             prompt_lps = self._prompt_logprobs(prompt_plan, hidden)
+            pooled = pool_parts(inp, hidden) if inp.has_pooling else {}
             if not inp.sample_rows:
-                return ModelRunnerOutput(prompt_logprobs=prompt_lps)
+                return ModelRunnerOutput(prompt_logprobs=prompt_lps, pooled=pooled)
             logits = self.model.compute_logits(hidden[inp.sample_rows])
-        return self._sample(logits, inp.sample_chunks, prompt_lps)
+        out = self._sample(logits, inp.sample_chunks, prompt_lps)
+        out.pooled = pooled
+        return out
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
                 prompt_lps: dict[str, tuple[int, list]]) -> ModelRunnerOutput:

@@ -31,6 +31,8 @@ class StepInputs:
     # Some chunk computes prompt tokens (not only decodes and drafts being verified): the
     # step multiplies fp32 activations (engine.ops.linear.exact_activations).
     has_prompt_rows: bool = False
+    # Some chunk's request pools its hidden states (an embedding: SamplingParams.pooling).
+    has_pooling: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,8 @@ def prepare_step(sched: SchedulerOutput, block_size: int,
             sample_chunks.append(c)
     prompt_rows = bool(prefills)
     return StepInputs(torch.tensor(ids, dtype=torch.int64), meta, order, sample_rows,
-                      sample_chunks, bucket, prompt_rows)
+                      sample_chunks, bucket, prompt_rows,
+                      any(c.sampling_params.pooling is not None for c in order))
 
 
 def prompt_logit_plan(inp: StepInputs) -> list[PromptLogits]:

@@ -46,10 +46,11 @@ class AsyncEngine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield updates until the request finishes (under ``lora_request``'s adapter: None,
-        the base model). Raises ValueError / QueueFullError at once for bad input or a full
-        queue (nothing is left queued)."""
+        the base model; ``priority``: the engine's, higher first). Raises ValueError /
+        QueueFullError at once for bad input or a full queue (nothing is left queued)."""
         rid = request_id or f"async-{next(self._ids)}"
         if rid in self._queues:
             raise ValueError(f"duplicate request id {rid!r}")
@@ -58,7 +59,7 @@ class AsyncEngine:
         finished = False
         try:
             await asyncio.wrap_future(self.loop.call(lambda e: e.add_request(
-                prompt, params, rid, lora_request=lora_request)))
+                prompt, params, rid, lora_request=lora_request, priority=priority)))
             while True:
                 out = await q.get()
                 finished = out.finished

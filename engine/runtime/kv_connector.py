@@ -115,16 +115,17 @@ class KVConnector:
     # ---- scheduler side (engine-loop thread) ----------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int],
                 params: SamplingParams, hash_root: int = 0,
-                lora_request: LoRARequest | None = None) -> Reservation:
+                lora_request: LoRARequest | None = None, priority: int = 0) -> Reservation:
         """Hold pages for the prompt (and its first generated token) until ``admit`` or
         ``release``, reusing the longest prefix this engine caches (``num_cached_tokens``:
         ``import_layer`` then takes only the rest). Refuses (``ok=False``, pool unchanged)
         when the pool is short right now; raises ValueError for an id the engine already
         knows. ``lora_request`` / ``hash_root``: the adapter the KV was computed under and
-        its key (``LLMEngine.load_lora``): the prefix reused is that adapter's only."""
+        its key (``LLMEngine.load_lora``): the prefix reused is that adapter's only;
+        ``priority``: its place in the running batch (``Scheduler``: preempted last-first)."""
         req = Request(request_id, list(prompt_token_ids), params, self._clock(),
                       eos_token_ids=self._eos_token_ids)
-        req.lora_request, req.hash_root = lora_request, hash_root
+        req.lora_request, req.hash_root, req.priority = lora_request, hash_root, priority
         if not self._scheduler.add_remote_request(req):
             need = self._blocks.num_blocks_needed(len(prompt_token_ids) + 1)
             return Reservation(False, reason=f"need {need} blocks, "

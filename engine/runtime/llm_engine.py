@@ -21,6 +21,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import StepUpdate
 from engine.core.step_times import StepTimes
 from engine.executor.kv_tier import TierStats
+from engine.executor.pooling import join_parts
 from engine.lora.peft_format import LoRAAdapter
 from engine.lora.request import LoRARequest
 from engine.runtime.build import build_engine
@@ -424,6 +425,9 @@ class LLMEngine:
         )
         if req.sampling_params.prompt_logprobs is not None:
             out.prompt_logprobs = req.prompt_logprobs
+        if finished and req.sampling_params.pooling is not None and req.pooled:
+            out.embedding = join_parts(req.pooled, req.num_prompt_tokens,
+                                       req.sampling_params.normalize)
         if req.sampling_params.logprobs is not None:
             out.logprobs = list(req.output_logprobs)
             out.new_logprobs = out.logprobs[max(0, len(out.logprobs) - len(new_ids)):] \

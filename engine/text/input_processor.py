@@ -32,11 +32,13 @@ class InputProcessor:
         self.max_kv_tokens = max_kv_tokens
 
     def encode(self, prompt: Prompt, tools: list[dict] | None = None,
-               add_special_tokens: bool | None = None) -> EncodedPrompt:
+               add_special_tokens: bool | None = None,
+               chat_template_kwargs: dict | None = None) -> EncodedPrompt:
         """``prompt`` as token ids; chat messages through the template, which also sees
         ``tools`` (OpenAI's tool definitions). ``add_special_tokens``: whether the tokenizer
         adds its special tokens (BOS, ...); None: as a generation does (text: yes; messages:
-        no, the template holds them). Raises ValueError for a bad prompt."""
+        no, the template holds them); ``chat_template_kwargs``: more template variables
+        (messages only). Raises ValueError for a bad prompt."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -44,7 +46,8 @@ class InputProcessor:
                 prompt, add_special_tokens=add_special_tokens is not False), prompt)
         if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
             return EncodedPrompt(self._require_tokenizer().apply_chat_template(
-                list(prompt), tools=tools, add_special_tokens=bool(add_special_tokens)), None)
+                list(prompt), tools=tools, add_special_tokens=bool(add_special_tokens),
+                template_kwargs=chat_template_kwargs), None)
         if isinstance(prompt, list | tuple):
             if not prompt:
                 raise ValueError("prompt is empty")

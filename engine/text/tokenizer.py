@@ -97,12 +97,15 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Render ``messages`` ([{"role": str, "content": str}, ...]) with the model's template.
 
         The rendered text already holds any BOS the template wants, so it is encoded without
         adding special tokens unless ``add_special_tokens`` (vLLM's /tokenize flag: the
-        tokenizer's own on top of the template's). Raises ValueError if the model has no chat
+        tokenizer's own on top of the template's); ``template_kwargs``: more variables the
+        template sees (OpenAI-compatible servers' ``chat_template_kwargs``, e.g. Qwen3's
+        ``enable_thinking``; they cannot replace the ones above). Raises ValueError if the model has no chat
         template, the messages are malformed, or the template rejects them (e.g. roles that do
         not alternate).
         """
@@ -110,9 +113,12 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _validate_messages(messages)
         try:
+            extra = {k: v for k, v in (template_kwargs or {}).items()
+                     if k not in ("tokenize", "add_generation_prompt", "tools", "messages",
+                                  "conversation", "chat_template")}
             text = self.hf_tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                tools=tools)
+                tools=tools, **extra)
         except Exception as e:  # jinja2 TemplateError from raise_exception() in the template
             raise ValueError(f"chat template rejected the messages: {e}") from e
         return self.encode(text, add_special_tokens=add_special_tokens)

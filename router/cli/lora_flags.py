@@ -100,3 +100,12 @@ def check_lora_flags(cfg) -> None:
     if cfg.lora_dtype not in LORA_DTYPES:
         raise ValueError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}, "
                          f"got {cfg.lora_dtype!r}")
+
+
+def lora_cpu_slots(cfg) -> int | None:
+    """Adapters each worker of ``cfg`` (a ServeConfig) holds: --max-cpu-loras, else enough
+    for --max-loras and every --lora-modules adapter (each would otherwise push another out
+    at start)."""
+    if cfg.max_cpu_loras is not None or not cfg.enable_lora:
+        return cfg.max_cpu_loras
+    return max(cfg.max_loras, len(parse_lora_modules(cfg.lora_modules)))

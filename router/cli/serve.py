@@ -12,8 +12,10 @@ import json
 # engine.config is torch-free (a `pdcluster` command that loads no model imports no torch).
 from engine.config import ATTENTION_BACKEND_CHOICES, DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from engine.config import QUANTIZATION_CHOICES as QUANT_CHOICES
+from engine.contract import POOLING_CHOICES
 from router.cli.lora_flags import add_lora_flags
 from router.cli.serve_config import DEVICE_CHOICES
+from router.frontdoor.openai.reasoning import REASONING_PARSERS
 
 
 def add_serve_subcommand(sub) -> None:
@@ -23,6 +25,7 @@ def add_serve_subcommand(sub) -> None:
     _add_device_flags(p)
     _add_engine_flags(p)
     add_lora_flags(p)
+    _add_embedding_flags(p)
     _add_lifecycle_flags(p)
     _add_routing_flags(p)
     _add_security_flags(p)
@@ -129,6 +132,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="how the model writes tool calls, for tool_choice auto (default: read "
                         "off its chat template; none there: auto is refused)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a reasoning model's <think> span out of chat output into "
+                        "reasoning_content (qwen3, deepseek_r1; default: off)")
     p.add_argument("--threads-per-worker", type=int, default=None,
                    help="torch threads of every worker (default: a split measured per machine "
                         "size, printed at start-up: router/cluster/threads.py)")
@@ -143,6 +149,16 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-interface", default=None,
                    help="advertise this network interface's IPv4 on each node instead "
                         "(e.g. a second NIC for KV traffic)")
+
+
+def _add_embedding_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("embeddings (/v1/embeddings; docs/embeddings.md)")
+    g.add_argument("--pooling", choices=list(POOLING_CHOICES), default=None,
+                   help="how a prompt's final hidden states become one vector: last (the "
+                        "default: the last token's, what a decoder LM has read the whole "
+                        "prompt at), mean, or cls (the first token's)")
+    g.add_argument("--normalize-embeddings", action=argparse.BooleanOptionalAction,
+                   default=None, help="L2-normalize embeddings (default: yes)")
 
 
 def _add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
@@ -229,6 +245,9 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
     sec.add_argument("--api-keys", default=None,
                      help="file of API keys, one per line, optionally 'name:key' (or "
                           "$PDCLUSTER_API_KEYS_FILE); callers send 'Authorization: Bearer KEY'")
+    sec.add_argument("--tenant-weights", default=None, metavar="NAME=W,...",
+                     help="each tenant's weight in the fair share of decode room while requests "
+                          "wait for it, e.g. 'gold=3,free=1' (a tenant not named weighs 1)")
     sec.add_argument("--metrics-public", action="store_true", default=None,
                      help="serve /metrics without a key (default: only when there are no keys)")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate chain: HTTPS and gRPC TLS")
@@ -294,7 +313,8 @@ async def _serve(config) -> int:
     try:
         fd = await serve_frontdoor(cluster, host=config.host, grpc_port=config.grpc_port,
                                    http_port=config.http_port, drain_grace_s=config.drain_grace_s,
-                                   gate=gate, tool_call_parser=config.tool_call_parser)
+                                   gate=gate, tool_call_parser=config.tool_call_parser,
+                                   reasoning_parser=config.reasoning_parser)
         install_signal_handlers(fd)
         # The router's start-up heap (Ray, grpc, the tokenizer: ~340k objects) out of full
         # collections, which would otherwise stop every stream on this loop for ~200 ms.

@@ -22,8 +22,10 @@ from engine.config import (
 )
 from engine.config import QUANTIZATION_CHOICES as QUANT_CHOICES
 from engine.spec.config import parse_speculative_config
-from router.cli.lora_flags import check_lora_flags, parse_lora_modules
+from router.cli.lora_flags import check_lora_flags, lora_cpu_slots, parse_lora_modules
 from router.control.config import MIGRATION_PREFILL
+from router.control.fair_share import parse_tenant_weights
+from router.frontdoor.openai.reasoning import REASONING_PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,9 @@ class ServeConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
+    # How /v1/embeddings pools a prompt's final hidden states (engine.executor.pooling).
+    pooling: str = "last"
+    normalize_embeddings: bool = True
     gpu_memory_utilization: float = 0.9  # of each GPU, split among the workers sharing it
     kv_cache_memory: str | int | None = None  # per worker; None: 1 GiB on CPU, GPU: from memory
     # The second KV cache tier per worker (engine.executor.kv_tier): host memory, then disk.
@@ -121,6 +126,9 @@ class ServeConfig:
     drain_grace_s: float = 30.0
     # tool_choice "auto": how the model writes tool calls (None: read off its chat template).
     tool_call_parser: str | None = None
+    # How a reasoning model's thinking leaves chat output (router.frontdoor.openai.reasoning):
+    # qwen3 | deepseek_r1; None: it stays in the content.
+    reasoning_parser: str | None = None
     threads_per_worker: int | None = None  # None: the machine's cores split among workers
     # Per role, over threads_per_worker: the split of a box's cores between prefill
     # (compute-bound) and decode (memory-bound) workers is the operator's to measure.
@@ -158,6 +166,9 @@ class ServeConfig:
     max_concurrent_per_key: int = 0
     # Tenants (key names) that may make operators' calls, e.g. drain a worker: "ops,admin".
     admin_tenants: str | None = None
+    # Weights of the tenants' fair shares of decode room under contention: "a=2,b=1"
+    # (router.control.fair_share; a tenant not named weighs 1).
+    tenant_weights: str | dict | None = None
     # Per-request traces over OTLP/gRPC (worker_protocol.tracing): the collector, else
     # $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; neither: off. The share of requests traced.
     otlp_traces_endpoint: str | None = None
@@ -183,12 +194,16 @@ class ServeConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         self.security_config()  # its own checks: limits in range
+        parse_tenant_weights(self.tenant_weights)  # its own checks: name=weight, weight > 0
         self.routing_config()  # its own checks: a known policy, weights >= 0
         for wid, over in self.worker_overrides.items():
             bad = [k for k in (over if isinstance(over, dict) else {"?": 0})
                    if not str(k).startswith("fault_")]
             if bad:
                 raise ValueError(f"--worker-overrides[{wid!r}]: only fault_* fields, got {bad}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}"
+                             f", got {self.reasoning_parser!r}")
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ValueError(f"--tool-call-parser must be hermes or llama3_json, "
                              f"got {self.tool_call_parser!r}")
@@ -393,7 +408,7 @@ class ServeConfig:
                       first_token_first=self.first_token_first,
                       adaptive_threads=self.adaptive_threads, enable_lora=self.enable_lora,
                       max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                      max_cpu_loras=self.lora_cpu_slots(), lora_dtype=self.lora_dtype)
+                      max_cpu_loras=lora_cpu_slots(self), lora_dtype=self.lora_dtype)
         return ClusterConfig(
             model=self.model, mode=self.mode, num_prefill_workers=num_prefill,
             num_decode_workers=self.decode_workers,
@@ -419,14 +434,9 @@ class ServeConfig:
             routing=self.routing_config(), kv_event_bus=self.kv_event_bus,
             worker_overrides=dict(self.worker_overrides), prefill_env=threads.prefill_env,
             autoscale=self.autoscale_config(), tracing=self.tracing_config(),
-            lora_modules=tuple((m.name, m.path) for m in parse_lora_modules(self.lora_modules)))
-
-    def lora_cpu_slots(self) -> int | None:
-        """Adapters each worker holds: --max-cpu-loras, else enough for --max-loras and every
-        --lora-modules adapter (each would otherwise push another out at start)."""
-        if self.max_cpu_loras is not None or not self.enable_lora:
-            return self.max_cpu_loras
-        return max(self.max_loras, len(parse_lora_modules(self.lora_modules)))
+            lora_modules=tuple((m.name, m.path) for m in parse_lora_modules(self.lora_modules)),
+            pooling=self.pooling, normalize_embeddings=self.normalize_embeddings,
+            tenant_weights=parse_tenant_weights(self.tenant_weights))
 
     def speculative_config_json(self) -> str | None:
         """The decode workers' speculative config as JSON text (None: off); prefill workers

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
+from engine.contract import POOLING_CHOICES
 from engine.parallel.sharding import TPShard
 from router.cluster.autoscale import AutoscaleConfig
 from router.cluster.launcher import StartupError
@@ -85,6 +86,13 @@ class ClusterConfig:
     # LoRA adapters served from the start, (name, PEFT folder) each (--lora-modules): every
     # worker loads them before the cluster serves; the engines need enable_lora.
     lora_modules: tuple = ()
+    # How /v1/embeddings pools a prompt's final hidden states (engine.executor.pooling):
+    # "last" (the default for decoder LMs), "mean" or "cls"; L2-normalized unless False.
+    pooling: str = "last"
+    normalize_embeddings: bool = True
+    # Tenant -> weight of its share of decode room while requests wait for it
+    # (router.control.fair_share; a tenant not named weighs 1).
+    tenant_weights: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -103,6 +111,9 @@ class ClusterConfig:
         if self.prefill_engine.enable_lora != self.decode_engine.enable_lora:
             raise ValueError("LoRA must be on for both prefill and decode workers or neither: "
                              "the prompt's KV and its tokens come from the same adapter")
+        if self.pooling not in POOLING_CHOICES:
+            raise ValueError(f"--pooling must be one of {', '.join(POOLING_CHOICES)}, "
+                             f"got {self.pooling!r}")
         if self.autoscale is not None:
             pol = self.autoscale.policy
             starts = [("decode", self.num_decode_workers)]

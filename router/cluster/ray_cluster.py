@@ -39,10 +39,7 @@ from router.cluster.launcher import (
     join_ray,
 )
 from router.cluster.local_ray import start_local_ray
-from router.cluster.placement import (
-    DECODE_RESOURCE,
-    PREFILL_RESOURCE,
-)
+from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
 from router.contract import (
     BackendStats,
     DrainStatus,
@@ -53,6 +50,7 @@ from router.contract import (
     as_invalid_request,
 )
 from router.control.adapters import AdapterBackend
+from router.control.embeddings import EmbeddingBackend
 from router.control.orchestrator import Orchestrator, OrchestratorConfig
 from router.control.worker_health import is_restarting
 from worker_protocol import WorkerInfo, WorkerLoad, control, liveness
@@ -60,7 +58,7 @@ from worker_protocol import WorkerInfo, WorkerLoad, control, liveness
 log = logging.getLogger(__name__)
 
 
-class Cluster(AdapterBackend):
+class Cluster(AdapterBackend, EmbeddingBackend):
     """A running cluster; implements ``router.contract.GenerationBackend``."""
 
     def __init__(self, config: ClusterConfig) -> None:
@@ -157,6 +155,7 @@ class Cluster(AdapterBackend):
                                capacity_wait_s=cfg.capacity_wait_s, call_timeout_s=cfg.call_timeout_s,
                                token_timeout_s=cfg.token_timeout_s,
                                enable_lora=cfg.decode_engine.enable_lora,
+                               tenant_weights=dict(cfg.tenant_weights),
                                migration_limit=cfg.migration_limit,
                                migration_prefill=cfg.migration_prefill,
                                orphan_after_s=cfg.orphan_after_s,
@@ -340,9 +339,10 @@ class Cluster(AdapterBackend):
         return self._info
 
     def tokenize(self, prompt: str | list[dict], tools: list[dict] | None = None,
-                 add_special_tokens: bool | None = None) -> list[int]:
+                 add_special_tokens: bool | None = None, chat_template_kwargs: dict | None = None
+                 ) -> list[int]:
         return as_invalid_request(self.orchestrator.inputs.encode, prompt, tools,
-                                  add_special_tokens).token_ids
+                                  add_special_tokens, chat_template_kwargs).token_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
         return as_invalid_request(self.orchestrator.inputs.decode, token_ids)

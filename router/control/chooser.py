@@ -14,6 +14,7 @@ from collections.abc import Callable
 from engine.contract import QueueFullError
 from router.contract import WorkerUnavailableError
 from router.control.adapters import Adapter, AdapterCatalog
+from router.control.fair_share import TenantShares, tenant_of
 from router.control.request_state import Aborted, WorkerSlot
 from router.routing.kv_index import KVIndex
 from router.routing.policy import Routing
@@ -25,11 +26,17 @@ class WorkerChooser:
 
     def __init__(self, routing: Routing, index: KVIndex, capacity_wait_s: float,
                  adapters: AdapterCatalog | None = None,
-                 prefill_rate: Callable[[str], float] | None = None) -> None:
+                 prefill_rate: Callable[[str], float] | None = None,
+                 shares: TenantShares | None = None) -> None:
         self.routing = routing
         self.index = index
         self.capacity_wait_s = capacity_wait_s
         self.adapters, self.prefill_rate = adapters, prefill_rate
+        # Requests waiting for decode room now -> (engine priority, tenant): one waits while
+        # a higher priority does, or an equal one of a tenant further below its share
+        # (router.control.fair_share), so room that frees goes to that one first.
+        self._waiting: dict[object, tuple[int, str]] = {}
+        self.shares = shares or TenantShares()
 
     def _hits(self, detail: dict, slots, lora: Adapter | None) -> dict[str, float]:
         """Each worker's weighted prefix blocks, less the blocks' worth of prompt work that
@@ -47,13 +54,28 @@ class WorkerChooser:
 
     async def decode(self, slots: dict[str, WorkerSlot], num_tokens: int, exclude: set[str],
                      prompt_ids: list[int], aborted: Callable[[], bool],
-                     lora: Adapter | None = None) -> WorkerSlot:
+                     lora: Adapter | None = None, priority: int = 0,
+                     request_id: str = "") -> WorkerSlot:
         """A decode worker with room for ``num_tokens``, chosen for this prompt (under LoRA
         adapter ``lora``: its KV keyed by the adapter, its load priced), waiting (bounded)
-        for capacity to free up. Raises Aborted (``aborted()`` turned true),
+        for capacity to free up, behind every waiting request of a higher ``priority`` (the
+        engines' order: higher first) or of an equal one whose tenant is further below its
+        share (``request_id`` names the tenant; router.control.fair_share). Raises Aborted (``aborted()`` turned true),
         WorkerUnavailableError (none live or reachable) or QueueFullError (no room in time)."""
         deadline = time.monotonic() + self.capacity_wait_s
         delay = 0.01
+        me = object()
+        try:
+            slot = await self._decode(slots, num_tokens, exclude, prompt_ids, aborted, lora,
+                                      (priority, tenant_of(request_id)), me, deadline, delay)
+        finally:
+            self._waiting.pop(me, None)
+        if request_id:
+            self.shares.admitted(request_id)
+        return slot
+
+    async def _decode(self, slots, num_tokens, exclude, prompt_ids, aborted, lora, key,
+                      me, deadline, delay) -> WorkerSlot:
         while True:
             if aborted():
                 raise Aborted
@@ -65,10 +87,13 @@ class WorkerChooser:
             # ranked by what the cached blocks save there (a block on disk saves less)
             hits = self._hits(detail, live, lora)
             self._note_cached(live)
-            view = self.routing.pick_decode([s.view for s in live], len(prompt_ids), num_tokens,
-                                            exclude, hits)
+            ahead = any(self._before(other, key) for w, other in self._waiting.items()
+                        if w is not me)
+            view = None if ahead else self.routing.pick_decode(
+                [s.view for s in live], len(prompt_ids), num_tokens, exclude, hits)
             if view is not None:
                 return slots[view.worker_id]
+            self._waiting[me] = key
             if all(s.info.worker_id in exclude for s in live):
                 exclude.clear()  # every worker refused once: let them try again after a wait
             if time.monotonic() > deadline:
@@ -81,6 +106,12 @@ class WorkerChooser:
                                      f"within {self.capacity_wait_s:.0f} s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    def _before(self, a: tuple[int, str], b: tuple[int, str]) -> bool:
+        """Whether waiter ``a`` (priority, tenant) gets room before ``b``."""
+        if a[0] != b[0]:
+            return a[0] > b[0]
+        return a[1] != b[1] and self.shares.share(a[1]) < self.shares.share(b[1])
 
     def prefill(self, slots: dict[str, WorkerSlot], prompt_ids: list[int],
                 exclude: set[str], lora: Adapter | None = None) -> tuple[WorkerSlot, int]:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.contract import MAX_PRIORITY
 from router.routing.policy import RoutingConfig
 from worker_protocol.tracing import TracingConfig
 
 __all__ = ["MIGRATED_PRIORITY", "MIGRATION_PREFILL", "OrchestratorConfig"]
 
-MIGRATED_PRIORITY = 1  # a migrated stream's re-prefill is queued ahead of new prompts
+# Engine priorities (higher first) are the client's negated (vLLM's: lower first). A migrated
+# stream's re-prefill is queued ahead of every new prompt, whatever their priority.
+MIGRATED_PRIORITY = MAX_PRIORITY + 1
 # Where a migrated stream's re-prefill runs in disaggregated mode (WorkerChooser.reprefill_on_decode).
 MIGRATION_PREFILL = ("auto", "prefill", "decode")
 
@@ -61,6 +64,9 @@ class OrchestratorConfig:
     tracing: TracingConfig | None = None
     # The workers run with LoRA on (router.control.adapters): adapters may be loaded.
     enable_lora: bool = False
+    # Tenant -> weight of its fair share of decode room (router.control.fair_share; 1 if
+    # not named).
+    tenant_weights: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.migration_prefill not in MIGRATION_PREFILL:

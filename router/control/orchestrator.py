@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from engine.config import cdiv, kv_hash_seed
-from engine.contract import QueueFullError, RequestFailedError, SamplingParams
+from engine.contract import QueueFullError, RequestFailedError, SamplingParams, check_priority
 from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_transfer import KVLayout
@@ -25,12 +25,14 @@ from router.contract import (
     InvalidRequestError,
     Usage,
     WorkerUnavailableError,
+    as_invalid_request,
     new_request_id,
 )
 from router.control.adapters import AdapterCatalog
 from router.control.chooser import WorkerChooser
 from router.control.config import MIGRATED_PRIORITY, OrchestratorConfig
 from router.control.drain import WorkerDrains
+from router.control.fair_share import TenantShares
 from router.control.fanout import TokenFanout
 from router.control.heartbeat import Heartbeats
 from router.control.membership import rejoin
@@ -111,7 +113,8 @@ class Orchestrator:
         self.pulls = PrefixPulls(self.kv_index, layout, config.routing.prefix_pull,
                                  config.transfer_timeout_s, health=self.health)
         self.choose = WorkerChooser(Routing(config.routing), self.kv_index,
-                                    config.capacity_wait_s, self.adapters, self.pulls.prefill_rate)
+                                    config.capacity_wait_s, self.adapters, self.pulls.prefill_rate,
+                                    TenantShares(config.tenant_weights))
         self.orphans = OrphanRescue(self)
         self.fanout.on_lost = self.orphans.lost
         self.streams.on_stall = self.orphans.stalled
@@ -173,7 +176,9 @@ class Orchestrator:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         prompt_ids = enc.token_ids
         params = inp.sampling
-        stream = StreamState(rid, lora=lora)
+        # the engines' priorities run the other way (higher first): router/control/config.py
+        stream = StreamState(rid, lora=lora, priority=-as_invalid_request(check_priority,
+                                                                           inp.priority))
         t0 = time.monotonic()
         finished = False
         stream.trace = RequestTrace.open(self.tracing, rid, self.config.model_id,
@@ -233,6 +238,7 @@ class Orchestrator:
         whatever its workers hold."""
         self._streams.pop(stream.request_id, None)
         self.kv_index.forget(stream.request_id)
+        self.choose.shares.ended(stream.request_id)
         if not finished:
             self.streams.append(stream.request_id, [], "abort")
             self._journal(stream.request_id, "aborted", stream.decode_id, "")
@@ -355,7 +361,8 @@ class Orchestrator:
         num_tokens = len(prompt_ids) + params.max_tokens
         with phase(stream.trace, "route"):
             slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
-                                            lambda: stream.aborted, stream.lora)
+                                            lambda: stream.aborted, stream.lora,
+                                            stream.priority, stream.request_id)
         # No pulls under an adapter: they move base-model prefixes (KV of other weights).
         if pull and stream.lora is None:  # a moved stream's prompt is often still cached where it was prefilled
             await self.pulls.before_prefill(stream.request_id, prompt_ids, slot, [
@@ -391,7 +398,7 @@ class Orchestrator:
             with phase(stream.trace, "route", {"pdcluster.attempt": attempt + 1}):
                 decode = await self.choose.decode(
                     self.decode, len(prompt_ids) + params.max_tokens, excluded["decode"],
-                    prompt_ids, lambda: stream.aborted, stream.lora)
+                    prompt_ids, lambda: stream.aborted, stream.lora, stream.priority, rid)
                 pslot, work = self.choose.prefill(self.prefill, prompt_ids, excluded["prefill"],
                                                   stream.lora)
             try:
@@ -432,7 +439,8 @@ class Orchestrator:
                 res = await self.calls.call(stream, decode, stream.open_call(
                     decode.handle.reserve.remote(ReserveRequest(
                         rid, prompt_ids, params, self.layout, pslot.info.worker_id,
-                        self.router_id, pslot.info.tp_size, stream.lora_request))),
+                        self.router_id, pslot.info.tp_size, stream.lora_request,
+                        stream.priority))),
                     cfg.call_timeout_s)
             if not res.ok:
                 raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)

@@ -17,10 +17,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.contract import MAX_SEED, SamplingParams
+from engine.contract import MAX_SEED, SamplingParams, check_priority
 from engine.core.grammar import StructuredOutput
 from proto.pdcluster.v1 import generation_pb2 as pb
-from router.contract import GenerateInput, GenerationChunk, InvalidRequestError
+from router.contract import GenerateInput, GenerationChunk, InvalidRequestError, as_invalid_request
 from router.frontdoor.openai.tools import ToolPlan, parse_calls, plan_tools, tool_constraint
 
 __all__ = ["MAX_CHOICES", "GrpcGeneration", "ToolCallCollector", "chunk_to_responses",
@@ -147,7 +147,9 @@ def request_to_generation(req: pb.GenerateRequest, request_id: str,
     if constraint is not None:
         sampling = dataclasses.replace(sampling, structured=constraint)
     model = req.model if req.HasField("model") and req.model else None
-    common = dict(request_id=request_id, model=model, resumable=req.resumable)
+    priority = req.priority if req.HasField("priority") else 0
+    common = dict(request_id=request_id, model=model, resumable=req.resumable,
+                  priority=as_invalid_request(check_priority, priority))
     if kind == "text":
         inp = GenerateInput(sampling, text=req.text, **common)
     elif kind == "token_ids":

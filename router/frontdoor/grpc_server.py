@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
-from router.contract import GenerationBackend, new_request_id
+from router.contract import EmbedInput, GenerationBackend, new_request_id
 from router.frontdoor.choices import ChoiceChunk, ChoiceStreams
 from router.frontdoor.errors import map_error
 from router.frontdoor.grpc_messages import (
@@ -168,6 +168,32 @@ class GenerationService(pb_grpc.GenerationServicer):
                             vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
                             mode=info.mode)
 
+    async def Embed(self, request: pb.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        tenant = await self._tenant(context)
+        inputs = [x.text if x.WhichOneof("input") == "text" else list(x.token_ids.ids)
+                  for x in request.inputs]
+        if any(x == "" or x == [] for x in inputs) or not inputs:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "inputs: each a non-empty text or token ids, at least one")
+        rid = request.request_id if request.HasField("request_id") and request.request_id \
+            else new_request_id()
+        permits = []
+        try:
+            for _ in inputs:
+                permits.append(self.gate.admit(tenant))
+            out = await self.backend.embed(EmbedInput(
+                inputs, request.model if request.HasField("model") else None,
+                self.gate.scoped(tenant, rid)))
+        except Exception as e:
+            err = map_error(e)
+            await context.abort(err.grpc_code, err.message)
+        finally:
+            for p in permits:
+                p.release()
+        return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in out.embeddings],
+                                prompt_tokens=out.prompt_tokens)
+
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         await self._tenant(context)
@@ -305,6 +331,7 @@ def _add_generation_service(service: GenerationService, server: grpc.aio.Server,
         "Abort": unary(service.Abort, pb.AbortRequest, pb.AbortResponse, refusable=False),
         "GetModelInfo": unary(service.GetModelInfo, pb.GetModelInfoRequest, pb.ModelInfo),
         "ListModels": unary(service.ListModels, pb.ListModelsRequest, pb.ListModelsResponse),
+        "Embed": unary(service.Embed, pb.EmbedRequest, pb.EmbedResponse),
         "LoadLoRAAdapter": unary(service.LoadLoRAAdapter, pb.LoadLoRAAdapterRequest,
                                  pb.LoRAAdapterResponse),
         "UnloadLoRAAdapter": unary(service.UnloadLoRAAdapter, pb.UnloadLoRAAdapterRequest,

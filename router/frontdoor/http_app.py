@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front door (FastAPI): ``/v1/completions``, ``/v1/chat/completions``
-(both with SSE streaming), ``/v1/models``, ``/v1/cluster`` (every worker and its state),
+(both with SSE streaming), ``/v1/embeddings``, ``/v1/models`` (LoRA adapters too, loaded and
+unloaded by ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``), ``/v1/cluster`` (every worker and its state),
 ``POST /v1/cluster/workers/{id}/drain`` (an operator takes a worker out of service),
 ``/health`` and ``/metrics``.
 
@@ -37,6 +38,7 @@ from router.contract import (
 from router.frontdoor.http_guard import GuardMiddleware
 from router.frontdoor.metrics import CONTENT_TYPE, Metrics
 from router.frontdoor.openai.adapters import add_adapter_routes
+from router.frontdoor.openai.embeddings import add_embedding_routes
 from router.frontdoor.openai.logprobs import TokenNames
 from router.frontdoor.openai.refused import refusal
 from router.frontdoor.openai.render import ChatRenderer, CompletionRenderer
@@ -55,10 +57,12 @@ __all__ = ["create_app"]
 
 
 def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app over ``backend``, behind ``gate`` (API keys, tenants, limits; default:
     open); set ``app.state.draining = True`` to fail /health. ``tool_call_parser`` overrides
-    the format read off the model's chat template (``ModelInfo.tool_call_parser``)."""
+    the format read off the model's chat template (``ModelInfo.tool_call_parser``);
+    ``reasoning_parser`` splits chat output into reasoning and content (None: off)."""
     gate = gate or Gate()
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     app.state.draining = False
@@ -66,17 +70,19 @@ def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None =
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(GuardMiddleware, gate=gate)
     _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate,
-                           tool_call_parser)
+                           tool_call_parser, reasoning_parser)
     _add_info_routes(app, backend, metrics, gate)
     _add_token_routes(app, backend)
     add_adapter_routes(app, backend, gate)
+    add_embedding_routes(app, backend, gate, _request_id)
     publish_openapi(app, CONTENT_TYPE)
     return app
 
 
 def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
                            responder: OpenAIResponder, gate: Gate,
-                           tool_call_parser: str | None) -> None:
+                           tool_call_parser: str | None,
+                           reasoning_parser: str | None = None) -> None:
     # Handlers carry no docstrings: FastAPI would publish them in /openapi.json.
     async def respond(request: Request, body, make_inputs, renderer) -> Response:
         """Admit the caller's generations, one per choice (its tenant's limits count each),
@@ -151,7 +157,8 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         return await respond(
             request, body, make_inputs,
             lambda rid: ChatRenderer(f"chatcmpl-{rid}", int(time.time()),
-                                     body.model or info.model_id, _names(body), tools=plan[0]))
+                                     body.model or info.model_id, _names(body), tools=plan[0],
+                                     reasoning=reasoning_parser))
 
     def _names(body) -> TokenNames | None:
         """How the response's logprobs name tokens (None: it asked for none)."""

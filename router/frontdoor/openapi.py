@@ -31,6 +31,7 @@ _WHY = {"400": "a bad or unsupported field (named in the message and param), mal
 _ERRORS = {
     "/v1/completions": ("400", "404", "413", "429", "503"),
     "/v1/chat/completions": ("400", "404", "413", "429", "503"),
+    "/v1/embeddings": ("400", "404", "413", "429", "503"),
     "/v1/streams/{request_id}": ("400", "404"),
     "/tokenize": ("400", "404", "413"),
     "/detokenize": ("400", "404", "413"),

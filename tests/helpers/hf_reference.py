@@ -48,3 +48,21 @@ def greedy_logprobs(prompt: list[int], new_tokens: int, top: int = 5) -> dict:
     del hf, ref, best, every
     gc.collect()
     return out
+
+
+def default_model_embeddings(prompts: list[list[int]], pooling: str = "last") -> list:
+    """transformers' final hidden states (the last norm applied) of each prompt on the
+    default model, pooled (``last`` | ``mean`` | ``cls``) and L2-normalized: what
+    ``/v1/embeddings`` must return. The model is freed before returning."""
+    import torch
+
+    hf = default_model_hf()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            h = hf.model(input_ids=torch.tensor([p])).last_hidden_state[0]
+            v = {"last": h[-1], "mean": h.mean(dim=0), "cls": h[0]}[pooling]
+            out.append(torch.nn.functional.normalize(v, dim=0))
+    del hf
+    gc.collect()
+    return out

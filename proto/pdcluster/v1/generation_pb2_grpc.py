@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=pdcluster_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdcluster.v1.Generation/Embed',
+                request_serializer=pdcluster_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/pdcluster.v1.Generation/ListModels',
                 request_serializer=pdcluster_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
@@ -103,6 +108,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Each input's embedding: the prompt's final hidden states pooled as the server is
+        configured (`pdcluster serve --pooling`), one vector per input, in order. Prefill-only
+        work: no decode KV is reserved. Errors as for Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Every name `model` may take: the base model, then each LoRA adapter served.
         """
@@ -148,6 +162,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pdcluster_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdcluster_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -273,6 +292,33 @@ class Generation:
             '/pdcluster.v1.Generation/GetModelInfo',
             pdcluster_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             pdcluster_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Generation/Embed',
+            pdcluster_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            pdcluster_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

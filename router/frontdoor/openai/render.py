@@ -16,6 +16,7 @@ from typing import ClassVar
 from engine.contract import TokenLogprob
 from router.contract import GenerationChunk, Usage
 from router.frontdoor.openai.logprobs import CompletionLogprobs, TokenNames, chat_logprobs
+from router.frontdoor.openai.reasoning import ReasoningStream, split_reasoning
 from router.frontdoor.openai.tools import (
     ToolCall,
     ToolCallStream,
@@ -159,18 +160,25 @@ class ChatRenderer(Renderer):
 
     # How tool calls come out of the text (None: the request produces none).
     tools: ToolPlan | None = None
+    # How reasoning comes out of the text (router.frontdoor.openai.reasoning; None: off).
+    reasoning: str | None = None
+    _thoughts: dict[int, ReasoningStream] = field(default_factory=dict, init=False)
     # OpenAI names the role once per choice, in the first delta a client sees of it.
     _sent_role: set[int] = field(default_factory=set, init=False)
     _calls: dict[int, ToolCallStream] = field(default_factory=dict, init=False)
     _named_ids: dict[int, str] = field(default_factory=dict, init=False)  # choice -> call id
 
     def _whole_choice(self, out: Collected) -> dict:
-        message: dict = {"role": "assistant", "content": out.text}
+        text, message = out.text, {"role": "assistant"}
+        if self.reasoning is not None:
+            thought, content = split_reasoning(self.reasoning, out.text)
+            text, message["reasoning_content"] = content or "", thought
+        message["content"] = text
         reason = out.finish_reason
         if self.tools is not None:
-            content, calls = parse_calls(self.tools, out.text)
+            content, calls = parse_calls(self.tools, text)
             if calls:
-                message = {"role": "assistant", "content": content,
+                message = {**message, "content": content,
                            "tool_calls": [c.to_json() for c in calls]}
                 reason = self.tools.finish_reason if reason == "stop" else reason
         return {"index": out.index, "message": message,
@@ -184,19 +192,28 @@ class ChatRenderer(Renderer):
     def _chunk_choice(self, c: GenerationChunk, index: int) -> dict | None:
         reason = c.finish_reason if c.finished else None
         delta: dict = {}
+        new = c.text
+        if self.reasoning is not None:  # the thinking goes out as reasoning_content
+            thoughts = self._thoughts.setdefault(index, ReasoningStream(self.reasoning))
+            thought, new = thoughts.feed(c.text)
+            if c.finished:
+                more, rest = thoughts.finish()
+                thought, new = thought + more, new + rest
+            if thought:
+                delta["reasoning_content"] = thought
         if self.tools is None:
             # The final chunk carries only the finish_reason unless it also brought text.
-            if c.text or not c.finished:
-                delta["content"] = c.text
+            if new or (not c.finished and self.reasoning is None):
+                delta["content"] = new
         elif self.tools.mode == "named":  # the text is the arguments: stream it as such
-            call: dict = {"index": 0, "function": {"arguments": c.text}}
+            call: dict = {"index": 0, "function": {"arguments": new}}
             if index not in self._named_ids:  # the first delta names the call
                 self._named_ids[index] = new_call_id()
-                call = ToolCall(self.tools.name, c.text, self._named_ids[index]).to_json(0)
+                call = ToolCall(self.tools.name, new, self._named_ids[index]).to_json(0)
             delta["tool_calls"] = [call]
         else:  # required / auto: content streams, calls go out whole once complete
             stream = self._calls.setdefault(index, ToolCallStream(self.tools))
-            text = stream.feed(c.text)
+            text = stream.feed(new)
             calls: list[ToolCall] = []
             if c.finished:
                 rest, calls = stream.finish()
@@ -207,8 +224,8 @@ class ChatRenderer(Renderer):
                 delta["content"] = text
             if calls:
                 delta["tool_calls"] = [call.to_json(i) for i, call in enumerate(calls)]
-            if not delta and not c.finished:
-                return None
+        if not delta and not c.finished and (self.tools is not None or self.reasoning):
+            return None  # held back (a tag or a tool call being assembled)
         if index not in self._sent_role:
             delta = {"role": "assistant", **delta}
             self._sent_role.add(index)

@@ -26,11 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.contract import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
+    MAX_PRIORITY,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
+    MIN_PRIORITY,
     SamplingParams,
 )
 from engine.core.grammar import StructuredOutput, choice_spec
@@ -138,6 +140,8 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = None
     # vLLM's: each token in logprobs as "token_id:<id>" rather than its text
     return_tokens_as_token_ids: bool = False
+    # vLLM's: lower runs first (router/contract.py GenerateInput.priority)
+    priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
     # The output matches a JSON schema / any JSON object (OpenAI's; vLLM takes it on
     # completions too), or vLLM's structured_outputs (json, regex, choice, grammar)
     response_format: _ResponseFormat | None = None
@@ -213,7 +217,8 @@ class _SamplingFields(BaseModel):
                     sampling, seed=(sampling.seed + j) % (MAX_SEED + 1))
                 out.append(GenerateInput(params, request_id=request_id if k == 0
                                          else f"{request_id}-{k}", model=self.model,
-                                         resumable=self.resumable, user=self.user, **prompt))
+                                         resumable=self.resumable, user=self.user,
+                                         priority=self.priority, **prompt))
         return out
 
     def to_sampling(self, default_max_tokens: int | None) -> SamplingParams:
@@ -380,6 +385,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Annotated[list[_Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: more variables the chat template sees (e.g. Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None
 
     def _functions(self) -> list[dict]:
         return [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
@@ -405,15 +412,18 @@ class ChatCompletionRequest(_SamplingFields):
                   chat_template: Callable[..., list[int]],
                   plan: ToolPlan | None = None) -> list[GenerateInput]:
         """One input per choice (``expand``). Raises ValueError naming a bad field.
-        ``chat_template(messages, tools=...)`` (the backend's tokenize) renders the prompt
-        when tools are given (the template must see them) and sizes the default max_tokens;
+        ``chat_template(messages, tools=..., chat_template_kwargs=...)`` (the backend's
+        tokenize) renders the prompt when tools or template variables are given (the template
+        must see them) and sizes the default max_tokens;
         ``plan``: ``tool_plan``'s answer."""
         messages = [m.to_dict() for m in self.messages]
         if not messages:
             raise InvalidRequestError("messages: at least one message is required")
         tools = ([{"type": "function", "function": t.function.model_dump(exclude_none=True)}
                   for t in self.tools] if self.tools else None)
-        ids = chat_template(messages, tools=tools) if tools or (
+        kwargs = self.chat_template_kwargs or None
+        rendered = bool(tools or kwargs)  # the prompt goes as the ids the template made
+        ids = chat_template(messages, tools=tools, chat_template_kwargs=kwargs) if rendered or (
             self.max_tokens is None and self.max_completion_tokens is None) else None
         # max_completion_tokens is OpenAI's newer name; max_tokens wins when both are given.
         default_max = self.max_completion_tokens
@@ -424,8 +434,8 @@ class ChatCompletionRequest(_SamplingFields):
         constraint = tool_constraint(plan, self._functions())
         if constraint is not None:
             sampling = dataclasses.replace(sampling, structured=constraint)
-        # With tools the prompt goes as the ids the template made of messages + tools.
-        prompt = {"token_ids": ids} if tools else {"messages": messages}
+        # With tools (or template variables) the prompt goes as the ids the template made.
+        prompt = {"token_ids": ids} if rendered else {"messages": messages}
         return self.expand([prompt], request_id, sampling)
 
 

@@ -91,3 +91,35 @@ def test_adapters_are_refused_when_lora_is_off(tiny_llama_dir, tmp_path):
         assert [m.id for m in backend.served_models()] == [backend.model_info().model_id]
     finally:
         asyncio.run(backend.shutdown())
+
+
+def test_embeddings_under_an_adapter_are_pefts_hidden_states(tiny_llama_dir, tmp_path):
+    """``model`` names the adapter for /v1/embeddings too: the pooled final hidden states of
+    transformers + peft's forward, not the base model's."""
+    import torch
+    from peft import PeftModel
+
+    from router.contract import EmbedInput
+    from tests.helpers.tiny_models import load_hf
+
+    a = save_adapter(tiny_llama_dir, "llama", tmp_path / "a", r=4, alpha=8, seed=33,
+                     targets=["q_proj", "v_proj", "down_proj"])
+    prompt = random_prompts(seed=33, count=1, max_len=20, min_len=12)[0]
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(load_hf(tiny_llama_dir, "llama"), str(a)).eval()
+        h = peft.base_model.model.model(input_ids=torch.tensor([prompt])).last_hidden_state
+        ref = torch.nn.functional.normalize(h[0, -1], dim=0)
+    backend = EngineBackend(EngineArgs(model=str(tiny_llama_dir), enable_lora=True))
+
+    async def body():
+        await backend.load_lora_adapter("a", str(a))
+        return (await backend.embed(EmbedInput([prompt], "a"))).embeddings[0], \
+            (await backend.embed(EmbedInput([prompt]))).embeddings[0]
+
+    try:
+        under_a, base = asyncio.run(body())
+    finally:
+        asyncio.run(backend.shutdown())
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(torch.tensor(under_a), ref, dim=0).item() >= 0.9999
+    assert cos(torch.tensor(base), ref, dim=0).item() < 0.999

@@ -51,3 +51,22 @@ def test_a_step_that_admits_higher_priority_requests_admits_no_lower_ones():
     h.run()
     assert set(h.finished) == {"running", "new0", "new1", "moved-a", "moved-b"}
     h.assert_all_free()
+
+
+def test_blocks_running_short_preempt_the_lowest_priority_request_not_the_latest():
+    """Three requests grow past a pool that holds two: the one preempted is the lowest
+    priority (admitted first), not the one admitted last; it resumes once room frees."""
+    h = make(num_blocks=12, block_size=4, prefix_caching=False)
+    for rid, prio in (("low", -5), ("mid", 0), ("high", 5)):
+        h.sched.add_request(Request(rid, list(range(100, 108)), SamplingParams(max_tokens=12),
+                                    arrival_time=h.clock(), eos_token_ids=(EOS,),
+                                    priority=prio))
+        h.step()
+    assert [r.request_id for r in h.sched.running] == ["high", "mid", "low"]
+    preempted = []
+    while h.sched.has_unfinished:
+        out, _ = h.step()
+        preempted += out.preempted_ids
+    assert preempted and set(preempted) == {"low"}, preempted
+    assert set(h.finished) == {"low", "mid", "high"}
+    h.assert_all_free()

@@ -170,3 +170,22 @@ def test_a_lazy_tokenizer_knows_the_eos_ids_at_once_and_loads_on_first_use(
     data["eos_token"] = "<no such token>"
     cfg.write_text(json.dumps(data))
     assert LazyTokenizer(other)._loaded is not None
+
+
+def test_template_kwargs_reach_the_template_and_cannot_replace_its_own(tok):
+    """``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) are variables the template
+    sees; the ones the renderer sets itself (``add_generation_prompt``, ...) stay its own."""
+    import copy
+
+    t = copy.copy(tok)
+    t.hf_tokenizer = copy.deepcopy(tok.hf_tokenizer)
+    t.hf_tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = t.decode(t.apply_chat_template(msgs))
+    off = t.decode(t.apply_chat_template(msgs, template_kwargs={"enable_thinking": False}))
+    assert (plain, off) == ("hi\n>", "hi\n><think></think>")
+    kept = t.decode(t.apply_chat_template(msgs, template_kwargs={"add_generation_prompt": False}))
+    assert kept == "hi\n>"

@@ -242,3 +242,13 @@ def test_lora_flags_reach_both_roles_engines_and_bad_ones_are_named(tmp_path):
     ]:
         with pytest.raises(ValueError, match=match):
             serve_config_from_args(_args(*argv))
+
+
+def test_pooling_flags_reach_the_cluster_and_a_bad_one_is_refused():
+    cc = serve_config_from_args(_args()).cluster_config()
+    assert (cc.pooling, cc.normalize_embeddings) == ("last", True)
+    cc = serve_config_from_args(_args("--pooling", "mean", "--no-normalize-embeddings")
+                                ).cluster_config()
+    assert (cc.pooling, cc.normalize_embeddings) == ("mean", False)
+    with pytest.raises(SystemExit):  # argparse names the choices
+        _args("--pooling", "max")

@@ -69,3 +69,4 @@ def test_only_the_adapters_own_cached_blocks_count():
     assert slot.info.worker_id == "p0" and work == 1
     assert idx.match(prompt, ["p0", "p1"], KEY) == {"p1": 6}
     assert idx.match(prompt, ["p0", "p1"]) == {"p0": 6}
+
