@@ -19,7 +19,7 @@ from worker_protocol import WorkerLoad
 
 __all__ = [
     "AdapterInUseError", "BackendStats", "EmbedInput", "EmbedOutput", "DrainStatus", "GenerateInput", "GenerationBackend", "GenerationChunk",
-    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "ServedModel",
+    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "ResponseNotFoundError", "ServedModel",
     "StreamNotFoundError", "Usage",
     "WORKER_STATES", "WorkerLoad", "WorkerNotFoundError", "WorkerStatus", "WorkerTimeoutError",
     "WorkerUnavailableError",
@@ -44,6 +44,11 @@ class ModelNotFoundError(LookupError):
 
 class StreamNotFoundError(LookupError):
     """Resume names a request whose stream log is unknown or expired: NOT_FOUND / 404."""
+
+
+class ResponseNotFoundError(LookupError):
+    """A Responses-API id (``previous_response_id``, a retrieval) that is unknown, expired,
+    not stored or another tenant's: NOT_FOUND / 404."""
 
 
 class WorkerNotFoundError(LookupError):

@@ -314,7 +314,8 @@ async def _serve(config) -> int:
         fd = await serve_frontdoor(cluster, host=config.host, grpc_port=config.grpc_port,
                                    http_port=config.http_port, drain_grace_s=config.drain_grace_s,
                                    gate=gate, tool_call_parser=config.tool_call_parser,
-                                   reasoning_parser=config.reasoning_parser)
+                                   reasoning_parser=config.reasoning_parser,
+                                   response_store=cluster.store)
         install_signal_handlers(fd)
         # The router's start-up heap (Ray, grpc, the tokenizer: ~340k objects) out of full
         # collections, which would otherwise stop every stream on this loop for ~200 ms.

@@ -13,6 +13,7 @@ from router.contract import (
     InvalidRequestError,
     ModelNotFoundError,
     QueueFullError,
+    ResponseNotFoundError,
     StreamNotFoundError,
     WorkerNotFoundError,
     WorkerUnavailableError,
@@ -64,6 +65,9 @@ def map_error(exc: BaseException) -> MappedError:
     if isinstance(exc, ModelNotFoundError):
         return MappedError(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error",
                            "model_not_found", msg)
+    if isinstance(exc, ResponseNotFoundError):
+        return MappedError(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error",
+                           "response_not_found", msg)
     if isinstance(exc, StreamNotFoundError):
         return MappedError(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error",
                            "stream_not_found", msg)

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front door (FastAPI): ``/v1/completions``, ``/v1/chat/completions``
-(both with SSE streaming), ``/v1/embeddings``, ``/v1/models`` (LoRA adapters too, loaded and
+(both with SSE streaming), ``/v1/responses`` (and ``GET /v1/responses/{id}``),
+``/v1/embeddings``, ``/v1/models`` (LoRA adapters too, loaded and
 unloaded by ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``), ``/v1/cluster`` (every worker and its state),
 ``POST /v1/cluster/workers/{id}/drain`` (an operator takes a worker out of service),
 ``/health`` and ``/metrics``.
@@ -43,6 +44,7 @@ from router.frontdoor.openai.logprobs import TokenNames
 from router.frontdoor.openai.refused import refusal
 from router.frontdoor.openai.render import ChatRenderer, CompletionRenderer
 from router.frontdoor.openai.responder import OpenAIResponder, error_response, stream_position
+from router.frontdoor.openai.responses import LocalResponseStore, add_responses_routes
 from router.frontdoor.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,19 +60,24 @@ __all__ = ["create_app"]
 
 def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None = None,
                tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, response_store=None) -> FastAPI:
     """The FastAPI app over ``backend``, behind ``gate`` (API keys, tenants, limits; default:
     open); set ``app.state.draining = True`` to fail /health. ``tool_call_parser`` overrides
     the format read off the model's chat template (``ModelInfo.tool_call_parser``);
-    ``reasoning_parser`` splits chat output into reasoning and content (None: off)."""
+    ``reasoning_parser`` splits chat output into reasoning and content (None: off);
+    ``response_store`` keeps stored Responses-API responses (a ClusterStore; None: this
+    process only)."""
     gate = gate or Gate()
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
     app.state.draining = False
     app.add_exception_handler(RequestValidationError, _bad_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(GuardMiddleware, gate=gate)
-    _add_generation_routes(app, backend, OpenAIResponder(backend, metrics), gate,
-                           tool_call_parser, reasoning_parser)
+    responder = OpenAIResponder(backend, metrics)
+    _add_generation_routes(app, backend, responder, gate, tool_call_parser, reasoning_parser)
+    add_responses_routes(app, backend, responder, gate,
+                         response_store if response_store is not None else LocalResponseStore(),
+                         _request_id, tool_call_parser, reasoning_parser)
     _add_info_routes(app, backend, metrics, gate)
     _add_token_routes(app, backend)
     add_adapter_routes(app, backend, gate)

@@ -120,14 +120,17 @@ async def serve_frontdoor(backend: GenerationBackend, host: str = "127.0.0.1",
                           grpc_port: int = 50051, http_port: int = 8000,
                           drain_grace_s: float = 30.0, gate: Gate | None = None,
                           tool_call_parser: str | None = None,
-                          reasoning_parser: str | None = None) -> FrontDoor:
+                          reasoning_parser: str | None = None,
+                          response_store=None) -> FrontDoor:
     """Start gRPC (``grpc_port``) and OpenAI-compatible HTTP (``http_port``) on the running loop.
 
     Port 0 picks a free port; read the bound ones from ``.grpc_port`` / ``.http_port``. Both
     servers feed one ``Metrics`` (served at ``/metrics``) and sit behind one ``gate`` (API
     keys, tenants, limits, TLS for both: router/frontdoor/security.py); ``tool_call_parser``
     overrides the tool-call format read off the model's chat template; ``reasoning_parser``
-    (router.frontdoor.openai.reasoning) splits chat output into reasoning and content. Raises RuntimeError if a port
+    (router.frontdoor.openai.reasoning) splits chat output into reasoning and content;
+    ``response_store``: where stored Responses-API responses go (the cluster's store; None:
+    this process). Raises RuntimeError if a port
     cannot be bound, ValueError for unreadable TLS files (nothing is left running then).
     """
     gate = gate or Gate()
@@ -141,7 +144,7 @@ async def serve_frontdoor(backend: GenerationBackend, host: str = "127.0.0.1",
     except BaseException:
         await grpc_server.stop(0)
         raise
-    app = create_app(backend, metrics, gate, tool_call_parser, reasoning_parser)
+    app = create_app(backend, metrics, gate, tool_call_parser, reasoning_parser, response_store)
     tls = gate.config.tls
     ssl_args = {} if tls is None else dict(
         ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file, ssl_ca_certs=tls.client_ca_file,

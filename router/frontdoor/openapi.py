@@ -32,6 +32,8 @@ _ERRORS = {
     "/v1/completions": ("400", "404", "413", "429", "503"),
     "/v1/chat/completions": ("400", "404", "413", "429", "503"),
     "/v1/embeddings": ("400", "404", "413", "429", "503"),
+    "/v1/responses": ("400", "404", "413", "429", "503"),
+    "/v1/responses/{response_id}": ("404",),
     "/v1/streams/{request_id}": ("400", "404"),
     "/tokenize": ("400", "404", "413"),
     "/detokenize": ("400", "404", "413"),
@@ -50,7 +52,8 @@ _DRAIN_STATUS = {"type": "object", "required": [
     "elapsed_s": {"type": "number"}, "migrate_after_s": {"type": "number"},
     "streams_finished": {"type": "integer"}, "streams_migrated": {"type": "integer"},
     "remaining": {"type": "integer"}}}
-_SSE_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/streams/{request_id}")
+_SSE_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/streams/{request_id}",
+               "/v1/responses")
 # One server-sent event: a JSON chunk (or "[DONE]") in ``data``, and ``id`` = "<request
 # id>:<tokens so far>" on the events a one-choice stream resumes from.
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {

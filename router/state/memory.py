@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ class InMemoryStore(ClusterStore):
         self._stream_ttl_s = stream_ttl_s
         # request id -> [record, tokens, finish_reason, expires_at]
         self._streams: dict[str, list] = {}
+        self._responses: dict[str, tuple[dict, float]] = {}  # key -> (doc, expires_at)
         self._clock = clock
         self._journal_ttl_s = journal_ttl_s
         self._lock = threading.Lock()
@@ -117,6 +119,20 @@ class InMemoryStore(ClusterStore):
         with self._lock:
             self._expire_journals(self._clock())
             return list(reversed(self._journals))[:limit]
+
+    def response_put(self, key: str, doc: dict, ttl_s: float) -> None:
+        check_ttl(ttl_s, "ttl_s")
+        with self._lock:
+            now = self._clock()
+            self._responses = {k: v for k, v in self._responses.items() if v[1] > now}
+            self._responses[key] = (json.loads(json.dumps(doc)), now + ttl_s)
+
+    def response_get(self, key: str) -> dict | None:
+        with self._lock:
+            entry = self._responses.get(key)
+            if entry is None or entry[1] <= self._clock():
+                return None
+            return json.loads(json.dumps(entry[0]))  # a copy: callers may change theirs
 
     def stream_open(self, record: StreamRecord) -> None:
         with self._lock:

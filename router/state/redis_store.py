@@ -107,7 +107,8 @@ class RedisStore(ClusterStore):
     (set of ids, cleaned lazily), ``journal:{rid}`` (list of JSON events, PX journal ttl),
     ``journals`` (zset rid -> last append, server clock in us, for journal_recent),
     ``stream:{rid}:rec|tok|end|own`` (a stream log: JSON record, token list, finish reason,
-    current owner; one PX stream ttl, renewed by every append).
+    current owner; one PX stream ttl, renewed by every append), ``response:{key}`` (a stored
+    Responses-API response, JSON, PX its ttl).
 
     Raises StoreUnavailableError at construction if Redis cannot be pinged, and from any call
     that loses the connection.
@@ -231,6 +232,16 @@ class RedisStore(ClusterStore):
             p.set(rec, json.dumps(record.to_dict()), px=self._stream_ttl_ms)
             p.set(own, record.owner, px=self._stream_ttl_ms)
             p.execute()
+
+    @_unavailable
+    def response_put(self, key: str, doc: dict, ttl_s: float) -> None:
+        check_ttl(ttl_s, "ttl_s")
+        self._r.set(self._k("response", key), json.dumps(doc), px=_ms(ttl_s))
+
+    @_unavailable
+    def response_get(self, key: str) -> dict | None:
+        raw = self._r.get(self._k("response", key))
+        return json.loads(raw) if raw is not None else None
 
     @_unavailable
     def stream_claim(self, request_id: str, owner: str, expect_owner: str) -> bool:

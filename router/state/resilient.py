@@ -89,6 +89,8 @@ class ResilientStore(ClusterStore):
         # written), to repair what a store that lost its data no longer holds. Bounded.
         self._open_journals: dict[str, list[JournalEvent]] = {}
         self._max_open_journals = max_backlog // 8
+        # Responses-API documents written here, readable before (and while) the store is not.
+        self._responses: dict[str, dict] = {}
         self._epoch: str | None = None  # the store's epoch when we last wrote to it
         try:
             self._backend = connect()
@@ -154,6 +156,20 @@ class ResilientStore(ClusterStore):
                       finish_reason: str | None = None, owner: str | None = None) -> None:
         # The owner check happens when the writer applies it, against Redis' owner then.
         self._enqueue("stream_append", (request_id, list(token_ids), finish_reason, owner))
+
+    def response_put(self, key: str, doc: dict, ttl_s: float) -> None:
+        with self._lock:  # read back from here until written (and while the store is down)
+            self._responses[key] = doc
+            while len(self._responses) > self._max_open_journals:
+                self._responses.pop(next(iter(self._responses)))
+        self._enqueue("response_put", (key, doc, ttl_s))
+
+    def response_get(self, key: str) -> dict | None:
+        def local() -> dict | None:
+            with self._lock:
+                return self._responses.get(key)
+        found = self._read(lambda b: b.response_get(key), local)
+        return found if found is not None else local()
 
     def _enqueue(self, method: str, args: tuple) -> None:
         with self._changed:
@@ -354,6 +370,8 @@ class ResilientStore(ClusterStore):
                     self._backlog.popleft()
                 if method == "journal_append" and args[1].kind in TERMINAL_JOURNAL_KINDS:
                     self._open_journals.pop(args[0], None)  # its last event is written
+                if method == "response_put":  # the store holds it now (and its expiry)
+                    self._responses.pop(args[0], None)
 
     @staticmethod
     def _write_registration(backend: ClusterStore, reg: _Registration) -> None:

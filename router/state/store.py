@@ -218,6 +218,15 @@ class ClusterStore(ABC):
         one wins). False for an unknown, expired or ended log, or one owned by another."""
 
     @abstractmethod
+    def response_put(self, key: str, doc: dict[str, Any], ttl_s: float) -> None:
+        """Keep a stored Responses-API response (JSON-able ``doc``) under ``key`` (its
+        tenant-scoped id) for ``ttl_s`` seconds."""
+
+    @abstractmethod
+    def response_get(self, key: str) -> dict[str, Any] | None:
+        """A stored response; None if unknown or expired."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release connections. The store must not be used afterwards."""
 

@@ -176,6 +176,15 @@ class OpenAIResponder:
     def _open(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
         return self.metrics.track(self.backend.generate(inp), api="http", user=inp.user)
 
+    async def collect(self, inp: GenerateInput) -> Collected:
+        """Run ``inp`` to its end (metered); raises what the backend raises."""
+        return await self._collect(inp)
+
+    async def start_stream(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+        """``inp``'s chunks (metered) once its first came: an error before it raises here
+        (a status code), not inside a stream. Close it to abort the request."""
+        return await self._start_stream(inp)
+
     async def _collect(self, inp: GenerateInput) -> Collected:
         out = Collected(_public_id(inp))
         stream = self._open(inp)

@@ -203,6 +203,18 @@ class StoreContract:
         store.stream_append("req-e", [2], "stop")
         h.wait_until(lambda: store.stream_read("req-e") is None, h.ttl_s)
 
+    def test_a_stored_response_reads_back_a_copy_until_its_ttl(self, h: Harness):
+        doc = {"response": {"id": "resp_1", "output": [{"type": "message"}]},
+               "conversation": [{"role": "user", "content": "hi"}]}
+        h.store.response_put("team-a/resp_1", doc, h.ttl_s)
+        got = h.store.response_get("team-a/resp_1")
+        assert got == doc
+        got["response"]["id"] = "changed"  # the caller's copy, not the store's
+        assert h.store.response_get("team-a/resp_1") == doc
+        assert h.store.response_get("team-b/resp_1") is None  # keys are the tenant's
+        assert h.store.response_get("resp_unknown") is None
+        h.wait_until(lambda: h.store.response_get("team-a/resp_1") is None, h.ttl_s)
+
     def test_concurrent_appends_lose_nothing(self, h: Harness):
         def append(t: int) -> None:
             for i in range(25):
@@ -260,3 +272,21 @@ def test_in_memory_expiry_is_exact_at_the_ttl_boundary():
     assert store.list_workers() == [worker("d1")]
     clock.advance(0.5)  # exactly at the expiry instant: gone
     assert store.list_workers() == []
+
+
+def test_the_resilient_store_reads_a_stored_response_before_and_after_it_is_written():
+    """Read-your-writes: the response is there at once (this router's copy), and from the
+    backend once written (the copy is dropped: the backend owns its expiry)."""
+    from router.state.resilient import ResilientStore
+
+    backend = InMemoryStore()
+    store = ResilientStore(lambda: backend, "memory")
+    try:
+        store.response_put("t/resp_1", {"response": {"id": "resp_1"}}, 60.0)
+        assert store.response_get("t/resp_1") == {"response": {"id": "resp_1"}}
+        assert store.flush(timeout_s=5.0)
+        assert backend.response_get("t/resp_1") == {"response": {"id": "resp_1"}}
+        assert store.response_get("t/resp_1") == {"response": {"id": "resp_1"}}
+        assert store._responses == {}  # noqa: SLF001 (the local copy went once written)
+    finally:
+        store.close()
