@@ -42,6 +42,7 @@ from client.types import (
     embeddings_from_proto,
     error_from_rpc,
     model_info_from_proto,
+    retry_after_of,
     served_models_from_proto,
 )
 from proto.pdcluster.v1 import generation_pb2 as pb
@@ -130,8 +131,9 @@ class GenerateStream(_StreamCall):
         if delay is not None:
             time.sleep(delay)
             return
-        if self._retry.should_retry(e.code(), self._attempt, self._got_tokens):
-            time.sleep(self._deadline.clip(self._retry.backoff_s(self._attempt)))
+        after = retry_after_of(e)
+        if self._retry.should_retry(e.code(), self._attempt, self._got_tokens, after):
+            time.sleep(self._deadline.clip(self._retry.backoff_s(self._attempt, after)))
             self._attempt += 1
             return
         self._done = True
@@ -276,9 +278,10 @@ class Client:
             try:
                 return method(request, timeout=deadline.remaining())
             except grpc.RpcError as e:
-                if not self.retry.should_retry(e.code(), attempt, False):
+                after = retry_after_of(e)
+                if not self.retry.should_retry(e.code(), attempt, False, after):
                     raise error_from_rpc(e) from None
-                time.sleep(deadline.clip(self.retry.backoff_s(attempt)))
+                time.sleep(deadline.clip(self.retry.backoff_s(attempt, after)))
                 attempt += 1
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
@@ -335,8 +338,9 @@ class AsyncGenerateStream(_StreamCall):
         if delay is not None:
             await asyncio.sleep(delay)
             return
-        if self._retry.should_retry(e.code(), self._attempt, self._got_tokens):
-            await asyncio.sleep(self._deadline.clip(self._retry.backoff_s(self._attempt)))
+        after = retry_after_of(e)
+        if self._retry.should_retry(e.code(), self._attempt, self._got_tokens, after):
+            await asyncio.sleep(self._deadline.clip(self._retry.backoff_s(self._attempt, after)))
             self._attempt += 1
             return
         self._done = True
@@ -452,9 +456,10 @@ class AsyncClient:
             try:
                 return await method(request, timeout=deadline.remaining())
             except grpc.aio.AioRpcError as e:
-                if not self.retry.should_retry(e.code(), attempt, False):
+                after = retry_after_of(e)
+                if not self.retry.should_retry(e.code(), attempt, False, after):
                     raise error_from_rpc(e) from None
-                await asyncio.sleep(deadline.clip(self.retry.backoff_s(attempt)))
+                await asyncio.sleep(deadline.clip(self.retry.backoff_s(attempt, after)))
                 attempt += 1
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:

@@ -83,6 +83,21 @@ def error_from_code(code: grpc.StatusCode, details: str) -> PdclusterError:
     return _BY_CODE.get(code, PdclusterError)(details, code)
 
 
+def retry_after_of(e) -> float | None:
+    """A failed call's ``retry-after`` trailing metadata in seconds (None: absent)."""
+    try:
+        md = e.trailing_metadata() or ()
+    except Exception:  # an aio error whose call never reached the server
+        return None
+    for key, value in md:
+        if key == "retry-after":
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
 def error_from_rpc(e: grpc.RpcError) -> PdclusterError:
     """Wrap a grpc.RpcError (sync or aio) in the matching PdclusterError subclass."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
@@ -191,8 +206,9 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retry UNAVAILABLE (server not reachable) with exponential backoff and jitter, and only
-    before any token arrived: a generation that already streamed tokens is never replayed."""
+    """Retry UNAVAILABLE (server not reachable) with exponential backoff and jitter, and
+    RESOURCE_EXHAUSTED after the server's ``retry-after`` (jittered), only before any token
+    arrived: a generation that already streamed tokens is never replayed."""
 
     max_retries: int = 3
     initial_backoff_s: float = 0.05
@@ -208,12 +224,21 @@ class RetryPolicy:
         if self.initial_backoff_s < 0 or self.max_backoff_s < 0:
             raise ValueError("backoff times must be >= 0")
 
-    def backoff_s(self, attempt: int) -> float:
-        """Sleep before retry number ``attempt`` (0-based)."""
+    def backoff_s(self, attempt: int, retry_after_s: float | None = None) -> float:
+        """Sleep before retry number ``attempt`` (0-based): exponential with jitter, or the
+        server's ``retry-after`` (a refusal's: RESOURCE_EXHAUSTED) plus up to half again,
+        so refused clients do not all come back at once."""
+        if retry_after_s is not None:
+            return retry_after_s * random.uniform(1, 1.5)
         return min(self.max_backoff_s, self.initial_backoff_s * 2 ** attempt) * random.uniform(0.5, 1)
 
-    def should_retry(self, code: grpc.StatusCode, attempt: int, got_tokens: bool) -> bool:
-        return code == grpc.StatusCode.UNAVAILABLE and not got_tokens and attempt < self.max_retries
+    def should_retry(self, code: grpc.StatusCode, attempt: int, got_tokens: bool,
+                     retry_after_s: float | None = None) -> bool:
+        """UNAVAILABLE, or RESOURCE_EXHAUSTED that says when to come back (``retry-after``:
+        a rate limit, a queue longer than the call's deadline), before any token."""
+        retryable = code == grpc.StatusCode.UNAVAILABLE or (
+            code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s is not None)
+        return retryable and not got_tokens and attempt < self.max_retries
 
     def should_resume(self, code: grpc.StatusCode, resumes: int) -> bool:
         """A broken resumable stream: the router went away (UNAVAILABLE) or the call was

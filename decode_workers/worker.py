@@ -22,7 +22,6 @@ from collections.abc import Iterator
 
 from decode_workers.delivery import TokenDelivery
 from engine.contract import RequestOutput, RequestProgress
-from engine.lora.request import LoRARequest
 from engine.runtime.compute_thread import ComputeThread
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.kv_connector import Reservation
@@ -55,8 +54,8 @@ from worker_protocol import (
     new_incarnation,
     restore_priority,
 )
-from worker_protocol.adapters import LoRALoaded, WorkerAdapters
-from worker_protocol.embeddings import EmbedRequest, EmbedResult, WorkerEmbeddings
+from worker_protocol.adapters import WorkerAdapters
+from worker_protocol.embeddings import WorkerEmbeddings
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import DecodeRankKV, rank_state
@@ -69,6 +68,7 @@ from worker_protocol.prefix_pull import (
     PullResult,
     SendPrefixRequest,
 )
+from worker_protocol.serving_calls import ServingCalls
 from worker_protocol.tracing import Tracing, start_tracing
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class _Lease:
     num_bytes: int  # the transfer's size, counted once it is committed
 
 
-class DecodeWorker:
+class DecodeWorker(ServingCalls):
     """Also serves colocated mode (``role="colocated"``): ``submit`` prefills locally, chunked."""
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -197,18 +197,6 @@ class DecodeWorker:
 
     def ping(self) -> str:
         return self.worker_id
-
-    def load_lora(self, req: LoRARequest) -> LoRALoaded:
-        """Hold LoRA adapter ``req`` (worker_protocol.adapters); ValueError names why not."""
-        return self.adapters.load(req)
-
-    def embed(self, req: EmbedRequest) -> EmbedResult:
-        """A prompt's pooled hidden states (worker_protocol.embeddings): no KV leaves."""
-        return self.embeddings.embed(req)
-
-    def unload_lora(self, name: str) -> bool:
-        """Drop adapter ``name`` (False: not held); ValueError while requests use it here."""
-        return self.adapters.unload(name)
 
     def worker_config(self) -> WorkerConfig:
         """How this worker was built (a re-attaching router checks it wants the same)."""

@@ -22,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.contract import RequestFailedError, RequestOutput
-from engine.lora.request import LoRARequest
 from engine.runtime.compute_thread import ComputeThread
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.kv_connector import LayerExport
@@ -46,8 +45,8 @@ from worker_protocol import (
     restarted_by_ray,
     restore_priority,
 )
-from worker_protocol.adapters import LoRALoaded, WorkerAdapters
-from worker_protocol.embeddings import EmbedRequest, EmbedResult, WorkerEmbeddings
+from worker_protocol.adapters import WorkerAdapters
+from worker_protocol.embeddings import WorkerEmbeddings
 from worker_protocol.kv_events import KVEventFeed, KVSnapshot
 from worker_protocol.kv_publisher import WorkerKVEvents
 from worker_protocol.kv_ranks import PrefillRankKV, rank_state
@@ -60,6 +59,7 @@ from worker_protocol.prefix_pull import (
     PullResult,
     SendPrefixRequest,
 )
+from worker_protocol.serving_calls import ServingCalls
 from worker_protocol.tracing import Tracing, start_tracing, wall_ns
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class _Pending:
         default_factory=list)
 
 
-class PrefillWorker:
+class PrefillWorker(ServingCalls):
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.worker_id = config.worker_id
@@ -166,18 +166,6 @@ class PrefillWorker:
 
     def ping(self) -> str:
         return self.worker_id
-
-    def load_lora(self, req: LoRARequest) -> LoRALoaded:
-        """Hold LoRA adapter ``req`` (worker_protocol.adapters); ValueError names why not."""
-        return self.adapters.load(req)
-
-    def embed(self, req: EmbedRequest) -> EmbedResult:
-        """A prompt's pooled hidden states (worker_protocol.embeddings): no KV leaves."""
-        return self.embeddings.embed(req)
-
-    def unload_lora(self, name: str) -> bool:
-        """Drop adapter ``name`` (False: not held); ValueError while requests use it here."""
-        return self.adapters.unload(name)
 
     def worker_config(self) -> WorkerConfig:
         """How this worker was built (a re-attaching router checks it wants the same)."""

@@ -18,7 +18,7 @@ from engine.contract import QueueFullError, SamplingParams, TokenLogprob
 from worker_protocol import WorkerLoad
 
 __all__ = [
-    "AdapterInUseError", "BackendStats", "EmbedInput", "EmbedOutput", "DrainStatus", "GenerateInput", "GenerationBackend", "GenerationChunk",
+    "AdapterInUseError", "BackendStats", "DeadlineRefusedError", "EmbedInput", "EmbedOutput", "DrainStatus", "GenerateInput", "GenerationBackend", "GenerationChunk",
     "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "ResponseNotFoundError", "ServedModel",
     "StreamNotFoundError", "Usage",
     "WORKER_STATES", "WorkerLoad", "WorkerNotFoundError", "WorkerStatus", "WorkerTimeoutError",
@@ -64,6 +64,16 @@ class WorkerTimeoutError(WorkerUnavailableError, TimeoutError):
 
 
 # QueueFullError (engine.contract) -> gRPC RESOURCE_EXHAUSTED / HTTP 429.
+
+
+class DeadlineRefusedError(QueueFullError):
+    """The request's first token is predicted after its deadline (router.control.admission):
+    refused at once, 429 + Retry-After / RESOURCE_EXHAUSTED; ``retry_after_s`` is the
+    predicted wait."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,10 @@ class GenerateInput:
     # MAX_PRIORITY] (the backend refuses others): ahead in every queue it waits in, and the
     # last preempted when KV runs short.
     priority: int = 0
+    # How long the caller will wait for the request, seconds from its arrival (the gRPC
+    # deadline, HTTP's ``x-request-timeout``); None: no deadline. A first token predicted
+    # later is refused at once (router.control.admission).
+    deadline_s: float | None = None
 
     @property
     def prompt(self) -> str | list[int] | list[dict]:

@@ -37,6 +37,9 @@ class WorkerChooser:
         # (router.control.fair_share), so room that frees goes to that one first.
         self._waiting: dict[object, tuple[int, str]] = {}
         self.shares = shares or TenantShares()
+        # How long the last requests that found no decode room waited for it (an EWMA, s;
+        # 0 before any waited): the admission's price of a full cluster.
+        self.room_wait_s = 0.0
 
     def _hits(self, detail: dict, slots, lora: Adapter | None) -> dict[str, float]:
         """Each worker's weighted prefix blocks, less the blocks' worth of prompt work that
@@ -64,12 +67,13 @@ class WorkerChooser:
         WorkerUnavailableError (none live or reachable) or QueueFullError (no room in time)."""
         deadline = time.monotonic() + self.capacity_wait_s
         delay = 0.01
-        me = object()
+        me, t0 = object(), time.monotonic()
         try:
             slot = await self._decode(slots, num_tokens, exclude, prompt_ids, aborted, lora,
                                       (priority, tenant_of(request_id)), me, deadline, delay)
         finally:
-            self._waiting.pop(me, None)
+            if self._waiting.pop(me, None) is not None:  # it waited: how long room took
+                self.room_wait_s += 0.3 * (time.monotonic() - t0 - self.room_wait_s)
         if request_id:
             self.shares.admitted(request_id)
         return slot

@@ -29,6 +29,7 @@ from router.contract import (
     new_request_id,
 )
 from router.control.adapters import AdapterCatalog
+from router.control.admission import admit
 from router.control.chooser import WorkerChooser
 from router.control.config import MIGRATED_PRIORITY, OrchestratorConfig
 from router.control.drain import WorkerDrains
@@ -126,7 +127,7 @@ class Orchestrator:
             lambda wid: any(s.committed for s in self.streams_on(wid)), self.fanout.last_tokens,
             self.health.silent, self.health.gone, config.heartbeat_interval_s,
             config.suspect_after_s)
-        self.kv_transfer_bytes_total = 0
+        self.kv_transfer_bytes_total, self.refused_for_deadline = 0, 0
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.phases = PhaseTimes()  # where first tokens' time went (/metrics), last timings
         self.pulls.on_transfer = self.phases.transfer
@@ -174,8 +175,8 @@ class Orchestrator:
         rid = inp.request_id or new_request_id()
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
-        prompt_ids = enc.token_ids
-        params = inp.sampling
+        prompt_ids, params = enc.token_ids, inp.sampling
+        admit(self, prompt_ids, params.max_tokens, lora, inp.deadline_s)  # its predicted TTFT
         # the engines' priorities run the other way (higher first): router/control/config.py
         stream = StreamState(rid, lora=lora, priority=-as_invalid_request(check_priority,
                                                                            inp.priority))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from router.contract import (
+    DeadlineRefusedError,
     InvalidRequestError,
     ModelNotFoundError,
     QueueFullError,
@@ -77,9 +78,10 @@ def map_error(exc: BaseException) -> MappedError:
     if isinstance(exc, InvalidRequestError | ValueError):
         return MappedError(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error",
                            None, msg)
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, QueueFullError):  # a predicted wait, where known: Retry-After
         return MappedError(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
-                           "queue_full", msg)
+                           "deadline_unmet" if isinstance(exc, DeadlineRefusedError)
+                           else "queue_full", msg, getattr(exc, "retry_after_s", None))
     if isinstance(exc, WorkerUnavailableError):
         return MappedError(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable",
                            "no_worker", msg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -77,10 +78,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             for p in permits:
                 p.release()
             err = map_error(e)
-            await context.abort(err.grpc_code, err.message)
+            await context.abort(err.grpc_code, err.message, _retry_after(err))
         traceparent = dict(context.invocation_metadata()).get("traceparent")
+        deadline = context.time_remaining()  # None without one: the admission's bound
         inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p,
-                                      traceparent=traceparent)
+                                      traceparent=traceparent, deadline_s=deadline)
                   for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]
         calls = ToolCallCollector(gen.tools) if gen.tools is not None else None
         try:
@@ -143,7 +145,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     # Keep the tokens already streamed meaningful: say why the stream stops.
                     yield pb.GenerateResponse(request_id=rid, error=pb.GenerateError(
                         code=err.grpc_code.name, message=err.message))
-                await context.abort(err.grpc_code, err.message)
+                await context.abort(err.grpc_code, err.message, _retry_after(err))
         finally:
             # Runs on completion, error and cancellation alike.
             await (close() if close is not None else stream.aclose())
@@ -157,7 +159,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             found = await self.backend.abort(self.gate.scoped(tenant, request.request_id))
         except Exception as e:
             err = map_error(e)
-            await context.abort(err.grpc_code, err.message)
+            await context.abort(err.grpc_code, err.message, _retry_after(err))
         return pb.AbortResponse(found=bool(found))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
@@ -187,7 +189,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 self.gate.scoped(tenant, rid)))
         except Exception as e:
             err = map_error(e)
-            await context.abort(err.grpc_code, err.message)
+            await context.abort(err.grpc_code, err.message, _retry_after(err))
         finally:
             for p in permits:
                 p.release()
@@ -222,7 +224,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             await call()
         except Exception as e:
             err = map_error(e)
-            await context.abort(err.grpc_code, err.message)
+            await context.abort(err.grpc_code, err.message, _retry_after(err))
+
+
+def _retry_after(err) -> tuple:
+    """A refusal's ``retry-after`` trailing metadata (seconds, as HTTP's Retry-After): when
+    to try again (a rate limit, a deadline the queue cannot meet; the SDK waits that long)."""
+    if err.retry_after_s is None:
+        return ()
+    return (("retry-after", str(max(1, math.ceil(err.retry_after_s)))),)
 
 
 @dataclass(frozen=True)

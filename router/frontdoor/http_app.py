@@ -98,6 +98,7 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         tenant, rid = request.state.tenant, _request_id(request)
         permits = []
         try:
+            deadline = request_deadline(request)
             inputs = make_inputs(gate.scoped(tenant, rid))
             for _ in inputs:
                 permits.append(gate.admit(tenant))
@@ -108,7 +109,7 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         # The id a client knows each choice by: the request's, suffixed like the backend's.
         traceparent = request.headers.get("traceparent")
         inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p,
-                                      traceparent=traceparent)
+                                      traceparent=traceparent, deadline_s=deadline)
                   for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]
         try:
             return await responder.respond(request, inputs, renderer(rid),
@@ -267,6 +268,21 @@ def _add_token_routes(app: FastAPI, backend: GenerationBackend) -> None:
             return {"prompt": backend.detokenize(body.tokens)}
         except (ValueError, LookupError) as e:
             return error_response(e)
+
+
+def request_deadline(request: Request) -> float | None:
+    """The ``x-request-timeout`` header: seconds the caller will wait (router.control.admission:
+    a first token predicted later is refused at once). ValueError for a bad value."""
+    raw = request.headers.get("x-request-timeout")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidRequestError(f"x-request-timeout: not a number of seconds: {raw!r}") from None
+    if not 0 < value < float("inf"):
+        raise InvalidRequestError(f"x-request-timeout: must be > 0 seconds, got {raw!r}")
+    return value
 
 
 def _request_id(request: Request) -> str:

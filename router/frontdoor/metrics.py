@@ -23,7 +23,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from engine.core.step_times import step_histogram
-from router.contract import BackendStats, GenerationBackend, GenerationChunk
+from router.contract import BackendStats, GenerationBackend, GenerationChunk, QueueFullError
+from router.frontdoor.errors import map_error
 from router.frontdoor.recent import RecentRequest, RecentRequests
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -308,6 +309,10 @@ class Metrics:
                                          "Output tokens streamed to clients", ["api"], registry=r)
         self.prompt_tokens = Counter("pdcluster_prompt_tokens",
                                      "Prompt tokens of accepted requests", ["api"], registry=r)
+        self.refused = Counter("pdcluster_requests_refused",
+                               "Requests refused for load before their first token, by why: "
+                               "deadline_unmet (router.control.admission), queue_full, "
+                               "rate_limit_exceeded", ["api", "reason"], registry=r)
         self._stats = _StatsCollector()
         r.register(self._stats)
         self.recent = RecentRequests()  # the last requests' latencies (/v1/cluster, top)
@@ -352,8 +357,10 @@ class Metrics:
                     if first_at is not None and tokens > 1:
                         self.tpot_s.labels(api).observe((now - first_at) / (tokens - 1))
                 yield c
-        except Exception:
+        except Exception as e:
             reason = "error"
+            if isinstance(e, QueueFullError) and not tokens:
+                self.refused.labels(api, map_error(e).openai_code or "queue_full").inc()
             raise
         finally:
             if rid:

@@ -236,8 +236,9 @@ class CountedRetry(RetryPolicy):
     granted: list = field(default_factory=list)
     retried: threading.Event = field(default_factory=threading.Event)
 
-    def should_retry(self, code: grpc.StatusCode, attempt: int, got_tokens: bool) -> bool:
-        ok = super().should_retry(code, attempt, got_tokens)
+    def should_retry(self, code: grpc.StatusCode, attempt: int, got_tokens: bool,
+                     retry_after_s: float | None = None) -> bool:
+        ok = super().should_retry(code, attempt, got_tokens, retry_after_s)
         if ok:
             self.granted.append(code)
             self.retried.set()

@@ -1,0 +1,70 @@
+"""SLO-aware admission: a request that says how long it will wait (``GenerateInput.deadline_s``:
+the gRPC deadline, HTTP's ``x-request-timeout``) and whose first token is predicted to come
+later is refused at once (``DeadlineRefusedError``: 429 + ``Retry-After`` /
+RESOURCE_EXHAUSTED carrying the predicted wait), instead of timing out after holding a place.
+
+The prediction, from live state only: the prompt's wait and compute on the prefill worker
+(colocated: the worker) that would take it soonest, i.e. the prompt tokens queued there plus
+its own not already cached, at that worker's measured prefill rate (``PrefixPulls.prefill_rate``);
+plus, when no decode worker has room for it now, the wait for room the router last measured
+(``WorkerChooser.room_wait_s``). It leaves out the KV transfer and the first decode step
+(milliseconds beside a queue), so it errs short: a refusal means the queue alone is longer
+than the deadline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import cdiv
+from router.contract import DeadlineRefusedError
+
+
+@dataclass(frozen=True)
+class Prediction:
+    queue_s: float  # prompt tokens queued ahead on the soonest worker, at its rate
+    compute_s: float  # its own uncached prompt tokens there
+    room_s: float  # waiting for decode room (0: a decode worker has room now)
+
+    @property
+    def first_token_s(self) -> float:
+        return self.queue_s + self.compute_s + self.room_s
+
+
+def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None) -> Prediction | None:
+    """The first-token prediction for a new request on ``orch``'s workers (None: no live
+    worker to predict on; the request's own routing answers that)."""
+    colocated = orch.config.mode == "colocated"
+    slots = [s for s in (orch.decode if colocated else orch.prefill).values() if s.view.alive]
+    if not slots:
+        return None
+    root = lora.key if lora is not None else 0
+    held = orch.kv_index.match_detail(prompt_ids, [s.info.worker_id for s in slots], root)
+    best = None
+    for s in slots:
+        rate = orch.pulls.prefill_rate(s.info.worker_id)
+        cached = held[s.info.worker_id].blocks * s.view.block_size \
+            if s.info.worker_id in held else 0
+        queued = s.view.inflight_prefill_tokens
+        if colocated:  # prompts waiting there, each counted as long as this one
+            queued += (s.view.requests_waiting + s.view.inflight_requests) * len(prompt_ids)
+        p = (queued / rate, max(1, len(prompt_ids) - cached) / rate)
+        if best is None or sum(p) < sum(best):
+            best = p
+    decode = [s for s in orch.decode.values() if s.view.alive]
+    room = any(s.view.free_blocks >= cdiv(len(prompt_ids) + max_tokens, s.view.block_size)
+               for s in decode)
+    return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s)
+
+
+def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float | None) -> None:
+    """Raise DeadlineRefusedError when the first token is predicted after ``deadline_s``
+    (None: no deadline, nothing to check)."""
+    if deadline_s is None:
+        return
+    p = predict(orch, prompt_ids, max_tokens, lora)
+    if p is not None and p.first_token_s > deadline_s:
+        orch.refused_for_deadline += 1
+        raise DeadlineRefusedError(
+            f"the first token is predicted in {p.first_token_s:.2f} s (queue {p.queue_s:.2f} s, "
+            f"prompt {p.compute_s:.2f} s, decode room {p.room_s:.2f} s), after the request's "
+            f"deadline of {deadline_s:.2f} s", retry_after_s=p.queue_s + p.room_s)
