@@ -101,3 +101,62 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(loop, tiny_llama_di
 
 async def _async(v):
     return v
+
+
+def test_priority_orders_a_cluster_queue_and_a_passed_deadline_frees_everything(
+        loop, tiny_llama_dir):
+    """One prompt at a time on a slowed prefill worker: of the requests queued behind the
+    first, the one with the lowest ``priority`` value (vLLM's: lower first) is prefilled
+    next whatever its arrival. A gRPC call whose deadline passes mid-stream (a slowed decode
+    worker) ends DEADLINE_EXCEEDED and leaves no block held anywhere."""
+    # max_num_seqs=1 on the prefill worker: its queue order is the prefill order
+    config = ClusterConfig(model=str(tiny_llama_dir), num_prefill_workers=1,
+                           num_decode_workers=1,
+                           prefill_engine=EngineArgs(block_size=16, num_threads=1,
+                                                     max_num_seqs=1),
+                           decode_engine=EngineArgs(block_size=16, num_threads=1),
+                           worker_num_cpus=1.0,
+                           worker_overrides={"prefill-0": {"fault_delay_per_layer_s": 0.1},
+                                             "decode-0": {"fault_delay_per_step_s": 0.01}})
+    prompts = random_prompts(seed=62, count=4, max_len=40, min_len=20)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    first_token: list[str] = []
+
+    async def run(c, name, prompt, priority):
+        async for ch in c.generate(GenerateInput(params, token_ids=prompt, request_id=name,
+                                                 priority=priority)):
+            if ch.token_ids and name not in first_token:
+                first_token.append(name)
+
+    async def body(c):
+        from router.frontdoor.lifecycle import serve_frontdoor
+
+        head = asyncio.ensure_future(run(c, "head", prompts[0], 0))
+        pslot = c.orchestrator.prefill["prefill-0"]
+        await until(lambda: _async(pslot.view.inflight_prefill_tokens > 0), "the first prefill")
+        rest = []
+        for name, prompt, prio in (("low", prompts[1], 5), ("mid", prompts[2], 0),
+                                   ("high", prompts[3], -5)):
+            rest.append(asyncio.ensure_future(run(c, name, prompt, prio)))
+            await asyncio.sleep(0.05)  # arrival order: low, mid, high
+        await asyncio.gather(head, *rest)
+        fd = await serve_frontdoor(c, grpc_port=0, http_port=0, drain_grace_s=1)
+        try:
+            def call():
+                with Client(f"127.0.0.1:{fd.grpc_port}", retry=RetryPolicy(max_retries=0),
+                            timeout=1.5) as g:
+                    try:
+                        g.generate(prompt_token_ids=prompts[0], max_tokens=400,
+                                   ignore_eos=True)
+                    except Exception as e:  # the deadline passed mid-stream
+                        return type(e).__name__
+                return None
+            ended = await asyncio.to_thread(call)
+            await assert_no_blocks_held(c, timeout_s=30)
+        finally:
+            await fd.stop(1)
+        return ended
+
+    ended = run_cluster(loop, config, body)
+    assert first_token == ["head", "high", "mid", "low"]
+    assert ended == "DeadlineExceeded"
