@@ -294,6 +294,9 @@ class BackendStats:
     # Per LoRA adapter served (router.control.adapters), cumulative: name -> (requests
     # that named it, tokens generated under it).
     lora_adapters: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # First-token predictions at admission (router.control.admission), cumulative: how many
+    # met their first token, the sum of |actual - predicted| and of actual - predicted (s).
+    ttft_predictions: tuple[int, float, float] = (0, 0.0, 0.0)
 
 
 @runtime_checkable

@@ -56,15 +56,36 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None) -> Predicti
     return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s)
 
 
-def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float | None) -> None:
-    """Raise DeadlineRefusedError when the first token is predicted after ``deadline_s``
-    (None: no deadline, nothing to check)."""
-    if deadline_s is None:
-        return
+def admit(orch, prompt_ids: list[int], max_tokens: int, lora,
+          deadline_s: float | None) -> Prediction | None:
+    """The request's prediction (None: no live worker); raises DeadlineRefusedError when its
+    first token is predicted after ``deadline_s`` (None: no deadline)."""
     p = predict(orch, prompt_ids, max_tokens, lora)
-    if p is not None and p.first_token_s > deadline_s:
+    if p is not None and deadline_s is not None and p.first_token_s > deadline_s:
         orch.refused_for_deadline += 1
         raise DeadlineRefusedError(
             f"the first token is predicted in {p.first_token_s:.2f} s (queue {p.queue_s:.2f} s, "
             f"prompt {p.compute_s:.2f} s, decode room {p.room_s:.2f} s), after the request's "
             f"deadline of {deadline_s:.2f} s", retry_after_s=p.queue_s + p.room_s)
+    return p
+
+
+@dataclass
+class Outcomes:
+    """What became of admitted requests, for the metrics: each adapter's tokens, and how far
+    the first-token predictions were from the first tokens (cumulative sums, seconds)."""
+
+    predictions: int = 0
+    abs_error_s: float = 0.0  # sum of |actual - predicted|
+    error_s: float = 0.0  # sum of actual - predicted (> 0: the prediction ran short)
+
+    def note(self, stream, chunk) -> None:
+        """One chunk of ``stream`` (a StateStream with ``lora`` and ``predicted``)."""
+        if stream.lora is not None:
+            stream.lora.tokens += len(chunk.token_ids)
+        if stream.predicted is not None and chunk.token_ids and chunk.ttft_s is not None:
+            err = chunk.ttft_s - stream.predicted.first_token_s
+            self.predictions += 1
+            self.abs_error_s += abs(err)
+            self.error_s += err
+            stream.predicted = None  # its first token only

@@ -29,7 +29,7 @@ from router.contract import (
     new_request_id,
 )
 from router.control.adapters import AdapterCatalog
-from router.control.admission import admit
+from router.control.admission import Outcomes, admit
 from router.control.chooser import WorkerChooser
 from router.control.config import MIGRATED_PRIORITY, OrchestratorConfig
 from router.control.drain import WorkerDrains
@@ -128,6 +128,7 @@ class Orchestrator:
             self.health.silent, self.health.gone, config.heartbeat_interval_s,
             config.suspect_after_s)
         self.kv_transfer_bytes_total, self.refused_for_deadline = 0, 0
+        self.outcomes = Outcomes()
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.phases = PhaseTimes()  # where first tokens' time went (/metrics), last timings
         self.pulls.on_transfer = self.phases.transfer
@@ -176,10 +177,10 @@ class Orchestrator:
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         prompt_ids, params = enc.token_ids, inp.sampling
-        admit(self, prompt_ids, params.max_tokens, lora, inp.deadline_s)  # its predicted TTFT
+        predicted = admit(self, prompt_ids, params.max_tokens, lora, inp.deadline_s)
         # the engines' priorities run the other way (higher first): router/control/config.py
-        stream = StreamState(rid, lora=lora, priority=-as_invalid_request(check_priority,
-                                                                           inp.priority))
+        stream = StreamState(rid, lora=lora, priority=-as_invalid_request(
+            check_priority, inp.priority), predicted=predicted)
         t0 = time.monotonic()
         finished = False
         stream.trace = RequestTrace.open(self.tracing, rid, self.config.model_id,
@@ -206,8 +207,7 @@ class Orchestrator:
                 pending.append(first_update(rid, first))
             async for chunk in self.follow(stream, prompt_ids, params, [], pending, t0):
                 finished, last = chunk.finished, chunk
-                if lora is not None:
-                    lora.tokens += len(chunk.token_ids)
+                self.outcomes.note(stream, chunk)  # adapters' tokens, prediction errors
                 yield chunk
         except BaseException as e:
             error = e

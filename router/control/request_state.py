@@ -60,6 +60,9 @@ class StreamState:
     trace: Any = None
     # The LoRA adapter it runs under (router.control.adapters.Adapter), None: the base model.
     lora: Any = None
+    # Its first token's prediction at admission (router.control.admission.Prediction), until
+    # that token came (its error is then counted); None: none made.
+    predicted: Any = None
 
     @property
     def lora_request(self):

@@ -234,6 +234,18 @@ def _lora_families(s: BackendStats):
             loads.add_metric([w.worker_id, w.role, name], n_loads)
             evictions.add_metric([w.worker_id, w.role, name], n_evictions)
     yield from (reqs, toks, held, loads, evictions)
+    n, abs_err, err = s.ttft_predictions
+    if n:  # a backend that predicts (a cluster): mean error = *_seconds_total / count
+        for name, help_, v in (
+                ("pdcluster_ttft_predictions", "First tokens whose time was predicted at "
+                 "admission", n),
+                ("pdcluster_ttft_prediction_abs_error_seconds", "Sum of |first token time - "
+                 "its prediction at admission|", abs_err),
+                ("pdcluster_ttft_prediction_error_seconds", "Sum of first token time - its "
+                 "prediction at admission (> 0: predictions ran short)", err)):
+            fam = CounterMetricFamily(name, help_)
+            fam.add_metric([], v)
+            yield fam
 
 
 def _spec_families(s: BackendStats):

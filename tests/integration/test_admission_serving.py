@@ -81,8 +81,10 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(loop, tiny_llama_di
             patient = await tokens(c, prompts[6], deadline=600.0, rid="patient")
             await asyncio.gather(*queue)
             met = await tokens(c, prompts[6], deadline=5.0, rid="later")
+            after = await asyncio.to_thread(
+                lambda: httpx.get(f"http://127.0.0.1:{fd.http_port}/metrics", timeout=60).text)
             await assert_no_blocks_held(c)
-            return refused, journal, http_r, grpc_err, metrics, patient, met
+            return refused, journal, http_r, grpc_err, metrics + after, patient, met
         finally:
             await fd.stop(1)
 
@@ -96,6 +98,9 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(loop, tiny_llama_di
     assert grpc_err is not None and "predicted" in str(grpc_err)
     assert 'pdcluster_requests_refused_total{api="http",reason="deadline_unmet"} 1.0' in metrics
     assert 'pdcluster_requests_refused_total{api="grpc",reason="deadline_unmet"} 1.0' in metrics
+    # the admitted requests' predictions were checked against their first tokens
+    assert "pdcluster_ttft_predictions_total" in metrics
+    assert "pdcluster_ttft_prediction_abs_error_seconds_total" in metrics
     assert len(patient) == 2 and met == patient
 
 
