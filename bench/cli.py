@@ -37,6 +37,7 @@ def _builtin() -> list[Benchmark]:
         disagg,
         kv_cache,
         neighbour,
+        overload,
         plan_check,
         prefix,
         ttft_breakdown,
@@ -46,7 +47,7 @@ def _builtin() -> list[Benchmark]:
 
     cluster = [Benchmark(m.NAME, m.HELP, m.add_arguments, m.run)
                for m in (ttft_breakdown, disagg, serve_load, chaos, prefix, autoscale,
-                         plan_check, neighbour, kv_cache)]
+                         plan_check, neighbour, kv_cache, overload)]
     return [
         Benchmark("ceilings", "this machine's copy/GEMV bandwidth and fp32 matmul rate",
                   ceilings.add_arguments, ceilings.run),

@@ -4,10 +4,11 @@ later is refused at once (``DeadlineRefusedError``: 429 + ``Retry-After`` /
 RESOURCE_EXHAUSTED carrying the predicted wait), instead of timing out after holding a place.
 
 The prediction, from live state only: the prompt's wait and compute on the prefill worker
-(colocated: the worker) that would take it soonest, i.e. the prompt tokens queued there plus
-its own not already cached, at that worker's measured prefill rate (``PrefixPulls.prefill_rate``);
-plus, when no decode worker has room for it now, the wait for room the router last measured
-(``WorkerChooser.room_wait_s``). It leaves out the KV transfer and the first decode step
+(colocated: the worker) that would take it soonest, i.e. the prompt tokens queued there (the
+share of them of requests at its priority or higher: the rest wait behind it) plus its own not
+already cached, at that worker's measured prefill rate (``PrefixPulls.prefill_rate``); plus,
+when no decode worker has room for it now, the wait for room the router last measured
+(``WorkerChooser.room_wait_s``), scaled the same way. It leaves out the KV transfer and the first decode step
 (milliseconds beside a queue), so it errs short: a refusal means the queue alone is longer
 than the deadline."""
 
@@ -30,9 +31,12 @@ class Prediction:
         return self.queue_s + self.compute_s + self.room_s
 
 
-def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None) -> Prediction | None:
-    """The first-token prediction for a new request on ``orch``'s workers (None: no live
-    worker to predict on; the request's own routing answers that)."""
+def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
+            priority: int = 0) -> Prediction | None:
+    """The first-token prediction for a new request of engine ``priority`` (higher first) on
+    ``orch``'s workers (None: no live worker to predict on; the request's own routing answers
+    that). Queues and the wait for room are scaled by the share of the requests not yet
+    decoding whose priority is as high or higher: the others wait behind it."""
     colocated = orch.config.mode == "colocated"
     slots = [s for s in (orch.decode if colocated else orch.prefill).values() if s.view.alive]
     if not slots:
@@ -50,19 +54,21 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None) -> Predicti
         p = (queued / rate, max(1, len(prompt_ids) - cached) / rate)
         if best is None or sum(p) < sum(best):
             best = p
+    pending = [s.priority for s in orch.fanout.pending()]
+    ahead = (sum(p >= priority for p in pending) / len(pending)) if pending else 1.0
+    best = (best[0] * ahead, best[1])
     decode = [s for s in orch.decode.values() if s.view.alive]
     room = any(s.view.free_blocks >= cdiv(len(prompt_ids) + max_tokens, s.view.block_size)
                for s in decode)
-    return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s)
+    return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s * ahead)
 
 
-def admit(orch, prompt_ids: list[int], max_tokens: int, lora,
-          deadline_s: float | None) -> Prediction | None:
+def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float | None,
+          priority: int = 0) -> Prediction | None:
     """The request's prediction (None: no live worker); raises DeadlineRefusedError when its
     first token is predicted after ``deadline_s`` (None: no deadline)."""
-    p = predict(orch, prompt_ids, max_tokens, lora)
+    p = predict(orch, prompt_ids, max_tokens, lora, priority)
     if p is not None and deadline_s is not None and p.first_token_s > deadline_s:
-        orch.refused_for_deadline += 1
         raise DeadlineRefusedError(
             f"the first token is predicted in {p.first_token_s:.2f} s (queue {p.queue_s:.2f} s, "
             f"prompt {p.compute_s:.2f} s, decode room {p.room_s:.2f} s), after the request's "

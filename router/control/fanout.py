@@ -58,6 +58,10 @@ class TokenFanout:
         """The streams that run (or are being set up) on ``worker_id``, decode or prefill."""
         return [s for s in self._streams.values() if worker_id in (s.decode_id, s.prefill_id)]
 
+    def pending(self) -> list[StreamState]:
+        """The streams not yet decoding anywhere (queued for room, in prefill, moving)."""
+        return [s for s in self._streams.values() if not s.committed]
+
     def migrate_off(self, worker_id: str, why: str) -> list[str]:
         """Move every stream committed on decode worker ``worker_id`` to another one while
         it still runs (a drain: reason ``drained``, outside migration_limit); the ids."""

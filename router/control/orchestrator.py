@@ -127,8 +127,7 @@ class Orchestrator:
             lambda wid: any(s.committed for s in self.streams_on(wid)), self.fanout.last_tokens,
             self.health.silent, self.health.gone, config.heartbeat_interval_s,
             config.suspect_after_s)
-        self.kv_transfer_bytes_total, self.refused_for_deadline = 0, 0
-        self.outcomes = Outcomes()
+        self.kv_transfer_bytes_total, self.outcomes = 0, Outcomes()  # outcomes: admission's
         self.migrations: dict[str, int] = {}  # reason -> streams moved off a lost worker
         self.phases = PhaseTimes()  # where first tokens' time went (/metrics), last timings
         self.pulls.on_transfer = self.phases.transfer
@@ -177,10 +176,10 @@ class Orchestrator:
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         prompt_ids, params = enc.token_ids, inp.sampling
-        predicted = admit(self, prompt_ids, params.max_tokens, lora, inp.deadline_s)
         # the engines' priorities run the other way (higher first): router/control/config.py
-        stream = StreamState(rid, lora=lora, priority=-as_invalid_request(
-            check_priority, inp.priority), predicted=predicted)
+        priority = -as_invalid_request(check_priority, inp.priority)
+        predicted = admit(self, prompt_ids, params.max_tokens, lora, inp.deadline_s, priority)
+        stream = StreamState(rid, lora=lora, priority=priority, predicted=predicted)
         t0 = time.monotonic()
         finished = False
         stream.trace = RequestTrace.open(self.tracing, rid, self.config.model_id,
@@ -364,8 +363,9 @@ class Orchestrator:
             slot = await self.choose.decode(self.decode, num_tokens, set(avoid), prompt_ids,
                                             lambda: stream.aborted, stream.lora,
                                             stream.priority, stream.request_id)
-        # No pulls under an adapter: they move base-model prefixes (KV of other weights).
-        if pull and stream.lora is None:  # a moved stream's prompt is often still cached where it was prefilled
+        # A moved stream's prompt is often still cached where it was prefilled; no pulls under
+        # an adapter: they move base-model prefixes (KV of other weights).
+        if pull and stream.lora is None:
             await self.pulls.before_prefill(stream.request_id, prompt_ids, slot, [
                 *self.prefill.values(), *self.decode.values()], self._journal, stream.trace)
             if stream.aborted:

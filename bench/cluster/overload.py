@@ -1,0 +1,261 @@
+"""`pdcluster bench overload`: what a cluster does with more work than it can take.
+
+One disaggregated cluster (1 prefill + 1 decode worker, the product's defaults), its HTTP
+front door with API keys for two tenants (equal weights unless ``--tenant-weights``). First
+the capacity: ``--capacity-clients`` clients send requests back to back for a while; completed
+requests per second is the cluster's capacity. Then, per offered load (``--loads``, multiples
+of that capacity), Poisson arrivals for ``--duration`` seconds, alternating tenants; a
+``--high-share`` of them are the high class (``priority`` -1, ``x-request-timeout`` =
+``--slo-high``), the rest low (``priority`` 0, ``--slo-low``). Every request is a streamed
+``/v1/completions`` of ``--prompt-len`` token-id prompt tokens and ``--output-len`` tokens.
+
+Per load and class: requests sent, served (200), refused (429: ``deadline_unmet`` when its
+predicted first token came after its deadline, else the queue or a limit), server errors
+(5xx), client-side timeouts or broken calls without a status; the served requests' TTFT
+(p50 / p99) and the share within the class's SLO; how fast a refusal came (p99); per tenant,
+the share of the served requests; the router's first-token predictions' mean absolute error
+over the level (``pdcluster_ttft_prediction_*``); the router's and the workers' RSS after it.
+Targets at the highest load: the high class's TTFT p99 within its SLO, 0 server errors, 0
+calls without a status, refusals answered within a second (p99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.cluster.ttft_breakdown import ray_session
+from bench.harness.engine_under_test import model_config
+from bench.harness.report import machine_info, print_targets, write_json
+from bench.harness.report import target as make_target
+from bench.harness.stats import percentile
+from bench.harness.workload import make_prompts
+
+NAME = "overload"
+HELP = ("offered load 0.5x..4x of measured capacity, two priority classes and two tenants: "
+        "who is served, who is refused, how fast")
+KEYS = {"tenant-a": "sk-bench-tenant-a-0123456789", "tenant-b": "sk-bench-tenant-b-0123456789"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--loads", default="0.5,1,2,4",
+                   help="offered loads, multiples of the measured capacity (default 0.5,1,2,4)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of arrivals per load (default 20; --quick 8)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--slo-high", type=float, default=2.0,
+                   help="the high class's deadline for its first token, s (default 2)")
+    p.add_argument("--slo-low", type=float, default=10.0,
+                   help="the low class's deadline for its first token, s (default 10)")
+    p.add_argument("--high-share", type=float, default=0.25,
+                   help="share of the requests in the high class (default 0.25)")
+    p.add_argument("--capacity-clients", type=int, default=16,
+                   help="closed-loop clients measuring the capacity (default 16)")
+    p.add_argument("--tenant-weights", default="tenant-a=1,tenant-b=1")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    loads = [float(x) for x in args.loads.split(",") if x.strip()]
+    if not loads or min(loads) <= 0:
+        raise ValueError("--loads: positive multiples of the capacity, e.g. 0.5,1,2,4")
+    duration = args.duration or (8.0 if args.quick else 20.0)
+    t0 = time.perf_counter()
+    with ray_session(num_workers=2):
+        levels, capacity = asyncio.run(_run(args, loads, duration))
+    top = levels[-1]
+    high = top["classes"]["high"]
+    targets = [
+        make_target(f"high-class TTFT p99 at {top['load']}x, s (SLO {args.slo_high})",
+                    high["ttft_p99_s"], args.slo_high, higher_is_better=False),
+        make_target(f"server errors at {top['load']}x", float(top["server_errors"]), 0.0,
+                    higher_is_better=False),
+        make_target(f"calls without a status at {top['load']}x",
+                    float(top["no_status"]), 0.0, higher_is_better=False),
+        make_target(f"refusal latency p99 at {top['load']}x, s", top["refusal_p99_s"], 1.0,
+                    higher_is_better=False)]
+    result = {"benchmark": NAME, "config": {
+        "loads": loads, "duration_s": duration, "prompt_len": args.prompt_len,
+        "output_len": args.output_len, "slo_high_s": args.slo_high, "slo_low_s": args.slo_low,
+        "high_share": args.high_share, "tenant_weights": args.tenant_weights,
+        "model": args.model or "default"}, "capacity_rps": capacity, "levels": levels,
+        "targets": targets, "wall_s": time.perf_counter() - t0, "machine": machine_info()}
+    path = write_json(Path(args.out), NAME, result)
+    print(f"capacity: {capacity:.2f} requests/s")
+    for lv in levels:
+        c = lv["classes"]
+        print(f"{lv['load']:>4}x ({lv['offered_rps']:.2f}/s): " + "; ".join(
+            f"{k}: {v['served']}/{v['sent']} served, {v['refused']} refused, TTFT p99 "
+            f"{_f(v['ttft_p99_s'])} s, {_f(v['within_slo'])} within SLO"
+            for k, v in c.items()) + f"; 5xx {lv['server_errors']}, no status "
+              f"{lv['no_status']}, refusal p99 {_f(lv['refusal_p99_s'])} s; served by tenant "
+              f"{lv['served_share']}; prediction |error| {_f(lv['prediction_mae_s'])} s; RSS MiB "
+              f"{lv['rss_mib']}")
+    print_targets(targets)
+    print(f"wrote {path}")
+    return result
+
+
+def _f(v) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
+
+
+async def _run(args, loads: list[float], duration: float):
+    import httpx
+
+    from engine import EngineArgs
+    from router.cluster.ray_cluster import Cluster, ClusterConfig
+    from router.control.fair_share import parse_tenant_weights
+    from router.frontdoor.lifecycle import serve_frontdoor
+    from router.frontdoor.security import Gate, SecurityConfig
+
+    vocab = model_config(args.model).vocab_size
+    cluster = await Cluster.start(ClusterConfig(
+        model=args.model, num_prefill_workers=1, num_decode_workers=1,
+        prefill_engine=EngineArgs(num_threads=1, max_num_seqs=8),
+        decode_engine=EngineArgs(num_threads=1), worker_num_cpus=1.0,
+        tenant_weights=parse_tenant_weights(args.tenant_weights)))
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = Path(tmp) / "keys"
+        keys.write_text("".join(f"{t}:{k}\n" for t, k in KEYS.items()))
+        fd = await serve_frontdoor(cluster, grpc_port=0, http_port=0, drain_grace_s=1,
+                                   gate=Gate.from_config(SecurityConfig(str(keys))))
+    url = f"http://127.0.0.1:{fd.http_port}"
+    seed = iter(range(args.seed, args.seed + 10_000))
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=120,
+                                     limits=httpx.Limits(max_connections=1000)) as http:
+            capacity = await _capacity(http, args, vocab, next(seed))
+            levels = []
+            for load in loads:
+                levels.append(await _level(http, cluster, args, vocab, load, capacity,
+                                           duration, next(seed)))
+    finally:
+        await fd.stop(1)
+        await cluster.shutdown()
+    return levels, capacity
+
+
+async def _request(http, prompt: list[int], args, tenant: str, priority: int,
+                   deadline_s: float) -> dict[str, Any]:
+    """One streamed completion: its status (None: the call broke or timed out without one),
+    TTFT and end-to-end time (served), or how fast the refusal came."""
+    body = {"prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "priority": priority}
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}", "x-request-timeout": str(deadline_s)}
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"tenant": tenant, "priority": priority, "status": None,
+                           "ttft_s": None, "e2e_s": None, "code": None}
+    try:
+        async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+            out["status"] = r.status_code
+            if r.status_code != 200:
+                text = (await r.aread()).decode()
+                m = re.search(r'"code":\s*"([a-z_]+)"', text)
+                out["code"] = m.group(1) if m else None
+                out["e2e_s"] = time.perf_counter() - t0
+                return out
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and out["ttft_s"] is None and '"text"' in line:
+                    out["ttft_s"] = time.perf_counter() - t0
+        out["e2e_s"] = time.perf_counter() - t0
+    except Exception as e:  # a broken call is a data point: it has no status
+        out["status"], out["code"] = None, type(e).__name__
+    return out
+
+
+async def _capacity(http, args, vocab: int, seed: int) -> float:
+    """Completed requests per second of ``--capacity-clients`` closed-loop clients."""
+    n = args.capacity_clients
+    prompts = make_prompts(n * 64, args.prompt_len, vocab, seed=seed)
+    span = 6.0 if args.quick else 15.0
+    done, stop, it = [], time.perf_counter() + span, iter(prompts)
+
+    async def client(i: int) -> None:
+        while time.perf_counter() < stop:
+            r = await _request(http, next(it), args, "tenant-a" if i % 2 else "tenant-b",
+                               0, 600.0)
+            if r["status"] == 200:
+                done.append(r)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(n)))
+    return len(done) / (time.perf_counter() - t0)
+
+
+async def _level(http, cluster, args, vocab: int, load: float, capacity: float,
+                 duration: float, seed: int) -> dict[str, Any]:
+    rate = load * capacity
+    rng = random.Random(seed)
+    n = max(1, int(rate * duration))
+    prompts = make_prompts(n, args.prompt_len, vocab, seed=seed)
+    before = await _prediction_sums(http)
+    tasks, t = [], 0.0
+    start = time.perf_counter()
+    for i in range(n):
+        t += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+        high = rng.random() < args.high_share
+        tasks.append(asyncio.ensure_future(_request(
+            http, prompts[i], args, "tenant-a" if i % 2 == 0 else "tenant-b",
+            -1 if high else 0, args.slo_high if high else args.slo_low)))
+    results = await asyncio.gather(*tasks)
+    after = await _prediction_sums(http)
+    classes = {}
+    for name, prio, slo in (("high", -1, args.slo_high), ("low", 0, args.slo_low)):
+        rs = [r for r in results if r["priority"] == prio]
+        served = [r for r in rs if r["status"] == 200 and r["ttft_s"] is not None]
+        ttfts = [r["ttft_s"] for r in served]
+        classes[name] = {
+            "sent": len(rs), "served": len(served),
+            "refused": sum(r["status"] == 429 for r in rs),
+            "refused_deadline": sum(r["code"] == "deadline_unmet" for r in rs),
+            "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
+            "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
+            "within_slo": (sum(x <= slo for x in ttfts) / len(ttfts)) if ttfts else None}
+    refusals = [r["e2e_s"] for r in results if r["status"] == 429]
+    served = [r for r in results if r["status"] == 200]
+    n_pred, abs_err = after[0] - before[0], after[1] - before[1]
+    return {"load": load, "offered_rps": rate, "sent": n, "classes": classes,
+            "server_errors": sum(r["status"] is not None and r["status"] >= 500
+                                 for r in results),
+            "no_status": sum(r["status"] is None for r in results),
+            "other_4xx": sum(r["status"] is not None and 400 <= r["status"] < 500
+                             and r["status"] != 429 for r in results),
+            "refusal_p99_s": percentile(refusals, 99) if refusals else None,
+            "served_share": {t: round(sum(r["tenant"] == t for r in served) / len(served), 3)
+                             for t in KEYS} if served else {},
+            "prediction_mae_s": abs_err / n_pred if n_pred else None,
+            "rss_mib": await _rss(cluster)}
+
+
+async def _prediction_sums(http) -> tuple[float, float]:
+    # /metrics needs a key when keys are on (docs/security.md)
+    text = (await http.get("/metrics", headers={
+        "Authorization": f"Bearer {KEYS['tenant-a']}"})).text
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+    return (value("pdcluster_ttft_predictions_total"),
+            value("pdcluster_ttft_prediction_abs_error_seconds_total"))
+
+
+async def _rss(cluster) -> dict[str, int]:
+    """The router's (this process) and each worker's resident memory, MiB."""
+    import psutil
+
+    out = {"router": psutil.Process(os.getpid()).memory_info().rss >> 20}
+    for w in await cluster.cluster_status():
+        try:
+            out[w.id] = psutil.Process(w.pid).memory_info().rss >> 20
+        except psutil.Error:
+            out[w.id] = -1
+    return out
