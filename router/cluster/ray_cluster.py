@@ -378,7 +378,7 @@ class Cluster(AdapterBackend, EmbeddingBackend):
                             dict(self.autoscaler.decisions) if self.autoscaler else {},
                             orch.phases.snapshot(), orch.phases.transfer_snapshot(),
                             {a.name: (a.requests, a.tokens) for a in orch.adapters.adapters()},
-                            orch.outcomes.sums())
+                            dataclasses.astuple(orch.outcomes))
 
     async def drain_worker(self, worker_id: str, migrate_after_s: float | None = None,
                            wait: bool = False) -> DrainStatus:

@@ -8,9 +8,9 @@ The prediction, from live state only: the prompt's wait and compute on the prefi
 share of them of requests at its priority or higher: the rest wait behind it) plus its own not
 already cached, at that worker's measured prefill rate (``PrefixPulls.prefill_rate``); plus,
 when no decode worker has room for it now, the wait for room the router last measured
-(``WorkerChooser.room_wait_s``), scaled the same way; plus what recent predictions missed by
-(an EWMA of their errors: the KV transfer, the decode worker's commit under load, whatever the
-sum leaves out), so a prediction that ran short corrects itself over the next requests."""
+(``WorkerChooser.room_wait_s``), scaled the same way. It leaves out the KV transfer and the first decode step
+(milliseconds beside a queue), so it errs short: a refusal means the queue alone is longer
+than the deadline."""
 
 from __future__ import annotations
 
@@ -25,13 +25,10 @@ class Prediction:
     queue_s: float  # prompt tokens queued ahead on the soonest worker, at its rate
     compute_s: float  # its own uncached prompt tokens there
     room_s: float  # waiting for decode room (0: a decode worker has room now)
-    # What the last predictions missed by (``Outcomes.bias_s``): the time this model leaves
-    # out (the KV transfer, the decode worker's commit under load) as the router measures it.
-    bias_s: float = 0.0
 
     @property
     def first_token_s(self) -> float:
-        return max(0.0, self.queue_s + self.compute_s + self.room_s + self.bias_s)
+        return self.queue_s + self.compute_s + self.room_s
 
 
 def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
@@ -63,8 +60,7 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
     decode = [s for s in orch.decode.values() if s.view.alive]
     room = any(s.view.free_blocks >= cdiv(len(prompt_ids) + max_tokens, s.view.block_size)
                for s in decode)
-    return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s * ahead,
-                      orch.outcomes.bias_s)
+    return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s * ahead)
 
 
 def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float | None,
@@ -88,13 +84,6 @@ class Outcomes:
     predictions: int = 0
     abs_error_s: float = 0.0  # sum of |actual - predicted|
     error_s: float = 0.0  # sum of actual - predicted (> 0: the prediction ran short)
-    # The recent errors' mean (an EWMA), added to the next predictions: the model's parts
-    # it does not see, learned from its own misses (not exported with the sums above).
-    bias_s: float = 0.0
-
-    def sums(self) -> tuple[int, float, float]:
-        """(predictions met, sum |error|, sum error): ``BackendStats.ttft_predictions``."""
-        return self.predictions, self.abs_error_s, self.error_s
 
     def note(self, stream, chunk) -> None:
         """One chunk of ``stream`` (a StateStream with ``lora`` and ``predicted``)."""
@@ -105,5 +94,4 @@ class Outcomes:
             self.predictions += 1
             self.abs_error_s += abs(err)
             self.error_s += err
-            self.bias_s += 0.1 * err  # toward the error that is left
             stream.predicted = None  # its first token only
