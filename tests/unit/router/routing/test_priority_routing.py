@@ -15,17 +15,24 @@ from worker_protocol.kv_events import KVEventLog
 BS = 4
 
 
-
-def test_room_that_frees_goes_to_the_higher_priority_waiter_first():
-    """Two requests wait for decode room (the worker's pool is full): the one of the higher
-    engine priority (a lower client value) gets it first, though it came second."""
-    view = WorkerView("d0", "decode", kv_blocks_total=10, block_size=BS,
-                      load=WorkerLoad("d0", "decode", 10, 10, 1, 0))
-    slots = {"d0": WorkerSlot(WorkerInfo("d0", "decode", "node", 1, None, 10, BS, 4096),
+def _one_decode_worker(blocks: int, used: int):
+    """A decode worker's view of ``blocks`` blocks, ``used`` of them in use, its slots and an
+    empty KV index."""
+    view = WorkerView("d0", "decode", kv_blocks_total=blocks, block_size=BS,
+                      load=WorkerLoad("d0", "decode", used, blocks, 0, 0))
+    slots = {"d0": WorkerSlot(WorkerInfo("d0", "decode", "node", 1, None, blocks, BS, 4096),
                               None, view)}
     idx = KVIndex(hash_seed=0)
     idx.add_worker("d0", BS)
     idx.reset(KVEventLog("d0", "i1", BS).snapshot([]))
+    return view, slots, idx
+
+
+
+def test_room_that_frees_goes_to_the_higher_priority_waiter_first():
+    """Two requests wait for decode room (the worker's pool is full): the one of the higher
+    engine priority (a lower client value) gets it first, though it came second."""
+    view, slots, idx = _one_decode_worker(blocks=10, used=10)
     chooser = WorkerChooser(Routing(), idx, capacity_wait_s=10.0)
     order: list[str] = []
 
@@ -54,18 +61,12 @@ def test_room_that_frees_goes_to_the_higher_priority_waiter_first():
 
 
 def test_tenants_hold_room_in_the_ratio_of_their_weights_under_contention():
-    """Twelve requests each of two tenants (weights 2 and 1) wait for a worker with room for
+    """Forty requests each of two tenants (weights 2 and 1) wait for a worker with room for
     three: as room frees one request at a time, the heavier tenant holds it about twice as
     often (within 10% of 2/3 over the first 30 admissions), though both always wait."""
     from router.control.fair_share import TenantShares
 
-    view = WorkerView("d0", "decode", kv_blocks_total=6, block_size=BS,
-                      load=WorkerLoad("d0", "decode", 0, 6, 0, 0))
-    slots = {"d0": WorkerSlot(WorkerInfo("d0", "decode", "node", 1, None, 6, BS, 4096),
-                              None, view)}
-    idx = KVIndex(hash_seed=0)
-    idx.add_worker("d0", BS)
-    idx.reset(KVEventLog("d0", "i1", BS).snapshot([]))
+    view, slots, idx = _one_decode_worker(blocks=6, used=0)
     shares = TenantShares({"gold": 2.0, "free": 1.0})
     chooser = WorkerChooser(Routing(), idx, capacity_wait_s=60.0, shares=shares)
     admitted: list[str] = []
