@@ -248,6 +248,10 @@ def _add_security_flags(p: argparse.ArgumentParser) -> None:
     sec.add_argument("--tenant-weights", default=None, metavar="NAME=W,...",
                      help="each tenant's weight in the fair share of decode room while requests "
                           "wait for it, e.g. 'gold=3,free=1' (a tenant not named weighs 1)")
+    sec.add_argument("--tenant-deadlines", default=None, metavar="NAME=S,...",
+                     help="seconds a tenant's requests wait at most when they name no deadline "
+                          "('*' for every other tenant): one predicted to miss it is refused at "
+                          "once with 429 + Retry-After")
     sec.add_argument("--metrics-public", action="store_true", default=None,
                      help="serve /metrics without a key (default: only when there are no keys)")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate chain: HTTPS and gRPC TLS")

@@ -169,6 +169,9 @@ class ServeConfig:
     # Weights of the tenants' fair shares of decode room under contention: "a=2,b=1"
     # (router.control.fair_share; a tenant not named weighs 1).
     tenant_weights: str | dict | None = None
+    # Seconds a tenant's requests wait at most when they name no deadline: "a=5,*=30"
+    # (router.control.admission refuses one predicted to miss it).
+    tenant_deadlines: str | dict | None = None
     # Per-request traces over OTLP/gRPC (worker_protocol.tracing): the collector, else
     # $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; neither: off. The share of requests traced.
     otlp_traces_endpoint: str | None = None
@@ -316,7 +319,8 @@ class ServeConfig:
                               parse_bytes(self.max_request_bytes), float(self.rate_limit),
                               int(self.max_concurrent_per_key), tls,
                               tuple(t.strip() for t in (self.admin_tenants or "").split(",")
-                                    if t.strip()))
+                                    if t.strip()),
+                              parse_tenant_weights(self.tenant_deadlines, "--tenant-deadlines"))
 
     def routing_config(self):
         from router.routing.policy import RoutingConfig

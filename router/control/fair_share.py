@@ -21,9 +21,10 @@ def tenant_of(request_id: str) -> str:
     return head if sep else ""
 
 
-def parse_tenant_weights(value) -> dict[str, float]:
-    """``--tenant-weights`` ("name=weight,..." or, in YAML, a mapping) as a dict. ValueError
-    names a bad entry (weights must be > 0)."""
+def parse_tenant_weights(value, flag: str = "--tenant-weights") -> dict[str, float]:
+    """``--tenant-weights`` ("name=weight,..." or, in YAML, a mapping) as a dict; also any
+    flag of that shape (``flag`` names it in errors: ``--tenant-deadlines``). ValueError
+    names a bad entry (values must be numbers > 0)."""
     if value is None or value == "":
         return {}
     if isinstance(value, dict):
@@ -33,17 +34,16 @@ def parse_tenant_weights(value) -> dict[str, float]:
         for part in str(value).split(","):
             name, eq, w = part.strip().partition("=")
             if not eq:
-                raise ValueError(f"--tenant-weights: {part.strip()!r}: expected name=weight")
+                raise ValueError(f"{flag}: {part.strip()!r}: expected name=value")
             items.append((name.strip(), w.strip()))
     out = {}
     for name, w in items:
         try:
             weight = float(w)
         except (TypeError, ValueError):
-            raise ValueError(f"--tenant-weights: {name}: {w!r} is not a number") from None
+            raise ValueError(f"{flag}: {name}: {w!r} is not a number") from None
         if not name or not weight > 0 or weight == float("inf"):
-            raise ValueError(f"--tenant-weights: {name!r}: weight must be a number > 0, "
-                             f"got {w!r}")
+            raise ValueError(f"{flag}: {name!r}: must be a number > 0, got {w!r}")
         out[str(name)] = weight
     return out
 

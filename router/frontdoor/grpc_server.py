@@ -80,7 +80,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             err = map_error(e)
             await context.abort(err.grpc_code, err.message, _retry_after(err))
         traceparent = dict(context.invocation_metadata()).get("traceparent")
-        deadline = context.time_remaining()  # None without one: the admission's bound
+        # the call's deadline, else its tenant's default: the admission's bound
+        deadline = self.gate.deadline_for(tenant, context.time_remaining())
         inputs = [dataclasses.replace(inp, public_id=rid if k == 0 else f"{rid}-{k}", permit=p,
                                       traceparent=traceparent, deadline_s=deadline)
                   for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]

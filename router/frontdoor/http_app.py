@@ -77,7 +77,7 @@ def create_app(backend: GenerationBackend, metrics: Metrics, gate: Gate | None =
     _add_generation_routes(app, backend, responder, gate, tool_call_parser, reasoning_parser)
     add_responses_routes(app, backend, responder, gate,
                          response_store if response_store is not None else LocalResponseStore(),
-                         _request_id, tool_call_parser, reasoning_parser)
+                         _request_id, tool_call_parser, reasoning_parser, request_deadline)
     _add_info_routes(app, backend, metrics, gate)
     _add_token_routes(app, backend)
     add_adapter_routes(app, backend, gate)
@@ -98,7 +98,7 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         tenant, rid = request.state.tenant, _request_id(request)
         permits = []
         try:
-            deadline = request_deadline(request)
+            deadline = gate.deadline_for(tenant, request_deadline(request))
             inputs = make_inputs(gate.scoped(tenant, rid))
             for _ in inputs:
                 permits.append(gate.admit(tenant))

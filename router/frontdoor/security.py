@@ -96,6 +96,10 @@ class SecurityConfig:
     tls: TLSConfig | None = None
     # Tenants that may make operators' calls (drain a worker). With auth off, every caller may.
     admin_tenants: tuple[str, ...] = ()
+    # Tenant -> seconds its requests wait at most when they name no deadline themselves
+    # ("*": every tenant not named); the router's admission refuses a request predicted to
+    # miss it (router.control.admission). Empty: no default deadline.
+    tenant_deadlines: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.admin_tenants if not _NAME.match(t)]
@@ -106,6 +110,11 @@ class SecurityConfig:
             raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
         if not math.isfinite(self.rate_limit) or self.rate_limit < 0:
             raise ValueError(f"--rate-limit must be >= 0, got {self.rate_limit}")
+        for name, v in self.tenant_deadlines.items():
+            if name != "*" and not _NAME.match(name):
+                raise ValueError(f"--tenant-deadlines: {name!r} is not a tenant name")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise ValueError(f"--tenant-deadlines: {name}: seconds > 0, got {v!r}")
         if self.max_concurrent_per_key < 0:
             raise ValueError(f"--max-concurrent-per-key must be >= 0, "
                              f"got {self.max_concurrent_per_key}")
@@ -225,6 +234,15 @@ class Gate:
         if self.auth_required and tenant.name not in self.config.admin_tenants:
             raise ForbiddenError(f"tenant {tenant.name!r} may not do this: operators' calls "
                                  "need a key of a tenant listed in --admin-tenants")
+
+    def deadline_for(self, tenant: Tenant, asked: float | None) -> float | None:
+        """The seconds ``tenant``'s request waits at most: its own (``asked``: the gRPC
+        deadline, ``x-request-timeout``), else its tenant's default (``tenant_deadlines``,
+        then ``*``), else None."""
+        if asked is not None:
+            return asked
+        d = self.config.tenant_deadlines
+        return d.get(tenant.name, d.get("*"))
 
     def admit(self, tenant: Tenant) -> Permit:
         """A permit for one generation, or RateLimitedError (nothing held then)."""

@@ -186,9 +186,10 @@ class ResponsesRequest(BaseModel):
 
 def add_responses_routes(app: FastAPI, backend: GenerationBackend, responder: OpenAIResponder,
                          gate: Gate, store, request_id, tool_call_parser: str | None = None,
-                         reasoning_parser: str | None = None) -> None:
+                         reasoning_parser: str | None = None, deadline=None) -> None:
     """``store``: a ClusterStore (its ``response_put`` / ``response_get``); ``request_id``:
-    the id a call runs under (``x-request-id`` or a new one)."""
+    the id a call runs under (``x-request-id`` or a new one); ``deadline(request)``: the
+    seconds the caller said it waits (``x-request-timeout``; None: none)."""
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
@@ -207,11 +208,13 @@ def add_responses_routes(app: FastAPI, backend: GenerationBackend, responder: Op
             info = backend.model_info()
             plan = chat.tool_plan(tool_call_parser or info.tool_call_parser)
             rid = request_id(request)
+            request_deadline = deadline(request) if deadline is not None else None
             inp = chat.to_inputs(gate.scoped(tenant, rid), info.max_model_len,
                                  backend.tokenize, plan)[0]
             permit = gate.admit(tenant)
             inp = dataclasses.replace(inp, public_id=rid, permit=permit,
-                                      traceparent=request.headers.get("traceparent"))
+                                      traceparent=request.headers.get("traceparent"),
+                                      deadline_s=gate.deadline_for(tenant, request_deadline))
             resp = _Response(body, f"resp_{uuid.uuid4().hex}", info.model_id, plan,
                              reasoning_parser, history)
             if body.stream:
