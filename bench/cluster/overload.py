@@ -14,7 +14,9 @@ predicted first token came after its deadline, else the queue or a limit), serve
 (5xx), client-side timeouts or broken calls without a status; the served requests' TTFT
 (p50 / p99) and the share within the class's SLO; how fast a refusal came (p99); per tenant,
 the share of the served requests; the router's first-token predictions' mean absolute error
-over the level (``pdcluster_ttft_prediction_*``); the router's and the workers' RSS after it.
+over the level (``pdcluster_ttft_prediction_*``) and where the first tokens' time went (the
+router's ``pdcluster_request_phase_seconds``, mean per phase); the router's and the workers'
+RSS after it.
 Targets at the highest load: the high class's TTFT p99 within its SLO, 0 server errors, 0
 calls without a status, refusals answered within a second (p99).
 """
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for k, v in c.items()) + f"; 5xx {lv['server_errors']}, no status "
               f"{lv['no_status']}, refusal p99 {_f(lv['refusal_p99_s'])} s; served by tenant "
               f"{lv['served_share']}; prediction |error| {_f(lv['prediction_mae_s'])} s; RSS MiB "
-              f"{lv['rss_mib']}")
+              f"{lv['rss_mib']}; first-token phases (mean s) {lv['first_token_phases_s']}")
     print_targets(targets)
     print(f"wrote {path}")
     return result
@@ -223,6 +225,9 @@ async def _level(http, cluster, args, vocab: int, load: float, capacity: float,
     refusals = [r["e2e_s"] for r in results if r["status"] == 429]
     served = [r for r in results if r["status"] == 200]
     n_pred, abs_err = after[0] - before[0], after[1] - before[1]
+    phases = {k: round((v[0] - before[2].get(k, (0, 0))[0])
+                       / max(1.0, v[1] - before[2].get(k, (0, 0))[1]), 4)
+              for k, v in after[2].items()}
     return {"load": load, "offered_rps": rate, "sent": n, "classes": classes,
             "server_errors": sum(r["status"] is not None and r["status"] >= 500
                                  for r in results),
@@ -233,10 +238,14 @@ async def _level(http, cluster, args, vocab: int, load: float, capacity: float,
             "served_share": {t: round(sum(r["tenant"] == t for r in served) / len(served), 3)
                              for t in KEYS} if served else {},
             "prediction_mae_s": abs_err / n_pred if n_pred else None,
+            # where the admitted requests' first-token time went, mean s per phase
+            "first_token_phases_s": phases,
             "rss_mib": await _rss(cluster)}
 
 
-async def _prediction_sums(http) -> tuple[float, float]:
+async def _prediction_sums(http) -> tuple[float, float, dict[str, tuple[float, float]]]:
+    """The router's counters: predictions met, their summed |error|, and per first-token
+    phase (pdcluster_request_phase_seconds) its (sum, count)."""
     # /metrics needs a key when keys are on (docs/security.md)
     text = (await http.get("/metrics", headers={
         "Authorization": f"Bearer {KEYS['tenant-a']}"})).text
@@ -244,8 +253,14 @@ async def _prediction_sums(http) -> tuple[float, float]:
     def value(name: str) -> float:
         m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
         return float(m.group(1)) if m else 0.0
+    phases: dict[str, list[float]] = {}
+    for kind, phase, v in re.findall(
+            r'^pdcluster_request_phase_seconds_(sum|count)\{phase="([a-z_]+)"\} ([0-9.e+-]+)$',
+            text, re.MULTILINE):
+        phases.setdefault(phase, [0.0, 0.0])[kind == "count"] = float(v)
     return (value("pdcluster_ttft_predictions_total"),
-            value("pdcluster_ttft_prediction_abs_error_seconds_total"))
+            value("pdcluster_ttft_prediction_abs_error_seconds_total"),
+            {k: (v[0], v[1]) for k, v in phases.items()})
 
 
 async def _rss(cluster) -> dict[str, int]:
