@@ -166,11 +166,9 @@ class ServeConfig:
     max_concurrent_per_key: int = 0
     # Tenants (key names) that may make operators' calls, e.g. drain a worker: "ops,admin".
     admin_tenants: str | None = None
-    # Weights of the tenants' fair shares of decode room under contention: "a=2,b=1"
-    # (router.control.fair_share; a tenant not named weighs 1).
+    # Tenants' weights of decode room ("a=2,b=1"; router.control.fair_share) and default
+    # deadlines ("a=5,*=30": router.control.admission), for requests naming none.
     tenant_weights: str | dict | None = None
-    # Seconds a tenant's requests wait at most when they name no deadline: "a=5,*=30"
-    # (router.control.admission refuses one predicted to miss it).
     tenant_deadlines: str | dict | None = None
     # Per-request traces over OTLP/gRPC (worker_protocol.tracing): the collector, else
     # $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; neither: off. The share of requests traced.
