@@ -24,6 +24,6 @@ from client.types import (
 __all__ = [
     "AsyncClient", "AsyncGenerateStream", "Cancelled", "Client", "DeadlineExceeded",
     "GenerateResult", "GenerateStream", "Internal", "InvalidArgument", "ModelInfo", "NotFound",
-    "PdclusterError", "ResourceExhausted", "RetryPolicy", "ServedModel", "StreamChunk", "TokenLogprob",
-    "ToolCall", "Unauthenticated", "Unavailable", "Usage",
+    "PdclusterError", "ResourceExhausted", "RetryPolicy", "ServedModel", "StreamChunk",
+    "TokenLogprob", "ToolCall", "Unauthenticated", "Unavailable", "Usage",
 ]

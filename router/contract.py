@@ -18,10 +18,11 @@ from engine.contract import QueueFullError, SamplingParams, TokenLogprob
 from worker_protocol import WorkerLoad
 
 __all__ = [
-    "AdapterInUseError", "BackendStats", "DeadlineRefusedError", "EmbedInput", "EmbedOutput", "DrainStatus", "GenerateInput", "GenerationBackend", "GenerationChunk",
-    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError", "ResponseNotFoundError", "ServedModel",
-    "StreamNotFoundError", "Usage",
-    "WORKER_STATES", "WorkerLoad", "WorkerNotFoundError", "WorkerStatus", "WorkerTimeoutError",
+    "AdapterInUseError", "BackendStats", "DeadlineRefusedError", "DrainStatus", "EmbedInput",
+    "EmbedOutput", "GenerateInput", "GenerationBackend", "GenerationChunk",
+    "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError",
+    "ResponseNotFoundError", "ServedModel", "StreamNotFoundError", "Usage", "WORKER_STATES",
+    "WorkerLoad", "WorkerNotFoundError", "WorkerStatus", "WorkerTimeoutError",
     "WorkerUnavailableError",
 ]
 

@@ -105,7 +105,8 @@ class Tokenizer:
         adding special tokens unless ``add_special_tokens`` (vLLM's /tokenize flag: the
         tokenizer's own on top of the template's); ``template_kwargs``: more variables the
         template sees (OpenAI-compatible servers' ``chat_template_kwargs``, e.g. Qwen3's
-        ``enable_thinking``; they cannot replace the ones above). Raises ValueError if the model has no chat
+        ``enable_thinking``; they cannot replace the ones above). Raises ValueError if the
+        model has no chat
         template, the messages are malformed, or the template rejects them (e.g. roles that do
         not alternate).
         """

@@ -8,9 +8,10 @@ The prediction, from live state only: the prompt's wait and compute on the prefi
 share of them of requests at its priority or higher: the rest wait behind it) plus its own not
 already cached, at that worker's measured prefill rate (``PrefixPulls.prefill_rate``); plus,
 when no decode worker has room for it now, the wait for room the router last measured
-(``WorkerChooser.room_wait_s``), scaled the same way. It leaves out the KV transfer and the first decode step
-(milliseconds beside a queue), so it errs short: a refusal means the queue alone is longer
-than the deadline."""
+(``WorkerChooser.room_wait_s``), scaled the same way. It leaves out the KV transfer and the
+decode worker's commit (milliseconds: docs/benchmarks.md, Overload); the queue is what it
+misjudges under load (measured there: mean absolute error 0.24 s at half the capacity,
+2.7-2.9 s past it)."""
 
 from __future__ import annotations
 

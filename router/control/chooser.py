@@ -63,8 +63,8 @@ class WorkerChooser:
         adapter ``lora``: its KV keyed by the adapter, its load priced), waiting (bounded)
         for capacity to free up, behind every waiting request of a higher ``priority`` (the
         engines' order: higher first) or of an equal one whose tenant is further below its
-        share (``request_id`` names the tenant; router.control.fair_share). Raises Aborted (``aborted()`` turned true),
-        WorkerUnavailableError (none live or reachable) or QueueFullError (no room in time)."""
+        share (``request_id`` names the tenant; router.control.fair_share). Raises Aborted
+        (``aborted()`` turned true), WorkerUnavailableError (none live or reachable) or QueueFullError (no room in time)."""
         deadline = time.monotonic() + self.capacity_wait_s
         delay = 0.01
         me, t0 = object(), time.monotonic()

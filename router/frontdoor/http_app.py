@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door (FastAPI): ``/v1/completions``, ``/v1/chat/completions``
 (both with SSE streaming), ``/v1/responses`` (and ``GET /v1/responses/{id}``),
 ``/v1/embeddings``, ``/v1/models`` (LoRA adapters too, loaded and
-unloaded by ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``), ``/v1/cluster`` (every worker and its state),
+unloaded by ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``), ``/v1/cluster``
+(every worker and its state),
 ``POST /v1/cluster/workers/{id}/drain`` (an operator takes a worker out of service),
 ``/health`` and ``/metrics``.
 
