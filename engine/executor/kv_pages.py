@@ -31,6 +31,7 @@ def zeroed_kv_pages(shape: tuple[int, ...], dtype: torch.dtype,
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # MAP_PRIVATE | MAP_ANONYMOUS: zero-filled by the kernel on first touch, page aligned.
-    pages = mmap.mmap(-1, nbytes)
+    # MAP_PRIVATE | MAP_ANONYMOUS (mmap.mmap(-1, n) alone would be a shared mapping: shared
+    # memory to the kernel): zero-filled by the kernel on first touch, page aligned.
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=dtype).view(shape)

@@ -49,6 +49,7 @@ from engine.text.input_processor import InputProcessor
 from engine.text.tokenizer import Tokenizer, load_tokenizer
 from engine.tuning.linear import model_linear_weights
 from engine.tuning.runner_plans import RunnerPlans, plans_by_threads, tune_runner
+from engine.weights.huge_pages import move_weights_to_huge_pages
 from engine.weights.loader import has_quantized_blocks, load_weights
 from engine.weights.resolve import load_model_config, resolve_model
 
@@ -145,6 +146,7 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
                      lambda n: shard.slice_of(n, cfg))
         model = model.to(plan.device)
         model.place_quantized(plan.device)  # model.to leaves quantized weights behind
+        move_weights_to_huge_pages(model)  # the CPU's weights in 2 MB pages: fewer TLB misses
         # Sized after the weights are on the device: on CUDA the pool takes what they
         # left. Per rank: each holds its KV heads only (model.cfg: this rank's shapes).
         pool_bytes = kv_pool_bytes(args.kv_cache_memory_bytes, plan.device,

@@ -27,6 +27,7 @@ from engine.spec.config import SpeculativeConfig
 from engine.text.tokenizer import load_tokenizer
 from engine.tuning.linear import model_linear_weights
 from engine.tuning.runner_plans import tune_runner
+from engine.weights.huge_pages import move_weights_to_huge_pages
 from engine.weights.loader import has_quantized_blocks, load_weights
 from engine.weights.resolve import load_model_config, resolve_model
 
@@ -52,6 +53,7 @@ def build_drafter(spec: SpeculativeConfig, args, plan: DevicePlan, target_dir: P
     load_weights(model, draft_dir, quant)
     model = model.to(plan.device)
     model.place_quantized(plan.device)
+    move_weights_to_huge_pages(model)
     runner = ModelRunner(model, cache_config, num_blocks, attention_backend=plan.attention_backend,
                          cuda_graphs=False, max_num_seqs=args.max_num_seqs, max_model_len=max_len)
     target_plan = linear_plan()

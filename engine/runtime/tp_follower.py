@@ -29,6 +29,7 @@ from engine.parallel.ranks import FollowerSpec, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
 from engine.runtime.llm_engine import EngineArgs
 from engine.tuning.runner_plans import tune_runner
+from engine.weights.huge_pages import move_weights_to_huge_pages
 from engine.weights.loader import load_state_dict
 from engine.weights.resolve import load_model_config, resolve_model
 
@@ -65,6 +66,7 @@ def serve(spec: FollowerSpec) -> None:
         model.quantize(args.quantization)
     model = model.to(plan.device)
     model.place_quantized(plan.device)
+    move_weights_to_huge_pages(model)
     # Only the block size matters here: the pool's size came from rank 0 (num_blocks).
     cache = CacheConfig(block_size=args.block_size,
                         enable_prefix_caching=args.enable_prefix_caching,
