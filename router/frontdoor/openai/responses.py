@@ -12,13 +12,16 @@ responses (``store``, the default) go to the cluster store (Redis in production)
 OpenAI's event sequence (``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
 ..., ``response.output_text.done``, ``response.content_part.done``,
-``response.output_item.done``, ``response.completed``), each with its ``sequence_number``.
-Fields OpenAI defines that are not served here are refused by name (400)."""
+``response.output_item.done``, ``response.completed``), each with its ``sequence_number``; a
+failure after the stream began (the 200 sent) ends it with an ``error`` event and
+``response.failed`` (``status: "failed"``, ``error: {code, message}``), and the failed response
+is not stored. Fields OpenAI defines that are not served here are refused by name (400)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 import uuid
@@ -35,11 +38,14 @@ from router.contract import (
     InvalidRequestError,
     ResponseNotFoundError,
 )
+from router.frontdoor.errors import map_error
 from router.frontdoor.openai.reasoning import ReasoningStream, split_reasoning
 from router.frontdoor.openai.responder import OpenAIResponder, error_response
 from router.frontdoor.openai.schema import ChatCompletionRequest
 from router.frontdoor.openai.tools import ToolCall, ToolCallStream, ToolPlan, parse_calls
 from router.frontdoor.security import Gate
+
+log = logging.getLogger(__name__)
 
 RESPONSE_TTL_S = 7 * 24 * 3600.0  # how long a stored response can be continued or read
 
@@ -370,6 +376,15 @@ class _Response:
                     yield event("response.output_text.delta", item_id=msg_id,
                                 output_index=started[msg_id], content_index=0, delta=new,
                                 logprobs=[])
+        except Exception as e:  # after the 200: OpenAI's in-band error, then response.failed
+            err = map_error(e)
+            log.error("response stream failed: %s", err.message, exc_info=e)
+            yield event("error", code=err.openai_code or err.openai_type, message=err.message,
+                        param=None)
+            failed = self.envelope("failed", [], None)
+            failed["error"] = {"code": _failed_code(err.http_status), "message": err.message}
+            yield event("response.failed", response=failed)
+            return  # not stored: nothing to continue from
         finally:
             await stream.aclose()
         text = "".join(text_parts)
@@ -405,6 +420,12 @@ class _Response:
         self.save(store, scope)
         yield event("response.completed" if doc["status"] == "completed"
                     else "response.incomplete", response=doc)
+
+
+def _failed_code(http_status: int) -> str:
+    """A failed response's ``error.code``: OpenAI's list of them is closed (the ``error``
+    event before it carries our own code)."""
+    return {429: "rate_limit_exceeded", 400: "invalid_prompt"}.get(http_status, "server_error")
 
 
 def _text_part(text: str) -> dict:
