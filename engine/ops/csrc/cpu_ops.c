@@ -453,48 +453,66 @@ static int64_t pairs_per_block(int64_t pairs, int nthreads) {
  * prefetch); the LM head (49152 x 576) at 32 rows 360-420 GFLOP/s, near the matmul peak. Tried and
  * dropped: 8 or 16 rows per tile (0.86-1.0x), prefetching two or four tiles ahead or into L1
  * (within 3%). */
-#define WIDE_NR 12 /* weight rows per tile: 12 x 2 lane vectors = 24 accumulators */
+#ifdef __AVX512F__
+typedef v16 wvec; /* the wide tiles' lane vector: one register */
+typedef v16u wvecu;
+#define WL 16      /* lanes per wvec */
+#define WIDE_NR 12 /* weight rows per tile: 12 x 2 lane vectors = 24 of the 32 zmm registers */
+#define WIDE_MV 2  /* lane vectors per tile */
+#else
+/* Without AVX-512 a 64-byte v16 is no machine vector: GCC kept the 12 x 2 tile's accumulators
+ * on the stack, and the wide tiles ran at 4-15 GFLOP/s on a 2-core AMD EPYC (AVX2), a tenth
+ * of torch's GEMM there. There the tile is 6 rows x 2 ymm vectors (16 lanes): 12
+ * accumulators, 2 for the input, 1 for the broadcast, of the 16 ymm registers. */
+typedef float wvec __attribute__((vector_size(32)));
+typedef float wvecu __attribute__((vector_size(32), aligned(4)));
+#define WL 8
+#define WIDE_NR 6
+#define WIDE_MV 2
+#endif
 
-/* out[r * os + lane] = dot(w[r * ws:], column lane of xT) for r < NR, lane < 16 * MV. */
+/* out[r * os + lane] = dot(w[r * ws:], column lane of xT) for r < NR, lane < WL * MV. */
 static inline __attribute__((always_inline)) void wide_tile_(
         const float *w, int64_t ws, const int NR, const float *xT, int64_t MP, const int MV,
         int64_t K, float *out, int64_t os) {
-    v16 a[WIDE_NR][2];
+    wvec a[WIDE_NR][WIDE_MV];
     for (int r = 0; r < NR; r++)
-        for (int v = 0; v < MV; v++) a[r][v] = (v16){0};
+        for (int v = 0; v < MV; v++) a[r][v] = (wvec){0};
     for (int64_t k = 0; k < K; k++) {
         if ((k & 15) == 0) /* the next tile's rows into L2, a cache line per row */
             for (int r = 0; r < NR; r++) __builtin_prefetch(w + (r + NR) * ws + k, 0, 2);
         const float *xk = xT + k * MP;
-        v16 xv[2];
-        for (int v = 0; v < MV; v++) xv[v] = *(const v16u *)(xk + v * LANES);
+        wvec xv[WIDE_MV];
+        for (int v = 0; v < MV; v++) xv[v] = *(const wvecu *)(xk + v * WL);
         for (int r = 0; r < NR; r++) {
             const float s = w[r * ws + k];
             for (int v = 0; v < MV; v++) a[r][v] += s * xv[v];
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int v = 0; v < MV; v++) *(v16u *)(out + r * os + v * LANES) = a[r][v];
+        for (int v = 0; v < MV; v++) *(wvecu *)(out + r * os + v * WL) = a[r][v];
 }
 
 /* out[r * MP + lane] for weight rows r < nr (nr <= WIDE_NR, row r at w + r * ws) and every
- * lane < MP: lane vectors two at a time, rows WIDE_NR, then 4, then 1 at a time. */
+ * lane < MP: WIDE_MV lane vectors at a time (the last LANES lanes alone where they remain),
+ * rows WIDE_NR, then 4, then 1 at a time. */
 static void wide_rows(const float *w, int64_t ws, int64_t nr, const float *xT, int64_t MP,
                       int64_t K, float *out) {
-    for (int64_t c0 = 0; c0 < MP; c0 += 2 * LANES) {
-        const int two = MP - c0 >= 2 * LANES;
+    for (int64_t c0 = 0; c0 < MP;) { /* MP: a multiple of LANES (16) */
+        const int two = MP - c0 >= WIDE_MV * WL; /* a whole tile of lanes, else LANES */
         const float *xc = xT + c0;
         float *oc = out + c0;
         int64_t r = 0;
         for (; r + WIDE_NR <= nr; r += WIDE_NR)
-            if (two) wide_tile_(w + r * ws, ws, WIDE_NR, xc, MP, 2, K, oc + r * MP, MP);
-            else wide_tile_(w + r * ws, ws, WIDE_NR, xc, MP, 1, K, oc + r * MP, MP);
+            if (two) wide_tile_(w + r * ws, ws, WIDE_NR, xc, MP, WIDE_MV, K, oc + r * MP, MP);
+            else wide_tile_(w + r * ws, ws, WIDE_NR, xc, MP, LANES / WL, K, oc + r * MP, MP);
         for (; r + 4 <= nr; r += 4)
-            if (two) wide_tile_(w + r * ws, ws, 4, xc, MP, 2, K, oc + r * MP, MP);
-            else wide_tile_(w + r * ws, ws, 4, xc, MP, 1, K, oc + r * MP, MP);
+            if (two) wide_tile_(w + r * ws, ws, 4, xc, MP, WIDE_MV, K, oc + r * MP, MP);
+            else wide_tile_(w + r * ws, ws, 4, xc, MP, LANES / WL, K, oc + r * MP, MP);
         for (; r < nr; r++)
-            if (two) wide_tile_(w + r * ws, ws, 1, xc, MP, 2, K, oc + r * MP, MP);
-            else wide_tile_(w + r * ws, ws, 1, xc, MP, 1, K, oc + r * MP, MP);
+            if (two) wide_tile_(w + r * ws, ws, 1, xc, MP, WIDE_MV, K, oc + r * MP, MP);
+            else wide_tile_(w + r * ws, ws, 1, xc, MP, LANES / WL, K, oc + r * MP, MP);
+        c0 += two ? WIDE_MV * WL : LANES;
     }
 }
 

@@ -40,8 +40,9 @@ def test_every_path_computes_the_same_product(m, bias):
 
 @pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 70])
 def test_wide_linear_matches_f_linear_on_ragged_shapes(m):
-    """The wide tiles with every remainder: 29 output rows (two 12-row tiles, then 4, then
-    1), 37 inputs, lanes padded to 16 and taken 32 then 16 at a time."""
+    """The wide tiles with every remainder: 29 output rows (two 12-row tiles with AVX-512,
+    four 6-row ones without; then 4, then 1), 37 inputs, lanes padded to 16 and taken 32
+    then 16 at a time (AVX-512) or 16 at a time (two ymm vectors)."""
     g = torch.Generator().manual_seed(m)
     x, w, b = torch.randn(m, 37, generator=g), torch.randn(29, 37, generator=g), torch.randn(29, generator=g)
     got = cpu_ops.wide_linear(x, w, b)
