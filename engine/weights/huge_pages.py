@@ -7,9 +7,11 @@ step walks far more pages than the TLB holds and every few KB of the stream wait
 page-table walk. Hosts that enable transparent huge pages only on request (``madvise``, the
 common server default) never give a weight a 2 MB page on their own. Gathered into one mapping
 that starts on a 2 MB boundary and is advised ``MADV_HUGEPAGE``, the same bytes take ~270
-pages. Measured on a 2-vCPU AMD EPYC (AVX2) in one process, the same model twice, steps
-alternating: the fp32 batch-1 decode step 1.10x faster (median of 12 paired rounds), int4
-1.06x; int8 within the noise (docs/benchmarks.md, "Quantized weights at every batch size").
+pages. Measured on a 2-vCPU AMD EPYC (AVX2) in one process, the same model loaded twice and
+their batch-1 decode steps alternating (median of 10-12 paired rounds, two runs): fp32
+1.03-1.10x faster, int8 1.01-1.04x, int4 1.01-1.06x, the GGUF 1.08x
+(docs/history/2026-12-06-wave-4.md, "AVX2 wide tiles that stay in registers, and weights on
+huge pages").
 
 The mapping is ``MAP_PRIVATE | MAP_ANONYMOUS`` on purpose: Python's ``mmap.mmap(-1, n)`` is a
 *shared* anonymous mapping, which is shared memory to the kernel and takes huge pages only
