@@ -938,7 +938,7 @@ static void q_linear_(int64_t fmt, const float *x, const void *q, const _Float16
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
 #define DQ_512 1 /* (GCC 12 turns the portable loops' byte-to-float conversions scalar) */
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define DQ_256 1 /* the same on AVX2 (the qwide tiles' expansion: 19 ms of a 32-row int8 step) */
+#define DQ_256 1 /* the same on AVX2 (the qwide tiles expand every weight at every step) */
 #endif
 
 /* Row n of a quantized [N, K] weight expanded into wr [K] fp32 (fmt 1: int8 in groups of G,
