@@ -65,6 +65,9 @@ class FollowerStep:
     kv_shards: bool = False
     exact: bool = False  # rank 0's StepInputs.has_prompt_rows (exact_activations)
     batch: int | None = None  # rank 0's plan_rows (drafts being verified)
+    # the step's chunks as (LoRA adapter or None, tokens), in batch order (LoRARows.layout):
+    # each rank adds its own shard of the adapters' products; None: no adapter in the step
+    lora: tuple | None = None
 
 
 def _sample_rows_apart(logits: torch.Tensor, raw: torch.Tensor, rows: list[SampleRow],
@@ -224,7 +227,8 @@ class ModelRunner:
             self.rank_kv.broadcast(("step", FollowerStep(
                 inp.input_ids, inp.meta, prompt_plan, inp.sample_rows,
                 list(kv_reads) if layer_hook is not None else [], kv_shards,
-                inp.has_prompt_rows, batch)))
+                inp.has_prompt_rows, batch,
+                LoRARows.layout(inp.order) if self.lora is not None else None)))
         with plan_rows(batch):
             if inp.bucket is not None and self.graph_runner is not None:
                 hidden = self.graph_runner.run(inp.input_ids, inp.meta)
@@ -301,7 +305,10 @@ class ModelRunner:
                 if step.kv_shards and export is not None:
                     export(rid, layer, kv, self.rank_kv.own_kv_heads)
 
-        with exact_activations(step.exact), plan_rows(step.batch):  # as rank 0's
+        if step.lora is not None and self.lora is None:
+            raise RuntimeError("rank 0 sent a step under LoRA adapters; this rank holds none")
+        lora = LoRARows.of_layout(step.lora, self.lora.get) if step.lora is not None else None
+        with exact_activations(step.exact), plan_rows(step.batch), using_lora(lora):  # rank 0's
             hidden = self._forward(step.input_ids, step.meta,
                                    read_kv if step.kv_reads else None)
             for p in step.prompt_plan:

@@ -24,6 +24,7 @@ import xxhash
 
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
+from engine.parallel.sharding import TPShard
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # ours, in LoRAAdapter.descs' order
@@ -78,6 +79,9 @@ class LoRAAdapter:
     # per layer and projection (PROJECTIONS' order) the address of its ProjectionLoRA.desc,
     # 0 where not adapted: [num_layers, 4] int64 (made by finish)
     desc_ptrs: torch.Tensor | None = None
+    # what it was laid out from, until it is shipped to the other tensor-parallel ranks
+    # (engine.lora.registry); None otherwise
+    source: PeftTensors | None = field(default=None, repr=False)
     _descs: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def finish(self) -> LoRAAdapter:
@@ -165,12 +169,25 @@ def read_adapter_config(path: Path) -> dict:
     return conf
 
 
-def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int,
-                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
-    """Read and check ``req``'s adapter for a base model of ``cfg``: rank at most
-    ``max_rank``, every tensor one of q/k/v/o/gate/up/down of a layer the model has with the
-    model's shapes. Raises ValueError naming what is wrong (a missing file, a refused
-    setting, a tensor of another base model)."""
+@dataclass
+class PeftTensors:
+    """An adapter as read from disk and checked against the whole base model, before it is
+    laid out for one rank (``lay_out``): ``tensors`` maps (layer, PEFT module) to its ``A`` and
+    ``B`` as saved. Under tensor parallelism rank 0 ships this to the other ranks, so every
+    rank lays out its shard of the very bytes rank 0 read (and keyed)."""
+
+    request: LoRARequest
+    rank: int
+    scaling: float
+    key: int
+    tensors: dict[tuple[int, str], dict[str, torch.Tensor]]
+
+
+def read_peft(req: LoRARequest, cfg: ModelConfig, max_rank: int) -> PeftTensors:
+    """Read and check ``req``'s adapter for a base model of ``cfg`` (the whole model's
+    shapes): rank at most ``max_rank``, every tensor one of q/k/v/o/gate/up/down of a layer the
+    model has with the model's shapes. Raises ValueError naming what is wrong (a missing file,
+    a refused setting, a tensor of another base model)."""
     from safetensors.torch import load_file
 
     path = Path(req.lora_path)
@@ -209,20 +226,51 @@ def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int,
         found.setdefault((layer, module), {})[ab] = t
     if not found:
         raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA tensors")
-    adapter = LoRAAdapter(req, rank, scaling, key, [{} for _ in range(cfg.num_layers)])
-    for (layer, module), ab in sorted(found.items(), key=lambda kv: (kv[0][0],
-                                                                    TARGETS[kv[0][1]])):
+    for (layer, module), ab in found.items():
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{where}: layer {layer} {module} has lora_"
                              f"{''.join(sorted(ab))} without its pair")
+    return PeftTensors(req, rank, scaling, key, found)
+
+
+def lay_out(peft: PeftTensors, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+            shard: TPShard | None = None) -> LoRAAdapter:
+    """``peft`` laid out against our fused projections for rank ``shard`` of a base model of
+    ``cfg`` (the whole model's config; None: one rank). Each A and B is cut where the base
+    weight it adapts is cut (``TPShard.slice_of``, docs/lora.md): a column-parallel projection
+    (q/k/v, gate/up) keeps A whole and B's rows of this rank's outputs; a row-parallel one
+    (o, down) keeps A's columns of this rank's inputs and B whole, so each rank adds its
+    partial product before the layer's all-reduce sums them."""
+    shard = shard or TPShard()
+    local = _part_shapes(shard.local_config(cfg))
+    adapter = LoRAAdapter(peft.request, peft.rank, peft.scaling, peft.key,
+                          [{} for _ in range(cfg.num_layers)])
+    for (layer, module), ab in sorted(peft.tensors.items(),
+                                      key=lambda kv: (kv[0][0], TARGETS[kv[0][1]])):
         proj, _ = TARGETS[module]
-        _, n, col = shapes[module]
+        _, n, col = local[module]
+        a, b = ab["A"], ab["B"]
+        cut = shard.slice_of(f"model.layers.{layer}.{module}.weight", cfg)
+        if cut is not None:
+            dim, lo, hi = cut
+            if dim == 0:  # column-parallel: this rank's output rows of B
+                b = b[lo:hi]
+            else:  # row-parallel: this rank's input columns of A
+                a = a[:, lo:hi]
         held = adapter.layers[layer].get(proj)
         r0 = 0 if held is None else held.a.shape[0]
-        a = ab["A"].to(dtype)
-        bt = _blocked((ab["B"].to(torch.float32) * scaling).to(dtype).T)
-        part = (col, col + n, r0, r0 + rank, bt)
+        a = a.to(dtype)
+        bt = _blocked((b.to(torch.float32) * peft.scaling).to(dtype).T)
+        part = (col, col + n, r0, r0 + peft.rank, bt)
         adapter.layers[layer][proj] = (ProjectionLoRA(a.contiguous(), [part]) if held is None
                                        else ProjectionLoRA(torch.cat([held.a, a]).contiguous(),
                                                            [*held.parts, part]))
     return adapter.finish()
+
+
+def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int,
+                 dtype: torch.dtype = torch.float32, shard: TPShard | None = None
+                 ) -> LoRAAdapter:
+    """``read_peft`` then ``lay_out``: ``req``'s adapter read, checked (ValueError naming
+    what is wrong) and laid out for rank ``shard`` (None: one rank)."""
+    return lay_out(read_peft(req, cfg, max_rank), cfg, dtype, shard)

@@ -42,17 +42,32 @@ class LoRARows:
     # the adapters' tensors are in a dtype the C kernel reads (fp32, fp16)
     c_kernel: bool = True
 
+    @staticmethod
+    def layout(chunks: Iterable) -> tuple[tuple[str | None, int], ...] | None:
+        """Each of a step's chunks in batch order (each with ``lora_name`` and
+        ``num_tokens``) as ``(adapter name or None, tokens)``; None when no chunk runs under
+        an adapter. What rank 0 sends the other tensor-parallel ranks with the step."""
+        spans = tuple((c.lora_name, c.num_tokens) for c in chunks)
+        return spans if any(name is not None for name, _ in spans) else None
+
     @classmethod
     def of(cls, chunks: Iterable, adapter: Callable[[str], LoRAAdapter]) -> LoRARows | None:
         """The grouping of a step's chunks in batch order (each with ``lora_name`` and
         ``num_tokens``), ``adapter(name)`` giving each held adapter; None when no chunk runs
         under one."""
+        spans = cls.layout(chunks)
+        return cls.of_layout(spans, adapter) if spans is not None else None
+
+    @classmethod
+    def of_layout(cls, spans: Iterable[tuple[str | None, int]],
+                  adapter: Callable[[str], LoRAAdapter]) -> LoRARows | None:
+        """``of`` from ``layout``'s answer (a follower rank's view of rank 0's step)."""
         rows: dict[str, list[int]] = {}
         at = 0
-        for c in chunks:
-            if c.lora_name is not None:
-                rows.setdefault(c.lora_name, []).extend(range(at, at + c.num_tokens))
-            at += c.num_tokens
+        for name, num_tokens in spans:
+            if name is not None:
+                rows.setdefault(name, []).extend(range(at, at + num_tokens))
+            at += num_tokens
         if not rows:
             return None
         groups = tuple((torch.tensor(r, dtype=torch.int64), adapter(name))

@@ -207,8 +207,10 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
     if args.enable_lora:
         lora = runner.lora = LoRARegistry(
             cfg, args.max_loras, args.max_lora_rank, args.max_cpu_loras,
-            getattr(torch, plan.dtype if args.lora_dtype == "auto" else args.lora_dtype),
-            lambda name: sum(r.lora_name == name for r in scheduler.requests.values()))
+            lora_torch_dtype(args, plan.dtype),
+            lambda name: sum(r.lora_name == name for r in scheduler.requests.values()),
+            # under tensor parallelism: rank 0's shard held, every change told to the others
+            shard, runner.rank_kv.tell if ranks is not None else None)
     return EngineParts(plan, threads, cfg, tokenizer, eos, max_len, scheduler_config, ranks,
                        model, cache_config, runner, inputs, kv_tier, block_manager, scheduler,
                        kv_connector, spec, lora)
@@ -231,6 +233,11 @@ def keep_draft_plan(on_change: Callable[[int], None], draft: LinearPlan | None
 LORA_DTYPES = ("auto", "float32", "float16")
 
 
+def lora_torch_dtype(args: EngineArgs, model_dtype: str) -> torch.dtype:
+    """The dtype adapters are held in (every tensor-parallel rank alike)."""
+    return getattr(torch, model_dtype if args.lora_dtype == "auto" else args.lora_dtype)
+
+
 def check_lora(args: EngineArgs, cfg: ModelConfig, device_type: str, speculative: bool) -> None:
     """Refuse ``enable_lora`` where this engine would not apply adapters exactly, by name."""
     if args.max_loras < 1 or args.max_lora_rank < 1:
@@ -239,8 +246,8 @@ def check_lora(args: EngineArgs, cfg: ModelConfig, device_type: str, speculative
     if args.lora_dtype not in LORA_DTYPES:
         raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got "
                          f"{args.lora_dtype!r}")
-    why = ("tensor_parallel_size > 1" if args.tensor_parallel_size > 1
-           else "a mixture-of-experts model" if cfg.num_experts
+    # Tensor parallelism is served: each rank holds its shard of A and B (docs/lora.md).
+    why = ("a mixture-of-experts model" if cfg.num_experts
            else "speculative decoding" if speculative
            else f"device {device_type!r} (the CPU only for now)" if device_type != "cpu"
            else None)

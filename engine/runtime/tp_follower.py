@@ -4,7 +4,8 @@ started by ``engine.parallel.ranks.TPRanks``).
 It joins the group, loads only its slices of the weights, waits for rank 0's ``init``
 (context length and KV pool size, so every rank's cache is alike), then runs each step rank 0
 broadcasts (``ModelRunner.follow_step``) until it is ended, with rank 0's control messages
-(imported KV, held pages, its worker's rank agent: ``engine.parallel.agents``) between steps. It exits by itself when rank 0's
+(imported KV, held pages, LoRA adapters loaded and dropped, its worker's rank agent:
+``engine.parallel.agents``) between steps. It exits by itself when rank 0's
 process is gone (its parent pid changes) or when a collective fails; rank 0's next collective
 then fails too, and the engine is dead as a whole: a worker whose rank dies is a dead worker.
 """
@@ -22,11 +23,13 @@ import torch
 from engine.config import CacheConfig, kv_attention_backend
 from engine.executor.device import plan_device
 from engine.executor.model_runner import ModelRunner
+from engine.lora.registry import LoRARegistry
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.agents import FollowerContext, RankAgent, load_agent
 from engine.parallel.comm import TPComm
 from engine.parallel.ranks import FollowerSpec, rank_device, rank_threads
 from engine.parallel.sharding import TPShard
+from engine.runtime.build import lora_torch_dtype
 from engine.runtime.llm_engine import EngineArgs
 from engine.tuning.runner_plans import tune_runner
 from engine.weights.huge_pages import move_weights_to_huge_pages
@@ -75,6 +78,9 @@ def serve(spec: FollowerSpec) -> None:
                          cuda_graphs=False, max_num_seqs=args.max_num_seqs,
                          max_model_len=max_len)
     tune_runner(args, plan, model, runner)
+    if args.enable_lora:  # rank 0 sends every adapter it holds (engine.lora.registry)
+        runner.lora = LoRARegistry(cfg, args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+                                   lora_torch_dtype(args, plan.dtype), shard=shard)
     ctx = FollowerContext(comm, runner.rank_kv)
     agent = None
     while True:
@@ -108,6 +114,8 @@ def _control(runner: ModelRunner, agent: RankAgent | None, msg: tuple,
             agent.close()
         agent = load_agent(msg[1])(ctx, msg[2])
         ctx.reply("ready", agent.ready())
+    elif kind in ("lora_load", "lora_drop"):
+        runner.lora.follow(msg)
     elif kind == "tell":
         if agent is None:
             raise RuntimeError("a rank-agent message came before any agent was started")
