@@ -140,7 +140,14 @@ class StreamChunk:
     ("stop" | "length" | "abort", "tool_calls" when a request with tools ended in calls),
     ``usage`` and ``ttft_s``, and usually no tokens; for a request with tools also
     ``tool_calls`` (parsed from the whole output) and ``content`` (the text around them,
-    None when the output was only calls)."""
+    None when the output was only calls).
+
+    With the server's ``--reasoning-parser`` and a chat (messages) prompt, every chunk
+    before the last has ``reasoning_content`` and ``content``: its ``text`` split into the
+    model's reasoning and the rest (both may be empty while a tag is held back; one chunk
+    may bring only what was held back); the last one has the whole output's
+    (``reasoning_content`` None when it had none, ``content`` None when empty). Without a
+    parser both are None on chunks before the last."""
 
     request_id: str
     token_ids: list[int]
@@ -153,13 +160,16 @@ class StreamChunk:
     index: int = 0  # the choice it belongs to (a request with n)
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 @dataclass
 class GenerateResult:
     """A whole generation: everything the stream carried, joined. ``text`` is the model's
     raw output; with tools, ``tool_calls`` are the calls parsed from it and ``content`` the
-    text around them."""
+    text around them; with the server's ``--reasoning-parser`` (chat prompts),
+    ``reasoning_content`` is the model's reasoning (None: it had none) and ``content`` the
+    rest, as the HTTP door's ``message.reasoning_content`` / ``content``."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -170,6 +180,7 @@ class GenerateResult:
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     def add(self, chunk: StreamChunk) -> None:
         self.request_id = chunk.request_id or self.request_id
@@ -182,6 +193,7 @@ class GenerateResult:
             self.usage = chunk.usage
             self.ttft_s = chunk.ttft_s
             self.tool_calls, self.content = chunk.tool_calls, chunk.content
+            self.reasoning_content = chunk.reasoning_content
 
 
 @dataclass(frozen=True)
@@ -388,8 +400,12 @@ def chunk_from_response(resp: pb.GenerateResponse) -> StreamChunk:
         lps = [TokenLogprob(lp.token_id, lp.logprob, lp.rank,
                             tuple((t.token_id, t.logprob) for t in lp.top))
                for lp in resp.chunk.logprobs]
-        return StreamChunk(resp.request_id, list(resp.chunk.token_ids), resp.chunk.text,
-                           logprobs=lps or None, index=resp.index)
+        ch = resp.chunk
+        return StreamChunk(resp.request_id, list(ch.token_ids), ch.text,
+                           logprobs=lps or None, index=resp.index,
+                           content=ch.content if ch.HasField("content") else None,
+                           reasoning_content=(ch.reasoning_content
+                                              if ch.HasField("reasoning_content") else None))
     if kind == "complete":
         c = resp.complete
         usage = (Usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
@@ -398,7 +414,9 @@ def chunk_from_response(resp: pb.GenerateResponse) -> StreamChunk:
         return StreamChunk(resp.request_id, [], "", True, c.finish_reason, usage,
                            c.ttft_s if c.HasField("ttft_s") else None, index=resp.index,
                            tool_calls=calls or None,
-                           content=c.content if c.HasField("content") else None)
+                           content=c.content if c.HasField("content") else None,
+                           reasoning_content=(c.reasoning_content
+                                              if c.HasField("reasoning_content") else None))
     if kind == "error":
         code = getattr(grpc.StatusCode, resp.error.code, grpc.StatusCode.UNKNOWN)
         raise error_from_code(code, resp.error.message)

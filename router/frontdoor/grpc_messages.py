@@ -7,6 +7,12 @@ with the tools (``tokenize``) and the generation runs on those token ids. ``requ
 named choices are enforced by a grammar (``router.frontdoor.openai.tools``, shared with the
 HTTP API); the stream carries the model's raw output and the ``complete`` message the calls
 parsed from it (``ToolCallCollector``).
+
+Reasoning (the server's ``--reasoning-parser``, chat-messages prompts only, as HTTP's chat and
+not its completions): each chunk's text is split by the parser the HTTP door uses
+(``router.frontdoor.openai.reasoning``) into ``reasoning_content`` / ``content``, and the
+complete carries the whole split (``ReasoningSplitter``); tool calls are parsed from the
+content only.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from engine.contract import MAX_SEED, SamplingParams, check_priority
 from engine.core.grammar import StructuredOutput
 from proto.pdcluster.v1 import generation_pb2 as pb
 from router.contract import GenerateInput, GenerationChunk, InvalidRequestError, as_invalid_request
+from router.frontdoor.openai.reasoning import ReasoningStream
 from router.frontdoor.openai.tools import ToolPlan, parse_calls, plan_tools, tool_constraint
 
-__all__ = ["MAX_CHOICES", "GrpcGeneration", "ToolCallCollector", "chunk_to_responses",
-           "request_to_generation", "sampling_from_proto"]
+__all__ = ["MAX_CHOICES", "GrpcGeneration", "ReasoningSplitter", "ToolCallCollector",
+           "chunk_to_responses", "request_to_generation", "sampling_from_proto"]
 
 MAX_CHOICES = 64
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
@@ -55,10 +62,12 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 @dataclass(frozen=True)
 class GrpcGeneration:
     """One Generate call as the backend runs it: an input per choice, and the tool plan
-    (None: no calls to parse)."""
+    (None: no calls to parse). ``chat``: the prompt was chat messages (a reasoning parser
+    applies to chat output only, as on the HTTP door)."""
 
     inputs: list[GenerateInput]
     tools: ToolPlan | None = None
+    chat: bool = False
 
 
 def _functions(req: pb.GenerateRequest) -> list[dict] | None:
@@ -166,7 +175,7 @@ def request_to_generation(req: pb.GenerateRequest, request_id: str,
             ids = tokenize(messages, tools=[{"type": "function", "function": f}
                                             for f in functions])
             inp = GenerateInput(sampling, token_ids=ids, **common)
-    return GrpcGeneration(_choices(req, inp), plan)
+    return GrpcGeneration(_choices(req, inp), plan, chat=kind == "messages")
 
 
 def _choices(req: pb.GenerateRequest, inp: GenerateInput) -> list[GenerateInput]:
@@ -194,17 +203,65 @@ class ToolCallCollector:
     def add(self, index: int, resp: pb.GenerateResponse) -> None:
         """Feed every response of choice ``index``, in order; a complete gains the calls."""
         kind = resp.WhichOneof("response")
-        if kind == "chunk":
-            self._texts.setdefault(index, []).append(resp.chunk.text)
+        if kind == "chunk":  # after a ReasoningSplitter: the calls are in the content only
+            self._texts.setdefault(index, []).append(
+                resp.chunk.content if resp.chunk.HasField("content") else resp.chunk.text)
         elif kind == "complete":
             content, calls = parse_calls(self.plan, "".join(self._texts.pop(index, ())))
             c = resp.complete
             c.tool_calls.extend(pb.ToolCall(id=x.id, name=x.name, arguments=x.arguments)
                                 for x in calls)
+            c.ClearField("content")
             if content is not None:
                 c.content = content
             if calls and c.finish_reason == "stop":
                 c.finish_reason = self.plan.finish_reason
+
+
+@dataclass
+class ReasoningSplitter:
+    """Splits each choice's streamed text into reasoning and content with ``parser``
+    (router.frontdoor.openai.reasoning, the HTTP door's), chunk by chunk as HTTP's chat
+    deltas, and gives the complete the whole split."""
+
+    parser: str
+    _streams: dict[int, ReasoningStream] = field(default_factory=dict)
+    _parts: dict[int, tuple[list[str], list[str]]] = field(default_factory=dict)
+
+    def split(self, index: int, responses: list[pb.GenerateResponse]
+              ) -> list[pb.GenerateResponse]:
+        """The responses of one backend chunk of choice ``index`` (``chunk_to_responses``'),
+        with the split filled in; what was held back at the end goes with the last chunk,
+        or a chunk without tokens when none came with the complete."""
+        stream = self._streams.setdefault(index, ReasoningStream(self.parser))
+        out: list[pb.GenerateResponse] = []
+        for resp in responses:
+            kind = resp.WhichOneof("response")
+            if kind == "chunk":
+                resp.chunk.reasoning_content, resp.chunk.content = stream.feed(resp.chunk.text)
+            elif kind == "complete":
+                more, rest = stream.finish()
+                if (more or rest) and not (out and out[-1].WhichOneof("response") == "chunk"):
+                    out.append(pb.GenerateResponse(
+                        request_id=resp.request_id, index=resp.index,
+                        chunk=pb.GenerateChunk(reasoning_content="", content="")))
+                if more or rest:
+                    out[-1].chunk.reasoning_content += more
+                    out[-1].chunk.content += rest
+            out.append(resp)
+        thoughts, contents = self._parts.setdefault(index, ([], []))
+        for resp in out:
+            if resp.WhichOneof("response") == "chunk":
+                thoughts.append(resp.chunk.reasoning_content)
+                contents.append(resp.chunk.content)
+            elif resp.WhichOneof("response") == "complete":
+                content = "".join(contents)
+                if stream.had_reasoning:
+                    resp.complete.reasoning_content = "".join(thoughts)
+                if content:
+                    resp.complete.content = content
+                del self._streams[index], self._parts[index]
+        return out
 
 
 def chunk_to_responses(chunk: GenerationChunk, request_id: str | None = None

@@ -28,6 +28,7 @@ from router.contract import EmbedInput, GenerationBackend, new_request_id
 from router.frontdoor.choices import ChoiceChunk, ChoiceStreams
 from router.frontdoor.errors import map_error
 from router.frontdoor.grpc_messages import (
+    ReasoningSplitter,
     ToolCallCollector,
     chunk_to_responses,
     request_to_generation,
@@ -46,14 +47,18 @@ class GenerationService(pb_grpc.GenerationServicer):
     """The Generation RPCs over one backend; metrics are shared with the HTTP server. Every
     RPC of this service needs an API key when the gate has keys (health and reflection are
     other services and stay open); request ids are the caller's tenant's own.
-    ``tool_call_parser`` overrides the tool-call format read off the model's chat template."""
+    ``tool_call_parser`` overrides the tool-call format read off the model's chat template;
+    ``reasoning_parser`` splits chat output into reasoning and content (None: off), as the
+    HTTP door's chat does."""
 
     def __init__(self, backend: GenerationBackend, metrics: Metrics,
-                 gate: Gate | None = None, tool_call_parser: str | None = None) -> None:
+                 gate: Gate | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.backend = backend
         self.metrics = metrics
         self.gate = gate or Gate()
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     async def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         try:
@@ -86,12 +91,15 @@ class GenerationService(pb_grpc.GenerationServicer):
                                       traceparent=traceparent, deadline_s=deadline)
                   for k, (inp, p) in enumerate(zip(inputs, permits, strict=True))]
         calls = ToolCallCollector(gen.tools) if gen.tools is not None else None
+        split = (ReasoningSplitter(self.reasoning_parser)
+                 if self.reasoning_parser is not None and gen.chat else None)
         try:
             # Before the first token, so a client can Abort a request still in prefill.
             await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
             if len(inputs) == 1:
                 chunks = self.metrics.track(self.backend.generate(inputs[0]), api="grpc")
-                async for resp in self._stream(rid, chunks, context, calls=calls):
+                async for resp in self._stream(rid, chunks, context, calls=calls,
+                                               split=split):
                     yield resp
             else:  # the choices merged, each response naming its own
                 choices = ChoiceStreams(
@@ -99,7 +107,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     inputs, len(inputs))
                 choices.start()
                 async for resp in self._stream(rid, choices.events(), context, choices.aclose,
-                                               calls):
+                                               calls, split):
                     yield resp
         finally:
             for p in permits:  # a generation that never started: nobody else frees it
@@ -119,12 +127,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             yield resp
 
     async def _stream(self, rid: str, chunks, context: grpc.aio.ServicerContext,
-                      close=None, calls: ToolCallCollector | None = None
+                      close=None, calls: ToolCallCollector | None = None,
+                      split: ReasoningSplitter | None = None
                       ) -> AsyncIterator[pb.GenerateResponse]:
         """One backend stream (GenerationChunks, or the ChoiceChunks of several choices) as
         GenerateResponses; errors mapped once, here. Closing it (``close``, default the
         stream's ``aclose``) aborts a generation (unless resumable) and stops following a
-        resumed log. ``calls``: adds each choice's parsed tool calls to its complete."""
+        resumed log. ``calls``: adds each choice's parsed tool calls to its complete;
+        ``split``: fills in each choice's reasoning and content (before the calls: they are
+        parsed from the content)."""
         stream = chunks
         sent_tokens = False
         try:
@@ -132,8 +143,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                 async for item in stream:
                     index, chunk = ((item.index, item.chunk) if isinstance(item, ChoiceChunk)
                                     else (0, item))
-                    for resp in chunk_to_responses(chunk, rid):
+                    responses = chunk_to_responses(chunk, rid)
+                    for resp in responses:
                         resp.index = index
+                    if split is not None:
+                        responses = split.split(index, responses)
+                    for resp in responses:
                         if calls is not None:
                             calls.add(index, resp)
                         sent_tokens = sent_tokens or resp.HasField("chunk")
@@ -382,7 +397,8 @@ class GrpcServer:
 async def start_grpc_server(backend: GenerationBackend, metrics: Metrics,
                             host: str = "127.0.0.1", port: int = 50051,
                             gate: Gate | None = None,
-                            tool_call_parser: str | None = None) -> GrpcServer:
+                            tool_call_parser: str | None = None,
+                            reasoning_parser: str | None = None) -> GrpcServer:
     """Bind ``host:port`` (port 0: a free one) and start serving, over TLS when the gate's
     config has it (mTLS with a client CA). Messages above ``max_request_bytes`` are refused
     with RESOURCE_EXHAUSTED. Raises RuntimeError when the address cannot be bound, and
@@ -397,8 +413,8 @@ async def start_grpc_server(backend: GenerationBackend, metrics: Metrics,
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", gate.config.max_request_bytes)])
     calls = CallGate()
-    _add_generation_service(GenerationService(backend, metrics, gate, tool_call_parser), server,
-                            calls)
+    _add_generation_service(GenerationService(backend, metrics, gate, tool_call_parser,
+                                              reasoning_parser), server, calls)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -128,7 +128,8 @@ async def serve_frontdoor(backend: GenerationBackend, host: str = "127.0.0.1",
     servers feed one ``Metrics`` (served at ``/metrics``) and sit behind one ``gate`` (API
     keys, tenants, limits, TLS for both: router/frontdoor/security.py); ``tool_call_parser``
     overrides the tool-call format read off the model's chat template; ``reasoning_parser``
-    (router.frontdoor.openai.reasoning) splits chat output into reasoning and content;
+    (router.frontdoor.openai.reasoning) splits chat output into reasoning and content (HTTP
+    chat and gRPC chat-messages prompts);
     ``response_store``: where stored Responses-API responses go (the cluster's store; None:
     this process). Raises RuntimeError if a port
     cannot be bound, ValueError for unreadable TLS files (nothing is left running then).
@@ -138,7 +139,7 @@ async def serve_frontdoor(backend: GenerationBackend, host: str = "127.0.0.1",
     await asyncio.get_running_loop().run_in_executor(None, preload_grammars)
     metrics = Metrics(backend)
     grpc_server = await start_grpc_server(backend, metrics, host, grpc_port, gate,
-                                         tool_call_parser)
+                                         tool_call_parser, reasoning_parser)
     try:
         sock = _bind(host, http_port)
     except BaseException:

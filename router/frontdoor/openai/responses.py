@@ -12,7 +12,9 @@ responses (``store``, the default) go to the cluster store (Redis in production)
 OpenAI's event sequence (``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
 ..., ``response.output_text.done``, ``response.content_part.done``,
-``response.output_item.done``, ``response.completed``), each with its ``sequence_number``; a
+``response.output_item.done``, ``response.completed``; a reasoning item first, the same with
+``reasoning_text`` parts and ``response.reasoning_text.delta`` / ``.done``; no summary
+events: the items' ``summary`` is empty), each with its ``sequence_number``; a
 failure after the stream began (the 200 sent) ends it with an ``error`` event and
 ``response.failed`` (``status: "failed"``, ``error: {code, message}``), and the failed response
 is not stored. Fields OpenAI defines that are not served here are refused by name (400)."""
@@ -338,7 +340,19 @@ class _Response:
         calls = (ToolCallStream(self.plan) if self.plan is not None and self.plan.mode != "named"
                  else None)
         thought_text = ""
+        closed: set[str] = set()  # items whose done events went out
         last = None
+
+        def reasoning_done(item: dict) -> list[str]:
+            """The reasoning item's done events: when the answer starts (items go out one
+            after the other, as OpenAI's), else at the end."""
+            closed.add(item["id"])
+            index = started[item["id"]]
+            return [event("response.reasoning_text.done", item_id=item["id"],
+                          output_index=index, content_index=0, text=thought_text),
+                    event("response.content_part.done", item_id=item["id"], output_index=index,
+                          content_index=0, part=_reasoning_part(thought_text)),
+                    event("response.output_item.done", output_index=index, item=item)]
         try:
             yield event("response.created", response=self.envelope("in_progress", [], None))
             yield event("response.in_progress", response=self.envelope("in_progress", [], None))
@@ -357,6 +371,9 @@ class _Response:
                         yield event("response.output_item.added",
                                     output_index=started[thought_id],
                                     item=_reasoning_item(thought_id, "", "in_progress"))
+                        yield event("response.content_part.added", item_id=thought_id,
+                                    output_index=started[thought_id], content_index=0,
+                                    part=_reasoning_part(""))
                     thought_text += thought
                     yield event("response.reasoning_text.delta", item_id=thought_id,
                                 output_index=started[thought_id], content_index=0,
@@ -366,6 +383,9 @@ class _Response:
                 if calls is not None:
                     new = calls.feed(new) + (calls.finish()[0] if c.finished else "")
                 if new:
+                    if thought_id in started and thought_id not in closed:
+                        for e in reasoning_done(_reasoning_item(thought_id, thought_text)):
+                            yield e
                     if msg_id not in started:
                         started[msg_id] = len(started)
                         yield event("response.output_item.added", output_index=started[msg_id],
@@ -399,6 +419,12 @@ class _Response:
             elif item["type"] == "reasoning":
                 item["id"] = thought_id
         for item in doc["output"]:
+            if item["id"] in closed:
+                continue
+            if item["type"] == "reasoning":
+                for e in reasoning_done(item):
+                    yield e
+                continue
             if item["id"] not in started:
                 started[item["id"]] = len(started)
                 yield event("response.output_item.added", output_index=started[item["id"]],
@@ -410,9 +436,6 @@ class _Response:
                             content_index=0, text=done, logprobs=[])
                 yield event("response.content_part.done", item_id=item["id"],
                             output_index=index, content_index=0, part=_text_part(done))
-            elif item["type"] == "reasoning":
-                yield event("response.reasoning_text.done", item_id=item["id"],
-                            output_index=index, content_index=0, text=thought_text)
             else:
                 yield event("response.function_call_arguments.done", item_id=item["id"],
                             output_index=index, arguments=item["arguments"], name=item["name"])
@@ -437,9 +460,13 @@ def _message_item(item_id: str, text: str, status: str, content: list | None = N
             "content": content if content is not None else [_text_part(text)]}
 
 
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
     return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}] if text else []}
+            "content": [_reasoning_part(text)] if text else []}
 
 
 def _call_item(call: ToolCall) -> dict:
