@@ -24,6 +24,7 @@ from router.contract import (
     InvalidRequestError,
     ModelInfo,
     ModelNotFoundError,
+    QueueFullError,
     ServedModel,
     Usage,
     WorkerLoad,
@@ -162,8 +163,7 @@ class EngineBackend:
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
         lora = self._lora_of(inp.model)
         counts = (self._lora_counts.setdefault(lora.lora_name, [0, 0]) if lora is not None
-                  else [0, 0])
-        counts[0] += 1
+                  else [0, 0])  # [requests, tokens]
         rid = inp.request_id or new_request_id()
         t0 = asyncio.get_running_loop().time()
         ttft = None
@@ -173,6 +173,7 @@ class EngineBackend:
                 if self._tracing is not None else None)
         # the engine's priorities run the other way (higher first)
         priority = -as_invalid_request(check_priority, inp.priority)
+        counts[0] += 1  # taken back below if the engine refuses it: admitted requests count
         gen = self._async.generate(inp.prompt, inp.sampling, rid, lora, priority)
         opened = finished = False
         out = error = None
@@ -201,6 +202,8 @@ class EngineBackend:
             error = e
             raise
         finally:
+            if not opened and isinstance(error, (InvalidRequestError, QueueFullError)):
+                counts[0] -= 1  # refused at the engine's door (nothing else raises these)
             if opened and not finished:
                 self.streams.append(rid, [], "abort")
             await gen.aclose()

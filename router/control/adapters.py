@@ -64,7 +64,8 @@ class AdapterCatalog:
 
     def resolve(self, model: str | None) -> Adapter | None:
         """The adapter ``model`` names; None for the base model (or no model given).
-        ModelNotFoundError for any other name."""
+        ModelNotFoundError for any other name. Counts nothing: a request counts toward its
+        adapter's ``pdcluster_lora_requests_total`` once admitted (``admitted``)."""
         if model is None or model == self.base_model:
             return None
         adapter = self._by_name.get(model)
@@ -72,8 +73,14 @@ class AdapterCatalog:
             served = [self.base_model, *self._by_name]
             raise ModelNotFoundError(f"model {model!r} is not served here (serving "
                                      f"{', '.join(repr(m) for m in served)})")
-        adapter.requests += 1
         return adapter
+
+    @staticmethod
+    def admitted(adapter: Adapter | None) -> None:
+        """A request under ``adapter`` (None: the base model) passed validation and admission
+        and runs now: count it (a refused one is not counted)."""
+        if adapter is not None:
+            adapter.requests += 1
 
     def adapters(self) -> list[Adapter]:
         """Every served adapter, in load order."""

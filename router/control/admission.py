@@ -67,13 +67,15 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
 def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float | None,
           priority: int = 0) -> Prediction | None:
     """The request's prediction (None: no live worker); raises DeadlineRefusedError when its
-    first token is predicted after ``deadline_s`` (None: no deadline)."""
+    first token is predicted after ``deadline_s`` (None: no deadline). Call it last, once the
+    request is valid: an admitted request counts toward its adapter's requests."""
     p = predict(orch, prompt_ids, max_tokens, lora, priority)
     if p is not None and deadline_s is not None and p.first_token_s > deadline_s:
         raise DeadlineRefusedError(
             f"the first token is predicted in {p.first_token_s:.2f} s (queue {p.queue_s:.2f} s, "
             f"prompt {p.compute_s:.2f} s, decode room {p.room_s:.2f} s), after the request's "
             f"deadline of {deadline_s:.2f} s", retry_after_s=p.queue_s + p.room_s)
+    orch.adapters.admitted(lora)  # pdcluster_lora_requests_total: admitted requests only
     return p
 
 

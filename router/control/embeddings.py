@@ -46,6 +46,7 @@ class EmbeddingBackend:
                 where = f"input[{i}]: " if len(inp.inputs) > 1 else "input: "
                 raise InvalidRequestError(where + str(e)) from e
             ids.append(enc.token_ids)
+        orch.adapters.admitted(lora)  # every input valid: the request counts
         rid = inp.request_id or new_request_id()
         seq = itertools.count()
         vectors = await asyncio.gather(*[self._embed_one(f"{rid}-emb{next(seq)}", p, lora)

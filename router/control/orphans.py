@@ -145,6 +145,7 @@ class OrphanRescue:
         stream = StreamState(request_id, lora=lora)
         stream.decode_id = lost_on  # a lost worker that comes back frees its copy
         host.add_stream(stream)
+        host.adapters.admitted(lora)  # counted by the router that continues it
         log.warning("continuing %s after %d tokens: %s", request_id, current.num_tokens, why)
         finished = False
         try:

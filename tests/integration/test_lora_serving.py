@@ -310,6 +310,27 @@ def test_the_doors_list_load_unload_and_select_adapters(loop, cluster, tiny_llam
     assert late3 == refs["late"][0]
 
 
+def test_only_admitted_requests_count_toward_their_adapter(loop, cluster):
+    """``pdcluster_lora_requests_total`` (the router's count): a request naming an adapter
+    that is refused (a token the model lacks, a priority out of range) counts nowhere; an
+    admitted one counts once."""
+    prompt = random_prompts(seed=26, count=1, max_len=10, min_len=6)[0]
+
+    async def body():
+        before = (await cluster.stats()).lora_adapters["qv"][0]
+        for bad in (GenerateInput(GREEDY, token_ids=[10 ** 6], model="qv"),
+                    GenerateInput(GREEDY, token_ids=prompt, model="qv", priority=5000)):
+            with pytest.raises(InvalidRequestError):
+                async for _ in cluster.generate(bad):
+                    pass
+        refused = (await cluster.stats()).lora_adapters["qv"][0]
+        await _tokens(cluster, prompt, "qv")
+        return before, refused, (await cluster.stats()).lora_adapters["qv"][0]
+
+    before, refused, after = loop.run(body(), 60)
+    assert (refused, after) == (before, before + 1)
+
+
 def test_colocated_workers_serve_adapters_mixed_with_the_base(loop, tiny_llama_dir, adapters):
     """The colocated path (one worker prefills and decodes): the same mix, peft's tokens."""
     prompts = random_prompts(seed=25, count=6, max_len=30, min_len=8)

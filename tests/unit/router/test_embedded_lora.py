@@ -17,7 +17,7 @@ from router.contract import (
 )
 from router.embedded import EngineBackend
 from tests.helpers.lora import peft_greedy, save_adapter
-from tests.helpers.tiny_models import random_prompts
+from tests.helpers.tiny_models import VOCAB, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -44,6 +44,11 @@ def test_adapters_load_serve_list_and_unload(tiny_llama_dir, tmp_path):
                                     _tokens(backend, prompts[1]),
                                     _tokens(backend, prompts[1], "a"))
         served = [(m.id, m.parent, m.root) for m in backend.served_models()]
+        for bad in (GenerateInput(GREEDY, token_ids=[VOCAB + 5], model="a"),  # the engine's
+                    GenerateInput(GREEDY, token_ids=prompts[0], model="a", priority=5000)):
+            with pytest.raises(InvalidRequestError):  # refused: not counted below
+                async for _ in backend.generate(bad):
+                    pass
         long = asyncio.ensure_future(_tokens(backend, prompts[0], "a", SamplingParams(
             max_tokens=400, temperature=0, ignore_eos=True)))
         while not backend.engine.scheduler.running:
@@ -78,6 +83,7 @@ def test_adapters_load_serve_list_and_unload(tiny_llama_dir, tmp_path):
                      ModelNotFoundError, ModelNotFoundError], errors
     assert "in use" in errors[0][1] and "already served" in errors[1][1]
     assert "no such directory" in errors[2][1]
+    # the three admitted requests under "a"; the two refused ones count nowhere
     assert stats.lora_adapters["a"] == (3, 8 * 2 + 400)
     assert stats.workers[0].lora_adapters == ()
 
