@@ -144,8 +144,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("batch sizes must be > 0 and --output-len > 1")
     k = args.num_speculative_tokens
     t0 = time.perf_counter()
+    # Threads pinned: each engine's thread governor (engine/runtime/cpu_threads.py) keeps its
+    # own count, and one that a neighbour's burst moved to 1 thread stays there for a while,
+    # so the two engines of a cell would differ by their governors, not by speculation.
     kw = dict(max_num_seqs=max(batches), num_threads=args.num_threads,
-              quantization=args.quantization)
+              quantization=args.quantization, adaptive_threads=False)
     names = [m for m in args.methods.split(",") if m]
     unknown = [m for m in names if m not in METHODS]
     if unknown or not names:
@@ -212,6 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     result = {"benchmark": NAME,
               "config": {"model": args.model or "default", "quantization": args.quantization,
+                         "adaptive_threads": False,
                          "batches": batches, "output_len": output_len,
                          "num_speculative_tokens": k,
                          "methods": {m: {**c, "num_speculative_tokens": k}

@@ -28,8 +28,21 @@ from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.executor.model_runner import ModelRunner
 
 CATCH_UP_TOKENS = 256
+_STEADY = 2  # missing tokens after a verified step: the target's own, and one accepted draft
 ROWS_UP_TO = 16  # missing tokens run as decode rows up to this many (a prompt chunk above)
 _GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30)
+
+
+@dataclass
+class DraftTimes:
+    """A step's drafting: all of it, its single-row passes' (sequences, seconds), and the
+    catch-up in its first pass (tokens beyond two a sequence; seconds, that pass's time
+    pro rata)."""
+
+    seconds: float
+    passes: list[tuple[int, float]]
+    catch_up_tokens: int
+    catch_up_seconds: float
 
 
 @dataclass
@@ -50,18 +63,26 @@ class DraftProposer:
         self.runner = runner
         self.blocks = blocks
         self.cost_ratio = cost_ratio
+        self.catch_up_per_step = CATCH_UP_TOKENS
         # the draft model's own linear plan (engine.runtime.draft_build), None where untuned
         self.linear_plan = None
         self._seqs: dict[str, _Seq] = {}
         self._seconds = 0.0  # this step's drafting, every pass
         self._passes: list[tuple[int, float]] = []  # this step's single-row passes: (B, s)
+        self._catch_up = (0, 0.0)  # this step's catch-up: tokens, seconds (pro rata)
 
-    def take_times(self) -> tuple[float, list[tuple[int, float]]]:
-        """The last step's drafting time and its single-row passes' (sequences, seconds);
-        cleared."""
-        out = (self._seconds, self._passes)
-        self._seconds, self._passes = 0.0, []
+    def take_times(self) -> DraftTimes:
+        """The last step's drafting times; cleared."""
+        out = DraftTimes(self._seconds, self._passes, *self._catch_up)
+        self._seconds, self._passes, self._catch_up = 0.0, [], (0, 0.0)
         return out
+
+    def backlog(self, reqs: list[Request]) -> dict[str, int]:
+        """Tokens each of ``reqs`` would make the draft compute before its first draft,
+        beyond the (at most) two of a step after drafts were verified: its prompt at first,
+        one more for each step it decoded without drafts since (the controller's catch-up)."""
+        return {r.request_id: max(0, r.num_tokens - self._settle(r).done - _STEADY)
+                for r in reqs}
 
     def propose(self, reqs: list[Request], k: dict[str, int]) -> dict[str, list[int]]:
         """Up to ``k[request_id]`` greedy drafts for each of ``reqs`` (every sequence whose
@@ -94,6 +115,10 @@ class DraftProposer:
         drafts: dict[str, list[int]] = {rid: [] for rid in want}
         t0 = time.perf_counter()
         out = self.runner.execute(SchedulerOutput(chunks))
+        # the first pass's share of catch-up tokens (beyond the steady ones) and seconds
+        tokens = sum(c.num_tokens for c in chunks)
+        extra = max(0, tokens - _STEADY * len(chunks))
+        self._catch_up = (extra, (time.perf_counter() - t0) * extra / tokens)
         live = [r for r in reqs if r.request_id in want]
         for _ in range(max(want.values(), default=0)):
             for rid in list(drafts):

@@ -2,42 +2,56 @@
 
 A verification step costs more than a decode step (more rows through every layer), and that
 extra grows with the batch: at small batch the weights' bytes dominate and k more rows are
-nearly free, at large batch the step is compute-bound and they are not. So each step the
-controller chooses one k (0: plain decode) for the batch, maximising expected tokens per second:
+nearly free, at large batch the step is compute-bound and they are not. A draft model also
+costs its passes, and a catch-up of every token it has not seen (a new request's prompt, the
+tokens of plain steps since its last drafts). So each step the controller chooses one k
+(0: plain decode) for the batch from what the engine measured, in one of two modes.
+
+**Trusted** (this batch-size bucket, 1, 2-3, 4-7, ..., has a verification cost measured in
+the last ``REFRESH_STEPS`` steps, a measured draft pass, and its speculating steps gained
+lately): the k of the highest expected tokens per second,
 
     rate(k) = (B + sum_r sum_{i=1..min(k, d_r)} a_r^i) / (base_B + k * draft_B
-                                                          + slope_B * sum_r min(k, d_r))
+                                  + slope_B * sum_r min(k, d_r) + catch_up_cost / steps_left)
 
 with ``d_r`` the drafts request r has, ``a_r`` its measured chance that a draft is accepted
 given the one before it was (per request, pulled towards the engine-wide figure while it has
-little history), ``base_B`` the measured time of a decode step of B sequences and ``slope_B``
-what each extra row (a draft) added to it, both averages of recent steps without prompt chunks
-(a step of B sequences and N tokens measures the slope as (t - base_B) / (N - B)), and
-``draft_B`` a draft model's pass over B sequences (0 for prompt lookup; before it is measured,
-the draft's weight bytes over the target's times base_B: a self-draft as large as the target is
-never tried). A batch size whose base is unknown measures it first (a step at k = 0: what plain
-decode costs anyway); one whose slope is unknown borrows the nearest batch size's, and only
-when there is none, or it is ``REFRESH_STEPS`` steps old, measures it with one draft per
-sequence (the cheapest probe), if drafts could pay at all with free verification rows. So a
-figure taken in a noisy moment does not lock a choice in, and batch sizes changing as requests
-finish cost no probes. And the model is checked against what speculating steps really gained
-(tokens per second over a plain decode step's, averaged per batch-size bucket: 1, 2-3, 4-7,
-...): a bucket where they lost lately decodes plainly, whatever the model says, until that
-figure is ``REFRESH_STEPS`` steps old. Each speculating step that lost doubles how long its
-bucket waits before measuring again (up to ``MAX_REFRESH_STEPS``; a step that gained resets
-it): a probe can cost much more than a step (a draft model catching up on every token since its
-last drafts), and where speculation keeps losing it should rarely be tried. Speculation must
-beat plain decode by ``MARGIN``: at break-even it only adds risk. Pure Python.
+little history), ``base_B`` the measured time of a decode step of B sequences, ``slope_B``
+what each extra row (a draft) added to it (averages of recent steps without prompt chunks; a
+step of B sequences and N tokens measures the slope as (t - draft - base_B) / (N - B)),
+``draft_B`` a draft model's pass over B sequences (0 for prompt lookup), and the catch-up
+(tokens x the draft's measured seconds per catch-up token) spread over the steps the
+requests have left at that rate (half their ``max_tokens`` left: answers stop early). k must
+beat plain decode by ``MARGIN``: at break-even it only adds risk.
+
+**Probe** (anything else: a new bucket, an old measurement, or a bucket whose speculating
+steps lost lately): one draft per sequence, the cheapest try, and only if drafts could pay
+at all (free verification rows at the engine's acceptance; a draft as costly as the target
+never could) and its worst case, every draft rejected (the draft pass, each row priced as a
+whole sequence's until measured, one step's catch-up), times 2^(losses in a row) fits the
+bucket's **budget**. The budget starts at ``FIRST_PROBE`` plain steps, earns
+``EXPLORE_SHARE`` of every plain step's time, and each speculating step adds what it saved
+(its tokens at plain decode's pace less its time, catch-up included): a loss in full, a
+saving at ``PROBE_SHARE``. So exploration costs at most a few percent of plain decode plus a
+part of what speculation saved, and a bucket where probes keep losing probes ever more rarely.
+
+What counts as a win: a speculating step's steady gain, tokens per second over a plain step's
+with its catch-up left out (an investment the budget pays, not a sign that speculation loses
+here), averaged per bucket (``_GAIN_WEIGHT``); it decides trusted against probe. Pure Python.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-REFRESH_STEPS = 64
-MAX_REFRESH_STEPS = 4096  # the longest a losing batch size waits before trying again
+REFRESH_STEPS = 64  # steps a measured cost (base, verification rows) is trusted for
 MARGIN = 1.03  # speculation's expected rate over plain decode's, at least
+FIRST_PROBE = 1.5  # a bucket's budget to start with, in plain steps of its batch size
+EXPLORE_SHARE = 0.03  # of each plain step's time, added to its bucket's budget
+PROBE_SHARE = 0.25  # of each speculating step's saving, added to its bucket's budget
+_HORIZON = 0.5  # of the tokens requests may still produce, expected (a catch-up's payback)
 _COST_WEIGHT = 0.25  # weight of a new step time in its average
+_GAIN_WEIGHT = 0.5  # weight of a speculating step's gain in its bucket's average
 _DECAY = 0.8  # per step, of a request's acceptance history
 _PRIOR = 2.0  # positions of engine-wide acceptance each request's estimate starts with
 
@@ -91,70 +105,124 @@ def _bucket(b: int) -> int:
     return b.bit_length()
 
 
+def _in_bucket(by_batch: dict, b: int):
+    """The value measured at the batch size nearest ``b`` in its bucket, or None (a batch
+    shrinking as requests finish costs no probes; another bucket's is not trusted: a row's
+    cost changes as the step turns compute-bound)."""
+    mine = [x for x in by_batch if _bucket(x) == _bucket(b)]
+    return by_batch[min(mine, key=lambda x: (abs(x - b), x))] if mine else None
+
+
+@dataclass
+class _Bucket:
+    """What the controller knows of speculating at a bucket's batch sizes."""
+
+    budget: float  # seconds a probe may still risk here (module docstring)
+    gain: float | None = None  # speculating steps' steady gain over plain decode, averaged
+    losses: int = 0  # speculating steps in a row whose steady gain was below 1
+
+
 class SpecController:
     """Chooses each step's k (module docstring) and keeps the statistics. ``adaptive=False``
     always verifies every draft (up to ``max_k``)."""
 
-    def __init__(self, max_k: int, adaptive: bool = True, draft_cost: float = 0.0) -> None:
+    def __init__(self, max_k: int, adaptive: bool = True, draft_cost: float = 0.0,
+                 catch_up_per_step: int = 256) -> None:
         """``draft_cost``: a draft model's pass over a target decode step, the two models'
-        weight bytes as the first guess (0: drafts cost nothing to propose, n-gram lookup)."""
+        weight bytes as the first guess (0: drafts cost nothing to propose, n-gram lookup);
+        ``catch_up_per_step``: the most catch-up tokens the draft computes in one step (what
+        one probe can spend on it)."""
         self.max_k = max_k
         self.adaptive = adaptive
         self.draft_cost = draft_cost
-        self._draft_pass: dict[int, float] = {}  # B -> seconds of a draft pass (measured)
+        self.catch_up_per_step = catch_up_per_step
         self.stats = SpecStats()
         self._acc: dict[str, list[float]] = {}  # request -> [accepted, tried], decayed
+        self._acc_all = self._tried_all = 0  # drafts accepted and judged, engine-wide
+        self._draft_pass: dict[int, float] = {}  # B -> seconds of a draft pass (measured)
+        self._catch_up: float | None = None  # seconds per catch-up token of the draft
+        self._prefill: float | None = None  # seconds per token of the target's prompt steps
         self._base: dict[int, tuple[float, int]] = {}  # B -> (seconds, step measured)
         self._slope: dict[int, tuple[float, int]] = {}  # B -> (seconds per extra row, step)
-        # by batch-size bucket (_bucket: a batch shrinking as requests finish stays in one):
-        # tokens per sequence-second of speculating steps over plain decode's, and the step
-        self._gain: dict[int, tuple[float, int]] = {}
-        # ... and the steps between measurements of a slope (doubled each time speculating
-        # there lost: a probe can cost much, e.g. a draft model's catch-up of every token since)
-        self._every: dict[int, int] = {}
+        self._buckets: dict[int, _Bucket] = {}  # by _bucket(B)
         self._steps = 0
-        self._acc_all = self._tried_all = 0  # drafts accepted and judged, engine-wide
         self.last_k = 0
+        self.last_probe = False  # whether the last choice was a probe (budget-gated)
 
     # ---- the choice ----------------------------------------------------------------------
     def acceptance(self, request_id: str) -> float:
         """Request's chance that a draft is accepted given the one before it was."""
-        # engine-wide: 0.7 before anything was verified (optimistic: it gets measured)
-        engine_wide = self._acc_all / self._tried_all if self._tried_all else 0.7
         acc, tried = self._acc.get(request_id, (0.0, 0.0))
-        return (acc + _PRIOR * engine_wide) / (tried + _PRIOR)
+        return (acc + _PRIOR * self._engine_acceptance()) / (tried + _PRIOR)
 
-    def choose(self, drafts: dict[str, int]) -> int:
-        """``drafts``: request id -> drafts it has, for each sequence of a pure decode step
-        (the batch). Returns the k every sequence verifies at most this step."""
+    def _engine_acceptance(self) -> float:
+        # 0.7 before anything was verified (optimistic: a probe measures it)
+        return self._acc_all / self._tried_all if self._tried_all else 0.7
+
+    def choose(self, drafts: dict[str, int], catch_up: dict[str, int] | None = None,
+               left: dict[str, int] | None = None) -> int:
+        """``drafts``: request id -> drafts it has (or could have, for a draft model), for
+        each sequence of a pure decode step (the batch). ``catch_up``: tokens a draft model
+        must compute for a sequence before drafting, beyond a speculating step's usual one
+        or two (its prompt, the tokens of plain steps since its last drafts); ``left``:
+        tokens each request may still produce (what a catch-up is repaid over). Returns
+        the k every sequence verifies at most this step."""
         self._steps += 1
+        self.last_probe = False
         if not drafts or max(drafts.values()) == 0:
             self.last_k = 0
             return 0
         top = min(self.max_k, max(drafts.values()))
-        self.last_k = top if not self.adaptive else self._adaptive(drafts, top)
+        self.last_k = (top if not self.adaptive else
+                       self._adaptive(drafts, top, catch_up or {}, left or {}))
         return self.last_k
 
-    def _adaptive(self, drafts: dict[str, int], top: int) -> int:
+    def _adaptive(self, drafts: dict[str, int], top: int, catch_up: dict[str, int],
+                  left: dict[str, int]) -> int:
         b = len(drafts)
         base = self._base.get(b)
         if base is None or self._steps - base[1] >= REFRESH_STEPS:
             return 0  # measure this batch size's decode step (what plain decode costs anyway)
-        # a draft model's pass: measured, else guessed from the two models' bytes
-        dpass = self._draft_pass.get(b, self.draft_cost * base[0])
-        slope = self._slope.get(b) or self._nearest_slope(b)
-        every = self._every.get(_bucket(b), REFRESH_STEPS)
-        if slope is None or self._steps - slope[1] >= every:
-            # measure what a draft per sequence adds (the cheapest probe), where drafts could
-            # pay at all: free verification rows and the engine's acceptance
-            a = self._acc_all / self._tried_all if self._tried_all else 0.7
-            best = b * sum(a ** i for i in range(1, top + 1))
-            return 1 if (b + best) / (base[0] + top * dpass) > b / base[0] * MARGIN else 0
-        gain = self._gain.get(_bucket(b))
-        if gain is not None and gain[0] < 1.0 and self._steps - gain[1] < every:
-            return 0  # speculating at this batch size lost lately, whatever the model says
+        t0 = base[0]
+        bk = self._buckets.setdefault(_bucket(b), _Bucket(budget=FIRST_PROBE * t0))
+        # a draft model's pass: measured (in this bucket), else guessed from the two models'
+        # bytes
+        measured = _in_bucket(self._draft_pass, b)
+        measured_pass = measured is not None or not self.draft_cost
+        dpass = measured if measured is not None else self.draft_cost * t0
+        backlog = sum(catch_up.get(r, 0) for r in drafts)
+        per_token = self._catch_up_price()
+        slope = _in_bucket(self._slope, b)
+        fresh = slope is not None and self._steps - slope[1] < REFRESH_STEPS
+        if fresh and measured_pass and bk.gain is not None and bk.gain >= 1.0:
+            # costs measured here lately, and speculating here gained: the model decides,
+            # a catch-up repaid over what the requests have left
+            tokens_left = _HORIZON * sum(left.get(r, 1) for r in drafts) / b
+            return self._best_k(drafts, top, t0, dpass, slope[0], backlog * per_token,
+                                tokens_left)
+        # a probe: one draft per sequence (the cheapest) where drafts could pay at all
+        # (free verification rows, the engine's acceptance) ...
+        a = self._engine_acceptance()
+        best = b * sum(a ** i for i in range(1, top + 1))
+        if (b + best) / (t0 + top * dpass) <= b / t0 * MARGIN:
+            return 0
+        # ... and what it costs if no draft holds (a row priced as a whole sequence's while
+        # unmeasured: a compute-bound step) fits this bucket's budget, doubled per loss
+        row = slope[0] if slope is not None else t0 / b
+        worst = dpass + b * row + min(backlog, self.catch_up_per_step) * per_token
+        if worst * 2 ** bk.losses > bk.budget:
+            return 0
+        self.last_probe = True
+        return 1
+
+    def _best_k(self, drafts: dict[str, int], top: int, t0: float, dpass: float,
+                slope: float, catch_up_s: float, tokens_left: float) -> int:
+        """The k of the highest expected tokens per second, 0 unless it beats plain decode's
+        by ``MARGIN``; ``catch_up_s`` spread over the steps ``tokens_left`` (per sequence)
+        take at k's pace."""
+        b = len(drafts)
         alpha = {r: self.acceptance(r) for r, d in drafts.items() if d}
-        best_k, best_rate = 0, float(b) / base[0] * MARGIN
+        best_k, best_rate = 0, float(b) / t0 * MARGIN
         for k in range(1, top + 1):
             rows = 0
             expected = float(b)
@@ -165,18 +233,21 @@ class SpecController:
                 for _ in range(m):
                     p *= a
                     expected += p
-            rate = expected / (base[0] + k * dpass + slope[0] * rows)
+            steps_left = max(1.0, tokens_left * b / expected)
+            rate = expected / (t0 + k * dpass + slope * rows + catch_up_s / steps_left)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
-    def _nearest_slope(self, b: int) -> tuple[float, int] | None:
-        """The slope measured at the batch size nearest ``b`` (a batch size the engine has
-        not speculated at yet borrows it rather than paying a probe: the cost of a row
-        changes slowly with the batch)."""
-        if not self._slope:
-            return None
-        return self._slope[min(self._slope, key=lambda x: (abs(x - b), x))]
+    def _catch_up_price(self) -> float:
+        """Seconds a draft's catch-up token costs: measured, else what a target's prompt
+        token cost (a catch-up is the draft's prefill: compute-bound, and a self-draft does
+        the target's arithmetic on fewer bytes), else the cheapest target decode row seen."""
+        if self._catch_up is not None:
+            return self._catch_up
+        if self._prefill is not None:
+            return self._prefill
+        return min((t / b for b, (t, _) in self._base.items()), default=0.0)
 
     # ---- what happened ---------------------------------------------------------------------
     def observe_draft(self, num_seqs: int, seconds_per_pass: float) -> None:
@@ -185,32 +256,61 @@ class SpecController:
         self._draft_pass[num_seqs] = (seconds_per_pass if old is None else
                                       old + _COST_WEIGHT * (seconds_per_pass - old))
 
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A draft model computed ``tokens`` catch-up tokens (beyond a step's usual ones) in
+        about ``seconds``."""
+        if tokens <= 0:
+            return
+        per = seconds / tokens
+        old = self._catch_up
+        self._catch_up = per if old is None else old + _COST_WEIGHT * (per - old)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step with prompt chunks computed ``tokens`` tokens in all in ``seconds``."""
+        if tokens <= 0:
+            return
+        per = seconds / tokens
+        old = self._prefill
+        self._prefill = per if old is None else old + _COST_WEIGHT * (per - old)
+
     def observe_step(self, num_seqs: int, num_tokens: int, seconds: float,
-                     emitted: int | None = None, draft_seconds: float = 0.0) -> None:
+                     emitted: int | None = None, draft_seconds: float = 0.0,
+                     catch_up_seconds: float = 0.0) -> None:
         """A step without prompt chunks: ``num_seqs`` sequences, ``num_tokens`` tokens in all,
         ``emitted`` tokens produced (default: one per sequence), ``draft_seconds`` of its time
-        a draft model's passes (the slope counts the verification rows only)."""
+        a draft model's passes (the slope counts the verification rows only), and
+        ``catch_up_seconds`` of those its catch-up (an investment: the steady gain leaves it
+        out, the budget does not)."""
         b, extra = num_seqs, num_tokens - num_seqs
-        if extra <= 0:
-            old = self._base.get(b)
-            avg = seconds if old is None else old[0] + _COST_WEIGHT * (seconds - old[0])
-            self._base[b] = (avg, self._steps)
-            return
         base = self._base.get(b)
+        bk = self._buckets.get(_bucket(b))
+        if extra <= 0:
+            # a plain step, but a draft may have computed part of a catch-up in it (a probe
+            # whose sequences had too much to catch up to draft yet): the base leaves it
+            # out, the budget pays it
+            plain = seconds - draft_seconds
+            avg = plain if base is None else base[0] + _COST_WEIGHT * (plain - base[0])
+            self._base[b] = (avg, self._steps)
+            if bk is not None:  # plain decode earns exploration time
+                bk.budget += EXPLORE_SHARE * plain - draft_seconds
+            return
         if base is None:
             return  # nothing to measure the extra against yet
         per_row = max(0.0, (seconds - draft_seconds - base[0]) / extra)
         old = self._slope.get(b)
         avg = per_row if old is None else old[0] + _COST_WEIGHT * (per_row - old[0])
         self._slope[b] = (avg, self._steps)
-        # what the step really gained: tokens per second against a plain decode step's
-        gain = ((emitted if emitted is not None else b) / seconds) / (b / base[0])
-        g = _bucket(b)
-        old = self._gain.get(g)
-        avg = gain if old is None else old[0] + _COST_WEIGHT * (gain - old[0])
-        self._gain[g] = (avg, self._steps)
-        every = self._every.get(g, REFRESH_STEPS)
-        self._every[g] = min(2 * every, MAX_REFRESH_STEPS) if gain < 1.0 else REFRESH_STEPS
+        made = emitted if emitted is not None else b
+        if bk is None:
+            bk = self._buckets[_bucket(b)] = _Bucket(budget=FIRST_PROBE * base[0])
+        # the steady gain: tokens per second against a plain decode step's, catch-up aside
+        gain = made / max(seconds - catch_up_seconds, 1e-9) / (b / base[0])
+        bk.gain = gain if bk.gain is None else bk.gain + _GAIN_WEIGHT * (gain - bk.gain)
+        # the budget: what the step saved (its tokens at plain decode's pace, less its time;
+        # a loss in full, a saving a share: a probe risks a part of what speculating saved)
+        saved = made * base[0] / b - seconds
+        bk.budget += saved if saved < 0 else PROBE_SHARE * saved
+        bk.losses = bk.losses + 1 if gain < 1.0 else 0
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """One sequence's verification: ``num_accepted`` of its ``num_drafts`` drafts held."""

@@ -30,8 +30,10 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.drafter = drafter
-        self.controller = SpecController(config.num_speculative_tokens, config.adaptive,
-                                         drafter.cost_ratio if drafter is not None else 0.0)
+        self.controller = SpecController(
+            config.num_speculative_tokens, config.adaptive,
+            drafter.cost_ratio if drafter is not None else 0.0,
+            drafter.catch_up_per_step if drafter is not None else 0)
 
     @property
     def stats(self) -> SpecStats:
@@ -60,7 +62,9 @@ class SpecDecoder:
             self._fit_grammars(decoding, drafts)
             k = self.controller.choose({rid: len(d) for rid, d in drafts.items()})
         else:  # a draft model costs a pass a draft: k first, then only k drafts
-            k = self.controller.choose(room)
+            left = {r.request_id: r.sampling_params.max_tokens - len(r.output_token_ids)
+                    for r in decoding}
+            k = self.controller.choose(room, self.drafter.backlog(decoding), left)
             drafts = self.drafter.propose(decoding, {rid: min(k, r) for rid, r in room.items()})
             self._fit_grammars(decoding, drafts)
         if k:
@@ -92,14 +96,18 @@ class SpecDecoder:
                 prompt = True  # a prompt chunk's cost is not a decode step's
             else:
                 emitted += 1
-        draft_s = 0.0
+        draft_s = catch_up_s = 0.0
         if self.drafter is not None:
-            draft_s, passes = self.drafter.take_times()
-            for b, seconds in passes:
+            times = self.drafter.take_times()
+            for b, seconds in times.passes:
                 self.controller.observe_draft(b, seconds)
-        if not prompt and sched.chunks:
+            self.controller.observe_catch_up(times.catch_up_tokens, times.catch_up_seconds)
+            draft_s, catch_up_s = times.seconds, times.catch_up_seconds
+        if prompt:
+            self.controller.observe_prefill(sched.num_batched_tokens, step_seconds - draft_s)
+        elif sched.chunks:
             self.controller.observe_step(len(sched.chunks), sched.num_batched_tokens,
-                                         step_seconds, emitted, draft_s)
+                                         step_seconds, emitted, draft_s, catch_up_s)
 
     def forget(self, request_id: str) -> None:
         """A request finished (or left this engine): drop its index and history."""

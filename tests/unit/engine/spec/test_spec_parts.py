@@ -1,6 +1,6 @@
-"""Speculative decoding's pure parts: the config a user writes, the n-gram index, the
-controller's choice of k, verification's acceptance rule and the sampler under it (a
-deliberately bad draft leaves the target's distribution unchanged)."""
+"""Speculative decoding's pure parts: the config a user writes, the n-gram index,
+verification's acceptance rule and the sampler under it (a deliberately bad draft leaves the
+target's distribution unchanged). The controller's choice of k: test_spec_controller.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from engine.contract import SamplingParams
 from engine.core.step_io import ScheduledChunk
 from engine.spec.config import SpeculativeConfig, parse_speculative_config
-from engine.spec.controller import SpecController
 from engine.spec.ngram import NgramIndex, NgramProposer
 
 
@@ -97,80 +96,6 @@ def test_ngram_proposer_reads_prompt_and_growing_output():
     assert p.propose("r", prompt, out, 2) == [4, 5]  # the longer match "1 2 3"
     p.keep_only(set())
     assert p._index == {}
-
-
-def test_controller_backs_off_where_speculating_really_lost():
-    """The cost model says drafts pay (cheap rows, drafts accepted so far), but the steps
-    that speculated produced fewer tokens per second than plain decode: it decodes plainly
-    until that figure is old (the wait doubling with each loss), then tries again."""
-    from engine.spec.controller import MAX_REFRESH_STEPS, REFRESH_STEPS
-
-    c = SpecController(4)
-    c.observe_step(2, 2, 0.010)  # base
-    c.observe_step(2, 4, 0.0102, emitted=4)  # slope: rows nearly free, both drafts held
-    c.observe("a", 1, 1)
-    c.observe("b", 1, 1)
-    assert c.choose({"a": 4, "b": 4}) > 0
-    lost = 0
-    while c.choose({"a": 4, "b": 4}):  # then steps that lose: 3 tokens in 3 steps' time
-        c.observe_step(2, 10, 0.030, emitted=3)
-        lost += 1
-    assert 1 < lost < 10
-    # each losing step doubled the wait before this batch size is measured again
-    wait = min(REFRESH_STEPS * 2 ** lost, MAX_REFRESH_STEPS)
-    picks = [c.choose({"a": 4, "b": 4}) for _ in range(wait - lost - 2)]
-    assert set(picks) == {0}
-    c.observe_step(2, 2, 0.010)  # (its base stays fresh: plain steps measure it)
-    assert any(c.choose({"a": 4, "b": 4}) for _ in range(lost + 4))  # old now: tried again
-
-
-def test_a_draft_model_as_costly_as_the_target_is_never_tried():
-    """A draft pass guessed from the two models' bytes: one the target's size (a 4-bit
-    self-draft of a 4-bit target) could never pay, so it is not even probed; a draft a tenth
-    of the target's bytes is, and then its measured passes decide."""
-    same = SpecController(4, draft_cost=1.0)
-    cheap = SpecController(4, draft_cost=0.1)
-    for c in (same, cheap):
-        c.choose({"a": 4})
-        c.observe_step(1, 1, 0.010)  # base
-    assert [same.choose({"a": 4}) for _ in range(100)] == [0] * 100
-    assert cheap.choose({"a": 4}) == 1  # the probe
-    cheap.observe_draft(1, 0.011)  # ... which found the draft pass dearer than a decode step
-    cheap.observe_step(1, 2, 0.011 + 0.012, emitted=2, draft_seconds=0.011)
-    assert [cheap.choose({"a": 4}) for _ in range(30)] == [0] * 30
-
-
-def test_controller_without_adaptation_verifies_every_draft():
-    c = SpecController(4, adaptive=False)
-    assert c.choose({"a": 3, "b": 0}) == 3
-    assert c.choose({"a": 0}) == 0
-
-
-def test_controller_stops_speculating_where_it_does_not_pay():
-    c = SpecController(4)
-    # First steps explore (unmeasured costs look cheap), then costs decide.
-    for _ in range(40):
-        k = c.choose({"a": 4})
-        # each draft costs 3 decode steps; none is accepted: one token a step
-        c.observe_step(1, 1 + k, 0.010 * (1 + 3 * k), emitted=1)
-        if k:
-            c.observe("a", k, 0)  # and none is ever accepted
-    assert [c.choose({"a": 4}) for _ in range(10)] == [0] * 10
-
-
-def test_controller_speculates_where_drafts_hold_and_rows_are_cheap():
-    c = SpecController(4)
-    for _ in range(40):
-        k = c.choose({"a": 4, "b": 4})
-        c.observe_step(2, 2 + 2 * k, 0.010 * (1 + 0.05 * k), emitted=2 + 2 * k)
-        if k:
-            c.observe("a", k, k)
-            c.observe("b", k, k)
-    assert c.choose({"a": 4, "b": 4}) == 4
-    s = c.stats
-    # (a few steps tried fewer drafts first: each k's cost was measured once)
-    assert s.acceptance_rate == 1.0 and 4.5 < s.mean_accepted_length <= 5.0
-    assert s.proposed_by_position == s.accepted_by_position and len(s.proposed_by_position) == 4
 
 
 def _sample_rows(logits: torch.Tensor, chunk: ScheduledChunk):
