@@ -2,7 +2,8 @@
 rank holds its shard of every adapter (A whole and B's rows of its outputs for q/k/v and
 gate/up; A's columns of its inputs and B whole for o and down), so three adapters and the base
 mixed in one batch at TP 2 give peft's greedy tokens, as TP 1 does; loads, unloads and LRU
-evictions on rank 0 reach the other rank before any step names the adapter."""
+evictions on rank 0 reach the other rank before any step names the adapter; KV prefilled
+under adapters at TP 2 decodes to peft's tokens on a TP 1 engine."""
 
 from __future__ import annotations
 
@@ -132,3 +133,50 @@ def test_unload_load_and_eviction_at_tp2_reach_every_rank(tp2, model_dir, adapte
     assert bm.num_free_blocks == bm.num_blocks
     for name in ("qv", "four"):  # the module's other test names "qv" from its own folder
         engine.remove_lora(name)
+
+
+def test_kv_a_tp2_prefill_computes_under_adapters_decodes_on_a_tp1_engine(
+        tp2, model_dir, adapters, prompts, refs):
+    """Both sides of the split: the TP 2 engine prefills each prompt under its adapter (or the
+    base) as a one-token export, its ranks gathering the KV heads computed with their shards
+    of A and B; a TP 1 engine holding the same adapters takes that KV (reserved under each
+    adapter's key) and decodes peft's tokens."""
+    from engine import EngineArgs, LLMEngine
+
+    engine, reqs = tp2.engine, _requests(adapters)
+    chosen = [NAMES[(i + 1) % len(NAMES)] for i in range(len(prompts))]
+    exports: list = []
+    engine.kv_connector.exporter = exports.append
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    try:
+        for i, (p, n) in enumerate(zip(prompts, chosen, strict=True)):
+            engine.add_request(p, one, request_id=f"x{i}", export_kv=True,
+                               lora_request=reqs[n] if n else None)
+        first = {}
+        while engine.has_unfinished_requests:
+            for out in engine.step():
+                if out.finished:
+                    first[out.request_id] = out.token_ids[0]
+    finally:
+        engine.kv_connector.exporter = None
+    dec = LLMEngine(EngineArgs(model=str(model_dir), detokenize=False, **SETUP))
+    try:
+        conn = dec.kv_connector
+        for i, (p, n) in enumerate(zip(prompts, chosen, strict=True)):
+            lora = reqs[n] if n else None
+            root = dec.load_lora(lora).key if lora else 0
+            assert conn.reserve(f"x{i}", p, GREEDY, root, lora).ok
+        for e in exports:
+            conn.import_layer(e.request_id, e.layer, e.kv)
+        outs = {rid: [tok] for rid, tok in first.items()}
+        for rid, tok in first.items():
+            assert not conn.admit(rid, tok).finished
+        while dec.has_unfinished_requests:
+            for out in dec.step():
+                outs[out.request_id].extend(out.new_token_ids)
+        assert dec.stats().kv_blocks_used == 0
+    finally:
+        dec.close()
+    assert [outs[f"x{i}"] for i in range(len(prompts))] == [refs[n][i]
+                                                           for i, n in enumerate(chosen)]
+    assert engine.stats().kv_blocks_used == 0
