@@ -18,7 +18,8 @@ from engine.contract import QueueFullError, SamplingParams, TokenLogprob
 from worker_protocol import WorkerLoad
 
 __all__ = [
-    "AdapterInUseError", "BackendStats", "DeadlineRefusedError", "DrainStatus", "EmbedInput",
+    "AdapterInUseError", "BackendStats", "DeadlineExceededError", "DeadlineRefusedError",
+    "DrainStatus", "EmbedInput",
     "EmbedOutput", "GenerateInput", "GenerationBackend", "GenerationChunk",
     "InvalidRequestError", "ModelInfo", "ModelNotFoundError", "QueueFullError",
     "ResponseNotFoundError", "ServedModel", "StreamNotFoundError", "Usage", "WORKER_STATES",
@@ -75,6 +76,11 @@ class DeadlineRefusedError(QueueFullError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class DeadlineExceededError(TimeoutError):
+    """The caller's deadline (HTTP ``x-request-timeout``) passed while its request ran: the
+    request was aborted on every worker and its KV freed; HTTP 504 / DEADLINE_EXCEEDED."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from router.contract import (
+    DeadlineExceededError,
     DeadlineRefusedError,
     InvalidRequestError,
     ModelNotFoundError,
@@ -44,8 +45,9 @@ def map_error(exc: BaseException) -> MappedError:
     this (an operator's call) -> PERMISSION_DENIED/403, a body too large ->
     RESOURCE_EXHAUSTED/413, a tenant over its limits -> RESOURCE_EXHAUSTED/429 (Retry-After),
     bad input -> INVALID_ARGUMENT/400, unknown model, stream or worker -> NOT_FOUND/404,
-    queue full -> RESOURCE_EXHAUSTED/429, no live worker -> UNAVAILABLE/503, anything else ->
-    INTERNAL/500.
+    queue full -> RESOURCE_EXHAUSTED/429, no live worker -> UNAVAILABLE/503, the caller's
+    deadline passed mid-flight -> DEADLINE_EXCEEDED/504 (grpc-gateway's mapping), anything
+    else -> INTERNAL/500.
 
     InvalidRequestError is a ValueError, so any ValueError (e.g. from SamplingParams) counts
     as bad input; unexpected errors keep their type name so logs and clients can tell them apart.
@@ -82,6 +84,9 @@ def map_error(exc: BaseException) -> MappedError:
         return MappedError(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
                            "deadline_unmet" if isinstance(exc, DeadlineRefusedError)
                            else "queue_full", msg, getattr(exc, "retry_after_s", None))
+    if isinstance(exc, DeadlineExceededError):
+        return MappedError(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error",
+                           "deadline_exceeded", msg)
     if isinstance(exc, WorkerUnavailableError):
         return MappedError(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable",
                            "no_worker", msg)

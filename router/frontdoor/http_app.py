@@ -44,7 +44,12 @@ from router.frontdoor.openai.embeddings import add_embedding_routes
 from router.frontdoor.openai.logprobs import TokenNames
 from router.frontdoor.openai.refused import refusal
 from router.frontdoor.openai.render import ChatRenderer, CompletionRenderer
-from router.frontdoor.openai.responder import OpenAIResponder, error_response, stream_position
+from router.frontdoor.openai.responder import (
+    OpenAIResponder,
+    deadline_at,
+    error_response,
+    stream_position,
+)
 from router.frontdoor.openai.responses import LocalResponseStore, add_responses_routes
 from router.frontdoor.openai.schema import (
     ChatCompletionRequest,
@@ -99,7 +104,11 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
         tenant, rid = request.state.tenant, _request_id(request)
         permits = []
         try:
-            deadline = gate.deadline_for(tenant, request_deadline(request))
+            caller_s = request_deadline(request)
+            # the caller's own deadline ends the request once it passes (its tenant's default
+            # only judges admission: it names how long a first token may take)
+            abort_at = deadline_at(caller_s)
+            deadline = gate.deadline_for(tenant, caller_s)
             inputs = make_inputs(gate.scoped(tenant, rid))
             for _ in inputs:
                 permits.append(gate.admit(tenant))
@@ -117,7 +126,7 @@ def _add_generation_routes(app: FastAPI, backend: GenerationBackend,
                                            n=body.generations_per_prompt,
                                            stream=body.stream, include_usage=body.include_usage,
                                            continuous_usage=body.continuous_usage,
-                                           keep=body.n)
+                                           keep=body.n, deadline=abort_at)
         finally:
             for p in permits:
                 if not p.adopted:

@@ -26,13 +26,14 @@ _WHY = {"400": "a bad or unsupported field (named in the message and param), mal
         "404": "an unknown model, stream, worker, LoRA adapter or path",
         "413": "a body over the size limit",
         "429": "the queue or the caller's rate limit is full (Retry-After says when to retry)",
-        "503": "no live worker can take the request, or the server is draining"}
+        "503": "no live worker can take the request, or the server is draining",
+        "504": "the caller's x-request-timeout passed before the request finished (aborted)"}
 # The error statuses each route answers with, beside 401 (every route but /health).
 _ERRORS = {
-    "/v1/completions": ("400", "404", "413", "429", "503"),
-    "/v1/chat/completions": ("400", "404", "413", "429", "503"),
+    "/v1/completions": ("400", "404", "413", "429", "503", "504"),
+    "/v1/chat/completions": ("400", "404", "413", "429", "503", "504"),
     "/v1/embeddings": ("400", "404", "413", "429", "503"),
-    "/v1/responses": ("400", "404", "413", "429", "503"),
+    "/v1/responses": ("400", "404", "413", "429", "503", "504"),
     "/v1/responses/{response_id}": ("404",),
     "/v1/streams/{request_id}": ("400", "404"),
     "/tokenize": ("400", "404", "413"),

@@ -7,6 +7,7 @@ room in its deadline, or none, is served; with the queue gone the same short dea
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -113,7 +114,10 @@ def test_priority_orders_a_cluster_queue_and_a_passed_deadline_frees_everything(
     """One prompt at a time on a slowed prefill worker: of the requests queued behind the
     first, the one with the lowest ``priority`` value (vLLM's: lower first) is prefilled
     next whatever its arrival. A gRPC call whose deadline passes mid-stream (a slowed decode
-    worker) ends DEADLINE_EXCEEDED and leaves no block held anywhere."""
+    worker) ends DEADLINE_EXCEEDED and leaves no block held anywhere; so do HTTP requests
+    whose ``x-request-timeout`` passes mid-flight, ended by the server itself while the client
+    waits on (a 504 ``deadline_exceeded``; a stream, after its 200: the error event and
+    ``[DONE]``), journaled as aborted."""
     # max_num_seqs=1 on the prefill worker: its queue order is the prefill order
     config = ClusterConfig(model=str(tiny_llama_dir), num_prefill_workers=1,
                            num_decode_workers=1,
@@ -158,10 +162,40 @@ def test_priority_orders_a_cluster_queue_and_a_passed_deadline_frees_everything(
                 return None
             ended = await asyncio.to_thread(call)
             await assert_no_blocks_held(c, timeout_s=30)
+
+            def late(stream: bool):
+                # the client would wait a minute: only the server can end these early
+                with httpx.Client(base_url=f"http://127.0.0.1:{fd.http_port}", timeout=60) as h:
+                    rid = "late-stream" if stream else "late-whole"
+                    body = {"prompt": prompts[0], "max_tokens": 400, "ignore_eos": True,
+                            "stream": stream}
+                    headers = {"x-request-timeout": "1.5", "x-request-id": rid}
+                    if not stream:
+                        return h.post("/v1/completions", json=body, headers=headers)
+                    with h.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+                        return r.status_code, [x for x in r.iter_lines() if x.startswith("data")]
+
+            whole = await asyncio.to_thread(late, False)
+            held_whole = c.orchestrator.has_stream("late-whole")
+            streamed = await asyncio.to_thread(late, True)
+            held_stream = c.orchestrator.has_stream("late-stream")
+            journals = [[e.kind for e in c.store.journal_get(rid)]
+                        for rid in ("late-whole", "late-stream")]
+            await assert_no_blocks_held(c, timeout_s=30)
         finally:
             await fd.stop(1)
-        return ended
+        return ended, whole, streamed, (held_whole, held_stream), journals
 
-    ended = run_cluster(loop, config, body)
+    ended, whole, streamed, held, journals = run_cluster(loop, config, body)
     assert first_token == ["head", "high", "mid", "low"]
     assert ended == "DeadlineExceeded"
+    assert whole.status_code == 504, whole.text
+    assert whole.json()["error"]["code"] == "deadline_exceeded"
+    # a stream's 200 goes out with its first token: it ended mid-flight (the tiny model has
+    # no tokenizer, so its token chunks carry no text and are not sent)
+    status, events = streamed
+    assert status == 200 and len(events) == 2 and events[-1] == "data: [DONE]"
+    error = json.loads(events[0].removeprefix("data: "))["error"]
+    assert error["code"] == "deadline_exceeded" and "1.5 s" in error["message"]
+    assert held == (False, False)  # gone from the router when the answer came
+    assert [j[-1] for j in journals] == ["aborted", "aborted"]

@@ -3,9 +3,10 @@ endpoint, streamed or not.
 
 ``OpenAIResponder`` owns the backend stream's lifecycle: it opens it through ``Metrics.track``
 (so both endpoints feed the same metrics) and closes it however the response ends, which aborts
-the request in the backend and frees its KV. Errors raised before anything was sent become a
-status code (``router.frontdoor.errors.map_error``); errors after a stream's 200 went out are reported
-in-band, as OpenAI does. What the JSON looks like is the ``Renderer``'s business
+the request in the backend and frees its KV, and ends it once the caller's deadline passes
+(``x-request-timeout``: ``DeadlineExceededError``, the same abort). Errors raised before
+anything was sent become a status code (``router.frontdoor.errors.map_error``); errors after a
+stream's 200 went out are reported in-band, as OpenAI does. What the JSON looks like is the ``Renderer``'s business
 (``router.frontdoor.openai.render``), so both endpoints share one non-streamed and one streamed path.
 """
 
@@ -22,13 +23,19 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from router.contract import GenerateInput, GenerationBackend, GenerationChunk, Usage
+from router.contract import (
+    DeadlineExceededError,
+    GenerateInput,
+    GenerationBackend,
+    GenerationChunk,
+    Usage,
+)
 from router.frontdoor.choices import ChoiceStreams
 from router.frontdoor.errors import map_error, openai_error_body
 from router.frontdoor.metrics import Metrics
 from router.frontdoor.openai.render import Collected, Renderer, usage_json
 
-__all__ = ["OpenAIResponder", "error_response", "stream_position"]
+__all__ = ["OpenAIResponder", "deadline_at", "error_response", "stream_position"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +48,7 @@ _DISCONNECTED = object()
 def error_response(exc: BaseException, param: str | None = None) -> JSONResponse:
     """``exc`` as OpenAI's error JSON with its mapped status; server faults are logged."""
     err = map_error(exc)
-    if err.http_status >= 500:
+    if err.http_status >= 500 and not isinstance(exc, DeadlineExceededError):
         log.error("request failed: %s", err.message, exc_info=exc)
     headers = ({"retry-after": str(max(1, math.ceil(err.retry_after_s)))}
                if err.retry_after_s is not None else None)
@@ -71,6 +78,35 @@ class _PrimedStream:
         await self._rest.aclose()
 
 
+class _Deadlined:
+    """A backend stream that ends with ``DeadlineExceededError`` once the loop's clock
+    reaches ``at``: the stream is closed first (its pending read cancelled), which aborts the
+    request on every worker and frees its KV. ``seconds``: the caller's deadline, for the
+    message."""
+
+    def __init__(self, stream: AsyncIterator[GenerationChunk], at: float,
+                 seconds: float) -> None:
+        self._stream, self._at, self._seconds = stream, at, seconds
+
+    def __aiter__(self) -> _Deadlined:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(anext(self._stream), max(0.0, self._at - loop.time()))
+        except TimeoutError:
+            if loop.time() < self._at:
+                raise  # the backend's own (a worker that did not answer)
+            await self._stream.aclose()
+            raise DeadlineExceededError(
+                f"x-request-timeout: the request's {self._seconds:g} s passed before it "
+                "finished; it was aborted") from None
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
 class OpenAIResponder:
     """Runs generations for the OpenAI endpoints over one backend, recording metrics."""
 
@@ -80,16 +116,19 @@ class OpenAIResponder:
 
     async def respond(self, request: Request, inputs: list[GenerateInput], renderer: Renderer,
                       *, n: int = 1, stream: bool, include_usage: bool,
-                      continuous_usage: bool = False, keep: int | None = None) -> Response:
+                      continuous_usage: bool = False, keep: int | None = None,
+                      deadline: tuple[float, float] | None = None) -> Response:
         """The whole response for a request's choices (``inputs``, ``n`` per prompt, in
         OpenAI's order): JSON, or SSE when ``stream`` (ending with a usage chunk when
         ``include_usage``; every chunk with the usage so far when ``continuous_usage``). Both
         carry ``x-request-id`` (choice 0's id). One choice streams with resumable event ids;
         several stream merged, without ids. ``keep`` (``best_of``, whole responses only):
         of each prompt's ``n`` generations (run with logprobs), the ``keep`` with the highest
-        mean token logprob are the choices; usage counts every generation."""
+        mean token logprob are the choices; usage counts every generation. ``deadline``
+        (``deadline_at``'s): when the caller stops waiting; then every choice is aborted and
+        the answer is a 504, or in a stream an error event (code ``deadline_exceeded``)."""
         if len(inputs) > 1:
-            choices = ChoiceStreams(self._open, inputs, n)
+            choices = ChoiceStreams(lambda inp: self._open(inp, deadline), inputs, n)
             if stream:
                 return await self._respond_choices_stream(inputs, choices, renderer,
                                                           include_usage, continuous_usage)
@@ -97,13 +136,14 @@ class OpenAIResponder:
                                                      n, keep)
         inp = inputs[0]
         if stream:
-            return await self._respond_stream(inp, renderer, include_usage, continuous_usage)
-        return await self._respond_whole(request, inp, renderer)
+            return await self._respond_stream(inp, renderer, include_usage, continuous_usage,
+                                              deadline)
+        return await self._respond_whole(request, inp, renderer, deadline)
 
     async def _respond_whole(self, request: Request, inp: GenerateInput,
-                             renderer: Renderer) -> Response:
+                             renderer: Renderer, deadline=None) -> Response:
         try:
-            out = await _run_until_disconnect(request, self._collect(inp))
+            out = await _run_until_disconnect(request, self._collect(inp, deadline))
         except Exception as e:
             return error_response(e)
         if out is _DISCONNECTED:
@@ -145,9 +185,10 @@ class OpenAIResponder:
                                  headers=_request_id_header(inputs[0]))
 
     async def _respond_stream(self, inp: GenerateInput, renderer: Renderer,
-                              include_usage: bool, continuous_usage: bool) -> Response:
+                              include_usage: bool, continuous_usage: bool,
+                              deadline=None) -> Response:
         try:
-            stream = await self._start_stream(inp)
+            stream = await self._start_stream(inp, deadline)
         except Exception as e:
             return error_response(e)
         return StreamingResponse(_sse_events(stream, renderer, include_usage, _public_id(inp),
@@ -173,21 +214,27 @@ class OpenAIResponder:
                                  media_type="text/event-stream",
                                  headers={"x-request-id": request_id})
 
-    def _open(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
-        return self.metrics.track(self.backend.generate(inp), api="http", user=inp.user)
+    def _open(self, inp: GenerateInput, deadline: tuple[float, float] | None = None
+              ) -> AsyncIterator[GenerationChunk]:
+        stream = self.metrics.track(self.backend.generate(inp), api="http", user=inp.user)
+        return stream if deadline is None else _Deadlined(stream, *deadline)
 
-    async def collect(self, inp: GenerateInput) -> Collected:
-        """Run ``inp`` to its end (metered); raises what the backend raises."""
-        return await self._collect(inp)
+    async def collect(self, inp: GenerateInput,
+                      deadline: tuple[float, float] | None = None) -> Collected:
+        """Run ``inp`` to its end (metered); raises what the backend raises, and
+        DeadlineExceededError once ``deadline`` (``deadline_at``'s) passed (aborted)."""
+        return await self._collect(inp, deadline)
 
-    async def start_stream(self, inp: GenerateInput) -> AsyncIterator[GenerationChunk]:
+    async def start_stream(self, inp: GenerateInput, deadline: tuple[float, float] | None = None
+                           ) -> AsyncIterator[GenerationChunk]:
         """``inp``'s chunks (metered) once its first came: an error before it raises here
-        (a status code), not inside a stream. Close it to abort the request."""
-        return await self._start_stream(inp)
+        (a status code), not inside a stream. Close it to abort the request. ``deadline``:
+        as ``collect``'s (a stream then ends raising DeadlineExceededError)."""
+        return await self._start_stream(inp, deadline)
 
-    async def _collect(self, inp: GenerateInput) -> Collected:
+    async def _collect(self, inp: GenerateInput, deadline=None) -> Collected:
         out = Collected(_public_id(inp))
-        stream = self._open(inp)
+        stream = self._open(inp, deadline)
         try:
             async for c in stream:
                 out.add(c)
@@ -195,9 +242,9 @@ class OpenAIResponder:
             await stream.aclose()
         return out
 
-    async def _start_stream(self, inp: GenerateInput) -> _PrimedStream:
+    async def _start_stream(self, inp: GenerateInput, deadline=None) -> _PrimedStream:
         """Wait for the first chunk so errors become a status code, not a broken stream."""
-        stream = self._open(inp)
+        stream = self._open(inp, deadline)
         try:
             first = await anext(stream)
         except StopAsyncIteration:
@@ -206,6 +253,14 @@ class OpenAIResponder:
             await stream.aclose()
             raise
         return _PrimedStream(first, stream)
+
+
+def deadline_at(seconds: float | None) -> tuple[float, float] | None:
+    """The caller's deadline of ``seconds`` from now as (the loop's clock then, seconds), for
+    ``respond`` / ``collect`` / ``start_stream``; None: none."""
+    if seconds is None:
+        return None
+    return asyncio.get_running_loop().time() + seconds, seconds
 
 
 def _public_id(inp: GenerateInput) -> str:
@@ -273,7 +328,10 @@ async def _ending_with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
             yield event
     except Exception as e:
         err = map_error(e)
-        log.error("stream failed: %s", err.message, exc_info=e)
+        if isinstance(e, DeadlineExceededError):  # the caller's choice, not a fault
+            log.info("stream ended: %s", err.message)
+        else:
+            log.error("stream failed: %s", err.message, exc_info=e)
         yield _sse(openai_error_body(err))
     finally:
         await events.aclose()

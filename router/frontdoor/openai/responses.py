@@ -13,8 +13,7 @@ OpenAI's event sequence (``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
 ..., ``response.output_text.done``, ``response.content_part.done``,
 ``response.output_item.done``, ``response.completed``; a reasoning item first, the same with
-``reasoning_text`` parts and ``response.reasoning_text.delta`` / ``.done``; no summary
-events: the items' ``summary`` is empty), each with its ``sequence_number``; a
+``reasoning_text`` parts and ``response.reasoning_text.*``), with ``sequence_number``s; a
 failure after the stream began (the 200 sent) ends it with an ``error`` event and
 ``response.failed`` (``status: "failed"``, ``error: {code, message}``), and the failed response
 is not stored. Fields OpenAI defines that are not served here are refused by name (400)."""
@@ -42,7 +41,7 @@ from router.contract import (
 )
 from router.frontdoor.errors import map_error
 from router.frontdoor.openai.reasoning import ReasoningStream, split_reasoning
-from router.frontdoor.openai.responder import OpenAIResponder, error_response
+from router.frontdoor.openai.responder import OpenAIResponder, deadline_at, error_response
 from router.frontdoor.openai.schema import ChatCompletionRequest
 from router.frontdoor.openai.tools import ToolCall, ToolCallStream, ToolPlan, parse_calls
 from router.frontdoor.security import Gate
@@ -197,7 +196,8 @@ def add_responses_routes(app: FastAPI, backend: GenerationBackend, responder: Op
                          reasoning_parser: str | None = None, deadline=None) -> None:
     """``store``: a ClusterStore (its ``response_put`` / ``response_get``); ``request_id``:
     the id a call runs under (``x-request-id`` or a new one); ``deadline(request)``: the
-    seconds the caller said it waits (``x-request-timeout``; None: none)."""
+    seconds the caller waits (``x-request-timeout``; None: none), which ends the request
+    once it passes (504, or ``error`` + ``response.failed`` in a stream)."""
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
@@ -217,6 +217,7 @@ def add_responses_routes(app: FastAPI, backend: GenerationBackend, responder: Op
             plan = chat.tool_plan(tool_call_parser or info.tool_call_parser)
             rid = request_id(request)
             request_deadline = deadline(request) if deadline is not None else None
+            abort_at = deadline_at(request_deadline)  # the caller's own: ends the request
             inp = chat.to_inputs(gate.scoped(tenant, rid), info.max_model_len,
                                  backend.tokenize, plan)[0]
             permit = gate.admit(tenant)
@@ -226,11 +227,11 @@ def add_responses_routes(app: FastAPI, backend: GenerationBackend, responder: Op
             resp = _Response(body, f"resp_{uuid.uuid4().hex}", info.model_id, plan,
                              reasoning_parser, history)
             if body.stream:
-                stream = await responder.start_stream(inp)
+                stream = await responder.start_stream(inp, abort_at)
                 permit = None  # the stream's now
                 return StreamingResponse(resp.events(stream, store, gate.scoped(tenant, "")),
                                          media_type="text/event-stream")
-            out = await responder.collect(inp)
+            out = await responder.collect(inp, abort_at)
             permit = None
         except Exception as e:  # mapped once (router.frontdoor.errors)
             return error_response(e)
@@ -344,8 +345,7 @@ class _Response:
         last = None
 
         def reasoning_done(item: dict) -> list[str]:
-            """The reasoning item's done events: when the answer starts (items go out one
-            after the other, as OpenAI's), else at the end."""
+            """The reasoning item's done events (before the answer's: one item at a time)."""
             closed.add(item["id"])
             index = started[item["id"]]
             return [event("response.reasoning_text.done", item_id=item["id"],
