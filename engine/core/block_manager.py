@@ -264,6 +264,23 @@ class BlockManager:
             rb.block_ids.append(self._pop_free())
         return True
 
+    def shortfall(self, request_id: str, num_tokens: int,
+                  computed: ComputedBlocks | None = None) -> int:
+        """How many more free blocks ``allocate_slots`` with the same arguments needs to
+        succeed (0: it would). Changes nothing."""
+        return max(0, self._num_new_blocks(request_id, num_tokens, computed)
+                   - self._num_available(computed))
+
+    def freeable(self, request_id: str, keep: ComputedBlocks | None = None) -> int:
+        """How many blocks ``free(request_id)`` would return to the pool, not counting those
+        of ``keep`` (a prefix hit that would adopt them again): the blocks no other request
+        holds. Changes nothing."""
+        rb = self._reqs.get(request_id)
+        if rb is None:
+            return 0
+        kept = set(keep.block_ids[:keep.num_pool_blocks]) if keep else set()
+        return sum(1 for bid in rb.block_ids if self._blocks[bid].ref_cnt == 1 and bid not in kept)
+
     def adopted_tokens(self, request_id: str) -> int:
         """Right after the request's first ``allocate_slots``: the leading tokens whose KV its
         table already holds (the prefix hit, restored blocks included). Less than the hit's

@@ -12,7 +12,8 @@ requests of some priority admits none of a lower one, so the first token of a hi
 request waits for its own compute only, not for lower-priority prompts batched beside it.
 (Chunks of requests already running still share its step: they hold pages and a place.)
 The running batch is kept in priority order too: when blocks run short, the lowest-priority
-running request (the latest among equals) is the one preempted.
+running request (the latest among equals) is the one preempted, and a waiting request of a
+strictly higher priority that finds no room preempts it (``engine.core.priority_room``).
 
 First token first (``SchedulerConfig.first_token_first``, continuous batching): when the
 prompt at the head of the queue fits one step, that step leaves the running decodes out, so
@@ -38,6 +39,7 @@ from engine.config import SchedulerConfig
 from engine.contract import QueueFullError, TokenLogprob
 from engine.core.block_manager import BlockManager
 from engine.core.grammar import Grammars
+from engine.core.priority_room import make_room
 from engine.core.request import Request, RequestStatus
 from engine.core.step_io import ModelRunnerOutput, ScheduledChunk, SchedulerOutput, StepUpdate
 
@@ -248,7 +250,7 @@ class Scheduler:
                 continue
             while not self.blocks.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
                     break
@@ -321,7 +323,9 @@ class Scheduler:
                           self._prefill_left if remaining > 1 else 1)
             if num_new <= 0 or (num_new < remaining and not cfg.enable_chunked_prefill):
                 break
-            if not self.blocks.allocate_slots(req.request_id, num_computed + num_new, computed):
+            need = num_computed + num_new
+            if not (self.blocks.allocate_slots(req.request_id, need, computed)
+                    or make_room(self, out, req, need, computed)):
                 break
             self.waiting.popleft()
             if computed is not None:
@@ -381,8 +385,10 @@ class Scheduler:
                  len(self.running))
         self.running.insert(i, req)
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: free the blocks, keep generated tokens, requeue at the front."""
+    def preempt(self, req: Request) -> None:
+        """Recompute preemption of running ``req``: free its blocks, keep its generated tokens,
+        requeue it ahead of the waiting requests of its priority or lower (behind higher ones:
+        it cannot take back the room it gave one)."""
         self.running.remove(req)
         self.blocks.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
@@ -390,7 +396,8 @@ class Scheduler:
         req.pooled = []  # recomputed from the start: its parts come again
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.insert(next((i for i, r in enumerate(self.waiting)
+                                  if r.priority <= req.priority), len(self.waiting)), req)
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[StepUpdate]:
         """Advance computed counts, append sampled tokens (a verifying chunk's accepted
