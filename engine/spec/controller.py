@@ -28,16 +28,21 @@ beat plain decode by ``MARGIN``: at break-even it only adds risk.
 steps lost lately): one draft per sequence, the cheapest try, and only if drafts could pay
 at all (free verification rows at the engine's acceptance; a draft as costly as the target
 never could) and its worst case, every draft rejected (the draft pass, each row priced as a
-whole sequence's until measured, one step's catch-up), times 2^(losses in a row) fits the
-bucket's **budget**. The budget starts at ``FIRST_PROBE`` plain steps, earns
+whole sequence's until measured, one step's catch-up: a catch-up token priced at the
+draft's measured one, else at the cheapest target prompt token seen), times 2^(losses in a
+row) fits the bucket's **budget**. The budget starts at ``FIRST_PROBE`` plain steps, earns
 ``EXPLORE_SHARE`` of every plain step's time, and each speculating step adds what it saved
 (its tokens at plain decode's pace less its time, catch-up included): a loss in full, a
 saving at ``PROBE_SHARE``. So exploration costs at most a few percent of plain decode plus a
 part of what speculation saved, and a bucket where probes keep losing probes ever more rarely.
+A probe that paid a catch-up is followed by one more, budget or not, once the batch is
+caught up: the catch-up is spent, and only a caught-up step measures the steady gain.
 
-What counts as a win: a speculating step's steady gain, tokens per second over a plain step's
-with its catch-up left out (an investment the budget pays, not a sign that speculation loses
-here), averaged per bucket (``_GAIN_WEIGHT``); it decides trusted against probe. Pure Python.
+What counts as a win: the steady gain, what speculating steps' tokens would have taken at
+plain decode's pace over what the steps took, a ratio of sums decayed by ``_GAIN_DECAY`` per
+step (one step's drafts are all held or none: its own ratio swings far either way), steps
+with a catch-up left out (an investment the budget pays, not a sign that speculation loses
+here); it decides trusted against probe. Pure Python.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ FIRST_PROBE = 1.5  # a bucket's budget to start with, in plain steps of its batc
 EXPLORE_SHARE = 0.03  # of each plain step's time, added to its bucket's budget
 PROBE_SHARE = 0.25  # of each speculating step's saving, added to its bucket's budget
 _HORIZON = 0.5  # of the tokens requests may still produce, expected (a catch-up's payback)
+_PREFILL_TOKENS = 32  # a prompt step's tokens, at least, to price a catch-up token by
 _COST_WEIGHT = 0.25  # weight of a new step time in its average
-_GAIN_WEIGHT = 0.5  # weight of a speculating step's gain in its bucket's average
+_GAIN_DECAY = 0.8  # per speculating step, of a bucket's sums behind its steady gain
 _DECAY = 0.8  # per step, of a request's acceptance history
 _PRIOR = 2.0  # positions of engine-wide acceptance each request's estimate starts with
 
@@ -118,8 +124,18 @@ class _Bucket:
     """What the controller knows of speculating at a bucket's batch sizes."""
 
     budget: float  # seconds a probe may still risk here (module docstring)
-    gain: float | None = None  # speculating steps' steady gain over plain decode, averaged
-    losses: int = 0  # speculating steps in a row whose steady gain was below 1
+    # speculating steps (without a catch-up), decayed sums: what their tokens would have
+    # taken at plain decode's pace, and what they took
+    plain_s: float = 0.0
+    spec_s: float = 0.0
+    losses: int = 0  # speculating steps in a row after which the steady gain was below 1
+    follow_up: bool = False  # the last probe paid a catch-up: the next one is free
+
+    @property
+    def gain(self) -> float | None:
+        """Speculating steps' steady gain over plain decode (tokens per second over a plain
+        step's), time-weighted over the last several; None before any."""
+        return self.plain_s / self.spec_s if self.spec_s else None
 
 
 class SpecController:
@@ -210,7 +226,7 @@ class SpecController:
         # unmeasured: a compute-bound step) fits this bucket's budget, doubled per loss
         row = slope[0] if slope is not None else t0 / b
         worst = dpass + b * row + min(backlog, self.catch_up_per_step) * per_token
-        if worst * 2 ** bk.losses > bk.budget:
+        if worst * 2 ** bk.losses > bk.budget and not (bk.follow_up and backlog == 0):
             return 0
         self.last_probe = True
         return 1
@@ -266,12 +282,15 @@ class SpecController:
         self._catch_up = per if old is None else old + _COST_WEIGHT * (per - old)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A step with prompt chunks computed ``tokens`` tokens in all in ``seconds``."""
-        if tokens <= 0:
+        """A step with prompt chunks computed ``tokens`` tokens in all in ``seconds`` (one of
+        fewer than ``_PREFILL_TOKENS`` is not counted: a prefix-cache hit's last few tokens
+        cost what a decode step does, not what a prompt's tokens do)."""
+        if tokens < _PREFILL_TOKENS:
             return
+        # the cheapest seen: a neighbour's burst only ever adds time, and this is a guess
+        # until the draft's own catch-up is timed
         per = seconds / tokens
-        old = self._prefill
-        self._prefill = per if old is None else old + _COST_WEIGHT * (per - old)
+        self._prefill = per if self._prefill is None else min(self._prefill, per)
 
     def observe_step(self, num_seqs: int, num_tokens: int, seconds: float,
                      emitted: int | None = None, draft_seconds: float = 0.0,
@@ -303,14 +322,20 @@ class SpecController:
         made = emitted if emitted is not None else b
         if bk is None:
             bk = self._buckets[_bucket(b)] = _Bucket(budget=FIRST_PROBE * base[0])
-        # the steady gain: tokens per second against a plain decode step's, catch-up aside
-        gain = made / max(seconds - catch_up_seconds, 1e-9) / (b / base[0])
-        bk.gain = gain if bk.gain is None else bk.gain + _GAIN_WEIGHT * (gain - bk.gain)
         # the budget: what the step saved (its tokens at plain decode's pace, less its time;
         # a loss in full, a saving a share: a probe risks a part of what speculating saved)
         saved = made * base[0] / b - seconds
         bk.budget += saved if saved < 0 else PROBE_SHARE * saved
-        bk.losses = bk.losses + 1 if gain < 1.0 else 0
+        bk.follow_up = catch_up_seconds > 0
+        if bk.follow_up:
+            # a catch-up's step says little of the steady gain (its draft pass is a prompt
+            # chunk's, its time split pro rata): the next step, caught up, measures it
+            return
+        # the steady gain: a ratio of sums (one step's drafts are all held or none: a
+        # step's own ratio swings far either way)
+        bk.plain_s = bk.plain_s * _GAIN_DECAY + made * base[0] / b
+        bk.spec_s = bk.spec_s * _GAIN_DECAY + seconds
+        bk.losses = bk.losses + 1 if bk.gain < 1.0 else 0
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """One sequence's verification: ``num_accepted`` of its ``num_drafts`` drafts held."""

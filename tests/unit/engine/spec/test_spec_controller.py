@@ -122,9 +122,10 @@ def test_a_catch_up_repaid_by_long_answers_is_worth_it():
     assert short.run(SpecController(4, draft_cost=0.1), 2000) >= 1.0 - EXPLORE_SHARE
 
 
-def test_a_step_that_lost_to_its_catch_up_keeps_the_bucket_trusted():
-    """A step whose drafts all held but whose catch-up made it slower than plain decode is
-    an investment, not evidence: the next step speculates again (no probe)."""
+def test_a_step_that_lost_to_its_catch_up_is_followed_by_a_caught_up_probe():
+    """A step whose drafts all held but whose catch-up made it slower than plain decode
+    spent the budget, yet says little of the steady gain: the next step, caught up, probes
+    one draft anyway (the catch-up is paid), and what it gains decides (here: all 4)."""
     c = SpecController(4, draft_cost=0.1)
     c.choose({"a": 4})
     c.observe_step(1, 1, 0.030)  # base
@@ -132,6 +133,10 @@ def test_a_step_that_lost_to_its_catch_up_keeps_the_bucket_trusted():
     c.observe("a", 4, 4)
     # 4 drafts held, rows cheap; 0.2 s of its 0.25 s the draft's catch-up of a prompt
     c.observe_step(1, 5, 0.25, emitted=5, draft_seconds=0.212, catch_up_seconds=0.2)
+    assert c.choose({"a": 4}, {"a": 60}, {"a": 100}) == 0  # not caught up: nothing free
+    assert c.choose({"a": 4}, {"a": 0}, {"a": 100}) == 1 and c.last_probe
+    c.observe("a", 1, 1)
+    c.observe_step(1, 2, 0.036, emitted=2, draft_seconds=0.003)  # 2 tokens in 1.2 steps' time
     assert c.choose({"a": 4}, {"a": 0}, {"a": 100}) == 4 and not c.last_probe
 
 
