@@ -1,6 +1,6 @@
-"""A streamed ``/v1/responses`` whose generation fails after the 200 went out: the client
-hears OpenAI's ``error`` event and ``response.failed`` (not a cut connection), the generation's
-stream is closed, and nothing is stored to continue from."""
+"""A streamed ``/v1/responses`` whose generation fails (or whose deadline passes) after the 200
+went out: the client hears OpenAI's ``error`` event and ``response.failed`` (not a cut
+connection), the generation's stream is closed, and nothing is stored to continue from."""
 
 from __future__ import annotations
 
@@ -75,3 +75,34 @@ def test_the_failure_events_are_what_the_openai_client_parses():
     failed = pydantic.TypeAdapter(ResponseFailedEvent).validate_python(events[-1])
     assert error.code == "no_worker" and failed.response.status == "failed"
     assert failed.response.error.message == "no decode worker"
+
+
+def test_a_deadline_passing_mid_stream_ends_it_and_closes_the_generation():
+    """``x-request-timeout`` passing after the first delta (a generation that would never
+    end on its own): the generation is closed (the request aborted) and the client hears
+    ``deadline_exceeded``, then ``response.failed``."""
+    from router.frontdoor.openai.responder import _Deadlined
+
+    closed: list[bool] = []
+
+    async def generation():
+        try:
+            yield GenerationChunk("r3", [42], "Hel")
+            await asyncio.Event().wait()  # nothing more, ever
+        finally:
+            closed.append(True)
+
+    resp = _Response(ResponsesRequest(input="Say hello.", stream=True), "resp_3", "m", None,
+                     None, [])
+
+    async def collect() -> list[str]:
+        loop = asyncio.get_running_loop()
+        stream = _Deadlined(generation(), loop.time() + 0.05, 0.05)
+        return [e async for e in resp.events(stream, LocalResponseStore(), "")]
+
+    events = _parse(asyncio.run(collect()))
+    assert [e["type"] for e in events][-3:] == [
+        "response.output_text.delta", "error", "response.failed"]
+    assert events[-2]["code"] == "deadline_exceeded" and "0.05 s" in events[-2]["message"]
+    assert events[-1]["response"]["error"]["code"] == "server_error"
+    assert closed == [True]
