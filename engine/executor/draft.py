@@ -36,8 +36,8 @@ _GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30)
 @dataclass
 class DraftTimes:
     """A step's drafting: all of it, its passes' (sequences, seconds; the first one only
-    without a catch-up), and the catch-up in its first pass (tokens beyond two a sequence; seconds, that pass's time
-    pro rata)."""
+    without a catch-up), and the catch-up in its first pass (tokens beyond two a sequence;
+    seconds, that pass's time pro rata)."""
 
     seconds: float
     passes: list[tuple[int, float]]
