@@ -50,7 +50,8 @@ from router.frontdoor.openai.responder import (
     error_response,
     stream_position,
 )
-from router.frontdoor.openai.responses import LocalResponseStore, add_responses_routes
+from router.frontdoor.openai.response_store import LocalResponseStore
+from router.frontdoor.openai.responses import add_responses_routes
 from router.frontdoor.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -154,6 +154,13 @@ def test_responses_reasoning_item_before_the_message(thinker):
                                      max_output_tokens=20)
     assert [item.type for item in again.output] == ["reasoning", "message"]
     assert again.usage.input_tokens > r.usage.input_tokens
+    # a client that keeps the context itself replays the output items, reasoning included:
+    # accepted, and left out of the prompt as the stored continuation leaves it
+    replayed = thinker.responses.create(model=model, max_output_tokens=20, input=[
+        {"role": "user", "content": "What is two plus two?"},
+        *[item.model_dump(exclude_none=True) for item in r.output],
+        {"role": "user", "content": "And again?"}])
+    assert replayed.usage.input_tokens == again.usage.input_tokens
 
 
 def test_responses_reasoning_streamed_in_openais_event_order(thinker):

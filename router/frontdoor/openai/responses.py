@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -69,6 +68,19 @@ class _Message(BaseModel):
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(
             p.text for p in self.content)
+
+
+class _Reasoning(BaseModel):
+    """An earlier output's reasoning item replayed as input: accepted and left out of the
+    prompt (as the Qwen3 and DeepSeek-R1 templates leave earlier reasoning out)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict] = []
+    content: list[dict] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
 
 
 class _FunctionCall(BaseModel):
@@ -123,7 +135,8 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     input: (Annotated[str, Field(min_length=1)]
-            | Annotated[list[_FunctionCall | _FunctionCallOutput | _Message], Field(min_length=1)])
+            | Annotated[list[_FunctionCall | _FunctionCallOutput | _Reasoning | _Message],
+                        Field(min_length=1)])
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
@@ -144,6 +157,8 @@ class ResponsesRequest(BaseModel):
             return [{"role": "user", "content": self.input}]
         out: list[dict] = []
         for item in self.input:
+            if isinstance(item, _Reasoning):
+                continue
             if isinstance(item, _Message):
                 out.append({"role": item.role, "content": item.text()})
             elif isinstance(item, _FunctionCall):
@@ -472,28 +487,3 @@ def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
 def _call_item(call: ToolCall) -> dict:
     return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id,
             "name": call.name, "arguments": call.arguments, "status": "completed"}
-
-
-class LocalResponseStore:
-    """Stored responses in this process (the front door over a backend without a cluster
-    store: one in-process engine): ``response_put`` / ``response_get`` as a ClusterStore's,
-    at most ``max_entries`` (the oldest go first)."""
-
-    def __init__(self, max_entries: int = 10_000) -> None:
-        self.max_entries = max_entries
-        self._docs: dict[str, tuple[str, float]] = {}
-        self._lock = threading.Lock()
-
-    def response_put(self, key: str, doc: dict, ttl_s: float) -> None:
-        with self._lock:
-            self._docs.pop(key, None)
-            self._docs[key] = (json.dumps(doc), time.monotonic() + ttl_s)
-            while len(self._docs) > self.max_entries:
-                self._docs.pop(next(iter(self._docs)))
-
-    def response_get(self, key: str) -> dict | None:
-        with self._lock:
-            entry = self._docs.get(key)
-        if entry is None or entry[1] <= time.monotonic():
-            return None
-        return json.loads(entry[0])

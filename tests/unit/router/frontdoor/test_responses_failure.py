@@ -8,7 +8,8 @@ import asyncio
 import json
 
 from router.contract import GenerationChunk, WorkerUnavailableError
-from router.frontdoor.openai.responses import LocalResponseStore, ResponsesRequest, _Response
+from router.frontdoor.openai.response_store import LocalResponseStore
+from router.frontdoor.openai.responses import ResponsesRequest, _Response
 
 
 def _parse(sse: list[str]) -> list[dict]:
