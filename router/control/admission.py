@@ -9,9 +9,11 @@ share of them of requests at its priority or higher: the rest wait behind it) pl
 already cached, at that worker's measured prefill rate (``PrefixPulls.prefill_rate``); plus,
 when no decode worker has room for it now, the wait for room the router last measured
 (``WorkerChooser.room_wait_s``), scaled the same way. It leaves out the KV transfer and the
-decode worker's commit (milliseconds: docs/benchmarks.md, Overload); the queue is what it
-misjudges under load (measured there: mean absolute error 0.24 s at half the capacity,
-2.7-2.9 s past it)."""
+decode worker's commit (milliseconds: docs/benchmarks.md, Overload). The waiting part (queue
+and room) is what it misjudges under load: a queue of prompts drains at the batched rate of a
+worker that shares its core, not one prompt's. So the waiting part is scaled by ``Calibration``:
+how long recent admitted requests really waited against what was predicted for them (their
+first token less their compute), learnt from the router's own first tokens."""
 
 from __future__ import annotations
 
@@ -26,10 +28,46 @@ class Prediction:
     queue_s: float  # prompt tokens queued ahead on the soonest worker, at its rate
     compute_s: float  # its own uncached prompt tokens there
     room_s: float  # waiting for decode room (0: a decode worker has room now)
+    scale: float = 1.0  # Calibration.factor when made: applies to queue_s + room_s
+
+    @property
+    def wait_s(self) -> float:
+        """The predicted wait before its prompt is computed, calibrated."""
+        return self.scale * (self.queue_s + self.room_s)
 
     @property
     def first_token_s(self) -> float:
-        return self.queue_s + self.compute_s + self.room_s
+        return self.wait_s + self.compute_s
+
+
+# Calibration's knobs. Waits predicted under 50 ms say nothing about a queue's error (the
+# transfer and network dominate them); one observation moves the factor by a fifth of the
+# way (about the last ten count); the factor stays within [0.5, 4] so that one freak first
+# token can neither open the door to everything nor shut it (both seen: docs/benchmarks.md,
+# Overload).
+MIN_WAIT_S, ALPHA, MIN_FACTOR, MAX_FACTOR = 0.05, 0.2, 0.5, 4.0
+
+
+@dataclass
+class Calibration:
+    """The factor by which predicted waits (queue + room) came out: an exponentially weighted
+    mean of ``(first token - compute) / predicted wait`` over admitted requests whose
+    predicted wait was at least ``MIN_WAIT_S``. Only admitted requests are seen (a refused
+    one has no first token, and one ended by its deadline before it has none either), so the
+    factor learns from the requests the door let in."""
+
+    factor: float = 1.0
+    observed: int = 0
+
+    def observe(self, p: Prediction, first_token_s: float) -> None:
+        """One admitted request's first token ``first_token_s`` after admission against its
+        prediction ``p`` (its raw wait: the factor it was made with is divided out)."""
+        wait = p.queue_s + p.room_s
+        if wait < MIN_WAIT_S:
+            return
+        ratio = min(MAX_FACTOR, max(MIN_FACTOR, (first_token_s - p.compute_s) / wait))
+        self.factor += ALPHA * (ratio - self.factor)
+        self.observed += 1
 
 
 def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
@@ -61,7 +99,8 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
     decode = [s for s in orch.decode.values() if s.view.alive]
     room = any(s.view.free_blocks >= cdiv(len(prompt_ids) + max_tokens, s.view.block_size)
                for s in decode)
-    return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s * ahead)
+    return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s * ahead,
+                      orch.outcomes.calibration.factor)
 
 
 def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float | None,
@@ -72,9 +111,10 @@ def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float 
     p = predict(orch, prompt_ids, max_tokens, lora, priority)
     if p is not None and deadline_s is not None and p.first_token_s > deadline_s:
         raise DeadlineRefusedError(
-            f"the first token is predicted in {p.first_token_s:.2f} s (queue {p.queue_s:.2f} s, "
-            f"prompt {p.compute_s:.2f} s, decode room {p.room_s:.2f} s), after the request's "
-            f"deadline of {deadline_s:.2f} s", retry_after_s=p.queue_s + p.room_s)
+            f"the first token is predicted in {p.first_token_s:.2f} s (queue {p.queue_s:.2f} s "
+            f"and decode room {p.room_s:.2f} s, scaled by {p.scale:.2f} as recent waits came "
+            f"out; prompt {p.compute_s:.2f} s), after the request's deadline of "
+            f"{deadline_s:.2f} s", retry_after_s=p.wait_s)
     orch.adapters.admitted(lora)  # pdcluster_lora_requests_total: admitted requests only
     return p
 
@@ -82,11 +122,16 @@ def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float 
 @dataclass
 class Outcomes:
     """What became of admitted requests, for the metrics: each adapter's tokens, and how far
-    the first-token predictions were from the first tokens (cumulative sums, seconds)."""
+    the first-token predictions were from the first tokens (cumulative sums, seconds; the
+    three fields are what the cluster's status carries), and the ``calibration`` they teach
+    the next predictions."""
 
     predictions: int = 0
     abs_error_s: float = 0.0  # sum of |actual - predicted|
     error_s: float = 0.0  # sum of actual - predicted (> 0: the prediction ran short)
+
+    def __post_init__(self) -> None:
+        self.calibration = Calibration()  # not a field: the status carries the sums only
 
     def note(self, stream, chunk) -> None:
         """One chunk of ``stream`` (a StateStream with ``lora`` and ``predicted``)."""
@@ -97,4 +142,5 @@ class Outcomes:
             self.predictions += 1
             self.abs_error_s += abs(err)
             self.error_s += err
+            self.calibration.observe(stream.predicted, chunk.ttft_s)
             stream.predicted = None  # its first token only
