@@ -5,26 +5,40 @@ front door with API keys for two tenants (equal weights unless ``--tenant-weight
 the capacity: ``--capacity-clients`` clients send requests back to back for a while; completed
 requests per second is the cluster's capacity. Then, per offered load (``--loads``, multiples
 of that capacity), Poisson arrivals for ``--duration`` seconds, alternating tenants; a
-``--high-share`` of them are the high class (``priority`` -1, ``x-request-timeout`` =
-``--slo-high``), the rest low (``priority`` 0, ``--slo-low``). Every request is a streamed
-``/v1/completions`` of ``--prompt-len`` token-id prompt tokens and ``--output-len`` tokens.
+``--high-share`` of them are the high class (``priority`` -1, first-token SLO ``--slo-high``),
+the rest low (``priority`` 0, ``--slo-low``). Every request is a streamed ``/v1/completions``
+of ``--prompt-len`` token-id prompt tokens and ``--output-len`` tokens.
 
-Per load and class: requests sent, served (200), refused (429: ``deadline_unmet`` when its
-predicted first token came after its deadline, else the queue or a limit), server errors
-(5xx), client-side timeouts or broken calls without a status; the served requests' TTFT
-(p50 / p99) and the share within the class's SLO; how fast a refusal came (p99); per tenant,
+What the deadline means: each request's ``x-request-timeout`` is its class's SLO plus
+``--deadline-extra`` (default 0). The admission judges a request's *first token* against it
+(refused at once with 429 ``deadline_unmet`` when predicted later), while the server ends a
+request still running when it passes (docs/api.md, Deadlines and admission): with no extra, an
+admitted request whose first token came in time but whose last would not is ended in-band
+(``deadline_exceeded`` error event, then ``[DONE]``), and one whose first token had not come
+by then gets a 504 ``deadline_exceeded``. Both are counted as their own outcome, never as
+served.
+
+Per load and class, every request's outcome (``OUTCOMES``): served whole (200, ``[DONE]``, no
+error event), refused (429; ``refused_deadline``: of them ``deadline_unmet``), ended by its
+deadline in-band or with a 504, server error (5xx other than a deadline, or an in-band error
+event other than a deadline), other 4xx, cut (a 200 stream that ended without ``[DONE]``), no
+status (a broken call); the TTFT (p50 / p99) of the admitted requests (those with a first
+token, and those answered 504 ``deadline_exceeded`` counted at their answer's time: a lower
+bound on a first token that never came, ``ttft_p99_lower_bound``) and their share within the
+class's SLO; how fast a refusal came (p99); per tenant,
 the share of the served requests; the router's first-token predictions' mean absolute error
 over the level (``pdcluster_ttft_prediction_*``) and where the first tokens' time went (the
 router's ``pdcluster_request_phase_seconds``, mean per phase); the router's and the workers'
 RSS after it.
 Targets at the highest load: the high class's TTFT p99 within its SLO, 0 server errors, 0
-calls without a status, refusals answered within a second (p99).
+calls without a status (or cut short), refusals answered within a second (p99).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import re
@@ -44,6 +58,9 @@ NAME = "overload"
 HELP = ("offered load 0.5x..4x of measured capacity, two priority classes and two tenants: "
         "who is served, who is refused, how fast")
 KEYS = {"tenant-a": "sk-bench-tenant-a-0123456789", "tenant-b": "sk-bench-tenant-b-0123456789"}
+# What became of a request, one of these each (``outcome``).
+OUTCOMES = ("served", "refused", "deadline_inband", "deadline_504", "server_error",
+            "other_4xx", "cut", "no_status")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,9 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--slo-high", type=float, default=2.0,
-                   help="the high class's deadline for its first token, s (default 2)")
+                   help="the high class's first-token SLO, s (default 2)")
     p.add_argument("--slo-low", type=float, default=10.0,
-                   help="the low class's deadline for its first token, s (default 10)")
+                   help="the low class's first-token SLO, s (default 10)")
+    p.add_argument("--deadline-extra", type=float, default=0.0,
+                   help="seconds added to a class's SLO in its x-request-timeout (default 0: "
+                        "the SLO; the server ends a request still running at it)")
     p.add_argument("--high-share", type=float, default=0.25,
                    help="share of the requests in the high class (default 0.25)")
     p.add_argument("--capacity-clients", type=int, default=16,
@@ -79,27 +99,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     high["ttft_p99_s"], args.slo_high, higher_is_better=False),
         make_target(f"server errors at {top['load']}x", float(top["server_errors"]), 0.0,
                     higher_is_better=False),
-        make_target(f"calls without a status at {top['load']}x",
+        make_target(f"calls without a status or cut short at {top['load']}x",
                     float(top["no_status"]), 0.0, higher_is_better=False),
         make_target(f"refusal latency p99 at {top['load']}x, s", top["refusal_p99_s"], 1.0,
                     higher_is_better=False)]
     result = {"benchmark": NAME, "config": {
         "loads": loads, "duration_s": duration, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "slo_high_s": args.slo_high, "slo_low_s": args.slo_low,
-        "high_share": args.high_share, "tenant_weights": args.tenant_weights,
+        "deadline_extra_s": args.deadline_extra, "high_share": args.high_share, "tenant_weights": args.tenant_weights,
         "model": args.model or "default"}, "capacity_rps": capacity, "levels": levels,
         "targets": targets, "wall_s": time.perf_counter() - t0, "machine": machine_info()}
     path = write_json(Path(args.out), NAME, result)
     print(f"capacity: {capacity:.2f} requests/s")
+    print(table(levels))
     for lv in levels:
-        c = lv["classes"]
-        print(f"{lv['load']:>4}x ({lv['offered_rps']:.2f}/s): " + "; ".join(
-            f"{k}: {v['served']}/{v['sent']} served, {v['refused']} refused, TTFT p99 "
-            f"{_f(v['ttft_p99_s'])} s, {_f(v['within_slo'])} within SLO"
-            for k, v in c.items()) + f"; 5xx {lv['server_errors']}, no status "
-              f"{lv['no_status']}, refusal p99 {_f(lv['refusal_p99_s'])} s; served by tenant "
-              f"{lv['served_share']}; prediction |error| {_f(lv['prediction_mae_s'])} s; RSS MiB "
-              f"{lv['rss_mib']}; first-token phases (mean s) {lv['first_token_phases_s']}")
+        print(f"{lv['load']:>4}x ({lv['offered_rps']:.2f}/s): refusal p99 "
+              f"{_f(lv['refusal_p99_s'])} s; served by tenant {lv['served_share']}; prediction "
+              f"|error| {_f(lv['prediction_mae_s'])} s; RSS MiB {lv['rss_mib']}; first-token "
+              f"phases (mean s) {lv['first_token_phases_s']}")
     print_targets(targets)
     print(f"wrote {path}")
     return result
@@ -107,6 +124,75 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _f(v) -> str:
     return "n/a" if v is None else f"{v:.3g}"
+
+
+def table(levels: list[dict[str, Any]]) -> str:
+    """Every outcome per load and class, as a markdown table (TTFT p99 with ">=" when a 504
+    deadline answer sets it: a lower bound)."""
+    head = ["load", "class", "sent", *OUTCOMES, "TTFT p50 s", "TTFT p99 s", "within SLO"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for lv in levels:
+        for name, c in lv["classes"].items():
+            p99 = ((">=" if c["ttft_p99_lower_bound"] else "") + _f(c["ttft_p99_s"]))
+            rows.append("| " + " | ".join([
+                f"{lv['load']:g}x", name, str(c["sent"]),
+                *(str(c["outcomes"][o]) for o in OUTCOMES), _f(c["ttft_p50_s"]), p99,
+                _f(c["within_slo"])]) + " |")
+    return "\n".join(rows)
+
+
+def outcome(status: int | None, code: str | None, done: bool,
+            stream_code: str | None) -> str:
+    """What became of one request (one of ``OUTCOMES``): its HTTP ``status`` (None: the call
+    broke without one), the error ``code`` of a refused / failed answer, whether a 200
+    stream reached ``[DONE]``, and the code of an in-band error event (None: none came)."""
+    if status is None:
+        return "no_status"
+    if status == 200:
+        if stream_code == "deadline_exceeded":
+            return "deadline_inband"
+        if stream_code is not None:
+            return "server_error"  # a fault reported after the 200
+        return "served" if done else "cut"
+    if status == 429:
+        return "refused"
+    if status == 504 and code == "deadline_exceeded":
+        return "deadline_504"  # the caller's deadline, not a fault
+    return "server_error" if status >= 500 else "other_4xx"
+
+
+def read_event(out: dict[str, Any], line: str, elapsed_s: float) -> None:
+    """One SSE line of a 200 stream into ``out``: the first choice's time (``ttft_s``), an
+    error event's code (``stream_code``), ``[DONE]`` (``done``)."""
+    if not line.startswith("data:"):
+        return
+    data = line.removeprefix("data:").strip()
+    if data == "[DONE]":
+        out["done"] = True
+        return
+    event = json.loads(data)
+    if "error" in event:
+        out["stream_code"] = (event["error"] or {}).get("code") or "unknown"
+    elif event.get("choices") and out["ttft_s"] is None:
+        out["ttft_s"] = elapsed_s
+
+
+def summarize_class(rs: list[dict[str, Any]], slo: float) -> dict[str, Any]:
+    """One class's results at one load: every outcome's count, and the admitted requests'
+    TTFT (a 504 deadline answer counted at its time, a lower bound) against ``slo``."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for r in rs:
+        counts[r["outcome"]] += 1
+    first = [r["ttft_s"] for r in rs if r["ttft_s"] is not None]
+    late = [r["e2e_s"] for r in rs if r["outcome"] == "deadline_504"]
+    ttfts = first + late
+    p99 = percentile(ttfts, 99) if ttfts else None
+    return {"sent": len(rs), "outcomes": counts, "served": counts["served"],
+            "refused": counts["refused"],
+            "refused_deadline": sum(r["code"] == "deadline_unmet" for r in rs),
+            "ttft_p50_s": percentile(ttfts, 50) if ttfts else None, "ttft_p99_s": p99,
+            "ttft_p99_lower_bound": bool(late) and p99 is not None and max(late) >= p99,
+            "within_slo": (sum(x <= slo for x in ttfts) / len(ttfts)) if ttfts else None}
 
 
 async def _run(args, loads: list[float], duration: float):
@@ -148,13 +234,15 @@ async def _run(args, loads: list[float], duration: float):
 async def _request(http, prompt: list[int], args, tenant: str, priority: int,
                    deadline_s: float) -> dict[str, Any]:
     """One streamed completion: its status (None: the call broke or timed out without one),
-    TTFT and end-to-end time (served), or how fast the refusal came."""
+    TTFT (its first choice), end-to-end time (for a refusal: how fast it came), and its
+    ``outcome``."""
     body = {"prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "priority": priority}
     headers = {"Authorization": f"Bearer {KEYS[tenant]}", "x-request-timeout": str(deadline_s)}
     t0 = time.perf_counter()
     out: dict[str, Any] = {"tenant": tenant, "priority": priority, "status": None,
-                           "ttft_s": None, "e2e_s": None, "code": None}
+                           "ttft_s": None, "e2e_s": None, "code": None, "done": False,
+                           "stream_code": None}
     try:
         async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             out["status"] = r.status_code
@@ -163,13 +251,13 @@ async def _request(http, prompt: list[int], args, tenant: str, priority: int,
                 m = re.search(r'"code":\s*"([a-z_]+)"', text)
                 out["code"] = m.group(1) if m else None
                 out["e2e_s"] = time.perf_counter() - t0
-                return out
-            async for line in r.aiter_lines():
-                if line.startswith("data:") and out["ttft_s"] is None and '"text"' in line:
-                    out["ttft_s"] = time.perf_counter() - t0
-        out["e2e_s"] = time.perf_counter() - t0
-    except Exception as e:  # a broken call is a data point: it has no status
-        out["status"], out["code"] = None, type(e).__name__
+            else:
+                async for line in r.aiter_lines():
+                    read_event(out, line, time.perf_counter() - t0)
+                out["e2e_s"] = time.perf_counter() - t0
+    except Exception as e:  # a broken call is a data point: without a status, or cut
+        out["code"] = type(e).__name__
+    out["outcome"] = outcome(out["status"], out["code"], out["done"], out["stream_code"])
     return out
 
 
@@ -207,33 +295,21 @@ async def _level(http, cluster, args, vocab: int, load: float, capacity: float,
         high = rng.random() < args.high_share
         tasks.append(asyncio.ensure_future(_request(
             http, prompts[i], args, "tenant-a" if i % 2 == 0 else "tenant-b",
-            -1 if high else 0, args.slo_high if high else args.slo_low)))
+            -1 if high else 0, (args.slo_high if high else args.slo_low) + args.deadline_extra)))
     results = await asyncio.gather(*tasks)
     after = await _prediction_sums(http)
-    classes = {}
-    for name, prio, slo in (("high", -1, args.slo_high), ("low", 0, args.slo_low)):
-        rs = [r for r in results if r["priority"] == prio]
-        served = [r for r in rs if r["status"] == 200 and r["ttft_s"] is not None]
-        ttfts = [r["ttft_s"] for r in served]
-        classes[name] = {
-            "sent": len(rs), "served": len(served),
-            "refused": sum(r["status"] == 429 for r in rs),
-            "refused_deadline": sum(r["code"] == "deadline_unmet" for r in rs),
-            "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
-            "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
-            "within_slo": (sum(x <= slo for x in ttfts) / len(ttfts)) if ttfts else None}
+    classes = {name: summarize_class([r for r in results if r["priority"] == prio], slo)
+               for name, prio, slo in (("high", -1, args.slo_high), ("low", 0, args.slo_low))}
+    counts = {o: sum(r["outcome"] == o for r in results) for o in OUTCOMES}
     refusals = [r["e2e_s"] for r in results if r["status"] == 429]
-    served = [r for r in results if r["status"] == 200]
+    served = [r for r in results if r["outcome"] == "served"]
     n_pred, abs_err = after[0] - before[0], after[1] - before[1]
     phases = {k: round((v[0] - before[2].get(k, (0, 0))[0])
                        / max(1.0, v[1] - before[2].get(k, (0, 0))[1]), 4)
               for k, v in after[2].items()}
     return {"load": load, "offered_rps": rate, "sent": n, "classes": classes,
-            "server_errors": sum(r["status"] is not None and r["status"] >= 500
-                                 for r in results),
-            "no_status": sum(r["status"] is None for r in results),
-            "other_4xx": sum(r["status"] is not None and 400 <= r["status"] < 500
-                             and r["status"] != 429 for r in results),
+            "outcomes": counts, "server_errors": counts["server_error"],
+            "no_status": counts["no_status"] + counts["cut"], "other_4xx": counts["other_4xx"],
             "refusal_p99_s": percentile(refusals, 99) if refusals else None,
             "served_share": {t: round(sum(r["tenant"] == t for r in served) / len(served), 3)
                              for t in KEYS} if served else {},
