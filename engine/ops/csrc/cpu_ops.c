@@ -2005,10 +2005,24 @@ static inline __attribute__((always_inline)) void qr_tile_(
         const uint8_t *blk[2];
         for (int c = 0; c < CV; c++) {
             blk[c] = w + c * panel + b * PB;
-            _mm_prefetch((const char *)(blk[c] + 4 * PB), _MM_HINT_T0);
             const __m512i corr = wfmt == 1 ? _mm512_loadu_si512(blk[c] + DB + 64)
                                            : _mm512_setzero_si512();
             for (int m = 0; m < MR; m++) ai[c][m] = corr;
+        }
+        /* Prefetch: a whole tile ahead. A thread's panels are one contiguous run (the omp
+         * fors hand out consecutive panel pairs), so the next tile's CV panels follow this
+         * one's: CV x PB bytes of them a block lands all of it in L1 by the time the next
+         * tile starts. Four blocks ahead, as before, left the loads waiting on DRAM: the
+         * default model's fused int4 step took 3.4 -> 2.7 ms at 1 row, 8.3 -> 5.7 at 8 and
+         * 19.3 -> 16.9 at 32 (Zen 5, docs/history/2026-12-06-wave-4.md). int8 at one row
+         * keeps the short prefetch: 20 more instructions a block there cost ~5%. Only the
+         * first pass of rows (m0 0) fetches: later passes read this tile again. Past the
+         * buffer's end a prefetch is dropped, never a fault. */
+        if (wfmt == 1 && MR == 1) {
+            for (int c = 0; c < CV; c++) _mm_prefetch((const char *)(blk[c] + 4 * PB), _MM_HINT_T0);
+        } else if (m0 == 0) {
+            const char *next = (const char *)(w + CV * panel + CV * b * PB);
+            for (int64_t o = 0; o < CV * PB; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
         }
         if (wfmt == 1) {
             for (int q = 0; q < 8; q++) {
