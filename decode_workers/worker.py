@@ -228,7 +228,8 @@ class DecodeWorker(ServingCalls):
         worker's model does not match ours.
         """
         rid = req.request_id
-        self.adapters.ensure(req.lora_request)  # read here, not on the engine thread
+        # read here, not on the engine thread; waits while every held adapter is in use
+        self.adapters.ensure(req.lora_request, req.adapter_wait_s, rid)
         self._offsets[rid] = req.sampling_params.sample_index_offset
         self.delivery.own(rid, req.router_id)
         transfer_id = next(self._transfer_ids)
@@ -321,6 +322,7 @@ class DecodeWorker(ServingCalls):
     # ---- both -----------------------------------------------------------------------------
     def abort(self, req: AbortRequest) -> bool:
         """Free everything the request holds here (reservation, pages, slot). Idempotent."""
+        self.adapters.cancel(req.request_id)  # a reserve waiting for an adapter gives up
         had_reservation = self._release(req.request_id)
         out = self.loop.call(lambda e: e.abort_request(req.request_id)).result(_CALL_TIMEOUT_S)
         self._trace_end(req.request_id, -1, "abort")

@@ -220,7 +220,9 @@ class PrefillWorker(ServingCalls):
 
         try:
             try:
-                self.adapters.ensure(req.lora_request)  # read here, not on the engine thread
+                # read here, not on the engine thread; waits while every held one is in use
+                self.adapters.ensure(req.lora_request, req.timeout_s or _PREFILL_TIMEOUT_S,
+                                     req.request_id)
                 self.loop.call(add).result(_CALL_TIMEOUT_S)
             except BaseException:
                 self._abort_kv(req.request_id)
@@ -256,6 +258,7 @@ class PrefillWorker(ServingCalls):
                 self._remember_abort(rid)
         if pending is None:
             return False
+        self.adapters.cancel(rid)  # a prefill waiting for an adapter gives up
         self._abort_kv(rid)
         if not pending.future.done():
             pending.future.set_exception(KVTransferAborted(f"{rid} aborted during prefill"))

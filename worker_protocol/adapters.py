@@ -5,14 +5,24 @@ An adapter is read from disk and checked on the calling thread (a Ray call's), a
 handed to the engine thread, which holds it between two steps: a load costs the running
 batch no disk read. A request naming an adapter this worker does not hold (a worker started
 or restarted after the adapter was loaded, or one whose LRU dropped it) loads it the same way
-before the request is queued, so every worker serves every adapter the router knows.
+before the request is queued, so every worker serves every adapter the router knows. When
+every held adapter (``max_cpu_loras``) has requests running under it, such a load waits
+(bounded by the caller's ``wait_s``, ended early by the request's abort) for one of them to
+finish, like a request the scheduler defers under ``max_loras``; past the bound it raises
+``AdaptersBusyError`` (a QueueFullError: HTTP 429 / RESOURCE_EXHAUSTED), never a failure.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
-from engine.lora.request import LoRARequest
+from engine.lora.request import AdaptersBusyError, LoRARequest
+
+# How often a load that waits for a held adapter to free tries again (s, doubling up to the
+# cap): each try is one call onto the engine thread, between two steps.
+_BUSY_POLL_S, _BUSY_POLL_MAX_S = 0.005, 0.05
 
 
 @dataclass(frozen=True)
@@ -32,13 +42,38 @@ class WorkerAdapters:
 
     def __init__(self, engine, loop, timeout_s: float) -> None:
         self.engine, self.loop, self.timeout_s = engine, loop, timeout_s
+        self._waits: dict[str, threading.Event] = {}  # request id -> set by its abort
 
-    def ensure(self, req: LoRARequest | None) -> int:
+    def ensure(self, req: LoRARequest | None, wait_s: float = 0.0, request_id: str = "") -> int:
         """Hold ``req``'s adapter (None: the base model, nothing to do); returns its key (0
-        for the base model). Raises ValueError when LoRA is off or the adapter is refused."""
+        for the base model). While every held adapter has requests under it, waits up to
+        ``wait_s`` for one to finish (``cancel(request_id)`` ends the wait). Raises
+        AdaptersBusyError (still busy), ValueError (LoRA off, or the adapter refused)."""
         if req is None:
             return 0
-        return self.load(req).key
+        deadline, delay = time.monotonic() + wait_s, _BUSY_POLL_S
+        cancelled = threading.Event()
+        if request_id:
+            self._waits[request_id] = cancelled
+        try:
+            while True:
+                try:
+                    return self.load(req).key
+                except AdaptersBusyError:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or cancelled.is_set():
+                        raise
+                    cancelled.wait(min(delay, left))
+                    delay = min(2 * delay, _BUSY_POLL_MAX_S)
+        finally:
+            if request_id:
+                self._waits.pop(request_id, None)
+
+    def cancel(self, request_id: str) -> None:
+        """``request_id`` was aborted: a load waiting for it gives up now."""
+        ev = self._waits.get(request_id)
+        if ev is not None:
+            ev.set()
 
     def load(self, req: LoRARequest) -> LoRALoaded:
         """Read (off the engine thread) and hold ``req``'s adapter; a held one is only

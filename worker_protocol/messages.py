@@ -163,6 +163,9 @@ class ReserveRequest:
     # holds it too, and reuses only that adapter's cached prefix.
     lora_request: LoRARequest | None = None
     priority: int = 0  # its engine priority (higher first): the last preempted when short
+    # How long to wait for a held adapter to free when every one this worker may hold
+    # (max_cpu_loras) has requests under it (worker_protocol.adapters); then AdaptersBusyError.
+    adapter_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ from collections.abc import Callable
 import torch
 
 from engine.lora.peft_format import LoRAAdapter, lay_out, read_peft
-from engine.lora.request import LoRARequest
+from engine.lora.request import AdaptersBusyError, LoRARequest
 from engine.models.config import ModelConfig
 from engine.parallel.sharding import TPShard
+
+__all__ = ["AdaptersBusyError", "LoRARegistry"]
 
 
 class LoRARegistry:
@@ -94,7 +96,7 @@ class LoRARegistry:
         while len(self._held) >= self.max_cpu_loras:
             victim = next((n for n in self._held if not self.in_use(n)), None)
             if victim is None:
-                raise ValueError(f"cannot load LoRA adapter {req.lora_name!r}: all "
+                raise AdaptersBusyError(f"cannot load LoRA adapter {req.lora_name!r}: all "
                                  f"{self.max_cpu_loras} held adapters (max_cpu_loras) have "
                                  "requests running under them")
             del self._held[victim]

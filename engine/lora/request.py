@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.contract import QueueFullError
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -25,3 +27,10 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError("lora_path must be a non-empty path")
+
+
+class AdaptersBusyError(QueueFullError, ValueError):
+    """A new adapter cannot be held now: every held one (``max_cpu_loras``) has unfinished
+    requests under it. Transient: it can be held once one of them finishes (a worker waits
+    for that, bounded; a caller that does not wait gets HTTP 429 / RESOURCE_EXHAUSTED). A
+    ValueError too, like every other refused load."""

@@ -441,8 +441,8 @@ class Orchestrator:
                     decode.handle.reserve.remote(ReserveRequest(
                         rid, prompt_ids, params, self.layout, pslot.info.worker_id,
                         self.router_id, pslot.info.tp_size, stream.lora_request,
-                        stream.priority))),
-                    cfg.call_timeout_s)
+                        stream.priority, cfg.capacity_wait_s))),
+                    cfg.call_timeout_s + (cfg.capacity_wait_s if stream.lora else 0.0))
             if not res.ok:
                 raise RetryElsewhere(QueueFullError(res.reason), [decode], decode.info.worker_id)
             cached = res.transfer.start_token if res.transfer is not None else 0

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.contract import RequestFailedError
+from engine.contract import QueueFullError, RequestFailedError
+from engine.lora.request import AdaptersBusyError
 from kv_transfer import KVHandshakeError, KVPeerUnreachableError
 from router.contract import WorkerTimeoutError
 from router.control.request_state import (
@@ -68,6 +69,8 @@ class WorkerCalls:
                 await self.safe_abort(release, stream.request_id)
             if stream.aborted:  # it failed because we aborted it: no retry
                 raise Aborted from None
+            if isinstance(cause_of(e), AdaptersBusyError):  # it waited (bounded) for one of
+                raise QueueFullError(str(cause_of(e))) from None  # its adapters: 429, no retry
             if peer is not None and isinstance(e, KVPeerUnreachableError):
                 self.health.quarantine(peer, str(cause_of(e)))
                 raise RetryElsewhere(cause_of(e), [peer], peer.info.worker_id) from None

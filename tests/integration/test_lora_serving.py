@@ -9,6 +9,7 @@ run (an unload of one in use is refused) and bad adapters are refused naming why
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -393,3 +394,45 @@ def test_a_stream_moved_off_a_killed_decode_worker_keeps_its_adapter(loop, tiny_
     assert "qv" in moved, moved
     assert all(k.count("migrated") == 1 and k[-1] == "finished" for k in kinds.values()), kinds
     assert got == [refs[m][i] for i, m in enumerate(chosen)]
+
+
+def test_a_decode_worker_holding_one_adapter_queues_another_until_it_frees(
+        loop, tiny_llama_dir, adapters):
+    """max_cpu_loras 1 on both sides: while a stream under "qv" runs (its adapter in use), a
+    request under "all" waits at the decode worker's reservation for "qv" to finish instead of
+    failing, then is served; both streams are peft's tokens, and "all" starts only after
+    "qv" ended."""
+    prompts = random_prompts(seed=27, count=2, max_len=20, min_len=8)
+    refs = _refs(tiny_llama_dir, adapters, ["qv", "all"], prompts, 40)
+    # One adapter held per worker (the case under test); the rest as _engine's.
+    one = EngineArgs(block_size=8, num_threads=1, enable_lora=True, max_loras=1,
+                     max_cpu_loras=1)
+    config = dataclasses.replace(
+        _config(tiny_llama_dir, adapters,
+                worker_overrides={"decode-0": {"fault_delay_per_step_s": 0.01}}),
+        prefill_engine=one, decode_engine=one)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    events: list[str] = []
+
+    async def run(c, name, prompt, started: asyncio.Event | None):
+        toks: list[int] = []
+        async for ch in c.generate(GenerateInput(params, token_ids=prompt, model=name)):
+            if not toks:
+                events.append(f"{name} first")
+                if started is not None:
+                    started.set()
+            toks += ch.token_ids
+        events.append(f"{name} done")
+        return toks
+
+    async def body(c):
+        started = asyncio.Event()
+        first = asyncio.create_task(run(c, "qv", prompts[0], started))
+        await started.wait()  # "qv" holds the decode worker's one adapter slot
+        outs = await asyncio.gather(first, run(c, "all", prompts[1], None))
+        await assert_no_blocks_held(c)
+        return outs
+
+    outs = run_cluster(loop, config, body)
+    assert outs == [refs["qv"][0], refs["all"][1]]
+    assert events == ["qv first", "qv done", "all first", "all done"]
