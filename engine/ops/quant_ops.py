@@ -166,9 +166,10 @@ def quantized_linear_wide(x: torch.Tensor, weight: QuantizedWeight,
     return out
 
 
-def dequantize(weight: QuantizedWeight) -> torch.Tensor | None:
+def dequantize(weight: QuantizedWeight, threads: int | None = None) -> torch.Tensor | None:
     """The fp32 ``[N, K]`` a quantized weight stands for, in one pass (the
-    ``"dequant"`` linear path's scratch weight); None where the kernel does not apply."""
+    ``"dequant"`` linear path's scratch weight; an embedding lookup's rows) on ``threads``
+    (default: torch's); None where the kernel does not apply. CPU tensors only."""
     lib = library()
     if lib is None or weight.scale.dtype != torch.float16 or weight.dtype != torch.float32:
         return None
@@ -177,5 +178,5 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor | None:
     lib.q_dequantize(1 if weight.kind == "int8" else 2, weight.data.data_ptr(),
                      weight.scale.data_ptr(),
                      None if weight.offset is None else weight.offset.data_ptr(),
-                     out.data_ptr(), n, k, weight.group, torch.get_num_threads())
+                     out.data_ptr(), n, k, weight.group, threads or torch.get_num_threads())
     return out

@@ -139,6 +139,10 @@ class QuantizedWeight:
         """Dequantized rows ``[len(index), K]`` (an embedding lookup in a quantized table)."""
         return self._sub(index).dequantize()
 
+    def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """Rows ``index`` as a weight of their own (copies, as tensor indexing makes)."""
+        return self._sub(index)
+
     def row_slice(self, start: int, stop: int) -> QuantizedWeight:
         """Rows ``start:stop`` as a weight of their own (views: nothing copied)."""
         return self._sub(slice(start, stop))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from engine.config import CacheConfig, cdiv
 from engine.executor.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, QLinear
+from engine.models.quantized import QEmbedding
 from engine.ops import cpu_ops, quant_ops
 from engine.ops.linear import INT_PATHS, QPATHS, quantized_linear_by_path
 from engine.quant.layouts import (
@@ -293,3 +294,14 @@ def test_fused_decode_declines_projections_in_mixed_layouts(tiny_llama_dir):
 def test_the_c_expansion_equals_the_reference_expansion(kind):
     q = quantize(_rand(37, 160), kind)
     assert torch.equal(quant_ops.dequantize(q), q.dequantize())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_a_quantized_embedding_lookup_equals_the_dequantized_tables_rows(kind, rows):
+    # a decode step's few rows (one thread) and a prompt's many, repeats included; the C
+    # expansion where it runs, torch's elsewhere: the same floats either way
+    table = quantize(_rand(301, 96), kind)
+    ids = torch.randint(301, (rows,), generator=torch.Generator().manual_seed(rows))
+    got = QEmbedding(table)(ids)
+    assert torch.equal(got, table.dequantize()[ids])
