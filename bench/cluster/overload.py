@@ -44,6 +44,7 @@ import random
 import re
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,9 @@ def summarize_class(rs: list[dict[str, Any]], slo: float) -> dict[str, Any]:
             "refused_deadline": sum(r["code"] == "deadline_unmet" for r in rs),
             "ttft_p50_s": percentile(ttfts, 50) if ttfts else None, "ttft_p99_s": p99,
             "ttft_p99_lower_bound": bool(late) and p99 is not None and max(late) >= p99,
+            # what broke the calls without a status or cut short (the exception's name)
+            "broken_calls": dict(Counter(r["code"] for r in rs
+                                         if r["outcome"] in ("cut", "no_status"))),
             "within_slo": (sum(x <= slo for x in ttfts) / len(ttfts)) if ttfts else None}
 
 

@@ -69,6 +69,7 @@ def test_class_summary_counts_everything_and_bounds_the_late():
                              "deadline_504": 1, "server_error": 0, "other_4xx": 0, "cut": 0,
                              "no_status": 1}
     assert (c["served"], c["refused"], c["refused_deadline"]) == (2, 2, 1)
+    assert c["broken_calls"] == {"ReadTimeout": 1}
     # admitted: three first tokens and the 504 at its answer's 2.0 s, which sets the p99
     assert c["ttft_p99_s"] == pytest.approx(1.5 + 0.97 * 0.5)
     assert c["ttft_p99_lower_bound"] is True
