@@ -13,10 +13,14 @@ decode worker's commit (milliseconds: docs/benchmarks.md, Overload). The waiting
 and room) is what it misjudges under load: a queue of prompts drains at the batched rate of a
 worker that shares its core, not one prompt's. So the waiting part is scaled by ``Calibration``:
 how long recent admitted requests really waited against what was predicted for them (their
-first token less their compute), learnt from the router's own first tokens."""
+first token less their compute), learnt from the router's own first tokens; and at least by
+how late the requests still waiting for theirs (at its priority or higher) already are
+(``live_scale``): first tokens that never come (a request ended by its deadline first) teach
+the calibration nothing, so the requests running late now are read as they wait."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.config import cdiv
@@ -29,6 +33,7 @@ class Prediction:
     compute_s: float  # its own uncached prompt tokens there
     room_s: float  # waiting for decode room (0: a decode worker has room now)
     scale: float = 1.0  # Calibration.factor when made: applies to queue_s + room_s
+    made_at: float = 0.0  # time.monotonic() when made (live_scale reads how late it runs)
 
     @property
     def wait_s(self) -> float:
@@ -46,6 +51,22 @@ class Prediction:
 # token can neither open the door to everything nor shut it (both seen: docs/benchmarks.md,
 # Overload).
 MIN_WAIT_S, ALPHA, MIN_FACTOR, MAX_FACTOR = 0.05, 0.2, 0.5, 4.0
+
+
+def live_scale(factor: float, pending, priority: int, now: float) -> float:
+    """``factor``, or more when requests still waiting for their first token (``pending``:
+    StreamStates with their ``predicted``) of engine ``priority`` or higher are already later
+    than predicted: the largest ``(age - compute) / predicted wait`` among those past their
+    prediction whose predicted wait was at least ``MIN_WAIT_S``, within ``MAX_FACTOR``."""
+    scale = factor
+    for s in pending:
+        p = s.predicted
+        if p is None or s.priority < priority or p.queue_s + p.room_s < MIN_WAIT_S:
+            continue
+        age = now - p.made_at
+        if age > p.first_token_s:
+            scale = max(scale, min(MAX_FACTOR, (age - p.compute_s) / (p.queue_s + p.room_s)))
+    return scale
 
 
 @dataclass
@@ -93,14 +114,16 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
         p = (queued / rate, max(1, len(prompt_ids) - cached) / rate)
         if best is None or sum(p) < sum(best):
             best = p
-    pending = [s.priority for s in orch.fanout.pending()]
+    streams = orch.fanout.pending()
+    pending = [s.priority for s in streams]
     ahead = (sum(p >= priority for p in pending) / len(pending)) if pending else 1.0
     best = (best[0] * ahead, best[1])
     decode = [s for s in orch.decode.values() if s.view.alive]
     room = any(s.view.free_blocks >= cdiv(len(prompt_ids) + max_tokens, s.view.block_size)
                for s in decode)
+    now = time.monotonic()
     return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s * ahead,
-                      orch.outcomes.calibration.factor)
+                      live_scale(orch.outcomes.calibration.factor, streams, priority, now), now)
 
 
 def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float | None,

@@ -14,6 +14,7 @@ from router.control.admission import (
     Calibration,
     Outcomes,
     Prediction,
+    live_scale,
 )
 from router.control.request_state import StreamState
 
@@ -76,3 +77,28 @@ def test_outcomes_count_the_error_and_calibrate_from_the_first_token_only():
     assert (out.predictions, out.calibration.observed) == (1, 1)
     # the cluster's status carries the three sums only (router/cluster/ray_cluster.py)
     assert dataclasses.astuple(out) == (1, 1.0, 1.0)
+
+
+def _waiting(priority: int, queue_s: float, compute_s: float, made_at: float) -> StreamState:
+    return StreamState("r", priority=priority,
+                       predicted=Prediction(queue_s, compute_s, 0.0, made_at=made_at))
+
+
+def test_requests_running_late_now_raise_the_scale():
+    """Three requests wait for their first token at t=10: one on time, one (queue 1 s, compute
+    0.5 s) already 3 s old, i.e. its wait is at least 2.5x the predicted."""
+    pending = [_waiting(0, 1.0, 0.5, made_at=9.5),   # 0.5 s old: within its 1.5 s
+               _waiting(0, 1.0, 0.5, made_at=7.0),   # 3 s old: (3 - 0.5) / 1 = 2.5
+               _waiting(0, 0.01, 0.5, made_at=0.0)]  # a wait too short to read
+    assert live_scale(1.0, pending, priority=0, now=10.0) == pytest.approx(2.5)
+    # the calibration's own factor when it is larger; never past MAX_FACTOR
+    assert live_scale(3.0, pending, priority=0, now=10.0) == pytest.approx(3.0)
+    assert live_scale(1.0, pending, priority=0, now=100.0) == pytest.approx(MAX_FACTOR)
+
+
+def test_only_requests_at_its_priority_or_higher_count():
+    """A low-priority request left waiting behind higher ones says nothing of a high one's
+    wait (engine priorities: higher first)."""
+    pending = [_waiting(-1, 1.0, 0.5, made_at=0.0), StreamState("done", priority=5)]
+    assert live_scale(1.0, pending, priority=0, now=10.0) == 1.0
+    assert live_scale(1.0, pending, priority=-1, now=3.0) == pytest.approx(2.5)
