@@ -3,6 +3,8 @@ references the engine's adapters are held to."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,3 +52,21 @@ def peft_greedy(model_dir: Path, arch: str, adapter_dir: Path | None, prompts: l
                                  do_sample=False, eos_token_id=None, pad_token_id=0)
         out.append(ids[0, len(p):].tolist())
     return out
+
+
+@contextmanager
+def step_adapters(llm) -> Iterator[list[set]]:
+    """The adapters (None: the base) of each step's chunks as the engine's runner (rank 0's,
+    under TP) is handed them, while the block runs; the runner is restored after."""
+    runner = llm.engine.runner
+    real, steps = runner.execute, []
+
+    def execute(sched, *args, **kwargs):
+        steps.append({c.lora_name for c in sched.chunks})
+        return real(sched, *args, **kwargs)
+
+    runner.execute = execute
+    try:
+        yield steps
+    finally:
+        runner.execute = real

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, LoRARequest, SamplingParams
-from tests.helpers.lora import ALL_TARGETS, peft_greedy, save_adapter
+from tests.helpers.lora import ALL_TARGETS, peft_greedy, save_adapter, step_adapters
 from tests.helpers.quantized import dequantized_hf, near_greedy_misses
 from tests.helpers.tiny_models import random_prompts
 
@@ -39,19 +39,6 @@ def _requests(adapters) -> dict[str, LoRARequest]:
             for i, (name, path) in enumerate(adapters.items())}
 
 
-def _record_steps(llm) -> list[set]:
-    """The adapters (None: the base) of each step's chunks, as the runner is handed them."""
-    runner = llm.engine.runner
-    real, steps = runner.execute, []
-
-    def execute(sched, *args, **kwargs):
-        steps.append({c.lora_name for c in sched.chunks})
-        return real(sched, *args, **kwargs)
-
-    runner.execute = execute
-    return steps
-
-
 def test_three_adapters_and_the_base_in_one_batch_give_pefts_tokens(tiny_llama_dir, adapters):
     prompts = random_prompts(seed=3, count=12, max_len=24)
     names = [None, "qv", "all", "mlp"]
@@ -61,10 +48,11 @@ def test_three_adapters_and_the_base_in_one_batch_give_pefts_tokens(tiny_llama_d
         assert refs[n] != refs[None], n
     # max_loras=3: all three adapters in one running batch (the default, vLLM's, is 1)
     llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=3, block_size=4)
-    steps = _record_steps(llm)
     reqs = _requests(adapters)
     chosen = [names[i % 4] for i in range(len(prompts))]
-    outs = llm.generate(prompts, GREEDY, lora_request=[reqs[n] if n else None for n in chosen])
+    with step_adapters(llm) as steps:
+        outs = llm.generate(prompts, GREEDY,
+                            lora_request=[reqs[n] if n else None for n in chosen])
     assert [o.token_ids for o in outs] == [refs[n][i] for i, n in enumerate(chosen)]
     assert any(s == set(names) for s in steps)  # a step mixed all three and the base
     bm = llm.engine.block_manager
@@ -78,10 +66,11 @@ def test_a_batch_holds_at_most_max_loras_adapters(tiny_llama_dir, adapters):
     # max_cpu_loras=3: all three adapters stay held while their requests queue (with the
     # default, max_loras=1, the second load would find the only slot in use and be refused)
     llm = LLM(str(tiny_llama_dir), enable_lora=True, max_cpu_loras=3, block_size=4)
-    steps = _record_steps(llm)
     reqs = _requests(adapters)
     chosen = ["qv", "all", "mlp", None, "all", "qv"]
-    outs = llm.generate(prompts, GREEDY, lora_request=[reqs[n] if n else None for n in chosen])
+    with step_adapters(llm) as steps:
+        outs = llm.generate(prompts, GREEDY,
+                            lora_request=[reqs[n] if n else None for n in chosen])
     for name in ("qv", "all", "mlp"):
         idx = [i for i, n in enumerate(chosen) if n == name]
         ref = peft_greedy(tiny_llama_dir, "llama", adapters[name], [prompts[i] for i in idx],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, LoRARequest, SamplingParams
-from tests.helpers.lora import ALL_TARGETS, peft_greedy, save_adapter
+from tests.helpers.lora import ALL_TARGETS, peft_greedy, save_adapter, step_adapters
 from tests.helpers.tiny_models import random_prompts, save_tiny_model
 
 MAX_TOKENS = 6
@@ -73,21 +73,11 @@ def _requests(adapters) -> dict[str, LoRARequest]:
 def _mixed(llm, adapters, prompts) -> tuple[list[list[int]], list[str | None], list[set]]:
     """Every prompt under NAMES in turn, all at once; the tokens, the choice per prompt and
     the adapters (None: the base) of each step's chunks as rank 0's runner was handed them."""
-    runner = llm.engine.runner
-    real, steps = runner.execute, []
-
-    def execute(sched, *args, **kwargs):
-        steps.append({c.lora_name for c in sched.chunks})
-        return real(sched, *args, **kwargs)
-
-    runner.execute = execute
-    try:
-        reqs = _requests(adapters)
-        chosen = [NAMES[i % len(NAMES)] for i in range(len(prompts))]
+    reqs = _requests(adapters)
+    chosen = [NAMES[i % len(NAMES)] for i in range(len(prompts))]
+    with step_adapters(llm) as steps:
         outs = llm.generate(prompts, GREEDY,
                             lora_request=[reqs[n] if n else None for n in chosen])
-    finally:
-        runner.execute = real
     return [o.token_ids for o in outs], chosen, steps
 
 
