@@ -135,12 +135,9 @@ class QuantizedWeight:
             w += self.offset.float().repeat_interleave(self.group, dim=1)
         return w.to(dtype or self.dtype)
 
-    def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows ``[len(index), K]`` (an embedding lookup in a quantized table)."""
-        return self._sub(index).dequantize()
-
     def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
-        """Rows ``index`` as a weight of their own (copies, as tensor indexing makes)."""
+        """Rows ``index`` as a weight of their own (copies, as tensor indexing makes): an
+        embedding lookup's rows, expanded by ``engine.models.quantized.QEmbedding``."""
         return self._sub(index)
 
     def row_slice(self, start: int, stop: int) -> QuantizedWeight:

@@ -200,7 +200,9 @@ class SpecController:
         if base is None or self._steps - base[1] >= REFRESH_STEPS:
             return 0  # measure this batch size's decode step (what plain decode costs anyway)
         t0 = base[0]
-        bk = self._buckets.setdefault(_bucket(b), _Bucket(budget=FIRST_PROBE * t0))
+        bk = self._buckets.get(_bucket(b))
+        if bk is None:
+            bk = self._buckets[_bucket(b)] = _Bucket(budget=FIRST_PROBE * t0)
         # a draft model's pass: measured (in this bucket), else guessed from the two models'
         # bytes
         measured = _in_bucket(self._draft_pass, b)

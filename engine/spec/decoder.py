@@ -62,7 +62,8 @@ class SpecDecoder:
             self._fit_grammars(decoding, drafts)
             k = self.controller.choose({rid: len(d) for rid, d in drafts.items()})
         else:  # a draft model costs a pass a draft: k first, then only k drafts
-            left = {r.request_id: r.sampling_params.max_tokens - len(r.output_token_ids)
+            left = {r.request_id: min(r.sampling_params.max_tokens - len(r.output_token_ids),
+                                      self.max_model_len - r.num_tokens)
                     for r in decoding}
             k = self.controller.choose(room, self.drafter.backlog(decoding), left)
             drafts = self.drafter.propose(decoding, {rid: min(k, r) for rid, r in room.items()})

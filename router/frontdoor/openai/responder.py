@@ -92,11 +92,14 @@ class _Deadlined:
         return self
 
     async def __anext__(self) -> GenerationChunk:
-        loop = asyncio.get_running_loop()
+        # asyncio.timeout_at, not wait_for: no Task and timer per streamed chunk, and an
+        # outer cancellation (the client gone) is never mistaken for the deadline
+        deadline = asyncio.timeout_at(self._at)
         try:
-            return await asyncio.wait_for(anext(self._stream), max(0.0, self._at - loop.time()))
+            async with deadline:
+                return await anext(self._stream)
         except TimeoutError:
-            if loop.time() < self._at:
+            if not deadline.expired():
                 raise  # the backend's own (a worker that did not answer)
             await self._stream.aclose()
             raise DeadlineExceededError(

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.contract import MAX_PRIORITY, MAX_TEMPERATURE, MIN_PRIORITY
 from router.contract import (
+    DeadlineExceededError,
     GenerationBackend,
     InvalidRequestError,
     ResponseNotFoundError,
@@ -413,7 +414,10 @@ class _Response:
                                 logprobs=[])
         except Exception as e:  # after the 200: OpenAI's in-band error, then response.failed
             err = map_error(e)
-            log.error("response stream failed: %s", err.message, exc_info=e)
+            if isinstance(e, DeadlineExceededError):  # the caller's choice, not a fault
+                log.info("response stream ended: %s", err.message)
+            else:
+                log.error("response stream failed: %s", err.message, exc_info=e)
             yield event("error", code=err.openai_code or err.openai_type, message=err.message,
                         param=None)
             failed = self.envelope("failed", [], None)
