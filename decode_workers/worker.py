@@ -227,9 +227,13 @@ class DecodeWorker(ServingCalls):
         Refuses (ok=False) when blocks are short. Raises KVHandshakeError when the prefill
         worker's model does not match ours.
         """
+        with self.adapters.abortable(req.request_id) as aborted:  # set by abort from now on
+            return self._reserve(req, aborted)
+
+    def _reserve(self, req: ReserveRequest, aborted: threading.Event) -> ReserveResult:
         rid = req.request_id
         # read here, not on the engine thread; waits while every held adapter is in use
-        self.adapters.ensure(req.lora_request, req.adapter_wait_s, rid)
+        self.adapters.ensure(req.lora_request, req.adapter_wait_s, aborted)
         self._offsets[rid] = req.sampling_params.sample_index_offset
         self.delivery.own(rid, req.router_id)
         transfer_id = next(self._transfer_ids)
@@ -255,6 +259,9 @@ class DecodeWorker(ServingCalls):
         with self._lock:
             self._leases[rid] = _Lease(time.monotonic() + self.config.lease_s,
                                        spec.layer_nbytes * spec.layout.num_layers)
+        if aborted.is_set():  # abort set it before it drops leases: none lasts to lease_s
+            self._release(rid)
+            return ReserveResult(False, f"{rid} was aborted during its reservation")
         connector = self.engine.kv_connector
         try:
             self.kv.expect(spec, req.source_worker_id, req.source_tp,

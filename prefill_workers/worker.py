@@ -78,6 +78,8 @@ class _Pending:
     kv_bytes: int = 0
     first_layer_at: float | None = None  # engine clock: its first layer's send was posted
     chunks: int = 0  # steps that computed part of the prompt (traces)
+    # set by ``abort`` under the worker's lock: ends an adapter wait, and ``add`` skips it
+    aborted: threading.Event = dataclasses.field(default_factory=threading.Event)
     # non-streaming mode: each layer's (kv, heads) until the prompt is done
     held: list[tuple[torch.Tensor, tuple[int, int] | None]] = dataclasses.field(
         default_factory=list)
@@ -203,6 +205,10 @@ class PrefillWorker(ServingCalls):
         # One token here; stop strings and the rest of the budget are the decode side's.
         params = dataclasses.replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1), stop=[])
         pending = _Pending(req, Future(), self.engine.clock())
+        # One deadline for the adapter wait and the prefill together: the router waits
+        # prefill_timeout_s (and one call timeout), not twice that.
+        timeout_s = req.timeout_s or _PREFILL_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._aborted.pop(req.request_id, None) is not None:
                 raise KVTransferAborted(f"{req.request_id} aborted before its prefill started")
@@ -212,6 +218,11 @@ class PrefillWorker(ServingCalls):
         destinations = [req.destination, *req.destination_ranks]
 
         def add(e: LLMEngine) -> None:
+            # Aborted before this ran (while it waited for an adapter, say): compute nothing.
+            # ``abort`` sets the flag before it queues its engine abort, so a prompt added
+            # here is always aborted after.
+            if pending.aborted.is_set():
+                return
             # The ranks learn where their heads go before the step that exports them.
             self.kv.announce(e, req.transfer, destinations)
             e.add_request(list(req.prompt_token_ids), params, req.request_id, export_kv=True,
@@ -221,15 +232,14 @@ class PrefillWorker(ServingCalls):
         try:
             try:
                 # read here, not on the engine thread; waits while every held one is in use
-                self.adapters.ensure(req.lora_request, req.timeout_s or _PREFILL_TIMEOUT_S,
-                                     req.request_id)
+                self.adapters.ensure(req.lora_request, deadline - time.monotonic(),
+                                     pending.aborted)
                 self.loop.call(add).result(_CALL_TIMEOUT_S)
             except BaseException:
                 self._abort_kv(req.request_id)
                 raise
-            timeout_s = req.timeout_s or _PREFILL_TIMEOUT_S
             try:
-                result = pending.future.result(timeout_s)
+                result = pending.future.result(max(0.0, deadline - time.monotonic()))
             except TimeoutError:  # concurrent.futures' is the builtin since 3.11
                 self.abort(AbortRequest(req.request_id))  # stop computing and sending it
                 error = PrefillTimeoutError(
@@ -256,9 +266,10 @@ class PrefillWorker(ServingCalls):
             pending = self._pending.get(rid)
             if pending is None:  # not here yet, or done: a call arriving later is refused
                 self._remember_abort(rid)
+            else:  # a prefill waiting for an adapter gives up; one not yet added never is
+                pending.aborted.set()
         if pending is None:
             return False
-        self.adapters.cancel(rid)  # a prefill waiting for an adapter gives up
         self._abort_kv(rid)
         if not pending.future.done():
             pending.future.set_exception(KVTransferAborted(f"{rid} aborted during prefill"))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from engine.lora.request import AdaptersBusyError, LoRARequest
@@ -42,48 +44,80 @@ class WorkerAdapters:
 
     def __init__(self, engine, loop, timeout_s: float) -> None:
         self.engine, self.loop, self.timeout_s = engine, loop, timeout_s
-        self._waits: dict[str, threading.Event] = {}  # request id -> set by its abort
+        self._lock = threading.Lock()
+        self._aborts: dict[str, threading.Event] = {}  # request id -> set by cancel
 
-    def ensure(self, req: LoRARequest | None, wait_s: float = 0.0, request_id: str = "") -> int:
+    @contextmanager
+    def abortable(self, request_id: str) -> Iterator[threading.Event]:
+        """An event that ``cancel(request_id)`` sets while the block runs (registered here
+        under the lock ``cancel`` takes, so no abort from now on is missed): hand it to
+        ``ensure`` and check it again after (an abort can land after the load succeeded)."""
+        aborted = threading.Event()
+        with self._lock:
+            self._aborts[request_id] = aborted
+        try:
+            yield aborted
+        finally:
+            with self._lock:
+                if self._aborts.get(request_id) is aborted:
+                    del self._aborts[request_id]
+
+    def cancel(self, request_id: str) -> None:
+        """``request_id`` was aborted: its ``abortable`` event is set (a wait gives up)."""
+        with self._lock:
+            aborted = self._aborts.get(request_id)
+        if aborted is not None:
+            aborted.set()
+
+    def ensure(self, req: LoRARequest | None, wait_s: float = 0.0,
+               aborted: threading.Event | None = None) -> int:
         """Hold ``req``'s adapter (None: the base model, nothing to do); returns its key (0
         for the base model). While every held adapter has requests under it, waits up to
-        ``wait_s`` for one to finish (``cancel(request_id)`` ends the wait). Raises
-        AdaptersBusyError (still busy), ValueError (LoRA off, or the adapter refused)."""
+        ``wait_s`` for one to finish; ``aborted`` (the caller's, set by the request's abort)
+        ends the wait. The caller registers that event with the request under a lock its abort
+        takes (``abortable``, or its own) and checks it again after this returns: an abort can
+        land after the load succeeded.
+        Raises AdaptersBusyError (still busy, or aborted while waiting), ValueError (LoRA
+        off, or the adapter refused)."""
         if req is None:
             return 0
         deadline, delay = time.monotonic() + wait_s, _BUSY_POLL_S
-        cancelled = threading.Event()
-        if request_id:
-            self._waits[request_id] = cancelled
-        try:
-            while True:
-                try:
-                    return self.load(req).key
-                except AdaptersBusyError:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or cancelled.is_set():
-                        raise
-                    cancelled.wait(min(delay, left))
-                    delay = min(2 * delay, _BUSY_POLL_MAX_S)
-        finally:
-            if request_id:
-                self._waits.pop(request_id, None)
-
-    def cancel(self, request_id: str) -> None:
-        """``request_id`` was aborted: a load waiting for it gives up now."""
-        ev = self._waits.get(request_id)
-        if ev is not None:
-            ev.set()
+        adapter = self._read(req)
+        while True:
+            try:
+                return self._hold(req, adapter).key
+            except AdaptersBusyError:
+                left = deadline - time.monotonic()
+                if left <= 0 or (aborted is not None and aborted.is_set()):
+                    raise
+                if adapter is None:  # held when we looked, dropped since: read it once
+                    adapter = self.engine.read_lora(req)
+                # Each retry is only the engine thread's cheap load of the adapter read above.
+                if aborted is not None:
+                    aborted.wait(min(delay, left))
+                else:
+                    time.sleep(min(delay, left))
+                delay = min(2 * delay, _BUSY_POLL_MAX_S)
 
     def load(self, req: LoRARequest) -> LoRALoaded:
         """Read (off the engine thread) and hold ``req``'s adapter; a held one is only
         marked used. ValueError names what is wrong."""
-        reg = self.engine.lora
-        adapter = None
-        if reg is None or req.lora_name not in reg.held_names:
-            adapter = self.engine.read_lora(req)  # the disk, on this thread
-        held = self.loop.call(lambda e: e.load_lora(req, adapter)).result(self.timeout_s)
+        held = self._hold(req, self._read(req))
         return LoRALoaded(req.lora_name, req.lora_int_id, held.key)
+
+    def _read(self, req: LoRARequest):
+        """``req``'s adapter read from disk and checked, on this thread; None when it is
+        held already (nothing to read)."""
+        reg = self.engine.lora
+        if reg is None or req.lora_name not in reg.held_names:
+            return self.engine.read_lora(req)  # the disk, on this thread
+        return None
+
+    def _hold(self, req: LoRARequest, adapter):
+        """Hold ``adapter`` (``_read``'s answer) on the engine thread, between two steps. An
+        AdaptersBusyError leaves it untouched (the registry refuses before it keeps or
+        ships it), so a retry hands over the same object."""
+        return self.loop.call(lambda e: e.load_lora(req, adapter)).result(self.timeout_s)
 
     def unload(self, name: str) -> bool:
         """Drop adapter ``name``: False if it was not held; ValueError while requests run
