@@ -118,6 +118,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{_f(lv['refusal_p99_s'])} s; served by tenant {lv['served_share']}; prediction "
               f"|error| {_f(lv['prediction_mae_s'])} s; RSS MiB {lv['rss_mib']}; first-token "
               f"phases (mean s) {lv['first_token_phases_s']}")
+    for lv in levels:
+        for name, c in lv["classes"].items():
+            print(f"{lv['load']:>4}x {name}: prediction |error| {_f(c['prediction_mae_s'])} s, "
+                  f"bias {_f(c['prediction_bias_s'])} s; first token parts "
+                  f"{c['first_token_parts_s']}")
     print_targets(targets)
     print(f"wrote {path}")
     return result
@@ -199,6 +204,33 @@ def summarize_class(rs: list[dict[str, Any]], slo: float) -> dict[str, Any]:
             "within_slo": (sum(x <= slo for x in ttfts) / len(ttfts)) if ttfts else None}
 
 
+def first_token_parts(rs: list[dict[str, Any]], timings: dict) -> dict[str, Any]:
+    """Where the first tokens of one class went: per request with a first token and the
+    router's timing of it (``timings``: backend id ``<tenant>/<x-request-id>`` ->
+    RequestTiming), its prefill queue, compute, and the rest of its client-seen TTFT (the
+    wait for decode room, the reserve, the KV tail, the commit, HTTP); the mean over all of
+    them and over the slowest tenth (the p99's neighbours)."""
+    parts = []
+    for r in rs:
+        t = timings.get(f"{r['tenant']}/{r['rid']}")
+        if r["ttft_s"] is None or t is None:
+            continue
+        parts.append((r["ttft_s"], t.queue_s, t.prefill_compute_s,
+                      r["ttft_s"] - t.queue_s - t.prefill_compute_s))
+    if not parts:
+        return {}
+    parts.sort()
+    slow = parts[-max(1, len(parts) // 10):]
+
+    def mean(xs, i):
+        return round(sum(x[i] for x in xs) / len(xs), 4)
+    return {"n": len(parts), "slowest_n": len(slow),
+            **{f"{k}_mean": mean(parts, i) for i, k in enumerate(
+                ("ttft", "prefill_queue", "prefill_compute", "rest"))},
+            **{f"{k}_slowest": mean(slow, i) for i, k in enumerate(
+                ("ttft", "prefill_queue", "prefill_compute", "rest"))}}
+
+
 async def _run(args, loads: list[float], duration: float):
     import httpx
 
@@ -236,15 +268,17 @@ async def _run(args, loads: list[float], duration: float):
 
 
 async def _request(http, prompt: list[int], args, tenant: str, priority: int,
-                   deadline_s: float) -> dict[str, Any]:
-    """One streamed completion: its status (None: the call broke or timed out without one),
-    TTFT (its first choice), end-to-end time (for a refusal: how fast it came), and its
-    ``outcome``."""
+                   deadline_s: float, rid: str | None = None) -> dict[str, Any]:
+    """One streamed completion (``rid``: its ``x-request-id``, to find its phases): its
+    status (None: the call broke or timed out without one), TTFT (its first choice),
+    end-to-end time (for a refusal: how fast it came), and its ``outcome``."""
     body = {"prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "priority": priority}
     headers = {"Authorization": f"Bearer {KEYS[tenant]}", "x-request-timeout": str(deadline_s)}
+    if rid is not None:
+        headers["x-request-id"] = rid
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"tenant": tenant, "priority": priority, "status": None,
+    out: dict[str, Any] = {"tenant": tenant, "priority": priority, "status": None, "rid": rid,
                            "ttft_s": None, "e2e_s": None, "code": None, "done": False,
                            "stream_code": None}
     try:
@@ -291,6 +325,8 @@ async def _level(http, cluster, args, vocab: int, load: float, capacity: float,
     n = max(1, int(rate * duration))
     prompts = make_prompts(n, args.prompt_len, vocab, seed=seed)
     before = await _prediction_sums(http)
+    outcomes = cluster.orchestrator.outcomes  # per class: its sums before this level
+    by_prio = {k: list(v) for k, v in outcomes.by_priority.items()}
     tasks, t = [], 0.0
     start = time.perf_counter()
     for i in range(n):
@@ -299,11 +335,21 @@ async def _level(http, cluster, args, vocab: int, load: float, capacity: float,
         high = rng.random() < args.high_share
         tasks.append(asyncio.ensure_future(_request(
             http, prompts[i], args, "tenant-a" if i % 2 == 0 else "tenant-b",
-            -1 if high else 0, (args.slo_high if high else args.slo_low) + args.deadline_extra)))
+            -1 if high else 0, (args.slo_high if high else args.slo_low) + args.deadline_extra,
+            f"ovl-{seed}-{i}")))
     results = await asyncio.gather(*tasks)
     after = await _prediction_sums(http)
-    classes = {name: summarize_class([r for r in results if r["priority"] == prio], slo)
-               for name, prio, slo in (("high", -1, args.slo_high), ("low", 0, args.slo_low))}
+    timings = cluster.orchestrator.phases.timings
+    classes = {}
+    for name, prio, slo in (("high", -1, args.slo_high), ("low", 0, args.slo_low)):
+        rs = [r for r in results if r["priority"] == prio]
+        classes[name] = summarize_class(rs, slo)
+        classes[name]["first_token_parts_s"] = first_token_parts(rs, timings)
+        # the engines' priorities run the other way (router/control/config.py)
+        n0, a0, e0 = by_prio.get(-prio, (0, 0.0, 0.0))
+        n1, a1, e1 = outcomes.by_priority.get(-prio, (0, 0.0, 0.0))
+        classes[name]["prediction_mae_s"] = (a1 - a0) / (n1 - n0) if n1 > n0 else None
+        classes[name]["prediction_bias_s"] = (e1 - e0) / (n1 - n0) if n1 > n0 else None
     counts = {o: sum(r["outcome"] == o for r in results) for o in OUTCOMES}
     refusals = [r["e2e_s"] for r in results if r["status"] == 429]
     served = [r for r in results if r["outcome"] == "served"]
