@@ -12,10 +12,10 @@ from router.embedded import EngineBackend
 # requests must get RESOURCE_EXHAUSTED / 429.
 MAX_NUM_SEQS = 4
 MAX_WAITING = 4
-# fp32 weights, not the default (the GGUF's own blocks): test_openai_fields.py checks the
-# reported logprobs against transformers' fp32 forward, which a host's integer products
-# round; the default's serving is tests/unit/engine/test_default_model.py's.
-QUANTIZATION = "none"
+# Both backends serve the default quantization ("auto": the GGUF's own blocks), what
+# `pdcluster serve` runs. The promises that need the float products (n choices and batches
+# against each request alone, logprobs against transformers' fp32 forward) run over fp32
+# backends of their own: tests/integration/test_frontdoor_float_products.py.
 
 
 @pytest.fixture(scope="package")
@@ -42,8 +42,8 @@ def embedded_backend(server_loop, tracing) -> GenerationBackend:
     pytest process runs."""
     from engine.args import EngineArgs
 
-    b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING,
-                                 quantization=QUANTIZATION), tracing=tracing)
+    b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING),
+                      tracing=tracing)
     yield b
     server_loop.run(b.shutdown(), 60)
 
@@ -57,7 +57,7 @@ def cluster_backend(server_loop, tracing) -> GenerationBackend:
     from tests.helpers.shared_ray import stop_shared_ray
 
     stop_shared_ray()  # this cluster starts the Ray it owns, as `pdcluster serve` does
-    engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1, quantization=QUANTIZATION)
+    engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1)
     b = server_loop.run(Cluster.start(ClusterConfig(
         prefill_engine=engine, decode_engine=engine,
         max_inflight_requests=MAX_NUM_SEQS + MAX_WAITING, capacity_wait_s=5.0,

@@ -277,48 +277,8 @@ def test_retry_reaches_a_server_that_comes_up_late(backend, server_loop):
         server_loop.run(fut.result(60).stop(1))
 
 
-def test_fuzzed_requests_get_an_answer_or_invalid_argument_naming_the_field(address, client,
-                                                                             backend, kv_probe):
-    """Random prompts and sampling fields at the limits of their wire types (NaN and
-    infinite floats, int64 seeds, uint32 stop ids, 300 stop ids, long stop strings) through
-    the raw stub while a good greedy request runs beside them: each stream ends OK or with
-    INVALID_ARGUMENT naming a field it set, never another code; the good request's tokens
-    equal its run alone, and no KV block is left held."""
-    from hypothesis import HealthCheck, example, given, settings
-
-    from tests.helpers.fuzz_inputs import BackgroundStream, names_a_field, proto_fields
-
-    alone = client.generate(PROMPT, max_tokens=64, temperature=0, ignore_eos=True).token_ids
-    def bystander() -> list[int]:
-        with Client(address, timeout=300, retry=NO_RETRY) as c:
-            return c.generate(PROMPT, max_tokens=64, temperature=0, ignore_eos=True).token_ids
-
-    bg = BackgroundStream(bystander)
-    seen: dict[str, int] = {}
-
-    @settings(max_examples=5, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(proto_fields(backend.model_info().vocab_size))
-    @example((PROMPT, {"max_tokens": 3, "seed": 7}))  # both outcomes, every run
-    @example(([5, 6], {"temperature": float("nan"), "max_tokens": 2}))
-    def one(case):
-        prompt, fields = case
-        kw = {"text": prompt} if isinstance(prompt, str) else {"token_ids": pb.TokenIds(ids=prompt)}
-        req = pb.GenerateRequest(sampling=pb.SamplingParams(**fields), **kw)
-        with grpc.insecure_channel(address) as ch:
-            try:
-                list(pb_grpc.GenerationStub(ch).Generate(req, timeout=120))
-                seen["OK"] = seen.get("OK", 0) + 1
-            except grpc.RpcError as e:
-                seen[e.code().name] = seen.get(e.code().name, 0) + 1
-                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, e.code(), e.details())
-                assert names_a_field(e.details(), fields), (case, e.details())
-
-    assert bg.running()
-    one()
-    assert bg.result(300) == alone
-    assert seen.get("OK") and seen.get("INVALID_ARGUMENT"), seen
-    kv_probe.wait_until_free()
+# The fuzzed requests beside a good greedy one (its tokens against its run alone need the float
+# products): tests/integration/test_frontdoor_float_products.py.
 
 
 def _greedy_alone(client, n: int) -> list[int]:

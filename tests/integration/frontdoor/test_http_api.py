@@ -373,54 +373,8 @@ def test_gauges_show_a_running_request(base_url, http, kv_probe):
     assert _scrape(http)["pdcluster_kv_blocks_used"] == 0
 
 
-def test_fuzzed_requests_get_an_answer_or_a_400_naming_the_field(base_url, http, backend,
-                                                                  kv_probe):
-    """Random prompts and sampling fields (any JSON type, out of range, too many, outside
-    the vocabulary) through /v1/completions while a good greedy request runs beside them:
-    each gets a 200 or a 400 naming a field it set (never a 5xx), the good request's text
-    equals its run alone, every worker stays ready and no KV block is left held."""
-    from hypothesis import HealthCheck, example, given, settings
-
-    from tests.helpers.fuzz_inputs import BackgroundStream, json_bodies, names_a_field
-
-    good = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
-    alone = http.post("/v1/completions", json=good).json()["choices"][0]["text"]
-
-    def bystander() -> str:
-        with httpx.Client(base_url=base_url, timeout=300) as c:
-            r = c.post("/v1/completions", json=good)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-    bg = BackgroundStream(bystander)
-    seen: dict[int, int] = {}
-
-    @settings(max_examples=5, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(json_bodies(backend.model_info().vocab_size))
-    @example({"prompt": PROMPT, "max_tokens": 3, "seed": 7})  # both outcomes, every run
-    @example({"prompt": [5, 6], "seed": 2**62, "stop": ["."] * 17})
-    def one(body):
-        r = http.post("/v1/completions", json=body)
-        seen[r.status_code] = seen.get(r.status_code, 0) + 1
-        if r.status_code == 200:
-            out = r.json()
-            assert out["choices"][0]["finish_reason"] in ("stop", "length"), out
-            if isinstance(body.get("max_tokens"), int):
-                assert out["usage"]["completion_tokens"] <= body["max_tokens"]
-            return
-        err = _assert_openai_error(r, 400)
-        assert err["type"] == "invalid_request_error"
-        given_fields = {k: v for k, v in body.items() if k != "prompt"}
-        assert names_a_field(err["message"], given_fields), (body, err["message"])
-
-    assert bg.running()  # the fuzz starts while the good request is mid-way
-    one()
-    assert bg.result(300) == alone
-    assert seen.get(200) and seen.get(400), seen  # both outcomes were exercised
-    workers = http.get("/v1/cluster").json()["workers"]
-    assert all(w["state"] == "ready" for w in workers), workers
-    kv_probe.wait_until_free()
+# The fuzzed requests beside a good greedy one (its text against its run alone needs the float
+# products): tests/integration/test_frontdoor_float_products.py.
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
