@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for lv in levels:
         for name, c in lv["classes"].items():
             print(f"{lv['load']:>4}x {name}: prediction |error| {_f(c['prediction_mae_s'])} s, "
-                  f"bias {_f(c['prediction_bias_s'])} s; first token parts "
+                  f"bias {_f(c['prediction_bias_s'])} s; first to last token p50 "
+                  f"{_f(c['after_first_p50_s'])} s; first token parts "
                   f"{c['first_token_parts_s']}")
     print_targets(targets)
     print(f"wrote {path}")
@@ -192,6 +193,7 @@ def summarize_class(rs: list[dict[str, Any]], slo: float) -> dict[str, Any]:
     first = [r["ttft_s"] for r in rs if r["ttft_s"] is not None]
     late = [r["e2e_s"] for r in rs if r["outcome"] == "deadline_504"]
     ttfts = first + late
+    after = [r["e2e_s"] - r["ttft_s"] for r in rs if r["outcome"] == "served" and r["ttft_s"]]
     p99 = percentile(ttfts, 99) if ttfts else None
     return {"sent": len(rs), "outcomes": counts, "served": counts["served"],
             "refused": counts["refused"],
@@ -201,7 +203,9 @@ def summarize_class(rs: list[dict[str, Any]], slo: float) -> dict[str, Any]:
             # what broke the calls without a status or cut short (the exception's name)
             "broken_calls": dict(Counter(r["code"] for r in rs
                                          if r["outcome"] in ("cut", "no_status"))),
-            "within_slo": (sum(x <= slo for x in ttfts) / len(ttfts)) if ttfts else None}
+            "within_slo": (sum(x <= slo for x in ttfts) / len(ttfts)) if ttfts else None,
+            # the served requests' time from the first token to the last (p50)
+            "after_first_p50_s": percentile(after, 50) if after else None}
 
 
 def first_token_parts(rs: list[dict[str, Any]], timings: dict) -> dict[str, Any]:

@@ -472,6 +472,7 @@ class Orchestrator:
                 self.outcomes.steps.ended(pslot.info.worker_id, rid)
                 prefill_counted = False
             stream.prefill_id = None
+            self.outcomes.prefilled(self.pulls, pslot.info.worker_id, rid, result)  # rate, steps
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
             prefilled_at = time.monotonic()
             # The decode phase runs from here to the last token (or a migration).
@@ -485,7 +486,6 @@ class Orchestrator:
                 pslot.view.inflight_prefill_tokens -= work
         stream.committed, stream.decode_incarnation = True, res.incarnation
         self.kv_transfer_bytes_total += result.kv_bytes
-        self.outcomes.prefilled(self.pulls, pslot.info.worker_id, rid, result)  # rate, steps
         self.phases.record(rid, RequestTiming(result.queue_s, result.compute_s,
                                               result.transfer_tail_s, attempt + 1),
                            time.monotonic() - prefilled_at)

@@ -8,7 +8,7 @@ ahead of every lower-priority prompt still queued (engine/core/scheduler.py). So
 prompt of priority ``p`` waits for
 
 - the rest of the step running now (``residual``): it started when the last step ended
-  (the last call came back) or, on an idle worker, when the first prompt was sent; it
+  (the last call came back with a result) or, on an idle worker, when the first prompt was sent; it
   lasts about as long as the last steps of its priority did (the results' ``compute_s``);
 - the prompt tokens of priority ``p`` or higher sent there before it and not in that step,
   at the worker's batched rate (``drain_rate``: prompt tokens its results returned per
@@ -24,9 +24,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-# Each result moves a step time by a fifth of the way; the rate's sums decay by this much a
-# result (about the last 20 results count).
-STEP_ALPHA, RATE_DECAY = 0.2, 0.95
+# Each result moves a step time (and its spread) by a fifth of the way; the rate's sums decay
+# by this much a result (about the last 20 results count). A step is predicted to last its
+# mean plus SPREAD times its mean absolute deviation (about its 95th percentile): a deadline
+# is missed by the steps that run long, and a host's other load makes them vary by half.
+STEP_ALPHA, RATE_DECAY, SPREAD = 0.2, 0.95, 2.0
 
 
 @dataclass
@@ -44,9 +46,12 @@ class WorkerSteps:
 
     prompts: dict[str, _Prompt] = field(default_factory=dict)
     busy_since: float | None = None  # when it last went from idle to a prompt in flight
-    last_end: float | None = None  # when the last call ended
+    last_end: float | None = None  # when the last call with a result ended
     step_s: float | None = None  # any step (EWMA of results' compute_s)
     step_by_priority: dict[int, float] = field(default_factory=dict)
+    # EWMA of |compute_s - the mean before it|: any step's, and by priority
+    spread_s: float = 0.0
+    spread_by_priority: dict[int, float] = field(default_factory=dict)
     tokens: float = 0.0  # decayed sums: prompt tokens returned, and busy seconds
     busy_s: float = 0.0
 
@@ -58,6 +63,14 @@ class WorkerSteps:
     def drain_rate(self) -> float | None:
         """Prompt tokens per second the worker returned while busy (None: no result yet)."""
         return self.tokens / self.busy_s if self.busy_s > 0 and self.tokens > 0 else None
+
+    def step(self, priority: int | None) -> float:
+        """How long a step of ``priority`` prompts is predicted to last (None, or none of
+        them measured yet: any step): its mean plus ``SPREAD`` times its spread."""
+        if priority in self.step_by_priority:
+            return self.step_by_priority[priority] + SPREAD * self.spread_by_priority.get(
+                priority, 0.0)
+        return self.step_s + SPREAD * self.spread_s
 
     def running_since(self) -> float | None:
         """When the step running now started (None: idle)."""
@@ -98,16 +111,14 @@ class PrefillSteps:
         if p is None or p.ended_at is not None:
             return
         p.ended_at, p.step_from = now, w.running_since()
-        # A call's end is taken for its step's end (a failed one too: they are rare; waiting
-        # for the result instead would, meanwhile, read a step that just began as ending).
-        w.last_end = max(w.last_end or now, now)
         if not w.inflight:
             w.busy_since = None
 
     def prefilled(self, worker_id: str, request_id: str, tokens: int,
                   compute_s: float) -> None:
         """The ended call's result: ``tokens`` computed, in a step of ``compute_s`` (worker
-        clock) that ended when the call did."""
+        clock) that ended when the call did. Call it right after ``ended`` (no await
+        between: until then the next step is not known to have begun)."""
         w = self.workers.get(worker_id)
         p = w.prompts.pop(request_id, None) if w is not None else None
         if p is None or p.ended_at is None:
@@ -117,10 +128,18 @@ class PrefillSteps:
             w.busy_s = RATE_DECAY * w.busy_s + (p.ended_at - p.step_from)
         else:  # a result of the same step as the last one: its tokens, no more time
             w.tokens += tokens
+        # A result's call end is its step's end; a failed or aborted call's is not (a
+        # request ended by its deadline aborts its prefill at any time).
+        w.last_end = max(w.last_end or p.ended_at, p.ended_at)
         if compute_s > 0:
+            if w.step_s is not None:
+                w.spread_s = _ewma(w.spread_s, abs(compute_s - w.step_s))
             w.step_s = _ewma(w.step_s, compute_s)
-            w.step_by_priority[p.priority] = _ewma(w.step_by_priority.get(p.priority),
-                                                   compute_s)
+            old = w.step_by_priority.get(p.priority)
+            if old is not None:
+                w.spread_by_priority[p.priority] = _ewma(
+                    w.spread_by_priority.get(p.priority, 0.0), abs(compute_s - old))
+            w.step_by_priority[p.priority] = _ewma(old, compute_s)
 
     def predict(self, worker_id: str, priority: int, now: float
                 ) -> tuple[float, float] | None:
@@ -130,7 +149,7 @@ class PrefillSteps:
         rate = w.drain_rate if w is not None else None
         if w is None or w.step_s is None or rate is None:
             return None
-        own = w.step_by_priority.get(priority, w.step_s)
+        own = w.step(priority)
         start = w.running_since()
         if start is None:
             return 0.0, own
@@ -144,7 +163,7 @@ class PrefillSteps:
             if p.sent_at <= start and room > 0:
                 in_step[rid] = p.priority
                 room -= p.tokens
-        step = w.step_by_priority.get(max(in_step.values()), w.step_s) if in_step else w.step_s
+        step = w.step(max(in_step.values()) if in_step else None)
         residual = max(0.0, start + step - now)
         ahead = sum(p.tokens for rid, p in inflight.items()
                     if p.priority >= priority and rid not in in_step)

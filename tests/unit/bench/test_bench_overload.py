@@ -84,3 +84,21 @@ def test_a_class_with_nothing_admitted():
     c = summarize_class([{"outcome": "refused", "ttft_s": None, "e2e_s": 0.1,
                           "code": "deadline_unmet"}], slo=2.0)
     assert (c["ttft_p99_s"], c["within_slo"], c["ttft_p99_lower_bound"]) == (None, None, False)
+
+
+def test_first_token_parts_split_each_class_by_the_routers_timings():
+    """Each admitted request's TTFT: its prefill queue and compute as the router timed them,
+    the rest (decode room, reserve, KV tail, commit, HTTP); the slowest tenth apart."""
+    from bench.cluster.overload import first_token_parts
+    from router.control.request_state import RequestTiming
+
+    rs = [{"tenant": "tenant-a", "rid": f"r{i}", "ttft_s": 1.0 + i / 10} for i in range(10)]
+    rs.append({"tenant": "tenant-b", "rid": "refused", "ttft_s": None})
+    timings = {f"tenant-a/r{i}": RequestTiming(queue_s=0.5 + i / 10, prefill_compute_s=0.4)
+               for i in range(10)}
+    parts = first_token_parts(rs, timings)
+    assert (parts["n"], parts["slowest_n"]) == (10, 1)
+    assert parts["ttft_slowest"] == pytest.approx(1.9)
+    assert parts["prefill_queue_slowest"] == pytest.approx(1.4)
+    assert parts["rest_mean"] == pytest.approx(0.1)
+    assert first_token_parts(rs[-1:], timings) == {}

@@ -85,11 +85,11 @@ def test_a_failed_call_is_out_of_flight_and_forgotten():
     _measured(steps)
     _backlog(steps, 9, at=1.0)
     assert steps.predict("p", LOW, now=1.5)[0] == pytest.approx(0.5 + 64 / 512)
-    steps.ended("p", "low8", now=1.5)  # no result: the attempt failed
+    steps.ended("p", "low8", now=1.5)  # no result: aborted (its deadline passed), say
     assert "low8" not in steps.workers["p"].inflight
-    # a call's end is read as its step's end (a failure is rare): a step of the 8 left
-    # starts at 1.5, and nothing queues behind it
-    assert steps.predict("p", LOW, now=1.5)[0] == pytest.approx(1.0)
+    # no step ended with it: the running one still ends at 2.0; nothing queues behind it
+    assert steps.predict("p", LOW, now=1.5)[0] == pytest.approx(0.5)
+    assert steps.workers["p"].drain_rate == pytest.approx(512.0)  # and no rate moved
     steps.sent("p", "later", LOW, 64, now=1.5 + FORGET_S + 1)
     assert "low8" not in steps.workers["p"].prompts
 
@@ -140,3 +140,14 @@ def test_the_running_step_lasts_as_the_last_steps_of_its_priority():
     steps.prefilled("p", "h0", 64, 0.25)
     steps.sent("p", "h1", HIGH, 64, now=3.0)
     assert steps.predict("p", LOW, now=3.1)[0] == pytest.approx(0.15)
+
+
+def test_steps_that_vary_are_predicted_long():
+    """Steps of 1 s then 2 s: the mean moves to 1.2 s, the spread to 0.2 s, and a step is
+    predicted at the mean plus twice the spread: a deadline is missed by the long ones."""
+    steps = PrefillSteps()
+    _measured(steps)
+    steps.sent("p", "slow", LOW, 64, now=2.0)
+    steps.ended("p", "slow", now=4.0)
+    steps.prefilled("p", "slow", 64, 2.0)
+    assert steps.predict("p", LOW, now=5.0) == (0.0, pytest.approx(1.2 + 2 * 0.2))
