@@ -83,9 +83,16 @@ class LoRAAdapter:
     # (engine.lora.registry); None otherwise
     source: PeftTensors | None = field(default=None, repr=False)
     _descs: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # (made by finish) the largest stacked rank of any projection (the kernel's scratch
+    # width), and whether every tensor is in a dtype the C kernel reads (fp32, fp16)
+    rmax: int = 0
+    c_kernel: bool = False
 
     def finish(self) -> LoRAAdapter:
-        """Make ``desc_ptrs`` (once the layers are complete)."""
+        """Make ``desc_ptrs``, ``rmax`` and ``c_kernel`` (once the layers are complete)."""
+        held = [p for layer in self.layers for p in layer.values()]
+        self.rmax = max((p.a.shape[0] for p in held), default=0)
+        self.c_kernel = all(p.a.dtype in (torch.float32, torch.float16) for p in held)
         ptrs = torch.zeros(len(self.layers), len(PROJECTIONS), dtype=torch.int64)
         for i, layer in enumerate(self.layers):
             for j, name in enumerate(PROJECTIONS):

@@ -2359,6 +2359,134 @@ static inline void lora_share_(int64_t n, int64_t *lo, int64_t *hi) {
     *hi = *lo + q + (id < rem);
 }
 
+/* Rows j0..j1 (rows[j], t row j) of one B block: outputs o0..o1 of bt's rn rank rows (from
+ * rank r0), into y (columns below split) or y2. */
+static void lora_expand_rows_(float *y, int64_t ldy, float *y2, int64_t ldy2, int64_t split,
+                              const int64_t *rows, int64_t j0, int64_t j1, const float *t,
+                              int64_t rmax, int64_t r0, int64_t rn, const char *bt,
+                              int64_t half, int64_t o0, int64_t o1) {
+#define LORA_Y(j) (o0 >= split ? y2 + rows[j] * ldy2 + (o0 - split) : y + rows[j] * ldy + o0)
+#ifdef LORA_512
+    for (int64_t j = j0; j < j1; j += 2) {
+        const int two = j + 1 < j1;
+        lora_expand_(LORA_Y(j), two ? LORA_Y(j + 1) : 0, t + j * rmax + r0,
+                     two ? t + (j + 1) * rmax + r0 : 0, bt, (int)half, rn, o1 - o0);
+    }
+#else
+    for (int64_t j = j0; j < j1; j++) {
+        float *yo = LORA_Y(j);
+        const float *tj = t + j * rmax + r0;
+        for (int64_t r = 0; r < rn; r++) {
+            const float s = tj[r];
+            if (half) {
+                axpy_hf_(yo, s, (const _Float16 *)bt + r * (o1 - o0), o1 - o0);
+                continue;
+            }
+            const float *br = (const float *)bt + r * (o1 - o0);
+#pragma omp simd
+            for (int64_t o = 0; o < o1 - o0; o++) yo[o] += s * br[o];
+        }
+    }
+#endif
+#undef LORA_Y
+}
+
+/* The bytes of group g's adapter for one projection, in the order lora_groups_ reads them:
+ * region 0 its A [R, K], region 1 + p part p's blocked B; *len 0 past the last region. */
+static const char *lora_region_(const int64_t *d, int64_t K, int64_t i, int64_t *len) {
+    const int64_t es = d[3] ? 2 : 4;
+    if (i == 0) return *len = d[0] * K * es, (const char *)d[2];
+    if (i > d[1]) return *len = 0, (const char *)0;
+    const int64_t *q = d + 4 + 5 * (i - 1);
+    *len = (q[1] - q[0]) * (q[3] - q[2]) * es;
+    return (const char *)q[4];
+}
+
+/* A thread's read-ahead over its groups' regions: prefetches until LORA_PF_BYTES are on
+ * their way beyond what it has read (*ahead: bytes prefetched and not yet read). */
+typedef struct { const int64_t *descs; int64_t K, g, g1, i, off; } LoraAhead;
+static void lora_ahead_(LoraAhead *c, int64_t *ahead) {
+    while (*ahead < LORA_PF_BYTES && c->g < c->g1) {
+        const int64_t *d = (const int64_t *)c->descs[c->g];
+        int64_t len = 0;
+        const char *p = d ? lora_region_(d, c->K, c->i, &len) : 0;
+        if (!len) { c->g++, c->i = 0, c->off = 0; continue; }
+        const int64_t n = len - c->off < 1024 ? len - c->off : 1024;
+        lora_prefetch_(p + c->off, n);
+        c->off += n, *ahead += n;
+        if (c->off == len) c->i++, c->off = 0;
+    }
+}
+
+/* lora_team_ with at least two adapters per thread: each thread takes whole groups (a
+ * contiguous run of them holding about its share of the bytes) and does their shrink and
+ * expand itself, so the team meets once, at the end, not also between the phases (4 calls
+ * per layer: 120 barriers a step of a 30-layer model), and each group's t stays in L1. */
+static void lora_groups_(const float *x, int64_t ldx, int64_t K, float *y, int64_t ldy,
+                         float *y2, int64_t ldy2, int64_t split, int64_t G,
+                         const int64_t *descs, const int64_t *rows, const int64_t *row_off,
+                         float *t, int64_t rmax) {
+    int64_t total = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t *d = (const int64_t *)descs[g];
+        int64_t len;
+        if (d)
+            for (int64_t i = 0; lora_region_(d, K, i, &len), len; i++) total += len;
+    }
+    /* this thread's groups: those whose bytes start in its share of the total */
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    int64_t g0 = G, g1 = G, at = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t *d = (const int64_t *)descs[g];
+        const int64_t who = total ? at * nt / total : 0;
+        if (who == id && g0 == G) g0 = g;
+        if (who > id) { g1 = g; break; }
+        int64_t len;
+        if (d)
+            for (int64_t i = 0; lora_region_(d, K, i, &len), len; i++) at += len;
+    }
+    if (g0 == G) g1 = G;
+    LoraAhead c = {descs, K, g0, g1, 0, 0};
+    int64_t ahead = 0;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t *d = (const int64_t *)descs[g];
+        if (!d) continue;
+        const int64_t half = d[3], es = half ? 2 : 4;
+        for (int64_t r = 0; r < d[0]; r++) { /* shrink: A row r against the group's rows */
+            ahead -= K * es;
+            lora_ahead_(&c, &ahead);
+            const char *a = (const char *)d[2] + r * K * es;
+#ifdef LORA_512
+            for (int64_t j = row_off[g]; j < row_off[g + 1]; j += 4) {
+                const int n = row_off[g + 1] - j < 4 ? (int)(row_off[g + 1] - j) : 4;
+                const float *xs[4];
+                float *ts[4];
+                for (int i = 0; i < n; i++)
+                    xs[i] = x + rows[j + i] * ldx, ts[i] = t + (j + i) * rmax + r;
+                lora_shrink_(a, (int)half, K, xs, n, ts);
+            }
+#else
+            for (int64_t j = row_off[g]; j < row_off[g + 1]; j++)
+                t[j * rmax + r] = half ? dot_hf_((const _Float16 *)a, x + rows[j] * ldx, K)
+                                       : dot_f_((const float *)a, x + rows[j] * ldx, K);
+#endif
+        }
+        for (int64_t p = 0; p < d[1]; p++) { /* expand: each block of each part's B */
+            const int64_t *q = d + 4 + 5 * p;
+            const int64_t r0 = q[2], rn = q[3] - q[2];
+            for (int64_t o0 = q[0], blk = 0; o0 < q[1]; o0 += LORA_OUT, blk++) {
+                const int64_t o1 = o0 + LORA_OUT < q[1] ? o0 + LORA_OUT : q[1];
+                ahead -= rn * (o1 - o0) * es;
+                lora_ahead_(&c, &ahead);
+                const char *bt = (const char *)q[4] + blk * LORA_OUT * rn * es;
+                lora_expand_rows_(y, ldy, y2, ldy2, split, rows, row_off[g], row_off[g + 1],
+                                  t, rmax, r0, rn, bt, half, o0, o1);
+            }
+        }
+    }
+#pragma omp barrier
+}
+
 /* The LoRA of one projection for rows grouped by adapter, shared among the calling team (
  * inside a parallel region every thread of it must call this; it ends with a barrier).
  * x: row m at x + m * ldx (K values); y: output column o < split of row m at y + m * ldy + o,
@@ -2368,15 +2496,20 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
                        float *y2, int64_t ldy2, int64_t split, int64_t G,
                        const int64_t *descs, const int64_t *rows, const int64_t *row_off,
                        float *t, int64_t rmax) {
-    int64_t shrink_n = 0, expand_n = 0;
+    int64_t shrink_n = 0, expand_n = 0, held = 0;
     for (int64_t g = 0; g < G; g++) {
         const int64_t *d = (const int64_t *)descs[g];
         if (!d) continue;
+        held++;
         shrink_n += d[0];
         for (int64_t p = 0; p < d[1]; p++) {
             const int64_t *q = d + 4 + 5 * p;
             expand_n += (q[1] - q[0] + LORA_OUT - 1) / LORA_OUT;
         }
+    }
+    if (held >= 2 * omp_get_num_threads() && omp_get_num_threads() > 1) {
+        lora_groups_(x, ldx, K, y, ldy, y2, ldy2, split, G, descs, rows, row_off, t, rmax);
+        return;
     }
     int64_t lo, hi, pf, ahead = 0;
     lora_share_(shrink_n, &lo, &hi);
@@ -2436,30 +2569,8 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
         }
         /* block blk of bt: rn rows of (o1 - o0) outputs, contiguous */
         const char *bt = (const char *)q[4] + blk * LORA_OUT * rn * es;
-#define LORA_Y(j) (o0 >= split ? y2 + rows[j] * ldy2 + (o0 - split) : y + rows[j] * ldy + o0)
-#ifdef LORA_512
-        for (int64_t j = row_off[g]; j < row_off[g + 1]; j += 2) {
-            const int two = j + 1 < row_off[g + 1];
-            lora_expand_(LORA_Y(j), two ? LORA_Y(j + 1) : 0, t + j * rmax + r0,
-                         two ? t + (j + 1) * rmax + r0 : 0, bt, (int)half, rn, o1 - o0);
-        }
-#else
-        for (int64_t j = row_off[g]; j < row_off[g + 1]; j++) {
-            float *yo = LORA_Y(j);
-            const float *tj = t + j * rmax + r0;
-            for (int64_t r = 0; r < rn; r++) {
-                const float s = tj[r];
-                if (half) {
-                    axpy_hf_(yo, s, (const _Float16 *)bt + r * (o1 - o0), o1 - o0);
-                    continue;
-                }
-                const float *br = (const float *)bt + r * (o1 - o0);
-#pragma omp simd
-                for (int64_t o = 0; o < o1 - o0; o++) yo[o] += s * br[o];
-            }
-        }
-#endif
-#undef LORA_Y
+        lora_expand_rows_(y, ldy, y2, ldy2, split, rows, row_off[g], row_off[g + 1], t, rmax,
+                          r0, rn, bt, half, o0, o1);
     }
 #pragma omp barrier
 }

@@ -4,6 +4,8 @@ projection for every adapter's rows) against the torch twin and against the plai
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -36,6 +38,93 @@ def three(tiny_llama_dir, tmp_path_factory, request):
 class _Chunk:
     def __init__(self, name, n):
         self.lora_name, self.num_tokens = name, n
+
+
+def _formula(adapters, chunks, layer, proj, x, y):
+    """``y + s B A x`` row by row (each chunk's adapter ``a<i>`` is ``adapters[i]``)."""
+    want = y.clone()
+    at = 0
+    for c in chunks:
+        for i in range(at, at + c.num_tokens):
+            if c.lora_name is None:
+                continue
+            p = adapters[int(c.lora_name[1:])].layers[layer].get(proj)
+            if p is None:
+                continue
+            t = p.a.float() @ x[i]
+            for part in p.parts:
+                o0, o1, r0, r1, _ = part
+                want[i, o0:o1] += b_matrix(part).float() @ t[r0:r1]
+        at += c.num_tokens
+    return want
+
+
+def _shapes(cfg, proj):
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv": (cfg.hidden_size, q + 2 * kv), "o_proj": (q, cfg.hidden_size),
+            "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
+            "down": (cfg.intermediate_size, cfg.hidden_size)}[proj]
+
+
+@pytest.fixture(scope="module")
+def six(three, tiny_llama_dir, tmp_path_factory):
+    """``three``'s adapters and three more of other ranks and targets, in ``three``'s dtype:
+    enough groups that each of 2 or 3 threads takes whole adapters (``lora_groups_``)."""
+    cfg, adapters = three
+    d = tmp_path_factory.mktemp("six")
+    dtype = adapters[0].layers[0]["qkv"].a.dtype
+    specs = [dict(r=16, targets=ALL_TARGETS), dict(r=3, targets=["o_proj", "gate_proj"]),
+             dict(r=5, targets=["q_proj", "down_proj", "up_proj"])]
+    more = []
+    for i, spec in enumerate(specs, start=3):
+        path = save_adapter(tiny_llama_dir, "llama", d / f"a{i}", seed=i, **spec)
+        more.append(load_adapter(LoRARequest(f"a{i}", i + 1, str(path)), cfg, 16, dtype))
+    return cfg, [*adapters, *more]
+
+
+@pytest.mark.skipif(not cpu_ops.enabled(), reason="needs the C kernels")
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("proj", ["qkv", "o_proj", "gate_up", "down"])
+def test_many_adapters_split_by_adapter_among_threads_equal_the_formula(six, proj, threads):
+    """Six adapters on 2 or 3 threads: each thread shrinks and expands whole adapters (no
+    barrier between the phases), some adapters not adapting the projection; equal to the
+    formula within fp32 rounding (1e-5), base rows untouched."""
+    cfg, adapters = six
+    chunks = [_Chunk("a5", 2), _Chunk("a1", 3), _Chunk(None, 1), _Chunk("a3", 2),
+              _Chunk("a0", 1), _Chunk("a4", 2), _Chunk("a2", 1), _Chunk("a3", 1),
+              _Chunk(None, 2)]
+    rows = lora_rows.LoRARows.of(chunks, {a.name: a for a in adapters}.__getitem__)
+    k, n = _shapes(cfg, proj)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(15, k, generator=g), torch.randn(15, n, generator=g)
+    want = _formula(adapters, chunks, 1, proj, x, y)
+    assert not torch.equal(want, y)
+    held = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kernel runs on torch's thread count
+    try:
+        got = y.clone()
+        rows.add(1, proj, x, got)
+    finally:
+        torch.set_num_threads(held)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[[5, 13, 14]], y[[5, 13, 14]])
+
+
+def test_a_repeated_layout_reuses_its_grouping_until_an_adapter_changes(three):
+    """Decode steps repeat their layout: the same grouping comes back while every adapter
+    is the same object; a reloaded adapter (a new object of the same name) makes a new one."""
+    _, adapters = three
+    held = {a.name: a for a in adapters}
+    chunks = [_Chunk("a1", 1), _Chunk(None, 1), _Chunk("a0", 1)]
+    first = lora_rows.LoRARows.of(chunks, held.__getitem__)
+    assert lora_rows.LoRARows.of(chunks, held.__getitem__) is first
+    other = [_Chunk("a0", 1), _Chunk(None, 1), _Chunk("a1", 1)]
+    assert lora_rows.LoRARows.of(other, held.__getitem__) is not first
+    again = lora_rows.LoRARows.of(other, held.__getitem__)
+    held["a0"] = dataclasses.replace(held["a0"])  # reloaded: same name, another object
+    renewed = lora_rows.LoRARows.of(other, held.__getitem__)
+    assert renewed is not again
+    assert [a for _, a in renewed.groups] == [held["a0"], held["a1"]]
 
 
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="needs the C kernels")
