@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="ngram,self_draft",
                    help="comma-separated methods to measure (default ngram,self_draft; "
                         "draft_model comes with --draft-model)")
+    p.add_argument("--workloads", default="rewrite,chat",
+                   help="comma-separated workloads to measure (default rewrite,chat)")
     p.add_argument("--draft-model", default=None,
                    help="also measure method draft_model with this draft (a directory or GGUF "
                         "sharing the served model's tokenizer)")
@@ -149,6 +151,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # so the two engines of a cell would differ by their governors, not by speculation.
     kw = dict(max_num_seqs=max(batches), num_threads=args.num_threads,
               quantization=args.quantization, adaptive_threads=False)
+    kinds = [w for w in args.workloads.split(",") if w]
+    if not kinds or any(w not in ("rewrite", "chat") for w in kinds):
+        raise ValueError(f"--workloads: choose among rewrite, chat, got {args.workloads!r}")
     names = [m for m in args.methods.split(",") if m]
     unknown = [m for m in names if m not in METHODS]
     if unknown or not names:
@@ -162,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for llm in (base, *engines.values()):  # the first forward's one-off costs, untimed
         _cell(llm, workload("chat", 2), 4)
     cells: list[dict[str, Any]] = []
-    for kind in ("rewrite", "chat"):
+    for kind in kinds:
         for b in batches:
             convs = workload(kind, b)
             # every engine warm for the cell's prompts first (their prefill cached alike):
@@ -216,7 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {"benchmark": NAME,
               "config": {"model": args.model or "default", "quantization": args.quantization,
                          "adaptive_threads": False,
-                         "batches": batches, "output_len": output_len,
+                         "batches": batches, "workloads": kinds, "output_len": output_len,
                          "num_speculative_tokens": k,
                          "methods": {m: {**c, "num_speculative_tokens": k}
                                      for m, c in methods.items()},

@@ -18,6 +18,7 @@ prefill is spread over steps instead of stalling the batch's streams.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -30,7 +31,12 @@ from engine.executor.model_runner import ModelRunner
 CATCH_UP_TOKENS = 256
 _STEADY = 2  # missing tokens after a verified step: the target's own, and one accepted draft
 ROWS_UP_TO = 16  # missing tokens run as decode rows up to this many (a prompt chunk above)
-_GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30)
+# Greedy, with the drafted token's log-probability under the draft (its confidence)
+_GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30, logprobs=0)
+# A draft the draft model gives less probability than this ends its sequence's drafts for the
+# step (it is still verified: its pass is paid for). Where the draft hesitates it is seldom
+# right, and every draft after it would cost a pass and a verification row for less.
+MIN_CONFIDENCE = 0.3
 
 
 @dataclass
@@ -71,6 +77,7 @@ class DraftProposer:
         self._passes: list[tuple[int, float]] = []  # this step's passes: (B, seconds)
         self._catch_up = (0, 0.0)  # this step's catch-up: tokens, seconds (pro rata)
         self._cold = True  # no decode rows have run yet (the first pay one-off costs)
+        self.min_confidence = MIN_CONFIDENCE  # 0: always k drafts
 
     def take_times(self) -> DraftTimes:
         """The last step's drafting times; cleared."""
@@ -126,10 +133,14 @@ class DraftProposer:
         if want and not extra:
             self._passes.append((len(want), first_s))
         live = [r for r in reqs if r.request_id in want]
+        floor = math.log(self.min_confidence) if self.min_confidence > 0 else -math.inf
         for _ in range(max(want.values(), default=0)):
             for rid in list(drafts):
                 if rid in out.sampled_token_ids:
                     drafts[rid].append(out.sampled_token_ids[rid])
+                    lp = out.logprobs.get(rid)
+                    if lp is not None and lp.logprob < floor:  # hesitant: its last draft
+                        want[rid] = len(drafts[rid])
             live = [r for r in live if len(drafts[r.request_id]) < want[r.request_id]]
             if not live:
                 break

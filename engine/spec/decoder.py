@@ -30,6 +30,8 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.drafter = drafter
+        if drafter is not None and not config.adaptive:
+            drafter.min_confidence = 0.0  # every draft, every step: a hesitant one too
         self.controller = SpecController(
             config.num_speculative_tokens, config.adaptive,
             drafter.cost_ratio if drafter is not None else 0.0,

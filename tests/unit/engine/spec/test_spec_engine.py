@@ -103,6 +103,31 @@ def test_draft_methods_are_exact_whatever_the_draft(tiny_llama_dir, tiny_refs, o
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("floor", [0.0, 1.0], ids=["no-floor", "never-sure"])
+def test_a_hesitant_draft_is_its_sequences_last_of_the_step(tiny_llama_dir, tiny_refs, floor):
+    """A draft the draft model gives less probability than ``min_confidence`` ends its
+    sequence's drafts for the step (it is still verified). The target as its own draft: with
+    a floor of 1 (no draft is that sure) every verifying step has one draft, with none the
+    drafts run to k; the tokens are the target's either way and every block comes back."""
+    prompts, refs = tiny_refs
+    llm = LLM(str(tiny_llama_dir), speculative_config={
+        "method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3,
+        "adaptive": False})
+    # adaptive off verifies every draft (floor 0): the floor under test set by hand
+    llm.engine.spec.drafter.min_confidence = floor
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    s = llm.engine.spec.stats
+    assert s.accepted == s.proposed > 0, s
+    if floor:
+        assert s.proposed == s.verified_seqs and len(s.proposed_by_position) == 1, s
+    else:
+        assert len(s.proposed_by_position) == 3 and s.proposed_by_position[2] > 0, s
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_a_draft_of_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     from tests.helpers.tiny_models import save_tiny_model
 
