@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", help="the base model's --quantization "
                    "(default auto: the default model's Q4_1 blocks)")
     p.add_argument("--lora-dtype", default="auto", help="the adapters' dtype as held "
-                   "(default auto: fp32 on the CPU; float16: half the bytes)")
+                   "(default auto: fp32 on the CPU; float16: half the bytes; int8: a quarter)")
 
 
 def write_adapter(cfg, out: Path, rank: int, targets: list[str], seed: int) -> Path:

@@ -27,7 +27,8 @@ from engine.models.config import ModelConfig
 from engine.parallel.sharding import TPShard
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # ours, in LoRAAdapter.descs' order
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.int8)  # what cpu_ops.c's LoRA reads  # ours, in LoRAAdapter.descs' order
 # outputs per block of a part's B as the C kernel reads it (cpu_ops.c's LORA_OUT)
 B_BLOCK = 64
 # PEFT's module name -> (our projection, its part: q/k/v of qkv, gate/up of gate_up)
@@ -49,18 +50,23 @@ class ProjectionLoRA:
     each targeted part, ``(out_start, out_end, r_start, r_end, bt)`` with ``bt`` its B,
     already scaled, in the C kernel's layout: transposed and cut in blocks of ``B_BLOCK``
     outputs, each block ``[r, width]`` contiguous, one after another (``b_matrix`` gives B
-    back)."""
+    back). int8 (``lora_dtype="int8"``): ``scale [R]`` fp32, rank row r's A row scale times
+    its B row's (``A x`` row r times it, then B's integers: ``quantize_int8``)."""
 
     a: torch.Tensor
     parts: list[tuple[int, int, int, int, torch.Tensor]]
+    scale: torch.Tensor | None = None
 
     def desc(self) -> torch.Tensor:
-        """The C kernel's view (``cpu_ops.c`` ``lora_apply``): int64 ``[R, nparts, &a, fp16,
-        {o0, o1, r0, r1, &bt} x nparts]``; valid while this object holds its tensors."""
-        flat = [self.a.shape[0], len(self.parts), self.a.data_ptr(),
-                int(self.a.dtype == torch.float16)]
+        """The C kernel's view (``cpu_ops.c`` ``lora_apply``): int64 ``[R, nparts, &a, kind,
+        {o0, o1, r0, r1, &bt} x nparts]`` (kind 0 fp32, 1 fp16, 2 int8, then ``&scale``);
+        valid while this object holds its tensors."""
+        kind = {torch.float16: 1, torch.int8: 2}.get(self.a.dtype, 0)
+        flat = [self.a.shape[0], len(self.parts), self.a.data_ptr(), kind]
         for o0, o1, r0, r1, bt in self.parts:
             flat += [o0, o1, r0, r1, bt.data_ptr()]
+        if kind == 2:
+            flat.append(self.scale.data_ptr())
         return torch.tensor(flat, dtype=torch.int64)
 
 
@@ -92,7 +98,7 @@ class LoRAAdapter:
         """Make ``desc_ptrs``, ``rmax`` and ``c_kernel`` (once the layers are complete)."""
         held = [p for layer in self.layers for p in layer.values()]
         self.rmax = max((p.a.shape[0] for p in held), default=0)
-        self.c_kernel = all(p.a.dtype in (torch.float32, torch.float16) for p in held)
+        self.c_kernel = all(p.a.dtype in KERNEL_DTYPES for p in held)
         ptrs = torch.zeros(len(self.layers), len(PROJECTIONS), dtype=torch.int64)
         for i, layer in enumerate(self.layers):
             for j, name in enumerate(PROJECTIONS):
@@ -111,7 +117,21 @@ class LoRAAdapter:
     def nbytes(self) -> int:
         return sum(p.a.numel() * p.a.element_size()
                    + sum(bt.numel() * bt.element_size() for *_, bt in p.parts)
+                   + (0 if p.scale is None else p.scale.numel() * 4)
                    for layer in self.layers for p in layer.values())
+
+
+def quantize_int8(a: torch.Tensor, bt: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``a [r, K]`` and ``bt [r, N]`` (B transposed, scaled) as int8, symmetric, one scale per
+    row of each (its largest magnitude over 127): ``(a8, bt8, scale)`` with ``scale [r]`` the
+    two rows' scales multiplied, so ``bt.T @ (a @ x) ~= bt8.T @ (scale * (a8 @ x))``. Each
+    value is within half a step of its row's scale (1/254 of the row's largest)."""
+    sa = a.abs().amax(dim=1).clamp_min(1e-30) / 127
+    sb = bt.abs().amax(dim=1).clamp_min(1e-30) / 127
+    a8 = torch.round(a / sa[:, None]).clamp(-127, 127).to(torch.int8)
+    bt8 = torch.round(bt / sb[:, None]).clamp(-127, 127).to(torch.int8)
+    return a8, bt8, (sa * sb).to(torch.float32)
 
 
 def _blocked(bt: torch.Tensor) -> torch.Tensor:
@@ -266,12 +286,21 @@ def lay_out(peft: PeftTensors, cfg: ModelConfig, dtype: torch.dtype = torch.floa
                 a = a[:, lo:hi]
         held = adapter.layers[layer].get(proj)
         r0 = 0 if held is None else held.a.shape[0]
-        a = a.to(dtype)
-        bt = _blocked((b.to(torch.float32) * peft.scaling).to(dtype).T)
+        scale = None
+        if dtype == torch.int8:
+            a, bt, scale = quantize_int8(a.to(torch.float32),
+                                         (b.to(torch.float32) * peft.scaling).T)
+            bt = _blocked(bt)
+        else:
+            a = a.to(dtype)
+            bt = _blocked((b.to(torch.float32) * peft.scaling).to(dtype).T)
         part = (col, col + n, r0, r0 + peft.rank, bt)
-        adapter.layers[layer][proj] = (ProjectionLoRA(a.contiguous(), [part]) if held is None
-                                       else ProjectionLoRA(torch.cat([held.a, a]).contiguous(),
-                                                           [*held.parts, part]))
+        if held is None:
+            adapter.layers[layer][proj] = ProjectionLoRA(a.contiguous(), [part], scale)
+        else:
+            adapter.layers[layer][proj] = ProjectionLoRA(
+                torch.cat([held.a, a]).contiguous(), [*held.parts, part],
+                None if scale is None else torch.cat([held.scale, scale]))
     return adapter.finish()
 
 

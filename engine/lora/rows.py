@@ -130,6 +130,8 @@ class LoRARows:
             if rows.device != y.device:
                 rows = rows.to(y.device)
             t = x.index_select(0, rows) @ p.a.to(x.dtype).T  # [n, R]
+            if p.scale is not None:  # int8: each rank row's scale (A's times B's)
+                t = t * p.scale.to(t.device, t.dtype)
             delta = torch.zeros(rows.numel(), y.shape[1], dtype=y.dtype, device=y.device)
             for part in p.parts:
                 o0, o1, r0, r1, _ = part

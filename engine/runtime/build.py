@@ -229,8 +229,9 @@ def keep_draft_plan(on_change: Callable[[int], None], draft: LinearPlan | None
     return change
 
 
-# "auto": the model's dtype; the CPU kernels read fp32 and fp16 adapters (bfloat16: not yet)
-LORA_DTYPES = ("auto", "float32", "float16")
+# "auto": the model's dtype; the CPU kernels read fp32, fp16 and int8 adapters (int8: one
+# scale per rank row, docs/lora.md; bfloat16: not yet)
+LORA_DTYPES = ("auto", "float32", "float16", "int8")
 
 
 def lora_torch_dtype(args: EngineArgs, model_dtype: str) -> torch.dtype:

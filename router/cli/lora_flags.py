@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-LORA_DTYPES = ("auto", "float32", "float16")
+LORA_DTYPES = ("auto", "float32", "float16", "int8")
 
 
 def add_lora_flags(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,8 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
                    help="adapters each worker keeps loaded, least recently used dropped "
                         "first (default: --max-loras)")
     g.add_argument("--lora-dtype", choices=list(LORA_DTYPES), default=None,
-                   help="adapter weights: auto (the model's dtype), float32 or float16")
+                   help="adapter weights: auto (the model's dtype), float32, float16 or int8 "
+                        "(a scale per rank row)")
 
 
 @dataclass(frozen=True)

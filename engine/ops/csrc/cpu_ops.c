@@ -2176,7 +2176,9 @@ int qr_linear(int64_t wfmt, const float *x, const uint8_t *panels, const float *
  * int64 [R, nparts, a, half, {o0, o1, r0, r1, bt} x nparts] (a: A [R, K]; bt: B_p transposed
  * in blocks of LORA_OUT outputs, block b [r1 - r0, its width] at b * LORA_OUT * (r1 - r0):
  * each expand task reads one contiguous run, 1.3x faster than rows of the whole transpose;
- * both fp32, or fp16 where half is 1: lora_dtype, half the bytes read)
+ * kind (d[3]) 0: fp32, 1: fp16, 2: int8 with a scale per rank row, float [R] at
+ * d[4 + 5 nparts], A's row scale times B's (its rank row of bt: the expand reads bare
+ * integers, the shrink multiplies its sums by the scale); lora_dtype, 1/2 and 1/4 the bytes)
  * or is 0 (the adapter does not adapt this projection); its rows are
  * rows[row_off[g] .. row_off[g + 1]]. Two phases in one parallel region: the shrink, (group,
  * rank row) tasks, each A row read once and dotted with the group's rows into t [rows, rmax];
@@ -2189,6 +2191,9 @@ int qr_linear(int64_t wfmt, const float *x, const uint8_t *panels, const float *
  * ms in fp16 (156 MB) and 16.9 -> 12.9 ms in fp32 (313 MB). One call per projection and
  * step: the torch twin made ~5 calls per adapter and projection. */
 #define LORA_OUT 64
+#define LORA_ES(kind) ((kind) == 2 ? 1 : (kind) ? 2 : 4) /* bytes per value */
+/* rank row r's scale of the adapter described by d (1 unless int8) */
+#define LORA_SCALE(d, r) ((d)[3] == 2 ? ((const float *)(d)[4 + 5 * (d)[1]])[r] : 1.f)
 #define LORA_PF_BYTES 4096 /* prefetched ahead: 16 KB was no faster, none 1.5x slower */
 static inline float dot_f_(const float *a, const float *b, int64_t n) {
     float s = 0.f;
@@ -2237,6 +2242,13 @@ static inline void axpy_hf_(float *y, float s, const _Float16 *b, int64_t n) {
     for (; i < n; i++) y[i] += s * (float)b[i];
 }
 
+static inline float dot_i8_(const int8_t *a, const float *b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += (float)a[i] * b[i];
+    return s;
+}
+
 /* One task's rows: y[row] += t[row][r0..r1] . bt block (rn rank rows of w <= LORA_OUT outputs,
  * contiguous), two rows at a time with their LORA_OUT outputs held in registers across the
  * rank (each B value read once per pair of rows, each output loaded and stored once: the
@@ -2246,6 +2258,8 @@ static inline void axpy_hf_(float *y, float s, const _Float16 *b, int64_t n) {
 #endif
 #ifdef LORA_512
 static inline __m512 lora_b16_(const void *b, int64_t i, int half, __mmask16 m) {
+    if (half == 2) /* int8 */
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)b + i)));
     return half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const _Float16 *)b + i))
                 : _mm512_maskz_loadu_ps(m, (const float *)b + i);
 }
@@ -2280,7 +2294,7 @@ static void lora_expand_(float *y0, float *y1, const float *t0, const float *t1,
 /* t[j][r] = A row r . x rows j for up to four rows at once (A read and converted once; the
  * sums in named registers: an array of them went through the stack, ~10 cycles a step). */
 static void lora_shrink_(const void *a, int half, int64_t K, const float *const *xs, int n,
-                         float *const *ts) {
+                         float *const *ts, float sc) {
     const float *x0 = xs[0], *x1 = xs[n > 1 ? 1 : 0], *x2 = xs[n > 2 ? 2 : 0],
                 *x3 = xs[n > 3 ? 3 : 0];
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
@@ -2300,8 +2314,8 @@ static void lora_shrink_(const void *a, int half, int64_t K, const float *const 
             s0 = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x0 + i), s0);
             s1 = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x1 + i), s1);
         }
-        *ts[0] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s2));
-        if (n > 1) *ts[1] = _mm512_reduce_add_ps(_mm512_add_ps(s1, s3));
+        *ts[0] = sc * _mm512_reduce_add_ps(_mm512_add_ps(s0, s2));
+        if (n > 1) *ts[1] = sc * _mm512_reduce_add_ps(_mm512_add_ps(s1, s3));
         return;
     }
     for (; i < K; i += 16) {
@@ -2312,10 +2326,10 @@ static void lora_shrink_(const void *a, int half, int64_t K, const float *const 
         s2 = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x2 + i), s2);
         s3 = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x3 + i), s3);
     }
-    *ts[0] = _mm512_reduce_add_ps(s0);
-    *ts[1] = _mm512_reduce_add_ps(s1);
-    *ts[2] = _mm512_reduce_add_ps(s2);
-    if (n > 3) *ts[3] = _mm512_reduce_add_ps(s3);
+    *ts[0] = sc * _mm512_reduce_add_ps(s0);
+    *ts[1] = sc * _mm512_reduce_add_ps(s1);
+    *ts[2] = sc * _mm512_reduce_add_ps(s2);
+    if (n > 3) *ts[3] = sc * _mm512_reduce_add_ps(s3);
 }
 #endif
 
@@ -2378,8 +2392,14 @@ static void lora_expand_rows_(float *y, int64_t ldy, float *y2, int64_t ldy2, in
         const float *tj = t + j * rmax + r0;
         for (int64_t r = 0; r < rn; r++) {
             const float s = tj[r];
-            if (half) {
+            if (half == 1) {
                 axpy_hf_(yo, s, (const _Float16 *)bt + r * (o1 - o0), o1 - o0);
+                continue;
+            }
+            if (half == 2) {
+                const int8_t *bi = (const int8_t *)bt + r * (o1 - o0);
+#pragma omp simd
+                for (int64_t o = 0; o < o1 - o0; o++) yo[o] += s * (float)bi[o];
                 continue;
             }
             const float *br = (const float *)bt + r * (o1 - o0);
@@ -2394,7 +2414,7 @@ static void lora_expand_rows_(float *y, int64_t ldy, float *y2, int64_t ldy2, in
 /* The bytes of group g's adapter for one projection, in the order lora_groups_ reads them:
  * region 0 its A [R, K], region 1 + p part p's blocked B; *len 0 past the last region. */
 static const char *lora_region_(const int64_t *d, int64_t K, int64_t i, int64_t *len) {
-    const int64_t es = d[3] ? 2 : 4;
+    const int64_t es = LORA_ES(d[3]);
     if (i == 0) return *len = d[0] * K * es, (const char *)d[2];
     if (i > d[1]) return *len = 0, (const char *)0;
     const int64_t *q = d + 4 + 5 * (i - 1);
@@ -2451,7 +2471,7 @@ static void lora_groups_(const float *x, int64_t ldx, int64_t K, float *y, int64
     for (int64_t g = g0; g < g1; g++) {
         const int64_t *d = (const int64_t *)descs[g];
         if (!d) continue;
-        const int64_t half = d[3], es = half ? 2 : 4;
+        const int64_t half = d[3], es = LORA_ES(half);
         for (int64_t r = 0; r < d[0]; r++) { /* shrink: A row r against the group's rows */
             ahead -= K * es;
             lora_ahead_(&c, &ahead);
@@ -2463,12 +2483,14 @@ static void lora_groups_(const float *x, int64_t ldx, int64_t K, float *y, int64
                 float *ts[4];
                 for (int i = 0; i < n; i++)
                     xs[i] = x + rows[j + i] * ldx, ts[i] = t + (j + i) * rmax + r;
-                lora_shrink_(a, (int)half, K, xs, n, ts);
+                lora_shrink_(a, (int)half, K, xs, n, ts, LORA_SCALE(d, r));
             }
 #else
             for (int64_t j = row_off[g]; j < row_off[g + 1]; j++)
-                t[j * rmax + r] = half ? dot_hf_((const _Float16 *)a, x + rows[j] * ldx, K)
-                                       : dot_f_((const float *)a, x + rows[j] * ldx, K);
+                t[j * rmax + r] = half == 2 ? LORA_SCALE(d, r) * dot_i8_((const int8_t *)a,
+                                                                          x + rows[j] * ldx, K)
+                                  : half ? dot_hf_((const _Float16 *)a, x + rows[j] * ldx, K)
+                                         : dot_f_((const float *)a, x + rows[j] * ldx, K);
 #endif
         }
         for (int64_t p = 0; p < d[1]; p++) { /* expand: each block of each part's B */
@@ -2518,7 +2540,7 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
         int64_t g, r;
         lora_shrink_task_(descs, task, &g, &r);
         const int64_t *d = (const int64_t *)descs[g];
-        const int64_t es = d[3] ? 2 : 4;
+        const int64_t es = LORA_ES(d[3]);
         /* A rows LORA_PF_BYTES ahead of the one read now (a row is 1-6 KB: one task ahead
          * is less than memory's latency at this bandwidth) */
         ahead -= K * es;
@@ -2526,7 +2548,7 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
             int64_t g2, r2;
             lora_shrink_task_(descs, pf++, &g2, &r2);
             const int64_t *d2 = (const int64_t *)descs[g2];
-            const int64_t e2 = d2[3] ? 2 : 4;
+            const int64_t e2 = LORA_ES(d2[3]);
             lora_prefetch_((const char *)d2[2] + r2 * K * e2, K * e2);
             ahead += K * e2;
         }
@@ -2537,12 +2559,16 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
             float *ts[4];
             for (int i = 0; i < n; i++)
                 xs[i] = x + rows[j + i] * ldx, ts[i] = t + (j + i) * rmax + r;
-            lora_shrink_((const char *)d[2] + r * K * es, (int)d[3], K, xs, n, ts);
+            lora_shrink_((const char *)d[2] + r * K * es, (int)d[3], K, xs, n, ts,
+                         LORA_SCALE(d, r));
         }
 #else
         for (int64_t j = row_off[g]; j < row_off[g + 1]; j++)
-            t[j * rmax + r] = d[3] ? dot_hf_((const _Float16 *)d[2] + r * K, x + rows[j] * ldx, K)
-                                   : dot_f_((const float *)d[2] + r * K, x + rows[j] * ldx, K);
+            t[j * rmax + r] =
+                d[3] == 2 ? LORA_SCALE(d, r) * dot_i8_((const int8_t *)d[2] + r * K,
+                                                       x + rows[j] * ldx, K)
+                : d[3]    ? dot_hf_((const _Float16 *)d[2] + r * K, x + rows[j] * ldx, K)
+                          : dot_f_((const float *)d[2] + r * K, x + rows[j] * ldx, K);
 #endif
     }
 #pragma omp barrier
@@ -2551,7 +2577,7 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
     for (int64_t task = lo; task < hi; task++) {
         int64_t g, p, blk;
         lora_expand_task_(descs, task, &g, &p, &blk);
-        const int64_t half = ((const int64_t *)descs[g])[3], es = half ? 2 : 4;
+        const int64_t half = ((const int64_t *)descs[g])[3], es = LORA_ES(half);
         const int64_t *q = (const int64_t *)descs[g] + 4 + 5 * p;
         const int64_t o0 = q[0] + blk * LORA_OUT;
         const int64_t o1 = o0 + LORA_OUT < q[1] ? o0 + LORA_OUT : q[1];
@@ -2561,7 +2587,7 @@ static void lora_team_(const float *x, int64_t ldx, int64_t K, float *y, int64_t
             int64_t g2, p2, b2;
             lora_expand_task_(descs, pf++, &g2, &p2, &b2);
             const int64_t *q2 = (const int64_t *)descs[g2] + 4 + 5 * p2;
-            const int64_t e2 = ((const int64_t *)descs[g2])[3] ? 2 : 4, n2 = q2[3] - q2[2];
+            const int64_t e2 = LORA_ES(((const int64_t *)descs[g2])[3]), n2 = q2[3] - q2[2];
             const int64_t w2 = q2[1] - q2[0] - b2 * LORA_OUT;
             const int64_t n = n2 * (w2 < LORA_OUT ? w2 : LORA_OUT) * e2;
             lora_prefetch_((const char *)q2[4] + b2 * LORA_OUT * n2 * e2, n);

@@ -6,6 +6,7 @@ are refused with the reason, and nothing is left queued."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, LoRARequest, SamplingParams
 from tests.helpers.lora import ALL_TARGETS, peft_greedy, save_adapter, step_adapters
@@ -217,5 +218,54 @@ def test_fp16_adapters_hold_half_the_bytes_and_stay_near_pefts_greedy(tiny_llama
         reqs["all"]).nbytes
     ref = PeftModel.from_pretrained(load_hf(tiny_llama_dir, "llama"), str(adapters["all"]))
     assert near_greedy_misses(ref.eval(), prompts, outs) == []
-    with pytest.raises(ValueError, match="lora_dtype must be one of auto, float32, float16"):
-        LLM(str(tiny_llama_dir), enable_lora=True, lora_dtype="int8")
+    with pytest.raises(ValueError, match="lora_dtype must be one of auto, float32, float16, "
+                                         "int8, got 'bfloat16'"):
+        LLM(str(tiny_llama_dir), enable_lora=True, lora_dtype="bfloat16")
+
+
+def _dequantized_peft(ref, held) -> None:
+    """Set ``ref``'s (a ``PeftModel``) A and B to what ``held`` (an int8 ``LoRAAdapter``)
+    multiplies: A's rows times their scale, B as held over the adapter's scaling."""
+    from engine.lora.peft_format import TARGETS, b_matrix
+
+    def linear(layer, module):
+        return getattr(layer.mlp if module in ("gate_proj", "up_proj", "down_proj")
+                       else layer.self_attn, module)
+
+    for i, layer in enumerate(ref.base_model.model.model.layers):
+        for module, (proj, at) in TARGETS.items():
+            p, lin = held.layers[i].get(proj), linear(layer, module)
+            if p is None or not hasattr(lin, "lora_A"):
+                continue
+            # the part whose outputs start where this module's do in the fused projection
+            col = sum(linear(layer, m).base_layer.out_features
+                      for m, (pj, j) in TARGETS.items() if pj == proj and j < at)
+            _, _, r0, r1, _ = part = next(q for q in p.parts if q[0] == col)
+            with torch.no_grad():
+                lin.lora_A["default"].weight.copy_(p.a[r0:r1].float() * p.scale[r0:r1, None])
+                lin.lora_B["default"].weight.copy_(b_matrix(part).float() / held.scaling)
+
+
+def test_int8_adapters_hold_a_quarter_of_the_bytes_and_give_the_dequantized_adapters_tokens(
+        tiny_llama_dir, adapters):
+    """``lora_dtype="int8"``: A and B rounded to int8 (a scale per rank row: A's row scale
+    times B's, 4 bytes beside the quarter). The tokens are peft's greedy choices, up to
+    near-ties (tests/helpers/quantized.py), with the adapter's A and B replaced by the int8
+    values it holds (the rounding is the only change: ~1% of each projection's added
+    product, tests/unit/engine/lora/test_lora_rows.py), and differ from the base model's."""
+    from peft import PeftModel
+
+    from tests.helpers.tiny_models import load_hf
+
+    prompts = random_prompts(seed=13, count=4, max_len=16)
+    reqs = _requests(adapters)
+    q8 = LLM(str(tiny_llama_dir), enable_lora=True, lora_dtype="int8", block_size=4)
+    full = LLM(str(tiny_llama_dir), enable_lora=True, block_size=4)
+    outs = [o.token_ids for o in q8.generate(prompts, GREEDY, lora_request=reqs["all"])]
+    assert outs != [o.token_ids for o in q8.generate(prompts, GREEDY)]
+    held, whole = q8.engine.load_lora(reqs["all"]), full.engine.load_lora(reqs["all"])
+    scales = sum(p.scale.numel() * 4 for layer in held.layers for p in layer.values())
+    assert held.nbytes - scales == whole.nbytes // 4
+    ref = PeftModel.from_pretrained(load_hf(tiny_llama_dir, "llama"), str(adapters["all"]))
+    _dequantized_peft(ref, held)
+    assert near_greedy_misses(ref.eval(), prompts, outs) == []
