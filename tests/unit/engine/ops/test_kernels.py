@@ -64,6 +64,24 @@ def test_plan_follows_the_bucket_and_leaves_untuned_buckets_and_shapes_to_f_line
     assert prefill.path(8, 4, 500) == "onednn" and prefill.path(8, 4, 127) == "linear"
 
 
+def test_a_quantized_weights_prompt_bucket_expands_even_where_reading_in_place_timed_faster():
+    """At PREFILL_ROWS rows a quantized weight takes an expanding path or an integer product,
+    never ``cquant`` / ``cqwide``, whose cost grows with the rows past the 128 timed (a
+    2,048-row prompt step took 1.9x fp32's time on them); decode buckets keep the fastest,
+    and an untimed quantized weight expands past 32 rows."""
+    plan = LinearPlan.from_timings([
+        Timing(8, 4, PREFILL_ROWS, {"cquant": 1.0, "cqwide": 1.1, "dequant": 1.3,
+                                    "dequant_onednn": 1.2}, kind="int4"),
+        Timing(8, 4, 32, {"cquant": 1.0, "dequant": 1.3}, kind="int4"),
+        Timing(16, 4, PREFILL_ROWS, {"cquant": 1.0, "cqint": 1.1, "dequant": 1.3}, kind="int8")])
+    assert plan.path(8, 4, 2048, "int4") == "dequant_onednn"
+    assert plan.exact_path(8, 4, 2048, "int4") == "dequant_onednn"
+    assert plan.path(8, 4, 32, "int4") == "cquant"
+    assert plan.path(16, 4, 500, "int8") == "cqint"  # an integer product stays eligible
+    assert plan.exact_path(16, 4, 500, "int8") == "dequant"  # and a prompt expands
+    assert plan.path(24, 4, 32, "int4") == "cquant" and plan.path(24, 4, 33, "int4") == "dequant"
+
+
 def test_linear_dispatches_on_the_plan(monkeypatch):
     calls = []
     real = linear_ops._mm_t
