@@ -16,7 +16,8 @@ request still running when it passes (docs/api.md, Deadlines and admission): wit
 admitted request whose first token came in time but whose last would not is ended in-band
 (``deadline_exceeded`` error event, then ``[DONE]``), and one whose first token had not come
 by then gets a 504 ``deadline_exceeded``. Both are counted as their own outcome, never as
-served.
+served. The SLO is the first token's: one ended in-band met it (its first token counts in
+the TTFT columns and the share within the SLO), one answered 504 missed it.
 
 Per load and class, every request's outcome (``OUTCOMES``): served whole (200, ``[DONE]``, no
 error event), refused (429; ``refused_deadline``: of them ``deadline_unmet``), ended by its
@@ -29,7 +30,8 @@ class's SLO; how fast a refusal came (p99); per tenant,
 the share of the served requests; the router's first-token predictions' mean absolute error
 over the level (``pdcluster_ttft_prediction_*``) and where the first tokens' time went (the
 router's ``pdcluster_request_phase_seconds``, mean per phase); the router's and the workers'
-RSS after it.
+RSS after it; per class, the prediction's mean absolute error and bias, where its admitted
+requests' first tokens went (``first_token_parts``) and their first-to-last-token time.
 Targets at the highest load: the high class's TTFT p99 within its SLO, 0 server errors, 0
 calls without a status (or cut short), refusals answered within a second (p99).
 """
