@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from engine.config import cdiv
 from router.contract import DeadlineRefusedError
-from router.control.prefill_steps import PrefillSteps
 
 
 @dataclass(frozen=True)
@@ -93,55 +92,46 @@ class Calibration:
 
 
 def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
-            priority: int = 0, now: float | None = None) -> Prediction | None:
+            priority: int = 0) -> Prediction | None:
     """The first-token prediction for a new request of engine ``priority`` (higher first) on
     ``orch``'s workers (None: no live worker to predict on; the request's own routing answers
-    that), at ``now`` (time.monotonic() unless given). On a prefill worker that returned a
-    result: its steps (``PrefillSteps.predict``: the running step's rest, then the prompts of
-    its priority or higher queued there, at the batched rate); else, and on colocated
-    workers, the tokens queued there at one prompt's rate, scaled (as the wait for decode
-    room is) by the share of the requests not yet decoding whose priority is as high or
-    higher: the others wait behind it."""
+    that). Queues and the wait for room are scaled by the share of the requests not yet
+    decoding whose priority is as high or higher: the others wait behind it."""
     colocated = orch.config.mode == "colocated"
     slots = [s for s in (orch.decode if colocated else orch.prefill).values() if s.view.alive]
     if not slots:
         return None
     root = lora.key if lora is not None else 0
     held = orch.kv_index.match_detail(prompt_ids, [s.info.worker_id for s in slots], root)
-    streams = orch.fanout.pending()
-    pending = [s.priority for s in streams]
-    ahead = (sum(p >= priority for p in pending) / len(pending)) if pending else 1.0
-    now = time.monotonic() if now is None else now
     best = None
     for s in slots:
         rate = orch.pulls.prefill_rate(s.info.worker_id)
         cached = held[s.info.worker_id].blocks * s.view.block_size \
             if s.info.worker_id in held else 0
-        p = (0.0, max(1, len(prompt_ids) - cached) / rate)
-        steps = None if colocated else orch.outcomes.steps.predict(
-            s.info.worker_id, priority, now)
-        if steps is not None:  # its steps as measured (router/control/prefill_steps.py)
-            p = (steps[0], min(steps[1], p[1]))
-        else:  # before a result: the tokens queued there, the share of them ahead of it
-            queued = s.view.inflight_prefill_tokens
-            if colocated:  # prompts waiting there, each counted as long as this one
-                queued += (s.view.requests_waiting + s.view.inflight_requests) * len(prompt_ids)
-            p = (queued * ahead / rate, p[1])
+        queued = s.view.inflight_prefill_tokens
+        if colocated:  # prompts waiting there, each counted as long as this one
+            queued += (s.view.requests_waiting + s.view.inflight_requests) * len(prompt_ids)
+        p = (queued / rate, max(1, len(prompt_ids) - cached) / rate)
         if best is None or sum(p) < sum(best):
             best = p
+    streams = orch.fanout.pending()
+    pending = [s.priority for s in streams]
+    ahead = (sum(p >= priority for p in pending) / len(pending)) if pending else 1.0
+    best = (best[0] * ahead, best[1])
     decode = [s for s in orch.decode.values() if s.view.alive]
     room = any(s.view.free_blocks >= cdiv(len(prompt_ids) + max_tokens, s.view.block_size)
                for s in decode)
+    now = time.monotonic()
     return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s * ahead,
                       live_scale(orch.outcomes.calibration.factor, streams, priority, now), now)
 
 
 def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float | None,
-          priority: int = 0, now: float | None = None) -> Prediction | None:
+          priority: int = 0) -> Prediction | None:
     """The request's prediction (None: no live worker); raises DeadlineRefusedError when its
     first token is predicted after ``deadline_s`` (None: no deadline). Call it last, once the
     request is valid: an admitted request counts toward its adapter's requests."""
-    p = predict(orch, prompt_ids, max_tokens, lora, priority, now)
+    p = predict(orch, prompt_ids, max_tokens, lora, priority)
     if p is not None and deadline_s is not None and p.first_token_s > deadline_s:
         raise DeadlineRefusedError(
             f"the first token is predicted in {p.first_token_s:.2f} s (queue {p.queue_s:.2f} s "
@@ -168,14 +158,6 @@ class Outcomes:
         self.calibration = Calibration()
         # engine priority -> [predictions, sum |error|, sum error] (bench overload, per class)
         self.by_priority: dict[int, list[float]] = {}
-        self.steps = PrefillSteps()  # the prefill workers' steps, for the predictions
-
-    def prefilled(self, pulls, worker_id: str, request_id: str, result) -> None:
-        """A ``PrefillResult`` of ``worker_id``: its measured rate (``PrefixPulls``) and
-        steps (``PrefillSteps``)."""
-        tokens = result.num_prompt_tokens - result.num_cached_tokens
-        pulls.note_prefill(worker_id, tokens, result.compute_s)
-        self.steps.prefilled(worker_id, request_id, tokens, result.compute_s)
 
     def note(self, stream, chunk) -> None:
         """One chunk of ``stream`` (a StateStream with ``lora`` and ``predicted``)."""

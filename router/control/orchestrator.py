@@ -456,7 +456,6 @@ class Orchestrator:
                         await self.pulls.before_prefill(rid, prompt_ids, pslot, [
                             *self.prefill.values(), *self.decode.values()], self._journal)
                     stream.prefill_id = pslot.info.worker_id
-                    self.outcomes.steps.sent(stream.prefill_id, rid, stream.priority, work)
                     # The reserving process's address: a just-restarted worker has a new port.
                     destination = res.kv_address or decode.info.kv_address
                     result: PrefillResult = await self.calls.call(
@@ -469,10 +468,8 @@ class Orchestrator:
             finally:
                 # On cancellation prefill_id stays set, so the caller aborts the prefill too.
                 pslot.view.inflight_prefill_tokens -= work
-                self.outcomes.steps.ended(pslot.info.worker_id, rid)
                 prefill_counted = False
             stream.prefill_id = None
-            self.outcomes.prefilled(self.pulls, pslot.info.worker_id, rid, result)  # rate, steps
             self._journal(rid, "prefilled", pslot.info.worker_id, "")
             prefilled_at = time.monotonic()
             # The decode phase runs from here to the last token (or a migration).
@@ -486,6 +483,9 @@ class Orchestrator:
                 pslot.view.inflight_prefill_tokens -= work
         stream.committed, stream.decode_incarnation = True, res.incarnation
         self.kv_transfer_bytes_total += result.kv_bytes
+        self.pulls.note_prefill(pslot.info.worker_id,
+                                result.num_prompt_tokens - result.num_cached_tokens,
+                                result.compute_s)
         self.phases.record(rid, RequestTiming(result.queue_s, result.compute_s,
                                               result.transfer_tail_s, attempt + 1),
                            time.monotonic() - prefilled_at)
