@@ -20,44 +20,21 @@ from engine.text.tokenizer import load_tokenizer
 from engine.weights.resolve import resolve_model
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
+from tests.helpers.fp32_backends import fp32_backend
 from tests.helpers.hf_reference import greedy_logprobs
 
 PROMPT = "The capital of France is"
 PARIS = [{"role": "user", "content": "Name three things to see in Paris."}]
 # Test clients retry nothing: a retried UNAVAILABLE would hide the refusal under test.
 NO_RETRY = RetryPolicy(max_retries=0)
-# The package's queue limits (tests/integration/frontdoor/conftest.py), and tracing on, as there.
-MAX_NUM_SEQS = 4
-MAX_WAITING = 4
-# fp32 weights, not the default: every promise here needs the float products (above).
-QUANTIZATION = "none"
 
 
 @pytest.fixture(scope="module", params=["embedded", "cluster"])
 def backend(request, server_loop, otlp):
-    """One backend at a time (the module's tests of one run before the other's): the
-    embedded engine, then the cluster, which starts the Ray it owns as `pdcluster serve`
-    does and stops it after."""
-    from engine.args import EngineArgs
-    from router.embedded import EngineBackend
-    from worker_protocol.tracing import TracingConfig
-
-    tracing = TracingConfig(otlp.endpoint, flush_interval_s=0.2, export_timeout_s=2.0)
-    if request.param == "embedded":
-        b = EngineBackend(EngineArgs(max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING,
-                                     quantization=QUANTIZATION), tracing=tracing)
-    else:
-        from router.cluster.ray_cluster import Cluster, ClusterConfig
-        from tests.helpers.shared_ray import stop_shared_ray
-
-        stop_shared_ray()
-        engine = EngineArgs(max_num_seqs=MAX_NUM_SEQS, num_threads=1, quantization=QUANTIZATION)
-        b = server_loop.run(Cluster.start(ClusterConfig(
-            prefill_engine=engine, decode_engine=engine,
-            max_inflight_requests=MAX_NUM_SEQS + MAX_WAITING, capacity_wait_s=5.0,
-            tracing=tracing)), 180)
-    yield b
-    server_loop.run(b.shutdown(), 60)
+    """fp32 (tests/helpers/fp32_backends.py): one at a time, the embedded engine's tests
+    first."""
+    with fp32_backend(request.param, server_loop, otlp) as b:
+        yield b
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +79,6 @@ def test_a_batch_of_prompts_answers_each_in_order(http, tokenizer):
     assert [c["text"] for c in as_ids["choices"]] == [s["choices"][0]["text"] for s in singles]
 
 
-
 def test_streamed_choices_each_name_their_index_and_add_up(http, model_id):
     body = {"messages": PARIS, "max_tokens": 8, "temperature": 0, "n": 2, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -124,7 +100,6 @@ def test_streamed_choices_each_name_their_index_and_add_up(http, model_id):
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"] == whole["usage"]
 
 
-
 def test_echo_starts_each_choice_with_its_prompt(http, tokenizer):
     plain = _complete(http, prompt=PROMPT, temperature=0)["choices"][0]["text"]
     echoed = _complete(http, prompt=PROMPT, temperature=0, echo=True, n=2)
@@ -138,7 +113,6 @@ def test_echo_starts_each_choice_with_its_prompt(http, tokenizer):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
     assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + plain
-
 
 
 def test_best_of_returns_the_most_likely_of_its_generations(http):
@@ -161,7 +135,6 @@ def test_best_of_returns_the_most_likely_of_its_generations(http):
     assert all(c["logprobs"] is None for c in plain["choices"])  # ranked, not returned
 
 
-
 def test_grpc_n_choices_with_the_sdk(frontdoor, kv_probe):
     from client import InvalidArgument
 
@@ -180,7 +153,6 @@ def test_grpc_n_choices_with_the_sdk(frontdoor, kv_probe):
             with pytest.raises(InvalidArgument, match="n must|resumable"):
                 c.generate(PROMPT, max_tokens=2, **bad)
     kv_probe.wait_until_free()
-
 
 
 # ---- logprobs ------------------------------------------------------------------------------
@@ -241,13 +213,11 @@ def test_completion_logprobs_are_transformers_log_softmax(http, tokenizer, refer
         assert lp["text_offset"] == [sum(map(len, names[:i])) for i in range(len(names))]
 
 
-
 def test_return_tokens_as_token_ids_names_each_token_by_its_id(http, reference):
     lp = _complete(http, prompt=reference["prompt"], max_tokens=LOGPROB_TOKENS, temperature=0,
                    logprobs=0, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
     assert lp["tokens"] == [f"token_id:{t}" for t in reference["tokens"]]
     assert [list(d) for d in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
-
 
 
 def test_grpc_logprobs_are_the_same_numbers(frontdoor, reference):
@@ -263,7 +233,6 @@ def test_grpc_logprobs_are_the_same_numbers(frontdoor, reference):
         assert c.generate(PROMPT, max_tokens=2).logprobs is None
         with pytest.raises(InvalidArgument, match="logprobs"):
             c.generate(PROMPT, max_tokens=2, logprobs=1, resume=True)
-
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

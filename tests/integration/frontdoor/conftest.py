@@ -14,8 +14,9 @@ MAX_NUM_SEQS = 4
 MAX_WAITING = 4
 # Both backends serve the default quantization ("auto": the GGUF's own blocks), what
 # `pdcluster serve` runs. The promises that need the float products (n choices and batches
-# against each request alone, logprobs against transformers' fp32 forward) run over fp32
-# backends of their own: tests/integration/test_frontdoor_float_products.py.
+# against each request alone, a resumed stream against an unbroken run, logprobs against
+# transformers' fp32 forward) run over fp32 backends of their own:
+# tests/integration/test_frontdoor_float_products.py, test_frontdoor_float_resume.py.
 
 
 @pytest.fixture(scope="package")

@@ -277,38 +277,9 @@ def test_retry_reaches_a_server_that_comes_up_late(backend, server_loop):
         server_loop.run(fut.result(60).stop(1))
 
 
-# The fuzzed requests beside a good greedy one (its tokens against its run alone need the float
-# products): tests/integration/test_frontdoor_float_products.py.
-
-
-def _greedy_alone(client, n: int) -> list[int]:
-    return client.generate(PROMPT, max_tokens=n, temperature=0, ignore_eos=True).token_ids
-
-
-def test_a_resumable_request_outlives_its_call_and_resumes_exactly(address, client, kv_probe):
-    """The call of a resumable request is cancelled after 5 tokens: the request runs on, and
-    Resume from token 5 (a new call) returns exactly the remaining tokens; the whole equals
-    an unbroken run. KV is freed once it ends."""
-    alone = _greedy_alone(client, 32)
-    with grpc.insecure_channel(address) as ch:
-        stub = pb_grpc.GenerationStub(ch)
-        req = pb.GenerateRequest(text=PROMPT, resumable=True, sampling=pb.SamplingParams(
-            max_tokens=32, temperature=0, ignore_eos=True))
-        call = stub.Generate(req, timeout=60)
-        got, rid = [], None
-        for resp in call:
-            rid = resp.request_id
-            got += list(resp.chunk.token_ids)
-            if len(got) >= 5:
-                break
-        call.cancel()  # the client goes away mid-stream
-    resumed = client.resume(rid, from_index=len(got))
-    rest = [t for chunk in resumed for t in chunk.token_ids]
-    assert got + rest == alone
-    assert resumed.result.finish_reason == "length"
-    # after its end, from the start: the whole stream again
-    assert [t for c in client.resume(rid) for t in c.token_ids] == alone
-    kv_probe.wait_until_free()
+# Need the float products: the fuzzed requests beside a good greedy one (its tokens against its
+# run alone), tests/integration/test_frontdoor_float_products.py; a resumed stream against an
+# unbroken run, tests/integration/test_frontdoor_float_resume.py.
 
 
 def test_a_plain_request_is_aborted_when_its_call_breaks(address, client, kv_probe):
@@ -330,59 +301,3 @@ def test_a_plain_request_is_aborted_when_its_call_breaks(address, client, kv_pro
 def test_resume_of_an_unknown_request_is_not_found(client):
     with pytest.raises(NotFound, match="no stream"):
         list(client.resume("req-that-never-was"))
-
-
-def test_sdk_resumes_by_itself_when_the_connection_is_cut(address, client, kv_probe):
-    """Through a proxy that resets every connection mid-stream (twice): the SDK's
-    ``stream(..., resume=True)`` reconnects, resumes from the last token received, and the
-    caller sees one stream equal to an unbroken run."""
-    from tests.helpers.tcp_proxy import CuttableProxy
-
-    alone = _greedy_alone(client, 40)
-    proxy = CuttableProxy(int(address.rsplit(":", 1)[1]))
-    try:
-        with Client(f"127.0.0.1:{proxy.port}", timeout=120, retry=NO_RETRY) as c, c.stream(
-                PROMPT, max_tokens=40, temperature=0, ignore_eos=True, resume=True) as s:
-            tokens, cut_at = [], [6, 20]
-            for chunk in s:
-                tokens += chunk.token_ids
-                # A chunk may carry several tokens (a busy host): cut once each mark is passed.
-                if cut_at and len(tokens) >= cut_at[0]:
-                    cut_at.pop(0)
-                    proxy.cut()
-            assert tokens == alone and s.result.token_ids == alone
-            assert s.result.finish_reason == "length"
-            assert s._resumes >= 2  # it really was cut and resumed
-    finally:
-        proxy.close()
-    kv_probe.wait_until_free()
-
-
-def test_async_sdk_resumes_by_itself_too(address, client, kv_probe):
-    """The asyncio client's ``stream(..., resume=True)`` through a proxy cut mid-stream, and
-    its ``resume`` by hand after the end: both equal the unbroken run."""
-    from tests.helpers.tcp_proxy import CuttableProxy
-
-    alone = _greedy_alone(client, 24)
-    proxy = CuttableProxy(int(address.rsplit(":", 1)[1]))
-
-    async def go():
-        async with AsyncClient(f"127.0.0.1:{proxy.port}", timeout=120, retry=NO_RETRY) as c:
-            s = c.stream(PROMPT, max_tokens=24, temperature=0, ignore_eos=True, resume=True)
-            tokens, cut = [], False
-            async for chunk in s:
-                tokens += chunk.token_ids
-                if not cut and len(tokens) >= 8:  # a chunk may carry several tokens
-                    cut = True
-                    proxy.cut()
-            by_hand = [t async for ch in c.resume(s.request_id, from_index=8)
-                       for t in ch.token_ids]
-            return tokens, s._resumes, by_hand
-
-    try:
-        tokens, resumes, by_hand = asyncio.run(go())
-    finally:
-        proxy.close()
-    assert tokens == alone and resumes >= 1
-    assert by_hand == alone[8:]
-    kv_probe.wait_until_free()

@@ -14,7 +14,6 @@ import pytest
 
 from client import Client, RetryPolicy
 from router.embedded import EngineBackend
-from tests.helpers.sse import sse_events_with_ids
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
@@ -373,49 +372,9 @@ def test_gauges_show_a_running_request(base_url, http, kv_probe):
     assert _scrape(http)["pdcluster_kv_blocks_used"] == 0
 
 
-# The fuzzed requests beside a good greedy one (its text against its run alone needs the float
-# products): tests/integration/test_frontdoor_float_products.py.
-
-
-@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_a_resumable_sse_stream_resumes_from_its_last_event_id(base_url, http, kv_probe,
-                                                               endpoint):
-    """SSE events carry ``id: <request_id>:<tokens so far>``. A resumable request whose
-    client disconnects runs on; GET /v1/streams/{id} with Last-Event-ID returns the rest, in
-    the original endpoint's format, and the text joins up to an unbroken run's."""
-    chat = endpoint.endswith("chat/completions")
-    body = ({"messages": PARIS} if chat else {"prompt": PROMPT}) | {
-        "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
-
-    def text_of(data: str) -> str:
-        choice = json.loads(data)["choices"][0]
-        return choice["delta"].get("content") or "" if chat else choice["text"]
-
-    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream("POST", endpoint,
-                                                                     json=body) as r:
-        alone = "".join(text_of(d) for _, d in sse_events_with_ids(r.iter_lines())
-                        if d != "[DONE]")
-    got, last_id = "", None
-    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
-            "POST", endpoint, json=body | {"resumable": True}) as r:
-        rid = r.headers["x-request-id"]
-        for event_id, data in sse_events_with_ids(r.iter_lines()):
-            assert event_id.startswith(f"{rid}:")
-            got += text_of(data)
-            last_id = event_id
-            if int(event_id.rsplit(":", 1)[1]) >= 5:
-                break  # the client drops the connection here
-    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
-            "GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": last_id}) as r:
-        assert r.status_code == 200
-        events = sse_events_with_ids(r.iter_lines())
-    assert events[-1] == (None, "[DONE]")
-    objects = {json.loads(d)["object"] for _, d in events[:-1]}
-    assert objects == {"chat.completion.chunk" if chat else "text_completion"}
-    rest = "".join(text_of(d) for _, d in events[:-1])
-    assert got + rest == alone
-    assert events[-2][0] == f"{rid}:24"  # the last event says how many tokens in all
-    kv_probe.wait_until_free()
+# Need the float products: the fuzzed requests beside a good greedy one (its text against its
+# run alone), tests/integration/test_frontdoor_float_products.py; a resumed stream against an
+# unbroken run, tests/integration/test_frontdoor_float_resume.py.
 
 
 def test_resuming_an_unknown_or_foreign_stream_is_refused(http):

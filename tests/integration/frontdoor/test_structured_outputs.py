@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -18,7 +17,6 @@ import pytest
 from client import Client, InvalidArgument, RetryPolicy
 from tests.helpers.http_asserts import assert_400_naming
 from tests.helpers.schemas import SCIENTIST
-from tests.helpers.sse import sse_events_with_ids
 
 QUESTION = [{"role": "user", "content": "Describe one famous scientist."}]
 # Test clients retry nothing: a retried UNAVAILABLE would hide the refusal under test.
@@ -303,31 +301,5 @@ def test_grpc_auto_parses_each_choices_own_calls(hermes_frontdoor):
     assert results[0].tool_calls[0].id != results[1].tool_calls[0].id
 
 
-def test_a_resumed_constrained_stream_is_one_valid_document(base_url, kv_probe):
-    """A resumable, schema-constrained chat stream whose client drops mid-document runs on;
-    resumed from its Last-Event-ID, the joined text equals an unbroken run's and validates."""
-    body = {"messages": QUESTION, "max_tokens": 150, "temperature": 0, "stream": True,
-            "response_format": JSON_SCHEMA_FORMAT}
-
-    def text_of(data: str) -> str:
-        return json.loads(data)["choices"][0]["delta"].get("content") or ""
-
-    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
-            "POST", "/v1/chat/completions", json=body) as r:
-        alone = "".join(text_of(d) for _, d in sse_events_with_ids(r.iter_lines()) if d != "[DONE]")
-    got, last_id = "", None
-    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
-            "POST", "/v1/chat/completions", json=body | {"resumable": True}) as r:
-        rid = r.headers["x-request-id"]
-        for event_id, data in sse_events_with_ids(r.iter_lines()):
-            got += text_of(data)
-            last_id = event_id
-            if int(event_id.rsplit(":", 1)[1]) >= 5:
-                break  # the client drops the connection mid-document
-    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream(
-            "GET", f"/v1/streams/{rid}", headers={"Last-Event-ID": last_id}) as r:
-        assert r.status_code == 200
-        rest = "".join(text_of(d) for _, d in sse_events_with_ids(r.iter_lines()) if d != "[DONE]")
-    assert got + rest == alone
-    jsonschema.validate(json.loads(alone), SCHEMA)
-    kv_probe.wait_until_free()
+# A resumed stream against an unbroken run needs the float products:
+# tests/integration/test_frontdoor_float_resume.py.
