@@ -160,9 +160,6 @@ class SpecController:
         self._prefill: float | None = None  # seconds per token of the target's prompt steps
         self._base: dict[int, tuple[float, int]] = {}  # B -> (seconds, step measured)
         self._slope: dict[int, tuple[float, int]] = {}  # B -> (seconds per extra row, step)
-        # B -> extra rows -> (seconds those rows added to a step of B, step): a step's cost is
-        # not linear in its rows (the fused step's dot tiles take 4 rows at a time from 4)
-        self._rows: dict[int, dict[int, tuple[float, int]]] = {}
         self._buckets: dict[int, _Bucket] = {}  # by _bucket(B)
         self._steps = 0
         self.last_k = 0
@@ -220,7 +217,7 @@ class SpecController:
             # a catch-up repaid over what the requests have left
             tokens_left = _HORIZON * sum(left.get(r, 1) for r in drafts) / b
             return self._best_k(drafts, top, t0, dpass, slope[0], backlog * per_token,
-                                tokens_left, self._rows.get(b, {}))
+                                tokens_left)
         # a probe: one draft per sequence (the cheapest) where drafts could pay at all
         # (free verification rows, the engine's acceptance) ...
         a = self._engine_acceptance()
@@ -237,15 +234,10 @@ class SpecController:
         return 1
 
     def _best_k(self, drafts: dict[str, int], top: int, t0: float, dpass: float,
-                slope: float, catch_up_s: float, tokens_left: float,
-                by_rows: dict[int, tuple[float, int]]) -> int:
+                slope: float, catch_up_s: float, tokens_left: float) -> int:
         """The k of the highest expected tokens per second, 0 unless it beats plain decode's
         by ``MARGIN``; ``catch_up_s`` spread over the steps ``tokens_left`` (per sequence)
-        take at k's pace. The rows' cost: what steps of that many rows added lately
-        (``by_rows``); a count not measured lately as the dearest of the fewer rows measured
-        (more rows never cost less: the optimistic guess, so it is tried and measured),
-        ``slope`` per row where none is."""
-        fresh = {n: v for n, (v, at) in by_rows.items() if self._steps - at < REFRESH_STEPS}
+        take at k's pace."""
         b = len(drafts)
         alpha = {r: self.acceptance(r) for r, d in drafts.items() if d}
         best_k, best_rate = 0, float(b) / t0 * MARGIN
@@ -260,13 +252,7 @@ class SpecController:
                     p *= a
                     expected += p
             steps_left = max(1.0, tokens_left * b / expected)
-            if rows in fresh:
-                added = fresh[rows]
-            elif fresh:
-                added = max((v for n, v in fresh.items() if n < rows), default=0.0)
-            else:
-                added = slope * rows
-            rate = expected / (t0 + k * dpass + added + catch_up_s / steps_left)
+            rate = expected / (t0 + k * dpass + slope * rows + catch_up_s / steps_left)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -335,11 +321,6 @@ class SpecController:
         old = self._slope.get(b)
         avg = per_row if old is None else old[0] + _COST_WEIGHT * (per_row - old[0])
         self._slope[b] = (avg, self._steps)
-        by_rows = self._rows.setdefault(b, {})
-        old = by_rows.get(extra)
-        added = per_row * extra
-        by_rows[extra] = (added if old is None else old[0] + _COST_WEIGHT * (added - old[0]),
-                          self._steps)
         made = emitted if emitted is not None else b
         if bk is None:
             bk = self._buckets[_bucket(b)] = _Bucket(budget=FIRST_PROBE * base[0])

@@ -28,7 +28,6 @@ class Sim:
     per_token: float = 0.0
     prompt: int = 0
     length: int = 10**9
-    rows_cost: dict[int, float] | None = None  # extra rows -> what they add (else row each)
     spec_steps: int = 0
     probe_steps: list[int] = field(default_factory=list)
     seconds: float = 0.0
@@ -52,8 +51,7 @@ class Sim:
             acc = min(k, self.accept)
             catch = sum(backlog.values()) if k else 0
             draft_s = k * self.dpass + catch * self.per_token
-            added = self.rows_cost.get(k * self.b, 0.0) if self.rows_cost else self.row * k * self.b
-            t = self.base + added + draft_s
+            t = self.base + self.row * k * self.b + draft_s
             for r in list(made):
                 if k:
                     c.observe(r, k, acc)
@@ -208,16 +206,3 @@ def test_a_catch_up_without_drafts_is_charged_to_the_budget():
     assert [c.choose({"a": 4}, {"a": 0}, {"a": 100}) for _ in range(100)] == [0] * 100
     sim = Sim(b=1, base=0.030, accept=4, dpass=0.003, row=0.0005)  # cheap drafts, all held
     assert sim.run(c, 1200) > 1.5  # once the budget is earned back: the base was not inflated
-
-
-def test_a_step_cost_that_jumps_with_its_rows_finds_the_best_k():
-    """The fused step's dot tiles take verification rows 4 at a time from 4 rows: 1-2 extra
-    rows add little, 3-4 a lot. A cost per row averaged over steps would settle on k = 4
-    (rows looking cheap at first, dear on average after); priced by what each row count
-    measured, the controller tries each count once and keeps k = 2, the best rate here."""
-    base, dpass = 0.016, 0.002
-    cost = {1: 0.0005, 2: 0.001, 3: 0.015, 4: 0.016}
-    best = max((1 + k) / (base + k * dpass + cost[k]) for k in cost) * base  # k = 2: 2.29x
-    sim = Sim(b=1, base=base, rows_cost=cost, dpass=dpass, per_token=0.0003)
-    rate = sim.run(SpecController(4, draft_cost=0.1), 400)
-    assert rate >= 0.97 * best, (rate, best)
