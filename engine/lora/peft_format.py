@@ -27,8 +27,8 @@ from engine.models.config import ModelConfig
 from engine.parallel.sharding import TPShard
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.int8)  # what cpu_ops.c's LoRA reads  # ours, in LoRAAdapter.descs' order
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # ours, in LoRAAdapter.descs' order
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.int8)  # what cpu_ops.c's LoRA reads
 # outputs per block of a part's B as the C kernel reads it (cpu_ops.c's LORA_OUT)
 B_BLOCK = 64
 # PEFT's module name -> (our projection, its part: q/k/v of qkv, gate/up of gate_up)
@@ -90,7 +90,7 @@ class LoRAAdapter:
     source: PeftTensors | None = field(default=None, repr=False)
     _descs: list[torch.Tensor] = field(default_factory=list, repr=False)
     # (made by finish) the largest stacked rank of any projection (the kernel's scratch
-    # width), and whether every tensor is in a dtype the C kernel reads (fp32, fp16)
+    # width), and whether every tensor is in a dtype the C kernel reads (fp32, fp16, int8)
     rmax: int = 0
     c_kernel: bool = False
 

@@ -24,6 +24,7 @@ import torch
 
 from engine.lora.peft_format import LoRAAdapter, lay_out, read_peft
 from engine.lora.request import AdaptersBusyError, LoRARequest
+from engine.lora.rows import forget_groupings
 from engine.models.config import ModelConfig
 from engine.parallel.sharding import TPShard
 
@@ -100,6 +101,7 @@ class LoRARegistry:
                                  f"{self.max_cpu_loras} held adapters (max_cpu_loras) have "
                                  "requests running under them")
             del self._held[victim]
+            forget_groupings()  # no remembered step grouping keeps the victim alive
             if self.tell is not None:
                 self.tell(("lora_drop", victim))
             self.num_evictions += 1
@@ -129,6 +131,7 @@ class LoRARegistry:
             raise ValueError(f"LoRA adapter {name!r} is in use by {n} request(s); unload "
                              "refused")
         del self._held[name]
+        forget_groupings()  # no remembered step grouping keeps it alive
         if self.tell is not None:
             self.tell(("lora_drop", name))
         self.held_names = tuple(self._held)

@@ -11,6 +11,7 @@ each A and B row read once per step); elsewhere torch ops per group do the same.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,8 +22,18 @@ from engine.lora.peft_format import PROJECTIONS, LoRAAdapter, b_matrix
 from engine.ops.cpu_ops import library
 
 _active = threading.local()
-_last = threading.local()  # this thread's previous (spans, LoRARows) (LoRARows.of_layout)
+# Each thread's previous (spans, LoRARows) (LoRARows.of_layout), by its Thread object: an
+# entry goes with its thread, and forget_groupings() drops them all, so an adapter unloaded or
+# evicted never stays alive through a remembered grouping (an idle engine, or a follower rank
+# whose next steps run no adapter, would otherwise hold it past max_cpu_loras).
+_last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _INDEX = {name: i for i, name in enumerate(PROJECTIONS)}
+
+
+def forget_groupings() -> None:
+    """Drop every thread's remembered grouping (``LoRARows.of_layout``): the registry calls it
+    when an adapter is unloaded or evicted, so nothing but a running step holds it after."""
+    _last.clear()
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,7 @@ class LoRARows:
     t: torch.Tensor  # the kernel's scratch: [rows, rmax]
     # addresses made once per step (each call then costs a ctypes call and the kernel)
     desc_addrs: list[list[int]]
-    # the adapters' tensors are in a dtype the C kernel reads (fp32, fp16)
+    # the adapters' tensors are in a dtype the C kernel reads (fp32, fp16, int8)
     c_kernel: bool = True
 
     @staticmethod
@@ -58,7 +69,7 @@ class LoRARows:
         under one."""
         spans = cls.layout(chunks)
         if spans is None:
-            _last.rows = None  # holds no adapter past a step without one
+            _last.pop(threading.current_thread(), None)  # no adapter held past such a step
             return None
         return cls.of_layout(spans, adapter)
 
@@ -69,13 +80,16 @@ class LoRARows:
         decode step with the same spans under the same adapter objects as this thread's
         previous one gets that step's grouping back (decode steps repeat their layout; the
         tables cost ~1 ms of Python for 16 adapters)."""
-        spans = tuple(spans)
-        last = getattr(_last, "rows", None)
+        spans, me = tuple(spans), threading.current_thread()
+        last = _last.get(me)
         if last is not None and last[0] == spans and all(
                 adapter(a.name) is a for _, a in last[1].groups):
             return last[1]
         made = cls._make(spans, adapter)
-        _last.rows = (spans, made) if made is not None else None
+        if made is None:
+            _last.pop(me, None)
+        else:
+            _last[me] = (spans, made)
         return made
 
     @classmethod

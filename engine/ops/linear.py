@@ -122,8 +122,12 @@ class LinearPlan:
             parts = []
             for t in sorted((t for t in self.timings if (t.n, t.k, t.kind) == (n, k, kind)),
                             key=lambda t: t.m):
-                other = min(v for p, v in t.seconds.items() if p != t.best)
-                parts.append(f"M={t.m}: {t.best} ({other / t.seconds[t.best]:.2f}x)")
+                chosen = _bucket_choice(t)
+                others = [v for p, v in t.seconds.items() if p != chosen]
+                if others:
+                    parts.append(f"M={t.m}: {chosen} ({min(others) / t.seconds[chosen]:.2f}x)")
+                else:
+                    parts.append(f"M={t.m}: {chosen}")
             parts = parts or ["F.linear (not tuned)"]
             lines.append(f"W[{n}x{k}]{'' if kind == FP else ' ' + kind} " + ", ".join(parts))
         return lines
@@ -206,7 +210,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [M, K]`` by the path the host's plan chose for this
     weight shape (and kind) and M (``F.linear`` when untuned and on GPU; a quantized weight
-    untuned: ``cquant``). Returns a contiguous ``[M, N]``."""
+    untuned: ``cquant`` up to 32 rows, ``dequant`` past them). Returns a contiguous ``[M, N]``."""
     n, k = weight.shape
     if isinstance(weight, TinyGemmWeight):  # int4 on CUDA (engine.quant.gpu)
         return weight.linear(x, bias)

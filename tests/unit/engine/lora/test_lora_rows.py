@@ -84,6 +84,33 @@ def six(three, tiny_llama_dir, tmp_path_factory):
     return cfg, [*adapters, *more]
 
 
+def test_an_unloaded_or_evicted_adapter_is_not_kept_alive_by_a_remembered_grouping(
+        tiny_llama_dir, tmp_path):
+    """The grouping a thread remembers for its next step (``of_layout``) holds its adapters:
+    an unload or an LRU eviction drops it, so an idle engine (or a follower rank whose next
+    steps run no adapter) holds no adapter past ``max_cpu_loras``."""
+    import gc
+    import weakref
+
+    from engine.lora.registry import LoRARegistry
+
+    cfg = load_model_config(tiny_llama_dir)
+    reqs = [LoRARequest(f"b{i}", i + 1, str(save_adapter(
+        tiny_llama_dir, "llama", tmp_path / f"b{i}", seed=i, r=4, targets=["q_proj"])))
+        for i in range(2)]
+    reg = LoRARegistry(cfg, max_loras=1, max_lora_rank=8)
+    for leave in ("unload", "evict"):
+        first = weakref.ref(reg.load(reqs[0]))
+        assert lora_rows.LoRARows.of([_Chunk("b0", 1)], reg.get) is not None  # remembered
+        if leave == "unload":
+            reg.unload("b0")
+        else:
+            reg.load(reqs[1])  # max_cpu_loras 1: b0 is evicted
+            reg.unload("b1")
+        gc.collect()
+        assert first() is None, leave
+
+
 @pytest.mark.skipif(not cpu_ops.enabled(), reason="needs the C kernels")
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("proj", ["qkv", "o_proj", "gate_up", "down"])

@@ -80,6 +80,7 @@ def test_a_quantized_weights_prompt_bucket_expands_even_where_reading_in_place_t
     assert plan.path(16, 4, 500, "int8") == "cqint"  # an integer product stays eligible
     assert plan.exact_path(16, 4, 500, "int8") == "dequant"  # and a prompt expands
     assert plan.path(24, 4, 32, "int4") == "cquant" and plan.path(24, 4, 33, "int4") == "dequant"
+    assert "M=128: dequant_onednn" in plan.summary()[0]  # the log names the path that runs
 
 
 def test_linear_dispatches_on_the_plan(monkeypatch):
