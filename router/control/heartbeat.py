@@ -83,6 +83,7 @@ class Heartbeats:
         self.num_silent = 0  # decode workers declared silent (streams moved)
         self.num_gone = 0  # workers Ray's table showed gone before any call failed
         self.num_exited = 0  # workers whose lifeline closed (their process ended)
+        self._last_check: float | None = None  # when check last ran (a stalled loop's tell)
 
     def start(self) -> None:
         if self._task is None and self.suspect_after_s > 0:
@@ -122,7 +123,17 @@ class Heartbeats:
             await asyncio.sleep(self.interval_s)
 
     def check(self, now: float) -> None:
-        """Ping every watched worker that has no ping in flight; act on the silent ones."""
+        """Ping every watched worker that has no ping in flight; act on the silent ones. A
+        check that runs late (the router's loop was stalled: a long GC, a starved core) judges
+        no silence: the pongs and lifeline closes that arrived meanwhile are still waiting
+        for the loop, so every decode worker holding streams would look silent, and a
+        SIGKILLed one would be moved as silent ahead of its lifeline's word. The next check,
+        an interval later, judges as usual."""
+        # late by more than the silence rule's margin over one interval: an answer read
+        # before the stall may be an interval old, so past this a pong may be waiting unread
+        stalled = (self._last_check is not None and now - self._last_check
+                   > max(2 * self.interval_s, self.suspect_after_s - self.interval_s))
+        self._last_check = now
         for slot in self._slots():
             wid = slot.info.worker_id
             if not slot.view.alive or slot.view.drained:
@@ -137,7 +148,8 @@ class Heartbeats:
             last = max(self._answered[wid], self._last_tokens(wid) if decode else 0.0)
             if now - last > self.confirm_after_s and wid not in self._asking:
                 self._ask_ray(slot)
-            if decode and now - last > self.suspect_after_s and self._holds_streams(wid):
+            if (decode and not stalled and now - last > self.suspect_after_s
+                    and self._holds_streams(wid)):
                 self._reported.add(wid)
                 self.num_silent += 1
                 self._on_silent(slot, f"decode worker {wid} silent for {now - last:.1f} s: no "

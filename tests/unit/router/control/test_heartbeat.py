@@ -100,6 +100,28 @@ def test_silent_only_when_no_pong_and_no_tokens_while_holding_streams():
     _run(scenario)
 
 
+def test_a_check_after_a_stalled_loop_judges_no_silence_until_the_answers_are_read():
+    """The loop stalled 3 s: the pong that came meanwhile is not read yet when the late check
+    runs, which declares nobody silent; the pong is read before the next check, and a worker
+    that answered is never moved. One that did not answer is moved at the next check."""
+    async def scenario():
+        up, down = _slot("up"), _slot("down")
+        silent: list[str] = []
+        hb = Heartbeats(lambda: [up, down], lambda wid: True, lambda wid: 0.0,
+                        lambda slot, why: silent.append(slot.info.worker_id), _no_gone, 0.25,
+                        1.0, _alive)
+        hb.check(10.0)
+        up.handle.answer()  # answered during the stall; its callback has not run yet
+        hb.check(13.0)  # the late check
+        assert silent == []
+        await asyncio.sleep(0)  # the loop reads the pong
+        hb.check(13.25)
+        assert silent == ["down"]
+        await hb.close()
+
+    _run(scenario)
+
+
 def test_dead_or_drained_workers_are_not_watched_and_a_restarted_one_starts_afresh():
     async def scenario():
         a = _slot("a")
