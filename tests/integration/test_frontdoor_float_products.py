@@ -5,7 +5,8 @@ quantization, what `pdcluster serve` runs. The integer products round a step's a
 so a near-tied token can move with the step's batch or plan (docs/models.md, "Exactness"):
 what needs the float products is that n choices, a batch of prompts, best_of's reruns and a
 request with fuzzed requests beside it each give the tokens the same request gives alone (with
-seed + j for choice j), and that reported logprobs are transformers' fp32 log-softmax."""
+seed + j for choice j), that a greedy request streamed gives the text it gives whole, and that
+reported logprobs are transformers' fp32 log-softmax."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers.fp32_backends import fp32_backend
 from tests.helpers.hf_reference import greedy_logprobs
+from tests.helpers.schemas import SCIENTIST
 
 PROMPT = "The capital of France is"
 PARIS = [{"role": "user", "content": "Name three things to see in Paris."}]
@@ -40,6 +42,21 @@ def backend(request, server_loop, otlp):
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(resolve_model(None).model_dir)
+
+
+def test_a_greedy_json_schema_answer_streamed_is_the_answer_whole(oai, model_id, kv_probe):
+    """Moved from frontdoor/test_structured_outputs.py: the same greedy request twice, whole
+    and then streamed (its prompt then in the prefix cache), gives the same text."""
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "scientist", "schema": SCIENTIST, "strict": True}}
+    kw = dict(model=model_id, messages=[{"role": "user",
+                                         "content": "Describe one famous scientist."}],
+              max_tokens=150, response_format=fmt, temperature=0)
+    whole = oai.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        **kw, stream=True) if c.choices)
+    assert streamed == whole
+    kv_probe.wait_until_free()
 
 
 # ---- several choices: n, a batch of prompts, best_of ----------------------------------------
