@@ -129,15 +129,18 @@ def test_without_a_traceparent_each_request_starts_its_own_trace(base_url, otlp,
 
 
 def test_a_collector_that_is_down_costs_requests_nothing(http, otlp, backend, kv_probe):
-    """With the receiver stopped, requests answer as before (same tokens); once it is back,
-    traces arrive again."""
-    before = http.post("/v1/completions", json=BODY).json()["choices"][0]["text"]
+    """With the receiver stopped, requests answer in full (every token asked for, the stop
+    reason the length); once it is back, traces arrive again. Not "the same tokens as before":
+    the default quantization's greedy answer may move at a near-tie when the engine's thread
+    count moves under a neighbour (docs/models.md#quantized-weights; CI saw it here)."""
     otlp.stop()
     try:
         for _ in range(3):
             r = http.post("/v1/completions", json=BODY)
             assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == before
+            choice, usage = r.json()["choices"][0], r.json()["usage"]
+            assert choice["finish_reason"] == "length" and choice["text"]
+            assert usage["completion_tokens"] == BODY["max_tokens"]
     finally:
         otlp.start()
     header, trace_id, _ = _traceparent()
