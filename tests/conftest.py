@@ -216,3 +216,25 @@ def pytest_collection_modifyitems(session, config, items):
     for i, item in enumerate(items):
         first_seen.setdefault(item.path, i)
     items.sort(key=lambda it: (_module_rank(it.path), first_seen[it.path]))
+
+
+# ---- whole packages to one worker ---------------------------------------------------------------
+# `--dist loadfile` hands out one module at a time, so the front-door packages' modules went to
+# both workers and each worker started the package's backends (a default-model engine and a 1+1
+# Ray cluster; fp32 ones for frontdoor_fp32/): 5-20 s each, more under the suite's load. Each of
+# these packages is one unit instead, run by one worker in the collection's order above.
+_WHOLE_PACKAGES = ("tests/integration/frontdoor/", "tests/integration/frontdoor_fp32/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler for any other mode
+    from xdist.scheduler import LoadFileScheduling
+
+    class WholePackages(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((p for p in _WHOLE_PACKAGES if path.startswith(p)), path)
+
+    return WholePackages(config, log)

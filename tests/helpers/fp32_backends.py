@@ -1,6 +1,7 @@
 """The fp32 backends of the front-door checks that need the float products
-(tests/integration/test_frontdoor_float_*.py): the package's queue limits and tracing, as in
-tests/integration/frontdoor/conftest.py, on fp32 weights."""
+(tests/integration/frontdoor_fp32/, whose conftest.py holds one of each for the package): the
+front-door package's queue limits and tracing, as in tests/integration/frontdoor/conftest.py,
+on fp32 weights."""
 
 from __future__ import annotations
 

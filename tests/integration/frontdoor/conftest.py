@@ -16,7 +16,7 @@ MAX_WAITING = 4
 # `pdcluster serve` runs. The promises that need the float products (n choices and batches
 # against each request alone, a resumed stream against an unbroken run, logprobs against
 # transformers' fp32 forward) run over fp32 backends of their own:
-# tests/integration/test_frontdoor_float_products.py, test_frontdoor_float_resume.py.
+# tests/integration/frontdoor_fp32/test_frontdoor_float_products.py, test_frontdoor_float_resume.py.
 
 
 @pytest.fixture(scope="package")

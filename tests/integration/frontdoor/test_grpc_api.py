@@ -278,8 +278,8 @@ def test_retry_reaches_a_server_that_comes_up_late(backend, server_loop):
 
 
 # Need the float products: the fuzzed requests beside a good greedy one (its tokens against its
-# run alone), tests/integration/test_frontdoor_float_products.py; a resumed stream against an
-# unbroken run, tests/integration/test_frontdoor_float_resume.py.
+# run alone), tests/integration/frontdoor_fp32/test_frontdoor_float_products.py; a resumed stream against an
+# unbroken run, tests/integration/frontdoor_fp32/test_frontdoor_float_resume.py.
 
 
 def test_a_plain_request_is_aborted_when_its_call_breaks(address, client, kv_probe):

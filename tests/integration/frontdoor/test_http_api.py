@@ -373,8 +373,8 @@ def test_gauges_show_a_running_request(base_url, http, kv_probe):
 
 
 # Need the float products: the fuzzed requests beside a good greedy one (its text against its
-# run alone), tests/integration/test_frontdoor_float_products.py; a resumed stream against an
-# unbroken run, tests/integration/test_frontdoor_float_resume.py.
+# run alone), tests/integration/frontdoor_fp32/test_frontdoor_float_products.py; a resumed stream against an
+# unbroken run, tests/integration/frontdoor_fp32/test_frontdoor_float_resume.py.
 
 
 def test_resuming_an_unknown_or_foreign_stream_is_refused(http):

@@ -192,7 +192,7 @@ def test_continuous_usage_stats_count_every_chunk(http):
 
 # ---- several choices: n, and a batch of prompts -------------------------------------------
 # (Their tokens against each request alone, best_of's reruns and the logprobs against
-# transformers need the float products: tests/integration/test_frontdoor_float_products.py.)
+# transformers need the float products: tests/integration/frontdoor_fp32/test_frontdoor_float_products.py.)
 
 def _complete(http, **body) -> dict:
     r = http.post("/v1/completions", json={"max_tokens": 6, "ignore_eos": True, **body})

@@ -40,7 +40,7 @@ def test_json_schema_response_format_with_the_openai_client(oai, model_id, kv_pr
         **kw, temperature=0, stream=True) if c.choices)
     # streamed and whole valid alike; that they are the same text (a request again, its
     # prompt now in the prefix cache: another plan bucket's prompt step) needs the float
-    # products: tests/integration/test_frontdoor_float_products.py
+    # products: tests/integration/frontdoor_fp32/test_frontdoor_float_products.py
     jsonschema.validate(json.loads(streamed), SCHEMA)
     several = oai.chat.completions.create(**kw, temperature=1.0, seed=11, n=3)
     for c in several.choices:  # sampled, and still valid
@@ -305,4 +305,4 @@ def test_grpc_auto_parses_each_choices_own_calls(hermes_frontdoor):
 
 
 # A resumed stream against an unbroken run needs the float products:
-# tests/integration/test_frontdoor_float_resume.py.
+# tests/integration/frontdoor_fp32/test_frontdoor_float_resume.py.

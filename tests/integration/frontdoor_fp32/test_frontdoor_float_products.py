@@ -1,5 +1,5 @@
 """The front doors' promises that hold for the float products only, over an fp32 in-process
-engine and an fp32 disaggregated cluster (1 prefill + 1 decode worker) of this module's own;
+engine and an fp32 disaggregated cluster (1 prefill + 1 decode worker), this package's own;
 the front-door package (tests/integration/frontdoor/) runs everything else on the default
 quantization, what `pdcluster serve` runs. The integer products round a step's activations,
 so a near-tied token can move with the step's batch or plan (docs/models.md, "Exactness"):
@@ -21,7 +21,6 @@ from engine.text.tokenizer import load_tokenizer
 from engine.weights.resolve import resolve_model
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers.fp32_backends import fp32_backend
 from tests.helpers.hf_reference import greedy_logprobs
 from tests.helpers.schemas import SCIENTIST
 
@@ -29,14 +28,6 @@ PROMPT = "The capital of France is"
 PARIS = [{"role": "user", "content": "Name three things to see in Paris."}]
 # Test clients retry nothing: a retried UNAVAILABLE would hide the refusal under test.
 NO_RETRY = RetryPolicy(max_retries=0)
-
-
-@pytest.fixture(scope="module", params=["embedded", "cluster"])
-def backend(request, server_loop, otlp):
-    """fp32 (tests/helpers/fp32_backends.py): one at a time, the embedded engine's tests
-    first."""
-    with fp32_backend(request.param, server_loop, otlp) as b:
-        yield b
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The front doors' resumed streams over an fp32 in-process engine and an fp32 disaggregated
-cluster of this module's own (tests/helpers/fp32_backends.py): a request whose client leaves
-mid-stream runs on, and what a client resumes joins up to exactly an unbroken run's tokens.
+cluster, both shared with test_frontdoor_float_products.py (this package's conftest.py): a
+request whose client leaves mid-stream runs on, and what a client resumes joins up to exactly
+an unbroken run's tokens.
 That equality needs the float products: under the default quantization it failed once in a
 whole-suite run (a greedy token at 26 of 32 differed, the gRPC resume, embedded), so these run
 on fp32 as test_frontdoor_float_products.py's checks do; the rest of the front doors run on the
@@ -19,7 +20,6 @@ import pytest
 from client import AsyncClient, Client, RetryPolicy
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers.fp32_backends import fp32_backend
 from tests.helpers.schemas import SCIENTIST
 from tests.helpers.sse import sse_events_with_ids
 
@@ -31,14 +31,6 @@ JSON_SCHEMA_FORMAT = {"type": "json_schema",
                       "json_schema": {"name": "scientist", "schema": SCHEMA, "strict": True}}
 # Test clients retry nothing: a retried UNAVAILABLE would hide the refusal under test.
 NO_RETRY = RetryPolicy(max_retries=0)
-
-
-@pytest.fixture(scope="module", params=["embedded", "cluster"])
-def backend(request, server_loop, otlp):
-    """fp32 (tests/helpers/fp32_backends.py): one at a time, the embedded engine's tests
-    first."""
-    with fp32_backend(request.param, server_loop, otlp) as b:
-        yield b
 
 
 @pytest.fixture(scope="module")
