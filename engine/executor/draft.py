@@ -14,6 +14,14 @@ past the draft's own K/V), whose last row gives the first draft, then k - 1 sing
 for the others. At most ``CATCH_UP_TOKENS`` missing tokens are computed a step, all sequences
 together: a sequence still catching up gets no drafts that step, so a long prompt's draft
 prefill is spread over steps instead of stalling the batch's streams.
+
+Every missing token runs as a decode row, in passes of at most ``ROWS_UP_TO`` rows (the
+fused decode step's largest bucket): the first pass as full of the oldest missing tokens as
+it can be, the last one each sequence's newest tokens, whose last row drafts. A draft's
+catch-up as a prompt chunk multiplies fp32 activations against its expanded weights (a
+quantized self-draft: 37 tokens ~63-93 ms on the default model), as rows it reads its packed
+weights once a pass (~8-24 ms for 24-37 rows, measured); the draft's own arithmetic only
+changes which tokens it proposes, never what the target emits.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from engine.executor.model_runner import ModelRunner
 
 CATCH_UP_TOKENS = 256
 _STEADY = 2  # missing tokens after a verified step: the target's own, and one accepted draft
-ROWS_UP_TO = 16  # missing tokens run as decode rows up to this many (a prompt chunk above)
+ROWS_UP_TO = 32  # decode rows a catch-up pass runs at most (the fused step's largest bucket)
 # Greedy, with the drafted token's log-probability under the draft (its confidence)
 _GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30, logprobs=0)
 # A draft the draft model gives less probability than this ends its sequence's drafts for the
@@ -98,7 +106,9 @@ class DraftProposer:
         them). Allocates the target's slots the drafts and their verification need (a
         sequence the pool has no room for gets none)."""
         budget = CATCH_UP_TOKENS
-        chunks, want = [], {}
+        heads: list[tuple[Request, int, int]] = []  # catch-up before the drafting pass
+        tails: list[tuple[Request, int]] = []  # each drafting sequence's first missing token
+        want: dict[str, int] = {}
         for req in reqs:
             rid, n, kr = req.request_id, req.num_tokens, k.get(req.request_id, 0)
             seq = self._settle(req)
@@ -107,31 +117,37 @@ class DraftProposer:
             missing = n - seq.done  # the last token's K/V comes with its row: >= 1
             if missing > budget:  # part of its catch-up this step, its drafts later
                 if budget > 0:
-                    chunks.append(self._chunk(req, seq.done, seq.done + budget, sample=False))
+                    heads.append((req, seq.done, seq.done + budget))
                     seq.done += budget
                     budget = 0
                 continue
             # the target's slots: the drafts' K/V here, then their verification there
             if not self.blocks.allocate_slots(rid, n + kr):
                 continue
-            chunks.append(self._chunk(req, seq.done, n, sample=True))
+            tails.append((req, seq.done))
             budget -= missing
             seq.done = n
             want[rid] = kr
-        if not chunks:
+        passes = self._passes_of(heads, tails)
+        if not passes:
             return {}
         drafts: dict[str, list[int]] = {rid: [] for rid in want}
         t0 = time.perf_counter()
-        out = self.runner.execute(SchedulerOutput(chunks))
-        # the first pass's share of catch-up tokens (beyond the steady ones) and seconds;
-        # without a catch-up it is a draft pass over the sequences that draft (at k = 1 the
-        # only one)
-        first_s = time.perf_counter() - t0
-        tokens = sum(c.num_tokens for c in chunks)
-        extra = max(0, tokens - _STEADY * len(chunks))
-        self._catch_up = (extra, first_s * extra / tokens)
+        for chunks in passes[:-1]:
+            self.runner.execute(SchedulerOutput(chunks))
+        t_last = time.perf_counter()
+        out = self.runner.execute(SchedulerOutput(passes[-1]))
+        # the catch-up (tokens beyond the steady ones): every pass before the drafting one,
+        # and that one's share pro rata; a drafting pass without it is a draft pass over the
+        # sequences that draft (at k = 1 the only one)
+        now = time.perf_counter()
+        last_tokens = sum(c.num_tokens for c in passes[-1])
+        last_extra = max(0, last_tokens - _STEADY * len(tails))
+        extra = sum(c.num_tokens for p in passes[:-1] for c in p) + last_extra
+        self._catch_up = ((extra, t_last - t0 + (now - t_last) * last_extra / last_tokens)
+                          if extra else (0, 0.0))
         if want and not extra:
-            self._passes.append((len(want), first_s))
+            self._passes.append((len(want), now - t_last))
         live = [r for r in reqs if r.request_id in want]
         floor = math.log(self.min_confidence) if self.min_confidence > 0 else -math.inf
         for _ in range(max(want.values(), default=0)):
@@ -156,7 +172,7 @@ class DraftProposer:
             out = self.runner.execute(SchedulerOutput(step_chunks))
             self._passes.append((len(step_chunks), time.perf_counter() - t1))
         self._seconds = time.perf_counter() - t0
-        if self._cold and (self._passes or any(c.num_tokens <= ROWS_UP_TO for c in chunks)):
+        if self._cold:
             # the draft's first decode rows paid one-off costs (0.13 s against ~5 ms on the
             # default model in fp32): their time a catch-up's (an investment), not a pass's
             self._cold = False
@@ -181,13 +197,45 @@ class DraftProposer:
             seq.proposed_at = -1
         return seq
 
+    def _passes_of(self, heads: list[tuple[Request, int, int]],
+                   tails: list[tuple[Request, int]]) -> list[list[ScheduledChunk]]:
+        """The step's draft passes, each of at most ``ROWS_UP_TO`` rows (more only where the
+        drafting sequences' steady rows alone are more): ``heads`` (a sequence, its first and
+        end position) are catch-up only; each of ``tails`` (a sequence, its first missing
+        position) ends in the last pass, which samples its first draft. A sequence's tokens
+        run in order: a pass holds at most one piece of each, after its earlier pieces."""
+        last: list[ScheduledChunk] = []
+        room = ROWS_UP_TO - sum(min(_STEADY, r.num_tokens - s) for r, s in tails)
+        for req, start in tails:
+            end = req.num_tokens
+            steady = min(_STEADY, end - start)
+            # the newest missing tokens in the drafting pass while it has room
+            more = min(end - start - steady, max(room, 0))
+            room -= more
+            first = end - steady - more
+            if first > start:
+                heads.append((req, start, first))
+            last.append(self._chunk(req, first, end, sample=True))
+        passes: list[list[ScheduledChunk]] = []
+        fill = ROWS_UP_TO
+        for req, start, end in heads:  # packed in order: a long one across passes
+            while start < end:
+                if fill == ROWS_UP_TO:
+                    passes.append([])
+                    fill = 0
+                piece = min(end - start, ROWS_UP_TO - fill)
+                passes[-1].append(self._chunk(req, start, start + piece, sample=False))
+                start += piece
+                fill += piece
+        if last:
+            passes.append(last)
+        return passes
+
     def _chunk(self, req: Request, start: int, end: int, sample: bool) -> ScheduledChunk:
-        # a few missing tokens (the steady state: the target's token and drafts accepted past
-        # the draft's own) run as decode rows, through the fused decode step; a prompt's
-        # catch-up as a prompt chunk
+        # decode rows, through the fused decode step (the module docstring)
         return ScheduledChunk(req.request_id, req.token_slice(start, end), start,
                               self.blocks.block_ids(req.request_id), sample, _GREEDY, 0, [], [],
-                              as_rows=end - start <= ROWS_UP_TO)
+                              as_rows=True)
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

@@ -29,7 +29,7 @@ steps lost lately): one draft per sequence, the cheapest try, and only if drafts
 at all (free verification rows at the engine's acceptance; a draft as costly as the target
 never could) and its worst case, every draft rejected (the draft pass, each row priced as a
 whole sequence's until measured, one step's catch-up: a catch-up token priced at the
-draft's measured one, else at the cheapest target prompt token seen), times 2^(losses in a
+draft's measured one, else at a share of a draft pass: decode rows), times 2^(losses in a
 row) fits the bucket's **budget**. The budget starts at ``FIRST_PROBE`` plain steps, earns
 ``EXPLORE_SHARE`` of every plain step's time, and each speculating step adds what it saved
 (its tokens at plain decode's pace less its time, catch-up included): a loss in full, a
@@ -42,7 +42,14 @@ What counts as a win: the steady gain, what speculating steps' tokens would have
 plain decode's pace over what the steps took, a ratio of sums decayed by ``_GAIN_DECAY`` per
 step (one step's drafts are all held or none: its own ratio swings far either way), steps
 with a catch-up left out (an investment the budget pays, not a sign that speculation loses
-here); it decides trusted against probe. Pure Python.
+here); it decides trusted against probe.
+
+**A disturbed step counts for nothing**: one whose time is over ``DISTURBED`` times what its
+shape measured lately (a decode step against its base; a verifying step's target part against
+base plus its rows; a draft pass or a catch-up token against its own average) is a
+neighbour's burst on a shared host, not evidence against speculation: it moves no average, no
+budget and no gain. ``DISTURBED_RUN`` such in a row are taken as they are (the host changed,
+and the figures must follow it). Pure Python.
 """
 
 from __future__ import annotations
@@ -55,11 +62,22 @@ FIRST_PROBE = 1.5  # a bucket's budget to start with, in plain steps of its batc
 EXPLORE_SHARE = 0.03  # of each plain step's time, added to its bucket's budget
 PROBE_SHARE = 0.25  # of each speculating step's saving, added to its bucket's budget
 _HORIZON = 0.5  # of the tokens requests may still produce, expected (a catch-up's payback)
-_PREFILL_TOKENS = 32  # a prompt step's tokens, at least, to price a catch-up token by
+# a catch-up of fewer tokens is not priced: a few more rows in a draft pass, whose share
+# pro rata says little of what a prompt's catch-up costs a token
+_CATCH_UP_MIN = 8
+# a catch-up token's price until one is timed, in draft passes: the catch-up runs as decode
+# rows, up to 32 a pass (engine/executor/draft.py), and a pass of 24 such rows took ~3.4
+# single-row passes (7.7 against 2.3 ms, the default model's int4 self-draft): ~1/7 a row
+_CATCH_UP_GUESS = 0.15
 _COST_WEIGHT = 0.25  # weight of a new step time in its average
 _GAIN_DECAY = 0.8  # per speculating step, of a bucket's sums behind its steady gain
 _DECAY = 0.8  # per step, of a request's acceptance history
 _PRIOR = 2.0  # positions of engine-wide acceptance each request's estimate starts with
+# A figure this many times its recent average is a neighbour's burst, not the step's own
+# cost (this project's hosts are shared: a 2-vCPU host's steps went 20 -> 100-300 ms for
+# whole seconds); charged, one such step spent a bucket's probe budget for the rest of a run.
+DISTURBED = 2.0
+DISTURBED_RUN = 4  # disturbed figures in a row after which they are believed (a slower host)
 
 
 @dataclass
@@ -157,11 +175,12 @@ class SpecController:
         self._acc_all = self._tried_all = 0  # drafts accepted and judged, engine-wide
         self._draft_pass: dict[int, float] = {}  # B -> seconds of a draft pass (measured)
         self._catch_up: float | None = None  # seconds per catch-up token of the draft
-        self._prefill: float | None = None  # seconds per token of the target's prompt steps
         self._base: dict[int, tuple[float, int]] = {}  # B -> (seconds, step measured)
         self._slope: dict[int, tuple[float, int]] = {}  # B -> (seconds per extra row, step)
         self._buckets: dict[int, _Bucket] = {}  # by _bucket(B)
+        self._noise: dict[tuple, int] = {}  # figure -> disturbed ones in a row
         self._steps = 0
+        self.disturbed_steps = 0  # steps left out as disturbed (what an operator may ask)
         self.last_k = 0
         self.last_probe = False  # whether the last choice was a probe (budget-gated)
 
@@ -209,7 +228,7 @@ class SpecController:
         measured_pass = measured is not None or not self.draft_cost
         dpass = measured if measured is not None else self.draft_cost * t0
         backlog = sum(catch_up.get(r, 0) for r in drafts)
-        per_token = self._catch_up_price()
+        per_token = self._catch_up_price(dpass)
         slope = _in_bucket(self._slope, b)
         fresh = slope is not None and self._steps - slope[1] < REFRESH_STEPS
         if fresh and measured_pass and bk.gain is not None and bk.gain >= 1.0:
@@ -257,42 +276,44 @@ class SpecController:
                 best_k, best_rate = k, rate
         return best_k
 
-    def _catch_up_price(self) -> float:
-        """Seconds a draft's catch-up token costs: measured, else what a target's prompt
-        token cost (a catch-up is the draft's prefill: compute-bound, and a self-draft does
-        the target's arithmetic on fewer bytes), else the cheapest target decode row seen."""
-        if self._catch_up is not None:
-            return self._catch_up
-        if self._prefill is not None:
-            return self._prefill
-        return min((t / b for b, (t, _) in self._base.items()), default=0.0)
+    def _catch_up_price(self, dpass: float) -> float:
+        """Seconds a draft's catch-up token costs: measured, else ``_CATCH_UP_GUESS`` of a
+        draft pass (``dpass``; the catch-up runs as decode rows, many a pass)."""
+        return self._catch_up if self._catch_up is not None else _CATCH_UP_GUESS * dpass
 
     # ---- what happened ---------------------------------------------------------------------
+    def _disturbed(self, key: tuple, value: float, usual: float | None) -> bool:
+        """Whether ``value`` of the figure ``key`` is a disturbance to leave out: over
+        ``DISTURBED`` times ``usual`` (its recent average), unless ``DISTURBED_RUN`` were in
+        a row (then this one is believed, and the run starts over)."""
+        if usual is None or value <= DISTURBED * usual:
+            self._noise.pop(key, None)
+            return False
+        run = self._noise.get(key, 0) + 1
+        if run >= DISTURBED_RUN:
+            self._noise.pop(key, None)
+            return False
+        self._noise[key] = run
+        return True
+
     def observe_draft(self, num_seqs: int, seconds_per_pass: float) -> None:
         """A draft model's pass over ``num_seqs`` sequences (one draft each) took this long."""
         old = self._draft_pass.get(num_seqs)
+        if self._disturbed(("draft", num_seqs), seconds_per_pass, old):
+            return
         self._draft_pass[num_seqs] = (seconds_per_pass if old is None else
                                       old + _COST_WEIGHT * (seconds_per_pass - old))
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A draft model computed ``tokens`` catch-up tokens (beyond a step's usual ones) in
         about ``seconds``."""
-        if tokens <= 0:
+        if tokens < _CATCH_UP_MIN:
             return
         per = seconds / tokens
         old = self._catch_up
-        self._catch_up = per if old is None else old + _COST_WEIGHT * (per - old)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A step with prompt chunks computed ``tokens`` tokens in all in ``seconds`` (one of
-        fewer than ``_PREFILL_TOKENS`` is not counted: a prefix-cache hit's last few tokens
-        cost what a decode step does, not what a prompt's tokens do)."""
-        if tokens < _PREFILL_TOKENS:
+        if self._disturbed(("catch_up",), per, old):
             return
-        # the cheapest seen: a neighbour's burst only ever adds time, and this is a guess
-        # until the draft's own catch-up is timed
-        per = seconds / tokens
-        self._prefill = per if self._prefill is None else min(self._prefill, per)
+        self._catch_up = per if old is None else old + _COST_WEIGHT * (per - old)
 
     def observe_step(self, num_seqs: int, num_tokens: int, seconds: float,
                      emitted: int | None = None, draft_seconds: float = 0.0,
@@ -310,6 +331,9 @@ class SpecController:
             # whose sequences had too much to catch up to draft yet): the base leaves it
             # out, the budget pays it
             plain = seconds - draft_seconds
+            if self._disturbed(("step", b), plain, base[0] if base else None):
+                self.disturbed_steps += 1
+                return
             avg = plain if base is None else base[0] + _COST_WEIGHT * (plain - base[0])
             self._base[b] = (avg, self._steps)
             if bk is not None:  # plain decode earns exploration time
@@ -317,8 +341,14 @@ class SpecController:
             return
         if base is None:
             return  # nothing to measure the extra against yet
-        per_row = max(0.0, (seconds - draft_seconds - base[0]) / extra)
+        # the target's part against base and rows (a row priced as a whole sequence's while
+        # unmeasured: the most it costs)
         old = self._slope.get(b)
+        expected = base[0] + (old[0] if old is not None else base[0] / b) * extra
+        if self._disturbed(("step", b), seconds - draft_seconds, expected):
+            self.disturbed_steps += 1
+            return
+        per_row = max(0.0, (seconds - draft_seconds - base[0]) / extra)
         avg = per_row if old is None else old[0] + _COST_WEIGHT * (per_row - old[0])
         self._slope[b] = (avg, self._steps)
         made = emitted if emitted is not None else b

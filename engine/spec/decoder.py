@@ -106,9 +106,7 @@ class SpecDecoder:
                 self.controller.observe_draft(b, seconds)
             self.controller.observe_catch_up(times.catch_up_tokens, times.catch_up_seconds)
             draft_s, catch_up_s = times.seconds, times.catch_up_seconds
-        if prompt:
-            self.controller.observe_prefill(sched.num_batched_tokens, step_seconds - draft_s)
-        elif sched.chunks:
+        if not prompt and sched.chunks:
             self.controller.observe_step(len(sched.chunks), sched.num_batched_tokens,
                                          step_seconds, emitted, draft_s, catch_up_s)
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.spec.controller import EXPLORE_SHARE, FIRST_PROBE, SpecController
+from engine.spec.controller import (
+    _CATCH_UP_GUESS,
+    DISTURBED_RUN,
+    EXPLORE_SHARE,
+    FIRST_PROBE,
+    SpecController,
+)
 
 
 @dataclass
@@ -36,8 +42,6 @@ class Sim:
     def run(self, c: SpecController, steps: int) -> float:
         """Tokens per second over plain decode's after ``steps`` steps."""
         drafter = self.dpass > 0
-        if self.per_token:  # the target's prompts cost what the draft's catch-up does
-            c.observe_prefill(100, 100 * self.per_token)
         backlog = {f"r{i}": self.prompt for i in range(self.b)}
         made = dict.fromkeys(backlog, 0)
         for step in range(steps):
@@ -99,13 +103,13 @@ def test_a_probe_waits_until_the_budget_covers_its_catch_up():
     """A draft model whose prompt catch-up is dear: the first probe waits until plain decode
     earned its worst case (FIRST_PROBE steps, then EXPLORE_SHARE of each plain step): a
     draft pass guessed from the bytes, a row priced as a whole step, and the catch-up (at
-    most one step's, 256 tokens) at what the target's prompt tokens cost."""
+    most one step's, 256 tokens) at a share of that draft pass (decode rows, many a pass)."""
     base, per_token = 0.030, 0.0015
     sim = Sim(b=1, base=base, row=0.002, dpass=0.003, per_token=per_token, prompt=100)
     rate = sim.run(SpecController(4, draft_cost=0.1), 800)
     step = 1  # the first plain step measures the base; the budget starts at the second
     while (FIRST_PROBE + EXPLORE_SHARE * (step - 1)) * base < (
-            0.1 * base + base + min(100 + step, 256) * per_token):
+            0.1 * base + base + min(100 + step, 256) * _CATCH_UP_GUESS * 0.1 * base):
         step += 1
     assert abs(sim.probe_steps[0] - step) <= 1, (sim.probe_steps, step)
     assert rate > 1.5  # ... which found that speculating pays here
@@ -198,7 +202,6 @@ def test_a_catch_up_without_drafts_is_charged_to_the_budget():
     the target plus the draft's catch-up: the catch-up is charged to the budget (no more
     probes for a long while), and the plain step's base leaves it out."""
     c = SpecController(4, draft_cost=0.1)
-    c.observe_prefill(100, 0.1)
     c.choose({"a": 4}, {"a": 0}, {"a": 100})
     c.observe_step(1, 1, 0.030)  # base
     assert c.choose({"a": 4}, {"a": 0}, {"a": 100}) == 1 and c.last_probe
@@ -206,3 +209,30 @@ def test_a_catch_up_without_drafts_is_charged_to_the_budget():
     assert [c.choose({"a": 4}, {"a": 0}, {"a": 100}) for _ in range(100)] == [0] * 100
     sim = Sim(b=1, base=0.030, accept=4, dpass=0.003, row=0.0005)  # cheap drafts, all held
     assert sim.run(c, 1200) > 1.5  # once the budget is earned back: the base was not inflated
+
+
+def test_a_disturbed_step_spends_no_budget_and_moves_no_figure():
+    """A neighbour's burst on a shared host: a probe that took ten times its shape's cost
+    is no evidence against speculating, so it spends no budget, counts no loss and leaves
+    the base alone (the next probe comes as soon as if it had not run); a plain step as
+    slow moves no base. ``DISTURBED_RUN`` of them in a row are believed: a slower host."""
+    def fresh():
+        c = SpecController(4)
+        c.choose({"a": 4})
+        c.observe_step(1, 1, 0.010)  # base
+        return c
+
+    calm, noisy = fresh(), fresh()
+    for c in (calm, noisy):
+        assert c.choose({"a": 4}) == 1 and c.last_probe
+        c.observe("a", 1, 0)
+    calm.observe_step(1, 2, 0.012, emitted=1)
+    noisy.observe_step(1, 2, 0.120, emitted=1)  # the same probe, ten times slower
+    assert noisy.disturbed_steps == 1
+    assert noisy._buckets[1].budget > calm._buckets[1].budget  # not charged at all
+    noisy.observe_step(1, 1, 0.010)  # a calm step ends the run of disturbed ones
+    for _ in range(DISTURBED_RUN - 1):  # slow plain steps: the base stays, until believed
+        noisy.observe_step(1, 1, 0.100)
+        assert noisy._base[1][0] == 0.010
+    noisy.observe_step(1, 1, 0.100)
+    assert noisy._base[1][0] > 0.010
