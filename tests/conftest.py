@@ -210,20 +210,28 @@ def _module_rank(path: Path) -> int:
     return {"unit": 2, "gpu": 3}.get(parts[0], 2)
 
 
+# Among the other integration modules, those on the shared Ray (``shared_ray_loop``) come
+# first: a module between two of them that does not ask for it stops it, and the next one
+# starts it again (~3 s each way), which the alphabetical order did ~15 times a run.
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     first_seen: dict[Path, int] = {}
+    shares: dict[Path, bool] = {}
     for i, item in enumerate(items):
         first_seen.setdefault(item.path, i)
-    items.sort(key=lambda it: (_module_rank(it.path), first_seen[it.path]))
+        shares[item.path] = (shares.get(item.path, False)
+                             or "shared_ray_loop" in getattr(item, "fixturenames", ()))
+    items.sort(key=lambda it: (_module_rank(it.path), not shares[it.path], first_seen[it.path]))
 
 
 # ---- whole packages to one worker ---------------------------------------------------------------
 # `--dist loadfile` hands out one module at a time, so the front-door packages' modules went to
 # both workers and each worker started the package's backends (a default-model engine and a 1+1
 # Ray cluster; fp32 ones for frontdoor_fp32/): 5-20 s each, more under the suite's load. Each of
-# these packages is one unit instead, run by one worker in the collection's order above.
-_WHOLE_PACKAGES = ("tests/integration/frontdoor/", "tests/integration/frontdoor_fp32/")
+# these packages is one unit instead, run by one worker in the collection's order above
+# (multinode/: one three-node Ray for its modules).
+_WHOLE_PACKAGES = ("tests/integration/frontdoor/", "tests/integration/frontdoor_fp32/",
+                   "tests/integration/multinode/")
 
 
 @pytest.hookimpl(optionalhook=True)

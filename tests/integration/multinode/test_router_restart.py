@@ -1,5 +1,5 @@
-"""The router is no single point of failure: on a Ray cluster of its own (three nodes, started
-with deploy/ray/local_multinode.sh) and a Redis of its own, a `pdcluster serve --ray-address`
+"""The router is no single point of failure: on the package's three-node Ray (started with
+deploy/ray/local_multinode.sh: conftest.py) and its Redis, a `pdcluster serve --ray-address`
 router is SIGKILLed with 16 resumable streams mid-way. Its workers live on (detached); a new
 router with the same --name re-attaches to them without loading a model, adopts the requests
 the dead router left, and every client (the SDK, resume=True) receives exactly the remaining
@@ -22,14 +22,12 @@ from pathlib import Path
 import pytest
 
 from client import Client, RetryPolicy
-from tests.helpers.redis_server import OwnRedis, free_port
+from tests.helpers.redis_server import free_port
 from tests.helpers.tiny_models import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "deploy" / "ray" / "local_multinode.sh"
-PORT = 6480  # the Ray head's GCS port: apart from a developer's cluster (6390) and 6470
+REPO_ROOT = Path(__file__).resolve().parents[3]
 MAX_TOKENS = 300
 
 
@@ -67,28 +65,6 @@ def _workers(http_port: int) -> dict[str, dict]:
         return {w["id"]: w for w in json.load(r)["workers"]}
 
 
-@pytest.fixture(scope="module")
-def deployment():
-    """A 3-node local Ray (deploy/ray/local_multinode.sh) and a Redis of the module's own;
-    yields (env for routers, Ray address, the Redis). Both are ended by pid afterwards."""
-    state_dir = Path("/tmp") / f"pdc-ray-rr-{os.getpid()}"  # short: unix socket path limit
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    env = dict(os.environ, PDC_RAY_PORT=str(PORT), PDC_RAY_STATE_DIR=str(state_dir),
-               PDC_RAY_GRACE_S="5", PDC_RAY_BIN=ray_bin, RAY_AUTH_MODE="disabled")
-    redis = OwnRedis()
-    redis.start()
-    up = subprocess.run(["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True,
-                        timeout=180, check=False)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        yield env, f"127.0.0.2:{PORT}", redis
-    finally:
-        down = subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True,
-                              text=True, timeout=180, check=False)
-        redis.kill()
-        assert down.returncode == 0, down.stdout + down.stderr
-
-
 def _start_clients(prompts, addresses):
     """One SDK client per prompt (resume=True), each on its address; returns (tokens so
     far per client, errors, threads)."""
@@ -124,7 +100,7 @@ def _wait_all_started(got, errors, min_tokens: int = 5) -> None:
 
 def test_router_killed_mid_stream_workers_live_on_and_clients_resume(deployment, tmp_path,
                                                                     tiny_llama_dir):
-    env, address, redis = deployment
+    env, address, redis = deployment.env, deployment.address, deployment.redis
     routers: list[Router] = []
     try:
         grpc_port, http_port = free_port(), free_port()
@@ -206,7 +182,7 @@ def test_two_routers_front_one_deployment_and_the_survivor_takes_over(deployment
     All 16 streams equal transformers' greedy run."""
     from tests.helpers.tcp_proxy import CuttableProxy
 
-    env, address, redis = deployment
+    env, address, redis = deployment.env, deployment.address, deployment.redis
     a_ports, b_ports = (free_port(), free_port()), (free_port(), free_port())
     slow = json.dumps({f"decode-{i}": {"fault_delay_per_step_s": 0.06} for i in range(2)})
 

@@ -1,7 +1,8 @@
 """deploy/ray/local_multinode.sh brings up a real three-node Ray cluster on this machine
 (head + prefill node + decode node), an actor asking for the prefill resource lands on the
 prefill node, `pdcluster serve` places its workers by role, and `down` leaves none of the
-cluster's processes running (one cluster for all of it: each start costs ~20 s)."""
+cluster's processes running (one cluster for the package, ``deployment`` in its conftest.py,
+which checks what `down` leaves: each start costs ~20 s)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ from pathlib import Path
 import pytest
 
 from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
+from tests.helpers.multinode import alive, run_script
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "deploy" / "ray" / "local_multinode.sh"
-# A port of its own so a developer's cluster on the default 6390 is left alone.
-PORT = 6470
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 # Runs in a child process: a driver joining the cluster, as `pdcluster serve` would.
 PROBE = textwrap.dedent(
@@ -43,26 +42,13 @@ PROBE = textwrap.dedent(
 )
 
 
-def _script(cmd: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(SCRIPT), cmd], env=env, capture_output=True, text=True, timeout=180, check=False
-    )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie has exited; only its parent can reap it
-
-
 @pytest.mark.slow
-def test_up_places_workers_by_role_serves_and_down_stops_everything(tmp_path, tiny_llama_dir):
-    """`up` brings up three nodes (head, prefill, decode) with their resources; an actor asking
+def test_up_places_workers_by_role_and_serves(deployment, tmp_path, tiny_llama_dir):
+    """`up` brought up three nodes (head, prefill, decode) with their resources; an actor asking
     for the prefill resource lands on the prefill node; `pdcluster serve --ray-address` on
     that cluster runs its prefill worker on the prefill node and its decode worker on the
-    decode node, and a request completes; `down` leaves none of the cluster's processes."""
+    decode node, and a request completes. (`down` leaving none of the cluster's processes is
+    checked when the package's ``deployment`` ends.)"""
     import re
     import signal
     import socket
@@ -70,34 +56,27 @@ def test_up_places_workers_by_role_serves_and_down_stops_everything(tmp_path, ti
 
     from client import Client, RetryPolicy
 
-    state_dir = Path("/tmp") / f"pdc-ray-test-{os.getpid()}"  # short: unix socket path limit
-    env = dict(os.environ, PDC_RAY_PORT=str(PORT), PDC_RAY_STATE_DIR=str(state_dir),
-               PDC_RAY_GRACE_S="5", PDC_RAY_BIN=str(Path(sys.executable).parent / "ray"))
+    env, address = deployment.env, deployment.address
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         grpc_port = s.getsockname()[1]
-    up = _script("up", env)
     serve = None
-    pids: list[int] = []
     try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        address = f"127.0.0.2:{PORT}"
-        assert f"RAY_ADDRESS={address}" in up.stdout
-        pids = [int(line.split()[0]) for line in (state_dir / "pids").read_text().splitlines()]
-        assert pids and all(_alive(p) for p in pids)
+        assert f"RAY_ADDRESS={address}" in deployment.up_stdout
+        assert deployment.pids and all(alive(p) for p in deployment.pids)
 
         probe = subprocess.run(
             [sys.executable, "-c", PROBE, address, PREFILL_RESOURCE],
-            capture_output=True, text=True, timeout=180, check=False, cwd=tmp_path,
-            env=dict(env, RAY_AUTH_MODE="disabled"),
+            capture_output=True, text=True, timeout=180, check=False, cwd=tmp_path, env=env,
         )
         assert probe.returncode == 0, probe.stderr[-3000:]
         result = json.loads(probe.stdout.strip().splitlines()[-1])
-        alive = [n for n in result["nodes"] if n["alive"]]
-        assert len(alive) == 3
-        prefill_nodes = [n["id"] for n in alive if n["resources"].get(PREFILL_RESOURCE) == 2.0]
-        decode_nodes = [n["id"] for n in alive if n["resources"].get(DECODE_RESOURCE) == 2.0]
-        router_nodes = [n["id"] for n in alive if n["resources"].get("router") == 1.0]
+        alive_nodes = [n for n in result["nodes"] if n["alive"]]
+        assert len(alive_nodes) == 3
+        prefill_nodes = [n["id"] for n in alive_nodes
+                         if n["resources"].get(PREFILL_RESOURCE) == 2.0]
+        decode_nodes = [n["id"] for n in alive_nodes if n["resources"].get(DECODE_RESOURCE) == 2.0]
+        router_nodes = [n["id"] for n in alive_nodes if n["resources"].get("router") == 1.0]
         assert len(prefill_nodes) == len(decode_nodes) == len(router_nodes) == 1
         assert len({prefill_nodes[0], decode_nodes[0], router_nodes[0]}) == 3
         assert result["landed"] == prefill_nodes[0]
@@ -107,8 +86,7 @@ def test_up_places_workers_by_role_serves_and_down_stops_everything(tmp_path, ti
             [sys.executable, "-m", "router.cli", "--log-level", "INFO", "serve",
              "--ray-address", address, "--model", str(tiny_llama_dir), "--grpc-port", str(grpc_port),
              "--http-port", "0", "--kv-cache-memory", "16MiB"],
-            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-            env=dict(env, RAY_AUTH_MODE="disabled"))
+            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
         deadline = time.monotonic() + 180
         while "pdcluster serving" not in log.read_text():
             assert serve.poll() is None, log.read_text()[-3000:]
@@ -127,12 +105,6 @@ def test_up_places_workers_by_role_serves_and_down_stops_everything(tmp_path, ti
         if serve is not None and serve.poll() is None:
             serve.kill()
             serve.wait(30)
-        down = _script("down", env)
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert [p for p in pids if _alive(p)] == []
-    assert not state_dir.exists()
-    status = _script("status", env)
-    assert status.returncode == 1
 
 
 @pytest.mark.slow
@@ -148,8 +120,7 @@ def test_netns_mode_builds_three_hosts_and_down_removes_them(tmp_path):
     state_dir = Path("/tmp") / f"pdc-ray-netns-{os.getpid()}"
     env = dict(os.environ, PDC_RAY_STATE_DIR=str(state_dir),
                PDC_RAY_BIN=str(Path(sys.executable).parent / "ray"))
-    up = subprocess.run(["bash", str(SCRIPT), "up", "--netns"], env=env, capture_output=True,
-                        text=True, timeout=180, check=False)
+    up = run_script("up", env, "--netns")
     hosts: dict[str, tuple[str, str]] = {}  # name -> (ip, netns)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
@@ -161,7 +132,7 @@ def test_netns_mode_builds_three_hosts_and_down_removes_them(tmp_path):
         address = next(line.split("=", 1)[1] for line in up.stdout.splitlines()
                        if line.startswith("RAY_ADDRESS="))
         assert address == f"{hosts['head'][0]}:6379"
-        status = _script("status", env)
+        status = run_script("status", env)
         assert status.returncode == 0 and hosts["decode"][1] in status.stdout
         probe = subprocess.run(
             ["ip", "netns", "exec", hosts["head"][1], sys.executable, "-c", PROBE, address,
@@ -169,12 +140,12 @@ def test_netns_mode_builds_three_hosts_and_down_removes_them(tmp_path):
             cwd=tmp_path, env=dict(env, RAY_AUTH_MODE="disabled"))
         assert probe.returncode == 0, probe.stderr[-3000:]
         result = json.loads(probe.stdout.strip().splitlines()[-1])
-        alive = [n for n in result["nodes"] if n["alive"]]
-        assert len(alive) == 3
-        prefill_node = [n["id"] for n in alive if n["resources"].get(PREFILL_RESOURCE)]
+        alive_nodes = [n for n in result["nodes"] if n["alive"]]
+        assert len(alive_nodes) == 3
+        prefill_node = [n["id"] for n in alive_nodes if n["resources"].get(PREFILL_RESOURCE)]
         assert result["landed"] == prefill_node[0]
     finally:
-        down = _script("down", env)
+        down = run_script("down", env)
     assert down.returncode == 0, down.stdout + down.stderr
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [ns for _, ns in hosts.values() if ns in netns]
