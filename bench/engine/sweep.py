@@ -40,7 +40,7 @@ from bench.harness.roofline import (
 )
 from bench.harness.stats import summarize
 from bench.harness.workload import make_prompts
-from bench.peers.sweep_rows import llama_cpp_comparison
+from bench.peers.sweep_rows import llama_cpp_comparison, paired_batch_one, print_paired
 
 PROFILE_ROWS = 12
 
@@ -305,6 +305,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "llama_cpp": (llama_cpp_comparison(args, quants, batch_sizes, output_len,
                                            points + q_points)
                       if args.llama_cpp else []),
+        "llama_cpp_paired_batch_1": (paired_batch_one(args, quants, output_len, cfg.vocab_size,
+                                                      cfg.kv_bytes_per_token)
+                                     if args.llama_cpp and 1 in batch_sizes else []),
     }
     out_json = write_json(args.out, "sweep", payload)
     plot_sweep(points, knee, out_json.with_name("sweep.png"))
@@ -324,6 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{row['quantization']} / llama.cpp {row['peer']} at batch {row['batch_size']}: "
               f"decode {row['decode_tok_s']:.1f} / {row['peer_decode_tok_s']:.1f} tok/s = "
               f"{row['decode_ratio']:.2f}x")
+    print_paired(payload["llama_cpp_paired_batch_1"])
     print(f"knee at batch {knee.batch_size} (gain per doubling: "
           + ", ".join(f"{g:.2f}" for g in knee.gains_per_doubling) + ")")
     print_targets(targets)
