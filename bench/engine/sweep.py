@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                            points + q_points)
                       if args.llama_cpp else []),
         "llama_cpp_paired_batch_1": (paired_batch_one(args, quants, output_len, cfg.vocab_size,
-                                                      cfg.kv_bytes_per_token)
+                                                      cfg.kv_bytes_per_token, run_engine_point)
                                      if args.llama_cpp and 1 in batch_sizes else []),
     }
     out_json = write_json(args.out, "sweep", payload)

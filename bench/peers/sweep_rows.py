@@ -51,13 +51,12 @@ def llama_cpp_comparison(args, quants: list[str], batch_sizes: list[int], output
 
 
 def paired_batch_one(args, quants: list[str], output_len: int, vocab_size: int,
-                     kv_bytes_per_token: int) -> list[dict]:
+                     kv_bytes_per_token: int, run_engine_point) -> list[dict]:
     """Per quantization, the batch-1 decode against llama.cpp's in ``PAIRED_ROUNDS``
-    alternating rounds: a fresh engine's batch-1 point (``run_engine_point``: one warm-up, then
-    ``requests_per_batch`` requests in turn; its median decode step), then llama-batched-bench
-    at ``-npl 1``. One row per quantization: each side's median tok/s, each round's ratio, and
+    alternating rounds: a fresh engine's batch-1 point (``run_engine_point``: the sweep's own,
+    passed in since the sweep imports this module; one warm-up, then ``requests_per_batch``
+    requests in turn; its median decode step), then llama-batched-bench at ``-npl 1``. One row per quantization: each side's median tok/s, each round's ratio, and
     the ratio of the medians (what docs/benchmarks.md reports as the paired cell)."""
-    from bench.engine.sweep import run_engine_point
     from bench.harness.workload import make_prompts
     from bench.peers import llama_cpp
 

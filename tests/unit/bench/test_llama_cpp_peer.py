@@ -147,14 +147,13 @@ def test_prepare_ggufs_requantizes_once(tmp_path):
     assert sorted(os.listdir(out)) == sorted(p.name for p in made.values() if p.parent == out)
 
 
-def test_paired_batch_one_alternates_ours_and_theirs_and_reports_each_round(tmp_path,
-                                                                            monkeypatch):
+def test_paired_batch_one_alternates_ours_and_theirs_and_reports_each_round(tmp_path):
     """``bench sweep --llama-cpp``'s batch-1 cells again in alternating rounds: our engine's
     batch-1 point (the real one, on the default model; a spy notes when it runs), then the
     peer at ``-npl 1``, PAIRED_ROUNDS times; the row's ratio is the medians'."""
     import argparse
 
-    import bench.engine.sweep as sweep
+    from bench.engine.sweep import run_engine_point
     from bench.harness.engine_under_test import model_config
     from bench.peers import sweep_rows
 
@@ -166,18 +165,17 @@ def test_paired_batch_one_alternates_ours_and_theirs_and_reports_each_round(tmp_
             f'echo "theirs $(echo "$@" | grep -o -- "-npl [0-9,]*")" >> {order}\n'
             f"cat {tmp_path}/table.txt\n")
     _script(tmp_path / "llama-quantize", 'cp "$2" "$3"\n')
-    real = sweep.run_engine_point
 
     def spy(*a, **k):
         with order.open("a") as f:
             f.write("ours\n")
-        return real(*a, **k)
+        return run_engine_point(*a, **k)
 
-    monkeypatch.setattr(sweep, "run_engine_point", spy)
     args = argparse.Namespace(model=None, llama_cpp=str(tmp_path), out=str(tmp_path / "out"),
                               num_threads=1, requests_per_batch=1, prompt_len=8, seed=0)
     cfg = model_config(None)
-    rows = sweep_rows.paired_batch_one(args, ["gguf"], 4, cfg.vocab_size, cfg.kv_bytes_per_token)
+    rows = sweep_rows.paired_batch_one(args, ["gguf"], 4, cfg.vocab_size, cfg.kv_bytes_per_token,
+                                       spy)
     assert order.read_text().splitlines() == ["ours", "theirs -npl 1"] * sweep_rows.PAIRED_ROUNDS
     [row] = rows
     assert (row["quantization"], row["peer"], row["peer_decode_tok_s"]) == ("gguf", "Q4_1", 104.89)
