@@ -180,6 +180,12 @@ class SchedulerConfig:
     # on a worker that decodes for many while it prefills for a few (a disaggregated decode
     # worker computing a migrated stream again). Needs chunked prefill.
     max_step_prefill_tokens: int | None = None
+    # At most this many prompt tokens per step of the requests below the highest priority
+    # queued in the last minute (None: no such limit). A step cannot be interrupted, so a
+    # higher-priority prompt arriving while one runs waits for it: this keeps that step
+    # short while priorities are mixed (engine/core/prompt_budget.py). Applies under
+    # continuous batching with chunked prefill only.
+    yield_step_prefill_tokens: int | None = 256
     # Continuous batching: a step that can finish the next waiting prompt runs without the
     # decodes (their next step follows at once), so its first token does not wait for them
     # (engine/core/scheduler.py's module docstring).
@@ -202,6 +208,9 @@ class SchedulerConfig:
             if not self.enable_chunked_prefill:
                 raise ValueError("max_step_prefill_tokens needs chunked prefill (a prompt in "
                                  "several steps); it is off")
+        if self.yield_step_prefill_tokens is not None and self.yield_step_prefill_tokens <= 0:
+            raise ValueError(f"yield_step_prefill_tokens must be > 0, got "
+                             f"{self.yield_step_prefill_tokens}")
         if self.policy not in BATCHING_POLICIES:
             raise ValueError(
                 f"unknown batching policy {self.policy!r}; choose one of {', '.join(BATCHING_POLICIES)}"

@@ -127,3 +127,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def check_stop(self, token: int, max_model_len: int) -> None:
+        """Finish it if output ``token`` (already appended) ends it: its grammar is complete,
+        a stop token (after ``min_tokens``), ``max_tokens`` or the model's length."""
+        sp = self.sampling_params
+        n = len(self.output_token_ids)
+        if self.grammar is not None and self.grammar.stopped:  # complete: nothing may follow
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token
+            return
+        is_stop = (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids
+        if is_stop and n >= sp.min_tokens:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token
+            return
+        if n >= sp.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH

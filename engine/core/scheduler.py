@@ -3,7 +3,8 @@
 One rule (vLLM v1's): each request has ``num_computed_tokens`` and ``num_tokens``; each step
 hands out tokens until they meet, within ``max_num_batched_tokens`` and ``max_num_seqs`` (and,
 when set, ``max_prefill_chunk`` prompt tokens to one request, ``max_step_prefill_tokens`` to
-all). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute
+all, ``yield_step_prefill_tokens`` to those below a priority seen lately:
+``engine.core.prompt_budget``). That single rule covers prefill, chunked prefill, decode, prefix-cache hits and recompute
 after preemption. ``schedule`` and ``update_from_output`` are pure: no I/O, no torch, a clock.
 
 Priorities (``Request.priority``; a migrated stream's re-prefill is 1, new prompts 0): a
@@ -40,6 +41,7 @@ from engine.contract import QueueFullError, TokenLogprob
 from engine.core.block_manager import BlockManager
 from engine.core.grammar import Grammars
 from engine.core.priority_room import make_room
+from engine.core.prompt_budget import PromptBudget
 from engine.core.request import Request, RequestStatus
 from engine.core.step_io import ModelRunnerOutput, ScheduledChunk, SchedulerOutput, StepUpdate
 
@@ -73,9 +75,12 @@ class Scheduler:
         # Prompt tokens one request may take in a step (SchedulerConfig.max_prefill_chunk).
         self._chunk_cap = config.max_prefill_chunk or config.max_num_batched_tokens
         # Prompt tokens (a request's chunk of more than the one token a decode computes) of
-        # all requests in a step (max_step_prefill_tokens), and what is left of them now.
-        self._step_prefill_cap = config.max_step_prefill_tokens or config.max_num_batched_tokens
-        self._prefill_left = self._step_prefill_cap
+        # a step, and of the lower priorities' prompts while priorities are mixed (continuous
+        # batching with chunked prefill only: elsewhere a prompt cannot be cut or join later).
+        yield_cap = (config.yield_step_prefill_tokens if config.policy == "continuous"
+                     and config.enable_chunked_prefill else None)
+        self._prompt = PromptBudget(config.max_step_prefill_tokens
+                                    or config.max_num_batched_tokens, yield_cap)
         # first_token_first: the last step left the decodes out (the next one is theirs)
         self._skipped_decodes = False
 
@@ -90,6 +95,7 @@ class Scheduler:
         self._start_grammar(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._prompt.saw(request.priority, self.clock())
         ahead = next((i for i, r in enumerate(self.waiting) if r.priority < request.priority),
                      None)
         if ahead is None:
@@ -143,7 +149,7 @@ class Scheduler:
             req.error = f"structured output: {req.grammar.error}"
             req.status = RequestStatus.FINISHED_ERROR
         else:
-            self._check_stop(req, first_token_id)
+            req.check_stop(first_token_id, self.config.max_model_len)
         if req.is_finished:
             self._free(req)
         else:  # its KV is here: ahead of every waiting request but those of a higher priority
@@ -198,7 +204,7 @@ class Scheduler:
         out = SchedulerOutput()
         decodes_turn = self._skipped_decodes  # the last step left them out: theirs alone
         first_token_step = self._first_token_step()
-        self._prefill_left = self._step_prefill_cap
+        self._prompt.start_step(self.clock())
         budget = self._schedule_running(out, cfg.max_num_batched_tokens, first_token_step)
         if not out.preempted_ids and self._may_admit() and not (decodes_turn and out.chunks):
             self._admit(out, budget)
@@ -221,7 +227,8 @@ class Scheduler:
         if not self._may_admit() or not any(self._decoding(r) for r in self.running):
             return False
         head = self.waiting[0]
-        if head.num_tokens - head.num_computed_tokens > min(self._chunk_cap, self._step_prefill_cap):
+        if head.num_tokens - head.num_computed_tokens > min(self._chunk_cap,
+                                                            self._prompt.cap(head.priority)):
             return False  # its first token is steps away: no reason to hold the decodes
         self._skipped_decodes = True
         return True
@@ -242,7 +249,8 @@ class Scheduler:
                 i += 1
                 continue
             left = req.num_tokens - req.num_computed_tokens
-            num_new = min(left, budget, self._chunk_cap, self._prefill_left if left > 1 else 1)
+            num_new = min(left, budget, self._chunk_cap,
+                          self._prompt.allow(req.priority) if left > 1 else 1)
             if left == 1 and req.spec_token_ids:  # and its drafts, as the budget allows
                 num_new = min(1 + len(req.spec_token_ids), budget)
             if num_new <= 0:  # nothing to compute, or no prompt tokens left in this step
@@ -259,7 +267,7 @@ class Scheduler:
             scheduled.append(req)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
-            self._prefill_left -= num_new if left > 1 else 0
+            self._prompt.take(req.priority, num_new if left > 1 else 0)
             i += 1
         return budget
 
@@ -320,7 +328,7 @@ class Scheduler:
                 num_computed = req.num_computed_tokens
             remaining = req.num_tokens - num_computed
             num_new = min(remaining, budget, self._chunk_cap,
-                          self._prefill_left if remaining > 1 else 1)
+                          self._prompt.allow(req.priority) if remaining > 1 else 1)
             if num_new <= 0 or (num_new < remaining and not cfg.enable_chunked_prefill):
                 break
             need = num_computed + num_new
@@ -348,7 +356,7 @@ class Scheduler:
                 adapters.add(req.lora_name)
             out.chunks.append(self._chunk(req, num_new))
             budget -= num_new
-            self._prefill_left -= num_new if remaining > 1 else 0
+            self._prompt.take(req.priority, num_new if remaining > 1 else 0)
         self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
@@ -449,7 +457,7 @@ class Scheduler:
                     req.first_token_time = now
                 req.token_times.append(now)
                 new.append(token)
-                self._check_stop(req, token)
+                req.check_stop(token, self.config.max_model_len)
                 if req.is_finished:
                     break
             if chunk.num_draft and req.status is RequestStatus.RUNNING:
@@ -483,18 +491,3 @@ class Scheduler:
         moved = req.sampling_params.sample_index_offset
         req.grammar = self.grammars.start(
             structured, req.prompt_token_ids[len(req.prompt_token_ids) - moved:] if moved else ())
-
-    def _check_stop(self, req: Request, token: int) -> None:
-        sp = req.sampling_params
-        n = len(req.output_token_ids)
-        if req.grammar is not None and req.grammar.stopped:  # complete: nothing may follow
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = token
-            return
-        is_stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
-        if is_stop and n >= sp.min_tokens:
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = token
-            return
-        if n >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH

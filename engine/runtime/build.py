@@ -132,6 +132,7 @@ def build_engine(args: EngineArgs, clock: Callable[[], float] = time.monotonic) 
         enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_len,
         max_waiting=args.max_waiting, max_prefill_chunk=args.max_prefill_chunk,
         max_step_prefill_tokens=args.max_step_prefill_tokens,
+        yield_step_prefill_tokens=args.yield_step_prefill_tokens,
         first_token_first=args.first_token_first,
         max_loras=args.max_loras if args.enable_lora else 0)
     if args.enable_lora:

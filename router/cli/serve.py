@@ -117,6 +117,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "tokens a step, so streams running there still get a token each step "
                         "while a moved stream is rebuilt (default: 64 on a disaggregated decode "
                         "worker, no cap on a colocated one; >= --max-num-batched-tokens: none)")
+    p.add_argument("--yield-step-prefill-tokens", type=int, default=None,
+                   help="while requests of a higher priority were queued in the last minute, "
+                        "a step computes at most this many prompt tokens of lower ones, so a "
+                        "higher-priority prompt arriving mid-step waits for a short one "
+                        "(default 256; 0: no such limit)")
     p.add_argument("--prefill-block-size", type=int, default=None)
     p.add_argument("--decode-block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -104,12 +104,12 @@ class ServeConfig:
     kv_offload_disk: str | int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
-    # At most this many prompt tokens of one request per step (None: the whole budget):
-    # short prompts and prefix hits behind a long prompt start the next step.
+    # Prompt tokens of one request a step (None: all); a step that can finish an arriving
+    # prompt leaves the decodes out; prompt tokens a step below a recent priority (0: all):
+    # docs/deployment.md, "Short prompts behind long ones", "First token first", "Priorities".
     max_prefill_chunk: int | None = None
-    # A step that can finish an arriving prompt leaves the decodes out (they run next step):
-    # its first token waits for its own compute only (engine/core/scheduler.py).
     first_token_first: bool = False
+    yield_step_prefill_tokens: int = 256
     # Engines run fewer torch threads while other processes take their threads' time, and
     # their planned count again once they stop (engine.runtime.cpu_threads). False: always planned.
     adaptive_threads: bool = True
@@ -180,11 +180,10 @@ class ServeConfig:
         self.offload_config()  # its own checks: sizes, dir and disk together
         self._check_device_flags()
         check_lora_flags(self)
-        if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
-            raise ValueError(f"--max-prefill-chunk must be > 0, got {self.max_prefill_chunk}")
-        if self.decode_step_prefill_tokens is not None and self.decode_step_prefill_tokens <= 0:
-            raise ValueError(f"--decode-step-prefill-tokens must be > 0, "
-                             f"got {self.decode_step_prefill_tokens}")
+        for flag, least in (("max_prefill_chunk", 1), ("decode_step_prefill_tokens", 1),
+                            ("yield_step_prefill_tokens", 0)):
+            if (v := getattr(self, flag)) is not None and v < least:
+                raise ValueError(f"--{flag.replace('_', '-')} must be {('>= 0', '> 0')[least]}, got {v}")
         for flag in ("first_token_first", "adaptive_threads"):
             if getattr(self, flag) not in (True, False):
                 raise ValueError(f"--{flag.replace('_', '-')} must be true or false, "
@@ -407,6 +406,7 @@ class ServeConfig:
                       kv_offload_dir=offload.disk_dir, kv_offload_disk_bytes=offload.disk_bytes,
                       max_model_len=self.max_model_len, max_waiting=self.max_waiting,
                       max_prefill_chunk=self.max_prefill_chunk,
+                      yield_step_prefill_tokens=self.yield_step_prefill_tokens or None,
                       first_token_first=self.first_token_first,
                       adaptive_threads=self.adaptive_threads, enable_lora=self.enable_lora,
                       max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
