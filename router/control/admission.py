@@ -11,9 +11,11 @@ when no decode worker has room for it now, the wait for room the router last mea
 (``WorkerChooser.room_wait_s``), scaled the same way. It leaves out the KV transfer and the
 decode worker's commit (milliseconds: docs/benchmarks.md, Overload). The waiting part (queue
 and room) is what it misjudges under load: a queue of prompts drains at the batched rate of a
-worker that shares its core, not one prompt's. So the waiting part is scaled by ``Calibration``:
-how long recent admitted requests really waited against what was predicted for them (their
-first token less their compute), learnt from the router's own first tokens; and at least by
+worker that shares its core, not one prompt's, and a lower priority's queue drains slower
+still, as higher-priority requests arriving meanwhile go first. So the waiting part is scaled
+by ``Calibration``, one per priority: how long recent admitted requests of that priority
+really waited against what was predicted for them (their first token less their compute),
+learnt from the router's own first tokens; and at least by
 how late the requests still waiting for theirs (at its priority or higher) already are
 (``live_scale``): first tokens that never come (a request ended by its deadline first) teach
 the calibration nothing, so the requests running late now are read as they wait."""
@@ -123,7 +125,8 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
                for s in decode)
     now = time.monotonic()
     return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s * ahead,
-                      live_scale(orch.outcomes.calibration.factor, streams, priority, now), now)
+                      live_scale(orch.outcomes.calibration_for(priority).factor, streams,
+                                 priority, now), now)
 
 
 def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float | None,
@@ -146,18 +149,26 @@ def admit(orch, prompt_ids: list[int], max_tokens: int, lora, deadline_s: float 
 class Outcomes:
     """What became of admitted requests, for the metrics: each adapter's tokens, and how far
     the first-token predictions were from the first tokens (cumulative sums, seconds; the
-    three fields are what the cluster's status carries), and the ``calibration`` they teach
-    the next predictions."""
+    three fields are what the cluster's status carries), and the ``Calibration`` of each
+    priority they teach the next predictions of that priority."""
 
     predictions: int = 0
     abs_error_s: float = 0.0  # sum of |actual - predicted|
     error_s: float = 0.0  # sum of actual - predicted (> 0: the prediction ran short)
 
     def __post_init__(self) -> None:
-        # not fields: the status carries the three sums only
-        self.calibration = Calibration()
+        # not fields: the status carries the three sums only. One calibration per engine
+        # priority: while higher ones are served first, a lower one waits longer than its
+        # queue says, by as much as they arrive meanwhile (docs/benchmarks.md, Overload: one
+        # shared factor, learnt mostly from the fast high class, let low requests in that
+        # then missed their deadline)
+        self.calibrations: dict[int, Calibration] = {}
         # engine priority -> [predictions, sum |error|, sum error] (bench overload, per class)
         self.by_priority: dict[int, list[float]] = {}
+
+    def calibration_for(self, priority: int) -> Calibration:
+        """The calibration of engine ``priority``'s predictions (a new one: factor 1)."""
+        return self.calibrations.setdefault(priority, Calibration())
 
     def note(self, stream, chunk) -> None:
         """One chunk of ``stream`` (a StateStream with ``lora`` and ``predicted``)."""
@@ -172,5 +183,5 @@ class Outcomes:
             sums[0] += 1
             sums[1] += abs(err)
             sums[2] += err
-            self.calibration.observe(stream.predicted, chunk.ttft_s)
+            self.calibration_for(stream.priority).observe(stream.predicted, chunk.ttft_s)
             stream.predicted = None  # its first token only

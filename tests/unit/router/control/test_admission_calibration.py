@@ -71,10 +71,10 @@ def test_outcomes_count_the_error_and_calibrate_from_the_first_token_only():
     stream = StreamState("r1", predicted=Prediction(queue_s=1.0, compute_s=0.5, room_s=0.0))
     out.note(stream, GenerationChunk("r1", [7], "", ttft_s=2.5))
     assert (out.predictions, out.abs_error_s, out.error_s) == (1, 1.0, 1.0)
-    assert out.calibration.observed == 1
-    assert out.calibration.factor == pytest.approx(1.0 + 0.2 * (2.0 - 1.0))
+    assert out.calibration_for(0).observed == 1
+    assert out.calibration_for(0).factor == pytest.approx(1.0 + 0.2 * (2.0 - 1.0))
     out.note(stream, GenerationChunk("r1", [8], "", ttft_s=2.5))  # a later token: no change
-    assert (out.predictions, out.calibration.observed) == (1, 1)
+    assert (out.predictions, out.calibration_for(0).observed) == (1, 1)
     # the cluster's status carries the three sums only (router/cluster/ray_cluster.py)
     assert dataclasses.astuple(out) == (1, 1.0, 1.0)
 
@@ -102,3 +102,19 @@ def test_only_requests_at_its_priority_or_higher_count():
     pending = [_waiting(-1, 1.0, 0.5, made_at=0.0), StreamState("done", priority=5)]
     assert live_scale(1.0, pending, priority=0, now=10.0) == 1.0
     assert live_scale(1.0, pending, priority=-1, now=3.0) == pytest.approx(2.5)
+
+
+def test_each_priority_learns_its_own_factor():
+    """Low requests overtaken by high ones wait three times their predicted queue while high
+    ones wait as predicted: the low priority's factor grows to 3, the high one's stays at 1
+    (engine priorities: higher first)."""
+    out = Outcomes()
+    for i in range(30):
+        for priority, took in ((0, 3.0), (1, 1.0)):
+            rid = f"{priority}-{i}"
+            stream = StreamState(rid, priority=priority,
+                                 predicted=Prediction(queue_s=1.0, compute_s=0.5, room_s=0.0))
+            out.note(stream, GenerationChunk(rid, [7], "", ttft_s=0.5 + took))
+    assert out.calibration_for(0).factor == pytest.approx(3.0, rel=0.01)
+    assert out.calibration_for(1).factor == pytest.approx(1.0)
+    assert out.calibration_for(-1).factor == 1.0  # never seen: as predicted
