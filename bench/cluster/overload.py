@@ -3,8 +3,9 @@
 One disaggregated cluster (1 prefill + 1 decode worker, the product's defaults), its HTTP
 front door with API keys for two tenants (equal weights unless ``--tenant-weights``). First
 the capacity: ``--capacity-clients`` clients send requests back to back for a while; completed
-requests per second is the cluster's capacity. Then, per offered load (``--loads``, multiples
-of that capacity), Poisson arrivals for ``--duration`` seconds, alternating tenants; a
+requests per second is the cluster's capacity (``--capacity`` gives it instead, to compare
+runs at the same offered rates on a host whose speed moves). Then, per offered load
+(``--loads``, multiples of that capacity), Poisson arrivals for ``--duration`` seconds, alternating tenants; a
 ``--high-share`` of them are the high class (``priority`` -1, first-token SLO ``--slo-high``),
 the rest low (``priority`` 0, ``--slo-low``). Every request is a streamed ``/v1/completions``
 of ``--prompt-len`` token-id prompt tokens and ``--output-len`` tokens.
@@ -85,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-clients", type=int, default=16,
                    help="closed-loop clients measuring the capacity (default 16)")
     p.add_argument("--tenant-weights", default="tenant-a=1,tenant-b=1")
+    p.add_argument("--capacity", type=float, default=None,
+                   help="requests/s the loads are multiples of, instead of measuring it "
+                        "(runs compared at the same offered rates)")
+    p.add_argument("--yield-step-prefill-tokens", type=int, default=None,
+                   help="the prefill worker's prompt tokens per step below the top priority "
+                        "queued lately (default: the engine's, 256; 0: no such limit, as "
+                        "before it existed)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,8 +117,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {"benchmark": NAME, "config": {
         "loads": loads, "duration_s": duration, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "slo_high_s": args.slo_high, "slo_low_s": args.slo_low,
-        "deadline_extra_s": args.deadline_extra, "high_share": args.high_share, "tenant_weights": args.tenant_weights,
-        "model": args.model or "default"}, "capacity_rps": capacity, "levels": levels,
+        "deadline_extra_s": args.deadline_extra, "yield_step_prefill_tokens": _yield(args).get(
+            "yield_step_prefill_tokens", "default"), "high_share": args.high_share, "tenant_weights": args.tenant_weights,
+        "model": args.model or "default"}, "capacity_rps": capacity,
+        "capacity_given": args.capacity is not None, "levels": levels,
         "targets": targets, "wall_s": time.perf_counter() - t0, "machine": machine_info()}
     path = write_json(Path(args.out), NAME, result)
     print(f"capacity: {capacity:.2f} requests/s")
@@ -249,7 +259,7 @@ async def _run(args, loads: list[float], duration: float):
     vocab = model_config(args.model).vocab_size
     cluster = await Cluster.start(ClusterConfig(
         model=args.model, num_prefill_workers=1, num_decode_workers=1,
-        prefill_engine=EngineArgs(num_threads=1, max_num_seqs=8),
+        prefill_engine=EngineArgs(num_threads=1, max_num_seqs=8, **_yield(args)),
         decode_engine=EngineArgs(num_threads=1), worker_num_cpus=1.0,
         tenant_weights=parse_tenant_weights(args.tenant_weights)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -262,7 +272,8 @@ async def _run(args, loads: list[float], duration: float):
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120,
                                      limits=httpx.Limits(max_connections=1000)) as http:
-            capacity = await _capacity(http, args, vocab, next(seed))
+            cap_seed = next(seed)  # taken either way: the levels' workloads stay the same
+            capacity = args.capacity or await _capacity(http, args, vocab, cap_seed)
             levels = []
             for load in loads:
                 levels.append(await _level(http, cluster, args, vocab, load, capacity,
@@ -271,6 +282,13 @@ async def _run(args, loads: list[float], duration: float):
         await fd.stop(1)
         await cluster.shutdown()
     return levels, capacity
+
+
+def _yield(args) -> dict[str, Any]:
+    """The prefill engine's ``yield_step_prefill_tokens`` from ``--yield-step-prefill-tokens``
+    (nothing: the engine's default; 0: None, no limit)."""
+    n = args.yield_step_prefill_tokens
+    return {} if n is None else {"yield_step_prefill_tokens": n or None}
 
 
 async def _request(http, prompt: list[int], args, tenant: str, priority: int,
