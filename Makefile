@@ -29,7 +29,8 @@ serve: $(STAMP)
 	$(BIN)/pdcluster serve $(ARGS)
 
 # Two pytest workers: much of the suite waits on processes starting and on timeouts, so two
-# share 2 cores well (each module whole on one worker: its module-scoped servers start once; docs/testing.md). Their
+# share 2 cores well (each module, or package named in tests/conftest.py, whole on one worker: its
+# module- and package-scoped servers start once; docs/testing.md). Their
 # engines then share cores, where OpenMP threads that spin between parallel regions burn the
 # other worker's time: they sleep instead (PASSIVE; ~20% less wall time measured), unless the
 # caller chose a policy. The engines' own code and defaults are the same either way.
