@@ -200,7 +200,7 @@ def pytest_sessionfinish(session):
 # the collection's order (its default reorder, by number of tests, scattered the front-door
 # package's modules over the run, and every return to the package started its two backends
 # again: 10-30 s each). Here, after pytest's own reordering: the integration modules first, the
-# front-door package as one block among them (each worker then starts its backends once), the
+# front-door package as one block among them (one worker runs it whole: below), the
 # unit modules last (many small modules: the two workers finish close together), the GPU tests
 # (which skip without CUDA) at the very end. Order inside a module is pytest's.
 def _module_rank(path: Path) -> int:
@@ -212,7 +212,8 @@ def _module_rank(path: Path) -> int:
 
 # Among the other integration modules, those on the shared Ray (``shared_ray_loop``) come
 # first: a module between two of them that does not ask for it stops it, and the next one
-# starts it again (~3 s each way), which the alphabetical order did ~15 times a run.
+# starts it again (~2 s up, ~1.3 s down; the alphabetical order held 8 runs of sharing modules,
+# more once two workers split them).
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     first_seen: dict[Path, int] = {}
