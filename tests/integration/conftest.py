@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from client import Client, RetryPolicy
 from router.contract import BackendStats, GenerationBackend
 from router.embedded import EngineBackend
 from router.frontdoor.lifecycle import FrontDoor, serve_frontdoor
@@ -70,6 +71,20 @@ def frontdoor(backend, server_loop) -> FrontDoor:
     fd = server_loop.run(serve_frontdoor(backend, grpc_port=0, http_port=0, drain_grace_s=5))
     yield fd
     server_loop.run(fd.stop(1))
+
+
+@pytest.fixture(scope="module")
+def address(frontdoor) -> str:
+    """The module's front door's gRPC address."""
+    return f"127.0.0.1:{frontdoor.grpc_port}"
+
+
+@pytest.fixture(scope="module")
+def client(address):
+    """The SDK's client on ``address``, retrying nothing: a retried UNAVAILABLE would hide the
+    refusal under test."""
+    with Client(address, timeout=60, retry=RetryPolicy(max_retries=0)) as c:
+        yield c
 
 
 class KVProbe:

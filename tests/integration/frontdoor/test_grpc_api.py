@@ -35,17 +35,6 @@ PROMPT = "The capital of France is"
 NO_RETRY = RetryPolicy(max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def address(frontdoor) -> str:
-    return f"127.0.0.1:{frontdoor.grpc_port}"
-
-
-@pytest.fixture(scope="module")
-def client(address):
-    with Client(address, timeout=60, retry=NO_RETRY) as c:
-        yield c
-
-
 def test_model_info_describes_the_served_model(client, backend):
     info = client.model_info()
     expected = backend.model_info()

@@ -14,6 +14,7 @@ import pytest
 
 from client import Client, RetryPolicy
 from router.embedded import EngineBackend
+from tests.helpers.http_asserts import assert_openai_error
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
@@ -44,14 +45,6 @@ def _sse_payloads(lines) -> list:
     data = [e for e in events if e.startswith("data: ")]
     assert data[-1] == "data: [DONE]"
     return [json.loads(e[len("data: "):]) for e in data[:-1]]
-
-
-def _assert_openai_error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str)
-    return err
 
 
 def test_models_lists_the_served_model(oai, model_id):
@@ -132,7 +125,7 @@ def test_sse_framing_and_usage_chunk(http):
         "max_tokens-str", "no-prompt", "seed-huge", "stop_token_id-outside-vocab", "stop-many"])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_bad_input_is_400_and_server_keeps_serving(http, body, stream):
-    err = _assert_openai_error(http.post("/v1/completions", json={**body, "stream": stream}), 400)
+    err = assert_openai_error(http.post("/v1/completions", json={**body, "stream": stream}), 400)
     assert err["type"] == "invalid_request_error"
     ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
@@ -144,23 +137,23 @@ def test_bad_input_is_400_and_server_keeps_serving(http, body, stream):
     ({"stop": ["y" * 1000]}, "stop"),
 ], ids=["seed", "stop_token_ids", "stop"])
 def test_poison_values_are_named_in_the_400(http, body, field):
-    err = _assert_openai_error(http.post("/v1/completions", json={
+    err = assert_openai_error(http.post("/v1/completions", json={
         "prompt": PROMPT, "max_tokens": 2, **body}), 400)
     assert err["message"].startswith(field), err["message"]
 
 
 def test_bad_chat_input_is_400(http):
-    _assert_openai_error(http.post("/v1/chat/completions", json={"messages": []}), 400)
-    _assert_openai_error(http.post("/v1/chat/completions", json={
+    assert_openai_error(http.post("/v1/chat/completions", json={"messages": []}), 400)
+    assert_openai_error(http.post("/v1/chat/completions", json={
         "messages": [{"role": "wizard", "content": "hi"}]}), 400)
-    _assert_openai_error(http.post("/v1/chat/completions", json={
+    assert_openai_error(http.post("/v1/chat/completions", json={
         "messages": PARIS, "temperature": -1, "stream": True}), 400)
 
 
 def test_malformed_json_is_400_not_422(http):
     r = http.post("/v1/chat/completions", content=b'{"messages": [', headers={
         "content-type": "application/json"})
-    err = _assert_openai_error(r, 400)
+    err = assert_openai_error(r, 400)
     assert "JSON" in err["message"]
 
 
@@ -168,7 +161,7 @@ def test_unknown_model_is_404(http, oai):
     for path, body in (("/v1/completions", {"prompt": PROMPT}),
                        ("/v1/chat/completions", {"messages": PARIS})):
         for stream in (False, True):
-            err = _assert_openai_error(http.post(path, json={
+            err = assert_openai_error(http.post(path, json={
                 **body, "model": "no-such-model", "max_tokens": 2, "stream": stream}), 404)
             assert err["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
@@ -187,7 +180,7 @@ def test_flooding_the_queue_is_429(base_url, kv_probe):
     assert set(codes) <= {200, 429}, codes
     for r in responses:
         if r.status_code == 429:
-            assert _assert_openai_error(r, 429)["code"] == "queue_full"
+            assert assert_openai_error(r, 429)["code"] == "queue_full"
         else:
             assert r.json()["usage"]["completion_tokens"] == 24
     kv_probe.wait_until_free()
@@ -378,8 +371,8 @@ def test_gauges_show_a_running_request(base_url, http, kv_probe):
 
 
 def test_resuming_an_unknown_or_foreign_stream_is_refused(http):
-    err = _assert_openai_error(http.get("/v1/streams/req-none"), 404)
+    err = assert_openai_error(http.get("/v1/streams/req-none"), 404)
     assert err["code"] == "stream_not_found"
-    err = _assert_openai_error(http.get("/v1/streams/req-none", headers={
+    err = assert_openai_error(http.get("/v1/streams/req-none", headers={
         "Last-Event-ID": "req-other:3"}), 400)
     assert "Last-Event-ID" in err["message"]

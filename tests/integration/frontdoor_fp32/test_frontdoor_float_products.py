@@ -22,6 +22,7 @@ from engine.weights.resolve import resolve_model
 from proto.pdcluster.v1 import generation_pb2 as pb
 from proto.pdcluster.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers.hf_reference import greedy_logprobs
+from tests.helpers.http_asserts import assert_openai_error
 from tests.helpers.schemas import SCIENTIST
 
 PROMPT = "The capital of France is"
@@ -266,25 +267,6 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_too(http, tokenizer, refe
 
 # ---- fuzzed requests beside a good one ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def address(frontdoor) -> str:
-    return f"127.0.0.1:{frontdoor.grpc_port}"
-
-
-@pytest.fixture(scope="module")
-def client(address):
-    with Client(address, timeout=60, retry=NO_RETRY) as c:
-        yield c
-
-
-def _assert_openai_error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str)
-    return err
-
-
 def test_fuzzed_requests_get_an_answer_or_a_400_naming_the_field(base_url, http, backend,
                                                                   kv_probe):
     """Random prompts and sampling fields (any JSON type, out of range, too many, outside
@@ -321,7 +303,7 @@ def test_fuzzed_requests_get_an_answer_or_a_400_naming_the_field(base_url, http,
             if isinstance(body.get("max_tokens"), int):
                 assert out["usage"]["completion_tokens"] <= body["max_tokens"]
             return
-        err = _assert_openai_error(r, 400)
+        err = assert_openai_error(r, 400)
         assert err["type"] == "invalid_request_error"
         given_fields = {k: v for k, v in body.items() if k != "prompt"}
         assert names_a_field(err["message"], given_fields), (body, err["message"])

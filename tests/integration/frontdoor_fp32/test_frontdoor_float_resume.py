@@ -33,17 +33,6 @@ JSON_SCHEMA_FORMAT = {"type": "json_schema",
 NO_RETRY = RetryPolicy(max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def address(frontdoor) -> str:
-    return f"127.0.0.1:{frontdoor.grpc_port}"
-
-
-@pytest.fixture(scope="module")
-def client(address):
-    with Client(address, timeout=60, retry=NO_RETRY) as c:
-        yield c
-
-
 # ---- gRPC ------------------------------------------------------------------------------------
 def _greedy_alone(client, n: int) -> list[int]:
     return client.generate(PROMPT, max_tokens=n, temperature=0, ignore_eos=True).token_ids
