@@ -71,6 +71,8 @@ class SweepPoint:
     tp: int = 1  # tensor-parallel ranks (each with its share of the cores)
     quantization: str = "none"  # the engine's --quantization
     linear_weight_bytes: int = 0  # bytes a pass over the linear layers reads (this layout)
+    # decode_step_s's steps per torch thread count (the governor's drops under a neighbour)
+    decode_threads: dict = field(default_factory=dict)
     # Greedy tokens per request (ignore_eos): what the quantization comparison matches.
     token_ids: list = field(default_factory=list, repr=False)
 
@@ -129,6 +131,7 @@ def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, ou
     itl = summarize([x for o in outs for x in o.metrics.itl_s])
     e2e = summarize([o.metrics.e2e_s for o in outs])
     steps = rec.decode_step_times(batch) or rec.decode_step_times()
+    threads = rec.decode_threads(batch) if rec.decode_step_times(batch) else rec.decode_threads()
     point = SweepPoint(
         batch_size=batch, num_requests=len(prompts), output_tokens=n_tok, elapsed_s=elapsed,
         throughput_tok_s=n_tok / elapsed, ttft_mean_s=ttft.mean, ttft_p99_s=ttft.p99,
@@ -136,7 +139,7 @@ def run_engine_point(model: str | None, prompts: list[list[int]], batch: int, ou
         decode_step_s=summarize(steps).p50, num_steps=len(rec.records), tp=tp,
         quantization=quantization,
         linear_weight_bytes=weight_bytes(model_linear_weights(llm.engine.model)),
-        token_ids=[list(o.token_ids) for o in outs])
+        token_ids=[list(o.token_ids) for o in outs], decode_threads=threads)
     if profile:
         point.profile_top_ops = profile_decode_step(llm, prompts[:batch])
     llm.close()
@@ -437,14 +440,15 @@ def _tp_comparison(points: list[SweepPoint], tp_points: list[SweepPoint]) -> lis
 
 def _print_table(points: list[SweepPoint]) -> None:
     print(f"{'TP':>2} {'quant':>5} {'batch':>5} {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} {'ITL p99':>7} "
-          f"{'E2E p99 s':>9} {'step ms':>8} {'roof ms':>8} {'HF tok/s':>8} {'ratio':>6}")
+          f"{'E2E p99 s':>9} {'step ms':>8} {'roof ms':>8} {'HF tok/s':>8} {'ratio':>6}  steps at threads")
     for p in points:
         hf = p.hf_static.throughput_tok_s if p.hf_static else float("nan")
         r = p.ratio_vs_hf_static if p.ratio_vs_hf_static is not None else float("nan")
         roof = p.roofline.step_s * 1e3 if p.roofline else float("nan")
         print(f"{p.tp:>2} {p.quantization:>5} {p.batch_size:>5} {p.throughput_tok_s:>8.1f} {p.ttft_mean_s * 1e3:>8.0f} "
               f"{p.itl_mean_s * 1e3:>7.1f} {p.itl_p99_s * 1e3:>7.1f} {p.e2e_p99_s:>9.2f} "
-              f"{p.decode_step_s * 1e3:>8.1f} {roof:>8.1f} {hf:>8.1f} {r:>6.2f}")
+              f"{p.decode_step_s * 1e3:>8.1f} {roof:>8.1f} {hf:>8.1f} {r:>6.2f}  "
+              + " ".join(f"{n}: {c}" for n, c in sorted(p.decode_threads.items(), reverse=True)))
 
 
 def meta_model_size(cfg: Any) -> ModelSize:

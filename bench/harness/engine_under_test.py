@@ -15,6 +15,9 @@ class StepRecord:
     num_tokens: int
     is_decode: bool  # every scheduled chunk is a single token
     duration_s: float
+    # torch's thread count when the step ran: the engine's governor drops to fewer threads
+    # while a neighbour takes the CPU (engine.runtime.cpu_threads), and a step then runs slower
+    threads: int = 0
 
 
 class StepRecorder:
@@ -27,6 +30,8 @@ class StepRecorder:
     def __init__(self, engine: Any) -> None:
         import time
 
+        import torch
+
         self._runner = engine.runner
         self.records: list[StepRecord] = []
         inner = engine.runner.execute
@@ -37,7 +42,7 @@ class StepRecorder:
             self.records.append(StepRecord(
                 num_seqs=len(sched.chunks), num_tokens=sched.num_batched_tokens,
                 is_decode=all(c.num_tokens == 1 for c in sched.chunks),
-                duration_s=time.perf_counter() - t0))
+                duration_s=time.perf_counter() - t0, threads=torch.get_num_threads()))
             return result
 
         self._runner.execute = timed
@@ -52,6 +57,14 @@ class StepRecorder:
         """Durations of pure-decode steps (optionally only those with exactly ``num_seqs``)."""
         return [r.duration_s for r in self.records
                 if r.is_decode and (num_seqs is None or r.num_seqs == num_seqs)]
+
+    def decode_threads(self, num_seqs: int | None = None) -> dict[int, int]:
+        """How many of ``decode_step_times(num_seqs)``'s steps ran at each thread count."""
+        out: dict[int, int] = {}
+        for r in self.records:
+            if r.is_decode and (num_seqs is None or r.num_seqs == num_seqs):
+                out[r.threads] = out.get(r.threads, 0) + 1
+        return out
 
 
 @dataclass(frozen=True)

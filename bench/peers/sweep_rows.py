@@ -64,12 +64,14 @@ def paired_batch_one(args, quants: list[str], output_len: int, vocab_size: int,
     prompts = make_prompts(args.requests_per_batch, args.prompt_len, vocab_size, seed=args.seed + 1)
     out = []
     for q in quants:
-        label, ours, theirs = LLAMA_CPP_PEERS[q], [], []
+        label, ours, theirs, threads = LLAMA_CPP_PEERS[q], [], [], []
         print(f"batch 1, {q} against llama.cpp {label}: {PAIRED_ROUNDS} alternating rounds...",
               flush=True)
         for _ in range(PAIRED_ROUNDS):
-            ours.append(1 / run_engine_point(None, prompts, 1, output_len, kv_bytes_per_token,
-                                             args.num_threads, False, 1, q).decode_step_s)
+            point = run_engine_point(None, prompts, 1, output_len, kv_bytes_per_token,
+                                     args.num_threads, False, 1, q)
+            ours.append(1 / point.decode_step_s)
+            threads.append(point.decode_threads)
             theirs.append(llama_cpp.run_batched_bench(bench_bin, ggufs[label], label, [1],
                                                       args.prompt_len, output_len, threads,
                                                       600)[0].decode_tok_s)
@@ -77,6 +79,8 @@ def paired_batch_one(args, quants: list[str], output_len: int, vocab_size: int,
                     "decode_tok_s": statistics.median(ours),
                     "peer_decode_tok_s": statistics.median(theirs),
                     "round_ratios": [ratio(a, b) for a, b in zip(ours, theirs, strict=True)],
+                    # our steps per thread count each round (the governor's drops)
+                    "round_threads": threads,
                     "decode_ratio": ratio(statistics.median(ours), statistics.median(theirs))})
     return out
 
@@ -87,7 +91,9 @@ def print_paired(rows: list[dict]) -> None:
         print(f"{r['quantization']} / llama.cpp {r['peer']} at batch 1, {r['rounds']} alternating "
               f"rounds: {r['decode_tok_s']:.1f} / {r['peer_decode_tok_s']:.1f} tok/s = "
               f"{r['decode_ratio']:.2f}x (rounds " + ", ".join(f"{x:.2f}" for x in r["round_ratios"])
-              + ")")
+              + "; our steps at threads " + ", ".join(
+                  " ".join(f"{n}: {c}" for n, c in sorted(t.items(), reverse=True))
+                  for t in r["round_threads"]) + ")")
 
 
 def _peer_files(args, quants: list[str]):

@@ -182,3 +182,5 @@ def test_paired_batch_one_alternates_ours_and_theirs_and_reports_each_round(tmp_
     assert len(row["round_ratios"]) == sweep_rows.PAIRED_ROUNDS
     assert row["decode_ratio"] == pytest.approx(row["decode_tok_s"] / 104.89)
     assert row["decode_tok_s"] > 0
+    # every round says at which thread counts its decode steps ran (here: one, as asked)
+    assert [set(t) for t in row["round_threads"]] == [{1}] * sweep_rows.PAIRED_ROUNDS
