@@ -12,7 +12,14 @@ when no decode worker has room for it now, the wait for room the router last mea
 decode worker's commit (milliseconds: docs/benchmarks.md, Overload). The waiting part (queue
 and room) is what it misjudges under load: a queue of prompts drains at the batched rate of a
 worker that shares its core, not one prompt's, and a lower priority's queue drains slower
-still, as higher-priority requests arriving meanwhile go first. So the waiting part is scaled
+still, as higher-priority requests arriving meanwhile go first: its queue drains at the share
+of the workers' output the higher priorities leave it (``Outcomes.higher_share``: the share
+of the first tokens of the last ``RECENT_S`` that went to higher priorities), at least
+``MIN_RATE_SHARE`` (a higher class that takes every first token leaves a lower one's queue
+ten times its plain wait: refused, not admitted to miss its deadline). A share of what came
+out, not of what was admitted nor a rate: admitted low requests may sit starved in the queue,
+and the measured rate is one prompt's, not a worker's batched throughput. And the waiting part
+is scaled
 by ``Calibration``, one per priority: how long recent admitted requests of that priority
 really waited against what was predicted for them (their first token less their compute),
 learnt from the router's own first tokens; and at least by
@@ -23,6 +30,7 @@ the calibration nothing, so the requests running late now are read as they wait.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from engine.config import cdiv
@@ -53,6 +61,9 @@ class Prediction:
 # token can neither open the door to everything nor shut it (both seen: docs/benchmarks.md,
 # Overload).
 MIN_WAIT_S, ALPHA, MIN_FACTOR, MAX_FACTOR = 0.05, 0.2, 0.5, 4.0
+# The first tokens of the last RECENT_S seconds say how much of the workers higher priorities
+# take; a lower priority's queue keeps at least MIN_RATE_SHARE of them.
+RECENT_S, MIN_RATE_SHARE = 10.0, 0.1
 
 
 def live_scale(factor: float, pending, priority: int, now: float) -> float:
@@ -105,6 +116,9 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
         return None
     root = lora.key if lora is not None else 0
     held = orch.kv_index.match_detail(prompt_ids, [s.info.worker_id for s in slots], root)
+    now = time.monotonic()
+    # the share of the workers higher priorities' recent admissions leave its queue
+    left = max(MIN_RATE_SHARE, 1.0 - orch.outcomes.higher_share(priority, now))
     best = None
     for s in slots:
         rate = orch.pulls.prefill_rate(s.info.worker_id)
@@ -113,7 +127,7 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
         queued = s.view.inflight_prefill_tokens
         if colocated:  # prompts waiting there, each counted as long as this one
             queued += (s.view.requests_waiting + s.view.inflight_requests) * len(prompt_ids)
-        p = (queued / rate, max(1, len(prompt_ids) - cached) / rate)
+        p = (queued / (rate * left), max(1, len(prompt_ids) - cached) / rate)
         if best is None or sum(p) < sum(best):
             best = p
     streams = orch.fanout.pending()
@@ -123,7 +137,6 @@ def predict(orch, prompt_ids: list[int], max_tokens: int, lora=None,
     decode = [s for s in orch.decode.values() if s.view.alive]
     room = any(s.view.free_blocks >= cdiv(len(prompt_ids) + max_tokens, s.view.block_size)
                for s in decode)
-    now = time.monotonic()
     return Prediction(best[0], best[1], 0.0 if room else orch.choose.room_wait_s * ahead,
                       live_scale(orch.outcomes.calibration_for(priority).factor, streams,
                                  priority, now), now)
@@ -165,6 +178,21 @@ class Outcomes:
         self.calibrations: dict[int, Calibration] = {}
         # engine priority -> [predictions, sum |error|, sum error] (bench overload, per class)
         self.by_priority: dict[int, list[float]] = {}
+        # (when, engine priority) of the first tokens of the last RECENT_S
+        self.firsts: deque[tuple[float, int]] = deque()
+
+    def first_token(self, priority: int, now: float) -> None:
+        """An admitted request of engine ``priority`` got its first token at ``now``."""
+        self.firsts.append((now, priority))
+        while self.firsts and now - self.firsts[0][0] > RECENT_S:
+            self.firsts.popleft()
+
+    def higher_share(self, priority: int, now: float) -> float:
+        """The share of the first tokens of the last ``RECENT_S`` that went to priorities
+        above engine ``priority`` (0: none came): what of the workers they take ahead of
+        its queue."""
+        recent = [p for t, p in self.firsts if now - t <= RECENT_S]
+        return sum(p > priority for p in recent) / len(recent) if recent else 0.0
 
     def calibration_for(self, priority: int) -> Calibration:
         """The calibration of engine ``priority``'s predictions (a new one: factor 1)."""
@@ -184,4 +212,5 @@ class Outcomes:
             sums[1] += abs(err)
             sums[2] += err
             self.calibration_for(stream.priority).observe(stream.predicted, chunk.ttft_s)
+            self.first_token(stream.priority, time.monotonic())
             stream.predicted = None  # its first token only
