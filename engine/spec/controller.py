@@ -7,8 +7,8 @@ costs its passes, and a catch-up of every token it has not seen (a new request's
 tokens of plain steps since its last drafts). So each step the controller chooses one k
 (0: plain decode) for the batch from what the engine measured, in one of two modes.
 
-**Trusted** (this batch-size bucket, 1, 2-3, 4-7, ..., has a verification cost measured in
-the last ``REFRESH_STEPS`` steps, a measured draft pass, and its speculating steps gained
+**Trusted** (this batch-size bucket, 1, 2-3, 4-7, ..., has a verification cost measured (a
+step of it re-measures an old one), a measured draft pass, and its speculating steps gained
 lately): the k of the highest expected tokens per second,
 
     rate(k) = (B + sum_r sum_{i=1..min(k, d_r)} a_r^i) / (base_B + k * draft_B
@@ -27,7 +27,8 @@ beat plain decode by ``MARGIN``: at break-even it only adds risk.
 **Probe** (anything else: a new bucket, an old measurement, or a bucket whose speculating
 steps lost lately): one draft per sequence, the cheapest try, and only if drafts could pay
 at all (free verification rows at the engine's acceptance; a draft as costly as the target
-never could) and its worst case, every draft rejected (the draft pass, each row priced as a
+never could, nor a catch-up more than the requests' answers left could repay at that rate)
+and its worst case, every draft rejected (the draft pass, each row priced as a
 whole sequence's until measured, one step's catch-up: a catch-up token priced at the
 draft's measured one, else at a share of a draft pass: decode rows), times 2^(losses in a
 row) fits the bucket's **budget**. The budget starts at ``FIRST_PROBE`` plain steps, earns
@@ -58,7 +59,10 @@ from dataclasses import dataclass, field
 
 REFRESH_STEPS = 64  # steps a measured cost (base, verification rows) is trusted for
 MARGIN = 1.03  # speculation's expected rate over plain decode's, at least
-FIRST_PROBE = 1.5  # a bucket's budget to start with, in plain steps of its batch size
+# a bucket's budget to start with, in plain steps of its batch size: a probe's worst case at
+# batch 1 (its row priced as a whole step, the draft pass, a 70-token prompt's catch-up as
+# rows) is about three plain steps, and with 1.5 a 32-token answer ended before one was tried
+FIRST_PROBE = 3.0
 EXPLORE_SHARE = 0.03  # of each plain step's time, added to its bucket's budget
 PROBE_SHARE = 0.25  # of each speculating step's saving, added to its bucket's budget
 _HORIZON = 0.5  # of the tokens requests may still produce, expected (a catch-up's payback)
@@ -230,8 +234,12 @@ class SpecController:
         backlog = sum(catch_up.get(r, 0) for r in drafts)
         per_token = self._catch_up_price(dpass)
         slope = _in_bucket(self._slope, b)
-        fresh = slope is not None and self._steps - slope[1] < REFRESH_STEPS
-        if fresh and measured_pass and bk.gain is not None and bk.gain >= 1.0:
+        # a slope measured long ago (the engine ran other batch sizes since) is trusted
+        # where this bucket's speculating steps gained: its next step measures it again,
+        # and a loss there sends the bucket back to probing (a budget-gated probe instead
+        # left a bucket that won off whenever other buckets' probes had spent its budget)
+        if (slope is not None and measured_pass and bk.gain is not None
+                and bk.gain >= 1.0):
             # costs measured here lately, and speculating here gained: the model decides,
             # a catch-up repaid over what the requests have left
             tokens_left = _HORIZON * sum(left.get(r, 1) for r in drafts) / b
@@ -242,6 +250,12 @@ class SpecController:
         a = self._engine_acceptance()
         best = b * sum(a ** i for i in range(1, top + 1))
         if (b + best) / (t0 + top * dpass) <= b / t0 * MARGIN:
+            return 0
+        # ... whose answers could repay the batch's whole catch-up at that best (a batch of
+        # 16 new 70-token prompts owes ~0.3 s to an fp32 target's int4 self-draft, more than
+        # 16 answers of 96 tokens could save: a probe there only starts an unpaid catch-up)
+        tokens_left = _HORIZON * sum(left.get(r, 1) for r in drafts)
+        if backlog * per_token > tokens_left * (t0 / b - (t0 + top * dpass) / (b + best)):
             return 0
         # ... and what it costs if no draft holds (a row priced as a whole sequence's while
         # unmeasured: a compute-bound step) fits this bucket's budget, doubled per loss

@@ -236,3 +236,16 @@ def test_a_disturbed_step_spends_no_budget_and_moves_no_figure():
         assert noisy._base[1][0] == 0.010
     noisy.observe_step(1, 1, 0.100)
     assert noisy._base[1][0] > 0.010
+
+
+def test_a_bucket_that_gained_speculates_again_after_other_batch_sizes_ran():
+    """Batch 1 gained (prompt lookup on a rewrite); then the engine ran batch 16 for a long
+    while. Back at batch 1, with its probe budget spent meanwhile, it trusts what it measured
+    (one plain step re-measures the base) instead of waiting for a budget-gated probe."""
+    c = SpecController(4)
+    Sim(b=1, base=0.010, row=0.0005).run(c, 40)
+    Sim(b=16, base=0.050, row=0.050 / 8).run(c, 200)
+    c._buckets[1].budget = -1.0  # spent by catch-ups of sequences left alone in a batch
+    assert c.choose({"r0": 4}) == 0  # the base, 200 steps old: measured again first
+    c.observe_step(1, 1, 0.010)
+    assert c.choose({"r0": 4}) == 4 and not c.last_probe
