@@ -64,14 +64,14 @@ def paired_batch_one(args, quants: list[str], output_len: int, vocab_size: int,
     prompts = make_prompts(args.requests_per_batch, args.prompt_len, vocab_size, seed=args.seed + 1)
     out = []
     for q in quants:
-        label, ours, theirs, threads = LLAMA_CPP_PEERS[q], [], [], []
+        label, ours, theirs, at_threads = LLAMA_CPP_PEERS[q], [], [], []
         print(f"batch 1, {q} against llama.cpp {label}: {PAIRED_ROUNDS} alternating rounds...",
               flush=True)
         for _ in range(PAIRED_ROUNDS):
             point = run_engine_point(None, prompts, 1, output_len, kv_bytes_per_token,
                                      args.num_threads, False, 1, q)
             ours.append(1 / point.decode_step_s)
-            threads.append(point.decode_threads)
+            at_threads.append(point.decode_threads)
             theirs.append(llama_cpp.run_batched_bench(bench_bin, ggufs[label], label, [1],
                                                       args.prompt_len, output_len, threads,
                                                       600)[0].decode_tok_s)
@@ -80,7 +80,7 @@ def paired_batch_one(args, quants: list[str], output_len: int, vocab_size: int,
                     "peer_decode_tok_s": statistics.median(theirs),
                     "round_ratios": [ratio(a, b) for a, b in zip(ours, theirs, strict=True)],
                     # our steps per thread count each round (the governor's drops)
-                    "round_threads": threads,
+                    "round_threads": at_threads,
                     "decode_ratio": ratio(statistics.median(ours), statistics.median(theirs))})
     return out
 

@@ -162,7 +162,7 @@ def test_paired_batch_one_alternates_ours_and_theirs_and_reports_each_round(tmp_
     (tmp_path / "version.txt").write_text(VERSION)
     _script(tmp_path / "llama-batched-bench",
             f'[ "$1" = --version ] && exec cat {tmp_path}/version.txt >&2\n'
-            f'echo "theirs $(echo "$@" | grep -o -- "-npl [0-9,]*")" >> {order}\n'
+            f'echo "theirs $(echo "$@" | grep -o -- "-npl [0-9,]* -t [^ ]*")" >> {order}\n'
             f"cat {tmp_path}/table.txt\n")
     _script(tmp_path / "llama-quantize", 'cp "$2" "$3"\n')
 
@@ -176,7 +176,7 @@ def test_paired_batch_one_alternates_ours_and_theirs_and_reports_each_round(tmp_
     cfg = model_config(None)
     rows = sweep_rows.paired_batch_one(args, ["gguf"], 4, cfg.vocab_size, cfg.kv_bytes_per_token,
                                        spy)
-    assert order.read_text().splitlines() == ["ours", "theirs -npl 1"] * sweep_rows.PAIRED_ROUNDS
+    assert order.read_text().splitlines() == ["ours", "theirs -npl 1 -t 1"] * sweep_rows.PAIRED_ROUNDS
     [row] = rows
     assert (row["quantization"], row["peer"], row["peer_decode_tok_s"]) == ("gguf", "Q4_1", 104.89)
     assert len(row["round_ratios"]) == sweep_rows.PAIRED_ROUNDS
