@@ -27,7 +27,7 @@ class EngineArgs:
     # max_num_batched_tokens): SchedulerConfig.max_prefill_chunk.
     max_prefill_chunk: int | None = None
     max_step_prefill_tokens: int | None = None  # SchedulerConfig.max_step_prefill_tokens
-    # Prompt tokens per step of the priorities below one queued lately (None: no limit):
+    # Prompt tokens per step of the priorities below one queued lately (None or 0: no limit):
     # SchedulerConfig.yield_step_prefill_tokens.
     yield_step_prefill_tokens: int | None = 256
     first_token_first: bool = False  # SchedulerConfig.first_token_first

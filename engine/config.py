@@ -181,7 +181,7 @@ class SchedulerConfig:
     # worker computing a migrated stream again). Needs chunked prefill.
     max_step_prefill_tokens: int | None = None
     # At most this many prompt tokens per step of the requests below the highest priority
-    # queued in the last minute (None: no such limit). A step cannot be interrupted, so a
+    # queued in the last minute (None or 0: no such limit). A step cannot be interrupted, so a
     # higher-priority prompt arriving while one runs waits for it: this keeps that step
     # short while priorities are mixed (engine/core/prompt_budget.py). Applies under
     # continuous batching with chunked prefill only.
@@ -208,8 +208,8 @@ class SchedulerConfig:
             if not self.enable_chunked_prefill:
                 raise ValueError("max_step_prefill_tokens needs chunked prefill (a prompt in "
                                  "several steps); it is off")
-        if self.yield_step_prefill_tokens is not None and self.yield_step_prefill_tokens <= 0:
-            raise ValueError(f"yield_step_prefill_tokens must be > 0, got "
+        if self.yield_step_prefill_tokens is not None and self.yield_step_prefill_tokens < 0:
+            raise ValueError(f"yield_step_prefill_tokens must be >= 0 (0: off), got "
                              f"{self.yield_step_prefill_tokens}")
         if self.policy not in BATCHING_POLICIES:
             raise ValueError(

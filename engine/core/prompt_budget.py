@@ -22,9 +22,10 @@ __all__ = ["PRIORITY_MEMORY_S", "PromptBudget"]
 
 # How long a queued request of some priority keeps the prompts of lower ones to the yield
 # budget: long enough to span the gaps between one class's arrivals under any load that
-# needs it (a class seen once a minute gains little from shorter steps), short enough that a
-# lone migrated stream's re-prefill (engine priority 1) does not slow the prompts after it
-# for long.
+# needs it (a class seen once a minute gains little from shorter steps), short enough that
+# one burst of a higher class does not slow the lower ones for long. A migrated stream's
+# re-prefill, queued above every client priority, is not a class arriving: the scheduler does
+# not report it (``Scheduler.add_request``), so a migration alone never turns the yield on.
 PRIORITY_MEMORY_S = 60.0
 
 

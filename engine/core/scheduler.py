@@ -37,7 +37,7 @@ from collections.abc import Callable
 from itertools import islice
 
 from engine.config import SchedulerConfig
-from engine.contract import QueueFullError, TokenLogprob
+from engine.contract import MAX_PRIORITY, QueueFullError, TokenLogprob
 from engine.core.block_manager import BlockManager
 from engine.core.grammar import Grammars
 from engine.core.priority_room import make_room
@@ -77,7 +77,7 @@ class Scheduler:
         # Prompt tokens (a request's chunk of more than the one token a decode computes) of
         # a step, and of the lower priorities' prompts while priorities are mixed (continuous
         # batching with chunked prefill only: elsewhere a prompt cannot be cut or join later).
-        yield_cap = (config.yield_step_prefill_tokens if config.policy == "continuous"
+        yield_cap = (config.yield_step_prefill_tokens or None if config.policy == "continuous"
                      and config.enable_chunked_prefill else None)
         self._prompt = PromptBudget(config.max_step_prefill_tokens
                                     or config.max_num_batched_tokens, yield_cap)
@@ -95,7 +95,8 @@ class Scheduler:
         self._start_grammar(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._prompt.saw(request.priority, self.clock())
+        if request.priority <= MAX_PRIORITY:  # a client's; a migrated stream's re-prefill
+            self._prompt.saw(request.priority, self.clock())  # is above them and says nothing
         ahead = next((i for i, r in enumerate(self.waiting) if r.priority < request.priority),
                      None)
         if ahead is None:
@@ -203,8 +204,8 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput()
         decodes_turn = self._skipped_decodes  # the last step left them out: theirs alone
+        self._prompt.start_step(self.clock())  # first: the first-token check reads its caps
         first_token_step = self._first_token_step()
-        self._prompt.start_step(self.clock())
         budget = self._schedule_running(out, cfg.max_num_batched_tokens, first_token_step)
         if not out.preempted_ids and self._may_admit() and not (decodes_turn and out.chunks):
             self._admit(out, budget)

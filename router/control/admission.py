@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.config import cdiv
+from engine.contract import MAX_PRIORITY
 from router.contract import DeadlineRefusedError
 
 
@@ -212,5 +213,6 @@ class Outcomes:
             sums[1] += abs(err)
             sums[2] += err
             self.calibration_for(stream.priority).observe(stream.predicted, chunk.ttft_s)
-            self.first_token(stream.priority, time.monotonic())
+            if stream.priority <= MAX_PRIORITY:  # a migrated stream's (above every client's)
+                self.first_token(stream.priority, time.monotonic())  # is no class's share
             stream.predicted = None  # its first token only

@@ -6,8 +6,10 @@ then gets the next one; without mixed priorities, prompts batch as before
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import SchedulerConfig
-from engine.contract import SamplingParams
+from engine.contract import MAX_PRIORITY, SamplingParams
 from engine.core.prompt_budget import PRIORITY_MEMORY_S
 from engine.core.request import Request
 from tests.unit.engine.core.test_scheduler import EOS, Harness, make
@@ -127,3 +129,48 @@ def test_no_yield_when_turned_off_or_the_batching_cannot_cut_prompts():
         out, _ = h.step()
         assert prompt_chunks(out) == [(f"low{i}", P) for i in range(4)], cfg
         h.run()
+
+
+def test_zero_turns_it_off_and_a_negative_budget_is_refused():
+    """``0`` is off as ``None`` is (the command line's ``--yield-step-prefill-tokens 0``)."""
+    h = make(num_blocks=1024, max_num_seqs=8, yield_step_prefill_tokens=0)
+    add(h, "high", 8, HIGH)
+    h.run()
+    for i in range(4):
+        add(h, f"low{i}", P)
+    out, _ = h.step()
+    assert prompt_chunks(out) == [(f"low{i}", P) for i in range(4)]
+    h.run()
+    with pytest.raises(ValueError, match=r"yield_step_prefill_tokens must be >= 0 \(0: off\)"):
+        SchedulerConfig(yield_step_prefill_tokens=-1)
+
+
+def test_a_migrated_streams_re_prefill_does_not_turn_the_yield_on():
+    """A stream moved off a lost decode worker is queued above every client priority
+    (MAX_PRIORITY + 1, router.control.config.MIGRATED_PRIORITY): not a class of requests
+    arriving, so the prompts queued after it still batch whole."""
+    h = make(num_blocks=1024, max_num_seqs=8)
+    add(h, "migrated", 8, MAX_PRIORITY + 1)
+    h.run()
+    for i in range(4):
+        add(h, f"low{i}", P)
+    out, _ = h.step()
+    assert prompt_chunks(out) == [(f"low{i}", P) for i in range(4)]
+    h.run()
+
+
+def test_the_first_token_step_reads_this_steps_yield_budget():
+    """Under ``first_token_first``, the decodes are left out only for a prompt that finishes in
+    the step; a high request queued (and gone) since the last step makes the low prompt's
+    budget this step YIELD, so a prompt of YIELD + 44 tokens does not finish and the decodes
+    run beside its first chunk."""
+    h = make(num_blocks=1024, max_num_seqs=8, first_token_first=True)
+    add(h, "dec", 8, max_tokens=20)
+    h.step()  # its prompt; it decodes from here on
+    add(h, "high", 8, HIGH)
+    assert h.sched.abort_request("high")
+    add(h, "low", YIELD + 44)
+    out, _ = h.step()
+    assert prompt_chunks(out) == [("low", YIELD)]
+    assert [c.request_id for c in out.chunks if c.num_tokens == 1] == ["dec"]
+    h.run()

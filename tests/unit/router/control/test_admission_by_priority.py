@@ -71,3 +71,18 @@ def test_a_first_token_counts_toward_its_priority_share():
         out.note(stream, GenerationChunk(rid, [1], "", ttft_s=1.0))
     assert out.higher_share(0, time.monotonic()) == pytest.approx(0.25)
     assert out.higher_share(1, time.monotonic()) == 0.0
+
+
+def test_a_migrated_streams_first_token_is_no_priority_class_share():
+    """A stream moved before its first token is queued above every client priority
+    (MIGRATED_PRIORITY): its first token teaches its own calibration but takes no class's
+    share of the workers from the others."""
+    from router.control.config import MIGRATED_PRIORITY
+
+    out = Outcomes()
+    for rid, priority in (("moved", MIGRATED_PRIORITY), ("l1", 0)):
+        stream = StreamState(rid, priority=priority,
+                             predicted=Prediction(queue_s=0.5, compute_s=0.5, room_s=0.0))
+        out.note(stream, GenerationChunk(rid, [1], "", ttft_s=1.0))
+    assert out.higher_share(0, time.monotonic()) == 0.0
+    assert out.by_priority[MIGRATED_PRIORITY][0] == 1
