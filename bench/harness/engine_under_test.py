@@ -15,8 +15,10 @@ class StepRecord:
     num_tokens: int
     is_decode: bool  # every scheduled chunk is a single token
     duration_s: float
-    # torch's thread count when the step ran: the engine's governor drops to fewer threads
-    # while a neighbour takes the CPU (engine.runtime.cpu_threads), and a step then runs slower
+    # torch's thread count in this process when the step ran: the engine's governor drops to
+    # fewer threads while a neighbour takes the CPU (engine.runtime.cpu_threads), and a step
+    # then runs slower. A tensor-parallel engine's other ranks run in processes of their own:
+    # this is rank 0's count only
     threads: int = 0
 
 

@@ -49,9 +49,10 @@ MIN_CONFIDENCE = 0.3
 
 @dataclass
 class DraftTimes:
-    """A step's drafting: all of it, its passes' (sequences, seconds; the first one only
-    without a catch-up), and the catch-up in its first pass (tokens beyond two a sequence;
-    seconds, that pass's time pro rata)."""
+    """A step's drafting: all of it, its drafting passes' (sequences, seconds; the first one
+    only where it carried no catch-up), and the catch-up (tokens beyond two a sequence, in
+    every pass before the one that samples and in that one's extra rows; seconds: the passes
+    before it, and the sampling pass's time pro rata)."""
 
     seconds: float
     passes: list[tuple[int, float]]

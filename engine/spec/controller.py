@@ -184,7 +184,7 @@ class SpecController:
         self._buckets: dict[int, _Bucket] = {}  # by _bucket(B)
         self._noise: dict[tuple, int] = {}  # figure -> disturbed ones in a row
         self._steps = 0
-        self.disturbed_steps = 0  # steps left out as disturbed (what an operator may ask)
+        self.disturbed_steps = 0  # steps left out as disturbed (tests and A/B scripts read it)
         self.last_k = 0
         self.last_probe = False  # whether the last choice was a probe (budget-gated)
 

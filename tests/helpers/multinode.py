@@ -21,6 +21,17 @@ def alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; only its parent can reap it
 
 
+def stop_workers(address: str, name: str, env: dict) -> subprocess.CompletedProcess:
+    """`pdcluster stop --name name` on the package's Ray: a test that failed before its own
+    stop leaves detached workers there (--keep-workers, or a router killed), which would hold
+    the nodes' prefill and decode slots from the package's next tests."""
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "router.cli", "stop", "--ray-address", address,
+                           "--name", name], env=env, capture_output=True, text=True,
+                          timeout=120, check=False, cwd=REPO_ROOT)
+
+
 def run_script(cmd: str, env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), cmd, *args], env=env, capture_output=True,
                           text=True, timeout=180, check=False)

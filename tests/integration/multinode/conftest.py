@@ -28,9 +28,9 @@ def deployment():
                PDC_RAY_GRACE_S="5", PDC_RAY_BIN=ray_bin, RAY_AUTH_MODE="disabled")
     redis = OwnRedis()
     redis.start()
-    up = run_script("up", env)
     pids: list[int] = []
-    try:
+    try:  # `up` itself inside: one that times out still gets its `down` and the Redis ended
+        up = run_script("up", env)
         assert up.returncode == 0, up.stdout + up.stderr
         pids = [int(line.split()[0]) for line in (state_dir / "pids").read_text().splitlines()]
         yield Deployment(env, f"127.0.0.2:{PORT}", redis, up.stdout, pids, state_dir)

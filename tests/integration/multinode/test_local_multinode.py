@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from router.cluster.placement import DECODE_RESOURCE, PREFILL_RESOURCE
-from tests.helpers.multinode import alive, run_script
+from tests.helpers.multinode import alive, run_script, stop_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -103,8 +103,9 @@ def test_up_places_workers_by_role_and_serves(deployment, tmp_path, tiny_llama_d
         assert serve.wait(90) == 0, log.read_text()[-3000:]
     finally:
         if serve is not None and serve.poll() is None:
-            serve.kill()
+            serve.kill()  # a killed router leaves its workers on the package's Ray:
             serve.wait(30)
+            stop_workers(address, "pdcluster", env)  # stopped, or they hold the nodes
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from client import Client, RetryPolicy
+from tests.helpers.multinode import stop_workers
 from tests.helpers.redis_server import free_port
 from tests.helpers.tiny_models import hf_greedy, random_prompts
 
@@ -102,6 +103,7 @@ def test_router_killed_mid_stream_workers_live_on_and_clients_resume(deployment,
                                                                     tiny_llama_dir):
     env, address, redis = deployment.env, deployment.address, deployment.redis
     routers: list[Router] = []
+    stopped = False
     try:
         grpc_port, http_port = free_port(), free_port()
         args = ["--ray-address", address, "--redis-url", redis.url, "--name", "rr",
@@ -150,12 +152,15 @@ def test_router_killed_mid_stream_workers_live_on_and_clients_resume(deployment,
                                address, "--name", "rr"], env=env, capture_output=True,
                               text=True, timeout=120, check=False, cwd=REPO_ROOT)
         assert stop.returncode == 0, stop.stderr[-3000:]
+        stopped = True
         assert "stopped 2 workers" in stop.stdout, stop.stdout
         for w in replaced.values():
             _wait_gone(w["pid"])
     finally:
         for r in routers:
             r.stop(signal.SIGKILL)
+        if not stopped:  # failed on the way: its detached workers would hold the nodes
+            stop_workers(address, "rr", env)
 
 
 def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
@@ -194,7 +199,7 @@ def test_two_routers_front_one_deployment_and_the_survivor_takes_over(deployment
                 "1", "--keep-workers", "--worker-overrides", slow, "--orphan-after-s", "6"]
 
     routers = [Router(args(a_ports), env, tmp_path / "a.log")]
-    proxy = None
+    proxy, stopped = None, False
     try:
         routers[0].wait_serving(240)
         routers.append(Router(args(b_ports), env, tmp_path / "b.log"))
@@ -233,9 +238,12 @@ def test_two_routers_front_one_deployment_and_the_survivor_takes_over(deployment
         stop = subprocess.run([sys.executable, "-m", "router.cli", "stop", "--ray-address",
                                address, "--name", "aa"], env=env, capture_output=True,
                               text=True, timeout=120, check=False, cwd=REPO_ROOT)
+        stopped = stop.returncode == 0
         assert "stopped 3 workers" in stop.stdout, stop.stdout + stop.stderr
     finally:
         for r in routers:
             r.stop(signal.SIGKILL)
         if proxy is not None:
             proxy.close()
+        if not stopped:  # failed on the way: its detached workers would hold the nodes
+            stop_workers(address, "aa", env)
