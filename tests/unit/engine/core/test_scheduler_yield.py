@@ -116,31 +116,25 @@ def test_the_highest_priority_itself_is_never_held_to_the_yield_budget():
     h.run()
 
 
-def test_no_yield_when_turned_off_or_the_batching_cannot_cut_prompts():
-    """``yield_step_prefill_tokens=None`` turns it off; static batching and prefill without
-    chunks never apply it (a prompt there cannot be cut, nor join a running batch)."""
-    for cfg in (dict(yield_step_prefill_tokens=None), dict(policy="static"),
-                dict(enable_chunked_prefill=False)):
-        h = make(num_blocks=1024, max_num_seqs=8, **cfg)
-        add(h, "high", 8, HIGH)
-        h.run()
-        for i in range(4):
-            add(h, f"low{i}", P)
-        out, _ = h.step()
-        assert prompt_chunks(out) == [(f"low{i}", P) for i in range(4)], cfg
-        h.run()
-
-
-def test_zero_turns_it_off_and_a_negative_budget_is_refused():
-    """``0`` is off as ``None`` is (the command line's ``--yield-step-prefill-tokens 0``)."""
-    h = make(num_blocks=1024, max_num_seqs=8, yield_step_prefill_tokens=0)
-    add(h, "high", 8, HIGH)
-    h.run()
+def assert_lows_batch_whole(h: Harness) -> None:
+    """Four low prompts queued now share the next step whole (no yield), and finish."""
     for i in range(4):
         add(h, f"low{i}", P)
     out, _ = h.step()
     assert prompt_chunks(out) == [(f"low{i}", P) for i in range(4)]
     h.run()
+
+
+def test_no_yield_when_turned_off_or_the_batching_cannot_cut_prompts():
+    """``yield_step_prefill_tokens`` None or 0 (the command line's ``0``) turns it off; static
+    batching and prefill without chunks never apply it (a prompt there cannot be cut, nor
+    join a running batch). A negative budget is refused."""
+    for cfg in (dict(yield_step_prefill_tokens=None), dict(yield_step_prefill_tokens=0),
+                dict(policy="static"), dict(enable_chunked_prefill=False)):
+        h = make(num_blocks=1024, max_num_seqs=8, **cfg)
+        add(h, "high", 8, HIGH)
+        h.run()
+        assert_lows_batch_whole(h)
     with pytest.raises(ValueError, match=r"yield_step_prefill_tokens must be >= 0 \(0: off\)"):
         SchedulerConfig(yield_step_prefill_tokens=-1)
 
@@ -152,11 +146,7 @@ def test_a_migrated_streams_re_prefill_does_not_turn_the_yield_on():
     h = make(num_blocks=1024, max_num_seqs=8)
     add(h, "migrated", 8, MAX_PRIORITY + 1)
     h.run()
-    for i in range(4):
-        add(h, f"low{i}", P)
-    out, _ = h.step()
-    assert prompt_chunks(out) == [(f"low{i}", P) for i in range(4)]
-    h.run()
+    assert_lows_batch_whole(h)
 
 
 def test_the_first_token_step_reads_this_steps_yield_budget():
